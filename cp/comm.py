@@ -1,0 +1,168 @@
+"""Communication for context parallelism: sharding, autograd-correct gather and all-to-all, ring P2P,
+and the sub-groups that the hybrid mode needs.
+
+Only explicit `torch.distributed` calls live here (no `torch.distributed.nn`, whose all_gather has
+wrong gradients on gloo), each wrapped in an autograd Function whose backward is the exact adjoint.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+Tensor = torch.Tensor
+ProcessGroup = dist.ProcessGroup
+
+
+def group_size(group: ProcessGroup | None) -> int:
+    """Size of a CP group; `None` (or an uninitialised default group) means no CP: size 1."""
+    if group is None or not dist.is_available() or not dist.is_initialized():
+        return 1
+    return dist.get_world_size(group)
+
+
+def group_rank(group: ProcessGroup | None) -> int:
+    return 0 if group_size(group) == 1 else dist.get_rank(group)
+
+
+def check_divisible(length: int, group: ProcessGroup | None, what: str = "sequence length") -> None:
+    """Raise a ValueError that says what to change when `length` does not split evenly over the group."""
+    n = group_size(group)
+    if length % n:
+        lo, hi = (length // n) * n, (length // n + 1) * n
+        raise ValueError(
+            f"{what} {length} is not divisible by the context-parallel size {n}: every rank must hold an equal "
+            f"chunk. Use a {what} that is a multiple of {n} (e.g. {lo or hi} or {hi}) or another CP size."
+        )
+
+
+def shard(tensor: Tensor, dim: int, group: ProcessGroup | None) -> Tensor:
+    """This rank's equal, contiguous chunk of `tensor` along `dim` (a view-free copy-safe slice)."""
+    n = group_size(group)
+    if n == 1:
+        return tensor
+    check_divisible(tensor.shape[dim], group, what=f"size of dim {dim}")
+    return tensor.chunk(n, dim=dim)[group_rank(group)].contiguous()
+
+
+class _AllGather(torch.autograd.Function):
+    """Concatenate every rank's chunk along `dim`. Backward: reduce-scatter (sum), the exact adjoint."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, dim: int, group: ProcessGroup) -> Tensor:
+        ctx.dim, ctx.group = dim, group
+        n = dist.get_world_size(group)
+        x = x.movedim(dim, 0).contiguous()
+        out = torch.empty((n * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+        dist.all_gather_into_tensor(out, x, group=group)
+        return out.movedim(0, dim)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        n = dist.get_world_size(ctx.group)
+        g = grad.movedim(ctx.dim, 0).contiguous()
+        out = torch.empty((g.shape[0] // n, *g.shape[1:]), dtype=g.dtype, device=g.device)
+        dist.reduce_scatter_tensor(out, g, op=dist.ReduceOp.SUM, group=ctx.group)
+        return out.movedim(0, ctx.dim), None, None
+
+
+def gather(tensor: Tensor, dim: int, group: ProcessGroup | None) -> Tensor:
+    """Concatenation of all ranks' chunks along `dim`, autograd-correct.
+
+    The backward sums, for each chunk, the gradients that all ranks computed for it (the adjoint of
+    all-gather). So if every rank of the group computes the same loss on the gathered tensor, the
+    gradients must be *averaged* over the group (as DDP/FSDP do) to equal the non-CP gradient.
+    """
+    if group_size(group) == 1:
+        return tensor
+    return _AllGather.apply(tensor, dim, group)
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single over dim 0 of a `[n, ...]` tensor: chunk j goes to rank j, chunk i comes from
+    rank i. It is a permutation that is its own inverse, so its adjoint is itself."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: ProcessGroup) -> Tensor:
+        ctx.group = group
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        dist.all_to_all_single(out, x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        out = torch.empty_like(grad, memory_format=torch.contiguous_format)
+        dist.all_to_all_single(out, grad.contiguous(), group=ctx.group)
+        return out, None
+
+
+def all_to_all(x: Tensor, group: ProcessGroup) -> Tensor:
+    return _AllToAll.apply(x, group)
+
+
+class RingComm:
+    """Sends to the next rank of the group and receives from the previous one, asynchronously.
+
+    Rank r sends to r+1 and receives from r-1 (mod n), so after i steps rank r holds the block that
+    rank r-i started with. Backward accumulators travel the same way and arrive at their owner after
+    n steps (see ring.py); getting this direction wrong is invisible at n=2.
+    """
+
+    def __init__(self, group: ProcessGroup):
+        self.group = group
+        self.size = dist.get_world_size(group)
+        rank = dist.get_rank(group)
+        self.next = dist.get_global_rank(group, (rank + 1) % self.size)
+        self.prev = dist.get_global_rank(group, (rank - 1) % self.size)
+
+    def start(self, send: Tensor, tag: int = 0) -> tuple[Tensor, list]:
+        """Post send(send -> next) and recv(prev -> returned buffer); returns (buffer, works)."""
+        recv = torch.empty_like(send)
+        ops = [
+            dist.P2POp(dist.isend, send, self.next, self.group, tag),
+            dist.P2POp(dist.irecv, recv, self.prev, self.group, tag),
+        ]
+        return recv, dist.batch_isend_irecv(ops)
+
+    @staticmethod
+    def wait(works: list) -> None:
+        for w in works:
+            w.wait()
+
+
+_SUBGROUPS: dict[tuple, tuple[ProcessGroup, ProcessGroup]] = {}
+_TIMEOUT: timedelta | None = None
+
+
+def set_timeout(timeout: timedelta | None) -> None:
+    """Timeout for the sub-groups this module creates (the training script passes its own)."""
+    global _TIMEOUT
+    _TIMEOUT = timeout
+
+
+def hybrid_groups(group: ProcessGroup, ulysses_size: int) -> tuple[ProcessGroup, ProcessGroup]:
+    """(ulysses group, ring group) for the hybrid mode: Ulysses inside blocks of `ulysses_size`
+    neighbouring ranks, ring across the blocks among ranks at the same position in their block.
+
+    Created once per (group, ulysses_size) with local synchronisation, so only the members of
+    `group` take part (other CP groups of a dp x cp layout need not call this in step).
+    """
+    ranks = dist.get_process_group_ranks(group)
+    key = (tuple(ranks), ulysses_size)
+    if key not in _SUBGROUPS:
+        me = dist.get_rank(group)
+        n = len(ranks)
+        u_block = me // ulysses_size
+        u_ranks = [ranks[i] for i in range(u_block * ulysses_size, (u_block + 1) * ulysses_size)]
+        r_ranks = [ranks[i] for i in range(me % ulysses_size, n, ulysses_size)]
+        kw = {"use_local_synchronization": True}
+        if _TIMEOUT is not None:
+            kw["timeout"] = _TIMEOUT
+        # Every member creates its two groups in the same order (ulysses, then ring); hashed names
+        # make the groups agree across ranks that create them in different global orders.
+        u_group = dist.new_group(u_ranks, **kw)
+        r_group = dist.new_group(r_ranks, **kw)
+        _SUBGROUPS[key] = (u_group, r_group)
+    return _SUBGROUPS[key]

@@ -1,0 +1,220 @@
+"""Block attention kernels that return the log-sum-exp (LSE) of each query row.
+
+Ring attention computes attention of the local queries against one K/V block at a time and merges
+the partial results with their LSE, so it needs kernels that return it, and backward kernels that
+accept the *merged* output and LSE. The aten SDPA ops do both. All kernels here take and return
+the `[batch, heads, seq, head_dim]` layout, contiguous, and return the LSE as `[batch, heads, seq]`
+in the accumulation dtype (fp32, or fp64 for fp64 inputs).
+
+A kernel that cannot serve an input (dtype, head_dim, device) raises on its first call; we then
+fall back to the next kernel in the preference list and remember the choice per input signature.
+The last resort, `math`, is plain matmul + softmax and serves everything.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+aten = torch.ops.aten
+
+Tensor = torch.Tensor
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype in which partial results and LSEs are merged: fp64 stays fp64, all else fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """forward(q, k, v, scale) -> (out, lse [B, H, S], aux); backward(dout, q, k, v, out, lse, scale, aux)."""
+
+    name: str
+    forward: Callable[..., tuple[Tensor, Tensor, tuple]]
+    backward: Callable[..., tuple[Tensor, Tensor, Tensor]]
+
+
+# --- math: reference implementation, any device and dtype -----------------------------------------
+
+
+def _math_forward(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor, tuple]:
+    acc = acc_dtype(q.dtype)
+    s = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale
+    lse = torch.logsumexp(s, dim=-1)
+    out = torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v.to(acc))
+    return out.to(q.dtype), lse, ()
+
+
+def _math_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, aux: tuple = ()
+) -> tuple[Tensor, Tensor, Tensor]:
+    acc = acc_dtype(q.dtype)
+    qa, ka, va, da = q.to(acc), k.to(acc), v.to(acc), dout.to(acc)
+    p = torch.exp(torch.matmul(qa, ka.transpose(-1, -2)) * scale - lse.to(acc).unsqueeze(-1))
+    dv = torch.matmul(p.transpose(-1, -2), da)
+    dp = torch.matmul(da, va.transpose(-1, -2))
+    delta = (da * out.to(acc)).sum(-1, keepdim=True)
+    ds = p * (dp - delta) * scale
+    dq = torch.matmul(ds, ka)
+    dk = torch.matmul(ds.transpose(-1, -2), qa)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+# --- CPU flash --------------------------------------------------------------------------------------
+
+
+def _cpu_flash_forward(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor, tuple]:
+    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, scale=scale)
+    return out, lse, ()
+
+
+def _cpu_flash_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, aux: tuple
+) -> tuple[Tensor, Tensor, Tensor]:
+    dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout.contiguous(), q, k, v, out.contiguous(), lse.contiguous(), 0.0, False, scale=scale
+    )
+    return dq, dk, dv
+
+
+# --- CUDA: cuDNN, flash, memory-efficient ------------------------------------------------------------
+# Each forward also returns `aux`: the op's bookkeeping outputs (sequence offsets, RNG state, the LSE's
+# native shape), handed back to its backward exactly as torch's own autograd formula does. Every block
+# of one ring has the same shapes, so the aux of one block serves them all.
+
+
+def _cudnn_forward(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor, tuple]:
+    out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_cudnn_attention(
+        q, k, v, None, True, 0.0, False, False, scale=scale
+    )
+    # Depending on the torch version the LSE is [B, H, S] or [B, H, S, 1].
+    return out, lse.reshape(q.shape[:3]), (tuple(lse.shape), cum_q, cum_k, max_q, max_k, seed, offset)
+
+
+def _cudnn_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, aux: tuple
+) -> tuple[Tensor, Tensor, Tensor]:
+    lse_shape, cum_q, cum_k, max_q, max_k, seed, offset = aux
+    # cuDNN's backward assumes contiguous grad_out/out/lse: a transposed grad_out ends in an
+    # illegal memory access on torch 2.11 (DESIGN.md).
+    dq, dk, dv = aten._scaled_dot_product_cudnn_attention_backward(
+        dout.contiguous(), q, k, v, out.contiguous(), lse.reshape(lse_shape).contiguous(),
+        seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, False, scale=scale,
+    )  # fmt: skip
+    return dq, dk, dv
+
+
+def _flash_forward(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor, tuple]:
+    out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_flash_attention(
+        q, k, v, 0.0, False, False, scale=scale
+    )
+    return out, lse, (cum_q, cum_k, max_q, max_k, seed, offset)
+
+
+def _flash_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, aux: tuple
+) -> tuple[Tensor, Tensor, Tensor]:
+    cum_q, cum_k, max_q, max_k, seed, offset = aux
+    dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
+        dout.contiguous(), q, k, v, out.contiguous(), lse.contiguous(), cum_q, cum_k, max_q, max_k, 0.0, False,
+        seed, offset, scale=scale,
+    )  # fmt: skip
+    return dq, dk, dv
+
+
+def _efficient_forward(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor, tuple]:
+    out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, False, scale=scale)
+    # The LSE comes padded to a multiple of 32 rows.
+    return out, lse[..., : q.shape[2]], (lse.shape[-1], seed, offset)
+
+
+def _efficient_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, aux: tuple
+) -> tuple[Tensor, Tensor, Tensor]:
+    padded, seed, offset = aux
+    lse = torch.nn.functional.pad(lse, (0, padded - lse.shape[-1])).contiguous()
+    dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
+        dout.contiguous(), q, k, v, None, out.contiguous(), lse, seed, offset, 0.0, [True, True, True, False], False,
+        scale=scale,
+    )  # fmt: skip
+    return dq, dk, dv
+
+
+KERNELS: dict[str, Kernel] = {
+    "cudnn": Kernel("cudnn", _cudnn_forward, _cudnn_backward),
+    "flash": Kernel("flash", _flash_forward, _flash_backward),
+    "efficient": Kernel("efficient", _efficient_forward, _efficient_backward),
+    "cpu_flash": Kernel("cpu_flash", _cpu_flash_forward, _cpu_flash_backward),
+    "math": Kernel("math", _math_forward, _math_backward),
+}
+
+# cuDNN first on CUDA: 1.8x the flash backend's speed on Hopper at Flux shapes (DESIGN.md).
+DEFAULT_PREFERENCE = {"cuda": ("cudnn", "flash", "efficient", "math"), "cpu": ("cpu_flash", "math")}
+
+
+def preference(device_type: str) -> tuple[str, ...]:
+    """Kernel order for a device type; `FLUX_CP_KERNELS=flash,math` overrides it (benchmarks, debugging)."""
+    env = os.environ.get("FLUX_CP_KERNELS")
+    if env:
+        names = tuple(n.strip() for n in env.split(",") if n.strip())
+        unknown = [n for n in names if n not in KERNELS]
+        if unknown:
+            raise ValueError(f"FLUX_CP_KERNELS names unknown kernels {unknown}; choose from {sorted(KERNELS)}")
+        return names
+    return DEFAULT_PREFERENCE.get(device_type, ("math",))
+
+
+_CHOSEN: dict[tuple, Kernel] = {}
+
+
+def _signature(q: Tensor, k: Tensor) -> tuple:
+    return (q.device.type, q.dtype, q.shape[-1], q.shape[2], k.shape[2], preference(q.device.type))
+
+
+def forward(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor, Kernel, tuple]:
+    """Attention of q against one K/V block, inputs `[B, H, S, D]` contiguous.
+
+    Returns (out, lse in the accumulation dtype, kernel used, aux for that kernel's backward).
+    """
+    sig = _signature(q, k)
+    kernel = _CHOSEN.get(sig)
+    if kernel is not None:
+        out, lse, aux = kernel.forward(q, k, v, scale)
+        return out, lse.to(acc_dtype(q.dtype)), kernel, aux
+    errors = []
+    for name in sig[-1]:
+        kernel = KERNELS[name]
+        try:
+            out, lse, aux = kernel.forward(q, k, v, scale)
+        except (RuntimeError, NotImplementedError) as e:  # this kernel cannot serve the input: try the next
+            errors.append(f"{name}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+            continue
+        _CHOSEN[sig] = kernel
+        return out, lse.to(acc_dtype(q.dtype)), kernel, aux
+    raise RuntimeError("no attention kernel could serve this input: " + "; ".join(errors))
+
+
+def backward(
+    kernel: Kernel, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, aux: tuple
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of one block given the *merged* output and LSE of the full attention row.
+
+    With the merged (not the block's own) output and LSE, the block backward yields exactly this
+    block's share of dQ and the full dK/dV of the block, as in flash-attention's backward.
+    """
+    try:
+        return kernel.backward(dout, q, k, v, out, lse, scale, aux)
+    except (RuntimeError, NotImplementedError):
+        if kernel.name == "math":
+            raise
+        # Same function, more memory: never a wrong answer, never a crash over a kernel's limits.
+        return _math_backward(dout, q, k, v, out, lse, scale)
+
+
+def chosen_kernels() -> dict[str, str]:
+    """Which kernel served each input signature so far (for logs and benchmarks)."""
+    return {str(sig[:5]): k.name for sig, k in _CHOSEN.items()}

@@ -1,0 +1,99 @@
+"""Ring attention: K/V blocks travel around the CP group while each rank attends to them in turn.
+
+Forward, on rank r of n: at step i it holds the K/V block of rank r-i; the block for step i+1 is
+already in flight (async send to r+1, recv from r-1) while step i is computed. Partial outputs are
+merged with their log-sum-exp in fp32 (fp64 for fp64 inputs).
+
+Backward: the same K/V rotation again, plus a dK/dV accumulator that travels with each block: rank
+r adds its contribution for the block it holds and passes the sum on to r+1. After n steps the
+accumulator for rank s's block has visited every rank and arrives back at s. dQ stays local.
+The accumulator's send overlaps the next block's backward computation.
+
+Tensors here are `[batch, heads, seq, head_dim]`, contiguous.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import kernels
+from .comm import RingComm, group_size
+
+Tensor = torch.Tensor
+
+_KV_TAG, _DKV_TAG = 0, 1
+
+
+def _merge(out: Tensor | None, lse: Tensor | None, blk_out: Tensor, blk_lse: Tensor) -> tuple[Tensor, Tensor]:
+    """Merge a block's (out, lse) into the running (out, lse); out and lse in the accumulation dtype."""
+    blk_out = blk_out.to(blk_lse.dtype)
+    if out is None:
+        return blk_out, blk_lse
+    new_lse = torch.logaddexp(lse, blk_lse)
+    out = out * torch.exp(lse - new_lse).unsqueeze(-1) + blk_out * torch.exp(blk_lse - new_lse).unsqueeze(-1)
+    return out, new_lse
+
+
+class RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, scale: float, group: dist.ProcessGroup | None) -> Tensor:
+        n = group_size(group)
+        ring = RingComm(group) if n > 1 else None
+        kv = torch.stack([k, v]) if n > 1 else None
+        out = lse = None
+        kernel = aux = None
+        blk_k, blk_v = k, v
+        for step in range(n):
+            if step < n - 1:
+                next_kv, works = ring.start(kv, _KV_TAG)
+            blk_out, blk_lse, kernel, aux = kernels.forward(q, blk_k, blk_v, scale)
+            out, lse = _merge(out, lse, blk_out, blk_lse)
+            if step < n - 1:
+                RingComm.wait(works)
+                kv = next_kv
+                blk_k, blk_v = kv[0], kv[1]
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale, ctx.group, ctx.kernel, ctx.aux = scale, group, kernel, aux
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: Tensor):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, scale, kernel, aux = ctx.group, ctx.scale, ctx.kernel, ctx.aux
+        dout = dout.contiguous()
+        n = group_size(group)
+        if n == 1:
+            dq, dk, dv = kernels.backward(kernel, dout, q, k, v, out, lse, scale, aux)
+            return dq, dk, dv, None, None
+
+        ring = RingComm(group)
+        acc = kernels.acc_dtype(q.dtype)
+        kv = torch.stack([k, v])
+        dq = torch.zeros_like(q, dtype=acc)
+        dkv_in = dkv_works = None
+        for step in range(n):
+            if step < n - 1:
+                next_kv, kv_works = ring.start(kv, _KV_TAG)
+            blk_dq, blk_dk, blk_dv = kernels.backward(kernel, dout, q, kv[0], kv[1], out, lse, scale, aux)
+            dq += blk_dq
+            blk_dkv = torch.stack([blk_dk, blk_dv]).to(acc)
+            if dkv_in is None:
+                dkv = blk_dkv
+            else:
+                RingComm.wait(dkv_works)
+                dkv = dkv_in + blk_dkv
+            # Pass the accumulator for the block we hold to the next rank; after the last step it
+            # arrives at its owner.
+            dkv_in, dkv_works = ring.start(dkv, _DKV_TAG)
+            if step < n - 1:
+                RingComm.wait(kv_works)
+                kv = next_kv
+        RingComm.wait(dkv_works)
+        return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype), None, None
+
+
+def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup | None, scale: float) -> Tensor:
+    """Ring attention on `[B, H, S_local, D]` contiguous chunks; `group` of size 1 or None: plain attention."""
+    return RingAttention.apply(q, k, v, scale, group)

@@ -1,0 +1,64 @@
+"""Run a function on N spawned processes joined in a gloo process group (CPU), with a hard timeout."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _entry(fn: Callable, rank: int, world: int, init_file: str, queue, args: tuple) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+        )
+        queue.put((rank, True, fn(rank, world, *args)))
+    except BaseException:  # noqa: BLE001 - reported to the parent, which fails the test
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run(fn: Callable, world: int, *args: Any, timeout: float = 240) -> list[Any]:
+    """Return [fn(rank, world, *args) for each rank]; raise with every failing rank's traceback."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "init")
+        procs = [ctx.Process(target=_entry, args=(fn, r, world, init_file, queue, args)) for r in range(world)]
+        for p in procs:
+            p.start()
+        results: dict[int, tuple[bool, Any]] = {}
+        import time
+
+        deadline = time.monotonic() + timeout
+        while len(results) < world and time.monotonic() < deadline:
+            if not queue.empty():
+                rank, ok, value = queue.get()
+                results[rank] = (ok, value)
+            elif all(not p.is_alive() for p in procs) and queue.empty():
+                break
+            else:
+                time.sleep(0.02)
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    failed = {r: v for r, (ok, v) in results.items() if not ok}
+    missing = [r for r in range(world) if r not in results]
+    if failed or missing:
+        msg = "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(failed.items()))
+        if missing:
+            msg += f"\nranks {missing} gave no result within {timeout}s (hang or crash)"
+        raise AssertionError(msg)
+    return [results[r][1] for r in range(world)]

@@ -1,0 +1,156 @@
+"""cp.attention against F.scaled_dot_product_attention on the full sequence, every group size 1-8."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import cp
+from tests import distributed
+
+
+def _modes(n: int) -> list[tuple[str, int | None]]:
+    modes = [("ring", None)]
+    if n > 1:
+        modes.append(("ulysses", None))
+    modes += [("hybrid", u) for u in range(2, n) if n % u == 0]
+    return modes
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
+
+
+def _attention_errors(rank: int, world: int, seq_per_rank: int) -> dict:
+    """Max relative errors of out, dq, dk, dv for each (dtype, mode) against a full-sequence fp64 reference."""
+    group = dist.group.WORLD
+    heads, head_dim, batch = 2 * world, 16, 2
+    errors = {}
+    for dtype in (torch.float64, torch.float32):
+        for mode, u in _modes(world):
+            # Fresh inputs per case, identical on every rank (same seed), non-trivial scale.
+            g = torch.Generator().manual_seed(1000 * world + len(errors))
+            shape = (batch, seq_per_rank * world, heads, head_dim)
+            q, k, v, dout = (torch.randn(shape, generator=g, dtype=torch.float64) * 1.5 for _ in range(4))
+
+            ref = [t.clone().requires_grad_(True) for t in (q, k, v)]
+            ref_out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in ref)).transpose(1, 2)
+            ref_out.backward(dout)
+
+            local = [cp.shard(t.to(dtype), 1, group).requires_grad_(True) for t in (q, k, v)]
+            out = cp.attention(*local, group=group, mode=mode, ulysses_size=u)
+            out.backward(cp.shard(dout.to(dtype), 1, group))
+
+            pairs = [(out, ref_out)] + [(t.grad, r.grad) for t, r in zip(local, ref)]
+            errors[(str(dtype), mode, u)] = max(_rel(a, cp.shard(b.detach(), 1, group)) for a, b in pairs)
+    return errors
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 6, 7, 8])
+def test_attention_matches_full_sequence_sdpa(world):
+    results = distributed.run(_attention_errors, world, 3)
+    for rank, errs in enumerate(results):
+        assert errs, "no case was run"
+        for (dtype, mode, u), err in errs.items():
+            tol = 1e-10 if dtype == "torch.float64" else 2e-5
+            assert err < tol, f"world={world} rank={rank} {dtype} {mode} u={u}: rel err {err:.3e} >= {tol}"
+
+
+def test_none_and_single_rank_group_are_plain_attention():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 9, 3, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    ref = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+    assert _rel(cp.attention(q, k, v, group=None), ref) < 1e-12
+    assert _rel(cp.attention(q, k, v, group=None, mode="ulysses"), ref) < 1e-12
+
+
+def test_ring_direction_matters_at_three_ranks():
+    """Guard against the classic bug: dK/dV sent against the K/V rotation is exact at 2 ranks and
+    wrong at 3+. With that bug planted on purpose, the test's own check must see the error."""
+    results = distributed.run(_reversed_ring_error, 3)
+    assert all(err > 1e-3 for err in results), results
+
+
+def _reversed_ring_error(rank: int, world: int) -> float:
+    from cp import comm, ring
+
+    original = comm.RingComm.start
+
+    def start(self, send, tag=0):
+        if tag != ring._DKV_TAG:
+            return original(self, send, tag)
+        self.next, self.prev = self.prev, self.next  # dK/dV accumulators go against the K/V rotation
+        try:
+            return original(self, send, tag)
+        finally:
+            self.next, self.prev = self.prev, self.next
+
+    comm.RingComm.start = start
+    try:
+        return _attention_errors(rank, world, 2)[("torch.float64", "ring", None)]
+    finally:
+        comm.RingComm.start = original
+
+
+def _errors_raised(rank: int, world: int) -> list[str]:
+    group = dist.group.WORLD
+    x = torch.randn(1, 4, 3, 8)
+    messages = []
+    for kwargs in (
+        {"mode": "ulysses"},  # 3 heads over 2 ranks
+        {"mode": "hybrid", "ulysses_size": 2},  # 3 heads over a Ulysses size of 2
+        {"mode": "sideways"},
+    ):
+        try:
+            cp.attention(x, x, x, group=group, **kwargs)
+        except ValueError as e:
+            messages.append(str(e))
+    try:
+        cp.attention(x, x[:, :3], x, group=group)
+    except ValueError as e:
+        messages.append(str(e))
+    try:
+        cp.shard(torch.zeros(1, 5, 2), 1, group)
+    except ValueError as e:
+        messages.append(str(e))
+    return messages
+
+
+def test_bad_configurations_raise_value_errors_without_communicating():
+    for messages in distributed.run(_errors_raised, 2, timeout=60):
+        assert len(messages) == 5, messages
+        assert "not divisible by the Ulysses size 2" in messages[0]
+        assert "not divisible by the Ulysses size 2" in messages[1]
+        assert "unknown CP mode 'sideways'" in messages[2]
+        assert "same shape" in messages[3]
+        assert "5 is not divisible by the context-parallel size 2" in messages[4]
+
+
+def test_validate_rejects_ulysses_size_not_dividing_group():
+    with pytest.raises(ValueError, match="does not divide the CP group size 6; choose one of \\[2, 3\\]"):
+        cp.validate((1, 4, 12, 8), 6, "hybrid", 4)
+    with pytest.raises(ValueError, match="5 is prime"):
+        cp.validate((1, 4, 10, 8), 5, "hybrid", 2)
+    with pytest.raises(ValueError, match="needs ulysses_size"):
+        cp.validate((1, 4, 12, 8), 4, "hybrid", None)
+    assert cp.validate((1, 4, 12, 8), 4, "hybrid", 2) == 2
+    assert cp.validate((1, 4, 12, 8), 4, "ulysses", None) == 4
+
+
+def _gather_roundtrip(rank: int, world: int) -> float:
+    group = dist.group.WORLD
+    g = torch.Generator().manual_seed(3)
+    full = torch.randn(2, 6 * world, 5, generator=g, dtype=torch.float64)
+    w = torch.randn(2, 6 * world, 5, generator=g, dtype=torch.float64)
+    local = cp.shard(full, 1, group).requires_grad_(True)
+    gathered = cp.gather(local, 1, group)
+    assert torch.equal(gathered.detach(), full)
+    (gathered * w).sum().backward()
+    # Every rank computed the same loss on the gathered tensor: the adjoint sums their gradients.
+    return _rel(local.grad, world * cp.shard(w, 1, group))
+
+
+def test_gather_is_exact_and_its_backward_is_the_adjoint():
+    assert max(distributed.run(_gather_roundtrip, 3)) < 1e-15
