@@ -47,6 +47,11 @@ def shard(tensor: Tensor, dim: int, group: ProcessGroup | None) -> Tensor:
     return tensor.chunk(n, dim=dim)[group_rank(group)].contiguous()
 
 
+# torch 2.13 renamed these (the old names warn); torch 2.11 on the GPU machines has only the old ones.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 class _AllGather(torch.autograd.Function):
     """Concatenate every rank's chunk along `dim`. Backward: reduce-scatter (sum), the exact adjoint."""
 
@@ -56,7 +61,7 @@ class _AllGather(torch.autograd.Function):
         n = dist.get_world_size(group)
         x = x.movedim(dim, 0).contiguous()
         out = torch.empty((n * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-        dist.all_gather_into_tensor(out, x, group=group)
+        _all_gather(out, x, group=group)
         return out.movedim(0, dim)
 
     @staticmethod
@@ -64,7 +69,7 @@ class _AllGather(torch.autograd.Function):
         n = dist.get_world_size(ctx.group)
         g = grad.movedim(ctx.dim, 0).contiguous()
         out = torch.empty((g.shape[0] // n, *g.shape[1:]), dtype=g.dtype, device=g.device)
-        dist.reduce_scatter_tensor(out, g, op=dist.ReduceOp.SUM, group=ctx.group)
+        _reduce_scatter(out, g, op=dist.ReduceOp.SUM, group=ctx.group)
         return out.movedim(0, ctx.dim), None, None
 
 

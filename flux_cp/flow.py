@@ -1,0 +1,70 @@
+"""The flow-matching objective of diffusers' Flux training examples, and Flux's latent packing.
+
+Noise, timesteps and the target are drawn for the *full* latent on every rank of a CP group (same
+generator state), then each rank keeps its sequence chunk (DESIGN.md, data flow).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+Tensor = torch.Tensor
+
+WEIGHTING_SCHEMES = ("none", "sigma_sqrt", "logit_normal", "mode", "cosmap")
+
+
+def pack_latents(latents: Tensor) -> Tensor:
+    """`[B, C, H, W]` -> `[B, H/2 * W/2, 4C]` (2x2 patches become tokens), as `FluxPipeline._pack_latents`."""
+    b, c, h, w = latents.shape
+    x = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return x.reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack_latents(tokens: Tensor, height: int, width: int) -> Tensor:
+    """Inverse of `pack_latents` for a latent of `height x width`."""
+    b, _, d = tokens.shape
+    x = tokens.view(b, height // 2, width // 2, d // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    return x.reshape(b, d // 4, height, width)
+
+
+def image_ids(height: int, width: int, device=None, dtype=torch.float32) -> Tensor:
+    """Position ids `[H/2 * W/2, 3]` of the packed latent tokens, as `FluxPipeline._prepare_latent_image_ids`."""
+    h, w = height // 2, width // 2
+    ids = torch.zeros(h, w, 3, device=device, dtype=dtype)
+    ids[..., 1] += torch.arange(h, device=device, dtype=dtype)[:, None]
+    ids[..., 2] += torch.arange(w, device=device, dtype=dtype)[None, :]
+    return ids.reshape(h * w, 3)
+
+
+def text_ids(length: int, device=None, dtype=torch.float32) -> Tensor:
+    return torch.zeros(length, 3, device=device, dtype=dtype)
+
+
+def sample_timesteps(
+    batch: int,
+    scheme: str,
+    generator: torch.Generator,
+    logit_mean: float = 0.0,
+    logit_std: float = 1.0,
+    mode_scale: float = 1.29,
+) -> Tensor:
+    """u in [0, 1] as diffusers' `compute_density_for_timestep_sampling` (SD3 paper schemes)."""
+    if scheme == "logit_normal":
+        u = torch.normal(logit_mean, logit_std, size=(batch,), generator=generator)
+        return torch.sigmoid(u)
+    u = torch.rand(batch, generator=generator)
+    if scheme == "mode":
+        return 1 - u - mode_scale * (torch.cos(math.pi * u / 2) ** 2 - 1 + u)
+    return u
+
+
+def loss_weighting(scheme: str, sigmas: Tensor) -> Tensor:
+    """Per-sample loss weights, as diffusers' `compute_loss_weighting_for_sd3`."""
+    if scheme == "sigma_sqrt":
+        return (sigmas**-2.0).float()
+    if scheme == "cosmap":
+        bot = 1 - 2 * sigmas + 2 * sigmas**2
+        return 2 / (math.pi * bot)
+    return torch.ones_like(sigmas)

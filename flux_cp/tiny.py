@@ -1,0 +1,179 @@
+"""A tiny FLUX.1 built locally: same diffusers layout and component classes as
+black-forest-labs/FLUX.1-dev (transformer with guidance embedding, VAE, CLIP + T5 encoders with their
+tokenizers, flow-matching scheduler), random weights, tokenizers made from a byte/character vocabulary.
+No downloads. Used as the embedded default of `train_flux_cp.py` and by the tests.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import string
+import tempfile
+from pathlib import Path
+
+import torch
+
+# Bump when the recipe below changes, so cached copies are rebuilt.
+TINY_VERSION = 1
+
+TRANSFORMER_CONFIG = dict(
+    patch_size=1,
+    in_channels=16,  # 4 latent channels x 2x2 packing
+    num_layers=2,
+    num_single_layers=2,
+    attention_head_dim=16,
+    num_attention_heads=4,
+    joint_attention_dim=32,
+    pooled_projection_dim=32,
+    guidance_embeds=True,
+    axes_dims_rope=(4, 6, 6),
+)
+
+
+def tiny_transformer(seed: int = 0, **overrides):
+    """A randomly initialised tiny `FluxTransformer2DModel` (fp32)."""
+    from diffusers import FluxTransformer2DModel
+
+    config = {**TRANSFORMER_CONFIG, **overrides}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = FluxTransformer2DModel(**config)
+        # diffusers zero-initialises nothing here, but make the output layer non-trivial anyway so that
+        # tests see gradients flow through every block.
+        torch.nn.init.normal_(model.proj_out.weight, std=0.02)
+    return model
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2/CLIP byte-to-printable-character table."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, [chr(c) for c in cs]))
+
+
+def _clip_tokenizer():
+    from transformers import CLIPTokenizer
+
+    chars = list(_bytes_to_unicode().values())
+    vocab = {c: i for i, c in enumerate(chars)}
+    vocab.update({c + "</w>": len(chars) + i for i, c in enumerate(chars)})
+    vocab["<|startoftext|>"] = len(vocab)
+    vocab["<|endoftext|>"] = len(vocab)
+    return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=77)
+
+
+def _t5_tokenizer():
+    from transformers import T5TokenizerFast
+
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
+    for c in string.ascii_letters + string.digits + string.punctuation:
+        pieces += [(c, -3.0), ("\u2581" + c, -3.5)]
+    return T5TokenizerFast(vocab=pieces, extra_ids=0, model_max_length=512)
+
+
+def build_tiny_pipeline(seed: int = 0):
+    """All components of a tiny FluxPipeline, fp32, on CPU."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    tokenizer, tokenizer_2 = _clip_tokenizer(), _t5_tokenizer()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        text_encoder = CLIPTextModel(
+            CLIPTextConfig(
+                vocab_size=len(tokenizer),
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                max_position_embeddings=77,
+                projection_dim=32,
+                bos_token_id=tokenizer.bos_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+        )
+        text_encoder_2 = T5EncoderModel(
+            T5Config(
+                vocab_size=len(tokenizer_2),
+                d_model=32,
+                d_kv=8,
+                d_ff=64,
+                num_layers=2,
+                num_heads=4,
+                relative_attention_num_buckets=8,
+                pad_token_id=tokenizer_2.pad_token_id,
+                eos_token_id=tokenizer_2.eos_token_id,
+                decoder_start_token_id=0,
+            )
+        )
+        # 4 blocks: the same 8x spatial compression as FLUX.1's VAE, so --resolution means the same.
+        vae = AutoencoderKL(
+            in_channels=3,
+            out_channels=3,
+            down_block_types=("DownEncoderBlock2D",) * 4,
+            up_block_types=("UpDecoderBlock2D",) * 4,
+            block_out_channels=(8, 16, 16, 16),
+            layers_per_block=1,
+            latent_channels=TRANSFORMER_CONFIG["in_channels"] // 4,
+            norm_num_groups=4,
+            sample_size=128,
+            scaling_factor=0.3611,
+            shift_factor=0.1159,
+            use_quant_conv=False,
+            use_post_quant_conv=False,
+        )
+    transformer = tiny_transformer(seed)
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000,
+        shift=3.0,
+        use_dynamic_shifting=True,
+        base_shift=0.5,
+        max_shift=1.15,
+        base_image_seq_len=256,
+        max_image_seq_len=4096,
+    )
+    return FluxPipeline(
+        scheduler=scheduler,
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=tokenizer_2,
+        transformer=transformer,
+    )
+
+
+def default_cache_dir() -> Path:
+    root = os.environ.get("FLUX_CP_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "flux_cp")
+    return Path(root) / f"tiny-flux-v{TINY_VERSION}"
+
+
+def ensure_tiny_pipeline(path: str | os.PathLike | None = None) -> Path:
+    """Return a folder holding the tiny pipeline in diffusers layout, building it once.
+
+    Safe when several processes call it at once: each builds into its own temporary folder and the
+    first atomic rename wins (the build is deterministic, so every copy is identical).
+    """
+    path = Path(path) if path else default_cache_dir()
+    if (path / "model_index.json").is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=path.name + ".tmp", dir=path.parent))
+    try:
+        build_tiny_pipeline().save_pretrained(tmp)
+        try:
+            os.rename(tmp, path)
+        except OSError:
+            if not (path / "model_index.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
