@@ -8,7 +8,7 @@ when first used.
 from .attention import MODES, attention, validate
 from .comm import check_divisible, gather, group_rank, group_size, shard
 
-_FLUX = ("FluxCPAttnProcessor", "apply_context_parallel", "remove_context_parallel")
+_FLUX = ("FluxCPAttnProcessor", "apply_context_parallel", "remove_context_parallel", "full_sequence_io")
 
 
 def __getattr__(name: str):
@@ -25,6 +25,7 @@ __all__ = [
     "apply_context_parallel",
     "attention",
     "check_divisible",
+    "full_sequence_io",
     "gather",
     "group_rank",
     "group_size",

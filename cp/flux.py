@@ -9,12 +9,15 @@ non-causal and unmasked, so the interleaved global order of the chunks does not 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers.transformer_flux import FluxAttention, _get_qkv_projections
 
 from .attention import attention
+from .comm import gather, shard
 
 Tensor = torch.Tensor
 
@@ -100,3 +103,40 @@ def remove_context_parallel(transformer: torch.nn.Module) -> torch.nn.Module:
             m.set_processor(getattr(m, _ORIGINAL))
             delattr(m, _ORIGINAL)
     return transformer
+
+
+_SPLITS = (("hidden_states", 1), ("encoder_hidden_states", 1), ("img_ids", 0), ("txt_ids", 0))
+
+
+@contextlib.contextmanager
+def full_sequence_io(transformer: torch.nn.Module, group: dist.ProcessGroup | None):
+    """Inside this context a CP-enabled Flux transformer takes and returns *full* sequences, as
+    `FluxPipeline` passes them: its inputs are split with `shard` before the call and its output is
+    gathered after. Every rank of the group must make the same calls (same latents and prompts)."""
+    if group is None or dist.get_world_size(group) == 1:
+        yield transformer
+        return
+
+    def pre(_module, args, kwargs):
+        if args:
+            raise ValueError("full_sequence_io expects keyword arguments, as FluxPipeline passes them")
+        for key, dim in _SPLITS:
+            if kwargs.get(key) is not None:
+                kwargs[key] = shard(kwargs[key], dim, group)
+        return args, kwargs
+
+    def post(_module, _args, kwargs, output):
+        if isinstance(output, tuple):
+            return (gather(output[0], 1, group), *output[1:])
+        output.sample = gather(output.sample, 1, group)
+        return output
+
+    handles = [
+        transformer.register_forward_pre_hook(pre, with_kwargs=True),
+        transformer.register_forward_hook(post, with_kwargs=True),
+    ]
+    try:
+        yield transformer
+    finally:
+        for h in handles:
+            h.remove()

@@ -68,3 +68,23 @@ def loss_weighting(scheme: str, sigmas: Tensor) -> Tensor:
         bot = 1 - 2 * sigmas + 2 * sigmas**2
         return 2 / (math.pi * bot)
     return torch.ones_like(sigmas)
+
+
+def sigmas_for(u: Tensor, scheduler) -> tuple[Tensor, Tensor]:
+    """Timesteps and sigmas of the training schedule at density samples `u` (diffusers' Flux examples:
+    index = u * num_train_timesteps into the scheduler's timesteps and sigmas)."""
+    n = scheduler.config.num_train_timesteps
+    idx = (u * n).long().clamp_(0, n - 1)
+    return scheduler.timesteps[idx].float(), scheduler.sigmas[idx].float()
+
+
+def per_sample_draws(generators: list[torch.Generator], latent_shape: tuple[int, ...], args, scheduler) -> dict:
+    """Noise, latent-sampling noise, timesteps and sigmas for each sample of a batch, each from its own
+    generator (keyed by seed, micro-step and position in the *global* batch: layout-independent)."""
+    eps, noise, u = [], [], []
+    for g in generators:
+        eps.append(torch.randn(latent_shape, generator=g))
+        noise.append(torch.randn(latent_shape, generator=g))
+        u.append(sample_timesteps(1, args.weighting_scheme, g, args.logit_mean, args.logit_std, args.mode_scale))
+    timesteps, sigmas = sigmas_for(torch.cat(u), scheduler)
+    return {"eps": torch.stack(eps), "noise": torch.stack(noise), "timesteps": timesteps, "sigmas": sigmas}

@@ -6,6 +6,7 @@ No downloads. Used as the embedded default of `train_flux_cp.py` and by the test
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import string
@@ -159,21 +160,23 @@ def default_cache_dir() -> Path:
 def ensure_tiny_pipeline(path: str | os.PathLike | None = None) -> Path:
     """Return a folder holding the tiny pipeline in diffusers layout, building it once.
 
-    Safe when several processes call it at once: each builds into its own temporary folder and the
-    first atomic rename wins (the build is deterministic, so every copy is identical).
+    Safe when several processes call it at once (a file lock; the folder appears by atomic rename).
     """
     path = Path(path) if path else default_cache_dir()
     if (path / "model_index.json").is_file():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=path.name + ".tmp", dir=path.parent))
-    try:
-        build_tiny_pipeline().save_pretrained(tmp)
+    # One builder at a time (every rank of a launch calls this); the others wait on the lock and then
+    # find the finished folder. The rename keeps a crash mid-build from leaving a half-written folder.
+    with open(path.parent / f".{path.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (path / "model_index.json").is_file():
+            return path
+        tmp = Path(tempfile.mkdtemp(prefix=path.name + ".tmp", dir=path.parent))
         try:
+            build_tiny_pipeline().save_pretrained(tmp)
+            shutil.rmtree(path, ignore_errors=True)
             os.rename(tmp, path)
-        except OSError:
-            if not (path / "model_index.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return path

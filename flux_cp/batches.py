@@ -1,0 +1,96 @@
+"""Micro-batches for the flow-matching step: which samples this rank holds at global micro-step m, their
+noisy latents, timesteps and targets, split into this rank's sequence chunk."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+import cp
+
+from .data import BatchSchedule, seeded_generator
+from .encode import LiveData
+from .flow import image_ids, loss_weighting, pack_latents, per_sample_draws, text_ids
+
+Tensor = torch.Tensor
+
+
+@dataclass
+class MicroBatch:
+    inputs: dict  # keyword arguments of FluxTransformer2DModel.forward, this rank's chunk
+    target: Tensor  # this rank's chunk of (noise - latents), packed
+    weighting: Tensor  # [B, 1, 1] per-sample loss weights
+    epoch: int
+    image_tokens: int  # per sample, whole sequence
+    text_tokens: int
+
+    def loss(self, pred: Tensor) -> Tensor:
+        """Weighted MSE, mean over this rank's tokens (gradients are then averaged over all dp x cp ranks,
+        which with equal chunks is the full-sequence mean; DESIGN.md)."""
+        err = self.weighting * (pred.float() - self.target.float()) ** 2
+        return err.reshape(err.shape[0], -1).mean(1).mean()
+
+
+class Batches:
+    def __init__(
+        self,
+        data,
+        schedule: BatchSchedule,
+        layout,
+        args,
+        noise_scheduler,
+        vae_config,
+        guidance: bool,
+        device: torch.device,
+    ):
+        self.data, self.schedule, self.layout, self.args = data, schedule, layout, args
+        self.noise_scheduler = noise_scheduler
+        self.shift, self.scale = vae_config.shift_factor or 0.0, vae_config.scaling_factor
+        self.guidance, self.device = guidance, device
+
+    def slots(self) -> range:
+        """Positions of this rank's samples in the global batch (a CP group shares its dp rank's slice)."""
+        bs = self.args.train_batch_size
+        return range(self.layout.dp_rank * bs, (self.layout.dp_rank + 1) * bs)
+
+    def _load(self, i: int, epoch: int) -> dict:
+        a = self.args
+        flip = a.random_flip and bool(torch.rand(1, generator=seeded_generator(a.seed, epoch, i, 4)) < 0.5)
+        return self.data.load(i, flip, epoch) if isinstance(self.data, LiveData) else self.data.load(i, flip)
+
+    def micro(self, m: int) -> MicroBatch:
+        a, dev, group = self.args, self.device, self.layout.cp_group
+        epoch, batch = self.schedule.batch(m)
+        slots = self.slots()
+        samples = [self._load(batch[s], epoch) for s in slots]
+        stack = {k: torch.stack([s[k] for s in samples]).to(dev) for k in samples[0]}
+        mean, std = stack["latent_mean"], stack["latent_std"]
+        # Noise and timesteps per *global* slot: the same for every layout and every rank of a CP group.
+        draws = per_sample_draws(
+            [seeded_generator(a.seed, m, s, 7) for s in slots], tuple(mean.shape[1:]), a, self.noise_scheduler
+        )
+        latents = (mean + std * draws["eps"].to(dev) - self.shift) * self.scale
+        noise = draws["noise"].to(dev)
+        sigmas = draws["sigmas"].to(dev).view(-1, 1, 1, 1)
+        noisy = (1.0 - sigmas) * latents + sigmas * noise
+        h, w = latents.shape[-2:]
+        embeds = stack["prompt_embeds"]
+        inputs = dict(
+            hidden_states=cp.shard(pack_latents(noisy), 1, group),
+            encoder_hidden_states=cp.shard(embeds, 1, group),
+            pooled_projections=stack["pooled_prompt_embeds"],
+            timestep=draws["timesteps"].to(dev) / 1000.0,
+            img_ids=cp.shard(image_ids(h, w, device=dev), 0, group),
+            txt_ids=cp.shard(text_ids(embeds.shape[1], device=dev), 0, group),
+            guidance=torch.full((len(slots),), a.guidance_scale, device=dev) if self.guidance else None,
+            return_dict=False,
+        )
+        return MicroBatch(
+            inputs=inputs,
+            target=cp.shard(pack_latents(noise - latents), 1, group),
+            weighting=loss_weighting(a.weighting_scheme, draws["sigmas"]).to(dev).view(-1, 1, 1),
+            epoch=epoch,
+            image_tokens=(h // 2) * (w // 2),
+            text_tokens=embeds.shape[1],
+        )

@@ -1,0 +1,259 @@
+"""Training data: where images and captions come from, how each is cropped, and which samples make up
+each global batch.
+
+Every random choice here (crop, flip, sample order) is a function of (seed, epoch, sample) alone, so
+all ranks of a CP group see the same samples, and the data a run sees does not depend on its layout.
+The global batch of micro-step m is split over the dp ranks; a CP group shares its dp rank's slice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image, UnidentifiedImageError
+
+from .errors import UsageError
+
+BUNDLED_DATA = Path(__file__).resolve().parent.parent / "data" / "tiny_shapes"
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+
+
+def seeded_generator(*keys: int) -> torch.Generator:
+    """A CPU generator whose state is a function of the integer keys only."""
+    digest = hashlib.sha256(",".join(str(int(k)) for k in keys).encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+
+
+# --- sources -----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Sample:
+    """One training image: `ref` is a file path (local folder) or a row index (HF data set)."""
+
+    ref: str | int
+    caption: str
+
+
+class ImageSource:
+    """A list of (image, caption) samples with up-front checks and a content hash per image."""
+
+    def __init__(self, samples: list[Sample], name: str, hf_dataset=None, image_column: str | None = None):
+        self.samples = samples
+        self.name = name
+        self._hf = hf_dataset
+        self._image_column = image_column
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def raw_bytes(self, i: int) -> bytes:
+        ref = self.samples[i].ref
+        if self._hf is None:
+            with open(ref, "rb") as f:
+                return f.read()
+        item = self._hf[int(ref)][self._image_column]
+        if item.get("bytes") is not None:
+            return item["bytes"]
+        with open(item["path"], "rb") as f:
+            return f.read()
+
+    def where(self, i: int) -> str:
+        ref = self.samples[i].ref
+        return str(ref) if self._hf is None else f"{self.name} row {ref}"
+
+    def load(self, i: int, data: bytes | None = None) -> Image.Image:
+        """Decode image i as RGB; a UsageError naming the file if it cannot be read."""
+        import io
+
+        try:
+            data = self.raw_bytes(i) if data is None else data
+            img = Image.open(io.BytesIO(data))
+            img.load()
+        except (OSError, UnidentifiedImageError, ValueError) as e:
+            raise UsageError(f"cannot read image {self.where(i)}: {e}") from None
+        return img.convert("RGB")
+
+    def fingerprint(self) -> str:
+        h = hashlib.sha256(self.name.encode())
+        for s in self.samples:
+            h.update(f"{s.ref}\0{s.caption}\0".encode())
+        return h.hexdigest()[:16]
+
+
+def _local_folder(folder: Path, caption_column: str, instance_prompt: str | None) -> list[Sample]:
+    files = sorted(p for p in folder.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file())
+    if not files:
+        raise UsageError(f"--dataset_name {folder}: no images ({', '.join(IMAGE_EXTENSIONS)}) in this folder")
+    captions: dict[str, str] = {}
+    meta = folder / "metadata.jsonl"
+    if meta.is_file():
+        with open(meta) as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise UsageError(f"{meta} line {n} is not valid JSON: {e}") from None
+                if "file_name" not in row:
+                    raise UsageError(f"{meta} line {n} has no 'file_name'")
+                if instance_prompt is None and caption_column not in row:
+                    raise UsageError(
+                        f"{meta} line {n} has no caption column '{caption_column}' (columns: {sorted(row)}); "
+                        f"set --caption_column or --instance_prompt"
+                    )
+                captions[str((folder / row["file_name"]).resolve())] = str(row.get(caption_column, ""))
+    samples, missing = [], []
+    for p in files:
+        if instance_prompt is not None:
+            samples.append(Sample(str(p), instance_prompt))
+            continue
+        caption = captions.get(str(p.resolve()))
+        if caption is None and p.with_suffix(".txt").is_file():
+            caption = p.with_suffix(".txt").read_text().strip()
+        if caption is None:
+            missing.append(p.name)
+        else:
+            samples.append(Sample(str(p), caption))
+    if missing:
+        raise UsageError(
+            f"{len(missing)} images in {folder} have no caption (e.g. {', '.join(missing[:3])}): add metadata.jsonl "
+            f"with 'file_name' and '{caption_column}', a .txt beside each image, or --instance_prompt"
+        )
+    return samples
+
+
+def _hub_dataset(args) -> ImageSource:
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(args.dataset_name, args.dataset_config_name, split="train")
+    except Exception as e:  # noqa: BLE001 - every loading failure becomes one clear line
+        raise UsageError(f"--dataset_name {args.dataset_name}: cannot load it with datasets ({e})") from None
+    columns = ds.column_names
+    if args.image_column not in columns:
+        raise UsageError(f"--image_column '{args.image_column}' is not in {args.dataset_name} (columns: {columns})")
+    if args.instance_prompt is None and args.caption_column not in columns:
+        raise UsageError(
+            f"--caption_column '{args.caption_column}' is not in {args.dataset_name} (columns: {columns}); "
+            "set --caption_column or --instance_prompt"
+        )
+    ds = ds.cast_column(args.image_column, datasets.Image(decode=False))
+    captions = [args.instance_prompt] * len(ds) if args.instance_prompt is not None else ds[args.caption_column]
+    samples = [Sample(i, str(c)) for i, c in enumerate(captions)]
+    return ImageSource(samples, args.dataset_name, hf_dataset=ds, image_column=args.image_column)
+
+
+def open_source(args) -> ImageSource:
+    """The data set named by the flags (bundled default, local folder, or hub id); never empty."""
+    name = args.dataset_name
+    if name is None:
+        source = ImageSource(_local_folder(BUNDLED_DATA, "text", args.instance_prompt), "bundled:tiny_shapes")
+    elif os.path.isdir(name):
+        source = ImageSource(_local_folder(Path(name), args.caption_column, args.instance_prompt), str(Path(name)))
+    else:
+        source = _hub_dataset(args)
+    if len(source) == 0:
+        raise UsageError(f"the data set {source.name} is empty")
+    return source
+
+
+# --- crops and buckets --------------------------------------------------------------------------------
+
+
+def bucket_sizes(resolution: int, cp_size: int, max_aspect: float = 2.0) -> list[tuple[int, int]]:
+    """(width, height) buckets of about resolution^2 pixels, multiples of 16 px, whose image-token count
+    (w/16 * h/16) divides by the CP size. Square first."""
+    side = resolution // 16
+    area = side * side
+    buckets: set[tuple[int, int]] = set()
+    for w in range(max(1, math.ceil(side / max_aspect)), int(side * max_aspect) + 1):
+        h = max(1, round(area / w))
+        # nearest height (by area) whose token count is divisible by cp
+        options = [hh for hh in range(max(1, h - cp_size), h + cp_size + 1) if (w * hh) % cp_size == 0]
+        if options:
+            hh = min(options, key=lambda x: (abs(w * x - area), x))
+            if 1 / max_aspect <= w / hh <= max_aspect:
+                buckets.add((w * 16, hh * 16))
+    return sorted(buckets, key=lambda b: (abs(math.log(b[0] / b[1])), b))
+
+
+def nearest_bucket(width: int, height: int, buckets: list[tuple[int, int]]) -> int:
+    ratio = math.log(width / height)
+    return min(range(len(buckets)), key=lambda i: (abs(math.log(buckets[i][0] / buckets[i][1]) - ratio), i))
+
+
+def crop_box(size: tuple[int, int], target: tuple[int, int], center: bool, gen: torch.Generator):
+    """Resize-to-cover scale and crop box (left, top) for an image of `size` into `target` (w, h)."""
+    (w, h), (tw, th) = size, target
+    scale = max(tw / w, th / h)
+    rw, rh = max(tw, round(w * scale)), max(th, round(h * scale))
+    if center:
+        left, top = (rw - tw) // 2, (rh - th) // 2
+    else:
+        left = int(torch.randint(0, rw - tw + 1, (1,), generator=gen))
+        top = int(torch.randint(0, rh - th + 1, (1,), generator=gen))
+    return (rw, rh), (left, top)
+
+
+def to_pixels(img: Image.Image, target: tuple[int, int], resized: tuple[int, int], offset, flip: bool) -> torch.Tensor:
+    """Resize, crop, optionally flip; `[3, h, w]` in [-1, 1]."""
+    img = img.resize(resized, Image.BICUBIC)
+    left, top = offset
+    img = img.crop((left, top, left + target[0], top + target[1]))
+    if flip:
+        img = img.transpose(Image.FLIP_LEFT_RIGHT)
+    arr = np.asarray(img, dtype=np.float32) / 127.5 - 1.0
+    return torch.from_numpy(arr).permute(2, 0, 1).contiguous()
+
+
+# --- which samples make up each batch ------------------------------------------------------------------
+
+
+class BatchSchedule:
+    """Global batches of one bucket each, reshuffled every epoch; a pure function of (seed, epoch)."""
+
+    def __init__(self, buckets: list[int], global_batch: int, seed: int):
+        self.global_batch = global_batch
+        self.seed = seed
+        self.by_bucket: dict[int, list[int]] = {}
+        for i, b in enumerate(buckets):
+            self.by_bucket.setdefault(b, []).append(i)
+        self.batches_per_epoch = sum(len(v) // global_batch for v in self.by_bucket.values())
+        if self.batches_per_epoch == 0:
+            largest = max(len(v) for v in self.by_bucket.values())
+            raise UsageError(
+                f"no global batch can be formed: the global batch is {global_batch} samples (--train_batch_size x "
+                f"data-parallel size) but the data set has {len(buckets)} images"
+                + (f" and the largest aspect bucket holds {largest}" if len(self.by_bucket) > 1 else "")
+                + "; lower --train_batch_size, use fewer data-parallel ranks, or add images"
+            )
+        self._epoch_cache: tuple[int, list[list[int]]] | None = None
+
+    def epoch(self, epoch: int) -> list[list[int]]:
+        if self._epoch_cache and self._epoch_cache[0] == epoch:
+            return self._epoch_cache[1]
+        batches = []
+        for b in sorted(self.by_bucket):
+            idx = self.by_bucket[b]
+            perm = torch.randperm(len(idx), generator=seeded_generator(self.seed, epoch, b, 1)).tolist()
+            shuffled = [idx[p] for p in perm]
+            for k in range(len(shuffled) // self.global_batch):
+                batches.append(shuffled[k * self.global_batch : (k + 1) * self.global_batch])
+        order = torch.randperm(len(batches), generator=seeded_generator(self.seed, epoch, 2)).tolist()
+        batches = [batches[o] for o in order]
+        self._epoch_cache = (epoch, batches)
+        return batches
+
+    def batch(self, micro_step: int) -> tuple[int, list[int]]:
+        """(epoch, global batch) of global micro-step `micro_step`."""
+        epoch, k = divmod(micro_step, self.batches_per_epoch)
+        return epoch, self.epoch(epoch)[k]

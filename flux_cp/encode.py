@@ -1,0 +1,240 @@
+"""VAE latents and prompt embeddings: computed once, spread over all ranks, cached on disk as safetensors
+keyed by content and settings (a changed image, caption, crop, resolution or model recomputes only what
+changed), then the text encoders are freed so GPU memory goes to the transformer.
+
+The cache holds the VAE's latent distribution (mean, std), so a latent is still sampled every step as in
+diffusers' examples; with --random_flip both orientations are cached, and a random crop is drawn once per
+image. `--no_cache` encodes every batch live instead (per-epoch random crops, encoders stay loaded).
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
+
+from .data import ImageSource, bucket_sizes, crop_box, nearest_bucket, seeded_generator, to_pixels
+from .errors import UsageError
+
+Tensor = torch.Tensor
+
+
+@dataclass
+class Encoders:
+    vae: torch.nn.Module
+    text_encoder: torch.nn.Module | None
+    tokenizer: object
+    text_encoder_2: torch.nn.Module | None
+    tokenizer_2: object
+    device: torch.device
+    dtype: torch.dtype
+
+    @torch.no_grad()
+    def prompts(self, captions: list[str], max_sequence_length: int) -> tuple[Tensor, Tensor]:
+        """T5 embeddings `[B, L, D]` and CLIP pooled embeddings `[B, D']`, as FluxPipeline.encode_prompt."""
+        ids = self.tokenizer(
+            captions, padding="max_length", max_length=self.tokenizer.model_max_length, truncation=True,
+            return_tensors="pt",
+        ).input_ids  # fmt: skip
+        pooled = self.text_encoder(ids.to(self.device), output_hidden_states=False).pooler_output
+        ids2 = self.tokenizer_2(
+            captions, padding="max_length", max_length=max_sequence_length, truncation=True, return_tensors="pt"
+        ).input_ids
+        embeds = self.text_encoder_2(ids2.to(self.device), output_hidden_states=False)[0]
+        return embeds.to(self.dtype), pooled.to(self.dtype)
+
+    @torch.no_grad()
+    def latents(self, pixels: Tensor) -> tuple[Tensor, Tensor]:
+        """Mean and std of the VAE latent distribution (fp32, before shift/scale)."""
+        dist_ = self.vae.encode(pixels.to(self.device, self.vae.dtype)).latent_dist
+        return dist_.mean.float(), dist_.std.float()
+
+    def free_text_encoders(self) -> None:
+        self.text_encoder = self.text_encoder_2 = None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def model_fingerprint(module: torch.nn.Module, name: str, revision: str | None) -> str:
+    """Identifies a component's weights: its source (a hub snapshot path names the commit), its config,
+    and the size and mtime of local weight files."""
+    h = hashlib.sha256(f"{name}\0{revision}\0".encode())
+    cfg = getattr(module, "config", None)
+    if cfg is not None:
+        d = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg)
+        path = d.pop("_name_or_path", "")
+        h.update(json.dumps(d, sort_keys=True, default=str).encode())
+        if path and os.path.isdir(path):
+            for f in sorted(os.listdir(path)):
+                if f.endswith((".safetensors", ".bin")):
+                    st = os.stat(os.path.join(path, f))
+                    h.update(f"{f}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+        h.update(str(path).encode())
+    return h.hexdigest()[:16]
+
+
+@dataclass
+class Plan:
+    """Per-sample decisions that do not depend on the epoch (cached mode)."""
+
+    bucket: int
+    target: tuple[int, int]
+
+
+class Geometry:
+    """Target size of each image: square `resolution` crops, or aspect buckets whose token count divides
+    by the CP size."""
+
+    def __init__(self, resolution: int, cp_size: int, aspect_buckets: bool):
+        self.buckets = bucket_sizes(resolution, cp_size) if aspect_buckets else [(resolution, resolution)]
+
+    def bucket_of(self, size: tuple[int, int]) -> int:
+        return nearest_bucket(size[0], size[1], self.buckets) if len(self.buckets) > 1 else 0
+
+
+def _atomic_save(tensors: dict[str, Tensor], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _sha(*parts) -> str:
+    return hashlib.sha256("\0".join(str(p) for p in parts).encode()).hexdigest()[:32]
+
+
+class EncodedData:
+    """Per-sample cache keys and buckets for the whole data set (identical on every rank)."""
+
+    def __init__(self, cache_dir: Path, entries: list[dict]):
+        self.cache_dir = cache_dir
+        self.entries = entries
+
+    @property
+    def buckets(self) -> list[int]:
+        return [e["bucket"] for e in self.entries]
+
+    def load(self, i: int, flip: bool) -> dict[str, Tensor]:
+        e = self.entries[i]
+        lat = load_file(self.cache_dir / "latents" / f"{e['latents'][int(flip) % len(e['latents'])]}.safetensors")
+        txt = load_file(self.cache_dir / "text" / f"{e['text']}.safetensors")
+        return {**lat, **txt}
+
+
+def encode_dataset(
+    source: ImageSource,
+    encoders: Encoders,
+    geometry: Geometry,
+    args,
+    cache_dir: Path,
+    fingerprints: tuple[str, str],
+    rank: int,
+    world: int,
+    check_all_ranks,
+) -> EncodedData:
+    """Encode what is not cached yet (rank r takes samples r, r+world, ...), then share the table."""
+    vae_fp, text_fp = fingerprints
+    variants = (False, True) if args.random_flip else (False,)
+    mine = list(range(rank, len(source), world))
+    entries: dict[int, dict] = {}
+    errors: list[str] = []
+    pending_text: dict[str, str] = {}
+    computed = 0
+    bar = tqdm(mine, desc="encoding (this rank's share)", disable=rank != 0, dynamic_ncols=True)
+    for i in bar:
+        try:
+            data = source.raw_bytes(i)
+        except OSError as e:
+            errors.append(f"cannot read image {source.where(i)}: {e}")
+            continue
+        img_hash = hashlib.sha256(data).hexdigest()
+        img = None
+        try:
+            img = source.load(i, data)
+        except UsageError as e:
+            errors.append(str(e))
+            continue
+        bucket = geometry.bucket_of(img.size)
+        target = geometry.buckets[bucket]
+        resized, offset = crop_box(img.size, target, args.center_crop, seeded_generator(args.seed, i, 3))
+        keys = []
+        for flip in variants:
+            key = _sha(img_hash, target, resized, offset, flip, vae_fp)
+            path = cache_dir / "latents" / f"{key}.safetensors"
+            if not path.is_file():
+                mean, std = encoders.latents(to_pixels(img, target, resized, offset, flip)[None])
+                _atomic_save({"latent_mean": mean[0], "latent_std": std[0]}, path)
+                computed += 1
+            keys.append(key)
+        caption = source.samples[i].caption
+        tkey = _sha(caption, args.max_sequence_length, text_fp)
+        if not (cache_dir / "text" / f"{tkey}.safetensors").is_file():
+            pending_text[tkey] = caption
+        entries[i] = {"bucket": bucket, "latents": keys, "text": tkey}
+        if len(pending_text) >= 16:
+            computed += _encode_texts(encoders, pending_text, args.max_sequence_length, cache_dir)
+    computed += _encode_texts(encoders, pending_text, args.max_sequence_length, cache_dir)
+    check_all_ranks(not errors, "; ".join(errors[:5]) + (f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""))
+
+    tables: list = [entries]
+    if world > 1:
+        tables = [None] * world
+        dist.all_gather_object(tables, entries)
+    merged: dict[int, dict] = {}
+    for t in tables:
+        merged.update(t)
+    counts = [0] * world if world > 1 else [computed]
+    if world > 1:
+        dist.all_gather_object(counts, computed)
+    data = EncodedData(cache_dir, [merged[i] for i in range(len(source))])
+    data.computed = sum(counts)
+    return data
+
+
+def _encode_texts(encoders: Encoders, pending: dict[str, str], max_len: int, cache_dir: Path) -> int:
+    if not pending:
+        return 0
+    keys = list(pending)
+    embeds, pooled = encoders.prompts([pending[k] for k in keys], max_len)
+    for j, k in enumerate(keys):
+        row = {"prompt_embeds": embeds[j], "pooled_prompt_embeds": pooled[j]}
+        _atomic_save(row, cache_dir / "text" / f"{k}.safetensors")
+    pending.clear()
+    return len(keys)
+
+
+class LiveData:
+    """`--no_cache`: decode, crop (per epoch) and encode each sample when its batch comes up."""
+
+    def __init__(self, source: ImageSource, encoders: Encoders, geometry: Geometry, args):
+        self.source, self.encoders, self.geometry, self.args = source, encoders, geometry, args
+        self.sizes = []
+        for i in range(len(source)):
+            with source.load(i) as img:
+                self.sizes.append(img.size)
+        self.buckets = [geometry.bucket_of(s) for s in self.sizes]
+
+    def load(self, i: int, flip: bool, epoch: int) -> dict[str, Tensor]:
+        img = self.source.load(i)
+        target = self.geometry.buckets[self.buckets[i]]
+        gen = seeded_generator(self.args.seed, i, epoch, 3)
+        resized, offset = crop_box(img.size, target, self.args.center_crop, gen)
+        mean, std = self.encoders.latents(to_pixels(img, target, resized, offset, flip)[None])
+        embeds, pooled = self.encoders.prompts([self.source.samples[i].caption], self.args.max_sequence_length)
+        return {"latent_mean": mean[0], "latent_std": std[0], "prompt_embeds": embeds[0],
+                "pooled_prompt_embeds": pooled[0]}  # fmt: skip

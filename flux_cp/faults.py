@@ -1,0 +1,50 @@
+"""Deliberate failures for the reliability tests: `FLUX_CP_FAULT="rank=1,step=3,kind=raise"`.
+
+kind: raise (an exception), exit (the process dies with code 1), kill (SIGKILL to itself), hang (stops
+answering collectives), nan (that rank's loss becomes NaN). Unset in normal runs: every hook is a no-op.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import torch
+
+KINDS = ("raise", "exit", "kill", "hang", "nan")
+
+
+class Fault:
+    def __init__(self, rank: int | None = None, step: int | None = None, kind: str | None = None):
+        self.rank, self.step, self.kind = rank, step, kind
+
+    def _now(self, step: int, kinds: tuple[str, ...]) -> bool:
+        return self.kind in kinds and step == self.step
+
+    def maybe_corrupt(self, step: int, loss: torch.Tensor) -> torch.Tensor:
+        return loss * float("nan") if self._now(step, ("nan",)) else loss
+
+    def maybe_fail(self, step: int) -> None:
+        if not self._now(step, ("raise", "exit", "kill", "hang")):
+            return
+        if self.kind == "raise":
+            raise RuntimeError(f"injected fault at step {step} (FLUX_CP_FAULT)")
+        if self.kind == "exit":
+            os._exit(1)
+        if self.kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        while True:  # hang
+            time.sleep(60)
+
+
+def from_env(rank: int) -> Fault:
+    spec = os.environ.get("FLUX_CP_FAULT")
+    if not spec:
+        return Fault()
+    fields = dict(part.split("=", 1) for part in spec.split(",") if "=" in part)
+    if fields.get("kind") not in KINDS:
+        raise ValueError(f"FLUX_CP_FAULT kind must be one of {KINDS}, got {spec!r}")
+    if int(fields.get("rank", 0)) != rank:
+        return Fault()
+    return Fault(rank, int(fields.get("step", 1)), fields["kind"])

@@ -1,0 +1,187 @@
+"""The dp x cp layout: which ranks share a sample (a CP group of neighbouring ranks) and which see
+different samples (data-parallel ranks), the accelerator, and the process groups.
+
+GPU: accelerate's FSDP2 plugin with a `ParallelismConfig(dp_shard_size=dp, cp_size=cp)` mesh; FSDP
+shards the weights over all dp x cp ranks and our CP group is the mesh's 'cp' dimension.
+CPU: the same script as DDP over gloo (accelerate refuses FSDP2 on CPU), CP groups made here with the
+same rank layout. Either way gradients are averaged over all dp x cp ranks, which with equal token
+chunks and per-rank token-mean losses equals the full-sequence gradient (DESIGN.md, data flow 4).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+import cp
+
+from .errors import UsageError
+
+
+@dataclass
+class Layout:
+    world: int
+    rank: int
+    cp: int
+    dp: int
+    dp_rank: int
+    cp_rank: int
+    cp_group: dist.ProcessGroup | None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def describe(self) -> str:
+        return f"world {self.world} = dp {self.dp} x cp {self.cp}"
+
+
+def launched_world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def check_layout(world: int, cp_size: int) -> int:
+    """dp size for `world` processes with CP groups of `cp_size`; a UsageError that says what to change."""
+    if world % cp_size:
+        options = [c for c in range(1, world + 1) if world % c == 0]
+        raise UsageError(
+            f"--cp_size {cp_size} does not divide the {world} launched processes: choose --cp_size from {options}, "
+            f"or launch a multiple of {cp_size} processes (accelerate launch --num_processes)"
+        )
+    return world // cp_size
+
+
+def uses_fsdp() -> bool:
+    """accelerate sets ACCELERATE_USE_FSDP from the launch config; FSDP2 needs CUDA here."""
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and torch.cuda.is_available()
+
+
+def make_accelerator(args):
+    """The Accelerator for this run, with the collective timeout and, under FSDP2, the dp x cp mesh."""
+    world = launched_world_size()
+    dp = check_layout(world, args.cp_size)
+    kwargs = {}
+    if uses_fsdp() and args.cp_size > 1:
+        from accelerate.parallelism_config import ParallelismConfig
+
+        kwargs["parallelism_config"] = ParallelismConfig(dp_shard_size=dp, cp_size=args.cp_size)
+    accelerator = _accelerator(args, kwargs)
+    if accelerator.is_fsdp2 and accelerator.mixed_precision in ("bf16", "fp16"):
+        # accelerate's default FSDP2 policy reduces gradients in bf16; reduce them in fp32 instead.
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        dt = torch.bfloat16 if accelerator.mixed_precision == "bf16" else torch.float16
+        accelerator.state.fsdp_plugin.mixed_precision_policy = MixedPrecisionPolicy(
+            param_dtype=dt, reduce_dtype=torch.float32, output_dtype=dt
+        )
+    return accelerator
+
+
+def _accelerator(args, kwargs: dict):
+    from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration
+
+    log_with = None if args.report_to == "none" else ("all" if args.report_to == "all" else [args.report_to])
+    return Accelerator(
+        # Without CUDA, accelerate would run one non-distributed process per launched process; cpu=True
+        # makes the launched processes one gloo group (MULTI_CPU, DDP).
+        cpu=not torch.cuda.is_available(),
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        mixed_precision=args.mixed_precision,
+        log_with=log_with,
+        project_config=ProjectConfiguration(
+            project_dir=args.output_dir, logging_dir=os.path.join(args.output_dir, args.logging_dir)
+        ),
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.collective_timeout))],
+        **kwargs,
+    )
+
+
+def make_layout(accelerator, cp_size: int, timeout_s: float) -> Layout:
+    world, rank = accelerator.num_processes, accelerator.process_index
+    dp = check_layout(world, cp_size)
+    cp.comm.set_timeout(timedelta(seconds=timeout_s))
+    group = None
+    if cp_size > 1:
+        mesh = getattr(accelerator, "torch_device_mesh", None)
+        if mesh is not None and "cp" in mesh.mesh_dim_names:
+            group = mesh["cp"].get_group()
+        else:
+            # Every rank creates every group, in the same order (a torch.distributed rule).
+            for d in range(dp):
+                g = dist.new_group(list(range(d * cp_size, (d + 1) * cp_size)), timeout=timedelta(seconds=timeout_s))
+                if d == rank // cp_size:
+                    group = g
+        members = dist.get_process_group_ranks(group)
+        expected = list(range((rank // cp_size) * cp_size, (rank // cp_size + 1) * cp_size))
+        if members != expected:  # the data sampler assumes dp_rank = rank // cp
+            raise RuntimeError(f"CP group of rank {rank} is {members}, expected neighbouring ranks {expected}")
+    return Layout(world, rank, cp_size, dp, rank // cp_size, rank % cp_size, group)
+
+
+def check_tokens(args) -> None:
+    """Image and text token counts must split evenly over the CP group (flags only, before any GPU work)."""
+    n = args.cp_size
+    if n == 1:
+        return
+    if args.max_sequence_length % n:
+        raise UsageError(
+            f"--max_sequence_length {args.max_sequence_length} (text tokens) is not divisible by --cp_size {n}: "
+            f"use {args.max_sequence_length // n * n or n} or another CP size"
+        )
+    for flag, res in (("--resolution", args.resolution), ("--validation_resolution", args.validation_resolution)):
+        if args.aspect_buckets and flag == "--resolution":
+            continue  # every bucket is chosen with a token count divisible by the CP size
+        tokens = (res // 16) ** 2
+        if tokens % n:
+            ok = [r for r in range(res - 256, res + 257, 16) if r > 0 and ((r // 16) ** 2) % n == 0]
+            raise UsageError(
+                f"{flag} {res} gives {tokens} image tokens, not divisible by --cp_size {n}: use "
+                f"{min(ok, key=lambda r: abs(r - res)) if ok else 'another resolution'} or another CP size"
+            )
+
+
+def choose_cp_mode(args, heads: int, cp_size: int) -> tuple[str, int | None]:
+    """Resolve --cp_mode (auto: see cp_auto_rule in README/benchmarks) and check it against the model."""
+    mode, u = args.cp_mode, args.ulysses_size
+    if cp_size == 1:
+        return "ring", None
+    if mode == "auto":
+        mode, u = auto_mode(heads, cp_size)
+    try:
+        u = cp.validate((1, cp_size, heads, 1), cp_size, mode, u)
+    except ValueError as e:
+        raise UsageError(f"--cp_mode {args.cp_mode}: {e}") from None
+    return mode, u
+
+
+def auto_mode(heads: int, cp_size: int) -> tuple[str, int | None]:
+    """Ulysses when the heads divide over the group (fewer, larger messages); otherwise the largest
+    Ulysses degree that divides both, with a ring across; else ring."""
+    if heads % cp_size == 0:
+        return "ulysses", None
+    for u in range(cp_size - 1, 1, -1):
+        if cp_size % u == 0 and heads % u == 0:
+            return "hybrid", u
+    return "ring", None
+
+
+def all_ranks_ok(ok: bool, message: str, device: torch.device) -> None:
+    """Collective check: if any rank failed, every rank raises the same UsageError (no rank is left
+    waiting in a later collective). Messages of failing ranks are joined."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        if not ok:
+            raise UsageError(message)
+        return
+    flag = torch.tensor([0 if ok else 1], device=device)
+    dist.all_reduce(flag)
+    if flag.item() == 0:
+        return
+    messages: list = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, None if ok else message)
+    unique = list(dict.fromkeys(m for m in messages if m))
+    raise UsageError("; ".join(unique))

@@ -1,0 +1,64 @@
+"""How `train_flux_cp.py` ends: exit codes and one clear line per failure instead of a traceback for
+anything the user can fix; a named rank and cause when a peer fails."""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from collections.abc import Callable
+
+from .errors import EXIT_NONFINITE, EXIT_PEER_FAILED, EXIT_USAGE, UsageError
+
+
+class NonFiniteError(Exception):
+    """The loss or gradient norm became NaN/inf (every rank sees the same reduced values)."""
+
+
+_PEER_SIGNS = (
+    "timed out",
+    "timeout",
+    "connection closed",
+    "connection reset",
+    "broken pipe",
+    "nccl",
+    "peer",
+    "socket",
+    "gloo",
+)
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def run(main: Callable[[], int]) -> int:
+    rank = _rank()
+    try:
+        return main()
+    except UsageError as e:
+        # Usage errors are raised identically on every rank (deterministic checks, or agreed through a
+        # collective): print once.
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
+    except NonFiniteError as e:
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return EXIT_NONFINITE
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # noqa: BLE001
+        text = f"{type(e).__name__}: {e}"
+        if any(s in text.lower() for s in _PEER_SIGNS):
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            print(
+                f"error: [rank {rank}] a collective operation failed ({first}). Another rank crashed, raised or "
+                "stopped responding: the launcher's summary and that rank's log name the cause.",
+                file=sys.stderr,
+                flush=True,
+            )
+            return EXIT_PEER_FAILED
+        print(f"error: [rank {rank}] {text}", file=sys.stderr, flush=True)
+        traceback.print_exc()
+        return 1

@@ -1,0 +1,60 @@
+"""Run train_flux_cp.py as users do: `accelerate launch` for several processes, plain python for one."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "train_flux_cp.py"
+CPU_CONFIG = ROOT / "accelerate_configs" / "cpu_cp2.yaml"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env(**extra: str) -> dict:
+    e = dict(os.environ)
+    e.update(
+        {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+    )
+    e.update(extra)
+    return e
+
+
+def train(nproc: int, *args: str, timeout: float = 600, extra_env: dict | None = None) -> subprocess.CompletedProcess:
+    if nproc == 1:
+        cmd = [sys.executable, str(SCRIPT), *args]
+    else:
+        cmd = [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            str(CPU_CONFIG),
+            "--num_processes",
+            str(nproc),
+            "--main_process_port",
+            str(free_port()),
+            str(SCRIPT),
+            *args,
+        ]
+    return subprocess.run(cmd, cwd=ROOT, env=env(**(extra_env or {})), capture_output=True, text=True, timeout=timeout)
+
+
+def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    out, err = result.stdout[-4000:], result.stderr[-8000:]
+    assert result.returncode == 0, f"exit {result.returncode}\n--- stdout\n{out}\n--- stderr\n{err}"
+    return result
+
+
+def losses(output_dir: str | Path) -> list[float]:
+    with open(Path(output_dir) / "metrics.jsonl") as f:
+        return [json.loads(line)["loss"] for line in f if line.strip()]
