@@ -54,6 +54,16 @@ from flux_cp.runner import NonFiniteError, run
 logger = logging.getLogger("flux_cp")
 
 
+def clip_grad_norm(accelerator, params: list[torch.nn.Parameter], max_norm: float) -> float:
+    """Global gradient norm of the trainable parameters, clipped to `max_norm` (<= 0: no clipping).
+    (accelerate's clip_grad_norm_ under FSDP2 only handles the whole model's parameters, not LoRA's.)"""
+    from torch.distributed.tensor import DTensor
+
+    accelerator.unscale_gradients()
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
+    return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.plan:
@@ -115,8 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
     mode, ulysses_size = choose_cp_mode(args, config["num_attention_heads"], layout.cp)
+    # Installed at cp=1 too: its block kernels (cuDNN on Hopper) beat diffusers' default SDPA path.
+    cp.apply_context_parallel(transformer, layout.cp_group, mode=mode, ulysses_size=ulysses_size)
     if layout.cp > 1:
-        cp.apply_context_parallel(transformer, layout.cp_group, mode=mode, ulysses_size=ulysses_size)
         logger.info(
             f"context parallel: {mode}"
             + (f" (ulysses {ulysses_size})" if ulysses_size else "")
@@ -223,11 +234,9 @@ def main(argv: list[str] | None = None) -> int:
                 accelerator.backward(loss)
                 loss_sum += loss.detach().double()
                 if accelerator.sync_gradients:
-                    max_norm = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
-                    grad_norm = accelerator.clip_grad_norm_(params, max_norm)
+                    grad_norm = clip_grad_norm(accelerator, params, args.max_grad_norm)
         fault.maybe_fail(step)
         step_loss = accelerator.reduce(loss_sum / accum, reduction="mean").item()
-        grad_norm = float(grad_norm)
         if not (math.isfinite(step_loss) and math.isfinite(grad_norm)):
             if args.on_nonfinite == "stop":
                 raise NonFiniteError(

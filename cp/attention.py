@@ -51,6 +51,7 @@ def validate(shape: tuple[int, ...], group_size_: int, mode: str, ulysses_size: 
     return u
 
 
+@torch.compiler.disable  # communication and custom autograd: torch.compile stops here and resumes after
 def attention(
     query: Tensor,
     key: Tensor,

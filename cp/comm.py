@@ -147,27 +147,46 @@ def set_timeout(timeout: timedelta | None) -> None:
     _TIMEOUT = timeout
 
 
-def hybrid_groups(group: ProcessGroup, ulysses_size: int) -> tuple[ProcessGroup, ProcessGroup]:
-    """(ulysses group, ring group) for the hybrid mode: Ulysses inside blocks of `ulysses_size`
-    neighbouring ranks, ring across the blocks among ranks at the same position in their block.
+def create_hybrid_groups(cp_groups: list[list[int]], ulysses_size: int) -> None:
+    """Create the Ulysses and ring sub-groups of every CP group in `cp_groups` (global ranks).
 
-    Created once per (group, ulysses_size) with local synchronisation, so only the members of
-    `group` take part (other CP groups of a dp x cp layout need not call this in step).
+    Every rank of the default group must call this with the same arguments: `new_group` is collective
+    over the default group. Ulysses runs inside blocks of `ulysses_size` neighbouring ranks; the ring
+    runs across blocks, among ranks at the same position in their block.
     """
-    ranks = dist.get_process_group_ranks(group)
-    key = (tuple(ranks), ulysses_size)
+    me = dist.get_rank()
+    kw = {"timeout": _TIMEOUT} if _TIMEOUT is not None else {}
+    u = ulysses_size
+    for ranks in cp_groups:
+        key = (tuple(ranks), u)
+        if key in _SUBGROUPS:
+            continue
+        mine: dict[str, ProcessGroup] = {}
+        for b in range(len(ranks) // u):
+            block = list(ranks[b * u : (b + 1) * u])
+            g = dist.new_group(block, **kw)
+            if me in block:
+                mine["ulysses"] = g
+        for j in range(u):
+            across = list(ranks[j::u])
+            g = dist.new_group(across, **kw)
+            if me in across:
+                mine["ring"] = g
+        if me in ranks:
+            _SUBGROUPS[key] = (mine["ulysses"], mine["ring"])
+
+
+def hybrid_groups(group: ProcessGroup, ulysses_size: int) -> tuple[ProcessGroup, ProcessGroup]:
+    """(ulysses group, ring group) of this rank for the hybrid mode over `group`.
+
+    Made by `create_hybrid_groups`; if it was not called, the first call here makes them for every CP
+    group of the job, which is collective over the default group (in training every rank reaches its
+    first attention call together, so this holds).
+    """
+    key = (tuple(dist.get_process_group_ranks(group)), ulysses_size)
     if key not in _SUBGROUPS:
-        me = dist.get_rank(group)
-        n = len(ranks)
-        u_block = me // ulysses_size
-        u_ranks = [ranks[i] for i in range(u_block * ulysses_size, (u_block + 1) * ulysses_size)]
-        r_ranks = [ranks[i] for i in range(me % ulysses_size, n, ulysses_size)]
-        kw = {"use_local_synchronization": True}
-        if _TIMEOUT is not None:
-            kw["timeout"] = _TIMEOUT
-        # Every member creates its two groups in the same order (ulysses, then ring); hashed names
-        # make the groups agree across ranks that create them in different global orders.
-        u_group = dist.new_group(u_ranks, **kw)
-        r_group = dist.new_group(r_ranks, **kw)
-        _SUBGROUPS[key] = (u_group, r_group)
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, list(key[0]))
+        groups = sorted({tuple(r) for r in everyone})
+        create_hybrid_groups([list(g) for g in groups], ulysses_size)
     return _SUBGROUPS[key]

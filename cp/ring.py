@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from . import kernels
 from .comm import RingComm, group_size
@@ -26,13 +27,15 @@ _KV_TAG, _DKV_TAG = 0, 1
 
 
 def _merge(out: Tensor | None, lse: Tensor | None, blk_out: Tensor, blk_lse: Tensor) -> tuple[Tensor, Tensor]:
-    """Merge a block's (out, lse) into the running (out, lse); out and lse in the accumulation dtype."""
-    blk_out = blk_out.to(blk_lse.dtype)
+    """Merge a block's (out, lse) into the running (out, lse). The first block is kept as the kernel gave
+    it (no copy when there is only one); merged results are in the LSE's dtype (fp32, or fp64).
+    out' = out - w (out - blk) with w = sigmoid(lse_blk - lse), lse' = lse - logsigmoid(lse - lse_blk)."""
     if out is None:
         return blk_out, blk_lse
-    new_lse = torch.logaddexp(lse, blk_lse)
-    out = out * torch.exp(lse - new_lse).unsqueeze(-1) + blk_out * torch.exp(blk_lse - new_lse).unsqueeze(-1)
-    return out, new_lse
+    w = torch.sigmoid(blk_lse - lse).unsqueeze(-1)
+    out = out.to(blk_lse.dtype)
+    out = out - w * (out - blk_out.to(blk_lse.dtype))
+    return out, lse - F.logsigmoid(lse - blk_lse)
 
 
 class RingAttention(torch.autograd.Function):

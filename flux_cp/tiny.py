@@ -32,6 +32,21 @@ TRANSFORMER_CONFIG = dict(
 )
 
 
+# FLUX.1-dev's transformer config (black-forest-labs/FLUX.1-dev, transformer/config.json).
+FLUX1_DEV_TRANSFORMER = dict(
+    patch_size=1,
+    in_channels=64,
+    num_layers=19,
+    num_single_layers=38,
+    attention_head_dim=128,
+    num_attention_heads=24,
+    joint_attention_dim=4096,
+    pooled_projection_dim=768,
+    guidance_embeds=True,
+    axes_dims_rope=(16, 56, 56),
+)
+
+
 def tiny_transformer(seed: int = 0, **overrides):
     """A randomly initialised tiny `FluxTransformer2DModel` (fp32)."""
     from diffusers import FluxTransformer2DModel
@@ -79,8 +94,11 @@ def _t5_tokenizer():
     return T5TokenizerFast(vocab=pieces, extra_ids=0, model_max_length=512)
 
 
-def build_tiny_pipeline(seed: int = 0):
-    """All components of a tiny FluxPipeline, fp32, on CPU."""
+def build_tiny_pipeline(
+    seed: int = 0, clip_dim: int = 32, t5_dim: int = 32, latent_channels: int | None = None, transformer: bool = True
+):
+    """All components of a tiny FluxPipeline, fp32, on CPU. The dims let the encoders feed a transformer of
+    another size (the flux1-dev-shapes preset); `transformer=False` leaves the transformer out."""
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
@@ -90,12 +108,12 @@ def build_tiny_pipeline(seed: int = 0):
         text_encoder = CLIPTextModel(
             CLIPTextConfig(
                 vocab_size=len(tokenizer),
-                hidden_size=32,
+                hidden_size=clip_dim,
                 intermediate_size=64,
                 num_hidden_layers=2,
                 num_attention_heads=4,
                 max_position_embeddings=77,
-                projection_dim=32,
+                projection_dim=clip_dim,
                 bos_token_id=tokenizer.bos_token_id,
                 eos_token_id=tokenizer.eos_token_id,
                 pad_token_id=tokenizer.pad_token_id,
@@ -104,7 +122,7 @@ def build_tiny_pipeline(seed: int = 0):
         text_encoder_2 = T5EncoderModel(
             T5Config(
                 vocab_size=len(tokenizer_2),
-                d_model=32,
+                d_model=t5_dim,
                 d_kv=8,
                 d_ff=64,
                 num_layers=2,
@@ -123,7 +141,7 @@ def build_tiny_pipeline(seed: int = 0):
             up_block_types=("UpDecoderBlock2D",) * 4,
             block_out_channels=(8, 16, 16, 16),
             layers_per_block=1,
-            latent_channels=TRANSFORMER_CONFIG["in_channels"] // 4,
+            latent_channels=latent_channels or TRANSFORMER_CONFIG["in_channels"] // 4,
             norm_num_groups=4,
             sample_size=128,
             scaling_factor=0.3611,
@@ -131,7 +149,7 @@ def build_tiny_pipeline(seed: int = 0):
             use_quant_conv=False,
             use_post_quant_conv=False,
         )
-    transformer = tiny_transformer(seed)
+    transformer = tiny_transformer(seed) if transformer else None
     scheduler = FlowMatchEulerDiscreteScheduler(
         num_train_timesteps=1000,
         shift=3.0,
@@ -180,3 +198,50 @@ def ensure_tiny_pipeline(path: str | os.PathLike | None = None) -> Path:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return path
+
+
+def write_flux1_dev_shapes(path: str | os.PathLike) -> Path:
+    """A pipeline folder whose transformer/config.json is FLUX.1-dev's (no transformer weights: train with
+    `--transformer_init random`), with tiny VAE and text encoders of the matching output sizes (16 latent
+    channels, CLIP 768, T5 4096). For benchmarks and equivalence runs at FLUX.1 size without downloads."""
+    import json
+
+    from diffusers import FluxTransformer2DModel
+
+    path = Path(path)
+    pipe = build_tiny_pipeline(clip_dim=768, t5_dim=4096, latent_channels=16, transformer=False)
+    for name in ("vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "scheduler"):
+        getattr(pipe, name).save_pretrained(path / name)
+    with torch.device("meta"):
+        meta = FluxTransformer2DModel(**FLUX1_DEV_TRANSFORMER)
+    meta.save_config(path / "transformer")
+    index = {"_class_name": "FluxPipeline", "_diffusers_version": __import__("diffusers").__version__}
+    for name, obj in [
+        ("scheduler", pipe.scheduler),
+        ("text_encoder", pipe.text_encoder),
+        ("text_encoder_2", pipe.text_encoder_2),
+        ("tokenizer", pipe.tokenizer),
+        ("tokenizer_2", pipe.tokenizer_2),
+        ("vae", pipe.vae),
+        ("transformer", meta),
+    ]:
+        lib = "diffusers" if type(obj).__module__.startswith("diffusers") else "transformers"
+        index[name] = [lib, type(obj).__name__]
+    with open(path / "model_index.json", "w") as f:
+        json.dump(index, f, indent=2)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(description="Build a local Flux pipeline folder (no downloads).")
+    p.add_argument("--preset", choices=("tiny", "flux1-dev-shapes"), default="tiny")
+    p.add_argument("--out", required=True)
+    a = p.parse_args(argv)
+    print(ensure_tiny_pipeline(a.out) if a.preset == "tiny" else write_flux1_dev_shapes(a.out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

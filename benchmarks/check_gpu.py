@@ -1,0 +1,235 @@
+"""GPU exactness check in bf16: cp.attention (cuDNN block kernel) and a Flux transformer with CP against an
+fp32 reference without CP, for CP sizes 2 and 4 and every mode. The bf16 error of CP should be that of
+plain bf16 attention (also reported), and within 2e-2 of the fp32 reference.
+
+    torchrun --nproc_per_node 4 benchmarks/check_gpu.py --out results/check.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import cp  # noqa: E402
+from benchmarks.bench_attention import modes_for  # noqa: E402
+from benchmarks.common import environment, group_of, init, write_json  # noqa: E402
+
+
+def rel_max(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+def rel_norm(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def attention_checks(rank, world, device, tokens, heads, head_dim, dtype) -> list[dict]:
+    rows = []
+    for s in tokens:
+        g = torch.Generator().manual_seed(s)
+        q, k, v, do = (torch.randn(1, s, heads, head_dim, generator=g).to(device) for _ in range(4))
+        ref = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        ro = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in ref)).transpose(1, 2)
+        ro.backward(do)
+        refs = [ro.detach(), *(t.grad for t in ref)]
+        # plain bf16 attention on one GPU, for scale
+        loc = [t.to(dtype).requires_grad_(True) for t in (q, k, v)]
+        lo = cp.attention(*loc, group=None)
+        lo.backward(do.to(dtype))
+        base = [lo.detach(), *(t.grad for t in loc)]
+        rows.append(
+            {
+                "check": "attention",
+                "tokens": s,
+                "cp": 1,
+                "mode": "none",
+                "rel_max": max(rel_max(a, b) for a, b in zip(base, refs)),
+                "rel_norm": max(rel_norm(a, b) for a, b in zip(base, refs)),
+            }
+        )
+        for n in [n for n in (2, 4, 8) if n <= world]:
+            group = group_of(n)
+            if rank >= n:
+                continue
+            for mode, u in modes_for(n, heads):
+                loc = [cp.shard(t, 1, group).to(dtype).requires_grad_(True) for t in (q, k, v)]
+                out = cp.attention(*loc, group=group, mode=mode, ulysses_size=u)
+                out.backward(cp.shard(do, 1, group).to(dtype))
+                got = [out.detach(), *(t.grad for t in loc)]
+                exp = [cp.shard(t, 1, group) for t in refs]
+                row = {
+                    "check": "attention",
+                    "tokens": s,
+                    "cp": n,
+                    "mode": mode,
+                    "ulysses": u,
+                    "rel_max": max(rel_max(a, b) for a, b in zip(got, exp)),
+                    "rel_norm": max(rel_norm(a, b) for a, b in zip(got, exp)),
+                }
+                t = torch.tensor([row["rel_max"], row["rel_norm"]], device=device)
+                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+                row["rel_max"], row["rel_norm"] = t.tolist()
+                rows.append(row)
+    return rows
+
+
+def model_checks(rank, world, device, dtype, heads=24, head_dim=128, rope=(16, 56, 56)) -> list[dict]:
+    """Flux transformer with FLUX.1-dev attention dims (24 x 128), 2 double + 2 single blocks, LoRA."""
+    from peft import LoraConfig
+
+    from flux_cp.flow import image_ids, pack_latents, text_ids
+    from flux_cp.tiny import tiny_transformer
+
+    def build():
+        m = tiny_transformer(
+            seed=0,
+            num_attention_heads=heads,
+            attention_head_dim=head_dim,
+            axes_dims_rope=rope,
+            joint_attention_dim=256,
+            pooled_projection_dim=64,
+            in_channels=64,
+        )
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(1)
+            m.add_adapter(
+                LoraConfig(
+                    r=16,
+                    lora_alpha=16,
+                    init_lora_weights="gaussian",
+                    target_modules=["to_q", "to_k", "to_v", "to_out.0"],
+                )
+            )
+            for name, p in m.named_parameters():
+                if "lora_B" in name:
+                    with torch.no_grad():
+                        p.normal_(std=0.02)
+        m.requires_grad_(True)
+        return m.to(device)
+
+    g = torch.Generator().manual_seed(5)
+    lat_h = lat_w = 64  # 1024 image tokens
+    inputs = dict(
+        hidden_states=pack_latents(torch.randn(1, 16, lat_h, lat_w, generator=g)).to(device),
+        encoder_hidden_states=torch.randn(1, 512, 256, generator=g).to(device),
+        pooled_projections=torch.randn(1, 64, generator=g).to(device),
+        timestep=torch.tensor([0.7], device=device),
+        guidance=torch.tensor([3.5], device=device),
+        img_ids=image_ids(lat_h, lat_w, device=device),
+        txt_ids=text_ids(512, device=device),
+    )
+    target = torch.randn(1, (lat_h // 2) * (lat_w // 2), 64, generator=g).to(device)
+    ref = build()
+    out_ref = ref(**inputs).sample
+    F.mse_loss(out_ref, target).backward()
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+
+    def run(n, group, mode, u):
+        model = build().to(dtype)
+        for name, p in model.named_parameters():
+            if "lora" in name:
+                p.data = p.data.float()
+        model.enable_gradient_checkpointing()
+        if n > 1:
+            cp.apply_context_parallel(model, group, mode=mode, ulysses_size=u)
+        local = dict(inputs)
+        for key, dim in (("hidden_states", 1), ("encoder_hidden_states", 1), ("img_ids", 0), ("txt_ids", 0)):
+            local[key] = cp.shard(inputs[key], dim, group)
+        with torch.autocast(device.type, dtype=dtype):
+            out = model(**local).sample
+        F.mse_loss(out.float(), cp.shard(target, 1, group)).backward()
+        grads = {}
+        for name, p in model.named_parameters():
+            grad = p.grad.float()
+            if group is not None:
+                dist.all_reduce(grad, group=group)
+                grad /= n
+            grads[name] = grad
+        return cp.gather(out.detach().float(), 1, group), grads
+
+    # bf16 without CP, on every rank: CP in bf16 should match it as closely as bf16 rounding allows.
+    base_out, base_grads = run(1, None, "ring", None)
+    rows = [
+        {
+            "check": "model",
+            "cp": 1,
+            "mode": "none",
+            "out_vs_fp32_rel_max": rel_max(base_out, out_ref),
+            "out_vs_fp32_rel_norm": rel_norm(base_out, out_ref),
+            "grad_vs_fp32_rel_norm_median": sorted(rel_norm(base_grads[k], ref_grads[k]) for k in ref_grads)[
+                len(ref_grads) // 2
+            ],
+        }
+    ]
+    for n in [n for n in (2, 4, 8) if n <= world]:
+        group = group_of(n)
+        if rank >= n:
+            continue
+        for mode, u in modes_for(n, heads):
+            out, grads = run(n, group, mode, u)
+            vs_base = sorted(rel_norm(grads[k], base_grads[k]) for k in grads)
+            vs_ref = sorted(rel_norm(grads[k], ref_grads[k]) for k in grads)
+            rows.append(
+                {
+                    "check": "model",
+                    "cp": n,
+                    "mode": mode,
+                    "ulysses": u,
+                    "out_vs_fp32_rel_max": rel_max(out, out_ref),
+                    "out_vs_fp32_rel_norm": rel_norm(out, out_ref),
+                    "out_vs_bf16_nocp_rel_norm": rel_norm(out, base_out),
+                    "grad_vs_fp32_rel_norm_median": vs_ref[len(vs_ref) // 2],
+                    "grad_vs_bf16_nocp_rel_norm_median": vs_base[len(vs_base) // 2],
+                    "grad_vs_bf16_nocp_rel_norm_max": vs_base[-1],
+                }
+            )
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--tokens", type=int, nargs="*", default=[4608, 16896])
+    p.add_argument("--smoke", action="store_true")
+    args = p.parse_args()
+    rank, world, device = init()
+    dtype = torch.bfloat16
+    for n in [n for n in (2, 4, 8) if n <= world]:
+        group_of(n)
+        for mode, u in modes_for(n, 24):
+            if mode == "hybrid":
+                cp.comm.create_hybrid_groups([list(range(n))], u)
+    heads, head_dim = (24, 128) if not args.smoke else (24, 8)
+    rows = attention_checks(rank, world, device, args.tokens, heads, head_dim, dtype)
+    if args.smoke:
+        rows += model_checks(rank, world, device, dtype, heads=4, head_dim=16, rope=(4, 6, 6))
+    else:
+        rows += model_checks(rank, world, device, dtype)
+    if rank == 0:
+        for r in rows:
+            print(r, flush=True)
+        from cp import kernels
+
+        write_json(
+            args.out,
+            {
+                "check": "bf16 vs fp32 reference",
+                "env": environment(),
+                "kernels": kernels.chosen_kernels(),
+                "rows": rows,
+            },
+        )
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
