@@ -75,6 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     check_layout(launched_world_size(), args.cp_size)
     check_tokens(args)
 
+    # Before any process group: transformers' save_pretrained writes weights only on rank 0 once
+    # torch.distributed is up, so the tiny default must be built (by whichever process locks first) now.
+    path = model_path(args)
     accelerator = make_accelerator(args)
     layout = make_layout(accelerator, args.cp_size, args.collective_timeout)
     device = accelerator.device
@@ -93,7 +96,6 @@ def main(argv: list[str] | None = None) -> int:
     weight_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
 
     # --- data: encode once (cached), then free the text encoders ----------------------------------------
-    path = model_path(args)
     encoders = load_encoders(args, path, weight_dtype, device)
     noise_scheduler = load_scheduler(args, path)
     source = open_source(args)

@@ -32,6 +32,34 @@ def modes_for(n: int, heads: int) -> list[tuple[str, int | None]]:
     return out
 
 
+def profile(step, device) -> dict:
+    """One profiled step: wall time, and the summed GPU time of compute kernels and of NCCL kernels. If the
+    wall time is close to the compute time, the communication is hidden behind it."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    step()
+    torch.cuda.synchronize(device)
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        torch.cuda.synchronize(device)
+    nccl = compute = 0.0
+    for evt in prof.key_averages():
+        t = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0.0)
+        if "nccl" in evt.key.lower():
+            nccl += t
+        else:
+            compute += t
+    return {
+        "wall_ms": round(start.elapsed_time(end), 3),
+        "compute_kernels_ms": round(compute / 1e3, 3),
+        "nccl_kernels_ms": round(nccl / 1e3, 3),
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -41,6 +69,18 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeat", type=int, default=10)
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU: checks the script only")
+    p.add_argument(
+        "--ulysses_chunks",
+        type=int,
+        nargs="*",
+        default=[2],
+        help="pipeline chunks of the Ulysses mode to measure (FLUX_CP_ULYSSES_CHUNKS)",
+    )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="after timing, profile one step of each CP mode: kernel time vs communication time",
+    )
     args = p.parse_args()
     rank, world, device = init()
     dtype = torch.float32 if args.smoke else torch.bfloat16
@@ -83,7 +123,14 @@ def main() -> None:
             if rank >= n or s % n:
                 continue
             ql, kl, vl, dl = (cp.shard(t, 1, group) for t in (q, k, v, do))
-            for mode, u in modes_for(n, args.heads):
+            variants = [
+                (m, u, c)
+                for m, u in modes_for(n, args.heads)
+                for c in (args.ulysses_chunks if m == "ulysses" else [None])
+            ]
+            for mode, u, chunks in variants:
+                if chunks is not None:
+                    os.environ["FLUX_CP_ULYSSES_CHUNKS"] = str(chunks)
                 qs, ks, vs = (t.detach().requires_grad_(True) for t in (ql, kl, vl))
 
                 def step(mode=mode, u=u, qs=qs, ks=ks, vs=vs, group=group, dl=dl):
@@ -91,19 +138,13 @@ def main() -> None:
                     o.backward(dl)
 
                 tn = max_over_ranks(median(time_fn(step, device, args.warmup, args.repeat, group)), group, device)
+                name = mode + (f"(u={u})" if u else "") + (f"[chunks={chunks}]" if chunks else "")
+                prof = profile(step, device) if args.profile and device.type == "cuda" else None
                 if rank == 0:
-                    rows.append(
-                        {
-                            "tokens": s,
-                            "gpus": n,
-                            "impl": f"{mode}" + (f"(u={u})" if u else ""),
-                            "s": tn,
-                            "efficiency": base / (n * tn) if base else None,
-                        }
-                    )
+                    eff = base / (n * tn) if base else None
+                    rows.append({"tokens": s, "gpus": n, "impl": name, "s": tn, "efficiency": eff, "profile": prof})
                     print(
-                        f"tokens {s:6d} cp={n} {mode:8s} u={u}: {tn * 1e3:8.2f} ms  eff {base / (n * tn):.3f}",
-                        flush=True,
+                        f"tokens {s:6d} cp={n} {name:24s}: {tn * 1e3:8.2f} ms  eff {eff:.3f}  {prof or ''}", flush=True
                     )
         if rank == 0:
             print(

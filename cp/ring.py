@@ -88,8 +88,10 @@ class RingAttention(torch.autograd.Function):
                 RingComm.wait(dkv_works)
                 dkv = dkv_in + blk_dkv
             # Pass the accumulator for the block we hold to the next rank; after the last step it
-            # arrives at its owner.
-            dkv_in, dkv_works = ring.start(dkv, _DKV_TAG)
+            # arrives at its owner, complete, and the owner only rounds it to k's dtype: rounding before
+            # the last hop gives the same result and halves the one transfer nothing can hide (bf16).
+            last = step == n - 1
+            dkv_in, dkv_works = ring.start(dkv.to(k.dtype) if last else dkv, _DKV_TAG)
             if step < n - 1:
                 RingComm.wait(kv_works)
                 kv = next_kv

@@ -2,15 +2,21 @@
 sequence on heads/u heads, all-to-all back. In the hybrid mode the "full" sequence is that of the
 Ulysses block, and the inner attention is a ring across the blocks.
 
-Input/output layout `[batch, seq_local, heads, head_dim]`; the inner attention gets
+Plain Ulysses is pipelined over head chunks: the all-to-all of chunk c+1 (and the return of chunk
+c-1) run on the communication stream while chunk c is computed, in forward and in backward.
+
+Input/output layout `[batch, seq_local, heads, head_dim]`; the attention kernels get
 `[batch, heads/u, seq_local * u, head_dim]`, contiguous.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
+from . import kernels
 from .comm import all_to_all
 from .ring import ring_attention
 
@@ -37,6 +43,107 @@ def _heads_to_seq(out: Tensor, group: dist.ProcessGroup) -> Tensor:
     return x.permute(1, 2, 0, 3, 4).reshape(b, s, u * hu, d)
 
 
+# --- pipelined plain Ulysses -------------------------------------------------------------------------
+
+
+def _send_buffer(ts: list[Tensor], u: int) -> Tensor:
+    """Sequence-sharded `[B, S_l, h, D]` tensors -> a2a send buffer `[u, len(ts), B, h/u, S_l, D]`."""
+    b, s, h, d = ts[0].shape
+    buf = torch.empty((u, len(ts), b, h // u, s, d), dtype=ts[0].dtype, device=ts[0].device)
+    for j, t in enumerate(ts):
+        buf[:, j].copy_(t.reshape(b, s, u, h // u, d).permute(2, 0, 3, 1, 4))
+    return buf
+
+
+def _recv_to_heads(buf: Tensor) -> list[Tensor]:
+    """a2a receive buffer `[u, n, B, h/u, S_l, D]` -> n head-sharded `[B, h/u, u*S_l, D]` tensors."""
+    u, n, b, hu, s, d = buf.shape
+    return [buf[:, j].permute(1, 2, 0, 3, 4).reshape(b, hu, u * s, d) for j in range(n)]
+
+
+def _heads_send_buffer(ts: list[Tensor], u: int) -> Tensor:
+    """Head-sharded `[B, h/u, u*S_l, D]` tensors -> a2a send buffer `[u, n, B, S_l, h/u, D]`."""
+    b, hu, s_full, d = ts[0].shape
+    s = s_full // u
+    buf = torch.empty((u, len(ts), b, s, hu, d), dtype=ts[0].dtype, device=ts[0].device)
+    for j, t in enumerate(ts):
+        buf[:, j].copy_(t.view(b, hu, u, s, d).permute(2, 0, 3, 1, 4))
+    return buf
+
+
+def _recv_to_seq(buf: Tensor, out: list[Tensor], heads: slice) -> None:
+    """a2a receive buffer `[u, n, B, S_l, h/u, D]` -> write into `out[j][:, :, heads]` (`[B, S_l, H, D]`)."""
+    u, n, b, s, hu, d = buf.shape
+    for j in range(n):
+        out[j][:, :, heads].copy_(buf[:, j].permute(1, 2, 0, 3, 4).reshape(b, s, u * hu, d))
+
+
+def _a2a(send: Tensor, group: dist.ProcessGroup):
+    recv = torch.empty_like(send)
+    return recv, dist.all_to_all_single(recv, send, group=group, async_op=True)
+
+
+def _chunks(heads: int, u: int) -> int:
+    """Head chunks of the pipeline: FLUX_CP_ULYSSES_CHUNKS (default 2), reduced until each chunk's heads
+    divide over the group."""
+    c = max(1, int(os.environ.get("FLUX_CP_ULYSSES_CHUNKS", "2")))
+    while c > 1 and (heads % c or (heads // c) % u):
+        c -= 1
+    return c
+
+
+class UlyssesAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, scale: float, group: dist.ProcessGroup) -> Tensor:
+        u = dist.get_world_size(group)
+        h = q.shape[2]
+        c = _chunks(h, u)
+        hc = h // c
+        heads = [slice(i * hc, (i + 1) * hc) for i in range(c)]
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        pending_in = _a2a(_send_buffer([t[:, :, heads[0]] for t in (q, k, v)], u), group)
+        pending_out = []
+        saved = []
+        for i in range(c):
+            recv, work = pending_in
+            if i + 1 < c:  # next chunk's exchange runs while this chunk is computed
+                pending_in = _a2a(_send_buffer([t[:, :, heads[i + 1]] for t in (q, k, v)], u), group)
+            work.wait()
+            qh, kh, vh = _recv_to_heads(recv)
+            o, lse, kernel, aux = kernels.forward(qh, kh, vh, scale)
+            o = o.to(q.dtype)
+            saved += [qh, kh, vh, o, lse]
+            ctx.kernel, ctx.aux = kernel, aux
+            pending_out.append((_a2a(_heads_send_buffer([o], u), group), heads[i]))
+        for (recv, work), hs in pending_out:
+            work.wait()
+            _recv_to_seq(recv, [out], hs)
+        ctx.save_for_backward(*saved)
+        ctx.scale, ctx.group, ctx.heads, ctx.u = scale, group, heads, u
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: Tensor):
+        u, heads, group = ctx.u, ctx.heads, ctx.group
+        saved = ctx.saved_tensors
+        dq, dk, dv = (torch.empty(dout.shape, dtype=dout.dtype, device=dout.device) for _ in range(3))
+        pending_in = _a2a(_send_buffer([dout[:, :, heads[0]]], u), group)
+        pending_out = []
+        for i in range(len(heads)):
+            recv, work = pending_in
+            if i + 1 < len(heads):
+                pending_in = _a2a(_send_buffer([dout[:, :, heads[i + 1]]], u), group)
+            work.wait()
+            (doh,) = _recv_to_heads(recv)
+            qh, kh, vh, o, lse = saved[5 * i : 5 * i + 5]
+            grads = kernels.backward(ctx.kernel, doh, qh, kh, vh, o, lse, ctx.scale, ctx.aux)
+            pending_out.append((_a2a(_heads_send_buffer([g.to(dout.dtype) for g in grads], u), group), heads[i]))
+        for (recv, work), hs in pending_out:
+            work.wait()
+            _recv_to_seq(recv, [dq, dk, dv], hs)
+        return dq, dk, dv, None, None
+
+
 def ulysses_attention(
     q: Tensor,
     k: Tensor,
@@ -45,7 +152,10 @@ def ulysses_attention(
     scale: float,
     ring_group: dist.ProcessGroup | None = None,
 ) -> Tensor:
-    """Ulysses over `group`; the inner attention is a ring over `ring_group` (None: local attention)."""
+    """Ulysses over `group`; the inner attention is a ring over `ring_group` (None: local attention,
+    pipelined over head chunks)."""
+    if ring_group is None:
+        return UlyssesAttention.apply(q, k, v, scale, group)
     qkv = _seq_to_heads(torch.stack([q, k, v]), group)
     out = ring_attention(qkv[0], qkv[1], qkv[2], ring_group, scale)
     return _heads_to_seq(out, group)

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 
 class UsageError(Exception):
-    """A bad flag, layout, data set or resume folder: the message says what to change."""
+    """A bad flag, layout, data set or resume folder: the message says what to change.
+
+    `agreed`: every rank raised this same error (through a collective check), so one rank prints it.
+    Errors raised before the process group exists are deterministic and count as agreed too."""
+
+    def __init__(self, message: str, agreed: bool = False):
+        super().__init__(message)
+        self.agreed = agreed
 
 
 EXIT_USAGE = 2

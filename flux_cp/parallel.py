@@ -184,4 +184,4 @@ def all_ranks_ok(ok: bool, message: str, device: torch.device) -> None:
     messages: list = [None] * dist.get_world_size()
     dist.all_gather_object(messages, None if ok else message)
     unique = list(dict.fromkeys(m for m in messages if m))
-    raise UsageError("; ".join(unique))
+    raise UsageError("; ".join(unique), agreed=True)

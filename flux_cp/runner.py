@@ -28,6 +28,12 @@ _PEER_SIGNS = (
 )
 
 
+def _distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
 def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
@@ -37,10 +43,14 @@ def run(main: Callable[[], int]) -> int:
     try:
         return main()
     except UsageError as e:
-        # Usage errors are raised identically on every rank (deterministic checks, or agreed through a
-        # collective): print once.
+        if os.environ.get("FLUX_CP_DEBUG"):
+            traceback.print_exc()
+        # Agreed errors (and those raised before the process group exists, which every rank raises alike)
+        # are printed once; an error of one rank alone is printed by that rank, named.
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
+        elif not e.agreed and _distributed():
+            print(f"error: [rank {rank}] {e}", file=sys.stderr, flush=True)
         return EXIT_USAGE
     except NonFiniteError as e:
         if rank == 0:
