@@ -213,9 +213,9 @@ def main(argv: list[str] | None = None) -> int:
 
     bar = tqdm(range(max_steps), initial=start_step, desc="steps", disable=not layout.is_main, dynamic_ncols=True)
     accum = args.gradient_accumulation_steps
-    batches = Batches(
-        data, schedule, layout, args, noise_scheduler, encoders.vae.config, bool(config.get("guidance_embeds")), device
-    )
+    guidance = bool(config.get("guidance_embeds"))
+    vae_config = encoders.vae.config
+    batches = Batches(data, schedule, layout, args, noise_scheduler, vae_config, guidance, device, weight_dtype)
     model.train()
     for step in range(start_step + 1, max_steps + 1):
         loss_sum = torch.zeros((), device=device, dtype=torch.float64)

@@ -99,9 +99,16 @@ def prepare_ours(model, args, world, device):
     if world > 1:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        # Blocks do not cast their inputs (FSDP would cast the fp32 RoPE tables in the forward but not in the
+        # recomputation of gradient checkpointing); the root casts the model inputs, as the training script's
+        # batch builder does.
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.bfloat16)
+        blocks_mp = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.bfloat16,
+            cast_forward_inputs=False,
+        )  # fmt: skip
         for block in [*model.transformer_blocks, *model.single_transformer_blocks]:
-            fully_shard(block, mp_policy=mp, reshard_after_forward=args.reshard_after_forward)
+            fully_shard(block, mp_policy=blocks_mp, reshard_after_forward=args.reshard_after_forward)
         fully_shard(model, mp_policy=mp)
     return group
 

@@ -33,21 +33,13 @@ class MicroBatch:
 
 
 class Batches:
-    def __init__(
-        self,
-        data,
-        schedule: BatchSchedule,
-        layout,
-        args,
-        noise_scheduler,
-        vae_config,
-        guidance: bool,
-        device: torch.device,
-    ):
+    def __init__(self, data, schedule: BatchSchedule, layout, args, noise_scheduler, vae_config, guidance: bool,
+                 device: torch.device, input_dtype: torch.dtype = torch.float32):  # fmt: skip
         self.data, self.schedule, self.layout, self.args = data, schedule, layout, args
         self.noise_scheduler = noise_scheduler
         self.shift, self.scale = vae_config.shift_factor or 0.0, vae_config.scaling_factor
         self.guidance, self.device = guidance, device
+        self.input_dtype = input_dtype  # the transformer's compute dtype (inputs are cast here, not by FSDP)
 
     def slots(self) -> range:
         """Positions of this rank's samples in the global batch (a CP group shares its dp rank's slice)."""
@@ -76,10 +68,11 @@ class Batches:
         noisy = (1.0 - sigmas) * latents + sigmas * noise
         h, w = latents.shape[-2:]
         embeds = stack["prompt_embeds"]
+        dt = self.input_dtype
         inputs = dict(
-            hidden_states=cp.shard(pack_latents(noisy), 1, group),
-            encoder_hidden_states=cp.shard(embeds, 1, group),
-            pooled_projections=stack["pooled_prompt_embeds"],
+            hidden_states=cp.shard(pack_latents(noisy), 1, group).to(dt),
+            encoder_hidden_states=cp.shard(embeds, 1, group).to(dt),
+            pooled_projections=stack["pooled_prompt_embeds"].to(dt),
             timestep=draws["timesteps"].to(dev) / 1000.0,
             img_ids=cp.shard(image_ids(h, w, device=dev), 0, group),
             txt_ids=cp.shard(text_ids(embeds.shape[1], device=dev), 0, group),

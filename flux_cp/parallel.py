@@ -71,12 +71,15 @@ def make_accelerator(args):
         kwargs["parallelism_config"] = ParallelismConfig(dp_shard_size=dp, cp_size=args.cp_size)
     accelerator = _accelerator(args, kwargs)
     if accelerator.is_fsdp2 and accelerator.mixed_precision in ("bf16", "fp16"):
-        # accelerate's default FSDP2 policy reduces gradients in bf16; reduce them in fp32 instead.
+        # accelerate's default FSDP2 policy reduces gradients in bf16; reduce them in fp32 instead. And do not
+        # let FSDP cast block inputs: it casts the fp32 RoPE tables in the forward but not in the recomputation
+        # of gradient checkpointing, which then fails (seen on H200s, torch 2.11). The model inputs are cast to
+        # bf16 by the batch builder instead, and the RoPE tables stay fp32 as without FSDP.
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         dt = torch.bfloat16 if accelerator.mixed_precision == "bf16" else torch.float16
         accelerator.state.fsdp_plugin.mixed_precision_policy = MixedPrecisionPolicy(
-            param_dtype=dt, reduce_dtype=torch.float32, output_dtype=dt
+            param_dtype=dt, reduce_dtype=torch.float32, output_dtype=dt, cast_forward_inputs=False
         )
     return accelerator
 
