@@ -138,11 +138,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.compile:
         for block in [*transformer.transformer_blocks, *transformer.single_transformer_blocks]:
             block.compile()
-    params = [p for _, p in trainable_parameters(transformer)]
     lr = args.learning_rate * (global_batch * args.gradient_accumulation_steps if args.scale_lr else 1)
     optimizer = torch.optim.AdamW(
-        params, lr=lr, betas=(args.adam_beta1, args.adam_beta2), weight_decay=args.adam_weight_decay,
-        eps=args.adam_epsilon,
+        [p for _, p in trainable_parameters(transformer)], lr=lr, betas=(args.adam_beta1, args.adam_beta2),
+        weight_decay=args.adam_weight_decay, eps=args.adam_epsilon,
     )  # fmt: skip
     steps_per_epoch = schedule.batches_per_epoch // args.gradient_accumulation_steps
     if steps_per_epoch == 0 and args.max_train_steps is None:
@@ -158,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
         num_training_steps=max_steps, num_cycles=args.lr_num_cycles, power=args.lr_power,
     )  # fmt: skip
     model, optimizer = accelerator.prepare(transformer, optimizer)
+    # After prepare: FSDP2 replaces the parameters with sharded ones (the optimizer is remapped by accelerate;
+    # a list taken before would clip and measure gradients that no longer exist).
+    params = [p for p in model.parameters() if p.requires_grad]
 
     # --- resume -----------------------------------------------------------------------------------------
     run_identity = {

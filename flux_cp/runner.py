@@ -34,6 +34,14 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def _is_peer_failure(e: BaseException) -> bool:
+    import torch.distributed as dist
+
+    names = ("DistError", "DistBackendError", "DistNetworkError")
+    dist_errors = tuple(getattr(dist, n) for n in names if hasattr(dist, n))
+    return isinstance(e, dist_errors) or (isinstance(e, RuntimeError) and any(s in str(e).lower() for s in _PEER_SIGNS))
+
+
 def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
@@ -60,7 +68,7 @@ def run(main: Callable[[], int]) -> int:
         return 130
     except Exception as e:  # noqa: BLE001
         text = f"{type(e).__name__}: {e}"
-        if any(s in text.lower() for s in _PEER_SIGNS):
+        if _is_peer_failure(e):
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             print(
                 f"error: [rank {rank}] a collective operation failed ({first}). Another rank crashed, raised or "
