@@ -194,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
             "flux-cp", config={k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))}
         )
     metrics = MetricsLog(args.output_dir, start_step, layout.is_main)
+    if device.type == "cuda":  # peak memory of training, not of loading and initialisation
+        torch.cuda.reset_peak_memory_stats(device)
 
     def validate(step: int) -> None:
         images = validation.generate(

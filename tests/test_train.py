@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from flux_cp.metrics import read_metrics
 from tests.launch import losses, ok, train
 
 
@@ -67,6 +68,8 @@ def test_single_process_matches_cp2(tmp_path):
     ok(train(1, *_common(tmp_path, "one", 10, *args)))
     ok(train(2, *_common(tmp_path, "cp2", 10, "--cp_size", "2", "--cp_mode", "ulysses", *args)))
     _assert_same_trajectory(tmp_path / "one", tmp_path / "cp2")
+    rows = read_metrics(tmp_path / "cp2" / "metrics.jsonl")
+    assert all(r["grad_norm"] > 0 for r in rows), "gradient norm not measured"
 
 
 def test_lora_loads_into_flux_pipeline_and_changes_its_output(tmp_path):
