@@ -131,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     cp.apply_context_parallel(transformer, layout.cp_group, mode=mode, ulysses_size=ulysses_size)
     if layout.cp > 1:
         logger.info(
-            f"context parallel: {mode}"
+            ("auto-chosen " if args.cp_mode == "auto" else "")
+            + f"context parallel: {mode}"
             + (f" (ulysses {ulysses_size})" if ulysses_size else "")
             + f" over {layout.cp} ranks"
         )

@@ -2,8 +2,9 @@
 sequence on heads/u heads, all-to-all back. In the hybrid mode the "full" sequence is that of the
 Ulysses block, and the inner attention is a ring across the blocks.
 
-Plain Ulysses is pipelined over head chunks: the all-to-all of chunk c+1 (and the return of chunk
-c-1) run on the communication stream while chunk c is computed, in forward and in backward.
+Plain Ulysses can be pipelined over head chunks (FLUX_CP_ULYSSES_CHUNKS > 1): the all-to-all of chunk c+1
+(and the return of chunk c-1) then run on the communication stream while chunk c is computed, in forward
+and in backward. One chunk is the default (see `_chunks`).
 
 Input/output layout `[batch, seq_local, heads, head_dim]`; the attention kernels get
 `[batch, heads/u, seq_local * u, head_dim]`, contiguous.
@@ -84,9 +85,10 @@ def _a2a(send: Tensor, group: dist.ProcessGroup):
 
 
 def _chunks(heads: int, u: int) -> int:
-    """Head chunks of the pipeline: FLUX_CP_ULYSSES_CHUNKS (default 2), reduced until each chunk's heads
-    divide over the group."""
-    c = max(1, int(os.environ.get("FLUX_CP_ULYSSES_CHUNKS", "2")))
+    """Head chunks of the pipeline: FLUX_CP_ULYSSES_CHUNKS, reduced until each chunk's heads divide over the
+    group. Default 1: on H200s, 2 chunks gained 2% at 16,896 tokens on 2 GPUs and lost 2-15% elsewhere
+    (docs/benchmarks.md), the all-to-all being short next to the copies a chunk adds."""
+    c = max(1, int(os.environ.get("FLUX_CP_ULYSSES_CHUNKS", "1")))
     while c > 1 and (heads % c or (heads // c) % u):
         c -= 1
     return c

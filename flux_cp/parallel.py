@@ -149,12 +149,12 @@ def check_tokens(args) -> None:
 
 
 def choose_cp_mode(args, heads: int, cp_size: int) -> tuple[str, int | None]:
-    """Resolve --cp_mode (auto: see cp_auto_rule in README/benchmarks) and check it against the model."""
+    """Resolve --cp_mode (auto: `auto_mode`) and check it against the model; a UsageError if it cannot work."""
     mode, u = args.cp_mode, args.ulysses_size
     if cp_size == 1:
         return "ring", None
     if mode == "auto":
-        mode, u = auto_mode(heads, cp_size)
+        mode, u = auto_mode(heads, cp_size, (args.resolution // 16) ** 2 + args.max_sequence_length)
     try:
         u = cp.validate((1, cp_size, heads, 1), cp_size, mode, u)
     except ValueError as e:
@@ -162,9 +162,20 @@ def choose_cp_mode(args, heads: int, cp_size: int) -> tuple[str, int | None]:
     return mode, u
 
 
-def auto_mode(heads: int, cp_size: int) -> tuple[str, int | None]:
-    """Ulysses when the heads divide over the group (fewer, larger messages); otherwise the largest
-    Ulysses degree that divides both, with a ring across; else ring."""
+def auto_mode(heads: int, cp_size: int, tokens: int) -> tuple[str, int | None]:
+    """The CP mode for `tokens` per sequence, by the H200 measurements in docs/benchmarks.md:
+
+    - 2 ranks and up to 8,192 tokens (1024 px): ring. Its K/V transfer overlaps the block compute, while
+      Ulysses' all-to-alls block (LoRA step at 1024 px: ring 0.815 s, Ulysses 0.893 s; attention at
+      4,608 tokens: 3.00 against 3.11 ms).
+    - otherwise Ulysses when the heads divide over the group: fewer, larger messages (2048 px step: 2.065
+      against 2.129 s on 2 GPUs; attention at 4 ranks: 3.09 / 6.86 / 90.2 ms against ring's 6.52 / 10.5 /
+      95.6 ms at 4,608 / 16,896 / 66,048 tokens).
+    - else hybrid with the largest Ulysses degree dividing both (at 4 ranks it sits between the two at
+      every size), else ring.
+    """
+    if cp_size == 2 and tokens <= 8192:
+        return "ring", None
     if heads % cp_size == 0:
         return "ulysses", None
     for u in range(cp_size - 1, 1, -1):
