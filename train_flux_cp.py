@@ -294,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
                 meta,
                 layout.is_main,
                 args.checkpoints_total_limit,
+                fault,
             )
             logger.info(f"saved {saved}")
         if timer.elapsed_since_lap() > dt:  # validation or a checkpoint ran: keep it out of the next step's time

@@ -102,7 +102,15 @@ def _state(model, optimizer):
 
 
 def save(
-    output_dir: str, step: int, model, optimizer, lr_scheduler, meta: dict, is_main: bool, total_limit: int | None
+    output_dir: str,
+    step: int,
+    model,
+    optimizer,
+    lr_scheduler,
+    meta: dict,
+    is_main: bool,
+    total_limit: int | None,
+    fault=None,
 ) -> Path:
     """Write checkpoint-`step` atomically; every rank calls it. Returns the final folder."""
     import torch.distributed.checkpoint as dcp
@@ -117,6 +125,8 @@ def save(
     error = None
     try:
         dcp.save(_state(model, optimizer), checkpoint_id=str(partial / "state"))
+        if fault is not None:
+            fault.during_save(step)
         if is_main:
             torch.save({"lr_scheduler": lr_scheduler.state_dict(), "rng": torch.get_rng_state()}, partial / "train.pt")
             with open(partial / "meta.json", "w") as f:
@@ -132,7 +142,8 @@ def save(
         raise UsageError(
             f"writing checkpoint-{step} failed ({error or 'on another rank'}); nothing was renamed, "
             + (f"{prev[-1][1]} is intact" if prev else "no earlier checkpoint exists")
-            + ". Free disk space or choose another --output_dir, then resume."
+            + ". Free disk space or choose another --output_dir, then resume.",
+            agreed=True,
         )
     if is_main:
         if final.exists():  # same step written again after a resume: replace it atomically enough

@@ -77,7 +77,9 @@ class ImageSource:
             data = self.raw_bytes(i) if data is None else data
             img = Image.open(io.BytesIO(data))
             img.load()
-        except (OSError, UnidentifiedImageError, ValueError) as e:
+        except UnidentifiedImageError:
+            raise UsageError(f"cannot read image {self.where(i)}: not an image format PIL can decode") from None
+        except (OSError, ValueError) as e:  # truncated or unreadable file
             raise UsageError(f"cannot read image {self.where(i)}: {e}") from None
         return img.convert("RGB")
 
@@ -153,7 +155,15 @@ def _hub_dataset(args) -> ImageSource:
 
 
 def open_source(args) -> ImageSource:
-    """The data set named by the flags (bundled default, local folder, or hub id); never empty."""
+    """The data set named by the flags (bundled default, local folder, or hub id); never empty. Every rank
+    reads the same listing, so its errors are the same on every rank (printed once)."""
+    try:
+        return _open_source(args)
+    except UsageError as e:
+        raise UsageError(str(e), agreed=True) from None
+
+
+def _open_source(args) -> ImageSource:
     name = args.dataset_name
     if name is None:
         source = ImageSource(_local_folder(BUNDLED_DATA, "text", args.instance_prompt), "bundled:tiny_shapes")

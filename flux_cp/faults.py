@@ -1,7 +1,9 @@
 """Deliberate failures for the reliability tests: `FLUX_CP_FAULT="rank=1,step=3,kind=raise"`.
 
 kind: raise (an exception), exit (the process dies with code 1), kill (SIGKILL to itself), hang (stops
-answering collectives), nan (that rank's loss becomes NaN). Unset in normal runs: every hook is a no-op.
+answering collectives), nan (that rank's loss becomes NaN), kill_in_save (SIGKILL while checkpoint `step` is
+half written: shards on disk, no meta.json, not renamed), enospc_in_save (the checkpoint write fails with
+"No space left on device"). Unset in normal runs: every hook is a no-op.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import time
 
 import torch
 
-KINDS = ("raise", "exit", "kill", "hang", "nan")
+KINDS = ("raise", "exit", "kill", "hang", "nan", "kill_in_save", "enospc_in_save")
 
 
 class Fault:
@@ -36,6 +38,16 @@ class Fault:
             os.kill(os.getpid(), signal.SIGKILL)
         while True:  # hang
             time.sleep(60)
+
+
+    def during_save(self, step: int) -> None:
+        """Called by checkpoint.save between writing the shards and writing meta.json."""
+        if self._now(step, ("kill_in_save",)):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self._now(step, ("enospc_in_save",)):
+            import errno
+
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "checkpoint shard")
 
 
 def from_env(rank: int) -> Fault:

@@ -141,10 +141,12 @@ def check_tokens(args) -> None:
             continue  # every bucket is chosen with a token count divisible by the CP size
         tokens = (res // 16) ** 2
         if tokens % n:
-            ok = [r for r in range(res - 256, res + 257, 16) if r > 0 and ((r // 16) ** 2) % n == 0]
+            ok = [r for r in range(16, res + 33 * 16, 16) if ((r // 16) ** 2) % n == 0]
+            below, above = [r for r in ok if r < res], [r for r in ok if r > res]
+            options = " or ".join(str(r) for r in (below[-1:] + above[:1]))
             raise UsageError(
-                f"{flag} {res} gives {tokens} image tokens, not divisible by --cp_size {n}: use "
-                f"{min(ok, key=lambda r: abs(r - res)) if ok else 'another resolution'} or another CP size"
+                f"{flag} {res} gives {tokens} image tokens, not divisible by --cp_size {n}: use {options}, "
+                "or another CP size"
             )
 
 
@@ -158,7 +160,7 @@ def choose_cp_mode(args, heads: int, cp_size: int) -> tuple[str, int | None]:
     try:
         u = cp.validate((1, cp_size, heads, 1), cp_size, mode, u)
     except ValueError as e:
-        raise UsageError(f"--cp_mode {args.cp_mode}: {e}") from None
+        raise UsageError(f"--cp_mode {args.cp_mode}: {e}", agreed=True) from None  # same on every rank
     return mode, u
 
 

@@ -28,6 +28,17 @@ _PEER_SIGNS = (
 )
 
 
+def _say(message: str) -> None:
+    """One line on stderr, clear of a progress bar that may be drawing there."""
+    try:
+        from tqdm.auto import tqdm
+
+        tqdm.write(message, file=sys.stderr)
+    except ImportError:  # pragma: no cover
+        print(message, file=sys.stderr)
+    sys.stderr.flush()
+
+
 def _distributed() -> bool:
     import torch.distributed as dist
 
@@ -56,13 +67,13 @@ def run(main: Callable[[], int]) -> int:
         # Agreed errors (and those raised before the process group exists, which every rank raises alike)
         # are printed once; an error of one rank alone is printed by that rank, named.
         if rank == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
+            _say(f"error: {e}")
         elif not e.agreed and _distributed():
-            print(f"error: [rank {rank}] {e}", file=sys.stderr, flush=True)
+            _say(f"error: [rank {rank}] {e}")
         return EXIT_USAGE
     except NonFiniteError as e:
         if rank == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
+            _say(f"error: {e}")
         return EXIT_NONFINITE
     except KeyboardInterrupt:
         return 130
@@ -70,13 +81,11 @@ def run(main: Callable[[], int]) -> int:
         text = f"{type(e).__name__}: {e}"
         if _is_peer_failure(e):
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            print(
+            _say(
                 f"error: [rank {rank}] a collective operation failed ({first}). Another rank crashed, raised or "
-                "stopped responding: the launcher's summary and that rank's log name the cause.",
-                file=sys.stderr,
-                flush=True,
+                "stopped responding: the launcher's summary and that rank's log name the cause."
             )
             return EXIT_PEER_FAILED
-        print(f"error: [rank {rank}] {text}", file=sys.stderr, flush=True)
+        _say(f"error: [rank {rank}] {text}")
         traceback.print_exc()
         return 1

@@ -1,0 +1,221 @@
+"""Every bad input tried: how to provoke it and the message it must get. Used by tests/test_bad_inputs.py
+and by tools/bad_inputs_table.py, which writes docs/bad_inputs.md from the actual runs."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from flux_cp.data import BUNDLED_DATA
+
+
+@dataclass
+class Case:
+    name: str
+    what: str  # the bad input, as a user would describe it
+    nproc: int
+    args: Callable[[Path], list[str]]  # flags, given a scratch folder (set up there by the callable)
+    expect: str  # substring of the error message
+    env: dict = field(default_factory=dict)
+
+
+def _images(folder: Path, n: int = 3, captions: bool = True, column: str = "text") -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i, src in enumerate(sorted(BUNDLED_DATA.glob("*.png"))[:n]):
+        (folder / src.name).write_bytes(src.read_bytes())
+        rows.append({"file_name": src.name, column: f"shape {i}"})
+    if captions:
+        (folder / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder
+
+
+def _garbage_image(t: Path) -> list[str]:
+    folder = _images(t / "data")
+    (folder / "broken.png").write_bytes(b"this is not a PNG file")
+    with open(folder / "metadata.jsonl", "a") as f:
+        f.write(json.dumps({"file_name": "broken.png", "text": "broken"}) + "\n")
+    return ["--dataset_name", str(folder)]
+
+
+def _corrupt_seed(t: Path) -> list[str]:
+    t.mkdir(parents=True, exist_ok=True)
+    (t / "seed.safetensors").write_bytes(b"\x00" * 64)
+    return ["--seed_checkpoint", str(t / "seed.safetensors")]
+
+
+def _foreign_seed(t: Path) -> list[str]:
+    t.mkdir(parents=True, exist_ok=True)
+    save_file({"some.other.weight": torch.zeros(2)}, t / "seed.safetensors")
+    return ["--seed_checkpoint", str(t / "seed.safetensors")]
+
+
+def _not_a_checkpoint(t: Path) -> list[str]:
+    (t / "checkpoint-7").mkdir(parents=True, exist_ok=True)
+    return ["--resume_from_checkpoint", str(t / "checkpoint-7")]
+
+
+def _foreign_checkpoint(t: Path) -> list[str]:
+    ckpt = t / "checkpoint-3"
+    ckpt.mkdir(parents=True, exist_ok=True)
+    meta = {"format": 1, "step": 3, "layout": "world 1 = dp 1 x cp 1", "run": {"rank": 4, "full_finetune": False}}
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+    return ["--resume_from_checkpoint", str(ckpt), "--rank", "8"]
+
+
+CASES = [
+    Case(
+        "cp_size_not_dividing_world",
+        "--cp_size 3 with 2 launched processes",
+        2,
+        lambda t: ["--cp_size", "3"],
+        "--cp_size 3 does not divide the 2 launched processes: choose --cp_size from [1, 2]",
+    ),
+    Case(
+        "image_tokens_not_divisible",
+        "a resolution whose image tokens do not split over the CP group",
+        2,
+        lambda t: ["--cp_size", "2", "--resolution", "48"],
+        "--resolution 48 gives 9 image tokens, not divisible by --cp_size 2: use 32 or 64",
+    ),
+    Case(
+        "text_tokens_not_divisible",
+        "a T5 length that does not split over the CP group",
+        2,
+        lambda t: ["--cp_size", "2", "--max_sequence_length", "31"],
+        "--max_sequence_length 31 (text tokens) is not divisible by --cp_size 2: use 30",
+    ),
+    Case(
+        "unknown_cp_mode",
+        "an unknown CP mode",
+        1,
+        lambda t: ["--cp_mode", "sideways"],
+        "argument --cp_mode: invalid choice: 'sideways'",
+    ),
+    Case(
+        "hybrid_without_ulysses_size",
+        "--cp_mode hybrid without --ulysses_size",
+        1,
+        lambda t: ["--cp_mode", "hybrid"],
+        "--cp_mode hybrid needs --ulysses_size",
+    ),
+    Case(
+        "ulysses_heads_not_divisible",
+        "Ulysses over 3 ranks with a 4-head model",
+        3,
+        lambda t: ["--cp_size", "3", "--cp_mode", "ulysses", "--resolution", "48", "--max_sequence_length", "30"],
+        "4 attention heads are not divisible by the Ulysses size 3",
+    ),
+    Case(
+        "resolution_not_multiple_of_16",
+        "--resolution 100",
+        1,
+        lambda t: ["--resolution", "100"],
+        "--resolution 100 must be a multiple of 16",
+    ),
+    Case(
+        "missing_data_folder",
+        "a data folder that does not exist",
+        1,
+        lambda t: ["--dataset_name", str(t / "no" / "such" / "folder")],
+        "no such folder",
+    ),
+    Case(
+        "images_without_captions",
+        "images with no metadata.jsonl, no .txt and no --instance_prompt",
+        1,
+        lambda t: ["--dataset_name", str(_images(t / "data", captions=False))],
+        "have no caption",
+    ),
+    Case(
+        "missing_caption_column",
+        "metadata.jsonl without the --caption_column",
+        1,
+        lambda t: ["--dataset_name", str(_images(t / "data", column="caption"))],
+        "has no caption column 'text'",
+    ),
+    Case("unreadable_image", "a file named .png that is not an image", 1, _garbage_image, "cannot read image"),
+    Case(
+        "empty_data_folder",
+        "an empty data folder",
+        1,
+        lambda t: (t / "empty").mkdir(parents=True) or ["--dataset_name", str(t / "empty")],
+        "no images",
+    ),
+    Case(
+        "batch_larger_than_data",
+        "a global batch larger than the data set",
+        1,
+        lambda t: ["--train_batch_size", "100"],
+        "no global batch can be formed",
+    ),
+    Case(
+        "missing_resume_folder",
+        "--resume_from_checkpoint of a folder that does not exist",
+        1,
+        lambda t: ["--resume_from_checkpoint", str(t / "nope")],
+        "no such checkpoint folder",
+    ),
+    Case(
+        "resume_folder_not_a_checkpoint",
+        "--resume_from_checkpoint of a folder without meta.json",
+        1,
+        _not_a_checkpoint,
+        "is not a complete checkpoint (no meta.json)",
+    ),
+    Case(
+        "resume_incompatible_run",
+        "resuming a checkpoint written with another LoRA rank",
+        1,
+        _foreign_checkpoint,
+        "comes from an incompatible run",
+    ),
+    Case(
+        "corrupt_seed_checkpoint",
+        "a --seed_checkpoint file that is not safetensors",
+        1,
+        _corrupt_seed,
+        "cannot be read",
+    ),
+    Case(
+        "foreign_seed_checkpoint",
+        "a --seed_checkpoint written for other weights",
+        1,
+        _foreign_seed,
+        "was written for other trainable weights",
+    ),
+    Case(
+        "unknown_lora_layers",
+        "--lora_layers naming no module",
+        1,
+        lambda t: ["--lora_layers", "attn.to_zz"],
+        "--lora_layers ['attn.to_zz'] match no module",
+    ),
+    Case(
+        "missing_model",
+        "a model folder that does not exist",
+        1,
+        lambda t: ["--pretrained_model_name_or_path", str(t / "no_model")],
+        "cannot load vae from --pretrained_model_name_or_path",
+    ),
+    Case(
+        "non_positive_timeout",
+        "--collective_timeout 0",
+        1,
+        lambda t: ["--collective_timeout", "0"],
+        "--collective_timeout must be positive",
+    ),
+    Case(
+        "disk_full_while_saving",
+        "the disk fills up while a checkpoint is written (ENOSPC injected)",
+        2,
+        lambda t: ["--cp_size", "2", "--max_train_steps", "4", "--checkpointing_steps", "2"],
+        "No space left on device",
+        env={"FLUX_CP_FAULT": "rank=0,step=4,kind=enospc_in_save"},
+    ),
+]
