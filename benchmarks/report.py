@@ -27,14 +27,25 @@ def load_model_rows(folder: Path) -> tuple[list[dict], dict]:
         for run in runs:
             env = env or run.get("env", {})
             for row in run["rows"]:
-                rows.append({**row, "source": os.path.basename(path), "argv": " ".join(run.get("argv", [])),
-                             "matmul_peak_tflops": run.get("matmul_peak_tflops")})
+                rows.append(
+                    {
+                        **row,
+                        "source": os.path.basename(path),
+                        "argv": " ".join(run.get("argv", [])),
+                        "matmul_peak_tflops": run.get("matmul_peak_tflops"),
+                    }
+                )
     return rows, env
 
 
 def best(rows: list[dict], **match) -> dict | None:
-    cands = [r for r in rows if all(r.get(k) == v for k, v in match.items()) and r.get("s_per_step") == r.get(
-        "s_per_step") and r.get("error") is None]
+    cands = [
+        r
+        for r in rows
+        if all(r.get(k) == v for k, v in match.items())
+        and r.get("s_per_step") == r.get("s_per_step")
+        and r.get("error") is None
+    ]
     return min(cands, key=lambda r: r["s_per_step"]) if cands else None
 
 
@@ -45,10 +56,17 @@ def render_benchmarks(folder: Path, out_json: Path) -> None:
     t1 = {res: best(rows, impl="ours", cp=1, dp=1, res=res) for res in (1024, 2048, 4096)}
     for r in rows:
         base = t1.get(r["res"])
-        r["efficiency_vs_our_1gpu"] = (base["s_per_step"] / (r["gpus"] * r["s_per_step"])) if base and r[
-            "samples_per_step"] == 1 else None
-    summary = {"name": folder.name, "env": env, "attention_env": attention["env"], "kernels": attention["kernels"],
-               "attention": attention["rows"], "model": rows}
+        r["efficiency_vs_our_1gpu"] = (
+            (base["s_per_step"] / (r["gpus"] * r["s_per_step"])) if base and r["samples_per_step"] == 1 else None
+        )
+    summary = {
+        "name": folder.name,
+        "env": env,
+        "attention_env": attention["env"],
+        "kernels": attention["kernels"],
+        "attention": attention["rows"],
+        "model": rows,
+    }
     out_json.write_text(json.dumps(summary, indent=1))
 
     lines = [
@@ -90,12 +108,17 @@ def render_benchmarks(folder: Path, out_json: Path) -> None:
         "|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
     for r in sorted(rows, key=lambda r: (r["train"], r["res"], r["gpus"], r["impl"] != "ours", r["mode"])):
-        name = ("ours " if r["impl"] == "ours" else "diffusers ") + r["mode"] + (" (full FT)" if r["train"] == "full"
-                                                                                  else "")
+        name = (
+            ("ours " if r["impl"] == "ours" else "diffusers ")
+            + r["mode"]
+            + (" (full FT)" if r["train"] == "full" else "")
+        )
         eff = f"{r['efficiency_vs_our_1gpu']:.2f}" if r.get("efficiency_vs_our_1gpu") else ""
         mfu = f"{r['mfu']:.0%}" if r.get("mfu") else ""
-        lines.append(f"| {r['res']} | {r['gpus']} | {name} | {r['s_per_step']:.3f} | {r['tokens_per_s_per_gpu']:.0f} "
-                     f"| {mfu} | {r['peak_mem_gib']:.1f} | {eff} |")
+        lines.append(
+            f"| {r['res']} | {r['gpus']} | {name} | {r['s_per_step']:.3f} | {r['tokens_per_s_per_gpu']:.0f} "
+            f"| {mfu} | {r['peak_mem_gib']:.1f} | {eff} |"
+        )
     lines += ["", "![speed-up](benchmarks.png)", ""]
     lines += targets(attention["rows"], rows)
     plot(attention["rows"], rows, DOCS / "benchmarks.png")
@@ -106,8 +129,10 @@ def targets(att: list[dict], rows: list[dict]) -> list[str]:
     """The issue's targets, each with its measured value and verdict."""
 
     def a(tokens, gpus):
-        return max((r["efficiency"] for r in att if r["tokens"] == tokens and r["gpus"] == gpus and r.get(
-            "efficiency")), default=None)
+        return max(
+            (r["efficiency"] for r in att if r["tokens"] == tokens and r["gpus"] == gpus and r.get("efficiency")),
+            default=None,
+        )
 
     t1 = {res: best(rows, impl="ours", cp=1, dp=1, res=res) for res in (1024, 2048)}
     ours2 = {res: best(rows, impl="ours", gpus=2, dp=1, res=res, train="lora") for res in (1024, 2048)}
@@ -177,8 +202,12 @@ def plot(att_rows: list[dict], rows: list[dict], out: Path) -> None:
     tokens = sorted({r["tokens"] for r in att_rows})
     for n, marker in ((2, "o"), (4, "s")):
         for impl in ("ring", "ulysses[chunks=1]"):
-            pts = [(t, r["efficiency"]) for t in tokens for r in att_rows
-                   if r["tokens"] == t and r["gpus"] == n and r["impl"] == impl]
+            pts = [
+                (t, r["efficiency"])
+                for t in tokens
+                for r in att_rows
+                if r["tokens"] == t and r["gpus"] == n and r["impl"] == impl
+            ]
             if pts:
                 b.plot(*zip(*pts), marker=marker, label=f"cp={n} {impl}")
     b.set_xscale("log")

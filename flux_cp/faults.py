@@ -39,7 +39,6 @@ class Fault:
         while True:  # hang
             time.sleep(60)
 
-
     def during_save(self, step: int) -> None:
         """Called by checkpoint.save between writing the shards and writing meta.json."""
         if self._now(step, ("kill_in_save",)):

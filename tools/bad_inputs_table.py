@@ -26,8 +26,16 @@ def main() -> int:
         for case in CASES:
             t = Path(tmp) / case.name
             args = case.args(t)
-            base = ["--output_dir", str(t / "out"), "--cache_dir", str(Path(tmp) / "cache"), "--report_to", "none",
-                    "--max_train_steps", "2"]
+            base = [
+                "--output_dir",
+                str(t / "out"),
+                "--cache_dir",
+                str(Path(tmp) / "cache"),
+                "--report_to",
+                "none",
+                "--max_train_steps",
+                "2",
+            ]
             start = time.monotonic()
             r = train(case.nproc, *base, *args, timeout=300, extra_env=case.env)
             took = time.monotonic() - start

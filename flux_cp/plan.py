@@ -1,0 +1,152 @@
+"""`train_flux_cp.py --plan`: per-GPU memory of a configuration before anything heavy is loaded, and the
+smallest CP size that fits.
+
+Weights, gradients and AdamW state are counted exactly from the transformer's config (the model is built on
+the meta device, with the LoRA adapters the flags would add). Activations are counted in units of one
+token's hidden state in bf16 (2 x D bytes per token). Without checkpointing a double block keeps
+DOUBLE_BLOCK_UNITS and a single block SINGLE_BLOCK_UNITS (what autograd saves, counted on CPU by
+tests/test_plan.py); with checkpointing every block keeps its input (1 unit) and the block being recomputed
+peaks at BLOCK_PEAK_UNITS. BLOCK_PEAK_UNITS was fitted to one measured peak (FLUX.1-dev, LoRA, 2048 px,
+one H200); the other measured peaks in benchmarks/results check the whole estimate (tests/test_plan.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+GIB = 2**30
+BLOCK_PEAK_UNITS = 34.0  # fitted: 31.0 GiB measured at 2048 px, LoRA, cp=1 (benchmarks/results/2026-11-29-h200x4)
+DOUBLE_BLOCK_UNITS = 37.7  # saved by autograd per token, bf16, LoRA; counted by tests/test_plan.py
+SINGLE_BLOCK_UNITS = 25.9
+FSDP_GATHERED_BLOCKS = 2  # the block being computed and the one prefetched
+
+
+@dataclass
+class Estimate:
+    weights: float
+    grads: float
+    optimizer: float
+    activations: float
+    activations_without_ckpt: float
+    activations_with_ckpt: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optimizer + self.activations
+
+
+def count_parameters(config: dict, lora_rank: int | None, lora_layers: list[str]) -> tuple[int, int, int]:
+    """(all base parameters, trainable parameters, parameters of the largest block), exact, on the meta device."""
+    from diffusers import FluxTransformer2DModel
+
+    with torch.device("meta"):
+        model = FluxTransformer2DModel.from_config(config)
+        base = sum(p.numel() for p in model.parameters())
+        block = max(
+            sum(p.numel() for p in b.parameters())
+            for b in [*model.transformer_blocks, *model.single_transformer_blocks]
+        )
+        if lora_rank is None:
+            return base, base, block
+        from peft import LoraConfig
+
+        model.add_adapter(LoraConfig(r=lora_rank, lora_alpha=lora_rank, target_modules=lora_layers))
+        trainable = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
+    return base, trainable, block
+
+
+def estimate(
+    config: dict,
+    *,
+    tokens: int,
+    batch: int,
+    lora_rank: int | None,
+    lora_layers: list[str],
+    world: int,
+    cp: int,
+    checkpointing: bool,
+    weight_bytes: int = 2,
+    fsdp: bool | None = None,
+) -> Estimate:
+    """Bytes per GPU. `tokens` per sample (image + text); FSDP (default: world > 1) shards weights, gradients
+    and optimizer state over all `world` ranks; each rank holds tokens / cp of each of its `batch` samples."""
+    base, trainable, block = count_parameters(config, lora_rank, lora_layers)
+    fsdp = world > 1 if fsdp is None else fsdp
+    shard = world if fsdp else 1
+    frozen = base - trainable if lora_rank is not None else 0
+    weights = frozen * weight_bytes / shard + trainable * 4 / shard
+    if fsdp:
+        weights += FSDP_GATHERED_BLOCKS * block * weight_bytes
+    grads = trainable * 4 / shard
+    optimizer = 2 * trainable * 4 / shard
+    d = config["num_attention_heads"] * config["attention_head_dim"]
+    blocks = config["num_layers"] + config["num_single_layers"]
+    unit = batch * math.ceil(tokens / cp) * d * 2
+    with_ckpt = unit * (blocks + BLOCK_PEAK_UNITS)
+    without = unit * (config["num_layers"] * DOUBLE_BLOCK_UNITS + config["num_single_layers"] * SINGLE_BLOCK_UNITS)
+    return Estimate(weights, grads, optimizer, with_ckpt if checkpointing else without, without, with_ckpt)
+
+
+def print_plan(args) -> None:
+    from diffusers import FluxTransformer2DModel
+
+    from .model import model_path
+    from .parallel import auto_mode, launched_world_size
+
+    path = model_path(args)
+    config = dict(FluxTransformer2DModel.load_config(path, subfolder="transformer", revision=args.revision))
+    world = launched_world_size()
+    tokens = (args.resolution // 16) ** 2 + args.max_sequence_length
+    lora = None if args.full_finetune else args.rank
+    layers = [t.strip() for t in args.lora_layers.split(",") if t.strip()]
+    gpu = args.gpu_memory_gib or (
+        torch.cuda.get_device_properties(0).total_memory / GIB if torch.cuda.is_available() else 141.0
+    )
+    wb = 4 if args.mixed_precision == "no" else 2
+    print(
+        f"plan: {path}, {args.resolution} px ({tokens} tokens/sample), batch {args.train_batch_size}/rank, "
+        f"{'full fine-tuning' if lora is None else f'LoRA r{lora}'}, {world} process(es), GPU {gpu:.0f} GiB"
+    )
+    print(
+        f"{'cp':>3} {'world':>5} {'weights':>8} {'grads':>7} {'adam':>7} {'act.ckpt':>9} {'act.full':>9} "
+        f"{'total(ckpt)':>12} {'total(no ckpt)':>15}  fits"
+    )
+    fits_at = None
+    sizes = sorted({c for c in (1, 2, 4, 8, 16) if c <= max(world, 8)} | {args.cp_size})
+    for c in sizes:
+        w = max(world, c)
+        e = estimate(
+            config,
+            tokens=tokens,
+            batch=args.train_batch_size,
+            lora_rank=lora,
+            lora_layers=layers,
+            world=w,
+            cp=c,
+            checkpointing=True,
+            weight_bytes=wb,
+        )
+        fixed = e.weights + e.grads + e.optimizer
+        ck, full = (fixed + e.activations_with_ckpt) / GIB, (fixed + e.activations_without_ckpt) / GIB
+        verdict = "yes" if full < 0.9 * gpu else ("with --gradient_checkpointing" if ck < 0.9 * gpu else "no")
+        if verdict != "no" and fits_at is None:
+            fits_at = (c, verdict)
+        print(
+            f"{c:>3} {w:>5} {e.weights / GIB:>8.1f} {e.grads / GIB:>7.1f} {e.optimizer / GIB:>7.1f} "
+            f"{e.activations_with_ckpt / GIB:>9.1f} {e.activations_without_ckpt / GIB:>9.1f} {ck:>12.1f} "
+            f"{full:>15.1f}  {verdict}"
+        )
+    if fits_at is None:
+        print("suggestion: nothing listed fits; use more GPUs (FSDP shards the weights over all of them)")
+        return
+    c, verdict = fits_at
+    mode, u = auto_mode(config["num_attention_heads"], c, tokens) if c > 1 else ("none", None)
+    extra = "" if verdict == "yes" else " --gradient_checkpointing"
+    print(
+        f"suggestion: --cp_size {c}{extra}"
+        + (f" (auto mode: {mode}" + (f", ulysses {u}" if u else "") + ")" if c > 1 else "")
+        + "; figures are estimates within ~15% of measured peaks (GiB per GPU; 10% headroom kept)."
+    )
