@@ -169,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         "lora_alpha": None if args.full_finetune else args.lora_alpha,
         "lora_layers": None if args.full_finetune else args.lora_layers,
         "global_batch": global_batch * args.gradient_accumulation_steps, "data": source.fingerprint(),
-        "resolution": args.resolution, "aspect_buckets": args.aspect_buckets, "seed": args.seed,
+        "resolution": args.resolution, "seed": args.seed,
+        "aspect_buckets": geometry.buckets if args.aspect_buckets else False,
         "max_sequence_length": args.max_sequence_length,
     }  # fmt: skip
     start_step = 0

@@ -232,5 +232,10 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--dataset_name {args.dataset_name}: no such folder")
     if args.resume_from_checkpoint not in (None, "latest") and not os.path.isdir(args.resume_from_checkpoint):
         raise UsageError(f"--resume_from_checkpoint {args.resume_from_checkpoint}: no such checkpoint folder")
+    if args.report_to == "wandb":
+        import importlib.util
+
+        if importlib.util.find_spec("wandb") is None:
+            raise UsageError("--report_to wandb needs the wandb package (pip install wandb), or use tensorboard")
     if args.collective_timeout <= 0:
         raise UsageError("--collective_timeout must be positive (seconds)")

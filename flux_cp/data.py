@@ -179,19 +179,28 @@ def _open_source(args) -> ImageSource:
 # --- crops and buckets --------------------------------------------------------------------------------
 
 
-def bucket_sizes(resolution: int, cp_size: int, max_aspect: float = 2.0) -> list[tuple[int, int]]:
-    """(width, height) buckets of about resolution^2 pixels, multiples of 16 px, whose image-token count
-    (w/16 * h/16) divides by the CP size. Square first."""
+def bucket_divisor(cp_size: int) -> int:
+    """Image-token counts of buckets divide by this: lcm(cp, 8), so that runs with CP sizes 1, 2, 4 and 8 use
+    the same buckets (and so the same data), and every bucket splits evenly over the CP group."""
+    return math.lcm(cp_size, 8)
+
+
+def bucket_sizes(resolution: int, divisor: int, max_aspect: float = 2.0) -> list[tuple[int, int]]:
+    """(width, height) buckets of about resolution^2 pixels (within 25%), multiples of 16 px, widths in steps
+    of 64 px (16 px for small resolutions), whose image-token count (w/16 * h/16) divides by `divisor`.
+    Square (or the nearest to square) first."""
     side = resolution // 16
     area = side * side
+    step = 4 if side >= 32 else 1
     buckets: set[tuple[int, int]] = set()
     for w in range(max(1, math.ceil(side / max_aspect)), int(side * max_aspect) + 1):
+        if (w - side) % step:
+            continue
         h = max(1, round(area / w))
-        # nearest height (by area) whose token count is divisible by cp
-        options = [hh for hh in range(max(1, h - cp_size), h + cp_size + 1) if (w * hh) % cp_size == 0]
+        options = [hh for hh in range(max(1, h - divisor), h + divisor + 1) if (w * hh) % divisor == 0]
         if options:
             hh = min(options, key=lambda x: (abs(w * x - area), x))
-            if 1 / max_aspect <= w / hh <= max_aspect:
+            if 1 / max_aspect <= w / hh <= max_aspect and abs(w * hh - area) <= 0.25 * area:
                 buckets.add((w * 16, hh * 16))
     return sorted(buckets, key=lambda b: (abs(math.log(b[0] / b[1])), b))
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from .data import ImageSource, bucket_sizes, crop_box, nearest_bucket, seeded_generator, to_pixels
+from .data import ImageSource, bucket_divisor, bucket_sizes, crop_box, nearest_bucket, seeded_generator, to_pixels
 from .errors import UsageError
 
 Tensor = torch.Tensor
@@ -96,7 +96,14 @@ class Geometry:
     by the CP size."""
 
     def __init__(self, resolution: int, cp_size: int, aspect_buckets: bool):
-        self.buckets = bucket_sizes(resolution, cp_size) if aspect_buckets else [(resolution, resolution)]
+        self.buckets = (bucket_sizes(resolution, bucket_divisor(cp_size)) if aspect_buckets
+                        else [(resolution, resolution)])  # fmt: skip
+        if not self.buckets:
+            raise UsageError(
+                f"--aspect_buckets: no bucket of about {resolution}^2 pixels has an image-token count divisible by "
+                f"{bucket_divisor(cp_size)} (lcm of --cp_size and 8): use a larger --resolution, or square crops",
+                agreed=True,
+            )
 
     def bucket_of(self, size: tuple[int, int]) -> int:
         return nearest_bucket(size[0], size[1], self.buckets) if len(self.buckets) > 1 else 0

@@ -1,0 +1,170 @@
+"""Cached encodings, aspect buckets, validation images with CP, trackers, the loss-curve command."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from flux_cp.data import BUNDLED_DATA, BatchSchedule, bucket_divisor, bucket_sizes, nearest_bucket
+from flux_cp.metrics import read_metrics
+from tests.launch import ROOT, losses, ok, train
+
+
+def _common(tmp, name, steps, *extra):
+    return [
+        "--output_dir",
+        str(tmp / name),
+        "--report_to",
+        "none",
+        "--max_train_steps",
+        str(steps),
+        "--seed",
+        "2",
+        "--learning_rate",
+        "1e-3",
+        *extra,
+    ]
+
+
+def _computed(result) -> int:
+    m = re.search(r"encodings: \d+ samples, (\d+) newly computed", result.stdout + result.stderr)
+    assert m, result.stderr[-2000:]
+    return int(m.group(1))
+
+
+def test_second_run_reads_the_cache_and_a_changed_caption_recomputes_only_itself(tmp_path):
+    data = tmp_path / "data"
+    shutil.copytree(BUNDLED_DATA, data)
+    cache = ["--cache_dir", str(tmp_path / "cache"), "--dataset_name", str(data)]
+    first = ok(train(2, *_common(tmp_path, "a", 4, "--cp_size", "2", *cache)))
+    assert _computed(first) > 24  # every latent and every distinct caption
+    second = ok(train(2, *_common(tmp_path, "b", 4, "--cp_size", "2", *cache)))
+    assert _computed(second) == 0
+    assert losses(tmp_path / "a") == losses(tmp_path / "b")
+    rows = [json.loads(x) for x in (data / "metadata.jsonl").read_text().splitlines()]
+    rows[0]["text"] = "a completely new caption"
+    (data / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    third = ok(train(1, *_common(tmp_path, "c", 1, *cache)))
+    assert _computed(third) == 1
+    fourth = ok(train(1, *_common(tmp_path, "d", 1, *cache, "--resolution", "80")))
+    assert _computed(fourth) == 24  # a new resolution re-encodes the images, not the captions
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("res", [256, 1024, 2048])
+def test_every_bucket_splits_evenly_over_the_cp_group(cp, res):
+    buckets = bucket_sizes(res, bucket_divisor(cp))
+    assert buckets, "no bucket"
+    assert (res, res) in buckets or ((res // 16) ** 2) % bucket_divisor(cp)
+    if cp in (1, 2, 4, 8):
+        assert buckets == bucket_sizes(res, bucket_divisor(1)), "buckets must not depend on the CP size"
+    for w, h in buckets:
+        assert w % 16 == 0 and h % 16 == 0
+        assert ((w // 16) * (h // 16)) % cp == 0, (w, h)
+        assert 0.75 <= (w * h) / res**2 <= 1.25
+        assert 0.5 <= w / h <= 2.0
+
+
+def test_nearest_bucket_follows_the_aspect_ratio():
+    buckets = bucket_sizes(1024, bucket_divisor(2))
+    wide = buckets[nearest_bucket(1920, 1080, buckets)]
+    tall = buckets[nearest_bucket(1080, 1920, buckets)]
+    assert wide[0] > wide[1] and tall[1] > tall[0]
+    assert abs(wide[0] / wide[1] - 16 / 9) < 0.15
+
+
+def test_batches_never_mix_buckets_and_are_the_same_for_every_rank():
+    buckets = [i % 3 for i in range(50)] + [7] * 3
+    a, b = BatchSchedule(buckets, 4, seed=9), BatchSchedule(buckets, 4, seed=9)
+    assert a.batches_per_epoch == 12  # 17, 17, 16 samples -> 4 + 4 + 4 batches of 4; bucket 7 has too few
+    for epoch in range(3):
+        assert a.epoch(epoch) == b.epoch(epoch)
+        for batch in a.epoch(epoch):
+            assert len({buckets[i] for i in batch}) == 1
+    assert a.epoch(0) != a.epoch(1)
+
+
+def test_aspect_buckets_train_the_same_with_and_without_cp(tmp_path):
+    args = [
+        "--aspect_buckets",
+        "--resolution",
+        "128",
+        "--train_batch_size",
+        "2",
+        "--cache_dir",
+        str(tmp_path / "cache"),
+    ]
+    ok(train(1, *_common(tmp_path, "one", 10, *args)))
+    ok(train(2, *_common(tmp_path, "cp2", 10, "--cp_size", "2", *args)))
+    a, b = losses(tmp_path / "one"), losses(tmp_path / "cp2")
+    assert max(abs(x - y) / abs(y) for x, y in zip(a, b)) < 1e-5
+    sizes = set()
+    for p in BUNDLED_DATA.glob("*.png"):
+        with Image.open(p) as img:
+            sizes.add(round(img.size[0] / img.size[1], 2))
+    assert len(sizes) >= 3, "the bundled set should hold several aspect ratios"
+    from flux_cp.encode import Geometry
+
+    geometry = Geometry(128, 2, True)
+    used = {geometry.bucket_of(Image.open(p).size) for p in BUNDLED_DATA.glob("*.png")}
+    assert len(used) >= 2, f"the test should train on more than one bucket: {geometry.buckets}"
+
+
+def test_validation_images_with_cp_equal_those_without_and_trackers_log(tmp_path):
+    val = [
+        "--validation_prompt",
+        "a red circle",
+        "--validation_prompt",
+        "a blue square",
+        "--num_validation_images",
+        "2",
+        "--validation_inference_steps",
+        "3",
+        "--validation_resolution",
+        "96",
+        "--learning_rate",
+        "0",
+        "--cache_dir",
+        str(tmp_path / "cache"),
+    ]
+    ok(train(1, *_common(tmp_path, "one", 1, *val)))
+    ok(train(2, *[a if a != "none" else "tensorboard" for a in _common(tmp_path, "cp2", 1, "--cp_size", "2", *val)]))
+    one = np.asarray(Image.open(tmp_path / "one" / "validation" / "step-000001.png")).astype(int)
+    two = np.asarray(Image.open(tmp_path / "cp2" / "validation" / "step-000001.png")).astype(int)
+    assert one.shape == (2 * 96, 2 * 96, 3)
+    assert np.abs(one - two).max() <= 1, "CP validation images differ from non-CP ones"
+    assert one.std() > 1, "blank images would make the comparison blind"
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    runs = list((tmp_path / "cp2" / "logs").rglob("events.out.tfevents.*"))
+    tags = {"scalars": set(), "images": set()}
+    for run in runs:
+        acc = EventAccumulator(str(run.parent))
+        acc.Reload()
+        for kind in tags:
+            tags[kind] |= set(acc.Tags().get(kind, []))
+    assert {"loss", "lr", "tokens_per_s", "peak_mem_gib"} <= tags["scalars"], tags
+    assert "validation" in tags["images"], tags
+
+
+def test_loss_curve_command_plots_any_metrics_file(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    metrics.write_text("".join(json.dumps({"step": i, "loss": 1 / i}) + "\n" for i in range(1, 30)))
+    r = subprocess.run(
+        [sys.executable, "-m", "flux_cp.metrics", str(metrics), str(tmp_path / "c.png")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0, r.stderr
+    with Image.open(tmp_path / "c.png") as img:
+        assert img.size[0] > 300
+    assert len(read_metrics(metrics)) == 29
