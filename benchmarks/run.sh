@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The whole GPU benchmark in one command, on a machine with 2-4 (or 8) H200s, from the repository root:
+#   bash benchmarks/run.sh [results-folder-name]
+# Runs the bf16 checks and the attention benchmark, the model-level sets (LoRA at 1024/2048 px; 4096 px,
+# full fine-tuning and --compile), the CP-on/off loss equivalence, then renders docs/benchmarks.md,
+# docs/equivalence.md and their plots from benchmarks/results/<name>/. Needs about 40 minutes of GPU time.
+set -u
+NAME=${1:-$(date +%F)-$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr ' ' '-' | tr 'A-Z' 'a-z')}
+export OUT=benchmarks/results/$NAME
+mkdir -p "$OUT"
+bash benchmarks/gpu_checks.sh
+bash benchmarks/run_model_bench.sh lora
+bash benchmarks/run_model_bench.sh big
+N=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+if [ "$N" -ge 8 ]; then bash benchmarks/equivalence.sh 4 200; elif [ "$N" -ge 4 ]; then bash benchmarks/equivalence.sh 2 200; fi
+python3 benchmarks/report.py "$OUT"
