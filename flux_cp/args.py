@@ -82,7 +82,6 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="Encode every batch on the fly (keeps VAE and text encoders loaded; per-epoch random crops).",
     )
-    g.add_argument("--dataloader_num_workers", type=int, default=0)
 
     g = p.add_argument_group("training")
     g.add_argument("--output_dir", default="flux-cp-output")

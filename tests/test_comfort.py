@@ -168,3 +168,44 @@ def test_loss_curve_command_plots_any_metrics_file(tmp_path):
     with Image.open(tmp_path / "c.png") as img:
         assert img.size[0] > 300
     assert len(read_metrics(metrics)) == 29
+
+
+def test_hub_data_sets_are_read_through_datasets(monkeypatch):
+    """The hub path (no hub here): datasets.load_dataset is replaced by an in-memory data set of the same
+    shape as a hub image/caption set; columns are checked and images come back decoded."""
+    import argparse
+    import io
+
+    import datasets
+
+    from flux_cp.data import open_source
+    from flux_cp.errors import UsageError
+
+    images = []
+    for p in sorted(BUNDLED_DATA.glob("*.png"))[:4]:
+        buf = io.BytesIO(p.read_bytes())
+        images.append({"bytes": buf.getvalue(), "path": None})
+    ds = datasets.Dataset.from_dict({"img": images, "caption": [f"shape {i}" for i in range(4)]})
+    ds = ds.cast_column("img", datasets.Image())
+    calls = []
+    monkeypatch.setattr(datasets, "load_dataset", lambda name, config, split: calls.append((name, split)) or ds)
+
+    def args(**kw):
+        base = dict(
+            dataset_name="someone/shapes",
+            dataset_config_name=None,
+            image_column="img",
+            caption_column="caption",
+            instance_prompt=None,
+        )
+        return argparse.Namespace(**{**base, **kw})
+
+    source = open_source(args())
+    assert calls == [("someone/shapes", "train")] and len(source) == 4
+    assert source.samples[2].caption == "shape 2"
+    assert source.load(1).size == Image.open(sorted(BUNDLED_DATA.glob("*.png"))[1]).size
+    assert open_source(args(instance_prompt="sks shape")).samples[0].caption == "sks shape"
+    with pytest.raises(UsageError, match="--image_column 'image' is not in someone/shapes"):
+        open_source(args(image_column="image"))
+    with pytest.raises(UsageError, match="--caption_column 'text' is not in"):
+        open_source(args(caption_column="text"))

@@ -65,7 +65,9 @@ def test_cp2_matches_data_parallel_only(tmp_path):
 
 def test_single_process_matches_cp2(tmp_path):
     args = ["--learning_rate", "1e-3", "--gradient_accumulation_steps", "2", "--gradient_checkpointing"]
-    ok(train(1, *_common(tmp_path, "one", 10, *args)))
+    ok(train(1, *_common(tmp_path, "one", 10, *args, "--checkpointing_steps", "3", "--checkpoints_total_limit", "2")))
+    kept = sorted(p.name for p in (tmp_path / "one").glob("checkpoint-*"))
+    assert kept == ["checkpoint-10", "checkpoint-9"], kept  # every 3 steps and the last, the newest 2 kept
     ok(train(2, *_common(tmp_path, "cp2", 10, "--cp_size", "2", "--cp_mode", "ulysses", *args)))
     _assert_same_trajectory(tmp_path / "one", tmp_path / "cp2")
     rows = read_metrics(tmp_path / "cp2" / "metrics.jsonl")
