@@ -29,10 +29,8 @@ import cp  # noqa: E402
 from benchmarks.common import environment, init, median, write_json  # noqa: E402
 from flux_cp.flow import image_ids, pack_latents, text_ids  # noqa: E402
 from flux_cp.metrics import flux_flops_per_step, measure_matmul_peak  # noqa: E402
+from flux_cp.tiny import FLUX1_DEV_TRANSFORMER  # noqa: E402
 
-FLUX1_DEV = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
-                 num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
-                 axes_dims_rope=(16, 56, 56))  # fmt: skip
 LORA_ATTENTION = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
 TEXT_TOKENS = 512
 
@@ -40,7 +38,7 @@ TEXT_TOKENS = 512
 def build(args, device, dtype):
     from diffusers import FluxTransformer2DModel
 
-    config = dict(FLUX1_DEV)
+    config = dict(FLUX1_DEV_TRANSFORMER)
     if args.layers:
         config["num_layers"], config["num_single_layers"] = args.layers
     if args.heads:

@@ -29,24 +29,18 @@ def env(**extra: str) -> dict:
     return e
 
 
+def launch_cmd(nproc: int, *args: str, launcher: tuple[str, ...] = ()) -> list[str]:
+    """`accelerate launch` of train_flux_cp.py with the CPU config (plain python for one process)."""
+    if nproc == 1 and not launcher:
+        return [sys.executable, str(SCRIPT), *args]
+    port = () if "--main_process_port" in launcher else ("--main_process_port", str(free_port()))
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CPU_CONFIG),
+            "--num_processes", str(nproc), *port, *launcher, str(SCRIPT), *args]  # fmt: skip
+
+
 def train(nproc: int, *args: str, timeout: float = 600, extra_env: dict | None = None) -> subprocess.CompletedProcess:
-    if nproc == 1:
-        cmd = [sys.executable, str(SCRIPT), *args]
-    else:
-        cmd = [
-            sys.executable,
-            "-m",
-            "accelerate.commands.launch",
-            "--config_file",
-            str(CPU_CONFIG),
-            "--num_processes",
-            str(nproc),
-            "--main_process_port",
-            str(free_port()),
-            str(SCRIPT),
-            *args,
-        ]
-    return subprocess.run(cmd, cwd=ROOT, env=env(**(extra_env or {})), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(launch_cmd(nproc, *args), cwd=ROOT, env=env(**(extra_env or {})), capture_output=True,
+                          text=True, timeout=timeout)  # fmt: skip
 
 
 def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:

@@ -5,14 +5,13 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 from safetensors.torch import load_file
 
 from flux_cp.metrics import read_metrics
-from tests.launch import CPU_CONFIG, ROOT, SCRIPT, env, free_port, losses, ok, train
+from tests.launch import ROOT, env, free_port, launch_cmd, losses, ok, train
 
 
 def _common(tmp: Path, name: str, steps: int, *extra: str) -> list[str]:
@@ -181,28 +180,10 @@ def test_two_nodes_on_loopback_train_like_one(tmp_path):
     nargs = _common(tmp_path, "two_nodes", 6, "--cp_size", "2")
     procs = []
     for node in (0, 1):
-        cmd = [
-            sys.executable,
-            "-m",
-            "accelerate.commands.launch",
-            "--config_file",
-            str(CPU_CONFIG),
-            "--num_machines",
-            "2",
-            "--num_processes",
-            "2",
-            "--machine_rank",
-            str(node),
-            "--main_process_ip",
-            "127.0.0.1",
-            "--main_process_port",
-            port,
-            str(SCRIPT),
-            *nargs,
-        ]
-        procs.append(
-            subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        )
+        launcher = ("--num_machines", "2", "--machine_rank", str(node), "--main_process_ip", "127.0.0.1",
+                    "--main_process_port", port)  # fmt: skip
+        procs.append(subprocess.Popen(launch_cmd(2, *nargs, launcher=launcher), cwd=ROOT, env=env(),
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))  # fmt: skip
     results = [p.communicate(timeout=400) for p in procs]
     for p, (_, e) in zip(procs, results):
         assert p.returncode == 0, e[-4000:]
