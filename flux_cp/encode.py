@@ -83,14 +83,6 @@ def model_fingerprint(module: torch.nn.Module, name: str, revision: str | None) 
     return h.hexdigest()[:16]
 
 
-@dataclass
-class Plan:
-    """Per-sample decisions that do not depend on the epoch (cached mode)."""
-
-    bucket: int
-    target: tuple[int, int]
-
-
 class Geometry:
     """Target size of each image: square `resolution` crops, or aspect buckets whose token count divides
     by the CP size."""
