@@ -117,7 +117,13 @@ def apply_seed_checkpoint(transformer, path: str, is_main: bool) -> str:
     """Read the initial trainable weights from `path` if it exists, else write them there (rank 0,
     atomically). Runs before sharding, on plain tensors. Returns 'read' or 'written'."""
     params = dict(trainable_parameters(transformer))
-    if os.path.isfile(path):
+    distributed = dist.is_available() and dist.is_initialized()
+    exists = os.path.isfile(path)
+    if distributed:
+        # Every rank looks before any rank writes, so all take the same branch (rank 0 writing the file
+        # while another rank still looks would send that rank to read and leave rank 0 in the barrier).
+        dist.barrier()
+    if exists:
         try:
             state = load_file(path)
         except Exception as e:  # noqa: BLE001 - a corrupt file is a usage problem
@@ -142,7 +148,7 @@ def apply_seed_checkpoint(transformer, path: str, is_main: bool) -> str:
         os.close(fd)
         save_file({n: p.detach().float().cpu().contiguous() for n, p in params.items()}, tmp)
         os.replace(tmp, path)
-    if dist.is_available() and dist.is_initialized():
+    if distributed:
         dist.barrier()
     return "written"
 
