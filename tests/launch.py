@@ -43,6 +43,13 @@ def train(nproc: int, *args: str, timeout: float = 600, extra_env: dict | None =
                           text=True, timeout=timeout)  # fmt: skip
 
 
+def run_args(tmp: Path, name: str, steps: int, *extra: str, cache: bool = True) -> list[str]:
+    """Flags every test run shares: its own output folder, the test's encoding cache, no trackers."""
+    cache_flags = ["--cache_dir", str(tmp / "cache")] if cache else []
+    return ["--output_dir", str(tmp / name), *cache_flags, "--report_to", "none", "--max_train_steps", str(steps),
+            *extra]  # fmt: skip
+
+
 def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     out, err = result.stdout[-4000:], result.stderr[-8000:]
     assert result.returncode == 0, f"exit {result.returncode}\n--- stdout\n{out}\n--- stderr\n{err}"

@@ -14,23 +14,11 @@ from PIL import Image
 
 from flux_cp.data import BUNDLED_DATA, BatchSchedule, bucket_divisor, bucket_sizes, nearest_bucket
 from flux_cp.metrics import read_metrics
-from tests.launch import ROOT, losses, ok, train
+from tests.launch import ROOT, losses, ok, run_args, train
 
 
 def _common(tmp, name, steps, *extra):
-    return [
-        "--output_dir",
-        str(tmp / name),
-        "--report_to",
-        "none",
-        "--max_train_steps",
-        str(steps),
-        "--seed",
-        "2",
-        "--learning_rate",
-        "1e-3",
-        *extra,
-    ]
+    return run_args(tmp, name, steps, "--seed", "2", "--learning_rate", "1e-3", *extra, cache=False)
 
 
 def _computed(result) -> int:

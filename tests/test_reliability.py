@@ -11,25 +11,11 @@ from pathlib import Path
 from safetensors.torch import load_file
 
 from flux_cp.metrics import read_metrics
-from tests.launch import ROOT, env, free_port, launch_cmd, losses, ok, train
+from tests.launch import ROOT, env, free_port, launch_cmd, losses, ok, run_args, train
 
 
 def _common(tmp: Path, name: str, steps: int, *extra: str) -> list[str]:
-    return [
-        "--output_dir",
-        str(tmp / name),
-        "--cache_dir",
-        str(tmp / "cache"),
-        "--report_to",
-        "none",
-        "--max_train_steps",
-        str(steps),
-        "--seed",
-        "5",
-        "--learning_rate",
-        "1e-3",
-        *extra,
-    ]
+    return run_args(tmp, name, steps, "--seed", "5", "--learning_rate", "1e-3", *extra)
 
 
 def _weights(run: Path) -> dict:

@@ -8,25 +8,11 @@ import torch
 from safetensors.torch import load_file
 
 from flux_cp.metrics import read_metrics
-from tests.launch import losses, ok, train
+from tests.launch import losses, ok, run_args, train
 
 
 def _common(tmp: Path, name: str, steps: int, *extra: str) -> list[str]:
-    return [
-        "--output_dir",
-        str(tmp / name),
-        "--cache_dir",
-        str(tmp / "cache"),
-        "--report_to",
-        "none",
-        "--max_train_steps",
-        str(steps),
-        "--checkpointing_steps",
-        "1000",
-        "--seed",
-        "3",
-        *extra,
-    ]
+    return run_args(tmp, name, steps, "--checkpointing_steps", "1000", "--seed", "3", *extra)
 
 
 def _max_rel_weights(a: Path, b: Path) -> float:
