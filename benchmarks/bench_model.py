@@ -7,8 +7,10 @@ values), bf16, gradient checkpointing, one optimizer step per iteration, synthet
     torchrun --nproc_per_node 2 benchmarks/bench_model.py --impl diffusers --cp 2 --mode ulysses --out Y.json
 
 Ours: cp.apply_context_parallel + FSDP2 (fully_shard per block, bf16 params, fp32 reduce) as
-train_flux_cp.py does through accelerate. diffusers: full inputs on every rank, its hooks shard and gather,
-weights replicated, LoRA gradients all-reduced. Reports s/step (median, slowest rank), tokens/s per GPU,
+train_flux_cp.py does through accelerate's FSDP2 configs, or with --replicate (LoRA) DDP with the frozen weights
+replicated and autocast, as it does through the DDP configs (accelerate_configs/ddp_*.yaml).
+diffusers: full inputs on every rank, its hooks shard and gather, weights replicated, LoRA gradients all-reduced.
+Reports s/step (median, slowest rank), tokens/s per GPU,
 MFU against the bf16 matmul peak measured in the same process, and peak memory per GPU.
 """
 
@@ -93,7 +95,13 @@ def prepare_ours(model, args, world, device):
     model.enable_gradient_checkpointing()
     if args.compile:
         for block in [*model.transformer_blocks, *model.single_transformer_blocks]:
-            block.compile()
+            block.compile(dynamic=False)  # one static graph per resolution: no dynamic-shape kernels
+    if world > 1 and args.replicate:
+        # accelerate's MULTI_GPU path: DDP averages the (LoRA) gradients over all dp x cp ranks, bucketed and
+        # overlapped with the backward; the frozen bf16 weights stay whole on every GPU.
+        return group, torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None
+        )
     if world > 1:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -108,7 +116,7 @@ def prepare_ours(model, args, world, device):
         for block in [*model.transformer_blocks, *model.single_transformer_blocks]:
             fully_shard(block, mp_policy=blocks_mp, reshard_after_forward=args.reshard_after_forward)
         fully_shard(model, mp_policy=mp)
-    return group
+    return group, model
 
 
 def prepare_diffusers(model, args, world):
@@ -160,6 +168,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--compile", action="store_true")
     p.add_argument("--no_reshard", dest="reshard_after_forward", action="store_false")
+    p.add_argument("--replicate", action="store_true", help="ours, LoRA: DDP with replicated weights, not FSDP2")
     p.add_argument("--layers", type=int, nargs=2, default=None, help="smoke runs: double, single blocks")
     p.add_argument("--heads", type=int, nargs=2, default=None, help="smoke runs: heads, head_dim")
     p.add_argument("--rope", type=int, nargs=3, default=(16, 56, 56))
@@ -174,7 +183,11 @@ def main() -> None:
     t0 = time.perf_counter()
     model, config = build(args, device, dtype)
     args.resolved_mode = "none"
-    group = prepare_ours(model, args, world, device) if args.impl == "ours" else prepare_diffusers(model, args, world)
+    group, runner = None, model
+    if args.impl == "ours":
+        group, runner = prepare_ours(model, args, world, device)
+    else:
+        prepare_diffusers(model, args, world)
     params = [q for q in model.parameters() if q.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-6)
     build_s = time.perf_counter() - t0
@@ -191,9 +204,10 @@ def main() -> None:
             inputs["hidden_states"].requires_grad_(True)
 
         # FSDP2's policy casts to bf16; without FSDP (one GPU, diffusers' CP) autocast does, as accelerate's does.
-        autocast = torch.autocast(device.type, dtype=dtype, enabled=not (args.impl == "ours" and world > 1))
+        fsdp = args.impl == "ours" and world > 1 and not args.replicate
+        autocast = torch.autocast(device.type, dtype=dtype, enabled=not fsdp)
         step = functools.partial(
-            train_step, model, inputs, target, opt, params, autocast, args.impl == "diffusers" and world > 1
+            train_step, runner, inputs, target, opt, params, autocast, args.impl == "diffusers" and world > 1
         )
         error = None
         times = []
@@ -224,7 +238,8 @@ def main() -> None:
         img_tokens = (res // 16) ** 2
         flops = flux_flops_per_step(config, img_tokens, TEXT_TOKENS, args.dp, args.train == "lora", True)
         row = {"impl": args.impl, "mode": args.resolved_mode, "train": args.train, "res": res, "cp": args.cp,
-               "dp": args.dp, "gpus": world, "compile": args.compile, "tag": args.tag, "s_per_step": t_step,
+               "dp": args.dp, "gpus": world, "compile": args.compile,
+               "weights": "fsdp2" if fsdp else "replicated", "tag": args.tag, "s_per_step": t_step,
                "samples_per_step": args.dp,
                "tokens_per_s_per_gpu": args.dp * (img_tokens + TEXT_TOKENS) / t_step / world,
                "mfu": flops / t_step / world / peak if peak else None, "peak_mem_gib": mem, "error": error,

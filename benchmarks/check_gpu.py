@@ -137,8 +137,9 @@ def model_checks(rank, world, device, dtype, heads=24, head_dim=128, rope=(16, 5
         # CUBLAS_STATUS_EXECUTION_FAILED inside backward; that configuration is not the product's.)
         model = build()
         model.enable_gradient_checkpointing()
-        if n > 1:
-            cp.apply_context_parallel(model, group, mode=mode, ulysses_size=u)
+        # Our processor at n = 1 too, as train_flux_cp.py installs it: diffusers' own bf16 path picks cuDNN and
+        # hands its backward a non-contiguous grad_out, an illegal memory access on H200s (DESIGN.md).
+        cp.apply_context_parallel(model, group if n > 1 else None, mode=mode, ulysses_size=u)
         local = dict(inputs)
         for key, dim in (("hidden_states", 1), ("encoder_hidden_states", 1), ("img_ids", 0), ("txt_ids", 0)):
             local[key] = cp.shard(inputs[key], dim, group)
