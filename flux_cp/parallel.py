@@ -165,19 +165,18 @@ def choose_cp_mode(args, heads: int, cp_size: int) -> tuple[str, int | None]:
 
 
 def auto_mode(heads: int, cp_size: int, tokens: int) -> tuple[str, int | None]:
-    """The CP mode for `tokens` per sequence, by the H200 measurements in docs/benchmarks.md:
+    """The CP mode, by the H200 measurements in docs/benchmarks.md (`tokens` is kept for rules that need it):
 
-    - 2 ranks and up to 8,192 tokens (1024 px): ring. Its K/V transfer overlaps the block compute, while
-      Ulysses' all-to-alls block (LoRA step at 1024 px: ring 0.815 s, Ulysses 0.893 s; attention at
-      4,608 tokens: 3.00 against 3.11 ms).
-    - otherwise Ulysses when the heads divide over the group: fewer, larger messages (2048 px step: 2.065
-      against 2.129 s on 2 GPUs; attention at 4 ranks: 3.09 / 6.86 / 90.2 ms against ring's 6.52 / 10.5 /
-      95.6 ms at 4,608 / 16,896 / 66,048 tokens).
+    - Ulysses when the heads divide over the group: fewer, larger messages. On 2 H200s it matched or beat the
+      ring at every size (LoRA step at 2048 px: 1.98 against 2.21 s; at 1024 px: 0.87 against 0.99 s; attention
+      at 16,896 / 66,048 tokens: 12.9 / 176 against 14.1 / 183 ms); on 4, at every size too (attention 3.09 /
+      6.86 / 90.2 ms against the ring's 6.52 / 10.5 / 95.6 ms at 4,608 / 16,896 / 66,048 tokens). One earlier
+      run on 4 H200s had the ring ahead at 1024 px on 2 of them (0.815 against 0.893 s); the next did not
+      reproduce it, so no exception is made for short sequences.
     - else hybrid with the largest Ulysses degree dividing both (at 4 ranks it sits between the two at
       every size), else ring.
     """
-    if cp_size == 2 and tokens <= 8192:
-        return "ring", None
+    del tokens
     if heads % cp_size == 0:
         return "ulysses", None
     for u in range(cp_size - 1, 1, -1):

@@ -159,7 +159,7 @@ def test_gather_is_exact_and_its_backward_is_the_adjoint():
 def test_auto_mode_follows_the_measured_rules():
     from flux_cp.parallel import auto_mode
 
-    assert auto_mode(24, 2, 4608) == ("ring", None)  # 1024 px on 2 GPUs
+    assert auto_mode(24, 2, 4608) == ("ulysses", None)  # 1024 px on 2 GPUs
     assert auto_mode(24, 2, 16896) == ("ulysses", None)  # 2048 px
     assert auto_mode(24, 4, 4608) == ("ulysses", None)
     assert auto_mode(24, 8, 66048) == ("ulysses", None)
