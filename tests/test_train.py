@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
@@ -58,6 +59,22 @@ def test_single_process_matches_cp2(tmp_path):
     _assert_same_trajectory(tmp_path / "one", tmp_path / "cp2")
     rows = read_metrics(tmp_path / "cp2" / "metrics.jsonl")
     assert all(r["grad_norm"] > 0 for r in rows), "gradient norm not measured"
+
+
+def test_compiled_blocks_train_like_eager_with_cp(tmp_path):
+    """--compile (README's advice for GPUs): every block compiled, graph break at the CP attention, non-reentrant
+    checkpointing; the same trajectory as eager up to Inductor's fp32 reassociation."""
+    args = ["--cp_size", "2", "--cp_mode", "ulysses", "--learning_rate", "1e-3", "--gradient_checkpointing"]
+    ok(train(2, *_common(tmp_path, "eager", 10, *args)))
+    compiled = ok(
+        train(2, *_common(tmp_path, "compiled", 10, *args, "--compile"), extra_env={"TORCH_LOGS": "graph_breaks"})
+    )
+    # dynamo really traced the blocks, and stopped only at the processor's call of cp.attention
+    source = (Path(__file__).resolve().parent.parent / "cp" / "flux.py").read_text().splitlines()
+    call = next(i + 1 for i, line in enumerate(source) if "= attention(" in line)
+    breaks = set(re.findall(r"Graph break in user code at (\S+)", compiled.stderr))
+    assert breaks and all(b.replace("\\", "/").endswith(f"cp/flux.py:{call}") for b in breaks), (call, breaks)
+    _assert_same_trajectory(tmp_path / "eager", tmp_path / "compiled")
 
 
 def test_lora_loads_into_flux_pipeline_and_changes_its_output(tmp_path):
