@@ -8,11 +8,14 @@ DOUBLE_BLOCK_UNITS and a single block SINGLE_BLOCK_UNITS (what autograd saves, c
 tests/test_plan.py); with checkpointing every block keeps its input (1 unit) and the block being recomputed
 peaks at BLOCK_PEAK_UNITS. BLOCK_PEAK_UNITS was fitted to one measured peak (FLUX.1-dev, LoRA, 2048 px,
 one H200); the other measured peaks in benchmarks/results check the whole estimate (tests/test_plan.py).
+The optimizer step has a peak of its own: torch's multi-tensor AdamW holds sqrt(v) for all of a rank's
+trainable parameters at once (fp32), after the activations are freed; it decides full fine-tuning's peak.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -32,10 +35,18 @@ class Estimate:
     activations: float
     activations_without_ckpt: float
     activations_with_ckpt: float
+    step_temporaries: float  # AdamW's sqrt(v) during the optimizer step, when no activations are held
+
+    @property
+    def fixed(self) -> float:
+        return self.weights + self.grads + self.optimizer
 
     @property
     def total(self) -> float:
-        return self.weights + self.grads + self.optimizer + self.activations
+        return self.fixed + max(self.activations, self.step_temporaries)
+
+    def total_with(self, activations: float) -> float:
+        return self.fixed + max(activations, self.step_temporaries)
 
 
 def count_parameters(config: dict, lora_rank: int | None, lora_layers: list[str]) -> tuple[int, int, int]:
@@ -82,12 +93,22 @@ def estimate(
         weights += FSDP_GATHERED_BLOCKS * block * weight_bytes
     grads = trainable * 4 / shard
     optimizer = 2 * trainable * 4 / shard
+    step_temporaries = trainable * 4 / shard
     d = config["num_attention_heads"] * config["attention_head_dim"]
     blocks = config["num_layers"] + config["num_single_layers"]
     unit = batch * math.ceil(tokens / cp) * d * 2
     with_ckpt = unit * (blocks + BLOCK_PEAK_UNITS)
     without = unit * (config["num_layers"] * DOUBLE_BLOCK_UNITS + config["num_single_layers"] * SINGLE_BLOCK_UNITS)
-    return Estimate(weights, grads, optimizer, with_ckpt if checkpointing else without, without, with_ckpt)
+    activations = with_ckpt if checkpointing else without
+    return Estimate(weights, grads, optimizer, activations, without, with_ckpt, step_temporaries)
+
+
+def sharded_weights(full_finetune: bool) -> bool:
+    """FSDP2 (sharded) or DDP (replicated) for the plan: the launch config's choice when accelerate launched us,
+    else the README's advice (DDP for LoRA, FSDP2 for full fine-tuning)."""
+    if "ACCELERATE_MIXED_PRECISION" in os.environ or "ACCELERATE_USE_FSDP" in os.environ:  # set by accelerate launch
+        return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    return full_finetune
 
 
 def print_plan(args) -> None:
@@ -106,9 +127,11 @@ def print_plan(args) -> None:
         torch.cuda.get_device_properties(0).total_memory / GIB if torch.cuda.is_available() else 141.0
     )
     wb = 4 if args.mixed_precision == "no" else 2
+    fsdp = sharded_weights(lora is None)
     print(
         f"plan: {path}, {args.resolution} px ({tokens} tokens/sample), batch {args.train_batch_size}/rank, "
-        f"{'full fine-tuning' if lora is None else f'LoRA r{lora}'}, {world} process(es), GPU {gpu:.0f} GiB"
+        f"{'full fine-tuning' if lora is None else f'LoRA r{lora}'}, {world} process(es), GPU {gpu:.0f} GiB, "
+        + ("weights sharded over all GPUs (FSDP2)" if fsdp else "weights whole on every GPU (DDP)")
     )
     print(
         f"{'cp':>3} {'world':>5} {'weights':>8} {'grads':>7} {'adam':>7} {'act.ckpt':>9} {'act.full':>9} "
@@ -128,9 +151,9 @@ def print_plan(args) -> None:
             cp=c,
             checkpointing=True,
             weight_bytes=wb,
+            fsdp=fsdp and w > 1,
         )
-        fixed = e.weights + e.grads + e.optimizer
-        ck, full = (fixed + e.activations_with_ckpt) / GIB, (fixed + e.activations_without_ckpt) / GIB
+        ck, full = e.total_with(e.activations_with_ckpt) / GIB, e.total_with(e.activations_without_ckpt) / GIB
         verdict = "yes" if full < 0.9 * gpu else ("with --gradient_checkpointing" if ck < 0.9 * gpu else "no")
         if verdict != "no" and fits_at is None:
             fits_at = (c, verdict)
@@ -140,7 +163,10 @@ def print_plan(args) -> None:
             f"{full:>15.1f}  {verdict}"
         )
     if fits_at is None:
-        print("suggestion: nothing listed fits; use more GPUs (FSDP shards the weights over all of them)")
+        print(
+            "suggestion: nothing listed fits; use more GPUs"
+            + (" (FSDP shards the weights over all of them)" if fsdp else ", or an fsdp2_* config to shard the weights")
+        )
         return
     c, verdict = fits_at
     mode, u = auto_mode(config["num_attention_heads"], c, tokens) if c > 1 else ("none", None)
