@@ -45,6 +45,7 @@ from flux_cp.parallel import (
     check_layout,
     check_tokens,
     choose_cp_mode,
+    cp_advice,
     launched_world_size,
     make_accelerator,
     make_layout,
@@ -136,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
             + (f" (ulysses {ulysses_size})" if ulysses_size else "")
             + f" over {layout.cp} ranks"
         )
+        advice = cp_advice((args.resolution // 16) ** 2 + args.max_sequence_length, layout.cp)
+        if advice and device.type == "cuda":  # measured on GPUs; the CPU demo's tiny sequences are for testing
+            logger.warning(advice)
     if args.compile:
         for block in [*transformer.transformer_blocks, *transformer.single_transformer_blocks]:
             block.compile()

@@ -185,6 +185,24 @@ def auto_mode(heads: int, cp_size: int, tokens: int) -> tuple[str, int | None]:
     return "ring", None
 
 
+# CP on H200s at 2,304 tokens per rank (1024 px on 2 GPUs) was slower than one GPU (LoRA step 0.870 s against
+# 0.804 s) and 0.91-0.92 efficient at 8,448 (2048 px; docs/benchmarks.md). The warning threshold sits between the
+# two measured points; lengths in between were not measured.
+SHORT_TOKENS_PER_RANK = 4096
+
+
+def cp_advice(tokens: int, cp_size: int) -> str | None:
+    """A warning for CP groups whose ranks get too few tokens to gain from the split (None: no advice)."""
+    per_rank = tokens // cp_size
+    if cp_size == 1 or per_rank >= SHORT_TOKENS_PER_RANK:
+        return None
+    return (
+        f"--cp_size {cp_size} leaves {per_rank} tokens per rank: at 2,304 per rank CP was slower than one GPU on "
+        "H200s (docs/benchmarks.md). Unless one sample must be split to fit, --cp_size 1 (each GPU its own sample) "
+        "trains faster."
+    )
+
+
 def all_ranks_ok(ok: bool, message: str, device: torch.device) -> None:
     """Collective check: if any rank failed, every rank raises the same UsageError (no rank is left
     waiting in a later collective). Messages of failing ranks are joined."""
