@@ -12,7 +12,9 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -121,10 +123,37 @@ MODEL_INTRO = (
 )
 
 
-def render_benchmarks(folder: Path, out_json: Path, more: list[Path]) -> None:
-    attention = json.load(open(folder / "attention.json"))
-    rows, env = load_model_rows(folder)
-    with_efficiency(rows)
+@dataclass
+class Run:
+    """One results folder, read once: attention benchmark, model rows (with efficiencies), environment."""
+
+    folder: Path
+    attention: dict
+    rows: list[dict]
+    env: dict
+
+    @classmethod
+    def load(cls, folder: Path) -> Run:
+        rows, env = load_model_rows(folder)
+        return cls(folder, json.load(open(folder / "attention.json")), with_efficiency(rows), env)
+
+    @property
+    def gpus(self) -> int:
+        return self.attention["env"].get("gpus") or max(r["gpus"] for r in self.rows)
+
+
+def attention_command(att: dict) -> str:
+    """The bench_attention.py command that produced `att`, from its rows (GPU count, Ulysses chunk depths)."""
+    chunks = sorted({int(c) for r in att["rows"] for c in re.findall(r"chunks=(\d+)", r["impl"])})
+    return (
+        f"torchrun --nproc_per_node {att['env'].get('gpus')} benchmarks/bench_attention.py --ulysses_chunks "
+        + " ".join(map(str, chunks))
+        + " --profile --out attention.json"
+    )
+
+
+def render_benchmarks(main: Run, out_json: Path, more: list[Run]) -> None:
+    folder, attention, rows, env = main.folder, main.attention, main.rows, main.env
     check = json.load(open(folder / "check.json")) if (folder / "check.json").is_file() else None
     summary = {
         "name": folder.name,
@@ -142,7 +171,7 @@ def render_benchmarks(folder: Path, out_json: Path, more: list[Path]) -> None:
         "",
         f"Measured on {env_line(env)}. Raw outputs and logs: `benchmarks/results/{folder.name}/`; combined: "
         f"`benchmarks/results/{out_json.name}`. Rendered by `python benchmarks/report.py benchmarks/results/"
-        f"{folder.name}" + "".join(f" {m.relative_to(ROOT)}" for m in more) + "`.",
+        f"{folder.name}" + "".join(f" {m.folder.relative_to(ROOT)}" for m in more) + "`.",
         "",
         "## Model level: LoRA r16 on attention, and full fine-tuning",
         "",
@@ -155,11 +184,10 @@ def render_benchmarks(folder: Path, out_json: Path, more: list[Path]) -> None:
         "",
         "![speed-up](benchmarks.png)",
         "",
-        *targets(attention["rows"], rows, [json.load(open(m / "attention.json"))["rows"] for m in more]),
+        *targets(main, more),
         "## Attention level (forward + backward, bf16, batch 1, 24 heads x 128)",
         "",
-        f"Command: `torchrun --nproc_per_node {attention['env'].get('gpus')} benchmarks/bench_attention.py "
-        "--ulysses_chunks 1 2 --profile --out attention.json` (median of 10 after 3 warm-ups; a CP time is its "
+        f"Command: `{attention_command(attention)}` (median of 10 after 3 warm-ups; a CP time is its "
         "slowest rank's). Efficiency = t1 / (n x tn) against one-GPU cuDNN SDPA on the full sequence. The profile "
         "columns are one profiled step: summed GPU time of compute kernels and of NCCL kernels; wall close to "
         "compute means the communication is hidden.",
@@ -170,24 +198,20 @@ def render_benchmarks(folder: Path, out_json: Path, more: list[Path]) -> None:
     if check:
         lines += bf16_section(check)
     for m in more:
-        m_att = json.load(open(m / "attention.json"))
-        m_rows, m_env = load_model_rows(m)
-        with_efficiency(m_rows)
         lines += [
-            f"## Earlier run: {m.name}",
+            f"## Earlier run: {m.folder.name}",
             "",
-            f"{env_line(m_env)}; raw outputs in `benchmarks/results/{m.name}/`. This machine had 4 GPUs, so it has "
-            "the cp=4 rows; its model rows predate the DDP configs and `--compile` measurements. Its cp=1 and "
-            "diffusers rows came from a first call and ours at cp >= 2 from a second one, after a fix to FSDP2 + "
-            "gradient checkpointing.",
+            f"{env_line(m.env)}; raw outputs in `benchmarks/results/{m.folder.name}/`. Kept for what the run above "
+            f"lacks: its {m.gpus}-GPU rows"
+            + ("" if any("weights" in r for r in m.rows) else "; its model rows are eager, with FSDP2 only")
+            + f". Attention command: `{attention_command(m.attention)}`.",
             "",
-            *model_table(m_rows),
+            *model_table(m.rows),
             "",
-            *attention_table(m_att),
+            *attention_table(m.attention),
             "",
         ]
-    plot(attention["rows"], rows, [(m, json.load(open(m / "attention.json"))["rows"]) for m in more],
-         DOCS / "benchmarks.png")  # fmt: skip
+    plot(main, more, DOCS / "benchmarks.png")
     (DOCS / "benchmarks.md").write_text("\n".join(lines) + "\n")
 
 
@@ -236,8 +260,9 @@ def bf16_section(check: dict) -> list[str]:
     return lines
 
 
-def targets(att: list[dict], rows: list[dict], more_att: list[list[dict]]) -> list[str]:
+def targets(main: Run, more: list[Run]) -> list[str]:
     """The issue's targets, each with its measured value and verdict."""
+    att, rows = main.attention["rows"], main.rows
 
     def a(rows_, tokens, gpus):
         return max(
@@ -260,7 +285,7 @@ def targets(att: list[dict], rows: list[dict], more_att: list[list[dict]]) -> li
     vs = d2["s_per_step"] / fastest["s_per_step"]
 
     def earlier(tokens):
-        return "".join(f" ({a(m, tokens, 2):.3f} on the earlier machine)" for m in more_att)
+        return "".join(f" ({a(m.attention['rows'], tokens, 2):.3f} on the earlier machine)" for m in more)
 
     out = [
         "## Targets (issue 5)",
@@ -319,7 +344,8 @@ def targets(att: list[dict], rows: list[dict], more_att: list[list[dict]]) -> li
     return out
 
 
-def plot(att_rows: list[dict], rows: list[dict], more: list[tuple[Path, list[dict]]], out: Path) -> None:
+def plot(main: Run, more: list[Run], out: Path) -> None:
+    rows = main.rows
     import matplotlib
 
     matplotlib.use("Agg")
@@ -341,17 +367,17 @@ def plot(att_rows: list[dict], rows: list[dict], more: list[tuple[Path, list[dic
                 pts.append((res, base["s_per_step"] / r["s_per_step"]))
         if pts:
             a.plot(*zip(*pts), style, color=color, label=name)
-    for m, _ in more:
-        m_rows, _env = load_model_rows(m)
+    for m in more:
         for impl, style in (("ours", "-o"), ("diffusers", "--s")):
             pts = []
             for res in resolutions:
-                base = best(m_rows, impl="ours", cp=1, dp=1, res=res)
-                r = best(m_rows, impl=impl, res=res, gpus=4, dp=1, train="lora")
+                base = best(m.rows, impl="ours", cp=1, dp=1, res=res)
+                r = best(m.rows, impl=impl, res=res, gpus=m.gpus, dp=1, train="lora")
                 if base and r:
                     pts.append((res, base["s_per_step"] / r["s_per_step"]))
             if pts:
-                a.plot(*zip(*pts), style, color="gray", alpha=0.7, label=f"{impl}, 4 GPUs, eager ({m.name})")
+                label_ = f"{impl}, {m.gpus} GPUs, eager ({m.folder.name})"
+                a.plot(*zip(*pts), style, color="gray", alpha=0.7, label=label_)
     a.axhline(2.0, color="gray", ls=":", label="linear, 2 GPUs")
     a.set_xscale("log", base=2)
     a.set_xticks(resolutions, [str(r) for r in resolutions])
@@ -360,7 +386,7 @@ def plot(att_rows: list[dict], rows: list[dict], more: list[tuple[Path, list[dic
     a.set_title("LoRA step, FLUX.1-dev size")
     a.legend(fontsize=7)
     a.grid(alpha=0.3)
-    sources = [("", att_rows, 2)] + [(f" ({m.name})", r, 4) for m, r in more]
+    sources = [("", main.attention["rows"], 2)] + [(f" ({m.folder.name})", m.attention["rows"], m.gpus) for m in more]
     for suffix, rows_, n in sources:
         tokens = sorted({r["tokens"] for r in rows_})
         for impl in ("ring", "ulysses[chunks=1]"):
@@ -449,9 +475,9 @@ def main(argv: list[str]) -> int:
     """report.py FOLDER [EARLIER_FOLDER ...]: FOLDER renders the main tables and targets, earlier folders
     (other machines, e.g. one with 4 GPUs) their own tables; the equivalence runs come from whichever has them."""
     folders = [Path(a).resolve() for a in argv]
-    folder, more = folders[0], folders[1:]
+    runs = [Run.load(f) for f in folders]
     DOCS.mkdir(exist_ok=True)
-    render_benchmarks(folder, folder.parent / f"{folder.name}.json", more)
+    render_benchmarks(runs[0], folders[0].parent / f"{folders[0].name}.json", runs[1:])
     for f in folders:
         if (f / "equivalence_A.jsonl").is_file():
             render_equivalence(f)
