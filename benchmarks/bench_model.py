@@ -89,7 +89,7 @@ def prepare_ours(model, args, world, device):
         if mode == "auto":
             from flux_cp.parallel import auto_mode
 
-            mode, u = auto_mode(model.config.num_attention_heads, args.cp, (max(args.res) // 16) ** 2 + TEXT_TOKENS)
+            mode, u = auto_mode(model.config.num_attention_heads, args.cp)
         cp.apply_context_parallel(model, group, mode=mode, ulysses_size=u)
         args.resolved_mode = mode + (f"(u={u})" if u else "")
     model.enable_gradient_checkpointing()

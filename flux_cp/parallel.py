@@ -156,7 +156,7 @@ def choose_cp_mode(args, heads: int, cp_size: int) -> tuple[str, int | None]:
     if cp_size == 1:
         return "ring", None
     if mode == "auto":
-        mode, u = auto_mode(heads, cp_size, (args.resolution // 16) ** 2 + args.max_sequence_length)
+        mode, u = auto_mode(heads, cp_size)
     try:
         u = cp.validate((1, cp_size, heads, 1), cp_size, mode, u)
     except ValueError as e:
@@ -164,8 +164,8 @@ def choose_cp_mode(args, heads: int, cp_size: int) -> tuple[str, int | None]:
     return mode, u
 
 
-def auto_mode(heads: int, cp_size: int, tokens: int) -> tuple[str, int | None]:
-    """The CP mode, by the H200 measurements in docs/benchmarks.md (`tokens` is kept for rules that need it):
+def auto_mode(heads: int, cp_size: int) -> tuple[str, int | None]:
+    """The CP mode, by the H200 measurements in docs/benchmarks.md (the same at every sequence length):
 
     - Ulysses when the heads divide over the group: fewer, larger messages. On 2 H200s it matched or beat the
       ring at every size (LoRA step at 2048 px: 1.98 against 2.21 s; at 1024 px: 0.87 against 0.99 s; attention
@@ -176,7 +176,6 @@ def auto_mode(heads: int, cp_size: int, tokens: int) -> tuple[str, int | None]:
     - else hybrid with the largest Ulysses degree dividing both (at 4 ranks it sits between the two at
       every size), else ring.
     """
-    del tokens
     if heads % cp_size == 0:
         return "ulysses", None
     for u in range(cp_size - 1, 1, -1):

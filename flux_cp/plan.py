@@ -43,7 +43,7 @@ class Estimate:
 
     @property
     def total(self) -> float:
-        return self.fixed + max(self.activations, self.step_temporaries)
+        return self.total_with(self.activations)
 
     def total_with(self, activations: float) -> float:
         return self.fixed + max(activations, self.step_temporaries)
@@ -169,7 +169,7 @@ def print_plan(args) -> None:
         )
         return
     c, verdict = fits_at
-    mode, u = auto_mode(config["num_attention_heads"], c, tokens) if c > 1 else ("none", None)
+    mode, u = auto_mode(config["num_attention_heads"], c) if c > 1 else ("none", None)
     extra = "" if verdict == "yes" else " --gradient_checkpointing"
     print(
         f"suggestion: --cp_size {c}{extra}"
