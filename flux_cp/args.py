@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+import sys
 
 from .errors import UsageError
+from .flag_ranges import check_ranges, given_flags, unused_flags
 
 DEFAULT_LORA_LAYERS = (
     "attn.to_k,attn.to_q,attn.to_v,attn.to_out.0,"
@@ -187,7 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     args.embedded_default = args.pretrained_model_name_or_path is None
     if args.resolution is None:
         args.resolution = 64 if args.embedded_default else 1024
@@ -198,37 +202,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.validation_resolution is None:
         args.validation_resolution = args.resolution
     check_args(args)
+    if os.environ.get("RANK", "0") == "0":
+        for warning in unused_flags(given_flags(parser, sys.argv[1:] if argv is None else argv), vars(args)):
+            print(f"warning: {warning}", file=sys.stderr)
     return args
+
+
+# A hub data set id: `name` or `owner/name` (letters, digits, '-', '_', '.'); anything else is a local path.
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+
+
+def is_hub_id(name: str) -> bool:
+    return _HUB_ID.fullmatch(name) is not None and ".." not in name
 
 
 def check_args(args: argparse.Namespace) -> None:
     """Checks that need only the flags (and the world size, when launched)."""
+    check_ranges(vars(args))
     if args.resolution % 16:
         raise UsageError(f"--resolution {args.resolution} must be a multiple of 16 (8x VAE, 2x2 patches)")
     if args.validation_resolution % 16:
         raise UsageError(f"--validation_resolution {args.validation_resolution} must be a multiple of 16")
-    if not 1 <= args.max_sequence_length <= 512:
-        raise UsageError(f"--max_sequence_length must be between 1 and 512, got {args.max_sequence_length}")
-    for name in (
-        "train_batch_size",
-        "gradient_accumulation_steps",
-        "cp_size",
-        "checkpointing_steps",
-        "num_train_epochs",
-        "rank",
-    ):
-        if getattr(args, name) < 1:
-            raise UsageError(f"--{name} must be at least 1, got {getattr(args, name)}")
-    if args.max_train_steps is not None and args.max_train_steps < 1:
-        raise UsageError(f"--max_train_steps must be at least 1, got {args.max_train_steps}")
     if args.cp_mode == "hybrid" and args.ulysses_size is None:
         raise UsageError("--cp_mode hybrid needs --ulysses_size (the Ulysses degree, a divisor of --cp_size)")
     if args.ulysses_size is not None and args.cp_mode not in ("hybrid", "auto"):
         raise UsageError(f"--ulysses_size is only used with --cp_mode hybrid (got --cp_mode {args.cp_mode})")
-    if args.ulysses_size is not None and (args.ulysses_size < 1 or args.cp_size % args.ulysses_size):
+    if args.ulysses_size is not None and args.cp_size % args.ulysses_size:
         raise UsageError(f"--ulysses_size {args.ulysses_size} must divide --cp_size {args.cp_size}")
-    if args.dataset_name and os.path.sep in args.dataset_name and not os.path.exists(args.dataset_name):
-        raise UsageError(f"--dataset_name {args.dataset_name}: no such folder")
+    if args.dataset_name and not os.path.exists(args.dataset_name) and not is_hub_id(args.dataset_name):
+        raise UsageError(f"--dataset_name {args.dataset_name}: no such folder (and not a hub id like owner/name)")
     if args.resume_from_checkpoint not in (None, "latest") and not os.path.isdir(args.resume_from_checkpoint):
         raise UsageError(f"--resume_from_checkpoint {args.resume_from_checkpoint}: no such checkpoint folder")
     if args.report_to == "wandb":
@@ -236,5 +238,3 @@ def check_args(args: argparse.Namespace) -> None:
 
         if importlib.util.find_spec("wandb") is None:
             raise UsageError("--report_to wandb needs the wandb package (pip install wandb), or use tensorboard")
-    if args.collective_timeout <= 0:
-        raise UsageError("--collective_timeout must be positive (seconds)")

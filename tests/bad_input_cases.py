@@ -208,7 +208,7 @@ CASES = [
         "--collective_timeout 0",
         1,
         lambda t: ["--collective_timeout", "0"],
-        "--collective_timeout must be positive",
+        "--collective_timeout 0 is out of range: it must be > 0",
     ),
     Case(
         "disk_full_while_saving",
