@@ -1,0 +1,134 @@
+"""An output folder belongs to one run.
+
+Before anything loads, the main process makes sure `--output_dir` is a folder it can write to, takes a lock
+that keeps a second live run out (held until the process ends; the kernel drops it when a process dies, so a
+crash never leaves a stale lock), and refuses a folder that holds another run's outputs unless told to resume
+it (`--resume_from_checkpoint`) or to replace it (`--overwrite_output_dir`, which removes that run's outputs
+and nothing else).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import time
+from pathlib import Path
+
+from .errors import UsageError
+
+LOCK_NAME = ".flux_cp.lock"
+# What a run writes into its folder (its tracker folder, --logging_dir, is added by the caller).
+RUN_OUTPUTS = ("run_config.json", "metrics.jsonl", "pytorch_lora_weights.safetensors", "transformer",
+               "loss_curve.png", "validation")  # fmt: skip
+_CHECKPOINT = re.compile(r"^(checkpoint-\d+|\.checkpoint-\d+\.partial)$")
+
+_held: dict[str, int] = {}  # folder -> open file descriptor of its lock, for the life of this process
+
+
+def earlier_outputs(folder: Path, extra: tuple[str, ...] = ()) -> list[str]:
+    """Names in `folder` that an earlier run wrote (checkpoints first, newest last)."""
+    if not folder.is_dir():
+        return []
+    names = sorted(p.name for p in folder.iterdir() if _CHECKPOINT.match(p.name))
+    names.sort(key=lambda n: int(re.sub(r"\D", "", n)))
+    return names + [n for n in (*RUN_OUTPUTS, *extra) if (folder / n).exists()]
+
+
+def _describe(names: list[str]) -> str:
+    checkpoints = [n for n in names if _CHECKPOINT.match(n)]
+    rest = [n for n in names if not _CHECKPOINT.match(n)]
+    if len(checkpoints) > 1:
+        rest.insert(0, f"{len(checkpoints)} checkpoints up to {checkpoints[-1]}")
+    elif checkpoints:
+        rest.insert(0, checkpoints[0])
+    return ", ".join(rest)
+
+
+def _check_writable(folder: Path, flag: str) -> None:
+    if folder.exists() and not folder.is_dir():
+        raise UsageError(f"{flag} {folder} is a file, not a folder: choose a folder")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".flux_cp_write_test.{os.getpid()}"
+        probe.write_bytes(b"x")
+        probe.unlink()
+    except OSError as e:
+        raise UsageError(
+            f"{flag} {folder} cannot be written ({e.strerror or e}): choose a folder you can write to"
+        ) from None
+
+
+def _lock(folder: Path) -> None:
+    import fcntl
+
+    key = str(folder.resolve())
+    if key in _held:
+        return
+    fd = os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        try:
+            holder = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        except ValueError:
+            holder = {}
+        os.close(fd)
+        who = (f" (pid {holder.get('pid')} on {holder.get('host')}, started {holder.get('started')})"
+               if holder else "")  # fmt: skip
+        raise UsageError(
+            f"--output_dir {folder} is in use by another run{who}: wait for it to end, or choose another folder"
+        ) from None
+    info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(info).encode(), 0)
+    _held[key] = fd
+
+
+def release(folder: str | os.PathLike) -> None:
+    """Drop the lock (the end of the process drops it too)."""
+    fd = _held.pop(str(Path(folder).resolve()), None)
+    if fd is not None:
+        os.close(fd)
+
+
+def claim(
+    output_dir: str | os.PathLike, resume: str | None, overwrite: bool, extra_outputs: tuple[str, ...] = ()
+) -> list[str]:
+    """Make `output_dir` this run's (main process only). Returns the earlier outputs removed by `overwrite`."""
+    folder = Path(output_dir)
+    _check_writable(folder, "--output_dir")
+    _lock(folder)
+    earlier = earlier_outputs(folder, extra_outputs)
+    if not earlier:
+        return []
+    if resume is not None:
+        if overwrite and (resume == "latest" or _inside(Path(resume), folder)):
+            raise UsageError(
+                f"--overwrite_output_dir would delete the checkpoint --resume_from_checkpoint {resume} resumes from: "
+                "pass one of the two"
+            )
+        if not overwrite:
+            return []
+    elif not overwrite:
+        raise UsageError(
+            f"--output_dir {folder} holds an earlier run ({_describe(earlier)}): pass --resume_from_checkpoint "
+            "latest to continue it, --overwrite_output_dir to replace it, or choose another folder"
+        )
+    for name in earlier:
+        path = folder / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    return earlier
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    try:
+        path.resolve().relative_to(folder.resolve())
+        return True
+    except ValueError:
+        return False
