@@ -178,3 +178,16 @@ def test_a_checkpoint_without_optimizer_state_restores_weights_and_schedule(tmp_
     checkpoint.load(ckpt, model2, opt2, sched2, optimizer_state=False)
     a, b = dict(trainable_parameters(model)), dict(trainable_parameters(model2))
     assert all(torch.equal(a[k], b[k]) for k in a) and sched2.last_epoch == 2 and not opt2.state
+
+
+def test_a_checkpoint_exception_outside_our_checkpoint_code_still_ends_as_one_line(capsys):
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from flux_cp.runner import run
+
+    def main() -> int:
+        raise CheckpointException("save", {0: (RuntimeError("unexpected pos 6841792 vs 6841680"), None)})
+
+    assert run(main) == 1
+    err = capsys.readouterr().err
+    assert err.strip() == "error: [rank 0] CheckpointException: RuntimeError: unexpected pos 6841792 vs 6841680"
