@@ -89,7 +89,10 @@ def sizes(counts: Counts, full_finetune: bool, optimizer_state: bool, model_dtyp
 
 
 def gib(n: float) -> str:
-    return f"{n / GIB:.1f} GiB" if n >= GIB / 10 else f"{n / 2**20:.1f} MiB"
+    """Bytes in GiB (or MiB, KiB for small ones)."""
+    if n >= GIB / 10:
+        return f"{n / GIB:.1f} GiB"
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 / 10 else f"{n / 2**10:.1f} KiB"
 
 
 def _existing(path: Path) -> Path:
