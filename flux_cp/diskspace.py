@@ -26,7 +26,8 @@ CHECKPOINT_TENSOR_BYTES = 2048  # torch.save record of one tensor in a DCP shard
 CHECKPOINT_OPTIMIZER_TENSOR_BYTES = 8192  # the same with AdamW's two moments, its step and the param-group entries
 CHECKPOINT_FIXED_BYTES = 64 * 1024  # .metadata, meta.json, train.pt
 SAFETENSORS_TENSOR_BYTES = 512  # one header entry
-MODEL_FIXED_BYTES = 1024 * 1024  # config.json, the shard index
+MODEL_FIXED_BYTES = 1024 * 1024  # a transformer folder's config.json and shard index
+LORA_FIXED_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,7 @@ def sizes(counts: Counts, full_finetune: bool, optimizer_state: bool, model_dtyp
         model = counts.base * size + counts.base_tensors * SAFETENSORS_TENSOR_BYTES + MODEL_FIXED_BYTES
         name = "transformer"
     else:
-        model = n * 4 + tensors * SAFETENSORS_TENSOR_BYTES + MODEL_FIXED_BYTES
+        model = n * 4 + tensors * SAFETENSORS_TENSOR_BYTES + LORA_FIXED_BYTES
         name = "LoRA"
     return Sizes(weights + optimizer + fixed, weights + fixed, optimizer, model, name)
 
