@@ -161,11 +161,11 @@ def test_loss_curve_command_plots_any_metrics_file(tmp_path):
 def test_hub_data_sets_are_read_through_datasets(monkeypatch):
     """The hub path (no hub here): datasets.load_dataset is replaced by an in-memory data set of the same
     shape as a hub image/caption set; columns are checked and images come back decoded."""
-    import argparse
     import io
 
     import datasets
 
+    from flux_cp.config import DataConfig
     from flux_cp.data import open_source
     from flux_cp.errors import UsageError
 
@@ -186,7 +186,7 @@ def test_hub_data_sets_are_read_through_datasets(monkeypatch):
             caption_column="caption",
             instance_prompt=None,
         )
-        return argparse.Namespace(**{**base, **kw})
+        return DataConfig(**{**base, **kw})
 
     source = open_source(args())
     assert calls == [("someone/shapes", "train")] and len(source) == 4
