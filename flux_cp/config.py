@@ -322,6 +322,7 @@ def _scalar_type(annotation: Any) -> type:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
+        prog="train_flux_cp.py",
         description="Fine-tune FLUX.1 (LoRA or full) with context parallelism. With no model and no data flags it "
         "trains a tiny Flux built locally on the bundled data set (the embedded default).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
