@@ -26,23 +26,17 @@ import shutil
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
-from . import diskspace
+from . import diskspace, distributed, files
 from .errors import UsageError
 
 FORMAT = 1
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 
 
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-
-
 def _fsync_tree(path: Path) -> None:
-    for root, _, files in os.walk(path):
-        for f in files:
+    for root, _, names in os.walk(path):
+        for f in names:
             with open(os.path.join(root, f), "rb") as fh:
                 os.fsync(fh.fileno())
     fd = os.open(path, os.O_RDONLY)
@@ -119,9 +113,7 @@ def _cause(e: BaseException) -> str:
     if isinstance(failures, dict) and failures:
         rank, wrapped = sorted(failures.items())[0]
         inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
-        return (
-            f"rank {rank}: {type(inner).__name__}: {str(inner).strip().splitlines()[0] if str(inner).strip() else ''}"
-        )
+        return f"rank {rank}: {_cause(inner)}"
     text = str(e).strip()
     return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
 
@@ -159,25 +151,26 @@ def save(
                 diskspace.check_write(root, need_bytes, f"checkpoint-{step}", kept)
             except UsageError as e:
                 short = str(e)
-        if _any_rank(short is not None):
+        if distributed.any_rank(short is not None):
             raise UsageError(short or f"not enough disk space for checkpoint-{step}; {kept}", agreed=True)
-    _barrier()
+    distributed.barrier()
     error = None
     try:
         dcp.save(_state(model, optimizer, optimizer_state), checkpoint_id=str(partial / "state"))
         if fault is not None:
             fault.during_save(step)
         if is_main:
-            torch.save({"lr_scheduler": lr_scheduler.state_dict(), "rng": torch.get_rng_state()}, partial / "train.pt")
-            with open(partial / "meta.json", "w") as f:
-                json.dump({**meta, "format": FORMAT, "step": step, "optimizer_state": optimizer_state}, f, indent=2,
-                          default=str)  # fmt: skip
+            # Only what `load` restores: every random draw is keyed by seed and step (flux_cp.rng), so no RNG
+            # state is needed to resume exactly.
+            torch.save({"lr_scheduler": lr_scheduler.state_dict()}, partial / "train.pt")
+            files.write_json(partial / "meta.json", {**meta, "format": FORMAT, "step": step,
+                                                     "optimizer_state": optimizer_state})  # fmt: skip
             _fsync_tree(partial)
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException; reported below
         error = _cause(e)
-    failed = _any_rank(error is not None)
+    failed = distributed.any_rank(error is not None)
     if failed:
         if is_main:
             shutil.rmtree(partial, ignore_errors=True)
@@ -197,7 +190,7 @@ def save(
         if total_limit is not None:
             for _, old in list_checkpoints(output_dir)[:-total_limit]:
                 shutil.rmtree(old, ignore_errors=True)
-    _barrier()
+    distributed.barrier()
     return final
 
 
@@ -313,13 +306,3 @@ def _apply_current(optimizer, lr_scheduler, current: list[dict], base_lrs: list[
 def changed_settings(saved: dict, now: dict, names: tuple[str, ...]) -> list[str]:
     """`--flag old -> new` for each of `names` whose value differs between a checkpoint's args and this run's."""
     return [f"--{n} {saved[n]} -> {now.get(n)}" for n in names if n in saved and saved[n] != now.get(n)]
-
-
-def _any_rank(flag: bool) -> bool:
-    if not (dist.is_available() and dist.is_initialized()):
-        return flag
-    backend = dist.get_backend()
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    t = torch.tensor([int(flag)], device=device)
-    dist.all_reduce(t)
-    return bool(t.item())

@@ -3,7 +3,6 @@ changed hyperparameters applied on resume."""
 
 from __future__ import annotations
 
-import argparse
 import os
 import pickle
 from pathlib import Path
@@ -13,9 +12,10 @@ import torch
 from diffusers.optimization import get_scheduler
 
 from flux_cp import checkpoint, diskspace
-from flux_cp.args import DEFAULT_LORA_LAYERS
+from flux_cp.config import LoraConfig
 from flux_cp.errors import UsageError
-from flux_cp.model import prepare_trainable, save_full, save_lora, trainable_parameters
+from flux_cp.lora import DEFAULT_TARGETS, save_lora
+from flux_cp.model import prepare_trainable, save_full, trainable_parameters
 from flux_cp.tiny import TRANSFORMER_CONFIG, tiny_transformer
 
 
@@ -25,8 +25,7 @@ def _tree(path: Path) -> int:
 
 def _trained(lr: float = 1e-3, betas=(0.9, 0.999), full: bool = False, steps: int = 2):
     model = tiny_transformer()
-    prepare_trainable(model, argparse.Namespace(full_finetune=full, rank=4, lora_alpha=4, lora_dropout=0.0,
-                                                lora_layers=DEFAULT_LORA_LAYERS, seed=0))  # fmt: skip
+    prepare_trainable(model, LoraConfig(full_finetune=full, rank=4, lora_alpha=4), seed=0)
     params = [p for _, p in trainable_parameters(model)]
     opt = torch.optim.AdamW(params, lr=lr, betas=betas)
     sched = get_scheduler("cosine", optimizer=opt, num_warmup_steps=1, num_training_steps=10)
@@ -46,7 +45,7 @@ def _save(out: Path, step: int, model, opt, sched, **kw) -> Path:
 @pytest.mark.parametrize("full", [False, True], ids=["lora", "full"])
 def test_sizes_known_in_advance_match_what_is_written(tmp_path, full):
     model, opt, sched = _trained(full=full)
-    counts = diskspace.count(TRANSFORMER_CONFIG, None if full else 4, DEFAULT_LORA_LAYERS.split(","))
+    counts = diskspace.count(TRANSFORMER_CONFIG, None if full else 4, list(DEFAULT_TARGETS))
     assert counts.trainable == sum(p.numel() for _, p in trainable_parameters(model))
     for with_opt in (True, False):
         s = diskspace.sizes(counts, full, with_opt, torch.bfloat16, world=1)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from flux_cp.args import build_parser, is_hub_id, parse_args
+from flux_cp.config import build_parser, is_hub_id, parse_config
 from flux_cp.errors import UsageError
 from flux_cp.flag_ranges import RULES, given_flags, unused_flags
 
@@ -64,7 +64,7 @@ BAD = [
 @pytest.mark.parametrize("argv,message", BAD, ids=[" ".join(a) for a, _ in BAD])
 def test_out_of_range_values_are_refused_by_the_parser(argv, message):
     with pytest.raises(UsageError) as e:
-        parse_args(argv)
+        parse_config(argv)
     assert str(e.value).startswith(message), str(e.value)
 
 
@@ -74,22 +74,22 @@ def test_every_numeric_flag_has_a_rule_and_the_bounds_themselves_are_accepted():
     edges = ["--learning_rate", "1e-12", "--lora_dropout", "0.999", "--adam_beta2", "0", "--adam_epsilon", "1e-3",
              "--max_grad_norm", "0", "--mode_scale", "-1", "--seed", str(2**32 - 1), "--resolution", "16",
              "--max_sequence_length", "512", "--guidance_scale", "0", "--lora_alpha", "1"]  # fmt: skip
-    args = parse_args(edges)
-    assert args.learning_rate == 1e-12 and args.seed == 2**32 - 1
-    parse_args([])  # the defaults are in range
+    args = parse_config(edges)
+    assert args.train.learning_rate == 1e-12 and args.train.seed == 2**32 - 1
+    parse_config([])  # the defaults are in range
 
 
 def test_hub_ids_are_not_mistaken_for_missing_folders():
     assert is_hub_id("owner/name") and is_hub_id("lambdalabs/naruto-blip-captions") and is_hub_id("mnist")
     assert not any(is_hub_id(p) for p in ("./data", "/abs/path", "a/b/c", "~/x", "../x", "owner/..", "a\\b"))
-    assert parse_args(["--dataset_name", "owner/name"]).dataset_name == "owner/name"
+    assert parse_config(["--dataset_name", "owner/name"]).data.dataset_name == "owner/name"
 
 
 def test_flags_that_this_run_would_not_use_are_named(capsys):
     argv = ["--full_finetune", "--rank", "4", "--validation_steps", "5", "--mode_scale", "1.0", "--lr_power", "2",
             "--lr_warmup_steps", "10", "--max_train_steps", "5", "--lr_scheduler", "linear"]  # fmt: skip
-    args = parse_args(argv)
-    warnings = unused_flags(given_flags(build_parser(), argv), vars(args))
+    args = parse_config(argv)
+    warnings = unused_flags(given_flags(build_parser(), argv), args.flat())
     assert warnings == [
         "--validation_steps has no effect without --validation_prompt",
         "--rank has no effect with --full_finetune (it trains all weights, no LoRA)",
@@ -98,4 +98,4 @@ def test_flags_that_this_run_would_not_use_are_named(capsys):
         "--lr_warmup_steps 10 >= --max_train_steps 5: the LR never reaches --learning_rate",
     ]
     assert "warning: --rank has no effect with --full_finetune" in capsys.readouterr().err
-    assert unused_flags(given_flags(build_parser(), []), vars(parse_args([]))) == []
+    assert unused_flags(given_flags(build_parser(), []), parse_config([]).flat()) == []

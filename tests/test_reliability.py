@@ -10,12 +10,15 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
 from flux_cp import diskspace, outdir
 from flux_cp.metrics import read_metrics
 from tests.launch import ROOT, env, free_port, launch_cmd, losses, ok, run_args, train
+
+pytestmark = pytest.mark.e2e  # every test here launches train_flux_cp.py
 
 
 def _common(tmp: Path, name: str, steps: int, *extra: str) -> list[str]:
@@ -232,10 +235,10 @@ def test_final_outputs_are_written_before_validation_and_the_model_before_the_ch
 
 
 def test_a_disk_that_fills_up_stops_the_run_at_the_save_that_no_longer_fits(tmp_path):
-    from flux_cp.args import DEFAULT_LORA_LAYERS
+    from flux_cp.lora import DEFAULT_TARGETS
     from flux_cp.tiny import TRANSFORMER_CONFIG
 
-    counts = diskspace.count(TRANSFORMER_CONFIG, 16, DEFAULT_LORA_LAYERS.split(","))
+    counts = diskspace.count(TRANSFORMER_CONFIG, 16, list(DEFAULT_TARGETS))
     s = diskspace.sizes(counts, False, True, torch.float32, world=1)
     disk = s.checkpoint + s.model + 64 * 1024  # one checkpoint and the final LoRA fit, not two checkpoints
     r = train(1, *_common(tmp_path, "d", 6, "--checkpointing_steps", "2"), extra_env={"FLUX_CP_DISK_BYTES": str(disk)})
