@@ -9,7 +9,6 @@ The global batch of micro-step m is split over the dp ranks; a CP group shares i
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import os
 from dataclasses import dataclass
@@ -18,16 +17,17 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 
 from .errors import UsageError
+from .folders import list_folder
+from .images import decode
 from .rng import Stream, generator
 
 if TYPE_CHECKING:
     from .config import DataConfig
 
 BUNDLED_DATA = Path(__file__).resolve().parent.parent / "data" / "tiny_shapes"
-IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 
 
 # --- sources -----------------------------------------------------------------------------------------
@@ -59,6 +59,8 @@ class ImageSource:
             with open(ref, "rb") as f:
                 return f.read()
         item = self._hf[int(ref)][self._image_column]
+        if not item or (item.get("bytes") is None and not item.get("path")):
+            raise UsageError(f"{self.where(i)} has no image in column '{self._image_column}'")
         if item.get("bytes") is not None:
             return item["bytes"]
         with open(item["path"], "rb") as f:
@@ -69,18 +71,13 @@ class ImageSource:
         return str(ref) if self._hf is None else f"{self.name} row {ref}"
 
     def load(self, i: int, data: bytes | None = None) -> Image.Image:
-        """Decode image i as RGB; a UsageError naming the file if it cannot be read."""
-        import io
-
+        """Image i as the RGB picture a viewer shows (flux_cp.images); a UsageError naming the file if it cannot
+        be read."""
         try:
             data = self.raw_bytes(i) if data is None else data
-            img = Image.open(io.BytesIO(data))
-            img.load()
-        except UnidentifiedImageError:
-            raise UsageError(f"cannot read image {self.where(i)}: not an image format PIL can decode") from None
-        except (OSError, ValueError) as e:  # truncated or unreadable file
-            raise UsageError(f"cannot read image {self.where(i)}: {e}") from None
-        return img.convert("RGB")
+        except OSError as e:
+            raise UsageError(f"cannot read image {self.where(i)}: {e.strerror or e}") from None
+        return decode(data, self.where(i))
 
     def fingerprint(self) -> str:
         h = hashlib.sha256(self.name.encode())
@@ -90,46 +87,7 @@ class ImageSource:
 
 
 def _local_folder(folder: Path, caption_column: str, instance_prompt: str | None) -> list[Sample]:
-    files = sorted(p for p in folder.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file())
-    if not files:
-        raise UsageError(f"--dataset_name {folder}: no images ({', '.join(IMAGE_EXTENSIONS)}) in this folder")
-    captions: dict[str, str] = {}
-    meta = folder / "metadata.jsonl"
-    if meta.is_file():
-        with open(meta) as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise UsageError(f"{meta} line {n} is not valid JSON: {e}") from None
-                if "file_name" not in row:
-                    raise UsageError(f"{meta} line {n} has no 'file_name'")
-                if instance_prompt is None and caption_column not in row:
-                    raise UsageError(
-                        f"{meta} line {n} has no caption column '{caption_column}' (columns: {sorted(row)}); "
-                        f"set --caption_column or --instance_prompt"
-                    )
-                captions[str((folder / row["file_name"]).resolve())] = str(row.get(caption_column, ""))
-    samples, missing = [], []
-    for p in files:
-        if instance_prompt is not None:
-            samples.append(Sample(str(p), instance_prompt))
-            continue
-        caption = captions.get(str(p.resolve()))
-        if caption is None and p.with_suffix(".txt").is_file():
-            caption = p.with_suffix(".txt").read_text().strip()
-        if caption is None:
-            missing.append(p.name)
-        else:
-            samples.append(Sample(str(p), caption))
-    if missing:
-        raise UsageError(
-            f"{len(missing)} images in {folder} have no caption (e.g. {', '.join(missing[:3])}): add metadata.jsonl "
-            f"with 'file_name' and '{caption_column}', a .txt beside each image, or --instance_prompt"
-        )
-    return samples
+    return [Sample(path, caption) for path, caption in list_folder(folder, caption_column, instance_prompt)]
 
 
 def _hub_dataset(data: DataConfig) -> ImageSource:
@@ -138,7 +96,12 @@ def _hub_dataset(data: DataConfig) -> ImageSource:
     try:
         ds = datasets.load_dataset(data.dataset_name, data.dataset_config_name, split="train")
     except Exception as e:  # noqa: BLE001 - every loading failure becomes one clear line
-        raise UsageError(f"--dataset_name {data.dataset_name}: cannot load it with datasets ({e})") from None
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UsageError(
+            f"--dataset_name {data.dataset_name} is not a local folder, and datasets cannot load it from the hub "
+            f"({type(e).__name__}: {first}). Check the id (owner/name), the network or HF_HUB_OFFLINE, and "
+            "`huggingface-cli login` for gated sets"
+        ) from None
     columns = ds.column_names
     if data.image_column not in columns:
         raise UsageError(f"--image_column '{data.image_column}' is not in {data.dataset_name} (columns: {columns})")
@@ -147,9 +110,21 @@ def _hub_dataset(data: DataConfig) -> ImageSource:
             f"--caption_column '{data.caption_column}' is not in {data.dataset_name} (columns: {columns}); "
             "set --caption_column or --instance_prompt"
         )
-    ds = ds.cast_column(data.image_column, datasets.Image(decode=False))
+    try:
+        ds = ds.cast_column(data.image_column, datasets.Image(decode=False))
+    except (TypeError, ValueError) as e:
+        raise UsageError(
+            f"--image_column '{data.image_column}' of {data.dataset_name} does not hold images ({e}); choose the "
+            "column of images"
+        ) from None
     captions = [data.instance_prompt] * len(ds) if data.instance_prompt is not None else ds[data.caption_column]
-    samples = [Sample(i, str(c)) for i, c in enumerate(captions)]
+    for i, c in enumerate(captions):
+        if not isinstance(c, str):
+            raise UsageError(
+                f"{data.dataset_name} row {i}: '{data.caption_column}' is {c!r}, not a string: give every image a "
+                "caption, or use --instance_prompt"
+            )
+    samples = [Sample(i, c) for i, c in enumerate(captions)]
     return ImageSource(samples, data.dataset_name, hf_dataset=ds, image_column=data.image_column)
 
 

@@ -12,24 +12,28 @@ from __future__ import annotations
 import gc
 import hashlib
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
 from . import distributed, files
 from .data import ImageSource, bucket_divisor, bucket_sizes, crop_box, nearest_bucket, to_pixels
 from .errors import UsageError
+from .images import DECODER_VERSION
 from .rng import Stream, generator
 
 if TYPE_CHECKING:
     from .config import DataConfig
 
 Tensor = torch.Tensor
+logger = logging.getLogger("flux_cp")
 
 
 @dataclass
@@ -105,6 +109,27 @@ class Geometry:
         return nearest_bucket(size[0], size[1], self.buckets) if len(self.buckets) > 1 else 0
 
 
+LATENT_KEYS = ("latent_mean", "latent_std")
+TEXT_KEYS = ("prompt_embeds", "pooled_prompt_embeds")
+
+
+def _usable(path: Path, keys: tuple[str, ...]) -> bool:
+    """A cache entry that exists and is whole: its header reads, names `keys`, and its file is as long as the
+    header says (safetensors checks that on open). A damaged entry is removed, to be recomputed."""
+    if not path.is_file():
+        return False
+    try:
+        with safe_open(str(path), "pt") as f:
+            if set(keys) <= set(f.keys()):
+                return True
+            problem = f"it holds {sorted(f.keys())}, not {list(keys)}"
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for every kind of damage
+        problem = f"{type(e).__name__}: {e}"
+    logger.warning(f"cache entry {path} cannot be read ({problem}): recomputing it")
+    path.unlink(missing_ok=True)
+    return False
+
+
 def _sha(*parts) -> str:
     return hashlib.sha256("\0".join(str(p) for p in parts).encode()).hexdigest()[:32]
 
@@ -131,9 +156,17 @@ class EncodedData:
 
     def load(self, index: int, flip: bool, epoch: int) -> dict[str, Tensor]:
         e = self.entries[index]
-        lat = load_file(self.cache_dir / "latents" / f"{e['latents'][int(flip) % len(e['latents'])]}.safetensors")
-        txt = load_file(self.cache_dir / "text" / f"{e['text']}.safetensors")
-        return {**lat, **txt}
+        out = {}
+        for path in (self.cache_dir / "latents" / f"{e['latents'][int(flip) % len(e['latents'])]}.safetensors",
+                     self.cache_dir / "text" / f"{e['text']}.safetensors"):  # fmt: skip
+            try:
+                out.update(load_file(path))
+            except Exception as err:  # noqa: BLE001 - removed or damaged after this run checked it
+                raise UsageError(
+                    f"cache entry {path} cannot be read ({type(err).__name__}: {err}): delete it and resume "
+                    "(--resume_from_checkpoint latest); it is recomputed at start"
+                ) from None
+        return out
 
 
 def encode_dataset(
@@ -160,7 +193,10 @@ def encode_dataset(
         try:
             raw = source.raw_bytes(i)
         except OSError as e:
-            errors.append(f"cannot read image {source.where(i)}: {e}")
+            errors.append(f"cannot read image {source.where(i)}: {e.strerror or e}")
+            continue
+        except UsageError as e:
+            errors.append(str(e))
             continue
         img_hash = hashlib.sha256(raw).hexdigest()
         img = None
@@ -174,16 +210,16 @@ def encode_dataset(
         resized, offset = crop_box(img.size, target, data.center_crop, generator(Stream.CROP, seed, i))
         keys = []
         for flip in variants:
-            key = _sha(img_hash, target, resized, offset, flip, vae_fp)
+            key = _sha(img_hash, target, resized, offset, flip, vae_fp, DECODER_VERSION)
             path = cache_dir / "latents" / f"{key}.safetensors"
-            if not path.is_file():
+            if not _usable(path, LATENT_KEYS):
                 mean, std = encoders.latents(to_pixels(img, target, resized, offset, flip)[None])
                 files.write_safetensors(path, {"latent_mean": mean[0], "latent_std": std[0]})
                 computed += 1
             keys.append(key)
         caption = source.samples[i].caption
         tkey = _sha(caption, data.max_sequence_length, text_fp)
-        if not (cache_dir / "text" / f"{tkey}.safetensors").is_file():
+        if not _usable(cache_dir / "text" / f"{tkey}.safetensors", TEXT_KEYS):
             pending_text[tkey] = caption
         entries[i] = {"bucket": bucket, "latents": keys, "text": tkey}
         if len(pending_text) >= 16:

@@ -15,8 +15,10 @@ import re
 import shutil
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+from . import files
 from .errors import UsageError
 
 LOCK_NAME = ".flux_cp.lock"
@@ -132,3 +134,32 @@ def _inside(path: Path, folder: Path) -> bool:
         return True
     except ValueError:
         return False
+
+
+def write_final(output_dir: str | os.PathLike, name: str, write: Callable[[Path], Path]) -> Path:
+    """Write the final output `name` (a file or folder in `output_dir`): `write(folder)` writes it into a hidden
+    temporary folder beside it and returns its path there; it is then renamed into place, so the folder holds the
+    previous version or the complete new one, never a part. A failure is a UsageError naming the output."""
+    root = Path(output_dir)
+    final, staging = root / name, root / f".{name}.partial"
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        staging.mkdir(parents=True)
+        written = write(staging)
+        files.apply_umask(written)
+        if final.is_dir() and not final.is_symlink():
+            old = root / f".{name}.old"
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(final, old)
+            os.rename(written, final)
+            shutil.rmtree(old)
+        else:
+            os.replace(written, final)
+    except OSError as e:
+        raise UsageError(
+            f"writing {final} failed ({e.strerror or e}); the checkpoints are intact. Free disk space or choose "
+            "another --output_dir, then resume (--resume_from_checkpoint latest) to write it again"
+        ) from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return final

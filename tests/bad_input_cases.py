@@ -250,7 +250,7 @@ CASES = [
         "a model folder that does not exist",
         1,
         lambda t: ["--pretrained_model_name_or_path", str(t / "no_model")],
-        "cannot load vae from --pretrained_model_name_or_path",
+        "cannot load transformer from --pretrained_model_name_or_path",
     ),
     Case(
         "non_positive_timeout",
@@ -282,7 +282,7 @@ CASES = [
         "an output disk smaller than one checkpoint and the final model (FLUX_CP_DISK_BYTES=100000)",
         1,
         lambda t: [],
-        "has 97.7 KiB free, but this run needs",
+        "KiB free, but this run needs",
         env={"FLUX_CP_DISK_BYTES": "100000"},
     ),
     Case(
