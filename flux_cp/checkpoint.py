@@ -115,6 +115,8 @@ def _cause(e: BaseException) -> str:
         inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
         return f"rank {rank}: {_cause(inner)}"
     text = str(e).strip()
+    if isinstance(e, OSError) and text:  # "[Errno 28] No space left on device: ..." says it all
+        return text.splitlines()[0]
     return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
 
 

@@ -190,3 +190,15 @@ def test_a_checkpoint_exception_outside_our_checkpoint_code_still_ends_as_one_li
     assert run(main) == 1
     err = capsys.readouterr().err
     assert err.strip() == "error: [rank 0] CheckpointException: RuntimeError: unexpected pos 6841792 vs 6841680"
+
+
+def test_the_plan_shows_the_disk_a_run_needs(capsys):
+    from flux_cp.config import parse_config
+    from flux_cp.plan import print_plan
+
+    print_plan(parse_config(["--plan", "--checkpoints_total_limit", "2"]))
+    disk = [line for line in capsys.readouterr().out.splitlines() if line.startswith("disk:")]
+    assert disk == [
+        "disk: one checkpoint 1.5 MiB (fp32 weights 0.5 MiB + AdamW state 1.0 MiB), the final LoRA 0.4 MiB; keep at "
+        "least 2.0 MiB free in --output_dir (2 checkpoints kept: 5.0 MiB)"
+    ]
