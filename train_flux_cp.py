@@ -173,11 +173,20 @@ def claim_output_dir(cfg: Config, layout: Layout) -> None:
         try:
             removed = outdir.claim(cfg.train.output_dir, cfg.checkpoints.resume_from_checkpoint,
                                    cfg.train.overwrite_output_dir, (cfg.validation.logging_dir,))  # fmt: skip
+            if not cfg.data.no_cache:
+                outdir.check_writable(Path(cache_dir(cfg)), "--cache_dir")
+            resume = checkpoint.resolve(cfg.checkpoints.resume_from_checkpoint, cfg.train.output_dir)
+            if resume is not None:  # a damaged or foreign meta.json is found now, not after the models load
+                checkpoint.read_meta(resume)
         except UsageError as e:
             problem = str(e)
     distributed.check_all_ranks(problem is None, problem or "")
     if removed:
         logger.info(f"--overwrite_output_dir: removed the earlier run's outputs ({', '.join(removed)})")
+
+
+def cache_dir(cfg: Config) -> str:
+    return cfg.data.cache_dir or str(Path.home() / ".cache" / "flux_cp" / "encodings")
 
 
 def output_sizes(cfg: Config, path: str, weight_dtype: torch.dtype, world: int) -> diskspace.Sizes:
@@ -208,7 +217,7 @@ def load_data(run: Run) -> Data:
     if cfg.data.no_cache:
         samples: TrainingData = LiveData(source, encoders, geometry, cfg.data, cfg.train.seed)
     else:
-        cache_dir = Path(cfg.data.cache_dir or Path.home() / ".cache" / "flux_cp" / "encodings")
+        cache = Path(cache_dir(cfg))
         rev = cfg.model.revision
         fingerprints = (
             model_fingerprint(encoders.vae, run.model_path, rev),
@@ -216,9 +225,9 @@ def load_data(run: Run) -> Data:
             + model_fingerprint(encoders.text_encoder, run.model_path, rev),
         )
         samples = encode_dataset(
-            source, encoders, geometry, cfg.data, cfg.train.seed, cache_dir, fingerprints, layout.rank, layout.world
+            source, encoders, geometry, cfg.data, cfg.train.seed, cache, fingerprints, layout.rank, layout.world
         )
-        logger.info(f"encodings: {len(source)} samples, {samples.computed} newly computed, cache {cache_dir}")
+        logger.info(f"encodings: {len(source)} samples, {samples.computed} newly computed, cache {cache}")
         encoders.free_text_encoders()
     global_batch = cfg.train.train_batch_size * layout.dp
     schedule = BatchSchedule(samples.buckets, global_batch, cfg.train.seed)

@@ -75,13 +75,26 @@ def resolve(resume: str | None, output_dir: str) -> Path | None:
 
 
 def read_meta(path: Path) -> dict:
+    """A checkpoint's meta.json, every field this code reads checked (a damaged or foreign file is named)."""
     try:
-        with open(path / "meta.json") as f:
+        with open(path / "meta.json", encoding="utf-8") as f:
             meta = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8
         raise UsageError(f"--resume_from_checkpoint {path}: meta.json cannot be read ({e})") from None
+    if not isinstance(meta, dict):
+        raise UsageError(f"--resume_from_checkpoint {path}: meta.json is a JSON {type(meta).__name__}, not an object")
     if meta.get("format") != FORMAT:
         raise UsageError(f"--resume_from_checkpoint {path}: format {meta.get('format')} is not {FORMAT}")
+    fields = (("step", int), ("run", dict), ("layout", str), ("args", dict), ("optimizer_state", bool))
+    for key, kind in fields:
+        value = meta.get(key)
+        missing_ok = key in ("args", "optimizer_state")  # written since a later version; absent means the default
+        bad = (value is None and not missing_ok) or (value is not None and type(value) is not kind)
+        if bad or (key == "step" and value < 0):
+            raise UsageError(
+                f"--resume_from_checkpoint {path}: meta.json has no valid '{key}' (got {value!r}); the checkpoint is "
+                "damaged or was not written by train_flux_cp.py: resume from another checkpoint-N folder"
+            )
     return meta
 
 

@@ -189,42 +189,49 @@ def encode_dataset(
     pending_text: dict[str, str] = {}
     computed = 0
     bar = tqdm(mine, desc="encoding (this rank's share)", disable=rank != 0, dynamic_ncols=True)
-    for i in bar:
-        try:
-            raw = source.raw_bytes(i)
-        except OSError as e:
-            errors.append(f"cannot read image {source.where(i)}: {e.strerror or e}")
-            continue
-        except UsageError as e:
-            errors.append(str(e))
-            continue
-        img_hash = hashlib.sha256(raw).hexdigest()
-        img = None
-        try:
-            img = source.load(i, raw)
-        except UsageError as e:
-            errors.append(str(e))
-            continue
-        bucket = geometry.bucket_of(img.size)
-        target = geometry.buckets[bucket]
-        resized, offset = crop_box(img.size, target, data.center_crop, generator(Stream.CROP, seed, i))
-        keys = []
-        for flip in variants:
-            key = _sha(img_hash, target, resized, offset, flip, vae_fp, DECODER_VERSION)
-            path = cache_dir / "latents" / f"{key}.safetensors"
-            if not _usable(path, LATENT_KEYS):
-                mean, std = encoders.latents(to_pixels(img, target, resized, offset, flip)[None])
-                files.write_safetensors(path, {"latent_mean": mean[0], "latent_std": std[0]})
-                computed += 1
-            keys.append(key)
-        caption = source.samples[i].caption
-        tkey = _sha(caption, data.max_sequence_length, text_fp)
-        if not _usable(cache_dir / "text" / f"{tkey}.safetensors", TEXT_KEYS):
-            pending_text[tkey] = caption
-        entries[i] = {"bucket": bucket, "latents": keys, "text": tkey}
-        if len(pending_text) >= 16:
-            computed += _encode_texts(encoders, pending_text, data.max_sequence_length, cache_dir)
-    computed += _encode_texts(encoders, pending_text, data.max_sequence_length, cache_dir)
+    try:  # a cache that cannot be written (full disk, permissions) ends as one line, on every rank alike
+        for i in bar:
+            try:
+                raw = source.raw_bytes(i)
+            except OSError as e:
+                errors.append(f"cannot read image {source.where(i)}: {e.strerror or e}")
+                continue
+            except UsageError as e:
+                errors.append(str(e))
+                continue
+            img_hash = hashlib.sha256(raw).hexdigest()
+            img = None
+            try:
+                img = source.load(i, raw)
+            except UsageError as e:
+                errors.append(str(e))
+                continue
+            bucket = geometry.bucket_of(img.size)
+            target = geometry.buckets[bucket]
+            resized, offset = crop_box(img.size, target, data.center_crop, generator(Stream.CROP, seed, i))
+            keys = []
+            for flip in variants:
+                key = _sha(img_hash, target, resized, offset, flip, vae_fp, DECODER_VERSION)
+                path = cache_dir / "latents" / f"{key}.safetensors"
+                if not _usable(path, LATENT_KEYS):
+                    mean, std = encoders.latents(to_pixels(img, target, resized, offset, flip)[None])
+                    files.write_safetensors(path, {"latent_mean": mean[0], "latent_std": std[0]})
+                    computed += 1
+                keys.append(key)
+            caption = source.samples[i].caption
+            tkey = _sha(caption, data.max_sequence_length, text_fp)
+            if not _usable(cache_dir / "text" / f"{tkey}.safetensors", TEXT_KEYS):
+                pending_text[tkey] = caption
+            entries[i] = {"bucket": bucket, "latents": keys, "text": tkey}
+            if len(pending_text) >= 16:
+                computed += _encode_texts(encoders, pending_text, data.max_sequence_length, cache_dir)
+        computed += _encode_texts(encoders, pending_text, data.max_sequence_length, cache_dir)
+    except OSError as e:
+        where = f" ({e.filename})" if e.filename else ""
+        errors.append(
+            f"cannot write the encoding cache under --cache_dir {cache_dir}{where}: {e.strerror or e}. Free space "
+            "there, choose another --cache_dir, or pass --no_cache"
+        )
     more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
     distributed.check_all_ranks(not errors, "; ".join(errors[:5]) + more)
 

@@ -68,8 +68,12 @@ def write_json(path: str | os.PathLike, obj: Any) -> None:
 
 
 def write_safetensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor]) -> None:
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     plain = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
     with _replacing(path) as tmp:
-        save_file(plain, tmp)
+        try:
+            save_file(plain, tmp)
+        except SafetensorError as e:  # its I/O failures (a full disk) are not OSErrors: make them one
+            raise OSError(f"cannot write {path}: {e}") from None

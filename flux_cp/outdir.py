@@ -18,6 +18,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from safetensors import SafetensorError
+
 from . import files
 from .errors import UsageError
 
@@ -49,7 +51,8 @@ def _describe(names: list[str]) -> str:
     return ", ".join(rest)
 
 
-def _check_writable(folder: Path, flag: str) -> None:
+def check_writable(folder: Path, flag: str) -> None:
+    """Create `folder` if needed and write a probe file into it; a UsageError naming `flag` if that fails."""
     if folder.exists() and not folder.is_dir():
         raise UsageError(f"{flag} {folder} is a file, not a folder: choose a folder")
     try:
@@ -101,7 +104,7 @@ def claim(
 ) -> list[str]:
     """Make `output_dir` this run's (main process only). Returns the earlier outputs removed by `overwrite`."""
     folder = Path(output_dir)
-    _check_writable(folder, "--output_dir")
+    check_writable(folder, "--output_dir")
     _lock(folder)
     earlier = earlier_outputs(folder, extra_outputs)
     if not earlier:
@@ -155,10 +158,11 @@ def write_final(output_dir: str | os.PathLike, name: str, write: Callable[[Path]
             shutil.rmtree(old)
         else:
             os.replace(written, final)
-    except OSError as e:
+    except (OSError, SafetensorError) as e:  # safetensors' I/O failures are not OSErrors
+        why = getattr(e, "strerror", None) or e
         raise UsageError(
-            f"writing {final} failed ({e.strerror or e}); the checkpoints are intact. Free disk space or choose "
-            "another --output_dir, then resume (--resume_from_checkpoint latest) to write it again"
+            f"writing {final} failed ({why}); the checkpoints are intact. Free disk space or choose another "
+            "--output_dir, then resume (--resume_from_checkpoint latest) to write it again"
         ) from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)

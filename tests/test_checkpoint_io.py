@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 from pathlib import Path
 
 import pytest
@@ -202,3 +203,27 @@ def test_the_plan_shows_the_disk_a_run_needs(capsys):
         "disk: one checkpoint 1.5 MiB (fp32 weights 0.5 MiB + AdamW state 1.0 MiB), the final LoRA 0.4 MiB; keep at "
         "least 2.0 MiB free in --output_dir (2 checkpoints kept: 5.0 MiB)"
     ]
+
+
+@pytest.mark.parametrize(
+    "meta, message",
+    [
+        ("not json", "meta.json cannot be read"),
+        (b"\xff\xfe", "meta.json cannot be read"),
+        ("[1, 2]", "meta.json is a JSON list, not an object"),
+        ('{"format": 2}', "format 2 is not 1"),
+        ('{"format": 1, "run": {}, "layout": "x"}', "meta.json has no valid 'step' (got None)"),
+        ('{"format": 1, "step": -3, "run": {}, "layout": "x"}', "meta.json has no valid 'step' (got -3)"),
+        ('{"format": 1, "step": "3", "run": {}, "layout": "x"}', "meta.json has no valid 'step' (got '3')"),
+        ('{"format": 1, "step": 3, "run": [], "layout": "x"}', "meta.json has no valid 'run' (got [])"),
+        ('{"format": 1, "step": 3, "run": {}}', "meta.json has no valid 'layout'"),
+        ('{"format": 1, "step": 3, "run": {}, "layout": "x", "args": 1}', "meta.json has no valid 'args' (got 1)"),
+        ('{"format": 1, "step": 3, "run": {}, "layout": "x", "optimizer_state": "no"}', "no valid 'optimizer_state'"),
+    ],
+)
+def test_every_field_of_meta_json_is_checked(tmp_path, meta, message):
+    (tmp_path / "meta.json").write_bytes(meta if isinstance(meta, bytes) else meta.encode())
+    with pytest.raises(
+        UsageError, match=re.escape(f"--resume_from_checkpoint {tmp_path}: ") + ".*" + re.escape(message)
+    ):
+        checkpoint.read_meta(tmp_path)
