@@ -14,8 +14,8 @@ COMMON="--pretrained_model_name_or_path /tmp/flux1-dev-shapes --transformer_init
   --cache_dir /tmp/eq_cache"
 case $CP in 2) CFG=fsdp2_dp2_cp2.yaml;; 4) CFG=fsdp2_dp2_cp4.yaml;; *) echo "CP must be 2 or 4"; exit 2;; esac
 timeout ${TASK_TIMEOUT:-330} accelerate launch --config_file accelerate_configs/fsdp2_cp2.yaml train_flux_cp.py $COMMON --cp_size 1 \
-  --output_dir /tmp/eq_A > "$OUT/equivalence_A.log" 2>&1; echo "task A exit $?"
+  --output_dir /tmp/eq_A --overwrite_output_dir > "$OUT/equivalence_A.log" 2>&1; echo "task A exit $?"
 timeout ${TASK_TIMEOUT:-330} accelerate launch --config_file "accelerate_configs/$CFG" train_flux_cp.py $COMMON --cp_size "$CP" \
-  --output_dir /tmp/eq_B > "$OUT/equivalence_B.log" 2>&1; echo "task B exit $?"
+  --output_dir /tmp/eq_B --overwrite_output_dir > "$OUT/equivalence_B.log" 2>&1; echo "task B exit $?"
 cp /tmp/eq_A/metrics.jsonl "$OUT/equivalence_A.jsonl"; cp /tmp/eq_B/metrics.jsonl "$OUT/equivalence_B.jsonl" 2>/dev/null
 tail -3 "$OUT/equivalence_A.log" "$OUT/equivalence_B.log" | cut -c1-300

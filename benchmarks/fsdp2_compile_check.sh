@@ -6,7 +6,7 @@ OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 . benchmarks/gpu_env.sh
 {
   timeout 150 accelerate launch --config_file accelerate_configs/fsdp2_cp2.yaml train_flux_cp.py --cp_size 2 \
-    --full_finetune --compile --max_train_steps 4 --report_to none --cache_dir /tmp/enc --output_dir /tmp/fsdp2c
+    --full_finetune --compile --max_train_steps 4 --report_to none --cache_dir /tmp/enc --output_dir /tmp/fsdp2c --overwrite_output_dir
   echo "exit fsdp2_compile_full: $?"
   ls /tmp/fsdp2c /tmp/fsdp2c/transformer
   timeout 150 torchrun --nproc_per_node 2 benchmarks/bench_model.py --cp 2 --mode ulysses --train full --compile \

@@ -18,12 +18,13 @@ echo "attention exit $?"; grep -E "^tokens" "$OUT/attention.log" | cut -c1-160
 S="--report_to none --max_train_steps 4 --checkpointing_steps 2 --cache_dir /tmp/enc --output_dir /tmp/smoke"
 {
   timeout 150 accelerate launch --config_file accelerate_configs/fsdp2_cp2.yaml train_flux_cp.py --cp_size 2 $S \
-    --validation_prompt "a red circle" --validation_steps 4 --validation_inference_steps 2; echo "exit lora: $?"
+    --overwrite_output_dir --validation_prompt "a red circle" --validation_steps 4 --validation_inference_steps 2; echo "exit lora: $?"
   timeout 150 accelerate launch --config_file accelerate_configs/fsdp2_cp2.yaml train_flux_cp.py --cp_size 2 \
     ${S/--max_train_steps 4/--max_train_steps 6} --resume_from_checkpoint latest; echo "exit resume: $?"
   if [ "$N" -ge 4 ]; then
     timeout 150 accelerate launch --config_file accelerate_configs/fsdp2_dp2_cp2.yaml train_flux_cp.py --cp_size 2 \
-      --full_finetune --report_to none --max_train_steps 3 --cache_dir /tmp/enc --output_dir /tmp/smoke_full
+      --full_finetune --report_to none --max_train_steps 3 --cache_dir /tmp/enc --output_dir /tmp/smoke_full \
+      --overwrite_output_dir
     echo "exit full: $?"
   fi
   ls /tmp/smoke /tmp/smoke/validation /tmp/smoke_full /tmp/smoke_full/transformer

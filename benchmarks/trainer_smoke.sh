@@ -6,7 +6,7 @@ OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 . benchmarks/gpu_env.sh
 S="--cp_size 2 --report_to none --cache_dir /tmp/enc --output_dir /tmp/ddp_smoke --checkpointing_steps 3"
 {
-  timeout 240 accelerate launch --config_file accelerate_configs/ddp_cp2.yaml train_flux_cp.py $S --compile \
+  timeout 240 accelerate launch --config_file accelerate_configs/ddp_cp2.yaml train_flux_cp.py $S --compile --overwrite_output_dir \
     --max_train_steps 6 --validation_prompt "a red circle" --validation_steps 6 --validation_inference_steps 2
   echo "exit ddp_compile: $?"
   timeout 150 accelerate launch --config_file accelerate_configs/ddp_cp2.yaml train_flux_cp.py $S \
