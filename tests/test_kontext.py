@@ -1,0 +1,73 @@
+"""FLUX.1 Kontext sequence helpers: the same sequence and ids as diffusers' FluxKontextPipeline, the split of
+the image segment over CP ranks, and the target-only loss."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flux_cp.flow import pack_latents
+from flux_cp.kontext import PairSplit, check_pair_tokens, pair_sequence, reference_ids, target_loss
+
+
+def test_sequence_and_ids_match_flux_kontext_pipeline():
+    from flux_cp.tiny import build_tiny_pipeline
+
+    pipe = build_tiny_pipeline(kontext=True, transformer=False)
+    g = torch.Generator().manual_seed(0)
+    # A reference of another size than the target (the pipeline allows it), passed as latents.
+    ref = torch.randn(2, 4, 6, 10, generator=g)
+    latents, image_latents, latent_ids, image_ids = pipe.prepare_latents(
+        ref, 2, 4, 8 * 8, 12 * 8, torch.float32, torch.device("cpu"), torch.Generator().manual_seed(1)
+    )
+    target = torch.randn(2, 4, 8, 12, generator=g)
+    hidden, ids = pair_sequence(pack_latents(target), pack_latents(ref), (8, 12), (6, 10))
+    torch.testing.assert_close(ids, torch.cat([latent_ids, image_ids], dim=0), rtol=0, atol=0)
+    torch.testing.assert_close(hidden[:, 24:], image_latents, rtol=0, atol=0)
+    assert latents.shape[1] == 24 and image_latents.shape[1] == 15
+    assert (reference_ids(6, 10)[:, 0] == 1).all() and (ids[:24, 0] == 0).all()
+
+
+def test_pair_sequence_rejects_mismatched_shapes():
+    with pytest.raises(ValueError, match="differ in batch size or channels"):
+        pair_sequence(torch.zeros(1, 4, 16), torch.zeros(1, 4, 8), (4, 4), (4, 4))
+    with pytest.raises(ValueError, match="a 4x6 latent packs to 6"):
+        pair_sequence(torch.zeros(1, 4, 16), torch.zeros(1, 4, 16), (4, 4), (4, 6))
+
+
+@pytest.mark.parametrize("t,r,n", [(24, 24, 2), (24, 12, 4), (15, 1, 4), (9, 9, 2), (16, 16, 8)])
+def test_split_covers_the_segment_and_every_target_once(t, r, n):
+    split = PairSplit(t, r, n)
+    spans = [split.span(k) for k in range(n)]
+    assert spans[0][0] == 0 and spans[-1][1] == t + r
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    assert sum(split.local_targets(k) for k in range(n)) == t
+    for k, (start, stop) in enumerate(spans):  # a rank's target tokens are the first ones of its chunk
+        assert split.local_targets(k) == len([p for p in range(start, stop) if p < t])
+
+
+def test_split_and_check_refuse_what_does_not_divide():
+    with pytest.raises(ValueError, match="do not split over 4 ranks"):
+        PairSplit(15, 2, 4)
+    with pytest.raises(ValueError, match="15 target \\+ 2 reference image tokens \\(17\\) is not divisible"):
+        check_pair_tokens(512, 15, 2, 4)
+    with pytest.raises(ValueError, match="--max_sequence_length that is a multiple of 4"):
+        check_pair_tokens(510, 16, 16, 4)
+    check_pair_tokens(512, 4225, 4225, 2)  # 1040 px pairs: odd target and reference, even together
+
+
+@pytest.mark.parametrize("t,r,n", [(24, 24, 2), (24, 12, 4), (15, 1, 4), (24, 24, 1)])
+def test_target_loss_averaged_over_ranks_is_the_full_loss(t, r, n):
+    g = torch.Generator().manual_seed(3)
+    pred = torch.randn(3, t + r, 8, generator=g, dtype=torch.float64)
+    target = torch.randn(3, t, 8, generator=g, dtype=torch.float64)
+    weighting = torch.rand(3, 1, 1, generator=g, dtype=torch.float64) + 0.5
+    full = (weighting * (pred[:, :t] - target) ** 2).mean()
+    split = PairSplit(t, r, n)
+    chunks = pred.chunk(n, dim=1)
+    per_rank = [target_loss(chunks[k], target, weighting, split, k) for k in range(n)]
+    torch.testing.assert_close((sum(per_rank) / n).double(), full, rtol=1e-6, atol=0)
+    if n == 1:
+        plain = F.mse_loss(pred[:, :t], target, reduction="none").mul(weighting).mean()
+        torch.testing.assert_close(per_rank[0].double(), plain, rtol=1e-6, atol=0)
