@@ -3,10 +3,17 @@ the image segment over CP ranks, and the target-only loss."""
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+from flux_cp.data import open_source, reference_column
+from flux_cp.errors import UsageError
 from flux_cp.flow import pack_latents
 from flux_cp.kontext import PairSplit, check_pair_tokens, pair_sequence, reference_ids, target_loss
 
@@ -71,3 +78,88 @@ def test_target_loss_averaged_over_ranks_is_the_full_loss(t, r, n):
     if n == 1:
         plain = F.mse_loss(pred[:, :t], target, reduction="none").mul(weighting).mean()
         torch.testing.assert_close(per_rank[0].double(), plain, rtol=1e-6, atol=0)
+
+
+# --- pair data sets -----------------------------------------------------------------------------------------
+
+PAIRS = Path(__file__).resolve().parent.parent / "data" / "tiny_pairs"
+
+
+def _data_flags(**overrides) -> SimpleNamespace:
+    flags = dict(dataset_name=str(PAIRS), dataset_config_name=None, image_column="image", caption_column="text",
+                 instance_prompt=None, cond_image_column=None)  # fmt: skip
+    return SimpleNamespace(**{**flags, **overrides})
+
+
+def _copy_pairs(folder: Path, rows: int = 4, edit=None) -> Path:
+    folder.mkdir(parents=True)
+    lines = [json.loads(line) for line in (PAIRS / "metadata.jsonl").read_text().splitlines()[:rows]]
+    for row in lines:
+        for key in ("file_name", "reference_file_name"):
+            shutil.copy(PAIRS / row[key], folder / row[key])
+    if edit:
+        edit(lines)
+    (folder / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    return folder
+
+
+def test_bundled_pairs_are_found_from_their_metadata_and_read_with_the_target_loader():
+    assert reference_column(_data_flags()) == "reference"
+    source = open_source(_data_flags())
+    assert source.pairs and len(source) == 16
+    assert all("_edited" in s.ref and "_edited" not in s.reference for s in source.samples)
+    assert source.samples[0].caption.startswith("make the ")
+    target, reference = source.load(0), source.load(0, reference=True)
+    assert target.size == reference.size and target.tobytes() != reference.tobytes()
+    assert not open_source(_data_flags(dataset_name=None)).pairs
+
+
+def test_a_row_without_its_reference_is_refused(tmp_path):
+    folder = _copy_pairs(tmp_path / "d", edit=lambda rows: rows[2].pop("reference_file_name"))
+    with pytest.raises(UsageError, match="line 3 .* has no reference image 'reference_file_name'"):
+        open_source(_data_flags(dataset_name=str(folder)))
+
+
+def test_a_reference_column_that_no_row_has_is_refused(tmp_path):
+    folder = _copy_pairs(tmp_path / "d")
+    with pytest.raises(UsageError, match="--cond_image_column source: no row of .* has 'source_file_name'"):
+        open_source(_data_flags(dataset_name=str(folder), cond_image_column="source"))
+
+
+def test_an_undecodable_reference_names_the_file(tmp_path):
+    folder = _copy_pairs(tmp_path / "d")
+    name = json.loads((folder / "metadata.jsonl").read_text().splitlines()[1])["reference_file_name"]
+    (folder / name).write_bytes(b"not a png")
+    source = open_source(_data_flags(dataset_name=str(folder)))
+    source.load(1)  # the target is fine
+    with pytest.raises(UsageError, match=f"cannot read reference image .*{name}: not an image format"):
+        source.load(1, reference=True)
+
+
+def _hub(monkeypatch, references: list) -> None:
+    import datasets
+
+    files = sorted(str(p) for p in PAIRS.glob("*_edited.png"))[: len(references)]
+    table = {"image": files, "source": references, "text": [f"edit {i}" for i in range(len(files))]}
+    ds = (
+        datasets.Dataset.from_dict(table).cast_column("image", datasets.Image()).cast_column("source", datasets.Image())
+    )
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: ds)
+
+
+def test_hub_pairs_read_the_cond_image_column(monkeypatch):
+    refs = sorted(str(p) for p in PAIRS.glob("*.png") if "_edited" not in p.name)[:3]
+    _hub(monkeypatch, refs)
+    source = open_source(_data_flags(dataset_name="someone/pairs", cond_image_column="source"))
+    assert source.pairs and len(source) == 3
+    assert source.raw_bytes(2, reference=True) == Path(refs[2]).read_bytes()
+    assert source.where(2, reference=True) == "someone/pairs row 2 column 'source'"
+    with pytest.raises(UsageError, match="--cond_image_column 'reference' is not in someone/pairs"):
+        open_source(_data_flags(dataset_name="someone/pairs", cond_image_column="reference"))
+
+
+def test_hub_rows_without_a_reference_are_refused(monkeypatch):
+    refs = sorted(str(p) for p in PAIRS.glob("*.png") if "_edited" not in p.name)[:3]
+    _hub(monkeypatch, [refs[0], None, refs[2]])
+    with pytest.raises(UsageError, match="row 1 has no reference image in --cond_image_column 'source'"):
+        open_source(_data_flags(dataset_name="someone/pairs", cond_image_column="source"))
