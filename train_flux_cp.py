@@ -23,7 +23,7 @@ import cp
 from flux_cp import checkpoint, faults, validation
 from flux_cp.args import parse_args
 from flux_cp.batches import Batches
-from flux_cp.data import BatchSchedule, open_source
+from flux_cp.data import BatchSchedule, check_pair_flags, open_source
 from flux_cp.encode import Geometry, LiveData, encode_dataset, model_fingerprint
 from flux_cp.errors import UsageError
 from flux_cp.metrics import MetricsLog, StepTimer, flux_flops_per_step, measure_matmul_peak, peak_memory_gib
@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     # Everything that needs only the flags and the launch size fails here, before any process group.
     check_layout(launched_world_size(), args.cp_size)
     check_tokens(args)
+    check_pair_flags(args)
 
     # Before any process group: transformers' save_pretrained writes weights only on rank 0 once
     # torch.distributed is up, so the tiny default must be built (by whichever process locks first) now.
@@ -101,9 +102,13 @@ def main(argv: list[str] | None = None) -> int:
     noise_scheduler = load_scheduler(args, path)
     source = open_source(args)
     geometry = Geometry(args.resolution, args.cp_size, args.aspect_buckets)
-    validation_embeds = None
+    validation_embeds = validation_reference = None
     if args.validation_prompt:
         validation_embeds = encoders.prompts(args.validation_prompt, args.max_sequence_length)
+    if args.validation_image and args.validation_prompt:
+        validation_reference = validation.reference_latents(
+            args.validation_image, args.validation_resolution, encoders.vae, device
+        )
     check = lambda ok, msg: all_ranks_ok(ok, msg, device)  # noqa: E731
     if args.no_cache:
         data = LiveData(source, encoders, geometry, args)
@@ -137,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
             + (f" (ulysses {ulysses_size})" if ulysses_size else "")
             + f" over {layout.cp} ranks"
         )
-        advice = cp_advice((args.resolution // 16) ** 2 + args.max_sequence_length, layout.cp)
+        images = 2 if source.pairs else 1  # a Kontext pair: target and reference tokens
+        advice = cp_advice(images * (args.resolution // 16) ** 2 + args.max_sequence_length, layout.cp)
         if advice and device.type == "cuda":  # measured on GPUs; the CPU demo's tiny sequences are for testing
             logger.warning(advice)
     if args.compile:
@@ -212,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
             layout,
             args,
             accelerator.autocast,
+            validation_reference,
         )
         if layout.is_main:
             logger.info(f"validation images: {validation.save_and_log(images, step, args, accelerator)}")

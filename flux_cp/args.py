@@ -49,6 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--image_column", default="image")
     g.add_argument("--caption_column", default="text")
     g.add_argument(
+        "--cond_image_column",
+        default=None,
+        help="FLUX.1 Kontext: the column of each target's reference image (a local folder's metadata.jsonl names it "
+        "in '<column>_file_name'; found there without this flag when it is the only one).",
+    )
+    g.add_argument(
         "--instance_prompt",
         default=None,
         help="DreamBooth-style: use this prompt for every image (captions are ignored).",
@@ -170,6 +176,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("validation and logging")
     g.add_argument("--validation_prompt", action="append", default=None, help="Repeatable.")
+    g.add_argument(
+        "--validation_image",
+        default=None,
+        help="FLUX.1 Kontext: the reference image edited by every --validation_prompt (FluxKontextPipeline).",
+    )
     g.add_argument("--validation_steps", type=int, default=None, help="Default: only at the end of training.")
     g.add_argument("--num_validation_images", type=int, default=2)
     g.add_argument("--validation_resolution", type=int, default=None, help="Default: --resolution.")
@@ -229,6 +240,10 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--ulysses_size {args.ulysses_size} must divide --cp_size {args.cp_size}")
     if args.dataset_name and os.path.sep in args.dataset_name and not os.path.exists(args.dataset_name):
         raise UsageError(f"--dataset_name {args.dataset_name}: no such folder")
+    if args.validation_image is not None and not os.path.isfile(args.validation_image):
+        raise UsageError(f"--validation_image {args.validation_image}: no such file")
+    if args.cond_image_column is not None and args.dataset_name is None:
+        raise UsageError("--cond_image_column needs --dataset_name (the bundled data set has no reference images)")
     if args.resume_from_checkpoint not in (None, "latest") and not os.path.isdir(args.resume_from_checkpoint):
         raise UsageError(f"--resume_from_checkpoint {args.resume_from_checkpoint}: no such checkpoint folder")
     if args.report_to == "wandb":

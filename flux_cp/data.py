@@ -187,6 +187,15 @@ def reference_column(args) -> str | None:
     return columns[0] if columns else None
 
 
+def check_pair_flags(args) -> None:
+    """Flags that only make sense with FLUX.1 Kontext pairs (checked before anything loads)."""
+    if args.validation_image is not None and reference_column(args) is None:
+        raise UsageError(
+            "--validation_image is the reference image FLUX.1 Kontext validation edits: it needs pair data "
+            "(--cond_image_column, or a folder whose metadata.jsonl names each target's reference image)"
+        )
+
+
 def _local_pairs(folder: Path, column: str, caption_column: str, instance_prompt: str | None) -> list[Sample]:
     """FLUX.1 Kontext pairs of a local folder: one metadata.jsonl row per target, naming its reference image
     in `<column>_file_name`. Images no row names as a target (the references) are not trained on alone."""

@@ -20,9 +20,11 @@ Tensor = torch.Tensor
 
 def model_path(args) -> str:
     if args.embedded_default:
+        from .data import reference_column
         from .tiny import ensure_tiny_pipeline
 
-        return str(ensure_tiny_pipeline())
+        # Pair data (e.g. data/tiny_pairs) gets the tiny FLUX.1 Kontext variant.
+        return str(ensure_tiny_pipeline(kontext=reference_column(args) is not None))
     return args.pretrained_model_name_or_path
 
 

@@ -131,6 +131,10 @@ def check_tokens(args) -> None:
     n = args.cp_size
     if n == 1:
         return
+    from .data import reference_column
+
+    # A Kontext pair's reference is resized to its target's size: twice the image tokens, split as one segment.
+    images = 2 if reference_column(args) else 1
     if args.max_sequence_length % n:
         raise UsageError(
             f"--max_sequence_length {args.max_sequence_length} (text tokens) is not divisible by --cp_size {n}: "
@@ -139,14 +143,14 @@ def check_tokens(args) -> None:
     for flag, res in (("--resolution", args.resolution), ("--validation_resolution", args.validation_resolution)):
         if args.aspect_buckets and flag == "--resolution":
             continue  # every bucket is chosen with a token count divisible by the CP size
-        tokens = (res // 16) ** 2
+        tokens = images * (res // 16) ** 2
         if tokens % n:
-            ok = [r for r in range(16, res + 33 * 16, 16) if ((r // 16) ** 2) % n == 0]
+            ok = [r for r in range(16, res + 33 * 16, 16) if (images * (r // 16) ** 2) % n == 0]
             below, above = [r for r in ok if r < res], [r for r in ok if r > res]
             options = " or ".join(str(r) for r in (below[-1:] + above[:1]))
             raise UsageError(
-                f"{flag} {res} gives {tokens} image tokens, not divisible by --cp_size {n}: use {options}, "
-                "or another CP size"
+                f"{flag} {res} gives {tokens} image tokens{' per pair' if images == 2 else ''}, not divisible by "
+                f"--cp_size {n}: use {options}, or another CP size"
             )
 
 

@@ -1,0 +1,62 @@
+"""FLUX.1 Kontext end to end on CPU: pairs train the same with CP as without, the LoRA loads into
+FluxKontextPipeline and changes its edits, full fine-tuning writes a transformer the pipeline loads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+from tests.launch import ok, run_args, train
+from tests.test_train import _assert_same_trajectory
+
+PAIRS = Path(__file__).resolve().parent.parent / "data" / "tiny_pairs"
+REFERENCE = PAIRS / "00_blue_circle.png"
+
+
+def _pairs(tmp: Path, name: str, steps: int, *extra: str) -> list[str]:
+    # Aspect buckets and flips: pairs of several sizes, both images of a pair cropped and flipped together.
+    return run_args(tmp, name, steps, "--dataset_name", str(PAIRS), "--seed", "5", "--checkpointing_steps", "1000",
+                    "--aspect_buckets", "--random_flip", *extra)  # fmt: skip
+
+
+def _edit(pipe, seed: int = 0) -> torch.Tensor:
+    return pipe(
+        image=Image.open(REFERENCE).convert("RGB"), prompt="make the circle red", height=64, width=64,
+        max_area=64 * 64, _auto_resize=False, num_inference_steps=2, max_sequence_length=32, guidance_scale=2.5,
+        generator=torch.Generator().manual_seed(seed), output_type="pt",
+    ).images  # fmt: skip
+
+
+def test_kontext_pairs_with_cp_train_like_one_process_and_the_lora_edits(tmp_path):
+    from diffusers import FluxKontextPipeline
+
+    from flux_cp.tiny import ensure_tiny_pipeline
+
+    args = ["--learning_rate", "1e-2", "--rank", "4"]
+    ok(train(1, *_pairs(tmp_path, "one", 10, *args)))
+    validation = ["--validation_prompt", "make the circle red", "--validation_image", str(REFERENCE),
+                  "--validation_inference_steps", "2", "--num_validation_images", "1"]  # fmt: skip
+    ok(train(2, *_pairs(tmp_path, "cp2", 10, "--cp_size", "2", "--cp_mode", "ring", *args, *validation)))
+    _assert_same_trajectory(tmp_path / "one", tmp_path / "cp2")
+    assert (tmp_path / "cp2" / "validation" / "step-000010.png").is_file()
+
+    pipe = FluxKontextPipeline.from_pretrained(ensure_tiny_pipeline(kontext=True))
+    before = _edit(pipe)
+    pipe.load_lora_weights(str(tmp_path / "cp2"))
+    assert any("lora" in n for n, _ in pipe.transformer.named_parameters())
+    assert (_edit(pipe) - before).abs().max().item() > 1e-3
+
+
+def test_kontext_full_finetune_writes_a_transformer_the_pipeline_loads(tmp_path):
+    from diffusers import FluxKontextPipeline, FluxTransformer2DModel
+
+    from flux_cp.tiny import ensure_tiny_pipeline
+
+    ok(train(2, *_pairs(tmp_path, "full", 2, "--cp_size", "2", "--full_finetune", "--learning_rate", "1e-3")))
+    trained = FluxTransformer2DModel.from_pretrained(tmp_path / "full" / "transformer")
+    path = ensure_tiny_pipeline(kontext=True)
+    original = FluxKontextPipeline.from_pretrained(path)
+    pipe = FluxKontextPipeline.from_pretrained(path, transformer=trained)
+    assert (_edit(pipe) - _edit(original)).abs().max().item() > 1e-4
