@@ -98,9 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     weight_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
 
     # --- data: encode once (cached), then free the text encoders ----------------------------------------
+    source = open_source(args)  # listing errors (captions, pairs) before any model loads
     encoders = load_encoders(args, path, weight_dtype, device)
     noise_scheduler = load_scheduler(args, path)
-    source = open_source(args)
     geometry = Geometry(args.resolution, args.cp_size, args.aspect_buckets)
     validation_embeds = validation_reference = None
     if args.validation_prompt:

@@ -120,7 +120,11 @@ def print_plan(args) -> None:
     path = model_path(args)
     config = dict(FluxTransformer2DModel.load_config(path, subfolder="transformer", revision=args.revision))
     world = launched_world_size()
-    tokens = (args.resolution // 16) ** 2 + args.max_sequence_length
+    from .data import reference_column
+
+    # FLUX.1 Kontext pairs: the reference has the target's size, so twice the image tokens.
+    pairs = reference_column(args) is not None
+    tokens = (2 if pairs else 1) * (args.resolution // 16) ** 2 + args.max_sequence_length
     lora = None if args.full_finetune else args.rank
     layers = [t.strip() for t in args.lora_layers.split(",") if t.strip()]
     gpu = args.gpu_memory_gib or (
@@ -129,7 +133,8 @@ def print_plan(args) -> None:
     wb = 4 if args.mixed_precision == "no" else 2
     fsdp = sharded_weights(lora is None)
     print(
-        f"plan: {path}, {args.resolution} px ({tokens} tokens/sample), batch {args.train_batch_size}/rank, "
+        f"plan: {path}, {args.resolution} px{' Kontext pairs' if pairs else ''} ({tokens} tokens/sample), "
+        f"batch {args.train_batch_size}/rank, "
         f"{'full fine-tuning' if lora is None else f'LoRA r{lora}'}, {world} process(es), GPU {gpu:.0f} GiB, "
         + ("weights sharded over all GPUs (FSDP2)" if fsdp else "weights whole on every GPU (DDP)")
     )
