@@ -23,7 +23,7 @@ import cp
 from flux_cp import checkpoint, faults, validation
 from flux_cp.args import parse_args
 from flux_cp.batches import Batches
-from flux_cp.data import BatchSchedule, check_pair_flags, open_source
+from flux_cp.data import BatchSchedule, check_pair_flags, open_source, reference_column
 from flux_cp.encode import Geometry, LiveData, encode_dataset, model_fingerprint
 from flux_cp.errors import UsageError
 from flux_cp.metrics import MetricsLog, StepTimer, flux_flops_per_step, measure_matmul_peak, peak_memory_gib
@@ -85,9 +85,11 @@ def main(argv: list[str] | None = None) -> int:
     device = accelerator.device
     logging.basicConfig(level=logging.INFO if layout.is_main else logging.WARNING, format="%(message)s")
     if args.embedded_default:
+        kontext = reference_column(args) is not None  # pair data gets the tiny Kontext (model_path)
         logger.info(
-            "flux-cp: embedded default - a tiny Flux built locally, trained on the bundled data set "
-            "(data/tiny_shapes); pass --pretrained_model_name_or_path and --dataset_name for real runs"
+            f"flux-cp: embedded default - a tiny {'FLUX.1 Kontext' if kontext else 'Flux'} built locally, trained on "
+            f"{args.dataset_name or 'the bundled data set (data/tiny_shapes)'}; pass --pretrained_model_name_or_path "
+            "for real runs"
         )
     logger.info(f"flux-cp: {layout.describe()}, {accelerator.distributed_type}, device {device}")
     if args.deterministic:
@@ -99,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # --- data: encode once (cached), then free the text encoders ----------------------------------------
     source = open_source(args)  # listing errors (captions, pairs) before any model loads
+    if source.pairs:
+        logger.info(f"FLUX.1 Kontext pairs: {len(source)} targets with their reference images, loss on the targets")
     encoders = load_encoders(args, path, weight_dtype, device)
     noise_scheduler = load_scheduler(args, path)
     geometry = Geometry(args.resolution, args.cp_size, args.aspect_buckets)

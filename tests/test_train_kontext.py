@@ -3,12 +3,14 @@ FluxKontextPipeline and changes its edits, full fine-tuning writes a transformer
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
 from PIL import Image
 
-from tests.launch import ok, run_args, train
+from tests.launch import ROOT, ok, run_args, train
 from tests.test_train import _assert_same_trajectory
 
 PAIRS = Path(__file__).resolve().parent.parent / "data" / "tiny_pairs"
@@ -38,7 +40,8 @@ def test_kontext_pairs_with_cp_train_like_one_process_and_the_lora_edits(tmp_pat
     ok(train(1, *_pairs(tmp_path, "one", 10, *args)))
     validation = ["--validation_prompt", "make the circle red", "--validation_image", str(REFERENCE),
                   "--validation_inference_steps", "2", "--num_validation_images", "1"]  # fmt: skip
-    ok(train(2, *_pairs(tmp_path, "cp2", 10, "--cp_size", "2", "--cp_mode", "ring", *args, *validation)))
+    cp2 = ok(train(2, *_pairs(tmp_path, "cp2", 10, "--cp_size", "2", "--cp_mode", "ring", *args, *validation)))
+    assert "FLUX.1 Kontext pairs: 16 targets" in cp2.stdout + cp2.stderr
     _assert_same_trajectory(tmp_path / "one", tmp_path / "cp2")
     assert (tmp_path / "cp2" / "validation" / "step-000010.png").is_file()
 
@@ -60,3 +63,12 @@ def test_kontext_full_finetune_writes_a_transformer_the_pipeline_loads(tmp_path)
     original = FluxKontextPipeline.from_pretrained(path)
     pipe = FluxKontextPipeline.from_pretrained(path, transformer=trained)
     assert (_edit(pipe) - _edit(original)).abs().max().item() > 1e-4
+
+
+def test_plan_counts_kontext_pair_sequences():
+    flags = ["--plan", "--dataset_name", str(PAIRS), "--resolution", "1024", "--max_sequence_length", "512"]
+    pairs = subprocess.run([sys.executable, str(ROOT / "train_flux_cp.py"), *flags, "--gpu_memory_gib", "141"],
+                           capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert pairs.returncode == 0, pairs.stderr[-3000:]
+    # 8,192 image tokens (target and reference, 4,096 each) + 512 text tokens
+    assert "1024 px Kontext pairs (8704 tokens/sample)" in pairs.stdout, pairs.stdout
