@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 from PIL import Image
 
@@ -36,14 +37,18 @@ def test_kontext_pairs_with_cp_train_like_one_process_and_the_lora_edits(tmp_pat
 
     from flux_cp.tiny import ensure_tiny_pipeline
 
-    args = ["--learning_rate", "1e-2", "--rank", "4"]
-    ok(train(1, *_pairs(tmp_path, "one", 10, *args)))
     validation = ["--validation_prompt", "make the circle red", "--validation_image", str(REFERENCE),
                   "--validation_inference_steps", "2", "--num_validation_images", "1"]  # fmt: skip
-    cp2 = ok(train(2, *_pairs(tmp_path, "cp2", 10, "--cp_size", "2", "--cp_mode", "ring", *args, *validation)))
+    args = ["--learning_rate", "1e-2", "--rank", "4", *validation]
+    ok(train(1, *_pairs(tmp_path, "one", 10, *args)))
+    cp2 = ok(train(2, *_pairs(tmp_path, "cp2", 10, "--cp_size", "2", "--cp_mode", "ring", *args)))
     assert "FLUX.1 Kontext pairs: 16 targets" in cp2.stdout + cp2.stderr
     _assert_same_trajectory(tmp_path / "one", tmp_path / "cp2")
-    assert (tmp_path / "cp2" / "validation" / "step-000010.png").is_file()
+    # FluxKontextPipeline validation with CP (target and reference split as in training) draws the same image.
+    one, two = (
+        np.asarray(Image.open(tmp_path / r / "validation" / "step-000010.png")).astype(int) for r in ("one", "cp2")
+    )
+    assert one.shape == (64, 64, 3) and np.abs(one - two).max() <= 1, np.abs(one - two).max()
 
     pipe = FluxKontextPipeline.from_pretrained(ensure_tiny_pipeline(kontext=True))
     before = _edit(pipe)
