@@ -62,7 +62,13 @@ def test_kontext_full_finetune_writes_a_transformer_the_pipeline_loads(tmp_path)
 
     from flux_cp.tiny import ensure_tiny_pipeline
 
-    ok(train(2, *_pairs(tmp_path, "full", 2, "--cp_size", "2", "--full_finetune", "--learning_rate", "1e-3")))
+    # --no_cache: pairs encoded live, every batch (the reference with its target's crop and flip)
+    ok(
+        train(
+            2,
+            *_pairs(tmp_path, "full", 2, "--cp_size", "2", "--full_finetune", "--learning_rate", "1e-3", "--no_cache"),
+        )
+    )
     trained = FluxTransformer2DModel.from_pretrained(tmp_path / "full" / "transformer")
     path = ensure_tiny_pipeline(kontext=True)
     original = FluxKontextPipeline.from_pretrained(path)
