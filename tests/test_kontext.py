@@ -6,12 +6,12 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from flux_cp.config import DataConfig
 from flux_cp.data import open_source, reference_column
 from flux_cp.errors import UsageError
 from flux_cp.flow import pack_latents
@@ -85,10 +85,8 @@ def test_target_loss_averaged_over_ranks_is_the_full_loss(t, r, n):
 PAIRS = Path(__file__).resolve().parent.parent / "data" / "tiny_pairs"
 
 
-def _data_flags(**overrides) -> SimpleNamespace:
-    flags = dict(dataset_name=str(PAIRS), dataset_config_name=None, image_column="image", caption_column="text",
-                 instance_prompt=None, cond_image_column=None)  # fmt: skip
-    return SimpleNamespace(**{**flags, **overrides})
+def _data_flags(**overrides) -> DataConfig:
+    return DataConfig(**{"dataset_name": str(PAIRS), **overrides})
 
 
 def _copy_pairs(folder: Path, rows: int = 4, edit=None) -> Path:

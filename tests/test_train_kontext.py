@@ -8,11 +8,14 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from PIL import Image
 
 from tests.launch import ROOT, ok, run_args, train
 from tests.test_train import _assert_same_trajectory
+
+pytestmark = pytest.mark.e2e  # every test here launches train_flux_cp.py
 
 PAIRS = Path(__file__).resolve().parent.parent / "data" / "tiny_pairs"
 REFERENCE = PAIRS / "00_blue_circle.png"
