@@ -148,14 +148,10 @@ def check_tokens(parallel: ParallelConfig, data: DataConfig, validation: Validat
     # A Kontext pair's reference has its target's size and the two are split as one segment: twice the tokens
     # (validation too when it edits a --validation_image).
     pairs = reference_column(data) is not None
-    checks = (
-        ("--resolution", data.resolution, 2 if pairs else 1),
-        (
-            "--validation_resolution",
-            validation.validation_resolution,
-            2 if pairs and validation.validation_image else 1,
-        ),
-    )
+    checks = [("--resolution", data.resolution, 2 if pairs else 1)]
+    if validation.validation_prompt:  # no prompt, no validation images
+        images = 2 if pairs and validation.validation_image else 1
+        checks.append(("--validation_resolution", validation.validation_resolution, images))
     for flag, res, images in checks:
         if data.aspect_buckets and flag == "--resolution":
             continue  # every bucket is chosen with a token count divisible by the CP size

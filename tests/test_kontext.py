@@ -161,3 +161,36 @@ def test_hub_rows_without_a_reference_are_refused(monkeypatch):
     _hub(monkeypatch, [refs[0], None, refs[2]])
     with pytest.raises(UsageError, match="row 1 has no reference image in --cond_image_column 'source'"):
         open_source(_data_flags(dataset_name="someone/pairs", cond_image_column="source"))
+
+
+# --- flags that count pair tokens ----------------------------------------------------------------------------
+
+
+def test_plan_counts_kontext_pair_sequences(capsys):
+    from flux_cp.config import parse_config
+    from flux_cp.plan import print_plan
+
+    print_plan(parse_config(["--plan", "--dataset_name", str(PAIRS), "--resolution", "1024",
+                             "--max_sequence_length", "512", "--gpu_memory_gib", "141"]))  # fmt: skip
+    # 8,192 image tokens (target and reference, 4,096 each) + 512 text tokens
+    assert "1024 px Kontext pairs (8704 tokens/sample)" in capsys.readouterr().out
+
+
+def test_pairs_need_only_target_plus_reference_tokens_to_divide():
+    from flux_cp.config import parse_config
+    from flux_cp.parallel import check_tokens
+
+    def check(*flags: str) -> None:
+        cfg = parse_config(["--resolution", "1040", "--max_sequence_length", "512", *flags])
+        check_tokens(cfg.parallel, cfg.data, cfg.validation)
+
+    check("--dataset_name", str(PAIRS), "--cp_size", "2")  # 4,225 + 4,225 tokens: each odd, together even
+    with pytest.raises(UsageError, match="--resolution 1040 gives 4225 image tokens, not divisible by --cp_size 2"):
+        check("--cp_size", "2")  # the same resolution without pairs
+    with pytest.raises(UsageError, match="--resolution 1040 gives 8450 image tokens per pair, not divisible by"):
+        check("--dataset_name", str(PAIRS), "--cp_size", "4")
+    # Validation edits the reference at --validation_resolution: a pair too (checked only when it will run).
+    edit = ["--validation_prompt", "red", "--validation_image", str(PAIRS / "00_blue_circle.png")]
+    check("--dataset_name", str(PAIRS), "--cp_size", "2", *edit)
+    with pytest.raises(UsageError, match="--validation_resolution 1040 gives 8450 image tokens per pair"):
+        check("--dataset_name", str(PAIRS), "--cp_size", "4", "--aspect_buckets", *edit)
