@@ -16,6 +16,8 @@ from flux_cp.data import open_source, reference_column
 from flux_cp.errors import UsageError
 from flux_cp.flow import pack_latents
 from flux_cp.kontext import PairSplit, check_pair_tokens, pair_sequence, reference_ids, target_loss
+from tests import test_batches
+from tests.test_batches import C, FakeData, H, W, _batches
 
 
 def test_sequence_and_ids_match_flux_kontext_pipeline():
@@ -194,3 +196,47 @@ def test_pairs_need_only_target_plus_reference_tokens_to_divide():
     check("--dataset_name", str(PAIRS), "--cp_size", "2", *edit)
     with pytest.raises(UsageError, match="--validation_resolution 1040 gives 8450 image tokens per pair"):
         check("--dataset_name", str(PAIRS), "--cp_size", "4", "--aspect_buckets", *edit)
+
+
+# --- micro-batches of pairs ----------------------------------------------------------------------------------
+
+
+class FakePairs(FakeData):
+    """FakeData whose samples are Kontext pairs: a reference latent beside each target's distribution."""
+
+    def __init__(self, n: int):
+        super().__init__(n)
+        g = torch.Generator().manual_seed(1)
+        for s in self.samples:
+            s["reference_latent"] = torch.randn(C, H, W, generator=g)
+
+    def load(self, index: int, flip: bool, epoch: int) -> dict:
+        s = super().load(index, flip, epoch)
+        return {**s, "reference_latent": s["reference_latent"].flip(-1) if flip else s["reference_latent"]}
+
+
+fake_cp_group = test_batches.fake_cp_group  # the fixture, found by pytest under this name
+
+
+def test_pair_micro_batches_hold_target_then_reference_and_cp_chunks_keep_the_loss(request):
+    group, state = request.getfixturevalue("fake_cp_group")
+    data = FakePairs(4)
+    whole = _batches(data, dp=1, dp_rank=0).micro(1)
+    t = (H // 2) * (W // 2)
+    assert whole.image_tokens == 2 * t and whole.target.shape[1] == t and whole.pair == PairSplit(t, t, 1)
+    index, flip, _ = data.calls[-1]
+    reference = data.samples[index]["reference_latent"]
+    reference = (reference.flip(-1) if flip else reference) * 0.5 - 0.1 * 0.5  # (x - shift) * scale
+    torch.testing.assert_close(whole.inputs["hidden_states"][:, t:], pack_latents(reference[None]))
+    assert (whole.inputs["img_ids"][:t, 0] == 0).all() and (whole.inputs["img_ids"][t:, 0] == 1).all()
+    chunks = []
+    for r in (0, 1):
+        state["rank"] = r
+        chunks.append(_batches(data, dp=1, dp_rank=0, cp_size=2, cp_rank=r, group=group).micro(1))
+    for key, dim in {"hidden_states": 1, "encoder_hidden_states": 1, "img_ids": 0, "txt_ids": 0}.items():
+        assert torch.equal(torch.cat([c.inputs[key] for c in chunks], dim), whole.inputs[key]), key
+    assert all(torch.equal(c.target, whole.target) for c in chunks)  # each rank keeps the whole target
+    pred = torch.randn_like(whole.inputs["hidden_states"])
+    mean_of_chunks = (chunks[0].loss(pred[:, :t]) + chunks[1].loss(pred[:, t:])) / 2
+    assert torch.allclose(mean_of_chunks, whole.loss(pred), rtol=1e-6, atol=0)
+    assert chunks[1].loss(pred[:, t:]) == 0  # rank 1 holds only reference tokens
