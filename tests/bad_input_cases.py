@@ -265,7 +265,12 @@ CASES = [
         "validation_image_without_pairs",
         "--validation_image (a Kontext reference) for data without reference images",
         1,
-        lambda t: ["--validation_image", str(next(BUNDLED_DATA.glob("*.png"))), "--validation_prompt", "red"],
+        lambda t: [
+            "--validation_image",
+            str(_images(t / "data", n=1) / "00_white_circle.png"),
+            "--validation_prompt",
+            "red",
+        ],  # fmt: skip
         "--validation_image is the reference image FLUX.1 Kontext validation edits",
         flags_only=True,
     ),
