@@ -40,6 +40,7 @@ from flux_cp.model import (
     load_scheduler,
     load_transformer,
     model_path,
+    pipeline_class,
     prepare_trainable,
     save_full,
     trainable_parameters,
@@ -166,6 +167,12 @@ def load_data(run: Run) -> Data:
     source = open_source(cfg.data)  # listing errors (captions, pairs) before any model loads
     if source.pairs:
         logger.info(f"FLUX.1 Kontext pairs: {len(source)} targets with their reference images, loss on the targets")
+        declared = pipeline_class(run.model_path, cfg.model.revision)
+        if declared not in (None, "FluxKontextPipeline"):
+            logger.warning(
+                f"the data has reference images but {run.model_path} is a {declared}: training it on pairs starts "
+                "FLUX.1 Kontext from scratch; for image editing fine-tune black-forest-labs/FLUX.1-Kontext-dev"
+            )
     encoders = load_encoders(cfg.model, run.model_path, run.weight_dtype, run.device)
     noise_scheduler = load_scheduler(cfg.model, run.model_path)
     geometry = Geometry(cfg.data.resolution, cfg.parallel.cp_size, cfg.data.aspect_buckets)

@@ -32,6 +32,17 @@ def model_path(model: ModelConfig, kontext: bool = False) -> str:
     return model.pretrained_model_name_or_path
 
 
+def pipeline_class(path: str, revision: str | None) -> str | None:
+    """The pipeline class a model folder or hub id declares in model_index.json (e.g. FluxKontextPipeline);
+    None when there is none to read (a bare transformer folder, no network)."""
+    from diffusers import DiffusionPipeline
+
+    try:
+        return DiffusionPipeline.load_config(path, revision=revision).get("_class_name")
+    except (OSError, ValueError):
+        return None
+
+
 def _load(cls, path: str, subfolder: str, revision: str | None, **kwargs):
     try:
         return cls.from_pretrained(path, subfolder=subfolder, revision=revision, **kwargs)

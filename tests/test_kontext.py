@@ -240,3 +240,13 @@ def test_pair_micro_batches_hold_target_then_reference_and_cp_chunks_keep_the_lo
     mean_of_chunks = (chunks[0].loss(pred[:, :t]) + chunks[1].loss(pred[:, t:])) / 2
     assert torch.allclose(mean_of_chunks, whole.loss(pred), rtol=1e-6, atol=0)
     assert chunks[1].loss(pred[:, t:]) == 0  # rank 1 holds only reference tokens
+
+
+def test_the_pipeline_class_tells_kontext_models_apart(tmp_path):
+    from flux_cp.model import pipeline_class
+    from flux_cp.tiny import ensure_tiny_pipeline
+
+    kontext = ensure_tiny_pipeline(kontext=True)
+    assert pipeline_class(str(kontext), None) == "FluxKontextPipeline"  # pairs train it without a warning
+    assert pipeline_class(str(ensure_tiny_pipeline()), None) == "FluxPipeline"  # the trainer warns on pairs
+    assert pipeline_class(str(kontext / "transformer"), None) is None  # nothing to tell: no warning
