@@ -175,6 +175,16 @@ def _signature(q: Tensor, k: Tensor) -> tuple:
     return (q.device.type, q.dtype, q.shape[-1], q.shape[2], k.shape[2], preference(q.device.type))
 
 
+# The (kernel, aux) of the latest forward for each exact input shape: the compiled path's backward op
+# (cp/ops.py) cannot receive the aux through the graph, and without dropout the aux of one call (sequence
+# offsets, unused RNG state, the LSE's native shape) serves every call of the same shapes.
+_LAST: dict[tuple, tuple[Kernel, tuple]] = {}
+
+
+def _shape_key(q: Tensor, k: Tensor) -> tuple:
+    return (q.device, q.dtype, tuple(q.shape), tuple(k.shape))
+
+
 def forward(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor, Kernel, tuple]:
     """Attention of q against one K/V block, inputs `[B, H, S, D]` contiguous.
 
@@ -184,6 +194,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tens
     kernel = _CHOSEN.get(sig)
     if kernel is not None:
         out, lse, aux = kernel.forward(q, k, v, scale)
+        _LAST[_shape_key(q, k)] = (kernel, aux)
         return out, lse.to(acc_dtype(q.dtype)), kernel, aux
     errors = []
     for name in sig[-1]:
@@ -194,8 +205,18 @@ def forward(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tens
             errors.append(f"{name}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
             continue
         _CHOSEN[sig] = kernel
+        _LAST[_shape_key(q, k)] = (kernel, aux)
         return out, lse.to(acc_dtype(q.dtype)), kernel, aux
     raise RuntimeError("no attention kernel could serve this input: " + "; ".join(errors))
+
+
+def used_for(q: Tensor, k: Tensor) -> tuple[Kernel, tuple]:
+    """(kernel, aux) that the latest `forward` with these shapes used; its backward needs both."""
+    try:
+        return _LAST[_shape_key(q, k)]
+    except KeyError:
+        shapes = f"{tuple(q.shape)}, {tuple(k.shape)}"
+        raise RuntimeError(f"attention backward before any forward of shapes {shapes}") from None
 
 
 def backward(
