@@ -140,9 +140,9 @@ def main(argv: list[str] | None = None) -> int:
         advice = cp_advice((args.resolution // 16) ** 2 + args.max_sequence_length, layout.cp)
         if advice and device.type == "cuda":  # measured on GPUs; the CPU demo's tiny sequences are for testing
             logger.warning(advice)
-    if args.compile:
+    if args.compile or args.compile_mode:
         for block in [*transformer.transformer_blocks, *transformer.single_transformer_blocks]:
-            block.compile()
+            block.compile(mode=args.compile_mode)
     lr = args.learning_rate * (global_batch * args.gradient_accumulation_steps if args.scale_lr else 1)
     optimizer = torch.optim.AdamW(
         [p for _, p in trainable_parameters(transformer)], lr=lr, betas=(args.adam_beta1, args.adam_beta2),

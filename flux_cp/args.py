@@ -140,6 +140,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="What to do when the loss or gradient norm is NaN/inf.",
     )
     g.add_argument("--compile", action="store_true", help="torch.compile each transformer block.")
+    g.add_argument(
+        "--compile_mode",
+        choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
+        default=None,
+        help="torch.compile mode of the blocks (implies --compile); reduce-overhead replays each block as a CUDA "
+        "graph, communication included, which helps short sequences whose steps wait on the host.",
+    )
 
     g = p.add_argument_group("LoRA / full fine-tuning")
     g.add_argument("--full_finetune", action="store_true", help="Train all transformer weights instead of LoRA.")

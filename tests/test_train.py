@@ -67,7 +67,11 @@ def test_compiled_blocks_train_like_eager_with_cp(tmp_path):
     args = ["--cp_size", "2", "--cp_mode", "ulysses", "--learning_rate", "1e-3", "--gradient_checkpointing"]
     ok(train(2, *_common(tmp_path, "eager", 10, *args)))
     compiled = ok(
-        train(2, *_common(tmp_path, "compiled", 10, *args, "--compile"), extra_env={"TORCH_LOGS": "graph_breaks,graph_code"})
+        train(
+            2,
+            *_common(tmp_path, "compiled", 10, *args, "--compile"),
+            extra_env={"TORCH_LOGS": "graph_breaks,graph_code"},
+        )
     )
     breaks = re.findall(r"Graph break in user code at (\S+)", compiled.stderr)
     assert not breaks, breaks
