@@ -6,7 +6,7 @@
 #   lora       train_flux_cp.py, LoRA r16, --compile, 1024 and 2048 px: one GPU (two runs side by side, one per
 #              GPU) against cp=2 (DDP config), default --lora_layers and attention-only LoRA
 #   anchor     diffusers' built-in CP (Ulysses, ring; cuDNN) with its blocks compiled, 1024 and 2048 px
-#              (ANCHOR=path/to/anchor_bench.py; skipped when unset)
+#              (ANCHOR=path/to/anchor_bench.py, skipped when unset; ANCHOR_MODES="ulysses ring" by default)
 #   modes      cp=2 at 1024 px with --compile_mode reduce-overhead and max-autotune-no-cudagraphs, ring at 2048
 #   big        4096 px LoRA (one GPU against cp=2) and full fine-tuning at 2048 px (FSDP2, cp=2)
 #   attention  benchmarks/bench_attention.py, eager and compiled, 16,896 and 66,048 tokens
@@ -36,7 +36,7 @@ for SET in "$@"; do
     check)
       timeout 300 python3 -m pytest -q -x tests/gpu 2>&1 | tail -15 || echo "check exit $?" ;;
     lora)
-      trainer 560 \
+      trainer ${LORA_S:-560} \
         "cp1_2048:1:gpu1.yaml:--resolution 2048 --compile" \
         "cp1_1024:1:gpu1.yaml:--resolution 1024 --compile" \
         "cp2_2048:2:ddp_cp2.yaml:--cp_size 2 --resolution 2048 --compile" \
@@ -59,8 +59,8 @@ for SET in "$@"; do
         "cp2_2048_full:2:fsdp2_cp2.yaml:--cp_size 2 --resolution 2048 --compile --full_finetune" ;;
     anchor)
       if [ -n "${ANCHOR:-}" ]; then
-        for mode in ulysses ring; do
-          COMPILE=1 RES=1024,2048 OUT=$TMP timeout 300 torchrun --nproc_per_node 2 "$ANCHOR" model "$mode" \
+        for mode in ${ANCHOR_MODES:-ulysses ring}; do
+          COMPILE=1 RES=1024,2048 OUT=$TMP timeout 200 torchrun --nproc_per_node 2 "$ANCHOR" model "$mode" \
             > "$TMP/logs/anchor_$mode.log" 2>&1 || echo "anchor $mode exit $?"
         done
         cp "$TMP/anchors.jsonl" "$OUT/anchors.jsonl" && grep -h '"kind": "model"' "$OUT/anchors.jsonl" || true
