@@ -78,16 +78,17 @@ def finish(job: dict, work: Path, steps: int, warmup: int, timeout: float) -> di
     result = {k: job[k] for k in ("name", "gpus", "config", "extra")}
     result["wall_s"] = round(time.time() - job["t0"], 1)
     if len(timed) < 2:
-        errors = [line for line in job["log_path"].read_text().splitlines() if "rror" in line]
-        result["error"] = f"only {len(got)} steps logged (exit {proc.returncode}); " + " | ".join(errors[-3:])
+        lines = [ln for ln in job["log_path"].read_text().splitlines() if ln.strip() and "Warning" not in ln]
+        errors = [ln for ln in lines if "Error" in ln and "error_file" not in ln]
+        result["error"] = f"only {len(got)} steps logged (exit {proc.returncode}): " + " | ".join(errors[-3:])
+        result["log_tail"] = lines[-40:]
         return result
     result.update(
         steps=len(timed),
         s_per_step=statistics.median(r["s_per_step"] for r in timed),
         mfu=statistics.median(r["mfu"] for r in timed) if all("mfu" in r for r in timed) else None,
         peak_mem_gib=max(r["peak_mem_gib"] for r in timed),
-        loss_first=got[0]["loss"],
-        loss_last=got[-1]["loss"],
+        losses=[r["loss"] for r in got[:steps]],  # the same steps for every run: CP must not change them
     )
     return result
 

@@ -7,7 +7,8 @@
 #              GPU) against cp=2 (DDP config), default --lora_layers and attention-only LoRA
 #   anchor     diffusers' built-in CP (Ulysses, ring; cuDNN) with its blocks compiled, 1024 and 2048 px
 #              (ANCHOR=path/to/anchor_bench.py, skipped when unset; ANCHOR_MODES="ulysses ring" by default)
-#   modes      cp=2 at 1024 px with --compile_mode reduce-overhead and max-autotune-no-cudagraphs, ring at 2048
+#   modes      cp=2 at 1024 px with --compile_mode reduce-overhead (CUDA graphs)
+#   ring       cp=2 at 2048 px with --cp_mode ring
 #   big        4096 px LoRA (one GPU against cp=2) and full fine-tuning at 2048 px (FSDP2, cp=2)
 #   attention  benchmarks/bench_attention.py, eager and compiled, 16,896 and 66,048 tokens
 # Results (JSON, logs) go to RESULTS_DIR; benchmarks/report.py renders docs/benchmarks.md from such folders.
@@ -35,6 +36,9 @@ for SET in "$@"; do
   case $SET in
     check)
       timeout 300 python3 -m pytest -q -x tests/gpu 2>&1 | tail -15 || echo "check exit $?" ;;
+    check_attention)
+      timeout 200 python3 -m pytest -q -x -s tests/gpu -k bf16 2>&1 | grep -E "^\{|passed|failed|Error" \
+        || echo "check exit $?" ;;
     lora)
       trainer ${LORA_S:-560} \
         "cp1_2048:1:gpu1.yaml:--resolution 2048 --compile" \
@@ -48,10 +52,10 @@ for SET in "$@"; do
         "cp2_2048_attn:2:ddp_cp2.yaml:--cp_size 2 --resolution 2048 --compile --lora_layers $ATTN" \
         "cp2_1024_attn:2:ddp_cp2.yaml:--cp_size 2 --resolution 1024 --compile --lora_layers $ATTN" ;;
     modes)
-      trainer 560 \
-        "cp2_1024_ro:2:ddp_cp2.yaml:--cp_size 2 --resolution 1024 --compile_mode reduce-overhead" \
-        "cp2_1024_nocg:2:ddp_cp2.yaml:--cp_size 2 --resolution 1024 --compile_mode max-autotune-no-cudagraphs" \
-        "cp2_2048_ring:2:ddp_cp2.yaml:--cp_size 2 --cp_mode ring --resolution 2048 --compile" ;;
+      trainer 200 \
+        "cp2_1024_ro:2:ddp_cp2.yaml:--cp_size 2 --resolution 1024 --compile_mode reduce-overhead" ;;
+    ring)
+      trainer 300 "cp2_2048_ring:2:ddp_cp2.yaml:--cp_size 2 --cp_mode ring --resolution 2048 --compile" ;;
     big)
       trainer 560 \
         "cp1_4096:1:gpu1.yaml:--resolution 4096 --compile" \
@@ -67,11 +71,11 @@ for SET in "$@"; do
       fi ;;
     attention)
       for c in "" --compile; do
-        timeout 240 torchrun --nproc_per_node 2 benchmarks/bench_attention.py --tokens 16896 66048 $c \
+        timeout 150 torchrun --nproc_per_node 2 benchmarks/bench_attention.py --tokens 16896 66048 $c \
           --ulysses_chunks 1 --out "$OUT/attention${c:+_compiled}.json" 2>&1 | grep -E "^tokens" \
           || echo "attention $c exit $?"
       done ;;
-    *) echo "error: unknown set $SET (check, lora, lora_attn, anchor, modes, big, attention)"; exit 2 ;;
+    *) echo "error: unknown set $SET (check, check_attention, lora, lora_attn, anchor, modes, ring, big, attention)"; exit 2 ;;
   esac
 done
 tar czf "$OUT/logs.tgz" -C "$TMP" logs
