@@ -39,7 +39,7 @@ def _bf16_attention(rank: int, world: int, seq: int) -> dict:
     q, k, v, dout = (torch.randn(shape, generator=g, device="cuda") for _ in range(4))
 
     def grads(fn, dtype, *tensors):
-        leaves = [t.to(dtype).requires_grad_(True) for t in tensors[:3]]
+        leaves = [t.detach().to(dtype).requires_grad_(True) for t in tensors[:3]]
         out = fn(*leaves)
         out.backward(tensors[3].to(dtype))
         return [out.detach().float()] + [t.grad.float() for t in leaves]
