@@ -11,14 +11,16 @@
 #   ring       cp=2 at 2048 px with --cp_mode ring
 #   big        4096 px LoRA (one GPU against cp=2) and full fine-tuning at 2048 px (FSDP2, cp=2)
 #   attention  benchmarks/bench_attention.py, eager and compiled, 16,896 and 66,048 tokens
+#   check_model  benchmarks/check_gpu.py: bf16 attention and a 4-block Flux model with CP against fp32 and bf16
+#   equivalence  benchmarks/equivalence.sh: losses with and without CP over 200 steps (4 or 8 GPUs)
 # Results (JSON, logs) go to RESULTS_DIR; benchmarks/report.py renders docs/benchmarks.md from such folders.
 set -euo pipefail
 OUT=$1; shift
 mkdir -p "$OUT"
-. benchmarks/gpu_env.sh
 TMP=$(mktemp -d)
 mkdir -p "$TMP/logs"
 export FLUX_CP_HOME=$TMP/home
+. benchmarks/gpu_env.sh
 N=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/env.txt"
 python3 -c 'import torch, diffusers; print("torch", torch.__version__, "diffusers", diffusers.__version__)' >> "$OUT/env.txt"
@@ -75,7 +77,15 @@ for SET in "$@"; do
           --ulysses_chunks 1 --out "$OUT/attention${c:+_compiled}.json" 2>&1 | grep -E "^tokens" \
           || echo "attention $c exit $?"
       done ;;
-    *) echo "error: unknown set $SET (check, check_attention, lora, lora_attn, anchor, modes, ring, big, attention)"; exit 2 ;;
+    check_model)
+      timeout 200 torchrun --nproc_per_node "$N" benchmarks/check_gpu.py --out "$OUT/check.json" \
+        > "$TMP/logs/check_model.log" 2>&1 || echo "check_model exit $?"
+      grep -E "^\{" "$TMP/logs/check_model.log" | cut -c1-220 || true ;;
+    equivalence)
+      if [ "$N" -ge 8 ]; then OUT=$OUT bash benchmarks/equivalence.sh 4 200
+      elif [ "$N" -ge 4 ]; then OUT=$OUT bash benchmarks/equivalence.sh 2 200
+      else echo "equivalence: needs 4 or 8 GPUs, skipped"; fi ;;
+    *) echo "error: unknown set $SET (check, check_attention, check_model, lora, lora_attn, anchor, modes, ring, big, attention, equivalence)"; exit 2 ;;
   esac
 done
 tar czf "$OUT/logs.tgz" -C "$TMP" logs
