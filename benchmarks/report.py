@@ -509,7 +509,7 @@ def trainer_section(folder: Path) -> list[str]:
         f"## Trainer, every block compiled, {folder.name}",
         "",
         f"Measured on {env_line(env)}. Raw outputs: `{rel}/`. Commands, from the repository root on the 2-GPU "
-        "machine: `ANCHOR=anchor_bench.py ANCHOR_MODES=ulysses bash benchmarks/run.sh RESULTS lora anchor`, then "
+        "machine: `ANCHOR=... ANCHOR_MODES=ulysses bash benchmarks/run.sh RESULTS lora anchor`, then "
         "`bash benchmarks/run.sh RESULTS check_attention modes attention`.",
         "",
         "`train_flux_cp.py` itself, launched by `benchmarks/bench_trainer.py` through `accelerate launch`: "
@@ -536,9 +536,11 @@ def trainer_section(folder: Path) -> list[str]:
         )
     lines += [
         "",
-        "diffusers 0.42.1's built-in CP, measured in the same lease with `anchor_bench.py model ulysses` "
-        "(`COMPILE=1`: each block `.compile()`d, as diffusers documents regional compilation; `_native_cudnn` "
-        "backend; LoRA r16 on `to_q/to_k/to_v/to_out.0` only, so fewer adapters than our default layers; "
+        "diffusers 0.42.1's built-in CP, measured in the same run by the `anchor` set: `ANCHOR` names a "
+        "standalone script (not part of this repository) that builds the same FLUX.1-dev-shaped model with "
+        "diffusers' `enable_parallelism`, run as `COMPILE=1 RES=1024,2048 torchrun --nproc_per_node 2 $ANCHOR "
+        "model ulysses` (`COMPILE=1`: each block `.compile()`d, as diffusers documents regional compilation; "
+        "`_native_cudnn` backend; LoRA r16 on `to_q/to_k/to_v/to_out.0` only, so fewer adapters than our default layers; "
         "gradient checkpointing; median of 4 steps after 2):",
         "",
         "| res | mode | s/step | peak GiB/GPU | ours cp=2 (default LoRA) | ours faster by |",
@@ -602,7 +604,9 @@ def trainer_section(folder: Path) -> list[str]:
     ]
     for r in failed:
         lines.append(
-            f"| CUDA graphs (`{' '.join(r['extra'][-2:])}`), 1024 px cp=2 | failed: {r['error'][:160]} | **missed** |"
+            f"| CUDA graphs (`{' '.join(r['extra'][-2:])}`), 1024 px cp=2 | failed: {r['error'][:160]}... "
+            "(the compiled path kept the cuDNN forward's seed/offset tensors; it keeps only their shapes since, "
+            "not re-measured) | **missed** |"
         )
     return lines + ["", "Why the missed targets are missed and what would close them: `benchmarks/NOTES.md`.", ""]
 

@@ -3,8 +3,9 @@
 #   bash benchmarks/run.sh RESULTS_DIR SET [SET ...]
 # Sets:
 #   check      pytest tests/gpu: bf16 CP attention (eager and compiled) against one GPU, the trainer on GPUs
-#   lora       train_flux_cp.py, LoRA r16, --compile, 1024 and 2048 px: one GPU (two runs side by side, one per
-#              GPU) against cp=2 (DDP config), default --lora_layers and attention-only LoRA
+#   lora       train_flux_cp.py, LoRA r16 on the default --lora_layers, --compile, 1024 and 2048 px: one GPU (two
+#              runs side by side, one per GPU) against cp=2 (DDP config)
+#   lora_attn  the same with LoRA on the attention projections only
 #   anchor     diffusers' built-in CP (Ulysses, ring; cuDNN) with its blocks compiled, 1024 and 2048 px
 #              (ANCHOR=path/to/anchor_bench.py, skipped when unset; ANCHOR_MODES="ulysses ring" by default)
 #   modes      cp=2 at 1024 px with --compile_mode reduce-overhead (CUDA graphs)
