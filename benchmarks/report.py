@@ -540,8 +540,8 @@ def trainer_section(folder: Path) -> list[str]:
         "standalone script (not part of this repository) that builds the same FLUX.1-dev-shaped model with "
         "diffusers' `enable_parallelism`, run as `COMPILE=1 RES=1024,2048 torchrun --nproc_per_node 2 $ANCHOR "
         "model ulysses` (`COMPILE=1`: each block `.compile()`d, as diffusers documents regional compilation; "
-        "`_native_cudnn` backend; LoRA r16 on `to_q/to_k/to_v/to_out.0` only, so fewer adapters than our default layers; "
-        "gradient checkpointing; median of 4 steps after 2):",
+        "`_native_cudnn` backend; LoRA r16 on `to_q/to_k/to_v/to_out.0` only, so fewer adapters than our default "
+        "layers; gradient checkpointing; median of 4 steps after 2):",
         "",
         "| res | mode | s/step | peak GiB/GPU | ours cp=2 (default LoRA) | ours faster by |",
         "|---:|---|---:|---:|---:|---:|",
