@@ -10,7 +10,8 @@ Input/output layout `[batch, seq_local, heads, head_dim]`; the attention kernels
 `[batch, heads/u, seq_local * u, head_dim]`, contiguous.
 
 Under torch.compile (`ulysses_traced`) the all-to-alls are functional collectives, which the compiler traces
-and schedules, around the `flux_cp::ring_attention` custom op (cp/ops.py).
+and schedules, around the `flux_cp::ring_attention` custom op (cp/ops.py); one exchange per tensor, without the
+head-chunk pipeline.
 """
 
 from __future__ import annotations

@@ -101,3 +101,23 @@ def test_flux_block_compiles_fullgraph_with_inductor_and_equals_eager():
     for r in distributed.run(_compiled_block_errors, 2, "ulysses", timeout=600):
         assert r["n_grads"] >= 8, r
         assert r["out"] < 1e-5 and r["grad"] < 1e-4, r
+
+
+def test_compiled_backward_keeps_no_tensor_of_a_forward(monkeypatch):
+    """The compiled path's backward op finds the forward's aux by shape; tensors in it must not be kept alive (a
+    CUDA graph tree refuses live tensors of its pool), so they come back as fresh zero-filled tensors."""
+    from cp import kernels
+
+    def forward(q, k, v, scale):
+        out, lse, _ = kernels._math_forward(q, k, v, scale)
+        return out, lse, (torch.ones(2, dtype=torch.int64), None, 7)
+
+    monkeypatch.setitem(kernels.KERNELS, "probe", kernels.Kernel("probe", forward, kernels._math_backward))
+    monkeypatch.setenv("FLUX_CP_KERNELS", "probe")
+    q, k, v = (torch.randn(1, 2, 5, 4) for _ in range(3))
+    kernels.forward(q, k, v, 0.5)
+    kept = kernels._LAST[kernels._shape_key(q, k)]
+    assert not any(isinstance(a, torch.Tensor) for a in kept[1]), kept
+    kernel, aux = kernels.used_for(q, k)
+    assert kernel.name == "probe" and aux[1:] == (None, 7)
+    assert torch.equal(aux[0], torch.zeros(2, dtype=torch.int64))
