@@ -280,9 +280,10 @@ def _open_source(data: DataConfig) -> ImageSource:
     name = data.dataset_name
     if name is None:
         source = ImageSource(_local_folder(BUNDLED_DATA, "text", data.instance_prompt), "bundled:tiny_shapes")
-    elif os.path.isdir(name) and reference_column(data):
-        samples = _local_pairs(Path(name), reference_column(data), data.caption_column, data.instance_prompt)
-        source = ImageSource(samples, str(Path(name)))
+    elif os.path.isdir(name) and (column := reference_column(data)):
+        source = ImageSource(
+            _local_pairs(Path(name), column, data.caption_column, data.instance_prompt), str(Path(name))
+        )
     elif os.path.isdir(name):
         source = ImageSource(_local_folder(Path(name), data.caption_column, data.instance_prompt), str(Path(name)))
     else:
