@@ -107,6 +107,11 @@ class DataConfig:
     dataset_config_name: str | None = flag(None)
     image_column: str = flag("image")
     caption_column: str = flag("text")
+    cond_image_column: str | None = flag(
+        None,
+        "FLUX.1 Kontext: the column of each target's reference image (a local folder's metadata.jsonl names it in "
+        "'<column>_file_name'; found there without this flag when it is the only one).",
+    )
     instance_prompt: str | None = flag(
         None, "DreamBooth-style: use this prompt for every image (captions are ignored)."
     )
@@ -138,6 +143,8 @@ class DataConfig:
         name = self.dataset_name
         if name and not os.path.exists(name) and not is_hub_id(name):
             raise UsageError(f"--dataset_name {name}: no such folder (and not a hub id like owner/name)")
+        if self.cond_image_column is not None and self.dataset_name is None:
+            raise UsageError("--cond_image_column needs --dataset_name (the bundled data set has no reference images)")
 
 
 @dataclass(frozen=True)
@@ -187,6 +194,12 @@ class TrainConfig:
     )
     on_nonfinite: str = flag("stop", "What to do when the loss or gradient norm is NaN/inf.", choices=("stop", "skip"))
     compile: bool = flag(False, "torch.compile each transformer block.")
+    compile_mode: str | None = flag(
+        None,
+        "torch.compile mode of the blocks (implies --compile); reduce-overhead replays each block as a CUDA graph, "
+        "communication included, for short sequences whose steps wait on the host.",
+        choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
+    )
 
 
 @dataclass(frozen=True)
@@ -233,6 +246,9 @@ class ValidationConfig:
     """Validation images and logging (flux_cp.validation, flux_cp.metrics, trackers)."""
 
     validation_prompt: tuple[str, ...] | None = flag(None, "Repeatable.", repeat=True)
+    validation_image: str | None = flag(
+        None, "FLUX.1 Kontext: the reference image every --validation_prompt edits (FluxKontextPipeline)."
+    )
     validation_steps: int | None = flag(None, "Default: only at the end of training.")
     num_validation_images: int = flag(2)
     validation_resolution: int = flag(1024, "Default: --resolution.", derive=lambda raw: raw["resolution"])
@@ -243,6 +259,8 @@ class ValidationConfig:
     def check(self) -> None:
         if self.validation_resolution % 16:
             raise UsageError(f"--validation_resolution {self.validation_resolution} must be a multiple of 16")
+        if self.validation_image is not None and not os.path.isfile(self.validation_image):
+            raise UsageError(f"--validation_image {self.validation_image}: no such file")
         if self.report_to == "wandb":
             import importlib.util
 

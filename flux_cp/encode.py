@@ -130,6 +130,16 @@ def _usable(path: Path, keys: tuple[str, ...]) -> bool:
     return False
 
 
+def _load(path: Path) -> dict[str, Tensor]:
+    try:
+        return load_file(path)
+    except Exception as err:  # noqa: BLE001 - removed or damaged after this run checked it
+        raise UsageError(
+            f"cache entry {path} cannot be read ({type(err).__name__}: {err}): delete it and resume "
+            "(--resume_from_checkpoint latest); it is recomputed at start"
+        ) from None
+
+
 def _sha(*parts) -> str:
     return hashlib.sha256("\0".join(str(p) for p in parts).encode()).hexdigest()[:32]
 
@@ -137,7 +147,8 @@ def _sha(*parts) -> str:
 class TrainingData(Protocol):
     """What the batch builder reads, cached or live: the aspect bucket of every sample, and one sample's
     encodings (`latent_mean`, `latent_std` `[C, H, W]`, `prompt_embeds` `[L, D]`, `pooled_prompt_embeds`
-    `[D']`), given whether it is flipped and the epoch (for crops drawn per epoch)."""
+    `[D']`; for FLUX.1 Kontext pairs also `reference_latent` `[C, H, W]`, the mean latent of the reference with
+    the target's crop and flip), given whether it is flipped and the epoch (for crops drawn per epoch)."""
 
     buckets: list[int]
 
@@ -156,17 +167,12 @@ class EncodedData:
 
     def load(self, index: int, flip: bool, epoch: int) -> dict[str, Tensor]:
         e = self.entries[index]
-        out = {}
-        for path in (self.cache_dir / "latents" / f"{e['latents'][int(flip) % len(e['latents'])]}.safetensors",
-                     self.cache_dir / "text" / f"{e['text']}.safetensors"):  # fmt: skip
-            try:
-                out.update(load_file(path))
-            except Exception as err:  # noqa: BLE001 - removed or damaged after this run checked it
-                raise UsageError(
-                    f"cache entry {path} cannot be read ({type(err).__name__}: {err}): delete it and resume "
-                    "(--resume_from_checkpoint latest); it is recomputed at start"
-                ) from None
-        return out
+        lat = _load(self.cache_dir / "latents" / f"{e['latents'][int(flip) % len(e['latents'])]}.safetensors")
+        txt = _load(self.cache_dir / "text" / f"{e['text']}.safetensors")
+        if "reference" in e:  # a Kontext pair: the reference's latent is its distribution's mean (no sampling)
+            ref = e["reference"][int(flip) % len(e["reference"])]
+            txt["reference_latent"] = _load(self.cache_dir / "latents" / f"{ref}.safetensors")["latent_mean"]
+        return {**lat, **txt}
 
 
 def encode_dataset(
@@ -209,20 +215,34 @@ def encode_dataset(
             bucket = geometry.bucket_of(img.size)
             target = geometry.buckets[bucket]
             resized, offset = crop_box(img.size, target, data.center_crop, generator(Stream.CROP, seed, i))
-            keys = []
-            for flip in variants:
-                key = _sha(img_hash, target, resized, offset, flip, vae_fp, DECODER_VERSION)
-                path = cache_dir / "latents" / f"{key}.safetensors"
-                if not _usable(path, LATENT_KEYS):
-                    mean, std = encoders.latents(to_pixels(img, target, resized, offset, flip)[None])
-                    files.write_safetensors(path, {"latent_mean": mean[0], "latent_std": std[0]})
-                    computed += 1
-                keys.append(key)
+            entry: dict = {"bucket": bucket}
+            # A Kontext pair's reference gets the target's resize, crop and flip, so the two stay aligned.
+            images = [("latents", img, img_hash)]
+            if source.pairs:
+                try:
+                    raw = source.raw_bytes(i, reference=True)
+                    images.append(("reference", source.load(i, raw, reference=True), hashlib.sha256(raw).hexdigest()))
+                except OSError as e:
+                    errors.append(f"cannot read reference image {source.where(i, reference=True)}: {e}")
+                    continue
+                except UsageError as e:
+                    errors.append(str(e))
+                    continue
+            for name, image, digest in images:
+                entry[name] = []
+                for flip in variants:
+                    key = _sha(digest, target, resized, offset, flip, vae_fp, DECODER_VERSION)
+                    path = cache_dir / "latents" / f"{key}.safetensors"
+                    if not _usable(path, LATENT_KEYS):
+                        mean, std = encoders.latents(to_pixels(image, target, resized, offset, flip)[None])
+                        files.write_safetensors(path, {"latent_mean": mean[0], "latent_std": std[0]})
+                        computed += 1
+                    entry[name].append(key)
             caption = source.samples[i].caption
             tkey = _sha(caption, data.max_sequence_length, text_fp)
             if not _usable(cache_dir / "text" / f"{tkey}.safetensors", TEXT_KEYS):
                 pending_text[tkey] = caption
-            entries[i] = {"bucket": bucket, "latents": keys, "text": tkey}
+            entries[i] = {**entry, "text": tkey}
             if len(pending_text) >= 16:
                 computed += _encode_texts(encoders, pending_text, data.max_sequence_length, cache_dir)
         computed += _encode_texts(encoders, pending_text, data.max_sequence_length, cache_dir)
@@ -273,5 +293,9 @@ class LiveData:
         resized, offset = crop_box(img.size, target, self.config.center_crop, gen)
         mean, std = self.encoders.latents(to_pixels(img, target, resized, offset, flip)[None])
         embeds, pooled = self.encoders.prompts([self.source.samples[i].caption], self.config.max_sequence_length)
-        return {"latent_mean": mean[0], "latent_std": std[0], "prompt_embeds": embeds[0],
-                "pooled_prompt_embeds": pooled[0]}  # fmt: skip
+        out = {"latent_mean": mean[0], "latent_std": std[0], "prompt_embeds": embeds[0],
+               "pooled_prompt_embeds": pooled[0]}  # fmt: skip
+        if self.source.pairs:  # the reference with the target's resize, crop and flip; its mean latent
+            pixels = to_pixels(self.source.load(i, reference=True), target, resized, offset, flip)
+            out["reference_latent"] = self.encoders.latents(pixels[None])[0][0]
+        return out

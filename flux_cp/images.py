@@ -47,8 +47,10 @@ def is_image_file(path: Path) -> bool:
     return path.suffix.lower() in IMAGE_EXTENSIONS and not path.name.startswith(".")
 
 
-def decode(data: bytes, where: str) -> Image.Image:
-    """The RGB picture a viewer shows for the file's bytes; a UsageError naming `where` if PIL cannot read it."""
+def decode(data: bytes, where: str, what: str | None = None) -> Image.Image:
+    """The RGB picture a viewer shows for the file's bytes; a UsageError naming `what` (default: "image
+    <where>") if PIL cannot read it."""
+    what = what or f"image {where}"
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # PIL's warnings (large images, odd metadata) would interleave the bar
@@ -58,11 +60,11 @@ def decode(data: bytes, where: str) -> Image.Image:
             img = ImageOps.exif_transpose(img)  # keeps img.info, and with it the colour profile
             return to_rgb(_to_srgb(img, img.info.get("icc_profile")))
     except UnidentifiedImageError:
-        raise UsageError(f"cannot read image {where}: not an image format PIL can decode") from None
+        raise UsageError(f"cannot read {what}: not an image format PIL can decode") from None
     except Image.DecompressionBombError as e:
-        raise UsageError(f"cannot read image {where}: {e} Downscale it (or split it) before training.") from None
+        raise UsageError(f"cannot read {what}: {e} Downscale it (or split it) before training.") from None
     except (OSError, ValueError, SyntaxError, EOFError) as e:  # truncated or damaged file; PIL uses all four
-        raise UsageError(f"cannot read image {where}: {e}") from None
+        raise UsageError(f"cannot read {what}: {e}") from None
 
 
 def to_rgb(img: Image.Image) -> Image.Image:
