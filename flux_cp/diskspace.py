@@ -51,6 +51,9 @@ def count(config: dict, lora_rank: int | None, lora_layers: list[str]) -> Counts
             return Counts(sum(base), len(base), sum(base), len(base))
         from peft import LoraConfig
 
+        from .lora import check_targets
+
+        check_targets(model, lora_layers)
         model.add_adapter(LoraConfig(r=lora_rank, lora_alpha=lora_rank, target_modules=lora_layers))
         lora = [p.numel() for n, p in model.named_parameters() if "lora_" in n]
     return Counts(sum(base), len(base), sum(lora), len(lora))
