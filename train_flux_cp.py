@@ -6,26 +6,32 @@
         --resolution 2048 --cp_size 2 --rank 16 --mixed_precision bf16 --gradient_checkpointing
 
 With no model and data flags it trains a tiny Flux built locally on the bundled data set.
-The recipe: check flags -> layout -> encode data (cached) -> model + LoRA + CP -> FSDP/DDP -> loop.
+
+The recipe, one function per phase, top to bottom:
+    setup -> load_data (encode once, cached) -> build_model (LoRA or full, CP, FSDP/DDP) -> resume
+    -> for each step: train_step, after_step (metrics, validation, checkpoint) -> finish (final weights).
+Flags arrive as typed sections (flux_cp.config); the details of each phase live in flux_cp/.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 import cp
-from flux_cp import checkpoint, faults, validation
-from flux_cp.args import parse_args
+from flux_cp import checkpoint, faults, files, runner, validation
 from flux_cp.batches import Batches
-from flux_cp.data import BatchSchedule, open_source
-from flux_cp.encode import Geometry, LiveData, encode_dataset, model_fingerprint
+from flux_cp.config import Config, parse_config
+from flux_cp.data import BatchSchedule, ImageSource, open_source
+from flux_cp.encode import Encoders, Geometry, LiveData, TrainingData, encode_dataset, model_fingerprint
 from flux_cp.errors import UsageError
+from flux_cp.lora import save_lora
 from flux_cp.metrics import MetricsLog, StepTimer, flux_flops_per_step, measure_matmul_peak, peak_memory_gib
 from flux_cp.model import (
     apply_seed_checkpoint,
@@ -36,12 +42,11 @@ from flux_cp.model import (
     model_path,
     prepare_trainable,
     save_full,
-    save_lora,
     trainable_parameters,
-    write_json,
 )
+from flux_cp.optim import apply_update, clip_grad_norm, make_lr_scheduler, make_optimizer
 from flux_cp.parallel import (
-    all_ranks_ok,
+    Layout,
     check_layout,
     check_tokens,
     choose_cp_mode,
@@ -50,279 +55,337 @@ from flux_cp.parallel import (
     make_accelerator,
     make_layout,
 )
-from flux_cp.runner import NonFiniteError, run
 
 logger = logging.getLogger("flux_cp")
 
 
-def clip_grad_norm(accelerator, params: list[torch.nn.Parameter], max_norm: float) -> float:
-    """Global gradient norm of the trainable parameters, clipped to `max_norm` (<= 0: no clipping).
-    (accelerate's clip_grad_norm_ under FSDP2 only handles the whole model's parameters, not LoRA's.)"""
-    from torch.distributed.tensor import DTensor
-
-    accelerator.unscale_gradients()
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
-    return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+# --- what each phase hands to the next -----------------------------------------------------------------
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.plan:
-        from flux_cp.plan import print_plan
+@dataclass
+class Run:
+    """The flags, the process layout and the accelerator: fixed for the whole run."""
 
-        print_plan(args)
-        return 0
+    cfg: Config
+    accelerator: Any
+    layout: Layout
+    device: torch.device
+    weight_dtype: torch.dtype  # the frozen weights' and the inputs' dtype (mixed precision)
+    model_path: str
+
+
+@dataclass
+class Data:
+    """The encoded training data, its batch order, and what validation needs of the encoders."""
+
+    encoders: Encoders  # the VAE stays; the text encoders are freed once the data is cached
+    noise_scheduler: Any
+    source: ImageSource
+    geometry: Geometry
+    samples: TrainingData
+    schedule: BatchSchedule
+    global_batch: int  # samples per micro-step over all data-parallel ranks
+    validation_embeds: tuple[torch.Tensor, torch.Tensor] | None
+
+
+@dataclass
+class Trainee:
+    """The wrapped model and its optimizer, ready to step."""
+
+    model: torch.nn.Module
+    optimizer: Any
+    lr_scheduler: Any
+    params: list[torch.nn.Parameter]  # trainable, after accelerate.prepare (sharded under FSDP2)
+    transformer_config: dict
+    cp_mode: str
+    ulysses_size: int | None
+    max_steps: int
+    run_identity: dict  # what a checkpoint must match to be resumed by this run
+
+
+@dataclass
+class Loop:
+    """Per-step machinery: batches, metrics, timing, progress bar, injected faults."""
+
+    batches: Batches
+    metrics: MetricsLog
+    timer: StepTimer
+    bar: Any
+    matmul_peak: float | None
+    fault: faults.Fault
+
+
+@dataclass
+class StepResult:
+    step: int
+    epoch: int
+    loss: float
+    grad_norm: float
+    skipped: bool
+    tokens: int
+    flops: float
+    seconds: float
+
+
+# --- phases --------------------------------------------------------------------------------------------
+
+
+def setup(cfg: Config) -> Run:
+    """Flag checks that need the launch size, then accelerate, the dp x cp layout, logging and precision."""
     # Everything that needs only the flags and the launch size fails here, before any process group.
-    check_layout(launched_world_size(), args.cp_size)
-    check_tokens(args)
-
+    check_layout(launched_world_size(), cfg.parallel.cp_size)
+    check_tokens(cfg.parallel, cfg.data, cfg.validation)
     # Before any process group: transformers' save_pretrained writes weights only on rank 0 once
     # torch.distributed is up, so the tiny default must be built (by whichever process locks first) now.
-    path = model_path(args)
-    accelerator = make_accelerator(args)
-    layout = make_layout(accelerator, args.cp_size, args.collective_timeout)
-    device = accelerator.device
+    path = model_path(cfg.model)
+    accelerator = make_accelerator(cfg.parallel, cfg.train, cfg.validation)
+    layout = make_layout(accelerator, cfg.parallel.cp_size, cfg.parallel.collective_timeout)
     logging.basicConfig(level=logging.INFO if layout.is_main else logging.WARNING, format="%(message)s")
-    if args.embedded_default:
+    if cfg.model.embedded_default:
         logger.info(
             "flux-cp: embedded default - a tiny Flux built locally, trained on the bundled data set "
             "(data/tiny_shapes); pass --pretrained_model_name_or_path and --dataset_name for real runs"
         )
-    logger.info(f"flux-cp: {layout.describe()}, {accelerator.distributed_type}, device {device}")
-    if args.deterministic:
+    logger.info(f"flux-cp: {layout.describe()}, {accelerator.distributed_type}, device {accelerator.device}")
+    if cfg.train.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    if args.allow_tf32 and torch.cuda.is_available():
+    if cfg.train.allow_tf32 and torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = True
     weight_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
+    return Run(cfg, accelerator, layout, accelerator.device, weight_dtype, path)
 
-    # --- data: encode once (cached), then free the text encoders ----------------------------------------
-    encoders = load_encoders(args, path, weight_dtype, device)
-    noise_scheduler = load_scheduler(args, path)
-    source = open_source(args)
-    geometry = Geometry(args.resolution, args.cp_size, args.aspect_buckets)
+
+def load_data(run: Run) -> Data:
+    """Encode the data set once (cached on disk, spread over all ranks), then free the text encoders."""
+    cfg, layout = run.cfg, run.layout
+    encoders = load_encoders(cfg.model, run.model_path, run.weight_dtype, run.device)
+    noise_scheduler = load_scheduler(cfg.model, run.model_path)
+    source = open_source(cfg.data)
+    geometry = Geometry(cfg.data.resolution, cfg.parallel.cp_size, cfg.data.aspect_buckets)
     validation_embeds = None
-    if args.validation_prompt:
-        validation_embeds = encoders.prompts(args.validation_prompt, args.max_sequence_length)
-    check = lambda ok, msg: all_ranks_ok(ok, msg, device)  # noqa: E731
-    if args.no_cache:
-        data = LiveData(source, encoders, geometry, args)
+    if cfg.validation.validation_prompt:
+        validation_embeds = encoders.prompts(list(cfg.validation.validation_prompt), cfg.data.max_sequence_length)
+    if cfg.data.no_cache:
+        samples: TrainingData = LiveData(source, encoders, geometry, cfg.data, cfg.train.seed)
     else:
-        cache_dir = Path(args.cache_dir or Path.home() / ".cache" / "flux_cp" / "encodings")
-        fps = (model_fingerprint(encoders.vae, path, args.revision),
-               model_fingerprint(encoders.text_encoder_2, path, args.revision)
-               + model_fingerprint(encoders.text_encoder, path, args.revision))  # fmt: skip
-        data = encode_dataset(source, encoders, geometry, args, cache_dir, fps, layout.rank, layout.world, check)
-        logger.info(f"encodings: {len(source)} samples, {data.computed} newly computed, cache {cache_dir}")
+        cache_dir = Path(cfg.data.cache_dir or Path.home() / ".cache" / "flux_cp" / "encodings")
+        rev = cfg.model.revision
+        fingerprints = (
+            model_fingerprint(encoders.vae, run.model_path, rev),
+            model_fingerprint(encoders.text_encoder_2, run.model_path, rev)
+            + model_fingerprint(encoders.text_encoder, run.model_path, rev),
+        )
+        samples = encode_dataset(
+            source, encoders, geometry, cfg.data, cfg.train.seed, cache_dir, fingerprints, layout.rank, layout.world
+        )
+        logger.info(f"encodings: {len(source)} samples, {samples.computed} newly computed, cache {cache_dir}")
         encoders.free_text_encoders()
-    global_batch = args.train_batch_size * layout.dp
-    schedule = BatchSchedule(data.buckets, global_batch, args.seed)
+    global_batch = cfg.train.train_batch_size * layout.dp
+    schedule = BatchSchedule(samples.buckets, global_batch, cfg.train.seed)
+    return Data(encoders, noise_scheduler, source, geometry, samples, schedule, global_batch, validation_embeds)
 
-    # --- model: transformer, LoRA or full, seed checkpoint, CP, then FSDP/DDP -------------------------
-    transformer = load_transformer(args, path, weight_dtype, device)
+
+def build_model(run: Run, data: Data) -> Trainee:
+    """Transformer, LoRA or full, seed checkpoint, CP attention, compile, optimizer, then FSDP/DDP."""
+    cfg, layout, train = run.cfg, run.layout, run.cfg.train
+    transformer = load_transformer(cfg.model, run.model_path, run.weight_dtype, run.device, train.seed)
     config = dict(transformer.config)
-    prepare_trainable(transformer, args)
-    if args.seed_checkpoint:
-        how = apply_seed_checkpoint(transformer, args.seed_checkpoint, layout.is_main)
-        logger.info(f"seed checkpoint {how}: {args.seed_checkpoint}")
-    if args.gradient_checkpointing:
+    prepare_trainable(transformer, cfg.lora, train.seed)
+    if train.seed_checkpoint:
+        how = apply_seed_checkpoint(transformer, train.seed_checkpoint, layout.is_main)
+        logger.info(f"seed checkpoint {how}: {train.seed_checkpoint}")
+    if train.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
-    mode, ulysses_size = choose_cp_mode(args, config["num_attention_heads"], layout.cp)
+    mode, ulysses_size = choose_cp_mode(cfg.parallel, config["num_attention_heads"], layout.cp)
     # Installed at cp=1 too: its block kernels (cuDNN on Hopper) beat diffusers' default SDPA path.
     cp.apply_context_parallel(transformer, layout.cp_group, mode=mode, ulysses_size=ulysses_size)
     if layout.cp > 1:
         logger.info(
-            ("auto-chosen " if args.cp_mode == "auto" else "")
+            ("auto-chosen " if cfg.parallel.cp_mode == "auto" else "")
             + f"context parallel: {mode}"
             + (f" (ulysses {ulysses_size})" if ulysses_size else "")
             + f" over {layout.cp} ranks"
         )
-        advice = cp_advice((args.resolution // 16) ** 2 + args.max_sequence_length, layout.cp)
-        if advice and device.type == "cuda":  # measured on GPUs; the CPU demo's tiny sequences are for testing
+        advice = cp_advice((cfg.data.resolution // 16) ** 2 + cfg.data.max_sequence_length, layout.cp)
+        if advice and run.device.type == "cuda":  # measured on GPUs; the CPU demo's tiny sequences are for testing
             logger.warning(advice)
-    if args.compile:
+    if train.compile:
         for block in [*transformer.transformer_blocks, *transformer.single_transformer_blocks]:
             block.compile()
-    lr = args.learning_rate * (global_batch * args.gradient_accumulation_steps if args.scale_lr else 1)
-    optimizer = torch.optim.AdamW(
-        [p for _, p in trainable_parameters(transformer)], lr=lr, betas=(args.adam_beta1, args.adam_beta2),
-        weight_decay=args.adam_weight_decay, eps=args.adam_epsilon,
-    )  # fmt: skip
-    steps_per_epoch = schedule.batches_per_epoch // args.gradient_accumulation_steps
-    if steps_per_epoch == 0 and args.max_train_steps is None:
+    optimizer = make_optimizer(train, [p for _, p in trainable_parameters(transformer)], data.global_batch)
+    steps_per_epoch = data.schedule.batches_per_epoch // train.gradient_accumulation_steps
+    if steps_per_epoch == 0 and train.max_train_steps is None:
         raise UsageError(
-            f"one epoch has {schedule.batches_per_epoch} batches, fewer than "
-            f"--gradient_accumulation_steps {args.gradient_accumulation_steps}: set --max_train_steps"
+            f"one epoch has {data.schedule.batches_per_epoch} batches, fewer than "
+            f"--gradient_accumulation_steps {train.gradient_accumulation_steps}: set --max_train_steps"
         )
-    max_steps = args.max_train_steps or args.num_train_epochs * steps_per_epoch
-    from diffusers.optimization import get_scheduler
-
-    lr_scheduler = get_scheduler(
-        args.lr_scheduler, optimizer=optimizer, num_warmup_steps=args.lr_warmup_steps,
-        num_training_steps=max_steps, num_cycles=args.lr_num_cycles, power=args.lr_power,
-    )  # fmt: skip
-    model, optimizer = accelerator.prepare(transformer, optimizer)
+    max_steps = train.max_train_steps or train.num_train_epochs * steps_per_epoch
+    lr_scheduler = make_lr_scheduler(train, optimizer, max_steps)
+    model, optimizer = run.accelerator.prepare(transformer, optimizer)
     # After prepare: FSDP2 replaces the parameters with sharded ones (the optimizer is remapped by accelerate;
     # a list taken before would clip and measure gradients that no longer exist).
     params = [p for p in model.parameters() if p.requires_grad]
-
-    # --- resume -----------------------------------------------------------------------------------------
-    run_identity = {
-        "model": str(args.pretrained_model_name_or_path or "embedded-tiny"), "transformer_init": args.transformer_init,
-        "full_finetune": args.full_finetune, "rank": None if args.full_finetune else args.rank,
-        "lora_alpha": None if args.full_finetune else args.lora_alpha,
-        "lora_layers": None if args.full_finetune else args.lora_layers,
-        "global_batch": global_batch * args.gradient_accumulation_steps, "data": source.fingerprint(),
-        "resolution": args.resolution, "seed": args.seed,
-        "aspect_buckets": geometry.buckets if args.aspect_buckets else False,
-        "max_sequence_length": args.max_sequence_length,
+    lora = None if cfg.lora.full_finetune else cfg.lora
+    identity = {
+        "model": str(cfg.model.pretrained_model_name_or_path or "embedded-tiny"),
+        "transformer_init": cfg.model.transformer_init, "full_finetune": cfg.lora.full_finetune,
+        "rank": lora and lora.rank, "lora_alpha": lora and lora.lora_alpha,  # the LoRA rank (key kept on disk)
+        "lora_layers": lora and ",".join(lora.lora_layers),
+        "global_batch": data.global_batch * train.gradient_accumulation_steps, "data": data.source.fingerprint(),
+        "resolution": cfg.data.resolution, "seed": train.seed,
+        "aspect_buckets": data.geometry.buckets if cfg.data.aspect_buckets else False,
+        "max_sequence_length": cfg.data.max_sequence_length,
     }  # fmt: skip
-    start_step = 0
-    resume_path = checkpoint.resolve(args.resume_from_checkpoint, args.output_dir)
-    if resume_path is not None:
-        meta = checkpoint.read_meta(resume_path)
-        checkpoint.check_compatible(meta, run_identity, resume_path)
-        checkpoint.load(resume_path, model, optimizer, lr_scheduler)
-        start_step = meta["step"]
-        logger.info(f"resumed from {resume_path} at step {start_step} (written with {meta['layout']})")
-    elif args.resume_from_checkpoint == "latest":
-        logger.info(f"no checkpoint in {args.output_dir} yet: starting from step 0")
+    return Trainee(model, optimizer, lr_scheduler, params, config, mode, ulysses_size, max_steps, identity)
 
-    # --- train -----------------------------------------------------------------------------------------
+
+def resume(run: Run, trainee: Trainee) -> int:
+    """The step to start after: a compatible checkpoint's, restored on any layout, or 0."""
+    ckpt, output_dir = run.cfg.checkpoints, run.cfg.train.output_dir
+    path = checkpoint.resolve(ckpt.resume_from_checkpoint, output_dir)
+    if path is None:
+        if ckpt.resume_from_checkpoint == "latest":
+            logger.info(f"no checkpoint in {output_dir} yet: starting from step 0")
+        return 0
+    meta = checkpoint.read_meta(path)
+    checkpoint.check_compatible(meta, trainee.run_identity, path)
+    checkpoint.load(path, trainee.model, trainee.optimizer, trainee.lr_scheduler)
+    logger.info(f"resumed from {path} at step {meta['step']} (written with {meta['layout']})")
+    return meta["step"]
+
+
+def start_loop(run: Run, data: Data, trainee: Trainee, start_step: int) -> Loop:
+    """Record the run's settings, open the metrics and trackers, and build the batch source."""
+    cfg, layout, device = run.cfg, run.layout, run.device
     if layout.is_main:
-        Path(args.output_dir).mkdir(parents=True, exist_ok=True)
-        write_json(
-            Path(args.output_dir) / "run_config.json",
-            {**vars(args), "layout": layout.describe(), "cp_mode": mode, "ulysses_size": ulysses_size},
-        )
-    if accelerator.log_with:
-        accelerator.init_trackers(
-            "flux-cp", config={k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))}
-        )
-    metrics = MetricsLog(args.output_dir, start_step, layout.is_main)
+        chosen = {"layout": layout.describe(), "cp_mode": trainee.cp_mode, "ulysses_size": trainee.ulysses_size}
+        files.write_json(Path(cfg.train.output_dir) / "run_config.json", {**cfg.flat(), **chosen})
+    if run.accelerator.log_with:
+        hparams = {k: v for k, v in cfg.flat().items() if isinstance(v, (int, float, str, bool))}
+        run.accelerator.init_trackers("flux-cp", config=hparams)
+    metrics = MetricsLog(cfg.train.output_dir, start_step, layout.is_main)
     if device.type == "cuda":  # peak memory of training, not of loading and initialisation
         torch.cuda.reset_peak_memory_stats(device)
-
-    def validate(step: int) -> None:
-        images = validation.generate(
-            accelerator.unwrap_model(model),
-            encoders.vae,
-            noise_scheduler.config,
-            validation_embeds,
-            layout,
-            args,
-            accelerator.autocast,
-        )
-        if layout.is_main:
-            logger.info(f"validation images: {validation.save_and_log(images, step, args, accelerator)}")
-
-    peak = measure_matmul_peak(device)
-    fault = faults.from_env(layout.rank)
-    timer = StepTimer(device)
     from tqdm.auto import tqdm
 
-    bar = tqdm(range(max_steps), initial=start_step, desc="steps", disable=not layout.is_main, dynamic_ncols=True)
-    accum = args.gradient_accumulation_steps
-    guidance = bool(config.get("guidance_embeds"))
-    vae_config = encoders.vae.config
-    batches = Batches(data, schedule, layout, args, noise_scheduler, vae_config, guidance, device, weight_dtype)
-    model.train()
-    for step in range(start_step + 1, max_steps + 1):
-        loss_sum = torch.zeros((), device=device, dtype=torch.float64)
-        tokens = flops = 0
-        for micro in range(accum):
-            mb = batches.micro((step - 1) * accum + micro)
-            tokens += global_batch * (mb.image_tokens + mb.text_tokens)
-            flops += flux_flops_per_step(
-                config,
-                mb.image_tokens,
-                mb.text_tokens,
-                global_batch,
-                not args.full_finetune,
-                args.gradient_checkpointing,
-            )
-            with accelerator.accumulate(model):
-                loss = fault.maybe_corrupt(step, mb.loss(model(**mb.inputs)[0]))
-                accelerator.backward(loss)
-                loss_sum += loss.detach().double()
-                if accelerator.sync_gradients:
-                    grad_norm = clip_grad_norm(accelerator, params, args.max_grad_norm)
-        fault.maybe_fail(step)
-        step_loss = accelerator.reduce(loss_sum / accum, reduction="mean").item()
-        if not (math.isfinite(step_loss) and math.isfinite(grad_norm)):
-            if args.on_nonfinite == "stop":
-                raise NonFiniteError(
-                    f"non-finite loss ({step_loss}) or gradient norm ({grad_norm}) at step {step}; "
-                    f"no checkpoint was written for it. Lower --learning_rate, check the data, or "
-                    f"pass --on_nonfinite skip to skip such steps"
-                )
-            optimizer.zero_grad(set_to_none=True)
-            logger.warning(f"step {step}: non-finite loss or gradient norm, update skipped (--on_nonfinite skip)")
-            lr_scheduler.step()
-        else:
-            optimizer.step()
-            lr_scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+    bar = tqdm(range(trainee.max_steps), initial=start_step, desc="steps", disable=not layout.is_main,
+               dynamic_ncols=True)  # fmt: skip
+    guidance = bool(trainee.transformer_config.get("guidance_embeds"))
+    batches = Batches(data.samples, data.schedule, layout, cfg.data, cfg.train, data.noise_scheduler,
+                      data.encoders.vae.config, guidance, device, run.weight_dtype)  # fmt: skip
+    peak = measure_matmul_peak(device)
+    loop = Loop(batches, metrics, StepTimer(device), bar, peak, faults.from_env(layout.rank))
+    trainee.model.train()
+    return loop
 
-        dt = timer.lap()
-        row = {
-            "step": step, "epoch": mb.epoch, "loss": step_loss, "lr": lr_scheduler.get_last_lr()[0],
-            "grad_norm": grad_norm, "s_per_step": dt, "tokens_per_s": tokens / dt,
-            "tokens_per_s_per_gpu": tokens / dt / layout.world, "peak_mem_gib": peak_memory_gib(device),
-            "skipped": not math.isfinite(step_loss),
-        }  # fmt: skip
-        if peak:
-            row["mfu"] = flops / dt / layout.world / peak
-        metrics.write(row)
-        if accelerator.log_with:
-            accelerator.log({k: v for k, v in row.items() if k != "step"}, step=step)
-        bar.update(1)
-        bar.set_postfix(
-            loss=f"{step_loss:.4f}",
-            lr=f"{row['lr']:.2e}",
-            s_step=f"{dt:.2f}",
-            tok_s=f"{row['tokens_per_s']:.0f}",
-            **({"mfu": f"{row['mfu']:.0%}"} if peak else {}),
-        )
-        if validation_embeds is not None and (
-            step == max_steps or (args.validation_steps and step % args.validation_steps == 0)
-        ):
-            validate(step)
-        if step % args.checkpointing_steps == 0 or step == max_steps:
-            meta = {"run": run_identity, "layout": layout.describe(), "args": vars(args)}
-            saved = checkpoint.save(
-                args.output_dir,
-                step,
-                model,
-                optimizer,
-                lr_scheduler,
-                meta,
-                layout.is_main,
-                args.checkpoints_total_limit,
-                fault,
-            )
-            logger.info(f"saved {saved}")
-        if timer.elapsed_since_lap() > dt:  # validation or a checkpoint ran: keep it out of the next step's time
-            timer.lap()
-    bar.close()
-    metrics.close()
 
-    # --- outputs ---------------------------------------------------------------------------------------
-    state = full_state_dict(model, trainable_only=not args.full_finetune)
-    if layout.is_main:
-        inner = accelerator.unwrap_model(model)
-        if args.full_finetune:
-            out = save_full(inner, state, args.output_dir, weight_dtype)
+def train_step(run: Run, data: Data, trainee: Trainee, loop: Loop, step: int) -> StepResult:
+    """One optimizer step: forward/backward over the accumulated micro-batches, clip, update."""
+    cfg, accelerator, model = run.cfg, run.accelerator, trainee.model
+    accum = cfg.train.gradient_accumulation_steps
+    loss_sum = torch.zeros((), device=run.device, dtype=torch.float64)
+    tokens = flops = 0
+    for micro in range(accum):
+        mb = loop.batches.micro((step - 1) * accum + micro)
+        tokens += data.global_batch * (mb.image_tokens + mb.text_tokens)
+        flops += flux_flops_per_step(trainee.transformer_config, mb.image_tokens, mb.text_tokens, data.global_batch,
+                                     not cfg.lora.full_finetune, cfg.train.gradient_checkpointing)  # fmt: skip
+        with accelerator.accumulate(model):
+            loss = loop.fault.maybe_corrupt(step, mb.loss(model(**mb.inputs)[0]))
+            accelerator.backward(loss)
+            loss_sum += loss.detach().double()
+            if accelerator.sync_gradients:
+                grad_norm = clip_grad_norm(accelerator, trainee.params, cfg.train.max_grad_norm)
+    loop.fault.maybe_fail(step)
+    step_loss = accelerator.reduce(loss_sum / accum, reduction="mean").item()
+    skipped = apply_update(trainee.optimizer, trainee.lr_scheduler, step_loss, grad_norm, cfg.train.on_nonfinite, step)
+    return StepResult(step, mb.epoch, step_loss, grad_norm, skipped, tokens, flops, loop.timer.lap())
+
+
+def after_step(run: Run, data: Data, trainee: Trainee, loop: Loop, result: StepResult) -> None:
+    """Metrics row and trackers, progress bar, validation images when due, a checkpoint when due."""
+    cfg, layout, step, dt = run.cfg, run.layout, result.step, result.seconds
+    row = {
+        "step": step, "epoch": result.epoch, "loss": result.loss, "lr": trainee.lr_scheduler.get_last_lr()[0],
+        "grad_norm": result.grad_norm, "s_per_step": dt, "tokens_per_s": result.tokens / dt,
+        "tokens_per_s_per_gpu": result.tokens / dt / layout.world, "peak_mem_gib": peak_memory_gib(run.device),
+        "skipped": result.skipped,
+    }  # fmt: skip
+    if loop.matmul_peak:
+        row["mfu"] = result.flops / dt / layout.world / loop.matmul_peak
+    loop.metrics.write(row)
+    if run.accelerator.log_with:
+        run.accelerator.log({k: v for k, v in row.items() if k != "step"}, step=step)
+    loop.bar.update(1)
+    loop.bar.set_postfix(
+        loss=f"{result.loss:.4f}", lr=f"{row['lr']:.2e}", s_step=f"{dt:.2f}", tok_s=f"{row['tokens_per_s']:.0f}",
+        **({"mfu": f"{row['mfu']:.0%}"} if loop.matmul_peak else {}),
+    )  # fmt: skip
+    last = step == trainee.max_steps
+    every = cfg.validation.validation_steps
+    if data.validation_embeds is not None and (last or (every and step % every == 0)):
+        validate(run, data, trainee, step)
+    if step % cfg.checkpoints.checkpointing_steps == 0 or last:
+        meta = {"run": trainee.run_identity, "layout": layout.describe(), "args": cfg.flat()}
+        saved = checkpoint.save(cfg.train.output_dir, step, trainee.model, trainee.optimizer, trainee.lr_scheduler,
+                                meta, layout.is_main, cfg.checkpoints.checkpoints_total_limit, loop.fault)  # fmt: skip
+        logger.info(f"saved {saved}")
+    if loop.timer.elapsed_since_lap() > dt:  # validation or a checkpoint ran: keep it out of the next step's time
+        loop.timer.lap()
+
+
+def validate(run: Run, data: Data, trainee: Trainee, step: int) -> None:
+    """Validation images with the current weights (CP across each group), saved and sent to the trackers."""
+    cfg = run.cfg
+    images = validation.generate(
+        run.accelerator.unwrap_model(trainee.model), data.encoders.vae, data.noise_scheduler.config,
+        data.validation_embeds, run.layout, cfg.validation, cfg.train.guidance_scale, cfg.train.seed,
+        run.accelerator.autocast,
+    )  # fmt: skip
+    if run.layout.is_main:
+        path = validation.save_and_log(images, step, cfg.validation, cfg.train.output_dir, run.accelerator)
+        logger.info(f"validation images: {path}")
+
+
+def finish(run: Run, trainee: Trainee, loop: Loop) -> None:
+    """Write the trained weights in diffusers' format (LoRA file or transformer folder) and the loss curve."""
+    cfg, output_dir = run.cfg, run.cfg.train.output_dir
+    loop.bar.close()
+    loop.metrics.close()
+    state = full_state_dict(trainee.model, trainable_only=not cfg.lora.full_finetune)  # every rank: FSDP gathers
+    if run.layout.is_main:
+        inner = run.accelerator.unwrap_model(trainee.model)
+        if cfg.lora.full_finetune:
+            out = save_full(inner, state, output_dir, run.weight_dtype)
         else:
-            out = save_lora(inner, state, args.output_dir)
+            out = save_lora(inner, state, output_dir)
         logger.info(f"wrote {out}")
         from flux_cp.metrics import plot_loss_curve
 
-        plot_loss_curve(Path(args.output_dir) / "metrics.jsonl", Path(args.output_dir) / "loss_curve.png")
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
+        plot_loss_curve(Path(output_dir) / "metrics.jsonl", Path(output_dir) / "loss_curve.png")
+    run.accelerator.wait_for_everyone()
+    run.accelerator.end_training()
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_config(argv)
+    if cfg.plan.plan:
+        from flux_cp.plan import print_plan
+
+        print_plan(cfg)
+        return 0
+    run = setup(cfg)
+    data = load_data(run)
+    trainee = build_model(run, data)
+    start_step = resume(run, trainee)
+    loop = start_loop(run, data, trainee, start_step)
+    for step in range(start_step + 1, trainee.max_steps + 1):
+        result = train_step(run, data, trainee, loop, step)
+        after_step(run, data, trainee, loop, result)
+    finish(run, trainee, loop)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(run(main))
+    sys.exit(runner.run(main))

@@ -100,7 +100,7 @@ def _cudnn_backward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     lse_shape, cum_q, cum_k, max_q, max_k, seed, offset = aux
     # cuDNN's backward assumes contiguous grad_out/out/lse: a transposed grad_out ends in an
-    # illegal memory access on torch 2.11 (DESIGN.md).
+    # illegal memory access on torch 2.11 (docs/design.md).
     dq, dk, dv = aten._scaled_dot_product_cudnn_attention_backward(
         dout.contiguous(), q, k, v, out.contiguous(), lse.reshape(lse_shape).contiguous(),
         seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, False, scale=scale,
@@ -152,7 +152,7 @@ KERNELS: dict[str, Kernel] = {
     "math": Kernel("math", _math_forward, _math_backward),
 }
 
-# cuDNN first on CUDA: 1.8x the flash backend's speed on Hopper at Flux shapes (DESIGN.md).
+# cuDNN first on CUDA: 1.8x the flash backend's speed on Hopper at Flux shapes (docs/design.md).
 DEFAULT_PREFERENCE = {"cuda": ("cudnn", "flash", "efficient", "math"), "cpu": ("cpu_flash", "math")}
 
 

@@ -4,14 +4,20 @@ noisy latents, timesteps and targets, split into this rank's sequence chunk."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 import cp
 
-from .data import BatchSchedule, seeded_generator
-from .encode import LiveData
+from .data import BatchSchedule
+from .encode import TrainingData
 from .flow import image_ids, loss_weighting, pack_latents, per_sample_draws, text_ids
+from .rng import Stream, generator
+
+if TYPE_CHECKING:
+    from .config import DataConfig, TrainConfig
+    from .parallel import Layout
 
 Tensor = torch.Tensor
 
@@ -27,15 +33,19 @@ class MicroBatch:
 
     def loss(self, pred: Tensor) -> Tensor:
         """Weighted MSE, mean over this rank's tokens (gradients are then averaged over all dp x cp ranks,
-        which with equal chunks is the full-sequence mean; DESIGN.md)."""
+        which with equal chunks is the full-sequence mean; docs/design.md, data flow)."""
         err = self.weighting * (pred.float() - self.target.float()) ** 2
         return err.reshape(err.shape[0], -1).mean(1).mean()
 
 
 class Batches:
-    def __init__(self, data, schedule: BatchSchedule, layout, args, noise_scheduler, vae_config, guidance: bool,
-                 device: torch.device, input_dtype: torch.dtype = torch.float32):  # fmt: skip
-        self.data, self.schedule, self.layout, self.args = data, schedule, layout, args
+    """This rank's micro-batch of every global micro-step, built from `data` in the order of `schedule`."""
+
+    def __init__(self, data: TrainingData, schedule: BatchSchedule, layout: Layout, data_config: DataConfig,
+                 train: TrainConfig, noise_scheduler, vae_config, guidance: bool, device: torch.device,
+                 input_dtype: torch.dtype = torch.float32):  # fmt: skip
+        self.data, self.schedule, self.layout = data, schedule, layout
+        self.random_flip, self.train = data_config.random_flip, train
         self.noise_scheduler = noise_scheduler
         self.shift, self.scale = vae_config.shift_factor or 0.0, vae_config.scaling_factor
         self.guidance, self.device = guidance, device
@@ -43,16 +53,16 @@ class Batches:
 
     def slots(self) -> range:
         """Positions of this rank's samples in the global batch (a CP group shares its dp rank's slice)."""
-        bs = self.args.train_batch_size
+        bs = self.train.train_batch_size
         return range(self.layout.dp_rank * bs, (self.layout.dp_rank + 1) * bs)
 
     def _load(self, i: int, epoch: int) -> dict:
-        a = self.args
-        flip = a.random_flip and bool(torch.rand(1, generator=seeded_generator(a.seed, epoch, i, 4)) < 0.5)
-        return self.data.load(i, flip, epoch) if isinstance(self.data, LiveData) else self.data.load(i, flip)
+        gen = generator(Stream.FLIP, self.train.seed, epoch, i)
+        flip = self.random_flip and bool(torch.rand(1, generator=gen) < 0.5)
+        return self.data.load(i, flip, epoch)
 
     def micro(self, m: int) -> MicroBatch:
-        a, dev, group = self.args, self.device, self.layout.cp_group
+        a, dev, group = self.train, self.device, self.layout.cp_group
         epoch, batch = self.schedule.batch(m)
         slots = self.slots()
         samples = [self._load(batch[s], epoch) for s in slots]
@@ -60,7 +70,7 @@ class Batches:
         mean, std = stack["latent_mean"], stack["latent_std"]
         # Noise and timesteps per *global* slot: the same for every layout and every rank of a CP group.
         draws = per_sample_draws(
-            [seeded_generator(a.seed, m, s, 7) for s in slots], tuple(mean.shape[1:]), a, self.noise_scheduler
+            [generator(Stream.NOISE, a.seed, m, s) for s in slots], tuple(mean.shape[1:]), a, self.noise_scheduler
         )
         latents = (mean + std * draws["eps"].to(dev) - self.shift) * self.scale
         noise = draws["noise"].to(dev)

@@ -18,22 +18,17 @@ import shutil
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
+from . import distributed, files
 from .errors import UsageError
 
 FORMAT = 1
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 
 
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-
-
 def _fsync_tree(path: Path) -> None:
-    for root, _, files in os.walk(path):
-        for f in files:
+    for root, _, names in os.walk(path):
+        for f in names:
             with open(os.path.join(root, f), "rb") as fh:
                 os.fsync(fh.fileno())
     fd = os.open(path, os.O_RDONLY)
@@ -121,20 +116,21 @@ def save(
     if is_main:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)  # left by a crash during an earlier save
-    _barrier()
+    distributed.barrier()
     error = None
     try:
         dcp.save(_state(model, optimizer), checkpoint_id=str(partial / "state"))
         if fault is not None:
             fault.during_save(step)
         if is_main:
-            torch.save({"lr_scheduler": lr_scheduler.state_dict(), "rng": torch.get_rng_state()}, partial / "train.pt")
-            with open(partial / "meta.json", "w") as f:
-                json.dump({**meta, "format": FORMAT, "step": step}, f, indent=2, default=str)
+            # Only what `load` restores: every random draw is keyed by seed and step (flux_cp.rng), so no RNG
+            # state is needed to resume exactly.
+            torch.save({"lr_scheduler": lr_scheduler.state_dict()}, partial / "train.pt")
+            files.write_json(partial / "meta.json", {**meta, "format": FORMAT, "step": step})
             _fsync_tree(partial)
     except Exception as e:  # noqa: BLE001 - reported on every rank below
         error = e
-    failed = _any_rank(error is not None)
+    failed = distributed.any_rank(error is not None)
     if failed:
         if is_main:
             shutil.rmtree(partial, ignore_errors=True)
@@ -155,7 +151,7 @@ def save(
         if total_limit is not None:
             for _, old in list_checkpoints(output_dir)[:-total_limit]:
                 shutil.rmtree(old, ignore_errors=True)
-    _barrier()
+    distributed.barrier()
     return final
 
 
@@ -175,13 +171,3 @@ def load(path: Path, model, optimizer, lr_scheduler) -> None:
     )  # fmt: skip
     train = torch.load(path / "train.pt", weights_only=False)
     lr_scheduler.load_state_dict(train["lr_scheduler"])
-
-
-def _any_rank(flag: bool) -> bool:
-    if not (dist.is_available() and dist.is_initialized()):
-        return flag
-    backend = dist.get_backend()
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    t = torch.tensor([int(flag)], device=device)
-    dist.all_reduce(t)
-    return bool(t.item())

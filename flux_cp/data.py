@@ -14,21 +14,20 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 
 from .errors import UsageError
+from .rng import Stream, generator
+
+if TYPE_CHECKING:
+    from .config import DataConfig
 
 BUNDLED_DATA = Path(__file__).resolve().parent.parent / "data" / "tiny_shapes"
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
-
-
-def seeded_generator(*keys: int) -> torch.Generator:
-    """A CPU generator whose state is a function of the integer keys only."""
-    digest = hashlib.sha256(",".join(str(int(k)) for k in keys).encode()).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
 
 
 # --- sources -----------------------------------------------------------------------------------------
@@ -133,44 +132,44 @@ def _local_folder(folder: Path, caption_column: str, instance_prompt: str | None
     return samples
 
 
-def _hub_dataset(args) -> ImageSource:
+def _hub_dataset(data: DataConfig) -> ImageSource:
     import datasets
 
     try:
-        ds = datasets.load_dataset(args.dataset_name, args.dataset_config_name, split="train")
+        ds = datasets.load_dataset(data.dataset_name, data.dataset_config_name, split="train")
     except Exception as e:  # noqa: BLE001 - every loading failure becomes one clear line
-        raise UsageError(f"--dataset_name {args.dataset_name}: cannot load it with datasets ({e})") from None
+        raise UsageError(f"--dataset_name {data.dataset_name}: cannot load it with datasets ({e})") from None
     columns = ds.column_names
-    if args.image_column not in columns:
-        raise UsageError(f"--image_column '{args.image_column}' is not in {args.dataset_name} (columns: {columns})")
-    if args.instance_prompt is None and args.caption_column not in columns:
+    if data.image_column not in columns:
+        raise UsageError(f"--image_column '{data.image_column}' is not in {data.dataset_name} (columns: {columns})")
+    if data.instance_prompt is None and data.caption_column not in columns:
         raise UsageError(
-            f"--caption_column '{args.caption_column}' is not in {args.dataset_name} (columns: {columns}); "
+            f"--caption_column '{data.caption_column}' is not in {data.dataset_name} (columns: {columns}); "
             "set --caption_column or --instance_prompt"
         )
-    ds = ds.cast_column(args.image_column, datasets.Image(decode=False))
-    captions = [args.instance_prompt] * len(ds) if args.instance_prompt is not None else ds[args.caption_column]
+    ds = ds.cast_column(data.image_column, datasets.Image(decode=False))
+    captions = [data.instance_prompt] * len(ds) if data.instance_prompt is not None else ds[data.caption_column]
     samples = [Sample(i, str(c)) for i, c in enumerate(captions)]
-    return ImageSource(samples, args.dataset_name, hf_dataset=ds, image_column=args.image_column)
+    return ImageSource(samples, data.dataset_name, hf_dataset=ds, image_column=data.image_column)
 
 
-def open_source(args) -> ImageSource:
+def open_source(data: DataConfig) -> ImageSource:
     """The data set named by the flags (bundled default, local folder, or hub id); never empty. Every rank
     reads the same listing, so its errors are the same on every rank (printed once)."""
     try:
-        return _open_source(args)
+        return _open_source(data)
     except UsageError as e:
         raise UsageError(str(e), agreed=True) from None
 
 
-def _open_source(args) -> ImageSource:
-    name = args.dataset_name
+def _open_source(data: DataConfig) -> ImageSource:
+    name = data.dataset_name
     if name is None:
-        source = ImageSource(_local_folder(BUNDLED_DATA, "text", args.instance_prompt), "bundled:tiny_shapes")
+        source = ImageSource(_local_folder(BUNDLED_DATA, "text", data.instance_prompt), "bundled:tiny_shapes")
     elif os.path.isdir(name):
-        source = ImageSource(_local_folder(Path(name), args.caption_column, args.instance_prompt), str(Path(name)))
+        source = ImageSource(_local_folder(Path(name), data.caption_column, data.instance_prompt), str(Path(name)))
     else:
-        source = _hub_dataset(args)
+        source = _hub_dataset(data)
     if len(source) == 0:
         raise UsageError(f"the data set {source.name} is empty")
     return source
@@ -263,11 +262,11 @@ class BatchSchedule:
         batches = []
         for b in sorted(self.by_bucket):
             idx = self.by_bucket[b]
-            perm = torch.randperm(len(idx), generator=seeded_generator(self.seed, epoch, b, 1)).tolist()
+            perm = torch.randperm(len(idx), generator=generator(Stream.BUCKET_ORDER, self.seed, epoch, b)).tolist()
             shuffled = [idx[p] for p in perm]
             for k in range(len(shuffled) // self.global_batch):
                 batches.append(shuffled[k * self.global_batch : (k + 1) * self.global_batch])
-        order = torch.randperm(len(batches), generator=seeded_generator(self.seed, epoch, 2)).tolist()
+        order = torch.randperm(len(batches), generator=generator(Stream.BATCH_ORDER, self.seed, epoch)).tolist()
         batches = [batches[o] for o in order]
         self._epoch_cache = (epoch, batches)
         return batches

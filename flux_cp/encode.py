@@ -13,17 +13,21 @@ import gc
 import hashlib
 import json
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 import torch
-import torch.distributed as dist
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
-from .data import ImageSource, bucket_divisor, bucket_sizes, crop_box, nearest_bucket, seeded_generator, to_pixels
+from . import distributed, files
+from .data import ImageSource, bucket_divisor, bucket_sizes, crop_box, nearest_bucket, to_pixels
 from .errors import UsageError
+from .rng import Stream, generator
+
+if TYPE_CHECKING:
+    from .config import DataConfig
 
 Tensor = torch.Tensor
 
@@ -101,35 +105,32 @@ class Geometry:
         return nearest_bucket(size[0], size[1], self.buckets) if len(self.buckets) > 1 else 0
 
 
-def _atomic_save(tensors: dict[str, Tensor], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 def _sha(*parts) -> str:
     return hashlib.sha256("\0".join(str(p) for p in parts).encode()).hexdigest()[:32]
 
 
-class EncodedData:
-    """Per-sample cache keys and buckets for the whole data set (identical on every rank)."""
+class TrainingData(Protocol):
+    """What the batch builder reads, cached or live: the aspect bucket of every sample, and one sample's
+    encodings (`latent_mean`, `latent_std` `[C, H, W]`, `prompt_embeds` `[L, D]`, `pooled_prompt_embeds`
+    `[D']`), given whether it is flipped and the epoch (for crops drawn per epoch)."""
 
-    def __init__(self, cache_dir: Path, entries: list[dict]):
+    buckets: list[int]
+
+    def load(self, index: int, flip: bool, epoch: int) -> dict[str, Tensor]: ...
+
+
+class EncodedData:
+    """The cache's table: per-sample cache keys and buckets for the whole data set (identical on every rank).
+    Its crops were drawn once, at encoding time, so `load` does not depend on the epoch."""
+
+    def __init__(self, cache_dir: Path, entries: list[dict], computed: int = 0):
         self.cache_dir = cache_dir
         self.entries = entries
+        self.buckets = [e["bucket"] for e in entries]
+        self.computed = computed  # encodings computed by this run (the rest came from the cache)
 
-    @property
-    def buckets(self) -> list[int]:
-        return [e["bucket"] for e in self.entries]
-
-    def load(self, i: int, flip: bool) -> dict[str, Tensor]:
-        e = self.entries[i]
+    def load(self, index: int, flip: bool, epoch: int) -> dict[str, Tensor]:
+        e = self.entries[index]
         lat = load_file(self.cache_dir / "latents" / f"{e['latents'][int(flip) % len(e['latents'])]}.safetensors")
         txt = load_file(self.cache_dir / "text" / f"{e['text']}.safetensors")
         return {**lat, **txt}
@@ -139,16 +140,16 @@ def encode_dataset(
     source: ImageSource,
     encoders: Encoders,
     geometry: Geometry,
-    args,
+    data: DataConfig,
+    seed: int,
     cache_dir: Path,
     fingerprints: tuple[str, str],
     rank: int,
     world: int,
-    check_all_ranks,
 ) -> EncodedData:
     """Encode what is not cached yet (rank r takes samples r, r+world, ...), then share the table."""
     vae_fp, text_fp = fingerprints
-    variants = (False, True) if args.random_flip else (False,)
+    variants = (False, True) if data.random_flip else (False,)
     mine = list(range(rank, len(source), world))
     entries: dict[int, dict] = {}
     errors: list[str] = []
@@ -157,52 +158,45 @@ def encode_dataset(
     bar = tqdm(mine, desc="encoding (this rank's share)", disable=rank != 0, dynamic_ncols=True)
     for i in bar:
         try:
-            data = source.raw_bytes(i)
+            raw = source.raw_bytes(i)
         except OSError as e:
             errors.append(f"cannot read image {source.where(i)}: {e}")
             continue
-        img_hash = hashlib.sha256(data).hexdigest()
+        img_hash = hashlib.sha256(raw).hexdigest()
         img = None
         try:
-            img = source.load(i, data)
+            img = source.load(i, raw)
         except UsageError as e:
             errors.append(str(e))
             continue
         bucket = geometry.bucket_of(img.size)
         target = geometry.buckets[bucket]
-        resized, offset = crop_box(img.size, target, args.center_crop, seeded_generator(args.seed, i, 3))
+        resized, offset = crop_box(img.size, target, data.center_crop, generator(Stream.CROP, seed, i))
         keys = []
         for flip in variants:
             key = _sha(img_hash, target, resized, offset, flip, vae_fp)
             path = cache_dir / "latents" / f"{key}.safetensors"
             if not path.is_file():
                 mean, std = encoders.latents(to_pixels(img, target, resized, offset, flip)[None])
-                _atomic_save({"latent_mean": mean[0], "latent_std": std[0]}, path)
+                files.write_safetensors(path, {"latent_mean": mean[0], "latent_std": std[0]})
                 computed += 1
             keys.append(key)
         caption = source.samples[i].caption
-        tkey = _sha(caption, args.max_sequence_length, text_fp)
+        tkey = _sha(caption, data.max_sequence_length, text_fp)
         if not (cache_dir / "text" / f"{tkey}.safetensors").is_file():
             pending_text[tkey] = caption
         entries[i] = {"bucket": bucket, "latents": keys, "text": tkey}
         if len(pending_text) >= 16:
-            computed += _encode_texts(encoders, pending_text, args.max_sequence_length, cache_dir)
-    computed += _encode_texts(encoders, pending_text, args.max_sequence_length, cache_dir)
-    check_all_ranks(not errors, "; ".join(errors[:5]) + (f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""))
+            computed += _encode_texts(encoders, pending_text, data.max_sequence_length, cache_dir)
+    computed += _encode_texts(encoders, pending_text, data.max_sequence_length, cache_dir)
+    more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
+    distributed.check_all_ranks(not errors, "; ".join(errors[:5]) + more)
 
-    tables: list = [entries]
-    if world > 1:
-        tables = [None] * world
-        dist.all_gather_object(tables, entries)
     merged: dict[int, dict] = {}
-    for t in tables:
-        merged.update(t)
-    counts = [0] * world if world > 1 else [computed]
-    if world > 1:
-        dist.all_gather_object(counts, computed)
-    data = EncodedData(cache_dir, [merged[i] for i in range(len(source))])
-    data.computed = sum(counts)
-    return data
+    for table in distributed.all_gather(entries):
+        merged.update(table)
+    computed_everywhere = sum(distributed.all_gather(computed))
+    return EncodedData(cache_dir, [merged[i] for i in range(len(source))], computed_everywhere)
 
 
 def _encode_texts(encoders: Encoders, pending: dict[str, str], max_len: int, cache_dir: Path) -> int:
@@ -212,7 +206,7 @@ def _encode_texts(encoders: Encoders, pending: dict[str, str], max_len: int, cac
     embeds, pooled = encoders.prompts([pending[k] for k in keys], max_len)
     for j, k in enumerate(keys):
         row = {"prompt_embeds": embeds[j], "pooled_prompt_embeds": pooled[j]}
-        _atomic_save(row, cache_dir / "text" / f"{k}.safetensors")
+        files.write_safetensors(cache_dir / "text" / f"{k}.safetensors", row)
     pending.clear()
     return len(keys)
 
@@ -220,20 +214,21 @@ def _encode_texts(encoders: Encoders, pending: dict[str, str], max_len: int, cac
 class LiveData:
     """`--no_cache`: decode, crop (per epoch) and encode each sample when its batch comes up."""
 
-    def __init__(self, source: ImageSource, encoders: Encoders, geometry: Geometry, args):
-        self.source, self.encoders, self.geometry, self.args = source, encoders, geometry, args
+    def __init__(self, source: ImageSource, encoders: Encoders, geometry: Geometry, data: DataConfig, seed: int):
+        self.source, self.encoders, self.geometry, self.config, self.seed = source, encoders, geometry, data, seed
         self.sizes = []
         for i in range(len(source)):
             with source.load(i) as img:
                 self.sizes.append(img.size)
         self.buckets = [geometry.bucket_of(s) for s in self.sizes]
 
-    def load(self, i: int, flip: bool, epoch: int) -> dict[str, Tensor]:
+    def load(self, index: int, flip: bool, epoch: int) -> dict[str, Tensor]:
+        i = index
         img = self.source.load(i)
         target = self.geometry.buckets[self.buckets[i]]
-        gen = seeded_generator(self.args.seed, i, epoch, 3)
-        resized, offset = crop_box(img.size, target, self.args.center_crop, gen)
+        gen = generator(Stream.CROP, self.seed, i, epoch)
+        resized, offset = crop_box(img.size, target, self.config.center_crop, gen)
         mean, std = self.encoders.latents(to_pixels(img, target, resized, offset, flip)[None])
-        embeds, pooled = self.encoders.prompts([self.source.samples[i].caption], self.args.max_sequence_length)
+        embeds, pooled = self.encoders.prompts([self.source.samples[i].caption], self.config.max_sequence_length)
         return {"latent_mean": mean[0], "latent_std": std[0], "prompt_embeds": embeds[0],
                 "pooled_prompt_embeds": pooled[0]}  # fmt: skip

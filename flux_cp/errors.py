@@ -14,6 +14,10 @@ class UsageError(Exception):
         self.agreed = agreed
 
 
+class NonFiniteError(Exception):
+    """The loss or gradient norm became NaN/inf (every rank sees the same reduced values)."""
+
+
 EXIT_USAGE = 2
 EXIT_NONFINITE = 3
 EXIT_PEER_FAILED = 4

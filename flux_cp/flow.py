@@ -1,14 +1,18 @@
 """The flow-matching objective of diffusers' Flux training examples, and Flux's latent packing.
 
 Noise, timesteps and the target are drawn for the *full* latent on every rank of a CP group (same
-generator state), then each rank keeps its sequence chunk (DESIGN.md, data flow).
+generator state), then each rank keeps its sequence chunk (docs/design.md, data flow).
 """
 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .config import TrainConfig
 
 Tensor = torch.Tensor
 
@@ -78,13 +82,15 @@ def sigmas_for(u: Tensor, scheduler) -> tuple[Tensor, Tensor]:
     return scheduler.timesteps[idx].float(), scheduler.sigmas[idx].float()
 
 
-def per_sample_draws(generators: list[torch.Generator], latent_shape: tuple[int, ...], args, scheduler) -> dict:
+def per_sample_draws(
+    generators: list[torch.Generator], latent_shape: tuple[int, ...], train: TrainConfig, scheduler
+) -> dict:
     """Noise, latent-sampling noise, timesteps and sigmas for each sample of a batch, each from its own
     generator (keyed by seed, micro-step and position in the *global* batch: layout-independent)."""
     eps, noise, u = [], [], []
     for g in generators:
         eps.append(torch.randn(latent_shape, generator=g))
         noise.append(torch.randn(latent_shape, generator=g))
-        u.append(sample_timesteps(1, args.weighting_scheme, g, args.logit_mean, args.logit_std, args.mode_scale))
+        u.append(sample_timesteps(1, train.weighting_scheme, g, train.logit_mean, train.logit_std, train.mode_scale))
     timesteps, sigmas = sigmas_for(torch.cat(u), scheduler)
     return {"eps": torch.stack(eps), "noise": torch.stack(noise), "timesteps": timesteps, "sigmas": sigmas}

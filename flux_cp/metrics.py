@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from . import files
+
 
 def flux_flops_per_step(config: dict, image_tokens: int, text_tokens: int, batch: int, lora: bool, ckpt: bool) -> float:
     """FLOPs one optimizer step executes (recomputation included), for a Flux transformer.
@@ -69,13 +71,8 @@ class MetricsLog:
         self.enabled = enabled
         if not enabled:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step] if resume_step else []
-        tmp = self.path.with_suffix(".jsonl.tmp")
-        with open(tmp, "w") as f:
-            for r in kept:
-                f.write(json.dumps(r) + "\n")
-        os.replace(tmp, self.path)
+        files.write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
         self._f = open(self.path, "a", buffering=1)
 
     def write(self, row: dict) -> None:

@@ -5,7 +5,7 @@ GPU: accelerate's FSDP2 plugin with a `ParallelismConfig(dp_shard_size=dp, cp_si
 shards the weights over all dp x cp ranks and our CP group is the mesh's 'cp' dimension.
 CPU: the same script as DDP over gloo (accelerate refuses FSDP2 on CPU), CP groups made here with the
 same rank layout. Either way gradients are averaged over all dp x cp ranks, which with equal token
-chunks and per-rank token-mean losses equals the full-sequence gradient (DESIGN.md, data flow 4).
+chunks and per-rank token-mean losses equals the full-sequence gradient (docs/design.md, data flow).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -21,9 +22,14 @@ import cp
 
 from .errors import UsageError
 
+if TYPE_CHECKING:
+    from .config import DataConfig, ParallelConfig, TrainConfig, ValidationConfig
+
 
 @dataclass
 class Layout:
+    """This process's place in the dp x cp grid. `rank` is the process rank (the LoRA rank is `LoraConfig.rank`)."""
+
     world: int
     rank: int
     cp: int
@@ -60,16 +66,16 @@ def uses_fsdp() -> bool:
     return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and torch.cuda.is_available()
 
 
-def make_accelerator(args):
+def make_accelerator(parallel: ParallelConfig, train: TrainConfig, validation: ValidationConfig):
     """The Accelerator for this run, with the collective timeout and, under FSDP2, the dp x cp mesh."""
     world = launched_world_size()
-    dp = check_layout(world, args.cp_size)
+    dp = check_layout(world, parallel.cp_size)
     kwargs = {}
-    if uses_fsdp() and args.cp_size > 1:
+    if uses_fsdp() and parallel.cp_size > 1:
         from accelerate.parallelism_config import ParallelismConfig
 
-        kwargs["parallelism_config"] = ParallelismConfig(dp_shard_size=dp, cp_size=args.cp_size)
-    accelerator = _accelerator(args, kwargs)
+        kwargs["parallelism_config"] = ParallelismConfig(dp_shard_size=dp, cp_size=parallel.cp_size)
+    accelerator = _accelerator(parallel, train, validation, kwargs)
     if accelerator.is_fsdp2 and accelerator.mixed_precision in ("bf16", "fp16"):
         # accelerate's default FSDP2 policy reduces gradients in bf16; reduce them in fp32 instead. And do not
         # let FSDP cast block inputs: it casts the fp32 RoPE tables in the forward but not in the recomputation
@@ -84,22 +90,23 @@ def make_accelerator(args):
     return accelerator
 
 
-def _accelerator(args, kwargs: dict):
+def _accelerator(parallel: ParallelConfig, train: TrainConfig, validation: ValidationConfig, kwargs: dict):
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration
 
-    log_with = None if args.report_to == "none" else ("all" if args.report_to == "all" else [args.report_to])
+    report = validation.report_to
+    log_with = None if report == "none" else ("all" if report == "all" else [report])
     return Accelerator(
         # Without CUDA, accelerate would run one non-distributed process per launched process; cpu=True
         # makes the launched processes one gloo group (MULTI_CPU, DDP).
         cpu=not torch.cuda.is_available(),
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
-        mixed_precision=args.mixed_precision,
+        gradient_accumulation_steps=train.gradient_accumulation_steps,
+        mixed_precision=train.mixed_precision,
         log_with=log_with,
         project_config=ProjectConfiguration(
-            project_dir=args.output_dir, logging_dir=os.path.join(args.output_dir, args.logging_dir)
+            project_dir=train.output_dir, logging_dir=os.path.join(train.output_dir, validation.logging_dir)
         ),
-        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.collective_timeout))],
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=parallel.collective_timeout))],
         **kwargs,
     )
 
@@ -126,18 +133,18 @@ def make_layout(accelerator, cp_size: int, timeout_s: float) -> Layout:
     return Layout(world, rank, cp_size, dp, rank // cp_size, rank % cp_size, group)
 
 
-def check_tokens(args) -> None:
+def check_tokens(parallel: ParallelConfig, data: DataConfig, validation: ValidationConfig) -> None:
     """Image and text token counts must split evenly over the CP group (flags only, before any GPU work)."""
-    n = args.cp_size
+    n = parallel.cp_size
     if n == 1:
         return
-    if args.max_sequence_length % n:
+    if data.max_sequence_length % n:
         raise UsageError(
-            f"--max_sequence_length {args.max_sequence_length} (text tokens) is not divisible by --cp_size {n}: "
-            f"use {args.max_sequence_length // n * n or n} or another CP size"
+            f"--max_sequence_length {data.max_sequence_length} (text tokens) is not divisible by --cp_size {n}: "
+            f"use {data.max_sequence_length // n * n or n} or another CP size"
         )
-    for flag, res in (("--resolution", args.resolution), ("--validation_resolution", args.validation_resolution)):
-        if args.aspect_buckets and flag == "--resolution":
+    for flag, res in (("--resolution", data.resolution), ("--validation_resolution", validation.validation_resolution)):
+        if data.aspect_buckets and flag == "--resolution":
             continue  # every bucket is chosen with a token count divisible by the CP size
         tokens = (res // 16) ** 2
         if tokens % n:
@@ -150,9 +157,9 @@ def check_tokens(args) -> None:
             )
 
 
-def choose_cp_mode(args, heads: int, cp_size: int) -> tuple[str, int | None]:
+def choose_cp_mode(parallel: ParallelConfig, heads: int, cp_size: int) -> tuple[str, int | None]:
     """Resolve --cp_mode (auto: `auto_mode`) and check it against the model; a UsageError if it cannot work."""
-    mode, u = args.cp_mode, args.ulysses_size
+    mode, u = parallel.cp_mode, parallel.ulysses_size
     if cp_size == 1:
         return "ring", None
     if mode == "auto":
@@ -160,7 +167,7 @@ def choose_cp_mode(args, heads: int, cp_size: int) -> tuple[str, int | None]:
     try:
         u = cp.validate((1, cp_size, heads, 1), cp_size, mode, u)
     except ValueError as e:
-        raise UsageError(f"--cp_mode {args.cp_mode}: {e}", agreed=True) from None  # same on every rank
+        raise UsageError(f"--cp_mode {parallel.cp_mode}: {e}", agreed=True) from None  # same on every rank
     return mode, u
 
 
@@ -200,20 +207,3 @@ def cp_advice(tokens: int, cp_size: int) -> str | None:
         "H200s (docs/benchmarks.md). Unless one sample must be split to fit, --cp_size 1 (each GPU its own sample) "
         "trains faster."
     )
-
-
-def all_ranks_ok(ok: bool, message: str, device: torch.device) -> None:
-    """Collective check: if any rank failed, every rank raises the same UsageError (no rank is left
-    waiting in a later collective). Messages of failing ranks are joined."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        if not ok:
-            raise UsageError(message)
-        return
-    flag = torch.tensor([0 if ok else 1], device=device)
-    dist.all_reduce(flag)
-    if flag.item() == 0:
-        return
-    messages: list = [None] * dist.get_world_size()
-    dist.all_gather_object(messages, None if ok else message)
-    unique = list(dict.fromkeys(m for m in messages if m))
-    raise UsageError("; ".join(unique), agreed=True)

@@ -17,8 +17,12 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .config import Config
 
 GIB = 2**30
 BLOCK_PEAK_UNITS = 34.0  # fitted: 31.0 GiB measured at 2048 px, LoRA, cp=1 (benchmarks/results/2026-11-29-h200x4)
@@ -111,25 +115,26 @@ def sharded_weights(full_finetune: bool) -> bool:
     return full_finetune
 
 
-def print_plan(args) -> None:
+def print_plan(cfg: Config) -> None:
     from diffusers import FluxTransformer2DModel
 
     from .model import model_path
     from .parallel import auto_mode, launched_world_size
 
-    path = model_path(args)
-    config = dict(FluxTransformer2DModel.load_config(path, subfolder="transformer", revision=args.revision))
+    path = model_path(cfg.model)
+    config = dict(FluxTransformer2DModel.load_config(path, subfolder="transformer", revision=cfg.model.revision))
     world = launched_world_size()
-    tokens = (args.resolution // 16) ** 2 + args.max_sequence_length
-    lora = None if args.full_finetune else args.rank
-    layers = [t.strip() for t in args.lora_layers.split(",") if t.strip()]
-    gpu = args.gpu_memory_gib or (
+    resolution, batch, cp_size = cfg.data.resolution, cfg.train.train_batch_size, cfg.parallel.cp_size
+    tokens = (resolution // 16) ** 2 + cfg.data.max_sequence_length
+    lora = None if cfg.lora.full_finetune else cfg.lora.rank
+    layers = list(cfg.lora.lora_layers)
+    gpu = cfg.plan.gpu_memory_gib or (
         torch.cuda.get_device_properties(0).total_memory / GIB if torch.cuda.is_available() else 141.0
     )
-    wb = 4 if args.mixed_precision == "no" else 2
+    wb = 4 if cfg.train.mixed_precision == "no" else 2
     fsdp = sharded_weights(lora is None)
     print(
-        f"plan: {path}, {args.resolution} px ({tokens} tokens/sample), batch {args.train_batch_size}/rank, "
+        f"plan: {path}, {resolution} px ({tokens} tokens/sample), batch {batch}/rank, "
         f"{'full fine-tuning' if lora is None else f'LoRA r{lora}'}, {world} process(es), GPU {gpu:.0f} GiB, "
         + ("weights sharded over all GPUs (FSDP2)" if fsdp else "weights whole on every GPU (DDP)")
     )
@@ -138,13 +143,13 @@ def print_plan(args) -> None:
         f"{'total(ckpt)':>12} {'total(no ckpt)':>15}  fits"
     )
     fits_at = None
-    sizes = sorted({c for c in (1, 2, 4, 8, 16) if c <= max(world, 8)} | {args.cp_size})
+    sizes = sorted({c for c in (1, 2, 4, 8, 16) if c <= max(world, 8)} | {cp_size})
     for c in sizes:
         w = max(world, c)
         e = estimate(
             config,
             tokens=tokens,
-            batch=args.train_batch_size,
+            batch=batch,
             lora_rank=lora,
             lora_layers=layers,
             world=w,

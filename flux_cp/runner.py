@@ -8,12 +8,8 @@ import sys
 import traceback
 from collections.abc import Callable
 
-from .errors import EXIT_NONFINITE, EXIT_PEER_FAILED, EXIT_USAGE, UsageError
-
-
-class NonFiniteError(Exception):
-    """The loss or gradient norm became NaN/inf (every rank sees the same reduced values)."""
-
+from .distributed import is_distributed
+from .errors import EXIT_NONFINITE, EXIT_PEER_FAILED, EXIT_USAGE, NonFiniteError, UsageError
 
 _PEER_SIGNS = (
     "timed out",
@@ -39,12 +35,6 @@ def _say(message: str) -> None:
     sys.stderr.flush()
 
 
-def _distributed() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized()
-
-
 def _is_peer_failure(e: BaseException) -> bool:
     import torch.distributed as dist
 
@@ -68,7 +58,7 @@ def run(main: Callable[[], int]) -> int:
         # are printed once; an error of one rank alone is printed by that rank, named.
         if rank == 0:
             _say(f"error: {e}")
-        elif not e.agreed and _distributed():
+        elif not e.agreed and is_distributed():
             _say(f"error: [rank {rank}] {e}")
         return EXIT_USAGE
     except NonFiniteError as e:

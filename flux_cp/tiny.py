@@ -204,9 +204,9 @@ def write_flux1_dev_shapes(path: str | os.PathLike) -> Path:
     """A pipeline folder whose transformer/config.json is FLUX.1-dev's (no transformer weights: train with
     `--transformer_init random`), with tiny VAE and text encoders of the matching output sizes (16 latent
     channels, CLIP 768, T5 4096). For benchmarks and equivalence runs at FLUX.1 size without downloads."""
-    import json
-
     from diffusers import FluxTransformer2DModel
+
+    from .files import write_json
 
     path = Path(path)
     pipe = build_tiny_pipeline(clip_dim=768, t5_dim=4096, latent_channels=16, transformer=False)
@@ -227,8 +227,7 @@ def write_flux1_dev_shapes(path: str | os.PathLike) -> Path:
     ]:
         lib = "diffusers" if type(obj).__module__.startswith("diffusers") else "transformers"
         index[name] = [lib, type(obj).__name__]
-    with open(path / "model_index.json", "w") as f:
-        json.dump(index, f, indent=2)
+    write_json(path / "model_index.json", index)
     return path
 
 

@@ -6,13 +6,19 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from PIL import Image
 
 import cp
+
+from . import distributed, files
+
+if TYPE_CHECKING:
+    from .config import ValidationConfig
+    from .parallel import Layout
 
 
 def _grid(images: list[np.ndarray], columns: int) -> Image.Image:
@@ -26,7 +32,15 @@ def _grid(images: list[np.ndarray], columns: int) -> Image.Image:
 
 @torch.no_grad()
 def generate(
-    transformer, vae, scheduler_config: dict, embeds: tuple[torch.Tensor, torch.Tensor], layout, args, autocast
+    transformer,
+    vae,
+    scheduler_config: dict,
+    embeds: tuple[torch.Tensor, torch.Tensor],
+    layout: Layout,
+    validation: ValidationConfig,
+    guidance_scale: float,
+    seed: int,
+    autocast,
 ) -> list[np.ndarray]:
     """All validation images (prompt-major order), on every rank. `embeds` = (T5 embeds, CLIP pooled) of
     the validation prompts, computed before the text encoders were freed."""
@@ -37,7 +51,8 @@ def generate(
         tokenizer=None, text_encoder_2=None, tokenizer_2=None, transformer=transformer,
     )  # fmt: skip
     pipe.set_progress_bar_config(disable=True)
-    items = [(p, k) for p in range(len(args.validation_prompt)) for k in range(args.num_validation_images)]
+    v = validation
+    items = [(p, k) for p in range(len(v.validation_prompt)) for k in range(v.num_validation_images)]
     calls = math.ceil(len(items) / layout.dp)
     mine = items[layout.dp_rank :: layout.dp]
     mine += [mine[-1] if mine else items[0]] * (calls - len(mine))  # equal call counts on every rank
@@ -49,34 +64,32 @@ def generate(
             for j, (p, k) in enumerate(mine):
                 image = pipe(
                     prompt_embeds=embeds[0][p : p + 1], pooled_prompt_embeds=embeds[1][p : p + 1],
-                    height=args.validation_resolution, width=args.validation_resolution,
-                    num_inference_steps=args.validation_inference_steps, guidance_scale=args.guidance_scale,
-                    generator=torch.Generator("cpu").manual_seed(args.seed * 1000 + p * 100 + k), output_type="np",
+                    height=v.validation_resolution, width=v.validation_resolution,
+                    num_inference_steps=v.validation_inference_steps, guidance_scale=guidance_scale,
+                    generator=torch.Generator("cpu").manual_seed(seed * 1000 + p * 100 + k), output_type="np",
                 ).images[0]  # fmt: skip
                 if j < len(items[layout.dp_rank :: layout.dp]):
                     out[(p, k)] = (np.clip(image, 0, 1) * 255).round().astype(np.uint8)
     finally:
         transformer.train(was_training)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        parts: list = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, out if layout.cp_rank == 0 else {})
-        for part in parts:
-            out.update(part)
+    for part in distributed.all_gather(out if layout.cp_rank == 0 else {}):
+        out.update(part)
     return [out[i] for i in items]
 
 
-def save_and_log(images: list[np.ndarray], step: int, args, accelerator) -> Path:
+def save_and_log(
+    images: list[np.ndarray], step: int, validation: ValidationConfig, output_dir: str, accelerator
+) -> Path:
     """A PNG grid per step under <output_dir>/validation (one row per prompt), and the trackers."""
-    folder = Path(args.output_dir) / "validation"
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"step-{step:06d}.png"
-    _grid(images, args.num_validation_images).save(path)
+    path = Path(output_dir) / "validation" / f"step-{step:06d}.png"
+    grid = _grid(images, validation.num_validation_images)
+    files.write_with(path, lambda tmp: grid.save(tmp, format="PNG"))
     for tracker in accelerator.trackers:
         if tracker.name == "tensorboard":
             tracker.writer.add_images("validation", np.stack(images), step, dataformats="NHWC")
         elif tracker.name == "wandb":
             import wandb
 
-            prompts = [p for p in args.validation_prompt for _ in range(args.num_validation_images)]
+            prompts = [p for p in validation.validation_prompt for _ in range(validation.num_validation_images)]
             tracker.log({"validation": [wandb.Image(im, caption=c) for im, c in zip(images, prompts)]}, step=step)
     return path

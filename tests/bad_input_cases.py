@@ -1,5 +1,5 @@
-"""Every bad input tried: how to provoke it and the message it must get. Used by tests/test_bad_inputs.py
-and by tools/bad_inputs_table.py, which writes docs/bad_inputs.md from the actual runs."""
+"""Every bad input tried: how to provoke it and the message it must get. Run by tests/test_bad_inputs.py;
+tools/bad_inputs_table.py writes docs/bad_inputs.md from those test runs."""
 
 from __future__ import annotations
 
@@ -22,6 +22,9 @@ class Case:
     args: Callable[[Path], list[str]]  # flags, given a scratch folder (set up there by the callable)
     expect: str  # substring of the error message
     env: dict = field(default_factory=dict)
+    # Refused while the flags are parsed and checked, before anything loads: tested by calling the trainer's
+    # entry point in the test process (one process, no launcher), which is where the time of launching goes.
+    flags_only: bool = False
 
 
 def _images(folder: Path, n: int = 3, captions: bool = True, column: str = "text") -> Path:
@@ -96,6 +99,7 @@ CASES = [
         1,
         lambda t: ["--cp_mode", "sideways"],
         "argument --cp_mode: invalid choice: 'sideways'",
+        flags_only=True,
     ),
     Case(
         "hybrid_without_ulysses_size",
@@ -103,6 +107,7 @@ CASES = [
         1,
         lambda t: ["--cp_mode", "hybrid"],
         "--cp_mode hybrid needs --ulysses_size",
+        flags_only=True,
     ),
     Case(
         "ulysses_heads_not_divisible",
@@ -117,6 +122,7 @@ CASES = [
         1,
         lambda t: ["--resolution", "100"],
         "--resolution 100 must be a multiple of 16",
+        flags_only=True,
     ),
     Case(
         "missing_data_folder",
@@ -124,6 +130,7 @@ CASES = [
         1,
         lambda t: ["--dataset_name", str(t / "no" / "such" / "folder")],
         "no such folder",
+        flags_only=True,
     ),
     Case(
         "images_without_captions",
@@ -160,6 +167,7 @@ CASES = [
         1,
         lambda t: ["--resume_from_checkpoint", str(t / "nope")],
         "no such checkpoint folder",
+        flags_only=True,
     ),
     Case(
         "resume_folder_not_a_checkpoint",
@@ -209,6 +217,7 @@ CASES = [
         1,
         lambda t: ["--collective_timeout", "0"],
         "--collective_timeout must be positive",
+        flags_only=True,
     ),
     Case(
         "disk_full_while_saving",

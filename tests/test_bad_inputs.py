@@ -1,6 +1,11 @@
-"""Bad input: exit non-zero with one clear message naming the flag or file, before training, no traceback."""
+"""Bad input: exit non-zero with one clear message naming the flag or file, before training, no traceback.
+
+Each case records what it ran and the error line it got (pytest's record_property): tools/bad_inputs_table.py
+turns a run of this file into docs/bad_inputs.md."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 
@@ -8,8 +13,29 @@ from tests.bad_input_cases import CASES
 from tests.launch import train
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
-def test_bad_input_gets_a_clear_message(case, tmp_path):
+def _in_process(argv: list[str], capsys) -> tuple[int, str]:
+    """The trainer's entry point as `python train_flux_cp.py` runs it, in this process."""
+    import train_flux_cp
+    from flux_cp import runner
+
+    try:
+        code = runner.run(lambda: train_flux_cp.main(argv))
+    except SystemExit as e:  # argparse's own usage errors
+        code = e.code
+    return code, capsys.readouterr().err
+
+
+def first_error(stderr: str) -> str:
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip().startswith(("error:", "train_flux_cp.py: error"))]
+    return lines[0] if lines else "(no error line)"
+
+
+@pytest.mark.parametrize(
+    "case",
+    [pytest.param(c, marks=() if c.flags_only else pytest.mark.e2e) for c in CASES],
+    ids=[c.name for c in CASES],
+)
+def test_bad_input_gets_a_clear_message(case, tmp_path, capsys, record_property):
     args = case.args(tmp_path)
     base = [
         "--output_dir",
@@ -21,12 +47,23 @@ def test_bad_input_gets_a_clear_message(case, tmp_path):
         "--max_train_steps",
         "2",
     ]
-    r = train(case.nproc, *base, *args, timeout=300, extra_env=case.env)
-    assert r.returncode != 0
-    assert case.expect in r.stderr, r.stderr[-3000:]
+    start = time.monotonic()
+    if case.flags_only:
+        assert case.nproc == 1 and not case.env
+        returncode, stderr = _in_process([*base, *args], capsys)
+    else:
+        r = train(case.nproc, *base, *args, timeout=300, extra_env=case.env)
+        returncode, stderr = r.returncode, r.stderr
+    took = time.monotonic() - start
+    for key, value in (("what", case.what), ("nproc", case.nproc), ("flags", " ".join(args)),
+                       ("message", first_error(stderr)), ("returncode", returncode), ("seconds", f"{took:.1f}"),
+                       ("scratch", str(tmp_path))):  # fmt: skip
+        record_property(key, value)
+    assert returncode != 0
+    assert case.expect in stderr, stderr[-3000:]
     # Ours: one line starting with "error:" (argparse: its usage line and "error:"). No frame of our code.
-    assert "flux_cp/" not in r.stderr and 'train_flux_cp.py", line' not in r.stderr, r.stderr[-3000:]
+    assert "flux_cp/" not in stderr and 'train_flux_cp.py", line' not in stderr, stderr[-3000:]
     if case.nproc == 1:
-        assert "Traceback" not in r.stderr
+        assert "Traceback" not in stderr
     if case.name != "disk_full_while_saving":
-        assert "steps:" not in r.stderr, "training started before the error"
+        assert "steps:" not in stderr, "training started before the error"

@@ -27,6 +27,7 @@ def _computed(result) -> int:
     return int(m.group(1))
 
 
+@pytest.mark.e2e
 def test_second_run_reads_the_cache_and_a_changed_caption_recomputes_only_itself(tmp_path):
     data = tmp_path / "data"
     shutil.copytree(BUNDLED_DATA, data)
@@ -79,6 +80,7 @@ def test_batches_never_mix_buckets_and_are_the_same_for_every_rank():
     assert a.epoch(0) != a.epoch(1)
 
 
+@pytest.mark.e2e
 def test_aspect_buckets_train_the_same_with_and_without_cp(tmp_path):
     args = [
         "--aspect_buckets",
@@ -105,6 +107,7 @@ def test_aspect_buckets_train_the_same_with_and_without_cp(tmp_path):
     assert len(used) >= 2, f"the test should train on more than one bucket: {geometry.buckets}"
 
 
+@pytest.mark.e2e
 def test_validation_images_with_cp_equal_those_without_and_trackers_log(tmp_path):
     val = [
         "--validation_prompt",
@@ -161,11 +164,11 @@ def test_loss_curve_command_plots_any_metrics_file(tmp_path):
 def test_hub_data_sets_are_read_through_datasets(monkeypatch):
     """The hub path (no hub here): datasets.load_dataset is replaced by an in-memory data set of the same
     shape as a hub image/caption set; columns are checked and images come back decoded."""
-    import argparse
     import io
 
     import datasets
 
+    from flux_cp.config import DataConfig
     from flux_cp.data import open_source
     from flux_cp.errors import UsageError
 
@@ -186,7 +189,7 @@ def test_hub_data_sets_are_read_through_datasets(monkeypatch):
             caption_column="caption",
             instance_prompt=None,
         )
-        return argparse.Namespace(**{**base, **kw})
+        return DataConfig(**{**base, **kw})
 
     source = open_source(args())
     assert calls == [("someone/shapes", "train")] and len(source) == 4

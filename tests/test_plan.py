@@ -13,10 +13,11 @@ from peft import LoraConfig
 import cp
 from flux_cp import plan
 from flux_cp.flow import image_ids, pack_latents, text_ids
+from flux_cp.lora import ATTENTION_TARGETS
 from flux_cp.tiny import FLUX1_DEV_TRANSFORMER, tiny_transformer
 
 ROOT = Path(__file__).resolve().parent.parent
-ATTN_LORA = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
+ATTN_LORA = list(ATTENTION_TARGETS)
 
 
 def _saved_units(double: int, single: int) -> float:

@@ -8,10 +8,13 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
 from safetensors.torch import load_file
 
 from flux_cp.metrics import read_metrics
 from tests.launch import ROOT, env, free_port, launch_cmd, losses, ok, run_args, train
+
+pytestmark = pytest.mark.e2e  # every test here launches train_flux_cp.py
 
 
 def _common(tmp: Path, name: str, steps: int, *extra: str) -> list[str]:

@@ -5,11 +5,14 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
 from flux_cp.metrics import read_metrics
 from tests.launch import losses, ok, run_args, train
+
+pytestmark = pytest.mark.e2e  # every test here launches train_flux_cp.py
 
 
 def _common(tmp: Path, name: str, steps: int, *extra: str) -> list[str]:

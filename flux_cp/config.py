@@ -1,0 +1,368 @@
+"""Command-line flags of `train_flux_cp.py` as typed, frozen config sections, parsed once.
+
+Each section is a frozen dataclass; each of its fields is the flag `--<field name>` (diffusers' Flux
+examples' names where they exist). Adding a flag is one field with `flag(...)` in the section whose module
+uses it: the parser, `--help`, the run's `run_config.json` and the trackers' hyperparameters all follow.
+Defaults that depend on other flags (the embedded tiny model's resolution, `--lora_alpha` = `--rank`,
+`--validation_resolution` = `--resolution`) are resolved while parsing (`derive=`), so sections always hold
+final values. Checks that need only the flags (no model, data or GPU) live in each section's `check()`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import types
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import UsageError
+from .flow import WEIGHTING_SCHEMES
+from .lora import DEFAULT_TARGETS
+
+CP_MODES = ("auto", "ring", "ulysses", "hybrid")
+LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup")
+
+
+def flag(
+    default: Any,
+    help: str | None = None,  # noqa: A002 - argparse's name
+    *,
+    choices: tuple | None = None,
+    derive: Callable[[dict], Any] | None = None,
+    parse: Callable[[str], Any] | None = None,
+    repeat: bool = False,
+) -> Any:
+    """A dataclass field that is also the flag `--<field name>`.
+
+    derive: computes the value from the other raw flag values when the flag is not given (the parser's
+        default is then None, so "not given" is seen). parse: converts the command-line string (the field
+        keeps the converted value). repeat: the flag may be given several times (a tuple of values)."""
+    meta = {"help": help, "choices": choices, "derive": derive, "parse": parse, "repeat": repeat}
+    return field(default=default, metadata=meta)
+
+
+def _is_embedded(raw: dict) -> bool:
+    return raw["pretrained_model_name_or_path"] is None
+
+
+def _comma_list(text: str) -> tuple[str, ...]:
+    return tuple(t.strip() for t in text.split(",") if t.strip())
+
+
+# --- the sections ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which FLUX.1 to load (flux_cp.model)."""
+
+    pretrained_model_name_or_path: str | None = flag(
+        None, "Diffusers-layout folder or hub id of FLUX.1. Default: a tiny Flux built locally."
+    )
+    revision: str | None = flag(None)
+    variant: str | None = flag(None, "Weight file variant, e.g. fp16.")
+    transformer_init: str = flag(
+        "pretrained",
+        "'random': build the transformer from its config with seeded random weights (benchmarks and "
+        "equivalence runs of FLUX.1-sized models without downloading them).",
+        choices=("pretrained", "random"),
+    )
+
+    @property
+    def embedded_default(self) -> bool:
+        """No model named: the tiny Flux built locally, trained on the bundled data set."""
+        return self.pretrained_model_name_or_path is None
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """LoRA adapters or full fine-tuning (flux_cp.lora, flux_cp.model). `rank` is the LoRA rank (the process
+    rank is `Layout.rank`)."""
+
+    full_finetune: bool = flag(False, "Train all transformer weights instead of LoRA.")
+    rank: int = flag(16, "LoRA rank.")
+    lora_alpha: int = flag(16, "Default: the rank.", derive=lambda raw: raw["rank"])
+    lora_dropout: float = flag(0.0)
+    lora_layers: tuple[str, ...] = flag(
+        DEFAULT_TARGETS, "Comma-separated module name suffixes that get LoRA adapters.", parse=_comma_list
+    )
+
+    def check(self) -> None:
+        if self.rank < 1:
+            raise UsageError(f"--rank must be at least 1, got {self.rank}")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Images, captions and their encodings (flux_cp.data, flux_cp.encode)."""
+
+    dataset_name: str | None = flag(
+        None,
+        "Hub data set id, or a local folder of images with metadata.jsonl or a .txt caption beside each image. "
+        "Default: the bundled data set.",
+    )
+    dataset_config_name: str | None = flag(None)
+    image_column: str = flag("image")
+    caption_column: str = flag("text")
+    instance_prompt: str | None = flag(
+        None, "DreamBooth-style: use this prompt for every image (captions are ignored)."
+    )
+    resolution: int = flag(
+        1024,
+        "Training resolution in pixels (multiple of 16). Default: 1024, or 64 for the tiny default.",
+        derive=lambda raw: 64 if _is_embedded(raw) else 1024,
+    )
+    center_crop: bool = flag(False, "Center crop (default: random crop).")
+    random_flip: bool = flag(False)
+    aspect_buckets: bool = flag(
+        False, "Group images into aspect-ratio buckets of about resolution^2 pixels instead of square crops."
+    )
+    max_sequence_length: int = flag(
+        512,
+        "T5 tokens per prompt (<= 512). Default: 512, or 32 for the tiny default.",
+        derive=lambda raw: 32 if _is_embedded(raw) else 512,
+    )
+    cache_dir: str | None = flag(
+        None, "Where encoded latents and prompt embeddings are cached. Default: ~/.cache/flux_cp/encodings."
+    )
+    no_cache: bool = flag(
+        False, "Encode every batch on the fly (keeps VAE and text encoders loaded; per-epoch random crops)."
+    )
+
+    def check(self) -> None:
+        if self.resolution % 16:
+            raise UsageError(f"--resolution {self.resolution} must be a multiple of 16 (8x VAE, 2x2 patches)")
+        if not 1 <= self.max_sequence_length <= 512:
+            raise UsageError(f"--max_sequence_length must be between 1 and 512, got {self.max_sequence_length}")
+        if self.dataset_name and os.path.sep in self.dataset_name and not os.path.exists(self.dataset_name):
+            raise UsageError(f"--dataset_name {self.dataset_name}: no such folder")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation: batch, steps, optimizer, schedule, loss, precision (train_flux_cp.py, flux_cp.flow)."""
+
+    output_dir: str = flag("flux-cp-output")
+    seed: int = flag(0)
+    train_batch_size: int = flag(1, "Samples per data-parallel rank per micro-step.")
+    max_train_steps: int | None = flag(None, "Optimizer steps. Overrides --num_train_epochs.")
+    num_train_epochs: int = flag(1)
+    gradient_accumulation_steps: int = flag(1)
+    gradient_checkpointing: bool = flag(False)
+    learning_rate: float = flag(1e-4)
+    scale_lr: bool = flag(False, "Multiply the LR by the global batch size.")
+    lr_scheduler: str = flag("constant", choices=LR_SCHEDULERS)
+    lr_warmup_steps: int = flag(0)
+    lr_num_cycles: int = flag(1)
+    lr_power: float = flag(1.0)
+    adam_beta1: float = flag(0.9)
+    adam_beta2: float = flag(0.999)
+    adam_weight_decay: float = flag(1e-4)
+    adam_epsilon: float = flag(1e-8)
+    max_grad_norm: float = flag(1.0)
+    mixed_precision: str | None = flag(
+        None, "Default: accelerate's config (bf16 in the GPU configs here).", choices=("no", "fp16", "bf16")
+    )
+    allow_tf32: bool = flag(False)
+    weighting_scheme: str = flag("none", choices=WEIGHTING_SCHEMES)
+    logit_mean: float = flag(0.0)
+    logit_std: float = flag(1.0)
+    mode_scale: float = flag(1.29)
+    guidance_scale: float = flag(
+        3.5,
+        "Guidance embedding value for guidance-distilled checkpoints (FLUX.1-dev); also used for validation images.",
+    )
+    deterministic: bool = flag(False, "Deterministic kernels (slower).")
+    seed_checkpoint: str | None = flag(
+        None,
+        "Initial trainable weights: written here when absent, read when present, so runs with different layouts "
+        "start from identical parameters.",
+    )
+    on_nonfinite: str = flag("stop", "What to do when the loss or gradient norm is NaN/inf.", choices=("stop", "skip"))
+    compile: bool = flag(False, "torch.compile each transformer block.")
+
+    def check(self) -> None:
+        for name in ("train_batch_size", "gradient_accumulation_steps", "num_train_epochs"):
+            if getattr(self, name) < 1:
+                raise UsageError(f"--{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_train_steps is not None and self.max_train_steps < 1:
+            raise UsageError(f"--max_train_steps must be at least 1, got {self.max_train_steps}")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """The CP group and collectives (flux_cp.parallel, cp)."""
+
+    cp_size: int = flag(1, "Ranks that share one sample's tokens.")
+    cp_mode: str = flag("auto", choices=CP_MODES)
+    ulysses_size: int | None = flag(None, "Ulysses degree of the hybrid mode.")
+    collective_timeout: float = flag(
+        600.0, "Seconds before a stuck collective aborts the run (a dead rank never hangs the others)."
+    )
+
+    def check(self) -> None:
+        if self.cp_size < 1:
+            raise UsageError(f"--cp_size must be at least 1, got {self.cp_size}")
+        if self.cp_mode == "hybrid" and self.ulysses_size is None:
+            raise UsageError("--cp_mode hybrid needs --ulysses_size (the Ulysses degree, a divisor of --cp_size)")
+        if self.ulysses_size is not None and self.cp_mode not in ("hybrid", "auto"):
+            raise UsageError(f"--ulysses_size is only used with --cp_mode hybrid (got --cp_mode {self.cp_mode})")
+        if self.ulysses_size is not None and (self.ulysses_size < 1 or self.cp_size % self.ulysses_size):
+            raise UsageError(f"--ulysses_size {self.ulysses_size} must divide --cp_size {self.cp_size}")
+        if self.collective_timeout <= 0:
+            raise UsageError("--collective_timeout must be positive (seconds)")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Training checkpoints and resume (flux_cp.checkpoint)."""
+
+    checkpointing_steps: int = flag(500)
+    checkpoints_total_limit: int | None = flag(None)
+    resume_from_checkpoint: str | None = flag(None, "'latest' or a checkpoint folder.")
+
+    def check(self) -> None:
+        if self.checkpointing_steps < 1:
+            raise UsageError(f"--checkpointing_steps must be at least 1, got {self.checkpointing_steps}")
+        resume = self.resume_from_checkpoint
+        if resume not in (None, "latest") and not os.path.isdir(resume):
+            raise UsageError(f"--resume_from_checkpoint {resume}: no such checkpoint folder")
+
+
+@dataclass(frozen=True)
+class ValidationConfig:
+    """Validation images and logging (flux_cp.validation, flux_cp.metrics, trackers)."""
+
+    validation_prompt: tuple[str, ...] | None = flag(None, "Repeatable.", repeat=True)
+    validation_steps: int | None = flag(None, "Default: only at the end of training.")
+    num_validation_images: int = flag(2)
+    validation_resolution: int = flag(1024, "Default: --resolution.", derive=lambda raw: raw["resolution"])
+    validation_inference_steps: int = flag(28)
+    report_to: str = flag("tensorboard", choices=("tensorboard", "wandb", "all", "none"))
+    logging_dir: str = flag("logs", "Tracker folder, relative to --output_dir.")
+
+    def check(self) -> None:
+        if self.validation_resolution % 16:
+            raise UsageError(f"--validation_resolution {self.validation_resolution} must be a multiple of 16")
+        if self.report_to == "wandb":
+            import importlib.util
+
+            if importlib.util.find_spec("wandb") is None:
+                raise UsageError("--report_to wandb needs the wandb package (pip install wandb), or use tensorboard")
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    """`--plan`: the memory planner instead of training (flux_cp.plan)."""
+
+    plan: bool = flag(
+        False,
+        "Print the estimated per-GPU memory of this configuration, and the smallest CP size that fits, then exit "
+        "(loads nothing heavy).",
+    )
+    gpu_memory_gib: float | None = flag(None, "For --plan: memory per GPU (default: read).")
+
+
+@dataclass(frozen=True)
+class Config:
+    """Every flag of a run, by section. Sections are frozen: a module gets the section(s) it needs."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoints: CheckpointConfig = field(default_factory=CheckpointConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
+
+    def check(self) -> None:
+        """Every check that needs only the flags; the first failure is a UsageError naming the flag."""
+        for f in dataclasses.fields(self):
+            check = getattr(getattr(self, f.name), "check", None)
+            if check is not None:
+                check()
+
+    def flat(self) -> dict[str, Any]:
+        """{flag name: value} of every flag (run_config.json, checkpoints' meta, trackers)."""
+        return {k: v for f in dataclasses.fields(self) for k, v in dataclasses.asdict(getattr(self, f.name)).items()}
+
+
+# Argument-group titles of --help, in the order sections appear there.
+_TITLES = {
+    "model": "model",
+    "data": "data",
+    "train": "training",
+    "lora": "LoRA / full fine-tuning",
+    "parallel": "parallelism",
+    "checkpoints": "checkpoints",
+    "validation": "validation and logging",
+    "plan": "memory plan",
+}
+
+
+def _sections() -> list[tuple[str, type]]:
+    hints = typing.get_type_hints(Config)
+    return [(name, hints[name]) for name in _TITLES]
+
+
+def _scalar_type(annotation: Any) -> type:
+    """int / float / str of an annotation such as `int | None` or `tuple[str, ...] | None`."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        return _scalar_type(args[0])
+    if typing.get_origin(annotation) is tuple:
+        return args[0]
+    return annotation
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="train_flux_cp.py",
+        description="Fine-tune FLUX.1 (LoRA or full) with context parallelism. With no model and no data flags it "
+        "trains a tiny Flux built locally on the bundled data set (the embedded default).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    for name, section in _sections():
+        group = p.add_argument_group(_TITLES[name])
+        hints = typing.get_type_hints(section)
+        for f in dataclasses.fields(section):
+            m, kind = f.metadata, _scalar_type(hints[f.name])
+            kw: dict[str, Any] = {"help": m["help"]}
+            if kind is bool:
+                kw["action"] = "store_true"
+            else:
+                # argparse also passes a string default through `type`: a parsed field shows its default as text.
+                kw["type"] = m["parse"] or kind
+                kw["default"] = None if m["derive"] else f.default
+                if m["parse"] and isinstance(f.default, tuple):
+                    kw["default"] = ",".join(f.default)
+                if m["choices"]:
+                    kw["choices"] = m["choices"]
+                if m["repeat"]:
+                    kw["action"] = "append"
+            group.add_argument(f"--{f.name}", **kw)
+    return p
+
+
+def parse_config(argv: list[str] | None = None) -> Config:
+    """Parse the flags once, resolve derived defaults, check them; the Config the whole run uses."""
+    raw = dict(vars(build_parser().parse_args(argv)))
+    sections = {}
+    for name, section in _sections():
+        values = {}
+        for f in dataclasses.fields(section):
+            m, value = f.metadata, raw[f.name]
+            if value is None and m["derive"]:
+                value = raw[f.name] = m["derive"](raw)  # later derivations see it (validation <- resolution)
+            elif isinstance(value, list):  # a repeated flag
+                value = tuple(value)
+            values[f.name] = value
+        sections[name] = section(**values)
+    config = Config(**sections)
+    config.check()
+    return config

@@ -1,0 +1,65 @@
+"""The optimizer side of a step: AdamW and the LR schedule from the flags, the gradient norm (clipped), and
+what a step does with a non-finite loss or gradient norm (`--on_nonfinite`)."""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import TYPE_CHECKING
+
+import torch
+
+from .errors import NonFiniteError
+
+if TYPE_CHECKING:
+    from .config import TrainConfig
+
+logger = logging.getLogger("flux_cp")
+
+
+def make_optimizer(train: TrainConfig, params: list[torch.nn.Parameter], global_batch: int) -> torch.optim.Optimizer:
+    """AdamW over `params`; `--scale_lr` multiplies the LR by the samples per optimizer step."""
+    scale = global_batch * train.gradient_accumulation_steps if train.scale_lr else 1
+    return torch.optim.AdamW(
+        params, lr=train.learning_rate * scale, betas=(train.adam_beta1, train.adam_beta2),
+        weight_decay=train.adam_weight_decay, eps=train.adam_epsilon,
+    )  # fmt: skip
+
+
+def make_lr_scheduler(train: TrainConfig, optimizer: torch.optim.Optimizer, max_steps: int):
+    from diffusers.optimization import get_scheduler
+
+    return get_scheduler(
+        train.lr_scheduler, optimizer=optimizer, num_warmup_steps=train.lr_warmup_steps,
+        num_training_steps=max_steps, num_cycles=train.lr_num_cycles, power=train.lr_power,
+    )  # fmt: skip
+
+
+def clip_grad_norm(accelerator, params: list[torch.nn.Parameter], max_norm: float) -> float:
+    """Global gradient norm of the trainable parameters, clipped to `max_norm` (<= 0: no clipping).
+    (accelerate's clip_grad_norm_ under FSDP2 only handles the whole model's parameters, not LoRA's.)"""
+    from torch.distributed.tensor import DTensor
+
+    accelerator.unscale_gradients()
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
+    return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+
+
+def apply_update(optimizer, lr_scheduler, loss: float, grad_norm: float, on_nonfinite: str, step: int) -> bool:
+    """Step the optimizer and the LR schedule, unless the loss or the gradient norm is not finite: then stop
+    (NonFiniteError) or, with `on_nonfinite == "skip"`, drop the gradients and only advance the schedule.
+    Returns whether the update was skipped."""
+    finite = math.isfinite(loss) and math.isfinite(grad_norm)
+    if not finite:
+        if on_nonfinite == "stop":
+            raise NonFiniteError(
+                f"non-finite loss ({loss}) or gradient norm ({grad_norm}) at step {step}; "
+                f"no checkpoint was written for it. Lower --learning_rate, check the data, or "
+                f"pass --on_nonfinite skip to skip such steps"
+            )
+        logger.warning(f"step {step}: non-finite loss or gradient norm, update skipped (--on_nonfinite skip)")
+    else:
+        optimizer.step()
+    lr_scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return not finite

@@ -1,0 +1,93 @@
+"""Checkpoints on one process: save/load restore exactly what training needs, folders appear complete or
+not at all, `latest` and the total limit, and the compatibility check's message."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from flux_cp import checkpoint
+from flux_cp.errors import UsageError
+from flux_cp.faults import Fault
+
+
+def _trainee(seed: int):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    model[0].weight.requires_grad_(False)  # frozen weights are not part of a checkpoint
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 / (1 + s))
+    return model, optimizer, scheduler
+
+
+def _steps(model, optimizer, scheduler, n: int) -> None:
+    for _ in range(n):
+        model(torch.randn(3, 4)).square().mean().backward()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+
+
+def _save(out: Path, step: int, trainee, limit: int | None = None, fault: Fault | None = None) -> Path:
+    meta = {"run": {"seed": 1}, "layout": "world 1 = dp 1 x cp 1"}
+    return checkpoint.save(str(out), step, *trainee, meta, True, limit, fault)
+
+
+def test_load_restores_weights_optimizer_and_schedule_and_reads_everything_save_wrote(tmp_path):
+    trainee = _trainee(0)
+    _steps(*trainee, 3)
+    saved = _save(tmp_path, 3, trainee)
+    expected = {k: v.clone() for k, v in trainee[0].state_dict().items()}
+    moments = [s["exp_avg"].clone() for s in trainee[1].state.values()]
+    lr = trainee[2].get_last_lr()
+
+    other = _trainee(1)  # different weights, no optimizer state yet
+    _steps(*other, 1)
+    model, optimizer, scheduler = other
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert not any(torch.equal(model.state_dict()[k], expected[k]) for k in trainable)
+    checkpoint.load(saved, *other)
+    for k in trainable:
+        assert torch.equal(model.state_dict()[k], expected[k]), k
+    assert all(torch.equal(a["exp_avg"], b) for a, b in zip(optimizer.state.values(), moments))
+    assert scheduler.get_last_lr() == lr and scheduler.last_epoch == 3
+    # Nothing is written that load does not read (the data order and noise are keyed by step, not RNG state).
+    assert set(torch.load(saved / "train.pt", weights_only=False)) == {"lr_scheduler"}
+    meta = checkpoint.read_meta(saved)
+    assert meta["step"] == 3 and meta["format"] == checkpoint.FORMAT
+
+
+def test_latest_skips_partial_folders_and_the_limit_keeps_the_newest(tmp_path):
+    trainee = _trainee(0)
+    for step in (2, 4, 6):
+        _save(tmp_path, step, trainee, limit=2)
+    (tmp_path / ".checkpoint-8.partial").mkdir()
+    (tmp_path / "checkpoint-9").mkdir()  # no meta.json: not a complete checkpoint
+    assert [s for s, _ in checkpoint.list_checkpoints(tmp_path)] == [4, 6]
+    assert checkpoint.resolve("latest", str(tmp_path)) == tmp_path / "checkpoint-6"
+    assert checkpoint.resolve("latest", str(tmp_path / "empty")) is None
+    assert checkpoint.resolve(None, str(tmp_path)) is None
+    with pytest.raises(UsageError, match="is not a complete checkpoint"):
+        checkpoint.resolve(str(tmp_path / "checkpoint-9"), str(tmp_path))
+
+
+def test_a_failed_save_removes_its_partial_folder_and_names_the_intact_one(tmp_path):
+    trainee = _trainee(0)
+    _save(tmp_path, 2, trainee)
+    with pytest.raises(UsageError, match=r"writing checkpoint-4 failed \(\[Errno 28\].*checkpoint-2 is intact"):
+        _save(tmp_path, 4, trainee, fault=Fault(0, 4, "enospc_in_save"))
+    assert [s for s, _ in checkpoint.list_checkpoints(tmp_path)] == [2]
+    assert not (tmp_path / ".checkpoint-4.partial").exists()
+
+
+def test_incompatible_runs_and_formats_are_refused_with_what_differs(tmp_path):
+    meta = {"run": {"global_batch": 1, "seed": 5}}
+    checkpoint.check_compatible(meta, {"global_batch": 1, "seed": 5}, tmp_path)
+    with pytest.raises(UsageError, match=r"incompatible run \(global_batch: checkpoint 1, now 2\)"):
+        checkpoint.check_compatible(meta, {"global_batch": 2, "seed": 5}, tmp_path)
+    (tmp_path / "meta.json").write_text(json.dumps({"format": 99}))
+    with pytest.raises(UsageError, match="format 99 is not"):
+        checkpoint.read_meta(tmp_path)

@@ -1,0 +1,38 @@
+"""The optimizer step's non-finite policy: stop, or skip the update (and say so in the metrics)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from flux_cp.errors import NonFiniteError
+from flux_cp.optim import apply_update
+
+
+def _setup():
+    p = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.SGD([p], lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 / (1 + s))
+    p.grad = torch.ones(3)
+    return p, optimizer, scheduler
+
+
+def test_a_finite_step_updates():
+    p, optimizer, scheduler = _setup()
+    assert apply_update(optimizer, scheduler, 0.5, 1.0, "stop", 1) is False
+    assert torch.allclose(p.detach(), torch.full((3,), 0.9)) and p.grad is None and scheduler.last_epoch == 1
+
+
+@pytest.mark.parametrize("loss, grad_norm", [(math.nan, 1.0), (0.5, math.inf), (0.5, math.nan)])
+def test_a_non_finite_loss_or_gradient_norm_alone_skips_the_update(loss, grad_norm):
+    """A finite loss with a non-finite gradient norm is skipped too, and reported as skipped."""
+    p, optimizer, scheduler = _setup()
+    assert apply_update(optimizer, scheduler, loss, grad_norm, "skip", 3) is True
+    assert torch.equal(p.detach(), torch.ones(3)) and p.grad is None
+    assert scheduler.last_epoch == 1, "the schedule advances with the step count"
+    p.grad = torch.ones(3)
+    with pytest.raises(NonFiniteError, match=r"at step 3; no checkpoint was written for it"):
+        apply_update(optimizer, scheduler, loss, grad_norm, "stop", 3)
+    assert torch.equal(p.detach(), torch.ones(3))
