@@ -10,7 +10,7 @@ from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 
-from flux_cp.args import DEFAULT_LORA_LAYERS
+from flux_cp.lora import DEFAULT_TARGETS
 from flux_cp.lora_format import convert, to_kohya, with_alphas
 from flux_cp.tiny import TRANSFORMER_CONFIG, build_tiny_pipeline, tiny_transformer
 
@@ -117,7 +117,7 @@ def _deltas(sd: dict[str, torch.Tensor], scale: float = 1.0) -> dict[str, torch.
 def test_default_lora_of_both_formats_loads_completely_under_comfyui_rules():
     cfg = TRANSFORMER_CONFIG
     prefixes = _comfy_lora_prefixes(cfg["num_layers"], cfg["num_single_layers"])
-    model = _lora_transformer(DEFAULT_LORA_LAYERS.split(","), rank=4, alpha=8)
+    model = _lora_transformer(list(DEFAULT_TARGETS), rank=4, alpha=8)
     state = _diffusers_state(model)
     for fmt in ("diffusers", "kohya"):
         sd = convert(state, fmt, rank=4, alpha=8)
