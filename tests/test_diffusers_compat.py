@@ -172,6 +172,8 @@ def _under_cp(rank: int, world: int) -> dict:
                 errors[name] = str(e)
 
         refused("backend", lambda: model.set_attention_backend("_native_math"))
+        first = next(iter(model.attn_processors.values()))
+        refused("parallel_config_set", lambda: setattr(first, "_parallel_config", "diffusers' CP config"))
         mask = torch.ones(2, 1, 1, local["hidden_states"].shape[1] + local["encoder_hidden_states"].shape[1]).bool()
         refused("mask", lambda: run(joint_attention_kwargs={"attention_mask": mask}))
         model._load_ip_adapter_weights(_ip_adapter_state(model))
@@ -200,6 +202,7 @@ def test_under_cp_diffusers_features_work_or_are_refused_clearly():
         assert e["ip_adapter"] and "FluxIPAdapterAttnProcessor" in e["ip_adapter"], e
         assert "unload_ip_adapter()" in e["ip_adapter"], e
         assert e["parallel_config"] and "enable_parallelism" in e["parallel_config"], e
+        assert e["parallel_config_set"] and "enable_parallelism" in e["parallel_config_set"], e
         assert r["types_after_load"] == {"FluxIPAdapterAttnProcessor", "FluxCPAttnProcessor"}
         # After unload_ip_adapter CP works again: every processor is ours, on the model's group, and exact.
         assert r["types_after_unload"] == {"FluxCPAttnProcessor"} and r["groups_after_unload"] == {True}
