@@ -106,12 +106,14 @@ def _diffusers_state(model) -> dict[str, torch.Tensor]:
 
 
 def _deltas(sd: dict[str, torch.Tensor], scale: float = 1.0) -> dict[str, torch.Tensor]:
-    """{module: scale * B @ A} of a diffusers-format LoRA state dict."""
-    return {
-        k[: -len(".lora_A.weight")]: scale * sd[k.replace("lora_A", "lora_B")].double() @ v.double()
-        for k, v in sd.items()
-        if k.endswith(".lora_A.weight")
-    }
+    """{module: scale * B @ A @ P} of a diffusers-format LoRA state dict, P a fixed random probe of 8 columns
+    (the full B @ A of FLUX.1's shapes would be hundreds of MB each)."""
+    out = {}
+    for k, a in sd.items():
+        if k.endswith(".lora_A.weight"):
+            probe = torch.randn(a.shape[1], 8, generator=torch.Generator().manual_seed(a.shape[1]), dtype=torch.float64)
+            out[k[: -len(".lora_A.weight")]] = scale * sd[k.replace("lora_A", "lora_B")].double() @ (a.double() @ probe)
+    return out
 
 
 def test_default_lora_of_both_formats_loads_completely_under_comfyui_rules():
