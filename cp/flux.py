@@ -23,6 +23,13 @@ from .comm import gather, shard
 
 Tensor = torch.Tensor
 
+# (what diffusers set, how to proceed) for the errors of FluxCPAttnProcessor._refuse
+_BACKEND = (
+    "an attention backend",
+    "Choose backends only without CP, or call reset_attention_backend() before apply_context_parallel.",
+)
+_PARALLEL = ("diffusers' enable_parallelism", "Use diffusers' context parallelism or flux-cp's, not both.")
+
 
 class FluxCPAttnProcessor:
     """Drop-in replacement for diffusers' `FluxAttnProcessor` that calls `cp.attention` over `group`.
@@ -48,8 +55,8 @@ class FluxCPAttnProcessor:
     def group(self, group: dist.ProcessGroup | None) -> None:
         size = 1 if group is None else dist.get_world_size(group)
         if size > 1:
-            self._refuse("an attention backend", self._backend, size)
-            self._refuse("diffusers' enable_parallelism", self._parallel, size)
+            self._refuse(_BACKEND, self._backend, size)
+            self._refuse(_PARALLEL, self._parallel, size)
         self._group, self.cp_size = group, size
 
     # diffusers' set_attention_backend / reset_attention_backend and enable_parallelism set these two
@@ -60,7 +67,7 @@ class FluxCPAttnProcessor:
 
     @_attention_backend.setter
     def _attention_backend(self, backend) -> None:
-        self._refuse("an attention backend", backend, getattr(self, "cp_size", 1))
+        self._refuse(_BACKEND, backend, getattr(self, "cp_size", 1))
         self._backend = backend
 
     @property
@@ -69,16 +76,15 @@ class FluxCPAttnProcessor:
 
     @_parallel_config.setter
     def _parallel_config(self, config) -> None:
-        self._refuse("diffusers' enable_parallelism", config, getattr(self, "cp_size", 1))
+        self._refuse(_PARALLEL, config, getattr(self, "cp_size", 1))
         self._parallel = config
 
     @staticmethod
-    def _refuse(what: str, value, cp_size: int) -> None:
+    def _refuse(what: tuple[str, str], value, cp_size: int) -> None:
         if value is not None and cp_size > 1:
             raise ValueError(
-                f"{what} ({value}) cannot apply under flux-cp's context parallelism over {cp_size} ranks: its "
-                "attention runs on cp.attention's own kernels. Set it only without CP (cp_size 1 / "
-                "cp.remove_context_parallel), or call reset_attention_backend() before apply_context_parallel."
+                f"{what[0]} ({value}) cannot apply under flux-cp's context parallelism over {cp_size} ranks: its "
+                f"attention runs on cp.attention's own kernels. {what[1]}"
             )
 
     def _diffusers_path(self, attention_mask: Tensor | None) -> bool:
