@@ -113,6 +113,11 @@ class LoraConfig:
     def check(self) -> None:
         if self.rank < 1:
             raise UsageError(f"--rank must be at least 1, got {self.rank}")
+        if self.full_finetune and self.lora_format != "diffusers":
+            raise UsageError(
+                f"--lora_format {self.lora_format} applies to LoRA files; --full_finetune writes a transformer "
+                "folder in diffusers' layout: drop one of the two"
+            )
 
 
 @dataclass(frozen=True)

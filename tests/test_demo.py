@@ -7,6 +7,7 @@ import pytest
 
 from flux_cp.config import DEMO_BATCH, DEMO_LEARNING_RATE, DEMO_PROMPTS, DEMO_STEPS, parse_config
 from flux_cp.data import BUNDLED_DATA
+from flux_cp.errors import UsageError
 
 
 def test_the_bare_embedded_default_is_the_demo():
@@ -42,3 +43,5 @@ def test_flags_given_to_the_demo_win():
 def test_lora_format_flag():
     assert parse_config([]).lora.lora_format == "diffusers"
     assert parse_config(["--lora_format", "kohya"]).lora.lora_format == "kohya"
+    with pytest.raises(UsageError, match="--lora_format kohya applies to LoRA files"):
+        parse_config(["--lora_format", "kohya", "--full_finetune"])
