@@ -210,9 +210,9 @@ def build_model(run: Run, data: Data) -> Trainee:
         advice = cp_advice((cfg.data.resolution // 16) ** 2 + cfg.data.max_sequence_length, layout.cp)
         if advice and run.device.type == "cuda":  # measured on GPUs; the CPU demo's tiny sequences are for testing
             logger.warning(advice)
-    if train.compile:
+    if train.compile or train.compile_mode:
         for block in [*transformer.transformer_blocks, *transformer.single_transformer_blocks]:
-            block.compile()
+            block.compile(mode=train.compile_mode)
     optimizer = make_optimizer(train, [p for _, p in trainable_parameters(transformer)], data.global_batch)
     steps_per_epoch = data.schedule.batches_per_epoch // train.gradient_accumulation_steps
     if steps_per_epoch == 0 and train.max_train_steps is None:

@@ -69,6 +69,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeat", type=int, default=10)
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU: checks the script only")
+    p.add_argument("--compile", action="store_true", help="time cp.attention under torch.compile(fullgraph=True)")
     p.add_argument(
         "--ulysses_chunks",
         type=int,
@@ -90,6 +91,7 @@ def main() -> None:
         for mode, u in modes_for(n, args.heads):
             if mode == "hybrid":
                 cp.comm.create_hybrid_groups([list(range(n))], u)
+    attention = torch.compile(cp.attention, fullgraph=True) if args.compile else cp.attention
     rows = []
     for s in args.tokens:
         g = torch.Generator(device="cpu").manual_seed(s)
@@ -134,7 +136,7 @@ def main() -> None:
                 qs, ks, vs = (t.detach().requires_grad_(True) for t in (ql, kl, vl))
 
                 def step(mode=mode, u=u, qs=qs, ks=ks, vs=vs, group=group, dl=dl):
-                    o = cp.attention(qs, ks, vs, group=group, mode=mode, ulysses_size=u)
+                    o = attention(qs, ks, vs, group=group, mode=mode, ulysses_size=u)
                     o.backward(dl)
 
                 tn = max_over_ranks(median(time_fn(step, device, args.warmup, args.repeat, group)), group, device)
@@ -163,6 +165,7 @@ def main() -> None:
                 "heads": args.heads,
                 "head_dim": args.head_dim,
                 "dtype": str(dtype),
+                "compiled": args.compile,
                 "rows": rows,
             },
         )

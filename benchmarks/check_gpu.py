@@ -138,7 +138,7 @@ def model_checks(rank, world, device, dtype, heads=24, head_dim=128, rope=(16, 5
         model = build()
         model.enable_gradient_checkpointing()
         # Our processor at n = 1 too, as train_flux_cp.py installs it: diffusers' own bf16 path picks cuDNN and
-        # hands its backward a non-contiguous grad_out, an illegal memory access on H200s (DESIGN.md).
+        # hands its backward a non-contiguous grad_out, an illegal memory access on H200s (torch 2.11).
         if ours:
             cp.apply_context_parallel(model, group if n > 1 else None, mode=mode, ulysses_size=u)
         local = dict(inputs)

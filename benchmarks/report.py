@@ -1,10 +1,13 @@
-"""Turn a folder of raw benchmark outputs into benchmarks/results/<name>.json and docs/benchmarks.md (+ PNG),
+"""Turn folders of raw benchmark outputs into docs/benchmarks.md (+ PNG) and benchmarks/results/<name>.json,
 and the equivalence runs into docs/equivalence.md (+ PNG).
 
-    python benchmarks/report.py benchmarks/results/2026-11-29-h200x2 benchmarks/results/2026-11-29-h200x4
+    python benchmarks/report.py benchmarks/results/2026-11-30-h200x2-compiled \
+        benchmarks/results/2026-11-29-h200x2 benchmarks/results/2026-11-29-h200x4
 
-Raw inputs in the folder: attention.json (bench_attention.py), model_*.json (bench_model.py runs, merged by
-run_model_bench.sh), equivalence_A.jsonl / equivalence_B.jsonl (metrics of benchmarks/equivalence.sh).
+A folder written by `benchmarks/run.sh` (trainer_*.json from bench_trainer.py, anchors.jsonl from diffusers'
+compiled CP, attention*.json) renders the trainer section and the targets; the others are earlier model-level
+runs: attention.json (bench_attention.py), model_*.json (the former bench_model.py), equivalence_A.jsonl /
+equivalence_B.jsonl (metrics of benchmarks/equivalence.sh).
 """
 
 from __future__ import annotations
@@ -114,7 +117,7 @@ def model_table(rows: list[dict]) -> list[str]:
 MODEL_INTRO = (
     "One optimizer step per iteration (FLUX.1-dev config, random weights, bf16, gradient checkpointing, batch 1, "
     "512 text tokens); s/step is the median over the timed steps of the slowest rank; MFU counts the FLOPs the "
-    "step executes (recomputation included, DESIGN.md) against the bf16 matmul peak measured in the same process; "
+    "step executes (recomputation included) against the bf16 matmul peak measured in the same process; "
     "memory is the peak allocated per GPU. Ours: `cp.apply_context_parallel`, with the weights sharded by FSDP2 "
     "(the `fsdp2_*` configs) or, for LoRA, replicated under DDP (the `ddp_*` configs); *compiled* is "
     "`--compile` (each block `torch.compile`d). diffusers: 0.42.1 `enable_parallelism` with the named attention "
@@ -152,7 +155,7 @@ def attention_command(att: dict) -> str:
     )
 
 
-def render_benchmarks(main: Run, out_json: Path, more: list[Run]) -> None:
+def render_benchmarks(main: Run, out_json: Path, more: list[Run], lead: list[str] | None = None) -> None:
     folder, attention, rows, env = main.folder, main.attention, main.rows, main.env
     check = json.load(open(folder / "check.json")) if (folder / "check.json").is_file() else None
     summary = {
@@ -169,23 +172,27 @@ def render_benchmarks(main: Run, out_json: Path, more: list[Run]) -> None:
     lines = [
         "# Benchmarks",
         "",
-        f"Measured on {env_line(env)}. Raw outputs and logs: `benchmarks/results/{folder.name}/`; combined: "
-        f"`benchmarks/results/{out_json.name}`. Rendered by `python benchmarks/report.py benchmarks/results/"
-        f"{folder.name}" + "".join(f" {m.folder.relative_to(ROOT)}" for m in more) + "`.",
+        *(lead or []),
+        f"## Earlier run: model-level harness, {folder.name}",
         "",
-        "## Model level: LoRA r16 on attention, and full fine-tuning",
+        f"Measured on {env_line(env)}. Raw outputs and logs: `benchmarks/results/{folder.name}/`; combined: "
+        f"`benchmarks/results/{out_json.name}`. With the CP attention still a graph break under `--compile`.",
+        "",
+        "### Model level: LoRA r16 on attention, and full fine-tuning",
         "",
         MODEL_INTRO,
         "",
         "Commands, on the 2-GPU machine: `benchmarks/run_model_bench.sh lora`, `... compile`, `... big`; the "
-        "compiled full fine-tuning row: `benchmarks/fsdp2_compile_check.sh`.",
+        "compiled full fine-tuning row: `benchmarks/fsdp2_compile_check.sh`. That model-level harness "
+        "(`benchmarks/bench_model.py`) built its own model; it is replaced by `benchmarks/bench_trainer.py`, which "
+        "times `train_flux_cp.py` itself, and remains in the repository's history.",
         "",
         *model_table(rows),
         "",
         "![speed-up](benchmarks.png)",
         "",
         *targets(main, more),
-        "## Attention level (forward + backward, bf16, batch 1, 24 heads x 128)",
+        "### Attention level (forward + backward, bf16, batch 1, 24 heads x 128)",
         "",
         f"Command: `{attention_command(attention)}` (median of 10 after 3 warm-ups; a CP time is its "
         "slowest rank's). Efficiency = t1 / (n x tn) against one-GPU cuDNN SDPA on the full sequence. The profile "
@@ -219,7 +226,7 @@ def bf16_section(check: dict) -> list[str]:
     att = [r for r in check["rows"] if r["check"] == "attention"]
     mod = [r for r in check["rows"] if r["check"] == "model" and "error" not in r]
     lines = [
-        "## bf16 exactness on the GPU",
+        "### bf16 exactness on the GPU",
         "",
         "Command: `torchrun --nproc_per_node 2 benchmarks/check_gpu.py --out check.json`. Attention: bf16 "
         "`cp.attention` (cuDNN blocks) against fp32 SDPA on the full sequence, output and the three input "
@@ -261,7 +268,7 @@ def bf16_section(check: dict) -> list[str]:
 
 
 def targets(main: Run, more: list[Run]) -> list[str]:
-    """The issue's targets, each with its measured value and verdict."""
+    """The targets set for the model-level run, each with its measured value and verdict."""
     att, rows = main.attention["rows"], main.rows
 
     def a(rows_, tokens, gpus):
@@ -288,7 +295,7 @@ def targets(main: Run, more: list[Run]) -> list[str]:
         return "".join(f" ({a(m.attention['rows'], tokens, 2):.3f} on the earlier machine)" for m in more)
 
     out = [
-        "## Targets (issue 5)",
+        "### Targets set for that run",
         "",
         "| target | measured | verdict |",
         "|---|---|---|",
@@ -336,9 +343,6 @@ def targets(main: Run, more: list[Run]) -> list[str]:
         )
     )
     out += [
-        "",
-        "What each step time is made of, why the missed targets are missed and what would close them: "
-        "`benchmarks/NOTES.md`.",
         "",
     ]
     return out
@@ -448,7 +452,7 @@ def render_equivalence(folder: Path) -> None:
         "1024 px, LoRA r16, bf16, `--deterministic`, seed 0, batch 1 per data-parallel rank, one seed checkpoint "
         "(written by A, read by B). The exact flags are in `benchmarks/equivalence.sh`.",
         "",
-        f"Both tasks ran out of the session's GPU time before step 200: A reached step {len(a)}, B step {len(b)}; "
+        f"Both runs stopped before step 200: A at step {len(a)}, B at step {len(b)}; "
         f"the comparison covers the {n} steps both completed.",
         "",
         "| steps compared | max relative loss difference | at step | mean relative difference |",
@@ -460,24 +464,162 @@ def render_equivalence(folder: Path) -> None:
         + f". Mean relative difference over the first 20 steps {sum(rel[:20]) / 20:.1e}, over the last 20 "
         f"{sum(rel[-20:]) / 20:.1e}: bf16 rounding that drifts slowly, no divergence.",
         "",
-        "One defect affected both tasks alike: gradient clipping was not applied and the logged `grad_norm` read "
+        "One defect affected both runs alike: gradient clipping was not applied and the logged `grad_norm` read "
         "0, because the script clipped the parameter list taken before FSDP2 replaced the parameters (fixed "
         "after this run: the list is now taken after `accelerator.prepare`).",
         "",
         "![loss curves](equivalence.png)",
         "",
-        "Not run: the 8-GPU comparison (dp=2 x cp=4), because no 8-GPU machine was lent (issue 7).",
+        "Not run: the 8-GPU comparison (dp=2 x cp=4): `bash benchmarks/equivalence.sh 4 200` on 8 GPUs.",
     ]
     (DOCS / "equivalence.md").write_text("\n".join(lines) + "\n")
 
 
+def is_trainer_folder(folder: Path) -> bool:
+    return any(folder.glob("trainer_*.json"))
+
+
+def trainer_section(folder: Path) -> list[str]:
+    """The trainer measured through benchmarks/run.sh: steps of train_flux_cp.py, diffusers' compiled CP, the
+    attention eager and compiled, and the targets with their verdicts, all from the files in `folder`."""
+    runs = [r for p in sorted(folder.glob("trainer_*.json")) for r in json.load(open(p))["runs"]]
+    ok = {r["name"]: r for r in runs if "error" not in r}
+    anchors = [json.loads(x) for x in open(folder / "anchors.jsonl") if '"kind": "model"' in x]
+    att = {c: json.load(open(folder / f"attention{c}.json")) for c in ("", "_compiled")}
+    env = att[""]["env"]
+    rel = folder.relative_to(ROOT)
+
+    def eff(name: str) -> float | None:
+        r, base = ok.get(name), ok.get("cp1_" + name.split("_", 1)[-1])
+        return base["s_per_step"] / (r["gpus"] * r["s_per_step"]) if r and base else None
+
+    def att_eff(c: str, tokens: int, impl: str = "ulysses[chunks=1]") -> float:
+        return next(r["efficiency"] for r in att[c]["rows"] if r["tokens"] == tokens and r["impl"] == impl)
+
+    def diff(res: int) -> dict:
+        return min((a for a in anchors if a["res"] == res), key=lambda a: a["s_per_step"])
+
+    def v(good: bool) -> str:
+        return "met" if good else "**missed**"
+
+    def ratio(res: int) -> float:
+        return diff(res)["s_per_step"] / ok[f"cp2_{res}"]["s_per_step"]
+
+    lines = [
+        f"## Trainer, every block compiled, {folder.name}",
+        "",
+        f"Measured on {env_line(env)}. Raw outputs: `{rel}/`. Commands, from the repository root on the 2-GPU "
+        "machine: `ANCHOR=... ANCHOR_MODES=ulysses bash benchmarks/run.sh RESULTS lora anchor`, then "
+        "`bash benchmarks/run.sh RESULTS check_attention modes attention`.",
+        "",
+        "`train_flux_cp.py` itself, launched by `benchmarks/bench_trainer.py` through `accelerate launch`: "
+        "FLUX.1-dev shapes (`python -m flux_cp.tiny --preset flux1-dev-shapes`, `--transformer_init random`), "
+        "bf16, LoRA r16 on the default `--lora_layers` (attention and feed-forward), `--gradient_checkpointing`, "
+        "`--compile` (each block `torch.compile`d; the CP attention is traced into the block's graph), batch 1, "
+        "512 text tokens. s/step and MFU are the medians of metrics.jsonl's `s_per_step` and `mfu` over steps 4-8 "
+        "(steps 1-3 are warm-up and compilation); the two one-GPU runs ran side by side, one per GPU; cp=2 uses "
+        "`accelerate_configs/ddp_cp2.yaml` and `--cp_mode auto` (Ulysses). Efficiency = t1 / (2 t2).",
+        "",
+        "| run | GPUs | res | s/step | MFU | peak GiB/GPU | efficiency |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in runs:
+        res = r["extra"][r["extra"].index("--resolution") + 1]
+        if "error" in r:
+            lines.append(f"| {r['name']} `{' '.join(r['extra'])}` | {r['gpus']} | {res} | failed | | | |")
+            continue
+        e = eff(r["name"])
+        mfu = f"{r['mfu']:.0%}" if r.get("mfu") is not None else ""
+        lines.append(
+            f"| {r['name']} | {r['gpus']} | {res} | {r['s_per_step']:.3f} | {mfu} | {r['peak_mem_gib']:.1f} | "
+            f"{f'{e:.2f}' if e else ''} |"
+        )
+    lines += [
+        "",
+        "diffusers 0.42.1's built-in CP, measured in the same run by the `anchor` set: `ANCHOR` names a "
+        "standalone script (not part of this repository) that builds the same FLUX.1-dev-shaped model with "
+        "diffusers' `enable_parallelism`, run as `COMPILE=1 RES=1024,2048 torchrun --nproc_per_node 2 $ANCHOR "
+        "model ulysses` (`COMPILE=1`: each block `.compile()`d, as diffusers documents regional compilation; "
+        "`_native_cudnn` backend; LoRA r16 on `to_q/to_k/to_v/to_out.0` only, so fewer adapters than our default "
+        "layers; gradient checkpointing; median of 4 steps after 2):",
+        "",
+        "| res | mode | s/step | peak GiB/GPU | ours cp=2 (default LoRA) | ours faster by |",
+        "|---:|---|---:|---:|---:|---:|",
+    ]
+    for a in anchors:
+        ours = ok.get(f"cp2_{a['res']}")
+        if ours:
+            lines.append(
+                f"| {a['res']} | {a['mode']} | {a['s_per_step']:.3f} | {a['peak_gib']:.1f} | {ours['s_per_step']:.3f} "
+                f"| {a['s_per_step'] / ours['s_per_step']:.2f}x |"
+            )
+    lines += [
+        "",
+        'The "1.23x faster than diffusers" of the earlier run below was ours compiled against diffusers **eager**. '
+        f"With both compiled, ours at cp=2 is {ratio(2048):.2f}x diffusers' fastest at 2048 px and {ratio(1024):.2f}x "
+        "at 1024 px, while training more adapters (attention and feed-forward against attention only); "
+        "attention-only LoRA through the trainer was not measured here (`bash benchmarks/run.sh RESULTS lora_attn`).",
+        "",
+        "### Attention, eager and compiled (forward + backward, bf16, batch 1, 24 heads x 128)",
+        "",
+        "`torchrun --nproc_per_node 2 benchmarks/bench_attention.py --tokens 16896 66048 --ulysses_chunks 1 "
+        "[--compile]` (median of 10 after 3; a CP time is its slowest rank's; efficiency against one-GPU cuDNN SDPA "
+        "on the full sequence; *compiled* is `torch.compile(cp.attention, fullgraph=True)`).",
+        "",
+        "| tokens | GPUs | implementation | eager ms | eff | compiled ms | eff |",
+        "|---:|---:|---|---:|---:|---:|---:|",
+    ]
+    for r, c in zip(att[""]["rows"], att["_compiled"]["rows"]):
+        e1, e2 = (f"{x['efficiency']:.3f}" if x.get("efficiency") else "" for x in (r, c))
+        lines.append(
+            f"| {r['tokens']} | {r['gpus']} | {r['impl']} | {r['s'] * 1e3:.2f} | {e1} | {c['s'] * 1e3:.2f} | {e2} |"
+        )
+    d2, d1 = diff(2048), diff(1024)
+    e2048, e1024 = eff("cp2_2048"), eff("cp2_1024")
+    c2, c1 = ok["cp2_2048"], ok["cp2_1024"]
+    failed = [r for r in runs if "error" in r]
+    lines += [
+        "",
+        "### Targets",
+        "",
+        "| target | measured | verdict |",
+        "|---|---|---|",
+        f"| 2048 px LoRA cp=2, both compiled: efficiency >= 0.95 | {e2048:.2f} ({c2['s_per_step']:.3f} s vs "
+        f"{ok['cp1_2048']['s_per_step']:.3f} s on one GPU) | {v(e2048 >= 0.95)} (by {0.95 - e2048:.2f}) |",
+        f"| 2048 px: >= 1.3x faster than diffusers' CP compiled | {d2['s_per_step'] / c2['s_per_step']:.2f}x "
+        f"(diffusers {d2['mode']} {d2['s_per_step']:.3f} s) | {v(d2['s_per_step'] / c2['s_per_step'] >= 1.3)} |",
+        f"| 1024 px LoRA cp=2: efficiency >= 0.70 | {e1024:.2f} ({c1['s_per_step']:.3f} s vs "
+        f"{ok['cp1_1024']['s_per_step']:.3f} s) | {v(e1024 >= 0.7)} |",
+        f"| 1024 px: >= 1.2x faster than diffusers' CP compiled | {d1['s_per_step'] / c1['s_per_step']:.2f}x "
+        f"(diffusers {d1['mode']} {d1['s_per_step']:.3f} s) | {v(d1['s_per_step'] / c1['s_per_step'] >= 1.2)} |",
+        "| 4096 px LoRA cp=2: efficiency >= 0.97 | not measured (`bash benchmarks/run.sh RESULTS big`) | open |",
+        f"| MFU at 2048 px cp=2 >= 65% | {c2['mfu']:.0%} (one GPU: {ok['cp1_2048']['mfu']:.0%}) | "
+        f"{v(c2['mfu'] >= 0.65)} |",
+        f"| attention cp=2, 16,896 tokens: >= 0.92 | compiled {att_eff('_compiled', 16896):.3f}, eager "
+        f"{att_eff('', 16896):.3f} (Ulysses) | {v(att_eff('_compiled', 16896) >= 0.92)} |",
+        f"| attention cp=2, 66,048 tokens: >= 0.97 | compiled {att_eff('_compiled', 66048):.3f}, eager "
+        f"{att_eff('', 66048):.3f} (Ulysses) | {v(att_eff('_compiled', 66048) >= 0.97)} |",
+        "| full fine-tuning 2048 px, FSDP2 + cp=2 compiled: <= 1.9 s/step | not measured with the traced attention "
+        "(`bash benchmarks/run.sh RESULTS big`; the earlier run below, attention a graph break: 2.055 s) | open |",
+    ]
+    for r in failed:
+        lines.append(
+            f"| CUDA graphs (`{' '.join(r['extra'][-2:])}`), 1024 px cp=2 | failed: {r['error'][:160]}... "
+            "(the compiled path kept the cuDNN forward's seed/offset tensors; it keeps only their shapes since, "
+            "not re-measured) | **missed** |"
+        )
+    return lines + ["", "Why the missed targets are missed and what would close them: `benchmarks/NOTES.md`.", ""]
+
+
 def main(argv: list[str]) -> int:
-    """report.py FOLDER [EARLIER_FOLDER ...]: FOLDER renders the main tables and targets, earlier folders
-    (other machines, e.g. one with 4 GPUs) their own tables; the equivalence runs come from whichever has them."""
+    """report.py [TRAINER_FOLDER] FOLDER [EARLIER_FOLDER ...]: a folder from benchmarks/run.sh renders the trainer
+    section and its targets first; FOLDER the model-level tables, earlier folders (other machines, e.g. one with
+    4 GPUs) their own tables; the equivalence runs come from whichever has them."""
     folders = [Path(a).resolve() for a in argv]
+    lead = trainer_section(folders.pop(0)) if is_trainer_folder(folders[0]) else []
     runs = [Run.load(f) for f in folders]
     DOCS.mkdir(exist_ok=True)
-    render_benchmarks(runs[0], folders[0].parent / f"{folders[0].name}.json", runs[1:])
+    render_benchmarks(runs[0], folders[0].parent / f"{folders[0].name}.json", runs[1:], lead)
     for f in folders:
         if (f / "equivalence_A.jsonl").is_file():
             render_equivalence(f)

@@ -1,20 +1,98 @@
 #!/usr/bin/env bash
-# The whole GPU benchmark in one command, on a machine with 2-4 (or 8) H200s, from the repository root:
-#   bash benchmarks/run.sh [results-folder-name]
-# Runs the bf16 checks and the attention benchmark; the model-level sets (LoRA at 1024/2048 px, eager and
-# compiled, DDP and FSDP2; 4096 px; full fine-tuning eager and compiled); the trainer on GPUs through the DDP
-# config; the CP-on/off loss equivalence (4+ GPUs); then renders docs/benchmarks.md, docs/equivalence.md and
-# their plots from benchmarks/results/<name>/. Needs about 45 minutes of GPU time.
-set -u
-NAME=${1:-$(date +%F)-$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr ' ' '-' | tr 'A-Z' 'a-z')}
-export OUT=benchmarks/results/$NAME
+# The GPU benchmark, one entry point. From the repository root, on a machine with 2 H200s (or more):
+#   bash benchmarks/run.sh RESULTS_DIR SET [SET ...]
+# Sets:
+#   check      pytest tests/gpu: bf16 CP attention (eager and compiled) against one GPU, the trainer on GPUs
+#   lora       train_flux_cp.py, LoRA r16 on the default --lora_layers, --compile, 1024 and 2048 px: one GPU (two
+#              runs side by side, one per GPU) against cp=2 (DDP config)
+#   lora_attn  the same with LoRA on the attention projections only
+#   anchor     diffusers' built-in CP (Ulysses, ring; cuDNN) with its blocks compiled, 1024 and 2048 px
+#              (ANCHOR=path/to/anchor_bench.py, skipped when unset; ANCHOR_MODES="ulysses ring" by default)
+#   modes      cp=2 at 1024 px with --compile_mode reduce-overhead (CUDA graphs)
+#   ring       cp=2 at 2048 px with --cp_mode ring
+#   big        4096 px LoRA (one GPU against cp=2) and full fine-tuning at 2048 px (FSDP2, cp=2)
+#   attention  benchmarks/bench_attention.py, eager and compiled, 16,896 and 66,048 tokens
+#   check_model  benchmarks/check_gpu.py: bf16 attention and a 4-block Flux model with CP against fp32 and bf16
+#   equivalence  benchmarks/equivalence.sh: losses with and without CP over 200 steps (4 or 8 GPUs)
+# Results (JSON, logs) go to RESULTS_DIR; benchmarks/report.py renders docs/benchmarks.md from such folders.
+set -euo pipefail
+OUT=$1; shift
 mkdir -p "$OUT"
-bash benchmarks/gpu_checks.sh
-bash benchmarks/run_model_bench.sh lora
-bash benchmarks/run_model_bench.sh compile
-bash benchmarks/run_model_bench.sh big
-bash benchmarks/fsdp2_compile_check.sh
-bash benchmarks/trainer_smoke.sh
+TMP=$(mktemp -d)
+mkdir -p "$TMP/logs"
+export FLUX_CP_HOME=$TMP/home
+. benchmarks/gpu_env.sh
 N=$(python3 -c 'import torch; print(torch.cuda.device_count())')
-if [ "$N" -ge 8 ]; then bash benchmarks/equivalence.sh 4 200; elif [ "$N" -ge 4 ]; then bash benchmarks/equivalence.sh 2 200; fi
-python3 benchmarks/report.py "$OUT"  # add earlier folders (e.g. a 4-GPU run) as further arguments
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/env.txt"
+python3 -c 'import torch, diffusers; print("torch", torch.__version__, "diffusers", diffusers.__version__)' >> "$OUT/env.txt"
+echo "gpus: $N" >> "$OUT/env.txt"
+
+ATTN=attn.to_k,attn.to_q,attn.to_v,attn.to_out.0,attn.add_k_proj,attn.add_q_proj,attn.add_v_proj,attn.to_add_out
+trainer() {  # trainer SECONDS RUN...
+  local t=$1; shift
+  timeout "$t" python3 benchmarks/bench_trainer.py --out "$OUT/trainer.json" --logs "$TMP/logs" --parallel "$@" \
+    || echo "bench_trainer exit $?"
+}
+
+for SET in "$@"; do
+  echo "=== $SET $(date +%T)"
+  case $SET in
+    check)
+      timeout 300 python3 -m pytest -q -x tests/gpu 2>&1 | tail -15 || echo "check exit $?" ;;
+    check_attention)
+      timeout 200 python3 -m pytest -q -x -s tests/gpu -k bf16 2>&1 | grep -E "^\{|passed|failed|Error" \
+        || echo "check exit $?" ;;
+    lora)
+      trainer ${LORA_S:-560} \
+        "cp1_2048:1:gpu1.yaml:--resolution 2048 --compile" \
+        "cp1_1024:1:gpu1.yaml:--resolution 1024 --compile" \
+        "cp2_2048:2:ddp_cp2.yaml:--cp_size 2 --resolution 2048 --compile" \
+        "cp2_1024:2:ddp_cp2.yaml:--cp_size 2 --resolution 1024 --compile" ;;
+    lora_attn)
+      trainer 560 \
+        "cp1_2048_attn:1:gpu1.yaml:--resolution 2048 --compile --lora_layers $ATTN" \
+        "cp1_1024_attn:1:gpu1.yaml:--resolution 1024 --compile --lora_layers $ATTN" \
+        "cp2_2048_attn:2:ddp_cp2.yaml:--cp_size 2 --resolution 2048 --compile --lora_layers $ATTN" \
+        "cp2_1024_attn:2:ddp_cp2.yaml:--cp_size 2 --resolution 1024 --compile --lora_layers $ATTN" ;;
+    modes)
+      trainer 200 \
+        "cp2_1024_ro:2:ddp_cp2.yaml:--cp_size 2 --resolution 1024 --compile_mode reduce-overhead" ;;
+    ring)
+      trainer 300 "cp2_2048_ring:2:ddp_cp2.yaml:--cp_size 2 --cp_mode ring --resolution 2048 --compile" ;;
+    big)
+      trainer 560 \
+        "cp1_4096:1:gpu1.yaml:--resolution 4096 --compile" \
+        "cp2_4096:2:ddp_cp2.yaml:--cp_size 2 --resolution 4096 --compile" \
+        "cp2_2048_full:2:fsdp2_cp2.yaml:--cp_size 2 --resolution 2048 --compile --full_finetune" ;;
+    anchor)
+      if [ -n "${ANCHOR:-}" ]; then
+        for mode in ${ANCHOR_MODES:-ulysses ring}; do
+          COMPILE=1 RES=1024,2048 OUT=$TMP timeout 200 torchrun --nproc_per_node 2 "$ANCHOR" model "$mode" \
+            > "$TMP/logs/anchor_$mode.log" 2>&1 || echo "anchor $mode exit $?"
+        done
+        cp "$TMP/anchors.jsonl" "$OUT/anchors.jsonl" && grep -h '"kind": "model"' "$OUT/anchors.jsonl" || true
+      fi ;;
+    attention)
+      for c in "" --compile; do
+        timeout 150 torchrun --nproc_per_node 2 benchmarks/bench_attention.py --tokens 16896 66048 $c \
+          --ulysses_chunks 1 --out "$OUT/attention${c:+_compiled}.json" 2>&1 | grep -E "^tokens" \
+          || echo "attention $c exit $?"
+      done ;;
+    check_model)
+      timeout 200 torchrun --nproc_per_node "$N" benchmarks/check_gpu.py --out "$OUT/check.json" \
+        > "$TMP/logs/check_model.log" 2>&1 || echo "check_model exit $?"
+      grep -E "^\{" "$TMP/logs/check_model.log" | cut -c1-220 || true ;;
+    equivalence)
+      if [ "$N" -ge 8 ]; then OUT=$OUT bash benchmarks/equivalence.sh 4 200
+      elif [ "$N" -ge 4 ]; then OUT=$OUT bash benchmarks/equivalence.sh 2 200
+      else echo "equivalence: needs 4 or 8 GPUs, skipped"; fi ;;
+    *) echo "error: unknown set $SET (check, check_attention, check_model, lora, lora_attn, anchor, modes, ring, big, attention, equivalence)"; exit 2 ;;
+  esac
+done
+tar czf "$OUT/logs.tgz" -C "$TMP" logs
+[ -f "$OUT/trainer.json" ] && python3 - "$OUT/trainer.json" <<'PY' || true
+import json, sys
+sys.path.insert(0, "benchmarks")
+from bench_trainer import table
+table(json.load(open(sys.argv[1]))["runs"])
+PY

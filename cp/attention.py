@@ -7,9 +7,10 @@ import math
 import torch
 import torch.distributed as dist
 
-from .comm import group_size, hybrid_groups
+from .comm import group_size, hybrid_group_names, hybrid_groups
+from .ops import ring_attention_op
 from .ring import ring_attention
-from .ulysses import ulysses_attention
+from .ulysses import ulysses_attention, ulysses_traced
 
 Tensor = torch.Tensor
 
@@ -51,7 +52,6 @@ def validate(shape: tuple[int, ...], group_size_: int, mode: str, ulysses_size: 
     return u
 
 
-@torch.compiler.disable  # communication and custom autograd: torch.compile stops here and resumes after
 def attention(
     query: Tensor,
     key: Tensor,
@@ -67,6 +67,9 @@ def attention(
     `query/key/value`: this rank's contiguous chunk, `[batch, seq_local, heads, head_dim]`. Every rank
     of `group` must hold a chunk of the same length (see `cp.shard`). Returns this rank's output chunk,
     same layout. Gradients w.r.t. the local chunks equal the matching slices of the full gradients.
+
+    torch.compile traces it without a graph break: the exchanges become functional collectives and the
+    ring (or the local attention) a custom op (`cp/ops.py`), with the same kernels as in eager mode.
     """
     if query.shape != key.shape or query.shape != value.shape:
         raise ValueError(
@@ -79,6 +82,8 @@ def attention(
     u = validate(tuple(query.shape), n, mode, ulysses_size)
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
 
+    if torch.compiler.is_compiling():
+        return _traced(query, key, value, group, n, mode, u, scale)
     if n == 1 or mode == "ring":
         q, k, v = (t.transpose(1, 2).contiguous() for t in (query, key, value))
         return ring_attention(q, k, v, group if n > 1 else None, scale).transpose(1, 2)
@@ -86,3 +91,18 @@ def attention(
         return ulysses_attention(query, key, value, group, scale)
     u_group, r_group = hybrid_groups(group, u)
     return ulysses_attention(query, key, value, u_group, scale, ring_group=r_group)
+
+
+def _traced(
+    query: Tensor, key: Tensor, value: Tensor, group: dist.ProcessGroup | None, n: int, mode: str, u: int | None,
+    scale: float,
+) -> Tensor:  # fmt: skip
+    """The same computation in ops that torch.compile traces (forward and backward)."""
+    if n == 1 or mode == "ring":
+        q, k, v = (t.transpose(1, 2).contiguous() for t in (query, key, value))
+        out, _ = ring_attention_op(q, k, v, scale, group.group_name if n > 1 else "")
+        return out.transpose(1, 2)
+    if u == n:
+        return ulysses_traced(query, key, value, group, u, scale)
+    u_name, r_name = hybrid_group_names(group.group_name, u)
+    return ulysses_traced(query, key, value, u_name, u, scale, ring_group_name=r_name)

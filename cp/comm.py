@@ -190,3 +190,13 @@ def hybrid_groups(group: ProcessGroup, ulysses_size: int) -> tuple[ProcessGroup,
         groups = sorted({tuple(r) for r in everyone})
         create_hybrid_groups([list(g) for g in groups], ulysses_size)
     return _SUBGROUPS[key]
+
+
+@torch._dynamo.assume_constant_result
+def hybrid_group_names(group_name: str, ulysses_size: int) -> tuple[str, str]:
+    """Names of `hybrid_groups` for the group named `group_name`. torch.compile runs this once while tracing
+    (on every rank at the same point, as the first eager call would) and keeps the names as constants."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    u_group, r_group = hybrid_groups(_resolve_process_group(group_name), ulysses_size)
+    return u_group.group_name, r_group.group_name

@@ -38,25 +38,79 @@ def _merge(out: Tensor | None, lse: Tensor | None, blk_out: Tensor, blk_lse: Ten
     return out, lse - F.logsigmoid(lse - blk_lse)
 
 
+def ring_forward(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, group: dist.ProcessGroup | None
+) -> tuple[Tensor, Tensor, kernels.Kernel, tuple]:
+    """(out, merged LSE, kernel, aux): the forward of ring attention, shared by the eager autograd Function
+    and the compiled path's custom op."""
+    n = group_size(group)
+    ring = RingComm(group) if n > 1 else None
+    kv = torch.stack([k, v]) if n > 1 else None
+    out = lse = None
+    kernel = aux = None
+    blk_k, blk_v = k, v
+    for step in range(n):
+        if step < n - 1:
+            next_kv, works = ring.start(kv, _KV_TAG)
+        blk_out, blk_lse, kernel, aux = kernels.forward(q, blk_k, blk_v, scale)
+        out, lse = _merge(out, lse, blk_out, blk_lse)
+        if step < n - 1:
+            RingComm.wait(works)
+            kv = next_kv
+            blk_k, blk_v = kv[0], kv[1]
+    return out.to(q.dtype), lse, kernel, aux
+
+
+def ring_backward(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    scale: float,
+    group: dist.ProcessGroup | None,
+    kernel: kernels.Kernel,
+    aux: tuple,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of ring attention given the forward's output and merged LSE."""
+    dout = dout.contiguous()
+    n = group_size(group)
+    if n == 1:
+        return kernels.backward(kernel, dout, q, k, v, out, lse, scale, aux)
+
+    ring = RingComm(group)
+    acc = kernels.acc_dtype(q.dtype)
+    kv = torch.stack([k, v])
+    dq = torch.zeros_like(q, dtype=acc)
+    dkv_in = dkv_works = None
+    for step in range(n):
+        if step < n - 1:
+            next_kv, kv_works = ring.start(kv, _KV_TAG)
+        blk_dq, blk_dk, blk_dv = kernels.backward(kernel, dout, q, kv[0], kv[1], out, lse, scale, aux)
+        dq += blk_dq
+        blk_dkv = torch.stack([blk_dk, blk_dv]).to(acc)
+        if dkv_in is None:
+            dkv = blk_dkv
+        else:
+            RingComm.wait(dkv_works)
+            dkv = dkv_in + blk_dkv
+        # Pass the accumulator for the block we hold to the next rank; after the last step it
+        # arrives at its owner, complete, and the owner only rounds it to k's dtype: rounding before
+        # the last hop gives the same result and halves the one transfer nothing can hide (bf16).
+        last = step == n - 1
+        dkv_in, dkv_works = ring.start(dkv.to(k.dtype) if last else dkv, _DKV_TAG)
+        if step < n - 1:
+            RingComm.wait(kv_works)
+            kv = next_kv
+    RingComm.wait(dkv_works)
+    return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype)
+
+
 class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, scale: float, group: dist.ProcessGroup | None) -> Tensor:
-        n = group_size(group)
-        ring = RingComm(group) if n > 1 else None
-        kv = torch.stack([k, v]) if n > 1 else None
-        out = lse = None
-        kernel = aux = None
-        blk_k, blk_v = k, v
-        for step in range(n):
-            if step < n - 1:
-                next_kv, works = ring.start(kv, _KV_TAG)
-            blk_out, blk_lse, kernel, aux = kernels.forward(q, blk_k, blk_v, scale)
-            out, lse = _merge(out, lse, blk_out, blk_lse)
-            if step < n - 1:
-                RingComm.wait(works)
-                kv = next_kv
-                blk_k, blk_v = kv[0], kv[1]
-        out = out.to(q.dtype)
+        out, lse, kernel, aux = ring_forward(q, k, v, scale, group)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.scale, ctx.group, ctx.kernel, ctx.aux = scale, group, kernel, aux
         return out
@@ -64,39 +118,8 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout: Tensor):
         q, k, v, out, lse = ctx.saved_tensors
-        group, scale, kernel, aux = ctx.group, ctx.scale, ctx.kernel, ctx.aux
-        dout = dout.contiguous()
-        n = group_size(group)
-        if n == 1:
-            dq, dk, dv = kernels.backward(kernel, dout, q, k, v, out, lse, scale, aux)
-            return dq, dk, dv, None, None
-
-        ring = RingComm(group)
-        acc = kernels.acc_dtype(q.dtype)
-        kv = torch.stack([k, v])
-        dq = torch.zeros_like(q, dtype=acc)
-        dkv_in = dkv_works = None
-        for step in range(n):
-            if step < n - 1:
-                next_kv, kv_works = ring.start(kv, _KV_TAG)
-            blk_dq, blk_dk, blk_dv = kernels.backward(kernel, dout, q, kv[0], kv[1], out, lse, scale, aux)
-            dq += blk_dq
-            blk_dkv = torch.stack([blk_dk, blk_dv]).to(acc)
-            if dkv_in is None:
-                dkv = blk_dkv
-            else:
-                RingComm.wait(dkv_works)
-                dkv = dkv_in + blk_dkv
-            # Pass the accumulator for the block we hold to the next rank; after the last step it
-            # arrives at its owner, complete, and the owner only rounds it to k's dtype: rounding before
-            # the last hop gives the same result and halves the one transfer nothing can hide (bf16).
-            last = step == n - 1
-            dkv_in, dkv_works = ring.start(dkv.to(k.dtype) if last else dkv, _DKV_TAG)
-            if step < n - 1:
-                RingComm.wait(kv_works)
-                kv = next_kv
-        RingComm.wait(dkv_works)
-        return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype), None, None
+        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.scale, ctx.group, ctx.kernel, ctx.aux)
+        return dq, dk, dv, None, None
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup | None, scale: float) -> Tensor:

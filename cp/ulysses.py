@@ -8,6 +8,10 @@ and in backward. One chunk is the default (see `_chunks`).
 
 Input/output layout `[batch, seq_local, heads, head_dim]`; the attention kernels get
 `[batch, heads/u, seq_local * u, head_dim]`, contiguous.
+
+Under torch.compile (`ulysses_traced`) the all-to-alls are functional collectives, which the compiler traces
+and schedules, around the `flux_cp::ring_attention` custom op (cp/ops.py); one exchange per tensor, without the
+head-chunk pipeline.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import os
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 from . import kernels
 from .comm import all_to_all
@@ -161,3 +166,37 @@ def ulysses_attention(
     qkv = _seq_to_heads(torch.stack([q, k, v]), group)
     out = ring_attention(qkv[0], qkv[1], qkv[2], ring_group, scale)
     return _heads_to_seq(out, group)
+
+
+# --- traced by torch.compile -----------------------------------------------------------------------------
+
+
+def seq_to_heads_traced(t: Tensor, group: dist.ProcessGroup | str, u: int) -> Tensor:
+    """`[B, S_l, H, D]` sequence chunk -> `[B, H/u, u*S_l, D]` head group of the whole sequence, through a
+    functional all-to-all over `group` (a group or its name; `u` its size). Autograd: the inverse all-to-all."""
+    b, s, h, d = t.shape
+    x = t.reshape(b, s, u, h // u, d).permute(2, 0, 3, 1, 4).contiguous()  # [u, B, H/u, S_l, D]
+    x = funcol.all_to_all_single_autograd(x, None, None, group)
+    return x.permute(1, 2, 0, 3, 4).reshape(b, h // u, u * s, d)
+
+
+def heads_to_seq_traced(out: Tensor, group: dist.ProcessGroup | str, u: int) -> Tensor:
+    """`[B, H/u, u*S_l, D]` -> `[B, S_l, H, D]`, the inverse of `seq_to_heads_traced`."""
+    b, hu, s_full, d = out.shape
+    s = s_full // u
+    x = out.reshape(b, hu, u, s, d).permute(2, 0, 3, 1, 4).contiguous()  # [u, B, S_l, H/u, D]
+    x = funcol.all_to_all_single_autograd(x, None, None, group)
+    return x.permute(1, 2, 0, 3, 4).reshape(b, s, u * hu, d)
+
+
+def ulysses_traced(
+    q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup | str, u: int, scale: float, ring_group_name: str = ""
+) -> Tensor:
+    """Ulysses for torch.compile: each of q, k, v is exchanged as soon as it is given (so the exchange of q
+    can run while k and v are produced, if the caller produces them after), attention runs on heads/u heads
+    (a ring over `ring_group_name` in the hybrid mode), and the output goes back."""
+    from .ops import ring_attention_op
+
+    qh, kh, vh = (seq_to_heads_traced(t, group, u) for t in (q, k, v))
+    out, _ = ring_attention_op(qh, kh, vh, scale, ring_group_name)
+    return heads_to_seq_traced(out, group, u)

@@ -220,6 +220,12 @@ class TrainConfig:
     )
     on_nonfinite: str = flag("stop", "What to do when the loss or gradient norm is NaN/inf.", choices=("stop", "skip"))
     compile: bool = flag(False, "torch.compile each transformer block.")
+    compile_mode: str | None = flag(
+        None,
+        "torch.compile mode of the blocks (implies --compile); reduce-overhead replays each block as a CUDA graph, "
+        "communication included, for short sequences whose steps wait on the host.",
+        choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
+    )
 
     def check(self) -> None:
         for name in ("train_batch_size", "gradient_accumulation_steps", "num_train_epochs"):

@@ -174,12 +174,13 @@ def choose_cp_mode(parallel: ParallelConfig, heads: int, cp_size: int) -> tuple[
 def auto_mode(heads: int, cp_size: int) -> tuple[str, int | None]:
     """The CP mode, by the H200 measurements in docs/benchmarks.md (the same at every sequence length):
 
-    - Ulysses when the heads divide over the group: fewer, larger messages. On 2 H200s it matched or beat the
-      ring at every size (LoRA step at 2048 px: 1.98 against 2.21 s; at 1024 px: 0.87 against 0.99 s; attention
-      at 16,896 / 66,048 tokens: 12.9 / 176 against 14.1 / 183 ms); on 4, at every size too (attention 3.09 /
-      6.86 / 90.2 ms against the ring's 6.52 / 10.5 / 95.6 ms at 4,608 / 16,896 / 66,048 tokens). One earlier
-      run on 4 H200s had the ring ahead at 1024 px on 2 of them (0.815 against 0.893 s); the next did not
-      reproduce it, so no exception is made for short sequences.
+    - Ulysses when the heads divide over the group: fewer, larger messages. Compiled, on 2 H200s, its
+      attention beat the ring's at 16,896 and 66,048 tokens (12.25 / 174.1 against 13.59 / 181.5 ms). Eager, it
+      matched or beat the ring at every size (LoRA step at 2048 px: 1.98 against 2.21 s; at 1024 px: 0.87 against
+      0.99 s; attention at 16,896 / 66,048 tokens: 12.9 / 176 against 14.1 / 183 ms); on 4, at every size too
+      (attention 3.09 / 6.86 / 90.2 ms against the ring's 6.52 / 10.5 / 95.6 ms at 4,608 / 16,896 / 66,048
+      tokens). One earlier run on 4 H200s had the ring ahead at 1024 px on 2 of them (0.815 against 0.893 s);
+      the next did not reproduce it, so no exception is made for short sequences.
     - else hybrid with the largest Ulysses degree dividing both (at 4 ranks it sits between the two at
       every size), else ring.
     """
@@ -191,8 +192,9 @@ def auto_mode(heads: int, cp_size: int) -> tuple[str, int | None]:
     return "ring", None
 
 
-# CP on H200s at 2,304 tokens per rank (1024 px on 2 GPUs) was slower than one GPU (LoRA step 0.870 s against
-# 0.804 s) and 0.91-0.92 efficient at 8,448 (2048 px; docs/benchmarks.md). The warning threshold sits between the
+# CP on H200s at 2,304 tokens per rank (1024 px on 2 GPUs) was slower than one GPU (LoRA step through the trainer,
+# compiled: 0.556 s against 0.515 s) and 0.90 efficient at 8,448 (2048 px: 1.586 against 2.869 s;
+# docs/benchmarks.md). The warning threshold sits between the
 # two measured points; lengths in between were not measured.
 SHORT_TOKENS_PER_RANK = 4096
 

@@ -83,7 +83,7 @@ def _model_errors(rank: int, world: int, mode: str, ulysses_size: int | None, ck
     for key, dim in (("hidden_states", 1), ("encoder_hidden_states", 1), ("img_ids", 0), ("txt_ids", 0)):
         local[key] = cp.shard(inputs[key], dim, group)
     out = model(**local).sample
-    # docs/design.md, data flow: loss = mean over the rank's local tokens; gradients averaged over all CP ranks.
+    # The training rule: loss = mean over the rank's local tokens; gradients averaged over all CP ranks.
     F.mse_loss(out, cp.shard(target, 1, group)).backward()
     grad_errors = {}
     for n, p in model.named_parameters():
