@@ -28,7 +28,7 @@ import cp
 from flux_cp import checkpoint, faults, files, runner, validation
 from flux_cp.batches import Batches
 from flux_cp.config import Config, parse_config
-from flux_cp.data import BatchSchedule, ImageSource, open_source
+from flux_cp.data import BatchSchedule, ImageSource, check_pair_flags, open_source, reference_column
 from flux_cp.encode import Encoders, Geometry, LiveData, TrainingData, encode_dataset, model_fingerprint
 from flux_cp.errors import UsageError
 from flux_cp.lora import save_lora
@@ -40,6 +40,7 @@ from flux_cp.model import (
     load_scheduler,
     load_transformer,
     model_path,
+    pipeline_class,
     prepare_trainable,
     save_full,
     trainable_parameters,
@@ -86,6 +87,7 @@ class Data:
     schedule: BatchSchedule
     global_batch: int  # samples per micro-step over all data-parallel ranks
     validation_embeds: tuple[torch.Tensor, torch.Tensor] | None
+    validation_reference: torch.Tensor | None  # Kontext: latents of the --validation_image the prompts edit
 
 
 @dataclass
@@ -135,16 +137,19 @@ def setup(cfg: Config) -> Run:
     # Everything that needs only the flags and the launch size fails here, before any process group.
     check_layout(launched_world_size(), cfg.parallel.cp_size)
     check_tokens(cfg.parallel, cfg.data, cfg.validation)
+    check_pair_flags(cfg.data, cfg.validation)
+    kontext = reference_column(cfg.data) is not None  # pair data: FLUX.1 Kontext (the tiny default's variant)
     # Before any process group: transformers' save_pretrained writes weights only on rank 0 once
     # torch.distributed is up, so the tiny default must be built (by whichever process locks first) now.
-    path = model_path(cfg.model)
+    path = model_path(cfg.model, kontext)
     accelerator = make_accelerator(cfg.parallel, cfg.train, cfg.validation)
     layout = make_layout(accelerator, cfg.parallel.cp_size, cfg.parallel.collective_timeout)
     logging.basicConfig(level=logging.INFO if layout.is_main else logging.WARNING, format="%(message)s")
     if cfg.model.embedded_default:
         logger.info(
-            "flux-cp: embedded default - a tiny Flux built locally, trained on the bundled data set "
-            "(data/tiny_shapes); pass --pretrained_model_name_or_path and --dataset_name for real runs"
+            f"flux-cp: embedded default - a tiny {'FLUX.1 Kontext' if kontext else 'Flux'} built locally, trained on "
+            f"{cfg.data.dataset_name or 'the bundled data set (data/tiny_shapes)'}; pass "
+            "--pretrained_model_name_or_path and --dataset_name for real runs"
         )
     logger.info(f"flux-cp: {layout.describe()}, {accelerator.distributed_type}, device {accelerator.device}")
     if cfg.train.deterministic:
@@ -159,13 +164,25 @@ def setup(cfg: Config) -> Run:
 def load_data(run: Run) -> Data:
     """Encode the data set once (cached on disk, spread over all ranks), then free the text encoders."""
     cfg, layout = run.cfg, run.layout
+    source = open_source(cfg.data)  # listing errors (captions, pairs) before any model loads
+    if source.pairs:
+        logger.info(f"FLUX.1 Kontext pairs: {len(source)} targets with their reference images, loss on the targets")
+        declared = pipeline_class(run.model_path, cfg.model.revision)
+        if declared not in (None, "FluxKontextPipeline"):
+            logger.warning(
+                f"the data has reference images but {run.model_path} is a {declared}: training it on pairs starts "
+                "FLUX.1 Kontext from scratch; for image editing fine-tune black-forest-labs/FLUX.1-Kontext-dev"
+            )
     encoders = load_encoders(cfg.model, run.model_path, run.weight_dtype, run.device)
     noise_scheduler = load_scheduler(cfg.model, run.model_path)
-    source = open_source(cfg.data)
     geometry = Geometry(cfg.data.resolution, cfg.parallel.cp_size, cfg.data.aspect_buckets)
-    validation_embeds = None
+    validation_embeds = validation_reference = None
     if cfg.validation.validation_prompt:
         validation_embeds = encoders.prompts(list(cfg.validation.validation_prompt), cfg.data.max_sequence_length)
+        if cfg.validation.validation_image:
+            validation_reference = validation.reference_latents(
+                cfg.validation.validation_image, cfg.validation.validation_resolution, encoders.vae, run.device
+            )
     if cfg.data.no_cache:
         samples: TrainingData = LiveData(source, encoders, geometry, cfg.data, cfg.train.seed)
     else:
@@ -183,7 +200,8 @@ def load_data(run: Run) -> Data:
         encoders.free_text_encoders()
     global_batch = cfg.train.train_batch_size * layout.dp
     schedule = BatchSchedule(samples.buckets, global_batch, cfg.train.seed)
-    return Data(encoders, noise_scheduler, source, geometry, samples, schedule, global_batch, validation_embeds)
+    return Data(encoders, noise_scheduler, source, geometry, samples, schedule, global_batch, validation_embeds,
+                validation_reference)  # fmt: skip
 
 
 def build_model(run: Run, data: Data) -> Trainee:
@@ -207,7 +225,8 @@ def build_model(run: Run, data: Data) -> Trainee:
             + (f" (ulysses {ulysses_size})" if ulysses_size else "")
             + f" over {layout.cp} ranks"
         )
-        advice = cp_advice((cfg.data.resolution // 16) ** 2 + cfg.data.max_sequence_length, layout.cp)
+        images = 2 if data.source.pairs else 1  # a Kontext pair: target and reference tokens
+        advice = cp_advice(images * (cfg.data.resolution // 16) ** 2 + cfg.data.max_sequence_length, layout.cp)
         if advice and run.device.type == "cuda":  # measured on GPUs; the CPU demo's tiny sequences are for testing
             logger.warning(advice)
     if train.compile or train.compile_mode:
@@ -344,7 +363,7 @@ def validate(run: Run, data: Data, trainee: Trainee, step: int) -> None:
     images = validation.generate(
         run.accelerator.unwrap_model(trainee.model), data.encoders.vae, data.noise_scheduler.config,
         data.validation_embeds, run.layout, cfg.validation, cfg.train.guidance_scale, cfg.train.seed,
-        run.accelerator.autocast,
+        run.accelerator.autocast, data.validation_reference,
     )  # fmt: skip
     if run.layout.is_main:
         path = validation.save_and_log(images, step, cfg.validation, cfg.train.output_dir, run.accelerator)

@@ -6,6 +6,8 @@
 #   lora       train_flux_cp.py, LoRA r16 on the default --lora_layers, --compile, 1024 and 2048 px: one GPU (two
 #              runs side by side, one per GPU) against cp=2 (DDP config)
 #   lora_attn  the same with LoRA on the attention projections only
+#   kontext    lora_attn on FLUX.1 Kontext-shaped pairs (data/tiny_pairs: target + reference, 8,704 and 33,280
+#              tokens at 1024 and 2048 px)
 #   anchor     diffusers' built-in CP (Ulysses, ring; cuDNN) with its blocks compiled, 1024 and 2048 px
 #              (ANCHOR=path/to/anchor_bench.py, skipped when unset; ANCHOR_MODES="ulysses ring" by default)
 #   modes      cp=2 at 1024 px with --compile_mode reduce-overhead (CUDA graphs)
@@ -54,6 +56,14 @@ for SET in "$@"; do
         "cp1_1024_attn:1:gpu1.yaml:--resolution 1024 --compile --lora_layers $ATTN" \
         "cp2_2048_attn:2:ddp_cp2.yaml:--cp_size 2 --resolution 2048 --compile --lora_layers $ATTN" \
         "cp2_1024_attn:2:ddp_cp2.yaml:--cp_size 2 --resolution 1024 --compile --lora_layers $ATTN" ;;
+    kontext)
+      python3 -m flux_cp.tiny --preset flux1-dev-shapes --kontext --out "$TMP/kontext-shapes" > /dev/null
+      K="--compile --lora_layers $ATTN --dataset_name data/tiny_pairs"
+      trainer 900 --model "$TMP/kontext-shapes" \
+        "cp1_2048_kontext:1:gpu1.yaml:--resolution 2048 $K" \
+        "cp1_1024_kontext:1:gpu1.yaml:--resolution 1024 $K" \
+        "cp2_2048_kontext:2:ddp_cp2.yaml:--cp_size 2 --resolution 2048 $K" \
+        "cp2_1024_kontext:2:ddp_cp2.yaml:--cp_size 2 --resolution 1024 $K" ;;
     modes)
       trainer 200 \
         "cp2_1024_ro:2:ddp_cp2.yaml:--cp_size 2 --resolution 1024 --compile_mode reduce-overhead" ;;
@@ -86,7 +96,7 @@ for SET in "$@"; do
       if [ "$N" -ge 8 ]; then OUT=$OUT bash benchmarks/equivalence.sh 4 200
       elif [ "$N" -ge 4 ]; then OUT=$OUT bash benchmarks/equivalence.sh 2 200
       else echo "equivalence: needs 4 or 8 GPUs, skipped"; fi ;;
-    *) echo "error: unknown set $SET (check, check_attention, check_model, lora, lora_attn, anchor, modes, ring, big, attention, equivalence)"; exit 2 ;;
+    *) echo "error: unknown set $SET (check, check_attention, check_model, lora, lora_attn, kontext, anchor, modes, ring, big, attention, equivalence)"; exit 2 ;;
   esac
 done
 tar czf "$OUT/logs.tgz" -C "$TMP" logs

@@ -13,6 +13,7 @@ import cp
 from .data import BatchSchedule
 from .encode import TrainingData
 from .flow import image_ids, loss_weighting, pack_latents, per_sample_draws, text_ids
+from .kontext import PairSplit, pair_sequence, target_loss
 from .rng import Stream, generator
 
 if TYPE_CHECKING:
@@ -25,15 +26,20 @@ Tensor = torch.Tensor
 @dataclass
 class MicroBatch:
     inputs: dict  # keyword arguments of FluxTransformer2DModel.forward, this rank's chunk
-    target: Tensor  # this rank's chunk of (noise - latents), packed
+    target: Tensor  # this rank's chunk of (noise - latents), packed; the whole of it for Kontext pairs
     weighting: Tensor  # [B, 1, 1] per-sample loss weights
     epoch: int
-    image_tokens: int  # per sample, whole sequence
+    image_tokens: int  # per sample, whole sequence (target and reference for Kontext pairs)
     text_tokens: int
+    pair: PairSplit | None = None  # Kontext pairs: how the [target; reference] tokens are split over the CP group
+    cp_rank: int = 0
 
     def loss(self, pred: Tensor) -> Tensor:
         """Weighted MSE, mean over this rank's tokens (gradients are then averaged over all dp x cp ranks,
-        which with equal chunks is the full-sequence mean; docs/design.md, data flow)."""
+        which with equal chunks is the full-sequence mean; docs/design.md, data flow). Kontext pairs: over the
+        target tokens only, weighted so that the same averaging gives the full mean (docs/design.md, Kontext)."""
+        if self.pair is not None:
+            return target_loss(pred, self.target, self.weighting, self.pair, self.cp_rank)
         err = self.weighting * (pred.float() - self.target.float()) ** 2
         return err.reshape(err.shape[0], -1).mean(1).mean()
 
@@ -79,21 +85,33 @@ class Batches:
         h, w = latents.shape[-2:]
         embeds = stack["prompt_embeds"]
         dt = self.input_dtype
+        target, hidden, ids, pair = (
+            pack_latents(noise - latents),
+            pack_latents(noisy),
+            image_ids(h, w, device=dev),
+            None,
+        )
+        if "reference_latent" in stack:  # Kontext: the clean reference tokens follow the noisy target tokens
+            reference = (stack["reference_latent"] - self.shift) * self.scale
+            hidden, ids = pair_sequence(hidden, pack_latents(reference), (h, w), tuple(reference.shape[-2:]))
+            pair = PairSplit(target.shape[1], hidden.shape[1] - target.shape[1], self.layout.cp)
         inputs = dict(
-            hidden_states=cp.shard(pack_latents(noisy), 1, group).to(dt),
+            hidden_states=cp.shard(hidden, 1, group).to(dt),
             encoder_hidden_states=cp.shard(embeds, 1, group).to(dt),
             pooled_projections=stack["pooled_prompt_embeds"].to(dt),
             timestep=draws["timesteps"].to(dev) / 1000.0,
-            img_ids=cp.shard(image_ids(h, w, device=dev), 0, group),
+            img_ids=cp.shard(ids, 0, group),
             txt_ids=cp.shard(text_ids(embeds.shape[1], device=dev), 0, group),
             guidance=torch.full((len(slots),), a.guidance_scale, device=dev) if self.guidance else None,
             return_dict=False,
         )
         return MicroBatch(
             inputs=inputs,
-            target=cp.shard(pack_latents(noise - latents), 1, group),
+            target=target if pair else cp.shard(target, 1, group),
             weighting=loss_weighting(a.weighting_scheme, draws["sigmas"]).to(dev).view(-1, 1, 1),
             epoch=epoch,
-            image_tokens=(h // 2) * (w // 2),
+            image_tokens=hidden.shape[1],
             text_tokens=embeds.shape[1],
+            pair=pair,
+            cp_rank=self.layout.cp_rank,
         )

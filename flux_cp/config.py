@@ -132,6 +132,11 @@ class DataConfig:
     dataset_config_name: str | None = flag(None)
     image_column: str = flag("image")
     caption_column: str = flag("text")
+    cond_image_column: str | None = flag(
+        None,
+        "FLUX.1 Kontext: the column of each target's reference image (a local folder's metadata.jsonl names it in "
+        "'<column>_file_name'; found there without this flag when it is the only one).",
+    )
     instance_prompt: str | None = flag(
         None, "DreamBooth-style: use this prompt for every image (captions are ignored)."
     )
@@ -164,6 +169,8 @@ class DataConfig:
             raise UsageError(f"--max_sequence_length must be between 1 and 512, got {self.max_sequence_length}")
         if self.dataset_name and os.path.sep in self.dataset_name and not os.path.exists(self.dataset_name):
             raise UsageError(f"--dataset_name {self.dataset_name}: no such folder")
+        if self.cond_image_column is not None and self.dataset_name is None:
+            raise UsageError("--cond_image_column needs --dataset_name (the bundled data set has no reference images)")
 
 
 @dataclass(frozen=True)
@@ -286,6 +293,9 @@ class ValidationConfig:
         repeat=True,
         derive=lambda raw: DEMO_PROMPTS if _is_demo(raw) else None,
     )
+    validation_image: str | None = flag(
+        None, "FLUX.1 Kontext: the reference image every --validation_prompt edits (FluxKontextPipeline)."
+    )
     validation_steps: int | None = flag(None, "Default: only at the end of training.")
     num_validation_images: int = flag(2)
     validation_resolution: int = flag(1024, "Default: --resolution.", derive=lambda raw: raw["resolution"])
@@ -296,6 +306,8 @@ class ValidationConfig:
     def check(self) -> None:
         if self.validation_resolution % 16:
             raise UsageError(f"--validation_resolution {self.validation_resolution} must be a multiple of 16")
+        if self.validation_image is not None and not os.path.isfile(self.validation_image):
+            raise UsageError(f"--validation_image {self.validation_image}: no such file")
         if self.report_to == "wandb":
             import importlib.util
 

@@ -24,7 +24,7 @@ from .errors import UsageError
 from .rng import Stream, generator
 
 if TYPE_CHECKING:
-    from .config import DataConfig
+    from .config import DataConfig, ValidationConfig
 
 BUNDLED_DATA = Path(__file__).resolve().parent.parent / "data" / "tiny_shapes"
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
@@ -35,57 +35,79 @@ IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 
 @dataclass
 class Sample:
-    """One training image: `ref` is a file path (local folder) or a row index (HF data set)."""
+    """One training image: `ref` is a file path (local folder) or a row index (HF data set). `reference`: the
+    reference image of a FLUX.1 Kontext pair (same kinds of value), None for plain FLUX.1 data."""
 
     ref: str | int
     caption: str
+    reference: str | int | None = None
 
 
 class ImageSource:
-    """A list of (image, caption) samples with up-front checks and a content hash per image."""
+    """A list of (image, caption) samples, or (target, reference, caption) pairs, with up-front checks and a
+    content hash per image."""
 
-    def __init__(self, samples: list[Sample], name: str, hf_dataset=None, image_column: str | None = None):
+    def __init__(
+        self,
+        samples: list[Sample],
+        name: str,
+        hf_dataset=None,
+        image_column: str | None = None,
+        reference_column: str | None = None,
+    ):
         self.samples = samples
         self.name = name
         self._hf = hf_dataset
         self._image_column = image_column
+        self._reference_column = reference_column
 
     def __len__(self) -> int:
         return len(self.samples)
 
-    def raw_bytes(self, i: int) -> bytes:
-        ref = self.samples[i].ref
+    @property
+    def pairs(self) -> bool:
+        """FLUX.1 Kontext data: every sample has a reference image (a source never mixes)."""
+        return bool(self.samples) and self.samples[0].reference is not None
+
+    def raw_bytes(self, i: int, reference: bool = False) -> bytes:
+        ref = self.samples[i].reference if reference else self.samples[i].ref
         if self._hf is None:
             with open(ref, "rb") as f:
                 return f.read()
-        item = self._hf[int(ref)][self._image_column]
+        item = self._hf[int(ref)][self._reference_column if reference else self._image_column]
         if item.get("bytes") is not None:
             return item["bytes"]
         with open(item["path"], "rb") as f:
             return f.read()
 
-    def where(self, i: int) -> str:
-        ref = self.samples[i].ref
-        return str(ref) if self._hf is None else f"{self.name} row {ref}"
+    def where(self, i: int, reference: bool = False) -> str:
+        ref = self.samples[i].reference if reference else self.samples[i].ref
+        if self._hf is None:
+            return str(ref)
+        return f"{self.name} row {ref}" + (f" column '{self._reference_column}'" if reference else "")
 
-    def load(self, i: int, data: bytes | None = None) -> Image.Image:
-        """Decode image i as RGB; a UsageError naming the file if it cannot be read."""
+    def load(self, i: int, data: bytes | None = None, reference: bool = False) -> Image.Image:
+        """Decode image i (its reference image with `reference`) as RGB; a UsageError naming the file if it
+        cannot be read."""
         import io
 
+        what = f"{'reference ' if reference else ''}image {self.where(i, reference)}"
         try:
-            data = self.raw_bytes(i) if data is None else data
+            data = self.raw_bytes(i, reference) if data is None else data
             img = Image.open(io.BytesIO(data))
             img.load()
         except UnidentifiedImageError:
-            raise UsageError(f"cannot read image {self.where(i)}: not an image format PIL can decode") from None
+            raise UsageError(f"cannot read {what}: not an image format PIL can decode") from None
         except (OSError, ValueError) as e:  # truncated or unreadable file
-            raise UsageError(f"cannot read image {self.where(i)}: {e}") from None
+            raise UsageError(f"cannot read {what}: {e}") from None
         return img.convert("RGB")
 
     def fingerprint(self) -> str:
         h = hashlib.sha256(self.name.encode())
         for s in self.samples:
             h.update(f"{s.ref}\0{s.caption}\0".encode())
+            if s.reference is not None:
+                h.update(f"{s.reference}\0".encode())
         return h.hexdigest()[:16]
 
 
@@ -96,22 +118,9 @@ def _local_folder(folder: Path, caption_column: str, instance_prompt: str | None
     captions: dict[str, str] = {}
     meta = folder / "metadata.jsonl"
     if meta.is_file():
-        with open(meta) as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise UsageError(f"{meta} line {n} is not valid JSON: {e}") from None
-                if "file_name" not in row:
-                    raise UsageError(f"{meta} line {n} has no 'file_name'")
-                if instance_prompt is None and caption_column not in row:
-                    raise UsageError(
-                        f"{meta} line {n} has no caption column '{caption_column}' (columns: {sorted(row)}); "
-                        f"set --caption_column or --instance_prompt"
-                    )
-                captions[str((folder / row["file_name"]).resolve())] = str(row.get(caption_column, ""))
+        for n, row in _metadata_rows(meta):
+            _check_row(meta, n, row, caption_column, instance_prompt)
+            captions[str((folder / row["file_name"]).resolve())] = str(row.get(caption_column, ""))
     samples, missing = [], []
     for p in files:
         if instance_prompt is not None:
@@ -132,6 +141,90 @@ def _local_folder(folder: Path, caption_column: str, instance_prompt: str | None
     return samples
 
 
+def _metadata_rows(meta: Path) -> list[tuple[int, dict]]:
+    """(line number, row) of every non-empty line of a metadata.jsonl."""
+    rows = []
+    with open(meta) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append((n, json.loads(line)))
+            except json.JSONDecodeError as e:
+                raise UsageError(f"{meta} line {n} is not valid JSON: {e}") from None
+    return rows
+
+
+def _check_row(meta: Path, n: int, row: dict, caption_column: str, instance_prompt: str | None) -> None:
+    if "file_name" not in row:
+        raise UsageError(f"{meta} line {n} has no 'file_name'")
+    if instance_prompt is None and caption_column not in row:
+        raise UsageError(
+            f"{meta} line {n} has no caption column '{caption_column}' (columns: {sorted(row)}); "
+            f"set --caption_column or --instance_prompt"
+        )
+
+
+def reference_column(data: DataConfig) -> str | None:
+    """The reference-image column of FLUX.1 Kontext pairs, from the flags and a local folder's metadata.jsonl
+    alone (no image is read): `--cond_image_column`, or else the one `<column>_file_name` key that the folder's
+    rows have besides `file_name` (the key datasets' imagefolder reads as an image column). None: FLUX.1 data."""
+    if data.cond_image_column:
+        return data.cond_image_column
+    name = data.dataset_name
+    meta = Path(name) / "metadata.jsonl" if name is not None and os.path.isdir(name) else None
+    if meta is None or not meta.is_file():
+        return None
+    columns = sorted(
+        {k[: -len("_file_name")] for _, row in _metadata_rows(meta) for k in row if k.endswith("_file_name")}
+    )
+    if len(columns) > 1:
+        raise UsageError(
+            f"{meta} names several images per row ({', '.join(c + '_file_name' for c in columns)}): pick the "
+            f"reference image of each pair with --cond_image_column (one of {', '.join(columns)})"
+        )
+    return columns[0] if columns else None
+
+
+def check_pair_flags(data: DataConfig, validation: ValidationConfig) -> None:
+    """Flags that only make sense with FLUX.1 Kontext pairs (checked before anything loads)."""
+    if validation.validation_image is not None and reference_column(data) is None:
+        raise UsageError(
+            "--validation_image is the reference image FLUX.1 Kontext validation edits: it needs pair data "
+            "(--cond_image_column, or a folder whose metadata.jsonl names each target's reference image)"
+        )
+
+
+def _local_pairs(folder: Path, column: str, caption_column: str, instance_prompt: str | None) -> list[Sample]:
+    """FLUX.1 Kontext pairs of a local folder: one metadata.jsonl row per target, naming its reference image
+    in `<column>_file_name`. Images no row names as a target (the references) are not trained on alone."""
+    meta, key = folder / "metadata.jsonl", f"{column}_file_name"
+    if not meta.is_file():
+        raise UsageError(
+            f"--cond_image_column {column}: {folder} has no metadata.jsonl; pairs need one row per target image "
+            f"with 'file_name', '{key}' and '{caption_column}'"
+        )
+    rows = _metadata_rows(meta)
+    if not any(key in row for _, row in rows):
+        keys = sorted({k for _, row in rows for k in row})
+        raise UsageError(f"--cond_image_column {column}: no row of {meta} has '{key}' (its keys: {keys})")
+    samples = []
+    for n, row in rows:
+        _check_row(meta, n, row, caption_column, instance_prompt)
+        if not row.get(key):
+            raise UsageError(
+                f"{meta} line {n} ({row['file_name']}) has no reference image '{key}': every target of a FLUX.1 "
+                "Kontext data set needs its reference"
+            )
+        target, reference = folder / row["file_name"], folder / row[key]
+        for what, path in (("image", target), ("reference image", reference)):
+            if not path.is_file():
+                raise UsageError(f"{meta} line {n}: the {what} {path} does not exist")
+        caption = instance_prompt if instance_prompt is not None else str(row[caption_column])
+        samples.append(Sample(str(target), caption, str(reference)))
+    return samples
+
+
 def _hub_dataset(data: DataConfig) -> ImageSource:
     import datasets
 
@@ -148,9 +241,30 @@ def _hub_dataset(data: DataConfig) -> ImageSource:
             "set --caption_column or --instance_prompt"
         )
     ds = ds.cast_column(data.image_column, datasets.Image(decode=False))
+    column = data.cond_image_column
+    if column is not None:
+        if column not in columns:
+            raise UsageError(f"--cond_image_column '{column}' is not in {data.dataset_name} (columns: {columns})")
+        ds = ds.cast_column(column, datasets.Image(decode=False))
+        _check_no_missing_references(ds, column, data.dataset_name)
     captions = [data.instance_prompt] * len(ds) if data.instance_prompt is not None else ds[data.caption_column]
-    samples = [Sample(i, str(c)) for i, c in enumerate(captions)]
-    return ImageSource(samples, data.dataset_name, hf_dataset=ds, image_column=data.image_column)
+    samples = [Sample(i, str(c), i if column is not None else None) for i, c in enumerate(captions)]
+    return ImageSource(
+        samples, data.dataset_name, hf_dataset=ds, image_column=data.image_column, reference_column=column
+    )
+
+
+def _check_no_missing_references(ds, column: str, name: str) -> None:
+    """Every row of a FLUX.1 Kontext data set has its reference image (read from the Arrow nulls, no decoding)."""
+    import pyarrow.compute as pc
+
+    values = ds.data.column(column)
+    if values.null_count:
+        row = pc.index(pc.is_null(values), True).as_py()
+        raise UsageError(
+            f"{name} row {row} has no reference image in --cond_image_column '{column}' ({values.null_count} rows "
+            "lack one): every target of a FLUX.1 Kontext data set needs its reference"
+        )
 
 
 def open_source(data: DataConfig) -> ImageSource:
@@ -166,6 +280,10 @@ def _open_source(data: DataConfig) -> ImageSource:
     name = data.dataset_name
     if name is None:
         source = ImageSource(_local_folder(BUNDLED_DATA, "text", data.instance_prompt), "bundled:tiny_shapes")
+    elif os.path.isdir(name) and (column := reference_column(data)):
+        source = ImageSource(
+            _local_pairs(Path(name), column, data.caption_column, data.instance_prompt), str(Path(name))
+        )
     elif os.path.isdir(name):
         source = ImageSource(_local_folder(Path(name), data.caption_column, data.instance_prompt), str(Path(name)))
     else:

@@ -112,7 +112,8 @@ def _sha(*parts) -> str:
 class TrainingData(Protocol):
     """What the batch builder reads, cached or live: the aspect bucket of every sample, and one sample's
     encodings (`latent_mean`, `latent_std` `[C, H, W]`, `prompt_embeds` `[L, D]`, `pooled_prompt_embeds`
-    `[D']`), given whether it is flipped and the epoch (for crops drawn per epoch)."""
+    `[D']`; for FLUX.1 Kontext pairs also `reference_latent` `[C, H, W]`, the mean latent of the reference with
+    the target's crop and flip), given whether it is flipped and the epoch (for crops drawn per epoch)."""
 
     buckets: list[int]
 
@@ -133,6 +134,9 @@ class EncodedData:
         e = self.entries[index]
         lat = load_file(self.cache_dir / "latents" / f"{e['latents'][int(flip) % len(e['latents'])]}.safetensors")
         txt = load_file(self.cache_dir / "text" / f"{e['text']}.safetensors")
+        if "reference" in e:  # a Kontext pair: the reference's latent is its distribution's mean (no sampling)
+            ref = e["reference"][int(flip) % len(e["reference"])]
+            txt["reference_latent"] = load_file(self.cache_dir / "latents" / f"{ref}.safetensors")["latent_mean"]
         return {**lat, **txt}
 
 
@@ -172,20 +176,34 @@ def encode_dataset(
         bucket = geometry.bucket_of(img.size)
         target = geometry.buckets[bucket]
         resized, offset = crop_box(img.size, target, data.center_crop, generator(Stream.CROP, seed, i))
-        keys = []
-        for flip in variants:
-            key = _sha(img_hash, target, resized, offset, flip, vae_fp)
-            path = cache_dir / "latents" / f"{key}.safetensors"
-            if not path.is_file():
-                mean, std = encoders.latents(to_pixels(img, target, resized, offset, flip)[None])
-                files.write_safetensors(path, {"latent_mean": mean[0], "latent_std": std[0]})
-                computed += 1
-            keys.append(key)
+        entry: dict = {"bucket": bucket}
+        # A Kontext pair's reference gets the target's resize, crop and flip, so the two stay aligned.
+        images = [("latents", img, img_hash)]
+        if source.pairs:
+            try:
+                raw = source.raw_bytes(i, reference=True)
+                images.append(("reference", source.load(i, raw, reference=True), hashlib.sha256(raw).hexdigest()))
+            except OSError as e:
+                errors.append(f"cannot read reference image {source.where(i, reference=True)}: {e}")
+                continue
+            except UsageError as e:
+                errors.append(str(e))
+                continue
+        for name, image, digest in images:
+            entry[name] = []
+            for flip in variants:
+                key = _sha(digest, target, resized, offset, flip, vae_fp)
+                path = cache_dir / "latents" / f"{key}.safetensors"
+                if not path.is_file():
+                    mean, std = encoders.latents(to_pixels(image, target, resized, offset, flip)[None])
+                    files.write_safetensors(path, {"latent_mean": mean[0], "latent_std": std[0]})
+                    computed += 1
+                entry[name].append(key)
         caption = source.samples[i].caption
         tkey = _sha(caption, data.max_sequence_length, text_fp)
         if not (cache_dir / "text" / f"{tkey}.safetensors").is_file():
             pending_text[tkey] = caption
-        entries[i] = {"bucket": bucket, "latents": keys, "text": tkey}
+        entries[i] = {**entry, "text": tkey}
         if len(pending_text) >= 16:
             computed += _encode_texts(encoders, pending_text, data.max_sequence_length, cache_dir)
     computed += _encode_texts(encoders, pending_text, data.max_sequence_length, cache_dir)
@@ -230,5 +248,9 @@ class LiveData:
         resized, offset = crop_box(img.size, target, self.config.center_crop, gen)
         mean, std = self.encoders.latents(to_pixels(img, target, resized, offset, flip)[None])
         embeds, pooled = self.encoders.prompts([self.source.samples[i].caption], self.config.max_sequence_length)
-        return {"latent_mean": mean[0], "latent_std": std[0], "prompt_embeds": embeds[0],
-                "pooled_prompt_embeds": pooled[0]}  # fmt: skip
+        out = {"latent_mean": mean[0], "latent_std": std[0], "prompt_embeds": embeds[0],
+               "pooled_prompt_embeds": pooled[0]}  # fmt: skip
+        if self.source.pairs:  # the reference with the target's resize, crop and flip; its mean latent
+            pixels = to_pixels(self.source.load(i, reference=True), target, resized, offset, flip)
+            out["reference_latent"] = self.encoders.latents(pixels[None])[0][0]
+        return out

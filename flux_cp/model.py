@@ -22,13 +22,25 @@ if TYPE_CHECKING:
 Tensor = torch.Tensor
 
 
-def model_path(model: ModelConfig) -> str:
-    """The pipeline folder or hub id to load; the embedded default's tiny Flux is built here on first use."""
+def model_path(model: ModelConfig, kontext: bool = False) -> str:
+    """The pipeline folder or hub id to load; the embedded default's tiny Flux (its FLUX.1 Kontext variant for
+    pair data: `kontext`) is built here on first use."""
     if model.embedded_default:
         from .tiny import ensure_tiny_pipeline
 
-        return str(ensure_tiny_pipeline())
+        return str(ensure_tiny_pipeline(kontext=kontext))
     return model.pretrained_model_name_or_path
+
+
+def pipeline_class(path: str, revision: str | None) -> str | None:
+    """The pipeline class a model folder or hub id declares in model_index.json (e.g. FluxKontextPipeline);
+    None when there is none to read (a bare transformer folder, no network)."""
+    from diffusers import DiffusionPipeline
+
+    try:
+        return DiffusionPipeline.load_config(path, revision=revision).get("_class_name")
+    except (OSError, ValueError):
+        return None
 
 
 def _load(cls, path: str, subfolder: str, revision: str | None, **kwargs):

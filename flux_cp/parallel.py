@@ -143,17 +143,26 @@ def check_tokens(parallel: ParallelConfig, data: DataConfig, validation: Validat
             f"--max_sequence_length {data.max_sequence_length} (text tokens) is not divisible by --cp_size {n}: "
             f"use {data.max_sequence_length // n * n or n} or another CP size"
         )
-    for flag, res in (("--resolution", data.resolution), ("--validation_resolution", validation.validation_resolution)):
+    from .data import reference_column
+
+    # A Kontext pair's reference has its target's size and the two are split as one segment: twice the tokens
+    # (validation too when it edits a --validation_image).
+    pairs = reference_column(data) is not None
+    checks = [("--resolution", data.resolution, 2 if pairs else 1)]
+    if validation.validation_prompt:  # no prompt, no validation images
+        images = 2 if pairs and validation.validation_image else 1
+        checks.append(("--validation_resolution", validation.validation_resolution, images))
+    for flag, res, images in checks:
         if data.aspect_buckets and flag == "--resolution":
             continue  # every bucket is chosen with a token count divisible by the CP size
-        tokens = (res // 16) ** 2
+        tokens = images * (res // 16) ** 2
         if tokens % n:
-            ok = [r for r in range(16, res + 33 * 16, 16) if ((r // 16) ** 2) % n == 0]
+            ok = [r for r in range(16, res + 33 * 16, 16) if (images * (r // 16) ** 2) % n == 0]
             below, above = [r for r in ok if r < res], [r for r in ok if r > res]
             options = " or ".join(str(r) for r in (below[-1:] + above[:1]))
             raise UsageError(
-                f"{flag} {res} gives {tokens} image tokens, not divisible by --cp_size {n}: use {options}, "
-                "or another CP size"
+                f"{flag} {res} gives {tokens} image tokens{' per pair' if images == 2 else ''}, not divisible by "
+                f"--cp_size {n}: use {options}, or another CP size"
             )
 
 

@@ -118,14 +118,16 @@ def sharded_weights(full_finetune: bool) -> bool:
 def print_plan(cfg: Config) -> None:
     from diffusers import FluxTransformer2DModel
 
+    from .data import reference_column
     from .model import model_path
     from .parallel import auto_mode, launched_world_size
 
-    path = model_path(cfg.model)
+    pairs = reference_column(cfg.data) is not None  # FLUX.1 Kontext: the reference has its target's size
+    path = model_path(cfg.model, kontext=pairs)
     config = dict(FluxTransformer2DModel.load_config(path, subfolder="transformer", revision=cfg.model.revision))
     world = launched_world_size()
     resolution, batch, cp_size = cfg.data.resolution, cfg.train.train_batch_size, cfg.parallel.cp_size
-    tokens = (resolution // 16) ** 2 + cfg.data.max_sequence_length
+    tokens = (2 if pairs else 1) * (resolution // 16) ** 2 + cfg.data.max_sequence_length
     lora = None if cfg.lora.full_finetune else cfg.lora.rank
     layers = list(cfg.lora.lora_layers)
     gpu = cfg.plan.gpu_memory_gib or (
@@ -134,7 +136,8 @@ def print_plan(cfg: Config) -> None:
     wb = 4 if cfg.train.mixed_precision == "no" else 2
     fsdp = sharded_weights(lora is None)
     print(
-        f"plan: {path}, {resolution} px ({tokens} tokens/sample), batch {batch}/rank, "
+        f"plan: {path}, {resolution} px{' Kontext pairs' if pairs else ''} ({tokens} tokens/sample), "
+        f"batch {batch}/rank, "
         f"{'full fine-tuning' if lora is None else f'LoRA r{lora}'}, {world} process(es), GPU {gpu:.0f} GiB, "
         + ("weights sharded over all GPUs (FSDP2)" if fsdp else "weights whole on every GPU (DDP)")
     )

@@ -1,7 +1,9 @@
 """A tiny FLUX.1 built locally: same diffusers layout and component classes as
 black-forest-labs/FLUX.1-dev (transformer with guidance embedding, VAE, CLIP + T5 encoders with their
 tokenizers, flow-matching scheduler), random weights, tokenizers made from a byte/character vocabulary.
-No downloads. Used as the embedded default of `train_flux_cp.py` and by the tests.
+No downloads. Used as the embedded default of `train_flux_cp.py` and by the tests. The Kontext variant has
+the same components saved as a `FluxKontextPipeline` (FLUX.1 Kontext [dev] is FLUX.1-dev's transformer
+architecture, fed reference-image tokens after the target's).
 """
 
 from __future__ import annotations
@@ -95,11 +97,17 @@ def _t5_tokenizer():
 
 
 def build_tiny_pipeline(
-    seed: int = 0, clip_dim: int = 32, t5_dim: int = 32, latent_channels: int | None = None, transformer: bool = True
+    seed: int = 0,
+    clip_dim: int = 32,
+    t5_dim: int = 32,
+    latent_channels: int | None = None,
+    transformer: bool = True,
+    kontext: bool = False,
 ):
-    """All components of a tiny FluxPipeline, fp32, on CPU. The dims let the encoders feed a transformer of
-    another size (the flux1-dev-shapes preset); `transformer=False` leaves the transformer out."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline
+    """All components of a tiny FluxPipeline (FluxKontextPipeline with `kontext`), fp32, on CPU. The dims let
+    the encoders feed a transformer of another size (the flux1-dev-shapes preset); `transformer=False` leaves
+    the transformer out."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxKontextPipeline, FluxPipeline
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
     tokenizer, tokenizer_2 = _clip_tokenizer(), _t5_tokenizer()
@@ -159,7 +167,7 @@ def build_tiny_pipeline(
         base_image_seq_len=256,
         max_image_seq_len=4096,
     )
-    return FluxPipeline(
+    return (FluxKontextPipeline if kontext else FluxPipeline)(
         scheduler=scheduler,
         vae=vae,
         text_encoder=text_encoder,
@@ -170,17 +178,17 @@ def build_tiny_pipeline(
     )
 
 
-def default_cache_dir() -> Path:
+def default_cache_dir(kontext: bool = False) -> Path:
     root = os.environ.get("FLUX_CP_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "flux_cp")
-    return Path(root) / f"tiny-flux-v{TINY_VERSION}"
+    return Path(root) / f"tiny-flux{'-kontext' if kontext else ''}-v{TINY_VERSION}"
 
 
-def ensure_tiny_pipeline(path: str | os.PathLike | None = None) -> Path:
-    """Return a folder holding the tiny pipeline in diffusers layout, building it once.
+def ensure_tiny_pipeline(path: str | os.PathLike | None = None, kontext: bool = False) -> Path:
+    """Return a folder holding the tiny pipeline (or its Kontext variant) in diffusers layout, building it once.
 
     Safe when several processes call it at once (a file lock; the folder appears by atomic rename).
     """
-    path = Path(path) if path else default_cache_dir()
+    path = Path(path) if path else default_cache_dir(kontext)
     if (path / "model_index.json").is_file():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -192,7 +200,7 @@ def ensure_tiny_pipeline(path: str | os.PathLike | None = None) -> Path:
             return path
         tmp = Path(tempfile.mkdtemp(prefix=path.name + ".tmp", dir=path.parent))
         try:
-            build_tiny_pipeline().save_pretrained(tmp)
+            build_tiny_pipeline(kontext=kontext).save_pretrained(tmp)
             shutil.rmtree(path, ignore_errors=True)
             os.rename(tmp, path)
         finally:
@@ -200,10 +208,12 @@ def ensure_tiny_pipeline(path: str | os.PathLike | None = None) -> Path:
     return path
 
 
-def write_flux1_dev_shapes(path: str | os.PathLike) -> Path:
+def write_flux1_dev_shapes(path: str | os.PathLike, kontext: bool = False) -> Path:
     """A pipeline folder whose transformer/config.json is FLUX.1-dev's (no transformer weights: train with
     `--transformer_init random`), with tiny VAE and text encoders of the matching output sizes (16 latent
-    channels, CLIP 768, T5 4096). For benchmarks and equivalence runs at FLUX.1 size without downloads."""
+    channels, CLIP 768, T5 4096). For benchmarks and equivalence runs at FLUX.1 size without downloads.
+    `kontext`: the same folder as a FluxKontextPipeline (FLUX.1 Kontext [dev] has FLUX.1-dev's transformer
+    config)."""
     from diffusers import FluxTransformer2DModel
 
     from .files import write_json
@@ -215,7 +225,10 @@ def write_flux1_dev_shapes(path: str | os.PathLike) -> Path:
     with torch.device("meta"):
         meta = FluxTransformer2DModel(**FLUX1_DEV_TRANSFORMER)
     meta.save_config(path / "transformer")
-    index = {"_class_name": "FluxPipeline", "_diffusers_version": __import__("diffusers").__version__}
+    index = {
+        "_class_name": "FluxKontextPipeline" if kontext else "FluxPipeline",
+        "_diffusers_version": __import__("diffusers").__version__,
+    }
     for name, obj in [
         ("scheduler", pipe.scheduler),
         ("text_encoder", pipe.text_encoder),
@@ -237,8 +250,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Build a local Flux pipeline folder (no downloads).")
     p.add_argument("--preset", choices=("tiny", "flux1-dev-shapes"), default="tiny")
     p.add_argument("--out", required=True)
+    p.add_argument("--kontext", action="store_true", help="Save it as a FluxKontextPipeline (FLUX.1 Kontext).")
     a = p.parse_args(argv)
-    print(ensure_tiny_pipeline(a.out) if a.preset == "tiny" else write_flux1_dev_shapes(a.out))
+    if a.preset == "tiny":
+        print(ensure_tiny_pipeline(a.out, kontext=a.kontext))
+    else:
+        print(write_flux1_dev_shapes(a.out, kontext=a.kontext))
     return 0
 
 

@@ -1,6 +1,7 @@
-"""Validation images from `FluxPipeline` with the current weights, with CP across each group (so a
-preview too large for one GPU still renders), under DDP or FSDP2 (the sharded model is used as is:
-every rank takes part in every forward, so all ranks make the same number of pipeline calls)."""
+"""Validation images from `FluxPipeline` (`FluxKontextPipeline`, editing a reference image, for Kontext) with the
+current weights, with CP across each group (so a preview too large for one GPU still renders), under DDP or
+FSDP2 (the sharded model is used as is: every rank takes part in every forward, so all ranks make the same
+number of pipeline calls)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,21 @@ def _grid(images: list[np.ndarray], columns: int) -> Image.Image:
 
 
 @torch.no_grad()
+def reference_latents(path: str, resolution: int, vae, device: torch.device) -> torch.Tensor:
+    """The `--validation_image` as FluxKontextPipeline takes ready latents: read by the training data's loader,
+    resized and center-cropped to `resolution`^2 like a square training pair, the VAE's mean, shifted and scaled
+    (`[1, C, h, w]`)."""
+    from .data import ImageSource, Sample, crop_box, to_pixels
+
+    img = ImageSource([Sample(path, "")], "--validation_image").load(0)
+    size = (resolution, resolution)
+    resized, offset = crop_box(img.size, size, True, torch.Generator())
+    pixels = to_pixels(img, size, resized, offset, False)[None].to(device, vae.dtype)
+    mean = vae.encode(pixels).latent_dist.mean
+    return (mean - (vae.config.shift_factor or 0.0)) * vae.config.scaling_factor
+
+
+@torch.no_grad()
 def generate(
     transformer,
     vae,
@@ -41,17 +57,23 @@ def generate(
     guidance_scale: float,
     seed: int,
     autocast,
+    reference: torch.Tensor | None = None,
 ) -> list[np.ndarray]:
     """All validation images (prompt-major order), on every rank. `embeds` = (T5 embeds, CLIP pooled) of
-    the validation prompts, computed before the text encoders were freed."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
+    the validation prompts, computed before the text encoders were freed. `reference`: Kontext, the latents of
+    the image every prompt edits (`reference_latents`)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxKontextPipeline, FluxPipeline
 
-    pipe = FluxPipeline(
+    parts = dict(
         scheduler=FlowMatchEulerDiscreteScheduler.from_config(scheduler_config), vae=vae, text_encoder=None,
         tokenizer=None, text_encoder_2=None, tokenizer_2=None, transformer=transformer,
     )  # fmt: skip
+    v, res = validation, validation.validation_resolution
+    # Kontext: the pipeline appends the reference tokens after the target's (cp.full_sequence_io splits the two
+    # as one segment, as in training); max_area keeps the requested size (it defaults to 1024^2).
+    pipe = FluxKontextPipeline(**parts) if reference is not None else FluxPipeline(**parts)
+    extra = {} if reference is None else {"image": reference, "max_area": res * res}
     pipe.set_progress_bar_config(disable=True)
-    v = validation
     items = [(p, k) for p in range(len(v.validation_prompt)) for k in range(v.num_validation_images)]
     calls = math.ceil(len(items) / layout.dp)
     mine = items[layout.dp_rank :: layout.dp]
@@ -64,7 +86,7 @@ def generate(
             for j, (p, k) in enumerate(mine):
                 image = pipe(
                     prompt_embeds=embeds[0][p : p + 1], pooled_prompt_embeds=embeds[1][p : p + 1],
-                    height=v.validation_resolution, width=v.validation_resolution,
+                    height=res, width=res, **extra,
                     num_inference_steps=v.validation_inference_steps, guidance_scale=guidance_scale,
                     generator=torch.Generator("cpu").manual_seed(seed * 1000 + p * 100 + k), output_type="np",
                 ).images[0]  # fmt: skip

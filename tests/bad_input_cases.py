@@ -46,6 +46,27 @@ def _garbage_image(t: Path) -> list[str]:
     return ["--dataset_name", str(folder)]
 
 
+def _pairs(folder: Path, edit: Callable[[list[dict]], None] | None = None) -> Path:
+    """Four pairs of the bundled pair set, with `edit` applied to their metadata rows."""
+    pairs = BUNDLED_DATA.parent / "tiny_pairs"
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = [json.loads(line) for line in (pairs / "metadata.jsonl").read_text().splitlines()[:4]]
+    for row in rows:
+        for key in ("file_name", "reference_file_name"):
+            (folder / row[key]).write_bytes((pairs / row[key]).read_bytes())
+    if edit:
+        edit(rows)
+    (folder / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder
+
+
+def _garbage_reference(t: Path) -> list[str]:
+    folder = _pairs(t / "pairs")
+    row = json.loads((folder / "metadata.jsonl").read_text().splitlines()[1])
+    (folder / row["reference_file_name"]).write_bytes(b"this is not a PNG file")
+    return ["--dataset_name", str(folder)]
+
+
 def _corrupt_seed(t: Path) -> list[str]:
     t.mkdir(parents=True, exist_ok=True)
     (t / "seed.safetensors").write_bytes(b"\x00" * 64)
@@ -217,6 +238,40 @@ CASES = [
         1,
         lambda t: ["--collective_timeout", "0"],
         "--collective_timeout must be positive",
+        flags_only=True,
+    ),
+    Case(
+        "kontext_row_without_reference",
+        "FLUX.1 Kontext pairs: a metadata.jsonl row without its reference image",
+        1,
+        lambda t: ["--dataset_name", str(_pairs(t / "pairs", lambda rows: rows[2].pop("reference_file_name")))],
+        "line 3 (02_black_triangle_edited.png) has no reference image 'reference_file_name'",
+    ),
+    Case(
+        "kontext_unreadable_reference",
+        "FLUX.1 Kontext pairs: a reference image that is not an image",
+        1,
+        _garbage_reference,
+        "cannot read reference image",
+    ),
+    Case(
+        "kontext_unknown_reference_column",
+        "FLUX.1 Kontext pairs: --cond_image_column naming a column the data does not have",
+        1,
+        lambda t: ["--dataset_name", str(_pairs(t / "pairs")), "--cond_image_column", "source"],
+        "--cond_image_column source: no row of",
+    ),
+    Case(
+        "validation_image_without_pairs",
+        "--validation_image (a Kontext reference) for data without reference images",
+        1,
+        lambda t: [
+            "--validation_image",
+            str(_images(t / "data", n=1) / "00_white_circle.png"),
+            "--validation_prompt",
+            "red",
+        ],  # fmt: skip
+        "--validation_image is the reference image FLUX.1 Kontext validation edits",
         flags_only=True,
     ),
     Case(

@@ -1,0 +1,120 @@
+"""FLUX.1 Kontext sequences: the target image's noisy latent tokens followed by the reference image's clean
+latent tokens (position ids with first coordinate 1), as diffusers' `FluxKontextPipeline` builds them; how a
+CP group splits that image segment; and the flow-matching loss over the target tokens only.
+
+The split: text tokens are cut into `cp` equal chunks as for FLUX.1, and the image segment `[target;
+reference]` is cut into `cp` equal contiguous chunks *as one sequence* (exactly what `cp.full_sequence_io`
+does to the pipeline's inputs at inference). A chunk may hold target tokens, reference tokens or both. Only
+`target + reference` must divide by the CP size, not each part, and the loss on rank r is
+`cp * sum(squared errors of r's target tokens) / (target tokens * channels)`, so the mean over the group is
+the full-sequence mean however the target/reference boundary falls (docs/design.md, Kontext).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+import cp
+
+from .flow import image_ids
+
+Tensor = torch.Tensor
+
+# First position-id coordinate of the reference tokens (the target's is 0), as FluxKontextPipeline.
+REFERENCE_INDEX = 1
+
+
+def reference_ids(height: int, width: int, device=None, dtype=torch.float32) -> Tensor:
+    """Position ids `[H/2 * W/2, 3]` of a reference latent of `height x width`: the target's ids with the first
+    coordinate set to 1, so RoPE tells the two images apart while their pixels stay aligned."""
+    ids = image_ids(height, width, device=device, dtype=dtype)
+    ids[:, 0] = REFERENCE_INDEX
+    return ids
+
+
+def pair_sequence(
+    target: Tensor, reference: Tensor, target_hw: tuple[int, int], reference_hw: tuple[int, int]
+) -> tuple[Tensor, Tensor]:
+    """The full image segment: packed target tokens `[B, T, C]` then packed reference tokens `[B, R, C]`,
+    with their ids `[T + R, 3]`. `*_hw` are the latent (not token) heights and widths."""
+    if target.shape[0] != reference.shape[0] or target.shape[2] != reference.shape[2]:
+        raise ValueError(
+            f"target tokens {tuple(target.shape)} and reference tokens {tuple(reference.shape)} differ in batch "
+            "size or channels"
+        )
+    for name, t, (h, w) in (("target", target, target_hw), ("reference", reference, reference_hw)):
+        if t.shape[1] != (h // 2) * (w // 2):
+            raise ValueError(f"{name} has {t.shape[1]} tokens, but a {h}x{w} latent packs to {(h // 2) * (w // 2)}")
+    ids = torch.cat(
+        [image_ids(*target_hw, device=target.device), reference_ids(*reference_hw, device=target.device)], dim=0
+    )
+    return torch.cat([target, reference], dim=1), ids
+
+
+def check_pair_tokens(text_tokens: int, target_tokens: int, reference_tokens: int, cp_size: int) -> None:
+    """A ValueError that says what to change when a Kontext sequence cannot be split over `cp_size` ranks."""
+    if text_tokens % cp_size:
+        raise ValueError(
+            f"{text_tokens} text tokens are not divisible by the CP size {cp_size}: use a --max_sequence_length "
+            f"that is a multiple of {cp_size}"
+        )
+    image = target_tokens + reference_tokens
+    if image % cp_size:
+        raise ValueError(
+            f"a Kontext pair of {target_tokens} target + {reference_tokens} reference image tokens ({image}) is not "
+            f"divisible by the CP size {cp_size}: use --aspect_buckets (every bucket divides), another "
+            "--resolution, or another CP size"
+        )
+
+
+@dataclass(frozen=True)
+class PairSplit:
+    """Which image tokens of `[target; reference]` each of `cp_size` ranks holds: a contiguous chunk of
+    `(target_tokens + reference_tokens) / cp_size` tokens."""
+
+    target_tokens: int
+    reference_tokens: int
+    cp_size: int
+
+    def __post_init__(self) -> None:
+        if (self.target_tokens + self.reference_tokens) % self.cp_size:
+            raise ValueError(
+                f"{self.target_tokens} + {self.reference_tokens} image tokens do not split over {self.cp_size} ranks"
+            )
+
+    @property
+    def chunk(self) -> int:
+        return (self.target_tokens + self.reference_tokens) // self.cp_size
+
+    def span(self, rank: int) -> tuple[int, int]:
+        """[start, stop) of rank's chunk in the image segment."""
+        return rank * self.chunk, (rank + 1) * self.chunk
+
+    def local_targets(self, rank: int) -> int:
+        """How many target tokens rank holds: the first ones of its chunk (0 when it holds only reference)."""
+        start, stop = self.span(rank)
+        return max(0, min(stop, self.target_tokens) - start)
+
+
+def shard_pair(hidden: Tensor, ids: Tensor, group) -> tuple[Tensor, Tensor]:
+    """This rank's chunk of the image segment `[B, T + R, C]` and of its ids `[T + R, 3]`."""
+    return cp.shard(hidden, 1, group), cp.shard(ids, 0, group)
+
+
+def target_loss(pred: Tensor, target: Tensor, weighting: Tensor, split: PairSplit, rank: int) -> Tensor:
+    """Weighted flow-matching MSE over the target tokens of this rank's chunk.
+
+    `pred`: the transformer's output on this rank's chunk `[B, chunk, C]`; `target`: the *full* packed target
+    `[B, T, C]` (every rank of a CP group draws the same noise); `weighting`: `[B, 1, 1]`. The result is
+    `cp * sum / (T * C)` per sample, averaged over the batch: at cp 1 the plain mean, and with gradients
+    averaged over the CP group (DDP/FSDP) exactly the gradient of the full-sequence mean.
+    """
+    start, _ = split.span(rank)
+    k = split.local_targets(rank)
+    # pred[:, :0] when this rank holds only reference tokens: the loss is 0 but stays on the graph, so its
+    # backward still runs the attention's collectives with the other ranks.
+    err = weighting * (pred[:, :k].float() - target[:, start : start + k].float()) ** 2
+    per_sample = err.reshape(err.shape[0], -1).sum(1) * (split.cp_size / (split.target_tokens * target.shape[2]))
+    return per_sample.mean()
