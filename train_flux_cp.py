@@ -295,6 +295,9 @@ def start_loop(run: Run, data: Data, trainee: Trainee, start_step: int) -> Loop:
                       data.encoders.vae.config, guidance, device, run.weight_dtype)  # fmt: skip
     peak = measure_matmul_peak(device)
     loop = Loop(batches, metrics, StepTimer(device), bar, peak, faults.from_env(layout.rank))
+    if cfg.model.embedded_default and data.validation_embeds is not None and start_step == 0:
+        validate(run, data, trainee, 0)  # the tiny model before training, to set beside the images at the end
+        loop.timer.lap()
     trainee.model.train()
     return loop
 
@@ -378,7 +381,7 @@ def finish(run: Run, trainee: Trainee, loop: Loop) -> None:
         if cfg.lora.full_finetune:
             out = save_full(inner, state, output_dir, run.weight_dtype)
         else:
-            out = save_lora(inner, state, output_dir)
+            out = save_lora(inner, state, output_dir, cfg.lora)
         logger.info(f"wrote {out}")
         from flux_cp.metrics import plot_loss_curve
 
