@@ -368,6 +368,9 @@ def start_loop(run: Run, data: Data, trainee: Trainee, start_step: int) -> Loop:
                       data.encoders.vae.config, guidance, device, run.weight_dtype)  # fmt: skip
     peak = measure_matmul_peak(device)
     loop = Loop(batches, metrics, StepTimer(device), bar, peak, faults.from_env(layout.rank))
+    if cfg.model.embedded_default and data.validation_embeds is not None and start_step == 0:
+        validate(run, data, trainee, 0)  # the tiny model before training, to set beside the images at the end
+        loop.timer.lap()
     trainee.model.train()
     return loop
 
@@ -468,7 +471,7 @@ def finish(run: Run, data: Data, trainee: Trainee, loop: Loop, step: int) -> Non
                                          lambda d: save_full(inner, state, str(d), run.weight_dtype))  # fmt: skip
             else:
                 out = outdir.write_final(output_dir, "pytorch_lora_weights.safetensors",
-                                         lambda d: save_lora(inner, state, str(d)))  # fmt: skip
+                                         lambda d: save_lora(inner, state, str(d), cfg.lora))  # fmt: skip
             logger.info(f"wrote {out}")
         except UsageError as e:
             problem = str(e)

@@ -10,25 +10,96 @@ non-causal and unmasked, so the interleaved global order of the chunks does not 
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.distributed as dist
+from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
 from diffusers.models.embeddings import apply_rotary_emb
-from diffusers.models.transformers.transformer_flux import FluxAttention, _get_qkv_projections
+from diffusers.models.transformers.transformer_flux import FluxAttention, FluxAttnProcessor, _get_qkv_projections
 
 from .attention import attention
 from .comm import gather, shard
 
 Tensor = torch.Tensor
 
+# (what diffusers set, how to proceed) for the errors of FluxCPAttnProcessor._refuse
+_BACKEND = (
+    "an attention backend",
+    "Choose backends only without CP, or call reset_attention_backend() before apply_context_parallel.",
+)
+_PARALLEL = ("diffusers' enable_parallelism", "Use diffusers' context parallelism or flux-cp's, not both.")
+
 
 class FluxCPAttnProcessor:
-    """Drop-in replacement for diffusers' `FluxAttnProcessor` that calls `cp.attention` over `group`."""
+    """Drop-in replacement for diffusers' `FluxAttnProcessor` that calls `cp.attention` over `group`.
 
-    def __init__(self, group: dist.ProcessGroup | None, mode: str = "ring", ulysses_size: int | None = None):
+    `FluxCPAttnProcessor()` (no group, or a group of one rank) is no CP: it computes what `FluxAttnProcessor`
+    computes, bit for bit on CPU in fp32. Without CP, an attention mask, a backend chosen with diffusers'
+    `set_attention_backend` / `attention_backend`, or diffusers' own `enable_parallelism` take diffusers' own
+    code path. With a CP group of several ranks those cannot apply and are refused with a ValueError.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, mode: str = "ring", ulysses_size: int | None = None):
+        self._backend = None
+        self._parallel = None
         self.group = group
         self.mode = mode
         self.ulysses_size = ulysses_size
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        return self._group
+
+    @group.setter
+    def group(self, group: dist.ProcessGroup | None) -> None:
+        size = 1 if group is None else dist.get_world_size(group)
+        if size > 1:
+            self._refuse(_BACKEND, self._backend, size)
+            self._refuse(_PARALLEL, self._parallel, size)
+        self._group, self.cp_size = group, size
+
+    # diffusers' set_attention_backend / reset_attention_backend and enable_parallelism set these two
+    # attributes on every processor that has them.
+    @property
+    def _attention_backend(self):
+        return self._backend
+
+    @_attention_backend.setter
+    def _attention_backend(self, backend) -> None:
+        self._refuse(_BACKEND, backend, getattr(self, "cp_size", 1))
+        self._backend = backend
+
+    @property
+    def _parallel_config(self):
+        return self._parallel
+
+    @_parallel_config.setter
+    def _parallel_config(self, config) -> None:
+        self._refuse(_PARALLEL, config, getattr(self, "cp_size", 1))
+        self._parallel = config
+
+    @staticmethod
+    def _refuse(what: tuple[str, str], value, cp_size: int) -> None:
+        if value is not None and cp_size > 1:
+            raise ValueError(
+                f"{what[0]} ({value}) cannot apply under flux-cp's context parallelism over {cp_size} ranks: its "
+                f"attention runs on cp.attention's own kernels. {what[1]}"
+            )
+
+    def _diffusers_path(self, attention_mask: Tensor | None) -> bool:
+        """Whether this call takes `FluxAttnProcessor`'s own code: only without CP, and only when that code would
+        do something ours does not (a mask, a chosen backend, diffusers' CP). Raises for a mask under CP."""
+        if self.cp_size > 1:
+            if attention_mask is not None:
+                raise ValueError(
+                    f"attention masks are not supported with context parallelism over {self.cp_size} ranks "
+                    "(each rank holds a slice of the sequence); pass no attention_mask, or run without CP"
+                )
+            return False
+        if attention_mask is not None or self._backend is not None or self._parallel is not None:
+            return True
+        return _AttentionBackendRegistry.get_active_backend()[0] != AttentionBackendName.NATIVE
 
     def __call__(
         self,
@@ -38,8 +109,10 @@ class FluxCPAttnProcessor:
         attention_mask: Tensor | None = None,
         image_rotary_emb: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        if attention_mask is not None:
-            raise ValueError("FluxCPAttnProcessor does not support attention masks (Flux training uses none)")
+        if self._diffusers_path(attention_mask):
+            return FluxAttnProcessor.__call__(
+                self, attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb
+            )
         query, key, value, encoder_query, encoder_key, encoder_value = _get_qkv_projections(
             attn, hidden_states, encoder_hidden_states
         )
@@ -72,6 +145,7 @@ class FluxCPAttnProcessor:
 
 
 _ORIGINAL = "_flux_cp_original_processor"
+_GUARD = "_flux_cp_guard"
 
 
 def _flux_attention_modules(model: torch.nn.Module) -> list[FluxAttention]:
@@ -85,19 +159,57 @@ def apply_context_parallel(
     ulysses_size: int | None = None,
 ) -> torch.nn.Module:
     """Install `FluxCPAttnProcessor` on every attention module of a Flux transformer (also one wrapped by
-    peft or FSDP); the original processors are kept for `remove_context_parallel`. Returns the model."""
+    peft or FSDP); the original processors are kept for `remove_context_parallel`. Returns the model.
+
+    With a CP group of several ranks, every forward first checks the processors, since diffusers replaces
+    them (IP-Adapter load and unload): a processor rebuilt without arguments joins the group again,
+    diffusers' `FluxAttnProcessor` is swapped back for the CP one, and any other processor (which would
+    silently attend within one rank's slice) stops the forward with a ValueError."""
     modules = _flux_attention_modules(transformer)
     if not modules:
         raise ValueError(f"{type(transformer).__name__} has no FluxAttention modules: is it a Flux transformer?")
     for m in modules:
         if not hasattr(m, _ORIGINAL):
             setattr(m, _ORIGINAL, m.processor)
-        m.set_processor(FluxCPAttnProcessor(group, mode=mode, ulysses_size=ulysses_size))
+        processor = FluxCPAttnProcessor(group, mode=mode, ulysses_size=ulysses_size)
+        # A backend chosen with set_attention_backend stays chosen (or is refused under CP).
+        processor._attention_backend = getattr(m.processor, "_attention_backend", None)
+        m.set_processor(processor)
+    _remove_guard(transformer)
+    if processor.cp_size > 1:
+        names = [(n, m) for n, m in transformer.named_modules() if isinstance(m, FluxAttention)]
+        guard = functools.partial(_keep_context_parallel, names, group, mode, ulysses_size)
+        setattr(transformer, _GUARD, transformer.register_forward_pre_hook(lambda *_: guard()))
     return transformer
+
+
+def _keep_context_parallel(
+    modules: list[tuple[str, FluxAttention]], group: dist.ProcessGroup, mode: str, ulysses_size: int | None
+) -> None:
+    for name, m in modules:
+        p = m.processor
+        if isinstance(p, FluxCPAttnProcessor):
+            if p.group is None:  # rebuilt by diffusers as `type(processor)()`
+                p.group, p.mode, p.ulysses_size = group, mode, ulysses_size
+        elif type(p) is FluxAttnProcessor:  # what unload_ip_adapter installs
+            m.set_processor(FluxCPAttnProcessor(group, mode=mode, ulysses_size=ulysses_size))
+        else:
+            raise ValueError(
+                f"{name} now has a {type(p).__name__}, which does not support flux-cp's context parallelism "
+                f"(the sequence is split over {dist.get_world_size(group)} ranks). IP-Adapters work without CP: "
+                "call unload_ip_adapter() to train or sample with CP again, or cp.remove_context_parallel(transformer)."
+            )
+
+
+def _remove_guard(transformer: torch.nn.Module) -> None:
+    if hasattr(transformer, _GUARD):
+        getattr(transformer, _GUARD).remove()
+        delattr(transformer, _GUARD)
 
 
 def remove_context_parallel(transformer: torch.nn.Module) -> torch.nn.Module:
     """Restore the processors that `apply_context_parallel` replaced."""
+    _remove_guard(transformer)
     for m in _flux_attention_modules(transformer):
         if hasattr(m, _ORIGINAL):
             m.set_processor(getattr(m, _ORIGINAL))

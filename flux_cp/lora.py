@@ -1,5 +1,5 @@
 """LoRA adapters on the Flux transformer: which layers get them, adding them (seeded, layout-independent),
-and writing them in the format `FluxPipeline.load_lora_weights` reads."""
+and writing them (`--lora_format`: diffusers' layout, which `FluxPipeline.load_lora_weights` reads, or kohya's)."""
 
 from __future__ import annotations
 
@@ -46,12 +46,19 @@ def add_lora(transformer: torch.nn.Module, lora: LoraConfig, seed: int) -> None:
         transformer.add_adapter(config)
 
 
-def save_lora(transformer: torch.nn.Module, state: dict[str, torch.Tensor], output_dir: str) -> Path:
-    """`pytorch_lora_weights.safetensors` in diffusers' format, loadable by FluxPipeline.load_lora_weights."""
-    from diffusers import FluxPipeline
+def save_lora(transformer: torch.nn.Module, state: dict[str, torch.Tensor], output_dir: str, lora: LoraConfig) -> Path:
+    """`pytorch_lora_weights.safetensors` in the `--lora_format` layout (flux_cp.lora_format); the default is
+    diffusers' format, which FluxPipeline.load_lora_weights and ComfyUI load."""
     from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    from . import files
+    from .lora_format import convert
 
     weights = get_peft_model_state_dict(transformer, state_dict=state)
-    weights = {k: v.contiguous() for k, v in weights.items()}
-    FluxPipeline.save_lora_weights(output_dir, transformer_lora_layers=weights, safe_serialization=True)
-    return Path(output_dir) / "pytorch_lora_weights.safetensors"
+    weights = {f"transformer.{k}": v.detach().contiguous().cpu() for k, v in weights.items()}
+    weights = convert(weights, lora.lora_format, lora.rank, lora.lora_alpha)
+    path = Path(output_dir) / "pytorch_lora_weights.safetensors"
+    # {"format": "pt"}: the metadata diffusers' save_lora_weights writes
+    files.write_with(path, lambda tmp: save_file(weights, tmp, metadata={"format": "pt"}))
+    return path

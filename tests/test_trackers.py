@@ -1,0 +1,65 @@
+"""One launch of the embedded default with wandb offline and `--lora_format kohya`: every step's scalars and the
+validation images (before training and at the end) reach the wandb run file, and the LoRA file is in kohya's
+layout, complete under ComfyUI's key rules."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+from wandb.proto import wandb_internal_pb2  # requirements-test.txt
+
+from tests.launch import losses, ok, run_args, train
+from tests.test_lora_format import _comfy_lora_prefixes, _comfy_not_loaded
+
+
+def _records(path: Path):
+    """The protobuf records of a `.wandb` run file (a LevelDB-style log: 32 KiB blocks of chunks, each with a
+    7-byte header of checksum, length and type FULL=1 / FIRST=2 / MIDDLE=3 / LAST=4), after a 7-byte file header."""
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", f"{path} is not a wandb run file"
+    pos, block, pending = 7, 32768, b""
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:  # a block's tail too short for a header is padding
+            pos += left
+            continue
+        length, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
+        pending += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            yield record
+            pending = b""
+        elif kind == 0:
+            pending = b""
+
+
+@pytest.mark.e2e
+def test_wandb_offline_logs_scalars_and_validation_images_and_a_kohya_lora_is_written(tmp_path):
+    args = run_args(tmp_path, "wb", 2, "--report_to", "wandb", "--lora_format", "kohya",
+                    "--validation_prompt", "a red circle", "--num_validation_images", "1", "--validation_steps", "2",
+                    "--validation_inference_steps", "2", "--validation_resolution", "64")  # fmt: skip
+    ok(train(1, *args, extra_env={"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true"}))
+    runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1, runs
+    history = []
+    for record in _records(runs[0]):
+        if record.WhichOneof("record_type") == "history":
+            history.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item})
+    assert [h["_step"] for h in history] == [0, 1, 2], history
+    before, steps = history[0], history[1:]
+    for h in steps:
+        assert {"loss", "lr", "grad_norm", "tokens_per_s", "peak_mem_gib"} <= set(h), h
+    assert [h["loss"] for h in steps] == pytest.approx(losses(tmp_path / "wb"), rel=1e-6)
+    for images in (before, steps[-1]):  # the embedded default renders before training too
+        assert images["validation/_type"] == "images/separated" and images["validation/captions"] == ["a red circle"]
+        for name in images["validation/filenames"]:
+            assert (runs[0].parent / "files" / name).stat().st_size > 0
+    lora = load_file(tmp_path / "wb" / "pytorch_lora_weights.safetensors")
+    assert lora and all(k.startswith("lora_unet_") for k in lora), sorted(lora)[:4]
+    assert "lora_unet_single_blocks_0_linear1.lora_up.weight" in lora
+    assert _comfy_not_loaded(lora, _comfy_lora_prefixes(2, 2)) == set()
