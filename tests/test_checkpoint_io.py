@@ -58,7 +58,7 @@ def test_sizes_known_in_advance_match_what_is_written(tmp_path, full):
         out = save_full(model, state, str(tmp_path / "model"), torch.bfloat16)
     else:
         names = {n for n, _ in trainable_parameters(model)}
-        out = save_lora(model, {k: v for k, v in state.items() if k in names}, str(tmp_path / "model"))
+        out = save_lora(model, {k: v for k, v in state.items() if k in names}, str(tmp_path / "model"), LoraConfig())
     written = _tree(out) if out.is_dir() else out.stat().st_size
     assert written <= s.model <= written * 1.1 + 2 * 2**20, (written, s.model)
 

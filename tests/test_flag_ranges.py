@@ -25,7 +25,10 @@ BAD = [
     (["--adam_epsilon", "0"], "--adam_epsilon 0 is out of range: it must be > 0 and <= 0.001"),
     (["--adam_epsilon", "1"], "--adam_epsilon 1 is out of range"),
     (["--adam_weight_decay", "-0.01"], "--adam_weight_decay -0.01 is out of range: it must be >= 0"),
-    (["--adam_weight_decay", "2e4"], "--learning_rate 0.0001 x --adam_weight_decay 20000 >= 1"),
+    (
+        ["--learning_rate", "1e-4", "--adam_weight_decay", "2e4"],
+        "--learning_rate 0.0001 x --adam_weight_decay 20000 >= 1",
+    ),
     (["--max_grad_norm", "-1"], "--max_grad_norm -1 is out of range: it must be >= 0 (0 turns clipping off)"),
     (["--max_grad_norm", "nan"], "--max_grad_norm nan is out of range"),
     (["--lr_power", "0"], "--lr_power 0 is out of range"),
