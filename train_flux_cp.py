@@ -369,7 +369,7 @@ def start_loop(run: Run, data: Data, trainee: Trainee, start_step: int) -> Loop:
     peak = measure_matmul_peak(device)
     loop = Loop(batches, metrics, StepTimer(device), bar, peak, faults.from_env(layout.rank))
     if cfg.model.embedded_default and data.validation_embeds is not None and start_step == 0:
-        validate(run, data, trainee, 0)  # the tiny model before training, to set beside the images at the end
+        validate(run, data, trainee, loop, 0)  # the tiny model before training, to set beside the images at the end
         loop.timer.lap()
     trainee.model.train()
     return loop
