@@ -29,7 +29,7 @@ from flux_cp import checkpoint, diskspace, distributed, faults, files, outdir, r
 from flux_cp.batches import Batches
 from flux_cp.config import Config, parse_config
 from flux_cp.data import BatchSchedule, ImageSource, check_pair_flags, open_source, reference_column
-from flux_cp.encode import Encoders, Geometry, LiveData, TrainingData, encode_dataset, model_fingerprint
+from flux_cp.encode import Encoders, Geometry, LiveData, TrainingData, encode_dataset, encoder_fingerprints
 from flux_cp.errors import UsageError
 from flux_cp.lora import save_lora
 from flux_cp.metrics import MetricsLog, StepTimer, flux_flops_per_step, measure_matmul_peak, peak_memory_gib
@@ -235,12 +235,7 @@ def load_data(run: Run) -> Data:
         samples: TrainingData = LiveData(source, encoders, geometry, cfg.data, cfg.train.seed)
     else:
         cache = Path(cache_dir(cfg))
-        rev = cfg.model.revision
-        fingerprints = (
-            model_fingerprint(encoders.vae, run.model_path, rev),
-            model_fingerprint(encoders.text_encoder_2, run.model_path, rev)
-            + model_fingerprint(encoders.text_encoder, run.model_path, rev),
-        )
+        fingerprints = encoder_fingerprints(encoders, run.model_path, cfg.model.revision)
         samples = encode_dataset(
             source, encoders, geometry, cfg.data, cfg.train.seed, cache, fingerprints, layout.rank, layout.world
         )
@@ -293,17 +288,9 @@ def build_model(run: Run, data: Data) -> Trainee:
     # After prepare: FSDP2 replaces the parameters with sharded ones (the optimizer is remapped by accelerate;
     # a list taken before would clip and measure gradients that no longer exist).
     params = [p for p in model.parameters() if p.requires_grad]
-    lora = None if cfg.lora.full_finetune else cfg.lora
-    identity = {
-        "model": str(cfg.model.pretrained_model_name_or_path or "embedded-tiny"),
-        "transformer_init": cfg.model.transformer_init, "full_finetune": cfg.lora.full_finetune,
-        "rank": lora and lora.rank, "lora_alpha": lora and lora.lora_alpha,  # the LoRA rank (key kept on disk)
-        "lora_layers": lora and ",".join(lora.lora_layers),
-        "global_batch": data.global_batch * train.gradient_accumulation_steps, "data": data.source.fingerprint(),
-        "resolution": cfg.data.resolution, "seed": train.seed,
-        "aspect_buckets": data.geometry.buckets if cfg.data.aspect_buckets else False,
-        "max_sequence_length": cfg.data.max_sequence_length,
-    }  # fmt: skip
+    samples_per_step = data.global_batch * train.gradient_accumulation_steps
+    buckets = data.geometry.buckets if cfg.data.aspect_buckets else None
+    identity = checkpoint.run_identity(cfg, samples_per_step, data.source.fingerprint(), buckets)
     every = cfg.checkpoints.checkpointing_steps
     if run.layout.is_main:
         saves = max_steps // every + (1 if max_steps % every else 0)

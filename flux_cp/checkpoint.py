@@ -24,11 +24,15 @@ import pickle
 import re
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from . import diskspace, distributed, files
 from .errors import UsageError
+
+if TYPE_CHECKING:
+    from .config import Config
 
 FORMAT = 1
 _NAME = re.compile(r"^checkpoint-(\d+)$")
@@ -96,6 +100,24 @@ def read_meta(path: Path) -> dict:
                 "damaged or was not written by train_flux_cp.py: resume from another checkpoint-N folder"
             )
     return meta
+
+
+def run_identity(
+    cfg: Config, samples_per_step: int, data_fingerprint: str, buckets: list[tuple[int, int]] | None
+) -> dict:
+    """What a checkpoint must share with the run that resumes it: the model and trainable weights, the data and
+    what it sees (global batch per optimizer step, resolution, buckets, seed). The layout may differ. Keys
+    are stored in every checkpoint's meta.json (`rank` is the LoRA rank), so values are JSON's types (lists)."""
+    lora = None if cfg.lora.full_finetune else cfg.lora
+    return {
+        "model": str(cfg.model.pretrained_model_name_or_path or "embedded-tiny"),
+        "transformer_init": cfg.model.transformer_init, "full_finetune": cfg.lora.full_finetune,
+        "rank": lora and lora.rank, "lora_alpha": lora and lora.lora_alpha,
+        "lora_layers": lora and ",".join(lora.lora_layers),
+        "global_batch": samples_per_step, "data": data_fingerprint, "resolution": cfg.data.resolution,
+        "seed": cfg.train.seed, "aspect_buckets": [list(b) for b in buckets] if buckets is not None else False,
+        "max_sequence_length": cfg.data.max_sequence_length,
+    }  # fmt: skip
 
 
 def check_compatible(meta: dict, run: dict, path: Path) -> None:

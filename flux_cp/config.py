@@ -392,6 +392,8 @@ def build_parser() -> argparse.ArgumentParser:
             m, kind = f.metadata, _scalar_type(hints[f.name])
             kw: dict[str, Any] = {"help": m["help"]}
             if kind is bool:
+                if f.default is not False:  # a switch turns something on; name it for that (e.g. --no_cache)
+                    raise TypeError(f"{section.__name__}.{f.name}: boolean flags must default to False")
                 kw["action"] = "store_true"
             else:
                 # argparse also passes a string default through `type`: a parsed field shows its default as text.

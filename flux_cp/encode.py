@@ -91,6 +91,15 @@ def model_fingerprint(module: torch.nn.Module, name: str, revision: str | None) 
     return h.hexdigest()[:16]
 
 
+def encoder_fingerprints(encoders: Encoders, path: str, revision: str | None) -> tuple[str, str]:
+    """(VAE, text encoders) fingerprints: the cache keys of latents and of prompt embeddings include them."""
+    vae = model_fingerprint(encoders.vae, path, revision)
+    text = model_fingerprint(encoders.text_encoder_2, path, revision) + model_fingerprint(
+        encoders.text_encoder, path, revision
+    )
+    return vae, text
+
+
 class Geometry:
     """Target size of each image: square `resolution` crops, or aspect buckets whose token count divides
     by the CP size."""

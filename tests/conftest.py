@@ -1,4 +1,5 @@
 import os
+import sys
 
 import pytest
 
@@ -12,3 +13,13 @@ def _tiny_flux_home(tmp_path_factory):
     if "FLUX_CP_HOME" not in os.environ:
         os.environ["FLUX_CP_HOME"] = str(tmp_path_factory.mktemp("flux_cp_home"))
     yield
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tier marks: `e2e` is set by the test files that launch train_flux_cp.py; `distributed` here, on the
+    tests of every module that spawns gloo process groups through tests/distributed.py."""
+    spawner = sys.modules.get("tests.distributed")
+    for item in items:
+        module = getattr(item, "module", None)
+        if spawner is not None and any(v is spawner for v in vars(module).values()):
+            item.add_marker(pytest.mark.distributed)

@@ -83,6 +83,18 @@ def test_a_failed_save_removes_its_partial_folder_and_names_the_intact_one(tmp_p
     assert not (tmp_path / ".checkpoint-4.partial").exists()
 
 
+def test_a_run_is_compatible_with_its_own_checkpoint_after_the_json_round_trip(tmp_path):
+    from flux_cp.config import parse_config
+
+    cfg = parse_config(["--aspect_buckets", "--resolution", "128"])
+    identity = checkpoint.run_identity(cfg, 2, "abc", [(128, 128), (112, 144)])
+    meta = json.loads(json.dumps({"run": identity}))
+    checkpoint.check_compatible(meta, identity, tmp_path)
+    assert identity["rank"] == 16 and identity["lora_layers"].startswith("attn.to_k,")
+    full = checkpoint.run_identity(parse_config(["--full_finetune"]), 2, "abc", None)
+    assert full["rank"] is None and full["aspect_buckets"] is False
+
+
 def test_incompatible_runs_and_formats_are_refused_with_what_differs(tmp_path):
     meta = {"run": {"global_batch": 1, "seed": 5}}
     checkpoint.check_compatible(meta, {"global_batch": 1, "seed": 5}, tmp_path)

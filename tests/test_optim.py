@@ -25,6 +25,7 @@ def test_a_finite_step_updates():
     assert torch.allclose(p.detach(), torch.full((3,), 0.9)) and p.grad is None and scheduler.last_epoch == 1
 
 
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before:UserWarning")  # skipped
 @pytest.mark.parametrize("loss, grad_norm", [(math.nan, 1.0), (0.5, math.inf), (0.5, math.nan)])
 def test_a_non_finite_loss_or_gradient_norm_alone_skips_the_update(loss, grad_norm):
     """A finite loss with a non-finite gradient norm is skipped too, and reported as skipped."""

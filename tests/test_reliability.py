@@ -33,9 +33,20 @@ def _complete(run: Path) -> list[int]:
     return sorted(int(p.name.split("-")[1]) for p in run.glob("checkpoint-*") if (p / "meta.json").is_file())
 
 
-def test_kill_while_writing_a_checkpoint_keeps_the_previous_one_and_resume_is_exact(tmp_path):
-    args = ["--cp_size", "2", "--checkpointing_steps", "2", "--lr_scheduler", "cosine", "--lr_warmup_steps", "2"]
-    ok(train(2, *_common(tmp_path, "straight", 8, *args)))
+# One uninterrupted dp=1 x cp=2 run, shared by the tests that compare against it or resume from it.
+STRAIGHT = ["--cp_size", "2", "--checkpointing_steps", "2", "--lr_scheduler", "cosine", "--lr_warmup_steps", "2"]
+STRAIGHT_STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("straight")
+    ok(train(2, *_common(tmp, "straight", STRAIGHT_STEPS, *STRAIGHT)))
+    return tmp / "straight"
+
+
+def test_kill_while_writing_a_checkpoint_keeps_the_previous_one_and_resume_is_exact(tmp_path, straight):
+    args = STRAIGHT
     killed = train(
         2, *_common(tmp_path, "run", 8, *args), extra_env={"FLUX_CP_FAULT": "rank=0,step=4,kind=kill_in_save"}
     )
@@ -44,8 +55,8 @@ def test_kill_while_writing_a_checkpoint_keeps_the_previous_one_and_resume_is_ex
     assert _complete(run) == [2], "only the checkpoint written before the kill may look complete"
     assert (run / ".checkpoint-4.partial").is_dir(), "the half-written checkpoint should be left as .partial"
     ok(train(2, *_common(tmp_path, "run", 8, *args, "--resume_from_checkpoint", "latest")))
-    assert losses(run) == losses(tmp_path / "straight")
-    a, b = _weights(run), _weights(tmp_path / "straight")
+    assert losses(run) == losses(straight)
+    a, b = _weights(run), _weights(straight)
     assert all((a[k] == b[k]).all() for k in a), "resumed weights differ from the uninterrupted run"
     assert not (run / ".checkpoint-4.partial").exists()
 
@@ -75,11 +86,10 @@ def test_resume_on_other_layouts_continues_the_same_trajectory(tmp_path):
         assert worst < 1e-5, f"{name}: losses after resuming differ by {worst:.2e}: {got} vs {reference}"
 
 
-def test_resume_refuses_a_different_global_batch(tmp_path):
-    ok(train(2, *_common(tmp_path, "a", 2, "--cp_size", "2", "--checkpointing_steps", "2")))
+def test_resume_refuses_a_different_global_batch(tmp_path, straight):
+    """The straight run's checkpoint-2 (dp=1 x cp=2, global batch 1) resumed by dp=2 x cp=1 (global batch 2)."""
     r = train(
-        2,
-        *_common(tmp_path, "b", 4, "--cp_size", "1", "--resume_from_checkpoint", str(tmp_path / "a" / "checkpoint-2")),
+        2, *_common(tmp_path, "b", 4, "--cp_size", "1", "--resume_from_checkpoint", str(straight / "checkpoint-2"))
     )
     assert r.returncode != 0  # accelerate launch exits 1 whatever its workers' codes (ours: 2)
     assert "incompatible run (global_batch: checkpoint 1, now 2)" in r.stderr
@@ -163,14 +173,12 @@ def test_disk_full_while_saving_fails_cleanly_and_keeps_the_previous_checkpoint(
     )
 
 
-def test_two_nodes_on_loopback_train_like_one(tmp_path):
+def test_two_nodes_on_loopback_train_like_one(tmp_path, straight):
     """Two launchers (one process each) meet over loopback rendezvous and form one CP group across the
-    'node' boundary; the losses equal the single-node cp=2 run."""
-    args = _common(tmp_path, "one_node", 6, "--cp_size", "2")
-    ok(train(2, *args))
+    'node' boundary; the losses equal the single-node cp=2 run (the straight run, same flags)."""
     port = str(free_port())
     out = tmp_path / "two_nodes"
-    nargs = _common(tmp_path, "two_nodes", 6, "--cp_size", "2")
+    nargs = _common(tmp_path, "two_nodes", STRAIGHT_STEPS, *STRAIGHT)
     procs = []
     for node in (0, 1):
         launcher = ("--num_machines", "2", "--machine_rank", str(node), "--main_process_ip", "127.0.0.1",
@@ -181,8 +189,8 @@ def test_two_nodes_on_loopback_train_like_one(tmp_path):
     for p, (_, e) in zip(procs, results):
         assert p.returncode == 0, e[-4000:]
     assert "world 2 = dp 1 x cp 2" in results[0][1] + results[0][0]
-    assert losses(out) == losses(tmp_path / "one_node")
-    json.loads((out / "checkpoint-6" / "meta.json").read_text())
+    assert losses(out) == losses(straight)
+    json.loads((out / f"checkpoint-{STRAIGHT_STEPS}" / "meta.json").read_text())
     shutil.rmtree(tmp_path / "cache", ignore_errors=True)
 
 
