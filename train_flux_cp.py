@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 import cp
-from flux_cp import checkpoint, faults, files, runner, validation
+from flux_cp import checkpoint, diskspace, distributed, faults, files, outdir, runner, validation
 from flux_cp.batches import Batches
 from flux_cp.config import Config, parse_config
 from flux_cp.data import BatchSchedule, ImageSource, check_pair_flags, open_source, reference_column
@@ -73,6 +73,7 @@ class Run:
     device: torch.device
     weight_dtype: torch.dtype  # the frozen weights' and the inputs' dtype (mixed precision)
     model_path: str
+    sizes: diskspace.Sizes  # of one checkpoint and of the final model, from parameter counts
 
 
 @dataclass
@@ -158,7 +159,54 @@ def setup(cfg: Config) -> Run:
     if cfg.train.allow_tf32 and torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = True
     weight_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
-    return Run(cfg, accelerator, layout, accelerator.device, weight_dtype, path)
+    claim_output_dir(cfg, layout)
+    sizes = output_sizes(cfg, path, weight_dtype, layout.world)
+    problem = None
+    if layout.is_main:
+        try:  # one checkpoint and the final model must fit; how many checkpoints fit is known once steps are
+            diskspace.check_start(cfg.train.output_dir, sizes, saves=1, total_limit=None)
+        except UsageError as e:
+            problem = str(e)
+    distributed.check_all_ranks(problem is None, problem or "")
+    return Run(cfg, accelerator, layout, accelerator.device, weight_dtype, path, sizes)
+
+
+def claim_output_dir(cfg: Config, layout: Layout) -> None:
+    """The output folder becomes this run's (flux_cp.outdir), before anything loads; every rank learns the result."""
+    problem, removed = None, []
+    if layout.is_main:
+        try:
+            removed = outdir.claim(cfg.train.output_dir, cfg.checkpoints.resume_from_checkpoint,
+                                   cfg.train.overwrite_output_dir, (cfg.validation.logging_dir,))  # fmt: skip
+            if not cfg.data.no_cache:
+                outdir.check_writable(Path(cache_dir(cfg)), "--cache_dir")
+            resume = checkpoint.resolve(cfg.checkpoints.resume_from_checkpoint, cfg.train.output_dir)
+            if resume is not None:  # a damaged or foreign meta.json is found now, not after the models load
+                checkpoint.read_meta(resume)
+        except UsageError as e:
+            problem = str(e)
+    distributed.check_all_ranks(problem is None, problem or "")
+    if removed:
+        logger.info(f"--overwrite_output_dir: removed the earlier run's outputs ({', '.join(removed)})")
+
+
+def cache_dir(cfg: Config) -> str:
+    return cfg.data.cache_dir or str(Path.home() / ".cache" / "flux_cp" / "encodings")
+
+
+def output_sizes(cfg: Config, path: str, weight_dtype: torch.dtype, world: int) -> diskspace.Sizes:
+    """Bytes of one checkpoint and of the final model, from the transformer's config (nothing loaded)."""
+    from diffusers import FluxTransformer2DModel
+
+    try:
+        config = dict(FluxTransformer2DModel.load_config(path, subfolder="transformer", revision=cfg.model.revision))
+    except (OSError, ValueError) as e:
+        first = str(e).splitlines()[0]
+        raise UsageError(f"cannot load transformer from --pretrained_model_name_or_path {path}: {first}") from None
+    lora = None if cfg.lora.full_finetune else cfg.lora.rank
+    counts = diskspace.count(config, lora, list(cfg.lora.lora_layers))
+    with_optimizer = not cfg.checkpoints.checkpoint_weights_only
+    return diskspace.sizes(counts, cfg.lora.full_finetune, with_optimizer, weight_dtype, world)
 
 
 def load_data(run: Run) -> Data:
@@ -186,12 +234,12 @@ def load_data(run: Run) -> Data:
     if cfg.data.no_cache:
         samples: TrainingData = LiveData(source, encoders, geometry, cfg.data, cfg.train.seed)
     else:
-        cache_dir = Path(cfg.data.cache_dir or Path.home() / ".cache" / "flux_cp" / "encodings")
+        cache = Path(cache_dir(cfg))
         fingerprints = encoder_fingerprints(encoders, run.model_path, cfg.model.revision)
         samples = encode_dataset(
-            source, encoders, geometry, cfg.data, cfg.train.seed, cache_dir, fingerprints, layout.rank, layout.world
+            source, encoders, geometry, cfg.data, cfg.train.seed, cache, fingerprints, layout.rank, layout.world
         )
-        logger.info(f"encodings: {len(source)} samples, {samples.computed} newly computed, cache {cache_dir}")
+        logger.info(f"encodings: {len(source)} samples, {samples.computed} newly computed, cache {cache}")
         encoders.free_text_encoders()
     global_batch = cfg.train.train_batch_size * layout.dp
     schedule = BatchSchedule(samples.buckets, global_batch, cfg.train.seed)
@@ -243,7 +291,23 @@ def build_model(run: Run, data: Data) -> Trainee:
     samples_per_step = data.global_batch * train.gradient_accumulation_steps
     buckets = data.geometry.buckets if cfg.data.aspect_buckets else None
     identity = checkpoint.run_identity(cfg, samples_per_step, data.source.fingerprint(), buckets)
+    every = cfg.checkpoints.checkpointing_steps
+    if run.layout.is_main:
+        saves = max_steps // every + (1 if max_steps % every else 0)
+        warning = diskspace.check_start(train.output_dir, run.sizes, saves, cfg.checkpoints.checkpoints_total_limit)
+        if warning:
+            logger.warning(f"warning: {warning}")
     return Trainee(model, optimizer, lr_scheduler, params, config, mode, ulysses_size, max_steps, identity)
+
+
+# Settings a resumed run may change: each is applied from the resumed step on (the rest are in the run identity,
+# which a checkpoint must match).
+RESUMABLE_CHANGES = (
+    "learning_rate", "scale_lr", "lr_scheduler", "lr_warmup_steps", "lr_num_cycles", "lr_power", "adam_beta1",
+    "adam_beta2", "adam_weight_decay", "adam_epsilon", "max_grad_norm", "max_train_steps", "num_train_epochs",
+    "weighting_scheme", "logit_mean", "logit_std", "mode_scale", "guidance_scale", "lora_dropout", "mixed_precision",
+    "center_crop", "random_flip",
+)  # fmt: skip
 
 
 def resume(run: Run, trainee: Trainee) -> int:
@@ -256,8 +320,17 @@ def resume(run: Run, trainee: Trainee) -> int:
         return 0
     meta = checkpoint.read_meta(path)
     checkpoint.check_compatible(meta, trainee.run_identity, path)
-    checkpoint.load(path, trainee.model, trainee.optimizer, trainee.lr_scheduler)
+    with_optimizer = meta.get("optimizer_state", True)
+    applied = checkpoint.load(path, trainee.model, trainee.optimizer, trainee.lr_scheduler, with_optimizer)
     logger.info(f"resumed from {path} at step {meta['step']} (written with {meta['layout']})")
+    changed = checkpoint.changed_settings(meta.get("args", {}), run.cfg.flat(), RESUMABLE_CHANGES)
+    for change in changed or applied:
+        logger.info(f"resume: {change} (applied from step {meta['step'] + 1})")
+    if not with_optimizer:
+        logger.warning(
+            f"warning: {path} has no optimizer state (--checkpoint_weights_only): AdamW's moments start from zero, "
+            "so the next steps differ from an uninterrupted run"
+        )
     return meta["step"]
 
 
@@ -283,7 +356,7 @@ def start_loop(run: Run, data: Data, trainee: Trainee, start_step: int) -> Loop:
     peak = measure_matmul_peak(device)
     loop = Loop(batches, metrics, StepTimer(device), bar, peak, faults.from_env(layout.rank))
     if cfg.model.embedded_default and data.validation_embeds is not None and start_step == 0:
-        validate(run, data, trainee, 0)  # the tiny model before training, to set beside the images at the end
+        validate(run, data, trainee, loop, 0)  # the tiny model before training, to set beside the images at the end
         loop.timer.lap()
     trainee.model.train()
     return loop
@@ -331,22 +404,31 @@ def after_step(run: Run, data: Data, trainee: Trainee, loop: Loop, result: StepR
         loss=f"{result.loss:.4f}", lr=f"{row['lr']:.2e}", s_step=f"{dt:.2f}", tok_s=f"{row['tokens_per_s']:.0f}",
         **({"mfu": f"{row['mfu']:.0%}"} if loop.matmul_peak else {}),
     )  # fmt: skip
-    last = step == trainee.max_steps
-    every = cfg.validation.validation_steps
-    if data.validation_embeds is not None and (last or (every and step % every == 0)):
-        validate(run, data, trainee, step)
-    if step % cfg.checkpoints.checkpointing_steps == 0 or last:
-        meta = {"run": trainee.run_identity, "layout": layout.describe(), "args": cfg.flat()}
-        saved = checkpoint.save(cfg.train.output_dir, step, trainee.model, trainee.optimizer, trainee.lr_scheduler,
-                                meta, layout.is_main, cfg.checkpoints.checkpoints_total_limit, loop.fault)  # fmt: skip
-        logger.info(f"saved {saved}")
+    if step < trainee.max_steps:  # the last step's outputs are written by `finish`, the model first
+        every = cfg.validation.validation_steps
+        if data.validation_embeds is not None and every and step % every == 0:
+            validate(run, data, trainee, loop, step)
+        if step % cfg.checkpoints.checkpointing_steps == 0:
+            save_checkpoint(run, trainee, loop, step)
     if loop.timer.elapsed_since_lap() > dt:  # validation or a checkpoint ran: keep it out of the next step's time
         loop.timer.lap()
 
 
-def validate(run: Run, data: Data, trainee: Trainee, step: int) -> None:
+def save_checkpoint(run: Run, trainee: Trainee, loop: Loop, step: int) -> None:
+    cfg, layout = run.cfg, run.layout
+    meta = {"run": trainee.run_identity, "layout": layout.describe(), "args": cfg.flat()}
+    saved = checkpoint.save(
+        cfg.train.output_dir, step, trainee.model, trainee.optimizer, trainee.lr_scheduler, meta, layout.is_main,
+        cfg.checkpoints.checkpoints_total_limit, loop.fault,
+        optimizer_state=not cfg.checkpoints.checkpoint_weights_only, need_bytes=run.sizes.checkpoint,
+    )  # fmt: skip
+    logger.info(f"saved {saved}")
+
+
+def validate(run: Run, data: Data, trainee: Trainee, loop: Loop, step: int) -> None:
     """Validation images with the current weights (CP across each group), saved and sent to the trackers."""
     cfg = run.cfg
+    loop.fault.during_validation(step)
     images = validation.generate(
         run.accelerator.unwrap_model(trainee.model), data.encoders.vae, data.noise_scheduler.config,
         data.validation_embeds, run.layout, cfg.validation, cfg.train.guidance_scale, cfg.train.seed,
@@ -357,19 +439,35 @@ def validate(run: Run, data: Data, trainee: Trainee, step: int) -> None:
         logger.info(f"validation images: {path}")
 
 
-def finish(run: Run, trainee: Trainee, loop: Loop) -> None:
-    """Write the trained weights in diffusers' format (LoRA file or transformer folder) and the loss curve."""
-    cfg, output_dir = run.cfg, run.cfg.train.output_dir
+def finish(run: Run, data: Data, trainee: Trainee, loop: Loop, step: int) -> None:
+    """The outputs of the last step, most valuable first: the trained weights in diffusers' format (LoRA file or
+    transformer folder), then the final checkpoint, then what is optional (validation images, the loss curve)."""
+    cfg, output_dir, layout = run.cfg, run.cfg.train.output_dir, run.layout
     loop.bar.close()
     loop.metrics.close()
     state = full_state_dict(trainee.model, trainable_only=not cfg.lora.full_finetune)  # every rank: FSDP gathers
-    if run.layout.is_main:
+    problem = None
+    if layout.is_main:
         inner = run.accelerator.unwrap_model(trainee.model)
-        if cfg.lora.full_finetune:
-            out = save_full(inner, state, output_dir, run.weight_dtype)
-        else:
-            out = save_lora(inner, state, output_dir, cfg.lora)
-        logger.info(f"wrote {out}")
+        try:
+            prev = checkpoint.list_checkpoints(output_dir)
+            kept = f"{prev[-1][1]} is the last good checkpoint" if prev else "no checkpoint was written"
+            diskspace.check_write(output_dir, run.sizes.model, f"the final {run.sizes.model_name}", kept)
+            if cfg.lora.full_finetune:
+                out = outdir.write_final(output_dir, "transformer",
+                                         lambda d: save_full(inner, state, str(d), run.weight_dtype))  # fmt: skip
+            else:
+                out = outdir.write_final(output_dir, "pytorch_lora_weights.safetensors",
+                                         lambda d: save_lora(inner, state, str(d), cfg.lora))  # fmt: skip
+            logger.info(f"wrote {out}")
+        except UsageError as e:
+            problem = str(e)
+    state.clear()  # the gathered full weights: free them before the checkpoint is written
+    distributed.check_all_ranks(problem is None, problem or "")
+    save_checkpoint(run, trainee, loop, step)
+    if data.validation_embeds is not None:
+        validate(run, data, trainee, loop, step)
+    if layout.is_main:
         from flux_cp.metrics import plot_loss_curve
 
         plot_loss_curve(Path(output_dir) / "metrics.jsonl", Path(output_dir) / "loss_curve.png")
@@ -392,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
     for step in range(start_step + 1, trainee.max_steps + 1):
         result = train_step(run, data, trainee, loop, step)
         after_step(run, data, trainee, loop, result)
-    finish(run, trainee, loop)
+    finish(run, data, trainee, loop, trainee.max_steps)
     return 0
 
 

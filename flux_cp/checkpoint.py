@@ -7,12 +7,20 @@ complete: a process killed at any moment leaves the previous checkpoints intact,
 torch.distributed.checkpoint (DCP), which reshards on load, so a run written with one layout resumes
 on another; the LR schedule and the data position are plain state (the data order is a function of
 the seed and the global micro-step alone).
+
+Reading a checkpoint runs no code from it: torch.distributed.checkpoint unpickles its `.metadata` file and its
+non-tensor entries with plain pickle, so here the metadata goes through an unpickler that knows only DCP's own
+record classes, every non-tensor entry must load with `torch.load(weights_only=True)`, and `train.pt` is read with
+`weights_only=True`. On resume the current flags' optimizer hyperparameters win over the checkpoint's (the caller
+logs what changed). Every failure of checkpoint I/O ends as one UsageError naming the folder.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import pickle
 import re
 import shutil
 from pathlib import Path
@@ -20,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import distributed, files
+from . import diskspace, distributed, files
 from .errors import UsageError
 
 if TYPE_CHECKING:
@@ -71,13 +79,26 @@ def resolve(resume: str | None, output_dir: str) -> Path | None:
 
 
 def read_meta(path: Path) -> dict:
+    """A checkpoint's meta.json, every field this code reads checked (a damaged or foreign file is named)."""
     try:
-        with open(path / "meta.json") as f:
+        with open(path / "meta.json", encoding="utf-8") as f:
             meta = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8
         raise UsageError(f"--resume_from_checkpoint {path}: meta.json cannot be read ({e})") from None
+    if not isinstance(meta, dict):
+        raise UsageError(f"--resume_from_checkpoint {path}: meta.json is a JSON {type(meta).__name__}, not an object")
     if meta.get("format") != FORMAT:
         raise UsageError(f"--resume_from_checkpoint {path}: format {meta.get('format')} is not {FORMAT}")
+    fields = (("step", int), ("run", dict), ("layout", str), ("args", dict), ("optimizer_state", bool))
+    for key, kind in fields:
+        value = meta.get(key)
+        missing_ok = key in ("args", "optimizer_state")  # written since a later version; absent means the default
+        bad = (value is None and not missing_ok) or (value is not None and type(value) is not kind)
+        if bad or (key == "step" and value < 0):
+            raise UsageError(
+                f"--resume_from_checkpoint {path}: meta.json has no valid '{key}' (got {value!r}); the checkpoint is "
+                "damaged or was not written by train_flux_cp.py: resume from another checkpoint-N folder"
+            )
     return meta
 
 
@@ -110,12 +131,28 @@ def check_compatible(meta: dict, run: dict, path: Path) -> None:
         )
 
 
-def _state(model, optimizer):
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+def _state(model, optimizer, with_optimizer: bool = True):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
 
     opts = StateDictOptions(ignore_frozen_params=True)
+    if not with_optimizer:  # (get_state_dict would also create AdamW's state, with a first step taken)
+        return {"model": get_model_state_dict(model, options=opts)}
     model_sd, optim_sd = get_state_dict(model, optimizer, options=opts)
     return {"model": model_sd, "optim": optim_sd}
+
+
+def _cause(e: BaseException) -> str:
+    """One line for an I/O failure. DCP's CheckpointException (a BaseException) carries every rank's traceback in
+    its text; only the first rank's exception is kept."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, wrapped = sorted(failures.items())[0]
+        inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+        return f"rank {rank}: {_cause(inner)}"
+    text = str(e).strip()
+    if isinstance(e, OSError) and text:  # "[Errno 28] No space left on device: ..." says it all
+        return text.splitlines()[0]
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
 
 
 def save(
@@ -128,8 +165,12 @@ def save(
     is_main: bool,
     total_limit: int | None,
     fault=None,
+    optimizer_state: bool = True,
+    need_bytes: int | None = None,
 ) -> Path:
-    """Write checkpoint-`step` atomically; every rank calls it. Returns the final folder."""
+    """Write checkpoint-`step` atomically; every rank calls it. Returns the final folder. `optimizer_state`: keep
+    AdamW's moments (exact resume) or only the trainable weights. `need_bytes`: the checkpoint's size
+    (diskspace.sizes); when given, a disk that cannot hold it stops the run before anything is written."""
     import torch.distributed.checkpoint as dcp
 
     root = Path(output_dir)
@@ -138,25 +179,38 @@ def save(
     if is_main:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)  # left by a crash during an earlier save
+    prev = list_checkpoints(output_dir)
+    kept = f"{prev[-1][1]} is the last good checkpoint" if prev else "no checkpoint was written before"
+    if need_bytes is not None:
+        short = None
+        if is_main:
+            try:
+                diskspace.check_write(root, need_bytes, f"checkpoint-{step}", kept)
+            except UsageError as e:
+                short = str(e)
+        if distributed.any_rank(short is not None):
+            raise UsageError(short or f"not enough disk space for checkpoint-{step}; {kept}", agreed=True)
     distributed.barrier()
     error = None
     try:
-        dcp.save(_state(model, optimizer), checkpoint_id=str(partial / "state"))
+        dcp.save(_state(model, optimizer, optimizer_state), checkpoint_id=str(partial / "state"))
         if fault is not None:
             fault.during_save(step)
         if is_main:
             # Only what `load` restores: every random draw is keyed by seed and step (flux_cp.rng), so no RNG
             # state is needed to resume exactly.
             torch.save({"lr_scheduler": lr_scheduler.state_dict()}, partial / "train.pt")
-            files.write_json(partial / "meta.json", {**meta, "format": FORMAT, "step": step})
+            files.write_json(partial / "meta.json", {**meta, "format": FORMAT, "step": step,
+                                                     "optimizer_state": optimizer_state})  # fmt: skip
             _fsync_tree(partial)
-    except Exception as e:  # noqa: BLE001 - reported on every rank below
-        error = e
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException; reported below
+        error = _cause(e)
     failed = distributed.any_rank(error is not None)
     if failed:
         if is_main:
             shutil.rmtree(partial, ignore_errors=True)
-        prev = list_checkpoints(output_dir)
         raise UsageError(
             f"writing checkpoint-{step} failed ({error or 'on another rank'}); nothing was renamed, "
             + (f"{prev[-1][1]} is intact" if prev else "no earlier checkpoint exists")
@@ -177,19 +231,115 @@ def save(
     return final
 
 
-def load(path: Path, model, optimizer, lr_scheduler) -> None:
-    """Restore weights, optimizer and LR schedule from `path` into the (wrapped) model, on any layout."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+# The classes a DCP `.metadata` pickle refers to (torch 2.x): its own records, torch.Size, dtypes and layouts,
+# and the checkpoint's path. Anything else in a checkpoint is refused unread.
+_METADATA_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {"Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
+                                              "ChunkStorageMetadata", "TensorProperties", "MetadataIndex",
+                                              "StorageMeta", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+    "builtins": {"set", "frozenset", "tuple", "list", "dict"},
+}  # fmt: skip
 
-    state = _state(model, optimizer)
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        allowed = _METADATA_GLOBALS.get(module, ())
+        if name in allowed or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"refusing to load {module}.{name}")
+
+
+def _safe_reader(path: Path):
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            with open(Path(self.path) / ".metadata", "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader(str(path))
+
+
+def _safe_planner():
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    class SafePlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value: io.BytesIO) -> None:
+            # DCP reads non-tensor entries (the optimizer's lr, betas, ...) with weights_only=False: check them with
+            # the weights-only unpickler first (plain data passes; anything that would run code is refused).
+            data = value.read()
+            torch.load(io.BytesIO(data), weights_only=True)
+            super().load_bytes(read_item, io.BytesIO(data))
+
+    return SafePlanner()
+
+
+# Optimizer hyperparameters a resumed run takes from its flags rather than from the checkpoint.
+_GROUP_KEYS = ("betas", "eps", "weight_decay")
+
+
+def load(path: Path, model, optimizer, lr_scheduler, optimizer_state: bool = True) -> list[str]:
+    """Restore weights, optimizer and LR schedule from `path` into the (wrapped) model, on any layout. The current
+    learning rate and AdamW settings win over the checkpoint's; returns what they changed, one line each.
+    `optimizer_state`: whether the checkpoint holds AdamW's moments (False: they start from zero)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
+
+    current = [{k: g[k] for k in _GROUP_KEYS} for g in optimizer.param_groups]
+    base_lrs = list(getattr(lr_scheduler, "base_lrs", []))
+    state = _state(model, optimizer, optimizer_state)
     try:
-        dcp.load(state, checkpoint_id=str(path / "state"))
-    except Exception as e:  # noqa: BLE001 - a damaged or foreign checkpoint is a usage problem
-        raise UsageError(f"--resume_from_checkpoint {path}: cannot load its weights/optimizer state ({e})") from None
-    set_state_dict(
-        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-        options=StateDictOptions(ignore_frozen_params=True, strict=False),
-    )  # fmt: skip
-    train = torch.load(path / "train.pt", weights_only=False)
-    lr_scheduler.load_state_dict(train["lr_scheduler"])
+        dcp.load(state, checkpoint_id=str(path / "state"), storage_reader=_safe_reader(path / "state"),
+                 planner=_safe_planner())  # fmt: skip
+        train = torch.load(path / "train.pt", weights_only=True)
+        lr_scheduler.load_state_dict(train["lr_scheduler"])
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 - a damaged or foreign checkpoint is a usage problem
+        raise UsageError(
+            f"--resume_from_checkpoint {path}: cannot load it ({_cause(e)}). Resume from an earlier checkpoint-N "
+            "folder, or start a new --output_dir"
+        ) from None
+    opts = StateDictOptions(ignore_frozen_params=True, strict=False)
+    if optimizer_state:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=opts)
+    else:
+        set_model_state_dict(model, state["model"], options=opts)
+    return _apply_current(optimizer, lr_scheduler, current, base_lrs)
+
+
+def _apply_current(optimizer, lr_scheduler, current: list[dict], base_lrs: list[float]) -> list[str]:
+    changes = []
+    for g, now in zip(optimizer.param_groups, current):
+        for k, v in now.items():
+            if g[k] != v:
+                changes.append(f"AdamW {k} {g[k]} -> {v}")
+                g[k] = v
+    old = list(getattr(lr_scheduler, "base_lrs", []))
+    if base_lrs and old != base_lrs:
+        changes.append(f"learning rate {', '.join(f'{x:g}' for x in old)} -> {', '.join(f'{x:g}' for x in base_lrs)}")
+    if base_lrs and hasattr(lr_scheduler, "lr_lambdas"):
+        # The schedule's shape (scheduler, warmup, length) comes from the current flags already; its scale, the
+        # base LR, was restored from the checkpoint: put the current one back and recompute this step's LR.
+        lr_scheduler.base_lrs = base_lrs
+        step = lr_scheduler.last_epoch
+        lrs = [base * f(step) for base, f in zip(base_lrs, lr_scheduler.lr_lambdas)]
+        for g, base, lr in zip(optimizer.param_groups, base_lrs, lrs):
+            g["initial_lr"], g["lr"] = base, lr
+        lr_scheduler._last_lr = lrs
+    return changes
+
+
+def changed_settings(saved: dict, now: dict, names: tuple[str, ...]) -> list[str]:
+    """`--flag old -> new` for each of `names` whose value differs between a checkpoint's args and this run's."""
+    return [f"--{n} {saved[n]} -> {now.get(n)}" for n in names if n in saved and saved[n] != now.get(n)]

@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
+import sys
 import types
 import typing
 from collections.abc import Callable
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import UsageError
+from .flag_ranges import check_ranges, given_flags, unused_flags
 from .flow import WEIGHTING_SCHEMES
 from .lora import DEFAULT_TARGETS
 from .lora_format import FORMATS as LORA_FORMATS
@@ -111,8 +114,6 @@ class LoraConfig:
     )
 
     def check(self) -> None:
-        if self.rank < 1:
-            raise UsageError(f"--rank must be at least 1, got {self.rank}")
         if self.full_finetune and self.lora_format != "diffusers":
             raise UsageError(
                 f"--lora_format {self.lora_format} applies to LoRA files; --full_finetune writes a transformer "
@@ -165,10 +166,9 @@ class DataConfig:
     def check(self) -> None:
         if self.resolution % 16:
             raise UsageError(f"--resolution {self.resolution} must be a multiple of 16 (8x VAE, 2x2 patches)")
-        if not 1 <= self.max_sequence_length <= 512:
-            raise UsageError(f"--max_sequence_length must be between 1 and 512, got {self.max_sequence_length}")
-        if self.dataset_name and os.path.sep in self.dataset_name and not os.path.exists(self.dataset_name):
-            raise UsageError(f"--dataset_name {self.dataset_name}: no such folder")
+        name = self.dataset_name
+        if name and not os.path.exists(name) and not is_hub_id(name):
+            raise UsageError(f"--dataset_name {name}: no such folder (and not a hub id like owner/name)")
         if self.cond_image_column is not None and self.dataset_name is None:
             raise UsageError("--cond_image_column needs --dataset_name (the bundled data set has no reference images)")
 
@@ -178,6 +178,11 @@ class TrainConfig:
     """Optimisation: batch, steps, optimizer, schedule, loss, precision (train_flux_cp.py, flux_cp.flow)."""
 
     output_dir: str = flag("flux-cp-output")
+    overwrite_output_dir: bool = flag(
+        False,
+        "Replace an earlier run in --output_dir (its checkpoints, weights, metrics, validation images and logs are "
+        "removed; other files stay). Without it, a folder holding another run is refused unless resumed.",
+    )
     seed: int = flag(0)
     train_batch_size: int = flag(
         1,
@@ -234,13 +239,6 @@ class TrainConfig:
         choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
     )
 
-    def check(self) -> None:
-        for name in ("train_batch_size", "gradient_accumulation_steps", "num_train_epochs"):
-            if getattr(self, name) < 1:
-                raise UsageError(f"--{name} must be at least 1, got {getattr(self, name)}")
-        if self.max_train_steps is not None and self.max_train_steps < 1:
-            raise UsageError(f"--max_train_steps must be at least 1, got {self.max_train_steps}")
-
 
 @dataclass(frozen=True)
 class ParallelConfig:
@@ -254,16 +252,12 @@ class ParallelConfig:
     )
 
     def check(self) -> None:
-        if self.cp_size < 1:
-            raise UsageError(f"--cp_size must be at least 1, got {self.cp_size}")
         if self.cp_mode == "hybrid" and self.ulysses_size is None:
             raise UsageError("--cp_mode hybrid needs --ulysses_size (the Ulysses degree, a divisor of --cp_size)")
         if self.ulysses_size is not None and self.cp_mode not in ("hybrid", "auto"):
             raise UsageError(f"--ulysses_size is only used with --cp_mode hybrid (got --cp_mode {self.cp_mode})")
-        if self.ulysses_size is not None and (self.ulysses_size < 1 or self.cp_size % self.ulysses_size):
+        if self.ulysses_size is not None and self.cp_size % self.ulysses_size:
             raise UsageError(f"--ulysses_size {self.ulysses_size} must divide --cp_size {self.cp_size}")
-        if self.collective_timeout <= 0:
-            raise UsageError("--collective_timeout must be positive (seconds)")
 
 
 @dataclass(frozen=True)
@@ -273,10 +267,13 @@ class CheckpointConfig:
     checkpointing_steps: int = flag(500)
     checkpoints_total_limit: int | None = flag(None)
     resume_from_checkpoint: str | None = flag(None, "'latest' or a checkpoint folder.")
+    checkpoint_weights_only: bool = flag(
+        False,
+        "Checkpoints hold the trainable weights and the LR schedule but not AdamW's moments (a third of the size). "
+        "Resuming from one restarts the moments from zero: training continues, but not exactly as uninterrupted.",
+    )
 
     def check(self) -> None:
-        if self.checkpointing_steps < 1:
-            raise UsageError(f"--checkpointing_steps must be at least 1, got {self.checkpointing_steps}")
         resume = self.resume_from_checkpoint
         if resume not in (None, "latest") and not os.path.isdir(resume):
             raise UsageError(f"--resume_from_checkpoint {resume}: no such checkpoint folder")
@@ -342,6 +339,7 @@ class Config:
 
     def check(self) -> None:
         """Every check that needs only the flags; the first failure is a UsageError naming the flag."""
+        check_ranges(self.flat())
         for f in dataclasses.fields(self):
             check = getattr(getattr(self, f.name), "check", None)
             if check is not None:
@@ -413,7 +411,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_config(argv: list[str] | None = None) -> Config:
     """Parse the flags once, resolve derived defaults, check them; the Config the whole run uses."""
-    raw = dict(vars(build_parser().parse_args(argv)))
+    parser = build_parser()
+    raw = dict(vars(parser.parse_args(argv)))
     # The demo: the embedded default with no data set and no step count (the README's first command).
     raw[_DEMO] = _is_embedded(raw) and raw["dataset_name"] is None and raw["max_train_steps"] is None
     raw[_DEMO] = raw[_DEMO] and raw["num_train_epochs"] is None
@@ -430,4 +429,15 @@ def parse_config(argv: list[str] | None = None) -> Config:
         sections[name] = section(**values)
     config = Config(**sections)
     config.check()
+    if os.environ.get("RANK", "0") == "0":
+        for warning in unused_flags(given_flags(parser, sys.argv[1:] if argv is None else argv), config.flat()):
+            print(f"warning: {warning}", file=sys.stderr)
     return config
+
+
+# A hub data set id: `name` or `owner/name` (letters, digits, '-', '_', '.'); anything else is a local path.
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+
+
+def is_hub_id(name: str) -> bool:
+    return _HUB_ID.fullmatch(name) is not None and ".." not in name

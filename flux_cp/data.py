@@ -18,16 +18,17 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 
 from .errors import UsageError
+from .folders import list_folder
+from .images import decode
 from .rng import Stream, generator
 
 if TYPE_CHECKING:
     from .config import DataConfig, ValidationConfig
 
 BUNDLED_DATA = Path(__file__).resolve().parent.parent / "data" / "tiny_shapes"
-IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 
 
 # --- sources -----------------------------------------------------------------------------------------
@@ -74,7 +75,10 @@ class ImageSource:
         if self._hf is None:
             with open(ref, "rb") as f:
                 return f.read()
-        item = self._hf[int(ref)][self._reference_column if reference else self._image_column]
+        column = self._reference_column if reference else self._image_column
+        item = self._hf[int(ref)][column]
+        if not item or (item.get("bytes") is None and not item.get("path")):
+            raise UsageError(f"{self.where(i)} has no image in column '{column}'")
         if item.get("bytes") is not None:
             return item["bytes"]
         with open(item["path"], "rb") as f:
@@ -87,20 +91,15 @@ class ImageSource:
         return f"{self.name} row {ref}" + (f" column '{self._reference_column}'" if reference else "")
 
     def load(self, i: int, data: bytes | None = None, reference: bool = False) -> Image.Image:
-        """Decode image i (its reference image with `reference`) as RGB; a UsageError naming the file if it
-        cannot be read."""
-        import io
+        """Image i (its reference image with `reference`) as the RGB picture a viewer shows (flux_cp.images); a
+        UsageError naming the file if it cannot be read."""
 
         what = f"{'reference ' if reference else ''}image {self.where(i, reference)}"
         try:
             data = self.raw_bytes(i, reference) if data is None else data
-            img = Image.open(io.BytesIO(data))
-            img.load()
-        except UnidentifiedImageError:
-            raise UsageError(f"cannot read {what}: not an image format PIL can decode") from None
-        except (OSError, ValueError) as e:  # truncated or unreadable file
-            raise UsageError(f"cannot read {what}: {e}") from None
-        return img.convert("RGB")
+        except OSError as e:
+            raise UsageError(f"cannot read {what}: {e.strerror or e}") from None
+        return decode(data, self.where(i, reference), what)
 
     def fingerprint(self) -> str:
         h = hashlib.sha256(self.name.encode())
@@ -112,46 +111,26 @@ class ImageSource:
 
 
 def _local_folder(folder: Path, caption_column: str, instance_prompt: str | None) -> list[Sample]:
-    files = sorted(p for p in folder.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file())
-    if not files:
-        raise UsageError(f"--dataset_name {folder}: no images ({', '.join(IMAGE_EXTENSIONS)}) in this folder")
-    captions: dict[str, str] = {}
-    meta = folder / "metadata.jsonl"
-    if meta.is_file():
-        for n, row in _metadata_rows(meta):
-            _check_row(meta, n, row, caption_column, instance_prompt)
-            captions[str((folder / row["file_name"]).resolve())] = str(row.get(caption_column, ""))
-    samples, missing = [], []
-    for p in files:
-        if instance_prompt is not None:
-            samples.append(Sample(str(p), instance_prompt))
-            continue
-        caption = captions.get(str(p.resolve()))
-        if caption is None and p.with_suffix(".txt").is_file():
-            caption = p.with_suffix(".txt").read_text().strip()
-        if caption is None:
-            missing.append(p.name)
-        else:
-            samples.append(Sample(str(p), caption))
-    if missing:
-        raise UsageError(
-            f"{len(missing)} images in {folder} have no caption (e.g. {', '.join(missing[:3])}): add metadata.jsonl "
-            f"with 'file_name' and '{caption_column}', a .txt beside each image, or --instance_prompt"
-        )
-    return samples
+    return [Sample(path, caption) for path, caption in list_folder(folder, caption_column, instance_prompt)]
 
 
 def _metadata_rows(meta: Path) -> list[tuple[int, dict]]:
     """(line number, row) of every non-empty line of a metadata.jsonl."""
     rows = []
-    with open(meta) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rows.append((n, json.loads(line)))
-            except json.JSONDecodeError as e:
-                raise UsageError(f"{meta} line {n} is not valid JSON: {e}") from None
+    try:
+        text = meta.read_bytes().decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = e.object[: e.start].count(b"\n") + 1
+        raise UsageError(
+            f"{meta} line {line} is not UTF-8 text (byte {e.object[e.start]:#04x}): save it as UTF-8"
+        ) from None
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append((n, json.loads(line)))
+        except json.JSONDecodeError as e:
+            raise UsageError(f"{meta} line {n} is not valid JSON: {e}") from None
     return rows
 
 
@@ -220,7 +199,9 @@ def _local_pairs(folder: Path, column: str, caption_column: str, instance_prompt
         for what, path in (("image", target), ("reference image", reference)):
             if not path.is_file():
                 raise UsageError(f"{meta} line {n}: the {what} {path} does not exist")
-        caption = instance_prompt if instance_prompt is not None else str(row[caption_column])
+        caption = instance_prompt if instance_prompt is not None else row[caption_column]
+        if not isinstance(caption, str):
+            raise UsageError(f"{meta} line {n}: '{caption_column}' is {json.dumps(caption)}, not a string")
         samples.append(Sample(str(target), caption, str(reference)))
     return samples
 
@@ -231,7 +212,12 @@ def _hub_dataset(data: DataConfig) -> ImageSource:
     try:
         ds = datasets.load_dataset(data.dataset_name, data.dataset_config_name, split="train")
     except Exception as e:  # noqa: BLE001 - every loading failure becomes one clear line
-        raise UsageError(f"--dataset_name {data.dataset_name}: cannot load it with datasets ({e})") from None
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UsageError(
+            f"--dataset_name {data.dataset_name} is not a local folder, and datasets cannot load it from the hub "
+            f"({type(e).__name__}: {first}). Check the id (owner/name), the network or HF_HUB_OFFLINE, and "
+            "`huggingface-cli login` for gated sets"
+        ) from None
     columns = ds.column_names
     if data.image_column not in columns:
         raise UsageError(f"--image_column '{data.image_column}' is not in {data.dataset_name} (columns: {columns})")
@@ -240,7 +226,13 @@ def _hub_dataset(data: DataConfig) -> ImageSource:
             f"--caption_column '{data.caption_column}' is not in {data.dataset_name} (columns: {columns}); "
             "set --caption_column or --instance_prompt"
         )
-    ds = ds.cast_column(data.image_column, datasets.Image(decode=False))
+    try:
+        ds = ds.cast_column(data.image_column, datasets.Image(decode=False))
+    except (TypeError, ValueError) as e:
+        raise UsageError(
+            f"--image_column '{data.image_column}' of {data.dataset_name} does not hold images ({e}); choose the "
+            "column of images"
+        ) from None
     column = data.cond_image_column
     if column is not None:
         if column not in columns:
@@ -248,7 +240,13 @@ def _hub_dataset(data: DataConfig) -> ImageSource:
         ds = ds.cast_column(column, datasets.Image(decode=False))
         _check_no_missing_references(ds, column, data.dataset_name)
     captions = [data.instance_prompt] * len(ds) if data.instance_prompt is not None else ds[data.caption_column]
-    samples = [Sample(i, str(c), i if column is not None else None) for i, c in enumerate(captions)]
+    for i, c in enumerate(captions):
+        if not isinstance(c, str):
+            raise UsageError(
+                f"{data.dataset_name} row {i}: '{data.caption_column}' is {c!r}, not a string: give every image a "
+                "caption, or use --instance_prompt"
+            )
+    samples = [Sample(i, c, i if column is not None else None) for i, c in enumerate(captions)]
     return ImageSource(
         samples, data.dataset_name, hf_dataset=ds, image_column=data.image_column, reference_column=column
     )

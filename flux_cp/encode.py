@@ -12,24 +12,28 @@ from __future__ import annotations
 import gc
 import hashlib
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
 from . import distributed, files
 from .data import ImageSource, bucket_divisor, bucket_sizes, crop_box, nearest_bucket, to_pixels
 from .errors import UsageError
+from .images import DECODER_VERSION
 from .rng import Stream, generator
 
 if TYPE_CHECKING:
     from .config import DataConfig
 
 Tensor = torch.Tensor
+logger = logging.getLogger("flux_cp")
 
 
 @dataclass
@@ -114,6 +118,37 @@ class Geometry:
         return nearest_bucket(size[0], size[1], self.buckets) if len(self.buckets) > 1 else 0
 
 
+LATENT_KEYS = ("latent_mean", "latent_std")
+TEXT_KEYS = ("prompt_embeds", "pooled_prompt_embeds")
+
+
+def _usable(path: Path, keys: tuple[str, ...]) -> bool:
+    """A cache entry that exists and is whole: its header reads, names `keys`, and its file is as long as the
+    header says (safetensors checks that on open). A damaged entry is removed, to be recomputed."""
+    if not path.is_file():
+        return False
+    try:
+        with safe_open(str(path), "pt") as f:
+            if set(keys) <= set(f.keys()):
+                return True
+            problem = f"it holds {sorted(f.keys())}, not {list(keys)}"
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for every kind of damage
+        problem = f"{type(e).__name__}: {e}"
+    logger.warning(f"cache entry {path} cannot be read ({problem}): recomputing it")
+    path.unlink(missing_ok=True)
+    return False
+
+
+def _load(path: Path) -> dict[str, Tensor]:
+    try:
+        return load_file(path)
+    except Exception as err:  # noqa: BLE001 - removed or damaged after this run checked it
+        raise UsageError(
+            f"cache entry {path} cannot be read ({type(err).__name__}: {err}): delete it and resume "
+            "(--resume_from_checkpoint latest); it is recomputed at start"
+        ) from None
+
+
 def _sha(*parts) -> str:
     return hashlib.sha256("\0".join(str(p) for p in parts).encode()).hexdigest()[:32]
 
@@ -141,11 +176,11 @@ class EncodedData:
 
     def load(self, index: int, flip: bool, epoch: int) -> dict[str, Tensor]:
         e = self.entries[index]
-        lat = load_file(self.cache_dir / "latents" / f"{e['latents'][int(flip) % len(e['latents'])]}.safetensors")
-        txt = load_file(self.cache_dir / "text" / f"{e['text']}.safetensors")
+        lat = _load(self.cache_dir / "latents" / f"{e['latents'][int(flip) % len(e['latents'])]}.safetensors")
+        txt = _load(self.cache_dir / "text" / f"{e['text']}.safetensors")
         if "reference" in e:  # a Kontext pair: the reference's latent is its distribution's mean (no sampling)
             ref = e["reference"][int(flip) % len(e["reference"])]
-            txt["reference_latent"] = load_file(self.cache_dir / "latents" / f"{ref}.safetensors")["latent_mean"]
+            txt["reference_latent"] = _load(self.cache_dir / "latents" / f"{ref}.safetensors")["latent_mean"]
         return {**lat, **txt}
 
 
@@ -169,53 +204,63 @@ def encode_dataset(
     pending_text: dict[str, str] = {}
     computed = 0
     bar = tqdm(mine, desc="encoding (this rank's share)", disable=rank != 0, dynamic_ncols=True)
-    for i in bar:
-        try:
-            raw = source.raw_bytes(i)
-        except OSError as e:
-            errors.append(f"cannot read image {source.where(i)}: {e}")
-            continue
-        img_hash = hashlib.sha256(raw).hexdigest()
-        img = None
-        try:
-            img = source.load(i, raw)
-        except UsageError as e:
-            errors.append(str(e))
-            continue
-        bucket = geometry.bucket_of(img.size)
-        target = geometry.buckets[bucket]
-        resized, offset = crop_box(img.size, target, data.center_crop, generator(Stream.CROP, seed, i))
-        entry: dict = {"bucket": bucket}
-        # A Kontext pair's reference gets the target's resize, crop and flip, so the two stay aligned.
-        images = [("latents", img, img_hash)]
-        if source.pairs:
+    try:  # a cache that cannot be written (full disk, permissions) ends as one line, on every rank alike
+        for i in bar:
             try:
-                raw = source.raw_bytes(i, reference=True)
-                images.append(("reference", source.load(i, raw, reference=True), hashlib.sha256(raw).hexdigest()))
+                raw = source.raw_bytes(i)
             except OSError as e:
-                errors.append(f"cannot read reference image {source.where(i, reference=True)}: {e}")
+                errors.append(f"cannot read image {source.where(i)}: {e.strerror or e}")
                 continue
             except UsageError as e:
                 errors.append(str(e))
                 continue
-        for name, image, digest in images:
-            entry[name] = []
-            for flip in variants:
-                key = _sha(digest, target, resized, offset, flip, vae_fp)
-                path = cache_dir / "latents" / f"{key}.safetensors"
-                if not path.is_file():
-                    mean, std = encoders.latents(to_pixels(image, target, resized, offset, flip)[None])
-                    files.write_safetensors(path, {"latent_mean": mean[0], "latent_std": std[0]})
-                    computed += 1
-                entry[name].append(key)
-        caption = source.samples[i].caption
-        tkey = _sha(caption, data.max_sequence_length, text_fp)
-        if not (cache_dir / "text" / f"{tkey}.safetensors").is_file():
-            pending_text[tkey] = caption
-        entries[i] = {**entry, "text": tkey}
-        if len(pending_text) >= 16:
-            computed += _encode_texts(encoders, pending_text, data.max_sequence_length, cache_dir)
-    computed += _encode_texts(encoders, pending_text, data.max_sequence_length, cache_dir)
+            img_hash = hashlib.sha256(raw).hexdigest()
+            img = None
+            try:
+                img = source.load(i, raw)
+            except UsageError as e:
+                errors.append(str(e))
+                continue
+            bucket = geometry.bucket_of(img.size)
+            target = geometry.buckets[bucket]
+            resized, offset = crop_box(img.size, target, data.center_crop, generator(Stream.CROP, seed, i))
+            entry: dict = {"bucket": bucket}
+            # A Kontext pair's reference gets the target's resize, crop and flip, so the two stay aligned.
+            images = [("latents", img, img_hash)]
+            if source.pairs:
+                try:
+                    raw = source.raw_bytes(i, reference=True)
+                    images.append(("reference", source.load(i, raw, reference=True), hashlib.sha256(raw).hexdigest()))
+                except OSError as e:
+                    errors.append(f"cannot read reference image {source.where(i, reference=True)}: {e}")
+                    continue
+                except UsageError as e:
+                    errors.append(str(e))
+                    continue
+            for name, image, digest in images:
+                entry[name] = []
+                for flip in variants:
+                    key = _sha(digest, target, resized, offset, flip, vae_fp, DECODER_VERSION)
+                    path = cache_dir / "latents" / f"{key}.safetensors"
+                    if not _usable(path, LATENT_KEYS):
+                        mean, std = encoders.latents(to_pixels(image, target, resized, offset, flip)[None])
+                        files.write_safetensors(path, {"latent_mean": mean[0], "latent_std": std[0]})
+                        computed += 1
+                    entry[name].append(key)
+            caption = source.samples[i].caption
+            tkey = _sha(caption, data.max_sequence_length, text_fp)
+            if not _usable(cache_dir / "text" / f"{tkey}.safetensors", TEXT_KEYS):
+                pending_text[tkey] = caption
+            entries[i] = {**entry, "text": tkey}
+            if len(pending_text) >= 16:
+                computed += _encode_texts(encoders, pending_text, data.max_sequence_length, cache_dir)
+        computed += _encode_texts(encoders, pending_text, data.max_sequence_length, cache_dir)
+    except OSError as e:
+        where = f" ({e.filename})" if e.filename else ""
+        errors.append(
+            f"cannot write the encoding cache under --cache_dir {cache_dir}{where}: {e.strerror or e}. Free space "
+            "there, choose another --cache_dir, or pass --no_cache"
+        )
     more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
     distributed.check_all_ranks(not errors, "; ".join(errors[:5]) + more)
 

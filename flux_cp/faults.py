@@ -3,7 +3,11 @@
 kind: raise (an exception), exit (the process dies with code 1), kill (SIGKILL to itself), hang (stops
 answering collectives), nan (that rank's loss becomes NaN), kill_in_save (SIGKILL while checkpoint `step` is
 half written: shards on disk, no meta.json, not renamed), enospc_in_save (the checkpoint write fails with
-"No space left on device"). Unset in normal runs: every hook is a no-op.
+"No space left on device"), raise_in_validation (validation images of step `step` fail). Unset in normal runs:
+every hook is a no-op.
+
+`FLUX_CP_DISK_BYTES=N` pretends the output disk holds N bytes and nothing but --output_dir (flux_cp.diskspace),
+so the disk-space checks can be tested without filling a disk.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import time
 
 import torch
 
-KINDS = ("raise", "exit", "kill", "hang", "nan", "kill_in_save", "enospc_in_save")
+KINDS = ("raise", "exit", "kill", "hang", "nan", "kill_in_save", "enospc_in_save", "raise_in_validation")
 
 
 class Fault:
@@ -38,6 +42,10 @@ class Fault:
             os.kill(os.getpid(), signal.SIGKILL)
         while True:  # hang
             time.sleep(60)
+
+    def during_validation(self, step: int) -> None:
+        if self._now(step, ("raise_in_validation",)):
+            raise RuntimeError(f"injected validation failure at step {step} (FLUX_CP_FAULT)")
 
     def during_save(self, step: int) -> None:
         """Called by checkpoint.save between writing the shards and writing meta.json."""

@@ -1,6 +1,6 @@
 """Atomic file writes: a reader (or a resumed run) sees the old file or the complete new one, never a part.
 The data goes to a temporary file in the same folder (same file system), is fsynced, then os.replace()d
-over the target."""
+over the target. The file gets the mode any new file gets under the user's umask (mkstemp alone makes it 0600)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,25 @@ from typing import Any
 import torch
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+# Read once, at import: os.umask can only be read by setting it, which must not race with files being created.
+_UMASK = _umask()
+
+
+def apply_umask(path: str | os.PathLike) -> None:
+    """Give `path` (and everything under a folder) the mode a new file or folder gets under the user's umask:
+    some writers (tempfile, safetensors) create files readable by their owner only."""
+    path = Path(path)
+    for p in [path, *path.rglob("*")] if path.is_dir() else [path]:
+        if not p.is_symlink():
+            os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~_UMASK)
+
+
 @contextmanager
 def _replacing(path: str | os.PathLike) -> Iterator[str]:
     """Yields a temporary path beside `path` to write to; on success it replaces `path`, else it is removed."""
@@ -24,6 +43,7 @@ def _replacing(path: str | os.PathLike) -> Iterator[str]:
     os.close(fd)
     try:
         yield tmp
+        apply_umask(tmp)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -48,8 +68,12 @@ def write_json(path: str | os.PathLike, obj: Any) -> None:
 
 
 def write_safetensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor]) -> None:
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     plain = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
     with _replacing(path) as tmp:
-        save_file(plain, tmp)
+        try:
+            save_file(plain, tmp)
+        except SafetensorError as e:  # its I/O failures (a full disk) are not OSErrors: make them one
+            raise OSError(f"cannot write {path}: {e}") from None

@@ -23,15 +23,20 @@ ATTENTION_TARGETS = (
 DEFAULT_TARGETS = (*ATTENTION_TARGETS, "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2")
 
 
+def check_targets(transformer: torch.nn.Module, targets: list[str]) -> None:
+    """A UsageError naming the --lora_layers entries that match no module of the transformer."""
+    names = [n for n, _ in transformer.named_modules()]
+    unknown = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+    if unknown:
+        raise UsageError(f"--lora_layers {unknown} match no module of the transformer (e.g. attn.to_q, ff.net.2)")
+
+
 def add_lora(transformer: torch.nn.Module, lora: LoraConfig, seed: int) -> None:
     """peft LoRA adapters; initialised from `seed` alone, so every layout starts from the same weights."""
     from peft import LoraConfig as PeftLoraConfig
 
     targets = list(lora.lora_layers)
-    names = [n for n, _ in transformer.named_modules()]
-    unknown = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
-    if unknown:
-        raise UsageError(f"--lora_layers {unknown} match no module of the transformer (e.g. attn.to_q, ff.net.2)")
+    check_targets(transformer, targets)
     config = PeftLoraConfig(
         r=lora.rank, lora_alpha=lora.lora_alpha, lora_dropout=lora.lora_dropout, init_lora_weights="gaussian",
         target_modules=targets,

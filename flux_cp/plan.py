@@ -115,6 +115,21 @@ def sharded_weights(full_finetune: bool) -> bool:
     return full_finetune
 
 
+def print_disk(cfg: Config, config: dict, world: int) -> None:
+    """The disk a run needs in --output_dir: one checkpoint and the final model (flux_cp.diskspace)."""
+    from . import diskspace
+
+    lora = None if cfg.lora.full_finetune else cfg.lora.rank
+    counts = diskspace.count(config, lora, list(cfg.lora.lora_layers))
+    dtype = torch.float32 if cfg.train.mixed_precision == "no" else torch.bfloat16
+    s = diskspace.sizes(counts, cfg.lora.full_finetune, not cfg.checkpoints.checkpoint_weights_only, dtype, world)
+    limit = cfg.checkpoints.checkpoints_total_limit
+    print(
+        f"disk: {s.describe()}; keep at least {diskspace.gib(s.checkpoint + s.model)} free in --output_dir"
+        + (f" ({limit} checkpoints kept: {diskspace.gib((limit + 1) * s.checkpoint + s.model)})" if limit else "")
+    )
+
+
 def print_plan(cfg: Config) -> None:
     from diffusers import FluxTransformer2DModel
 
@@ -141,6 +156,7 @@ def print_plan(cfg: Config) -> None:
         f"{'full fine-tuning' if lora is None else f'LoRA r{lora}'}, {world} process(es), GPU {gpu:.0f} GiB, "
         + ("weights sharded over all GPUs (FSDP2)" if fsdp else "weights whole on every GPU (DDP)")
     )
+    print_disk(cfg, config, max(world, cp_size))
     print(
         f"{'cp':>3} {'world':>5} {'weights':>8} {'grads':>7} {'adam':>7} {'act.ckpt':>9} {'act.full':>9} "
         f"{'total(ckpt)':>12} {'total(no ckpt)':>15}  fits"

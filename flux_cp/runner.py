@@ -79,3 +79,13 @@ def run(main: Callable[[], int]) -> int:
         _say(f"error: [rank {rank}] {text}")
         traceback.print_exc()
         return 1
+    except (SystemExit, GeneratorExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 - torch's CheckpointException derives from BaseException
+        # Its text holds every rank's traceback: keep the first failure's own line.
+        lines = [ln for ln in str(e).splitlines() if ln.strip() and not ln.startswith((" ", "Traceback"))]
+        cause = lines[-1] if lines else type(e).__name__
+        _say(f"error: [rank {rank}] {type(e).__name__}: {cause}")
+        if os.environ.get("FLUX_CP_DEBUG"):
+            traceback.print_exc()
+        return 1

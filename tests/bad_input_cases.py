@@ -92,6 +92,47 @@ def _foreign_checkpoint(t: Path) -> list[str]:
     return ["--resume_from_checkpoint", str(ckpt), "--rank", "8"]
 
 
+def _earlier_run(t: Path) -> list[str]:
+    ckpt = t / "out" / "checkpoint-2"
+    ckpt.mkdir(parents=True, exist_ok=True)
+    (ckpt / "meta.json").write_text("{}")
+    (t / "out" / "metrics.jsonl").write_text("")
+    return []
+
+
+def _output_file(t: Path) -> list[str]:
+    t.mkdir(parents=True, exist_ok=True)
+    (t / "taken").write_text("x")
+    return ["--output_dir", str(t / "taken")]
+
+
+def _unwritable_output(t: Path) -> list[str]:
+    return _output_file(t)[:1] + [str(t / "taken" / "sub")]
+
+
+def _metadata_names_missing_image(t: Path) -> list[str]:
+    folder = _images(t / "data")
+    with open(folder / "metadata.jsonl", "a") as f:
+        f.write(json.dumps({"file_name": "gone.png", "text": "a shape"}) + "\n")
+    return ["--dataset_name", str(folder)]
+
+
+def _caption_not_utf8(t: Path) -> list[str]:
+    folder = _images(t / "data", captions=False)
+    for p in folder.glob("*.png"):
+        p.with_suffix(".txt").write_text("shape")
+    next(iter(sorted(folder.glob("*.txt")))).write_bytes("caf\u00e9".encode("latin-1"))
+    return ["--dataset_name", str(folder)]
+
+
+def _null_caption(t: Path) -> list[str]:
+    folder = _images(t / "data")
+    rows = (folder / "metadata.jsonl").read_text().splitlines()
+    rows[1] = json.dumps({"file_name": json.loads(rows[1])["file_name"], "text": None})
+    (folder / "metadata.jsonl").write_text("\n".join(rows) + "\n")
+    return ["--dataset_name", str(folder)]
+
+
 CASES = [
     Case(
         "cp_size_not_dividing_world",
@@ -230,14 +271,87 @@ CASES = [
         "a model folder that does not exist",
         1,
         lambda t: ["--pretrained_model_name_or_path", str(t / "no_model")],
-        "cannot load vae from --pretrained_model_name_or_path",
+        "cannot load transformer from --pretrained_model_name_or_path",
     ),
     Case(
         "non_positive_timeout",
         "--collective_timeout 0",
         1,
         lambda t: ["--collective_timeout", "0"],
-        "--collective_timeout must be positive",
+        "--collective_timeout 0 is out of range: it must be > 0",
+        flags_only=True,
+    ),
+    Case(
+        "earlier_run_in_output_dir",
+        "an output folder holding another run, without --resume_from_checkpoint or --overwrite_output_dir",
+        1,
+        _earlier_run,
+        "holds an earlier run (checkpoint-2, metrics.jsonl): pass --resume_from_checkpoint latest to continue it, "
+        "--overwrite_output_dir to replace it",
+    ),
+    Case(
+        "overwrite_and_resume_latest",
+        "--overwrite_output_dir with --resume_from_checkpoint latest",
+        1,
+        lambda t: _earlier_run(t) + ["--overwrite_output_dir", "--resume_from_checkpoint", "latest"],
+        "--overwrite_output_dir would delete the checkpoint --resume_from_checkpoint latest resumes from",
+    ),
+    Case("output_dir_is_a_file", "--output_dir naming a file", 1, _output_file, "is a file, not a folder"),
+    Case("output_dir_unwritable", "--output_dir that cannot be created", 1, _unwritable_output, "cannot be written"),
+    Case(
+        "disk_too_small",
+        "an output disk smaller than one checkpoint and the final model (FLUX_CP_DISK_BYTES=100000)",
+        1,
+        lambda t: [],
+        "KiB free, but this run needs",
+        env={"FLUX_CP_DISK_BYTES": "100000"},
+    ),
+    Case(
+        "hub_id_not_reachable",
+        "a hub data set id that cannot be loaded (offline)",
+        1,
+        lambda t: ["--dataset_name", "someone/no-such-dataset"],
+        "--dataset_name someone/no-such-dataset is not a local folder, and datasets cannot load it from the hub",
+    ),
+    Case(
+        "metadata_names_a_missing_image",
+        "a metadata.jsonl line whose file_name is not in the folder",
+        1,
+        _metadata_names_missing_image,
+        "metadata.jsonl line 4: file_name 'gone.png' does not exist in",
+    ),
+    Case("caption_not_utf8", "a .txt caption in Latin-1", 1, _caption_not_utf8, "is not UTF-8 text (byte 0xe9"),
+    Case("null_caption", "a metadata.jsonl caption that is null", 1, _null_caption, "'text' is null, not a string"),
+    Case(
+        "learning_rate_zero",
+        "--learning_rate 0 (the LoRA would never change)",
+        1,
+        lambda t: ["--learning_rate", "0"],
+        "--learning_rate 0 is out of range: it must be > 0",
+        flags_only=True,
+    ),
+    Case(
+        "lora_alpha_zero",
+        "--lora_alpha 0 (LoRA's output scaled by 0)",
+        1,
+        lambda t: ["--lora_alpha", "0"],
+        "--lora_alpha 0 is out of range: it must be > 0",
+        flags_only=True,
+    ),
+    Case(
+        "lora_dropout_one",
+        "--lora_dropout 1 (every LoRA input dropped)",
+        1,
+        lambda t: ["--lora_dropout", "1"],
+        "--lora_dropout 1 is out of range",
+        flags_only=True,
+    ),
+    Case(
+        "adam_beta_out_of_range",
+        "--adam_beta2 1.5 (torch.optim would raise)",
+        1,
+        lambda t: ["--adam_beta2", "1.5"],
+        "--adam_beta2 1.5 is out of range: it must be >= 0 and < 1",
         flags_only=True,
     ),
     Case(

@@ -48,7 +48,7 @@ def test_data_set_problems_are_usage_errors_naming_the_file(tmp_path):
     folder, names = _folder(tmp_path / "a", 2)
     with pytest.raises(UsageError, match="2 images in .* have no caption"):
         open_source(DataConfig(dataset_name=str(folder)))
-    (folder / "metadata.jsonl").write_text('{"file_name": "x.png", "text": "a"}\nnot json\n')
+    (folder / "metadata.jsonl").write_text(json.dumps({"file_name": names[0], "text": "a"}) + "\nnot json\n")
     with pytest.raises(UsageError, match="metadata.jsonl line 2 is not valid JSON"):
         open_source(DataConfig(dataset_name=str(folder)))
     (folder / "metadata.jsonl").write_text(json.dumps({"file_name": names[0], "caption": "a"}) + "\n")

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import stat
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
+from flux_cp import diskspace, outdir
 from flux_cp.metrics import read_metrics
 from tests.launch import ROOT, env, free_port, launch_cmd, losses, ok, run_args, train
 
@@ -188,3 +192,76 @@ def test_two_nodes_on_loopback_train_like_one(tmp_path, straight):
     assert losses(out) == losses(straight)
     json.loads((out / f"checkpoint-{STRAIGHT_STEPS}" / "meta.json").read_text())
     shutil.rmtree(tmp_path / "cache", ignore_errors=True)
+
+
+def test_an_output_folder_belongs_to_one_run(tmp_path):
+    """One run, then: a new run in its folder is refused and changes nothing; a live run's lock keeps another out;
+    --overwrite_output_dir replaces it, recomputing a corrupt cache entry; every file follows the umask."""
+    old = os.umask(0o027)
+    try:
+        ok(train(1, *_common(tmp_path, "run", 2, "--checkpointing_steps", "2")))
+    finally:
+        os.umask(old)
+    run, cache = tmp_path / "run", tmp_path / "cache"
+    written = [p for p in [*run.rglob("*"), *cache.rglob("*")] if p.is_file()]
+    modes = {str(p.relative_to(tmp_path)): oct(stat.S_IMODE(p.stat().st_mode)) for p in written}
+    assert set(modes.values()) == {"0o640"}, modes  # 0o666 & ~umask, as open() gives (mkstemp gives 0o600)
+    lora = (run / "pytorch_lora_weights.safetensors").read_bytes()
+
+    r = train(1, *_common(tmp_path, "run", 2))
+    assert r.returncode == 2 and "steps:" not in r.stderr, r.stderr[-3000:]
+    assert f"error: --output_dir {run} holds an earlier run (checkpoint-2, run_config.json, metrics.jsonl" in r.stderr
+    assert (run / "pytorch_lora_weights.safetensors").read_bytes() == lora
+
+    outdir.claim(run, "latest", False)  # as if another run were using the folder
+    try:
+        r = train(1, *_common(tmp_path, "run", 2, "--resume_from_checkpoint", "latest"))
+    finally:
+        outdir.release(run)
+    assert r.returncode == 2 and f"is in use by another run (pid {os.getpid()} on " in r.stderr, r.stderr[-3000:]
+
+    latent = sorted((cache / "latents").glob("*.safetensors"))[0]
+    latent.write_bytes(latent.read_bytes()[:40])  # a truncated cache entry
+    r = ok(train(1, *_common(tmp_path, "run", 2, "--overwrite_output_dir")))
+    assert "removed the earlier run's outputs (checkpoint-2, " in r.stderr
+    assert f"cache entry {latent} cannot be read" in r.stderr and "1 newly computed" in r.stderr
+    load_file(latent)
+
+
+def test_final_outputs_are_written_before_validation_and_the_model_before_the_checkpoint(tmp_path):
+    r = train(
+        1,
+        *_common(tmp_path, "v", 2, "--validation_prompt", "a red circle", "--validation_inference_steps", "1",
+                 "--num_validation_images", "1"),
+        extra_env={"FLUX_CP_FAULT": "rank=0,step=2,kind=raise_in_validation"},
+    )  # fmt: skip
+    assert r.returncode != 0 and "injected validation failure at step 2" in r.stderr, r.stderr[-3000:]
+    run = tmp_path / "v"
+    assert _complete(run) == [2]
+    lora = run / "pytorch_lora_weights.safetensors"
+    assert lora.stat().st_mtime_ns <= (run / "checkpoint-2" / "meta.json").stat().st_mtime_ns
+
+
+def test_a_disk_that_fills_up_stops_the_run_at_the_save_that_no_longer_fits(tmp_path):
+    from flux_cp.lora import DEFAULT_TARGETS
+    from flux_cp.tiny import TRANSFORMER_CONFIG
+
+    counts = diskspace.count(TRANSFORMER_CONFIG, 16, list(DEFAULT_TARGETS))
+    s = diskspace.sizes(counts, False, True, torch.float32, world=1)
+    disk = s.checkpoint + s.model + 64 * 1024  # one checkpoint and the final LoRA fit, not two checkpoints
+    r = train(1, *_common(tmp_path, "d", 6, "--checkpointing_steps", "2"), extra_env={"FLUX_CP_DISK_BYTES": str(disk)})
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "3 checkpoints of 1.5 MiB and the final LoRA need" in r.stderr  # the warning at start
+    run = tmp_path / "d"
+    assert "error: not enough disk space for checkpoint-4: it needs 1.5 MiB" in r.stderr
+    assert f"Nothing was written; {run / 'checkpoint-2'} is the last good checkpoint." in r.stderr
+    assert "Traceback" not in r.stderr and _complete(run) == [2] and not (run / ".checkpoint-4.partial").exists()
+
+
+def test_resume_applies_a_changed_learning_rate_and_says_what_a_weights_only_checkpoint_lacks(tmp_path):
+    ok(train(1, *_common(tmp_path, "r", 2, "--checkpointing_steps", "2", "--checkpoint_weights_only")))
+    r = ok(train(1, *_common(tmp_path, "r", 4, "--checkpointing_steps", "2", "--checkpoint_weights_only",
+                             "--resume_from_checkpoint", "latest", "--learning_rate", "5e-4")))  # fmt: skip
+    assert "resume: --learning_rate 0.001 -> 0.0005" in r.stderr and "--max_train_steps 2 -> 4" in r.stderr
+    assert "has no optimizer state (--checkpoint_weights_only): AdamW's moments start from zero" in r.stderr
+    assert [row["lr"] for row in read_metrics(tmp_path / "r" / "metrics.jsonl")] == [1e-3, 1e-3, 5e-4, 5e-4]

@@ -50,6 +50,23 @@ FOOTER = [
     "| NaN loss on one rank (`kind=nan`) | every rank stops: `error: non-finite loss (nan) or gradient norm "
     "(nan) at step 3; no checkpoint was written for it...` (exit 3); with `--on_nonfinite skip` the step is "
     "skipped and marked `skipped` in metrics.jsonl |",
+    "| a new run in a folder holding an earlier one | refused before anything loads (`holds an earlier run (...): "
+    "pass --resume_from_checkpoint latest to continue it, --overwrite_output_dir to replace it, or choose another "
+    "folder`); the earlier run's files are untouched. `--overwrite_output_dir` removes that run's outputs and "
+    "nothing else |",
+    "| two runs at once on one folder | the second is refused: `--output_dir ... is in use by another run (pid N on "
+    "HOST, started ...)`; the lock goes with the first run's process, even when it is killed |",
+    "| the disk fills up between checkpoints (`FLUX_CP_DISK_BYTES`) | a warning at start when not every "
+    "checkpoint fits; the save that no longer fits stops every rank before writing: `not enough disk space for "
+    "checkpoint-4: it needs 1.5 MiB, ... Nothing was written; .../checkpoint-2 is the last good checkpoint` (exit 2) |",
+    "| validation fails after the last step (`kind=raise_in_validation`) | the final LoRA (or transformer folder) "
+    "and then the final checkpoint are already written; validation and the loss curve come last |",
+    "| a damaged encoding-cache entry | `cache entry ... cannot be read (...): recomputing it`, and the run goes on |",
+    "| a checkpoint whose files would run code when unpickled | refused: `--resume_from_checkpoint ...: cannot load "
+    "it (... refusing to load posix.system ...)` (DCP metadata, optimizer entries and train.pt are read without "
+    "running code) |",
+    "| resume with a changed `--learning_rate` (or AdamW, schedule, loss settings) | applied and logged: `resume: "
+    "--learning_rate 0.001 -> 0.0005 (applied from step 3)` |",
 ]
 
 

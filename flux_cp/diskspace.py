@@ -1,0 +1,155 @@
+"""Disk space: the size of one checkpoint and of the final model, known before training from parameter counts on
+the meta device, and the checks that keep a run from failing half-way through a write.
+
+A run is refused at start when its output disk cannot hold one checkpoint and the final model; every save checks
+again before it writes, so a full disk stops the run cleanly with the last good checkpoint kept. Sizes are the
+tensor bytes plus a per-tensor allowance for the file formats' own records (measured on torch.distributed.checkpoint:
+about 1.8 KiB per tensor for weights alone, 7.4 KiB with AdamW's state; safetensors: well under 512 bytes).
+
+Tests pretend the output disk is small with FLUX_CP_DISK_BYTES=N: the disk then holds N bytes and nothing but
+`--output_dir`, so free space shrinks as the run writes (see flux_cp/faults.py).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .errors import UsageError
+
+GIB = 2**30
+CHECKPOINT_TENSOR_BYTES = 2048  # torch.save record of one tensor in a DCP shard file, per writing rank
+CHECKPOINT_OPTIMIZER_TENSOR_BYTES = 8192  # the same with AdamW's two moments, its step and the param-group entries
+CHECKPOINT_FIXED_BYTES = 64 * 1024  # .metadata, meta.json, train.pt
+SAFETENSORS_TENSOR_BYTES = 512  # one header entry
+MODEL_FIXED_BYTES = 1024 * 1024  # a transformer folder's config.json and shard index
+LORA_FIXED_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True)
+class Counts:
+    """Parameters of the transformer (`base`) and of what trains (LoRA adapters, or all of it), with tensor counts."""
+
+    base: int
+    base_tensors: int
+    trainable: int
+    trainable_tensors: int
+
+
+def count(config: dict, lora_rank: int | None, lora_layers: list[str]) -> Counts:
+    """Exact counts from the transformer's config, on the meta device (nothing is allocated or loaded)."""
+    from diffusers import FluxTransformer2DModel
+
+    with torch.device("meta"):
+        model = FluxTransformer2DModel.from_config(config)
+        base = [p.numel() for p in model.parameters()]
+        if lora_rank is None:
+            return Counts(sum(base), len(base), sum(base), len(base))
+        from peft import LoraConfig
+
+        from .lora import check_targets
+
+        check_targets(model, lora_layers)
+        model.add_adapter(LoraConfig(r=lora_rank, lora_alpha=lora_rank, target_modules=lora_layers))
+        lora = [p.numel() for n, p in model.named_parameters() if "lora_" in n]
+    return Counts(sum(base), len(base), sum(lora), len(lora))
+
+
+@dataclass(frozen=True)
+class Sizes:
+    checkpoint: int
+    checkpoint_weights: int  # of which the fp32 trainable weights
+    checkpoint_optimizer: int  # of which AdamW's state (0: checkpoints without it)
+    model: int
+    model_name: str  # what the final model is: a LoRA file or a transformer folder
+
+    def describe(self) -> str:
+        parts = f"fp32 weights {gib(self.checkpoint_weights)}" + (
+            f" + AdamW state {gib(self.checkpoint_optimizer)}" if self.checkpoint_optimizer else ", no optimizer state"
+        )
+        return f"one checkpoint {gib(self.checkpoint)} ({parts}), the final {self.model_name} {gib(self.model)}"
+
+
+def sizes(counts: Counts, full_finetune: bool, optimizer_state: bool, model_dtype: torch.dtype, world: int) -> Sizes:
+    """Bytes of one checkpoint (trainable weights in fp32, AdamW's exp_avg, exp_avg_sq and step when kept) and of
+    the final model (a fp32 LoRA file, or the transformer in the training dtype)."""
+    n, tensors = counts.trainable, counts.trainable_tensors
+    weights = n * 4 + tensors * CHECKPOINT_TENSOR_BYTES * world
+    optimizer = (n * 8 + tensors * 4 + tensors * (CHECKPOINT_OPTIMIZER_TENSOR_BYTES - CHECKPOINT_TENSOR_BYTES) * world
+                 if optimizer_state else 0)  # fmt: skip
+    fixed = CHECKPOINT_FIXED_BYTES + 16 * 1024 * world
+    if full_finetune:
+        size = torch.empty((), dtype=model_dtype).element_size()
+        model = counts.base * size + counts.base_tensors * SAFETENSORS_TENSOR_BYTES + MODEL_FIXED_BYTES
+        name = "transformer"
+    else:
+        model = n * 4 + tensors * SAFETENSORS_TENSOR_BYTES + LORA_FIXED_BYTES
+        name = "LoRA"
+    return Sizes(weights + optimizer + fixed, weights + fixed, optimizer, model, name)
+
+
+def gib(n: float) -> str:
+    """Bytes in GiB (or MiB, KiB for small ones)."""
+    if n >= GIB / 10:
+        return f"{n / GIB:.1f} GiB"
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 / 10 else f"{n / 2**10:.1f} KiB"
+
+
+def _existing(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists() and path.parent != path:
+        path = path.parent
+    return path
+
+
+def _tree_bytes(path: Path) -> int:
+    return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs
+               if not os.path.islink(os.path.join(r, f)))  # fmt: skip
+
+
+def free_bytes(folder: str | os.PathLike) -> int:
+    """Free bytes on the disk that holds `folder` (or would hold it)."""
+    pretend = os.environ.get("FLUX_CP_DISK_BYTES")
+    if pretend:
+        return int(pretend) - (_tree_bytes(Path(folder)) if Path(folder).is_dir() else 0)
+    return shutil.disk_usage(_existing(Path(folder))).free
+
+
+def check_start(folder: str | os.PathLike, s: Sizes, saves: int, total_limit: int | None) -> str | None:
+    """Refuse a run whose output disk cannot hold one checkpoint and the final model; a warning (or None) when all
+    the checkpoints it would keep do not fit. `saves`: checkpoints this run will write."""
+    free = free_bytes(folder)
+    need = s.checkpoint + s.model
+    if free < need:
+        smaller = (
+            f"; --checkpoint_weights_only makes checkpoints of {gib(s.checkpoint_weights)}"
+            if s.checkpoint_optimizer else ""
+        )  # fmt: skip
+        raise UsageError(
+            f"the disk of --output_dir {folder} has {gib(free)} free, but this run needs {gib(need)} at least: "
+            f"{s.describe()}. Free space or choose another --output_dir{smaller}"
+        )
+    kept = min(saves, (total_limit or saves) + 1)  # a new checkpoint is written before the oldest is removed
+    if kept > 1 and free < kept * s.checkpoint + s.model:
+        return (
+            f"{kept} checkpoints of {gib(s.checkpoint)} and the final {s.model_name} need "
+            f"{gib(kept * s.checkpoint + s.model)}, and the disk of --output_dir has {gib(free)} free: the run will "
+            "stop at the save that no longer fits (set --checkpoints_total_limit to keep fewer)"
+        )
+    return None
+
+
+def check_write(folder: str | os.PathLike, need: int, what: str, kept: str) -> None:
+    """Before writing `what` (`need` bytes): a UsageError with the numbers if the disk cannot hold it. `kept`: what
+    stays usable when the run stops here."""
+    free = free_bytes(folder)
+    if free < need:
+        raise UsageError(
+            f"not enough disk space for {what}: it needs {gib(need)}, the disk of {folder} has {gib(free)} free. "
+            f"Nothing was written; {kept}. Free space (or keep fewer checkpoints: --checkpoints_total_limit, "
+            "--checkpoint_weights_only), then resume with --resume_from_checkpoint latest"
+        )

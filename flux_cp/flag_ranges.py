@@ -1,0 +1,153 @@
+"""The valid range of every numeric flag, checked before anything loads, and the flags that a run would accept
+but not use (warned about).
+
+argparse accepts any int or float, `nan` and `inf` included; the libraries behind the flags then either train
+nothing without a word (--learning_rate 0, --lora_alpha 0, --lora_dropout 1, --max_grad_norm 0 in diffusers'
+examples) or fail late with their own traceback (torch.optim's betas, peft's dropout). Each rule says why its
+bound is there, and the message repeats it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from .errors import UsageError
+
+# The SD3 paper's "mode" density is a valid distribution on [0, 1] only for -1 <= scale <= 2 / (pi - 2).
+MODE_SCALE_MAX = 2 / (math.pi - 2)
+SEED_MAX = 2**32 - 1  # numpy's and most samplers' limit; larger seeds are reduced differently by each library
+
+
+@dataclass(frozen=True)
+class Rule:
+    flag: str  # the attribute name (the flag without its dashes)
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False  # True: the value must be > low (else >= low)
+    high_open: bool = False  # True: the value must be < high (else <= high)
+    why: str = ""
+
+    def bounds(self) -> str:
+        parts = []
+        if self.low is not None:
+            parts.append(f"{'>' if self.low_open else '>='} {self.low:g}")
+        if self.high is not None:
+            parts.append(f"{'<' if self.high_open else '<='} {self.high:g}")
+        return " and ".join(parts)
+
+    def ok(self, v: float) -> bool:
+        if isinstance(v, float) and not math.isfinite(v):
+            return False
+        if self.low is not None and (v <= self.low if self.low_open else v < self.low):
+            return False
+        return not (self.high is not None and (v >= self.high if self.high_open else v > self.high))
+
+
+RULES = (
+    Rule("resolution", 16, why="the smallest image is one 2x2 patch of 8x VAE latents"),
+    Rule("validation_resolution", 16, why="the smallest image is one 2x2 patch of 8x VAE latents"),
+    Rule("max_sequence_length", 1, 512, why="T5's prompt length in FLUX.1"),
+    Rule("seed", 0, SEED_MAX, why="seeds are 32-bit"),
+    Rule("train_batch_size", 1),
+    Rule("max_train_steps", 1),
+    Rule("num_train_epochs", 1),
+    Rule("gradient_accumulation_steps", 1),
+    Rule("learning_rate", 0, low_open=True, why="at 0 or below the weights never improve"),
+    Rule("lr_warmup_steps", 0),
+    Rule("lr_num_cycles", 1, why="the number of cosine restarts"),
+    Rule("lr_power", 0, low_open=True, why="0 keeps the LR constant and a negative power makes it grow"),
+    Rule("adam_beta1", 0, 1, high_open=True, why="AdamW's moment decay"),
+    Rule("adam_beta2", 0, 1, high_open=True, why="AdamW's moment decay"),
+    Rule("adam_weight_decay", 0, why="a negative decay pushes the weights away from zero"),
+    Rule(
+        "adam_epsilon",
+        0,
+        1e-3,
+        low_open=True,
+        why="0 divides by zero where a gradient is zero; above 1e-3 it swamps LoRA-sized gradients and the "
+        "updates vanish",
+    ),  # fmt: skip
+    Rule("max_grad_norm", 0, why="0 turns clipping off"),
+    Rule("logit_std", 0, low_open=True, why="the spread of the logit-normal timestep density"),
+    Rule("logit_mean", -10, 10, why="beyond that every timestep lands at 0 or 1"),
+    Rule("mode_scale", -1, MODE_SCALE_MAX, why="outside it the mode density leaves [0, 1]"),
+    Rule("guidance_scale", 0, why="the guidance embedding of guidance-distilled models"),
+    Rule("rank", 1),
+    Rule("lora_alpha", 0, low_open=True, why="LoRA's output is scaled by alpha / rank: 0 learns nothing"),
+    Rule("lora_dropout", 0, 1, high_open=True, why="at 1 every LoRA input is dropped and nothing is learned"),
+    Rule("cp_size", 1),
+    Rule("ulysses_size", 1),
+    Rule("collective_timeout", 0, low_open=True, why="seconds before a stuck collective aborts the run"),
+    Rule("checkpointing_steps", 1),
+    Rule("checkpoints_total_limit", 1, why="the number of checkpoints kept, the newest included"),
+    Rule("validation_steps", 1),
+    Rule("num_validation_images", 1),
+    Rule("validation_inference_steps", 1),
+    Rule("gpu_memory_gib", 0, low_open=True),
+)
+
+
+def check_ranges(values: Mapping[str, object], rules: Iterable[Rule] = RULES) -> None:
+    """A UsageError naming the first flag outside its range. Unset optional flags (None) and flags this run
+    does not have are skipped."""
+    for rule in rules:
+        v = values.get(rule.flag)
+        if v is None or isinstance(v, bool):
+            continue
+        if not rule.ok(v):
+            why = f" ({rule.why})" if rule.why else ""
+            raise UsageError(f"--{rule.flag} {v:g} is out of range: it must be {rule.bounds()}{why}")
+    lr, decay = values.get("learning_rate"), values.get("adam_weight_decay")
+    if lr is not None and decay is not None and lr * decay >= 1:
+        raise UsageError(
+            f"--learning_rate {lr:g} x --adam_weight_decay {decay:g} >= 1: AdamW's decoupled decay would zero or "
+            "flip every weight each step; lower one of them"
+        )
+
+
+# flag -> (when it is used, a test on the values, and what to say). Only for flags whose default is never used
+# by the run they are given to, so a flag given explicitly but unused is a sign of a mistaken command line.
+_USED_ONLY = (
+    (("validation_steps", "num_validation_images", "validation_resolution", "validation_inference_steps"),
+     lambda v: bool(v.get("validation_prompt")), "without --validation_prompt"),
+    (("rank", "lora_alpha", "lora_dropout", "lora_layers"), lambda v: not v.get("full_finetune"),
+     "with --full_finetune (it trains all weights, no LoRA)"),
+    (("logit_mean", "logit_std"), lambda v: v.get("weighting_scheme") == "logit_normal",
+     "without --weighting_scheme logit_normal"),
+    (("mode_scale",), lambda v: v.get("weighting_scheme") == "mode", "without --weighting_scheme mode"),
+    (("lr_power",), lambda v: v.get("lr_scheduler") == "polynomial", "without --lr_scheduler polynomial"),
+    (("lr_num_cycles",), lambda v: v.get("lr_scheduler") == "cosine_with_restarts",
+     "without --lr_scheduler cosine_with_restarts"),
+    (("lr_warmup_steps",), lambda v: v.get("lr_scheduler") != "constant",
+     "with --lr_scheduler constant (use constant_with_warmup)"),
+    (("cache_dir",), lambda v: not v.get("no_cache"), "with --no_cache"),
+    (("caption_column",), lambda v: v.get("instance_prompt") is None, "with --instance_prompt (one prompt for all)"),
+    (("gpu_memory_gib",), lambda v: bool(v.get("plan")), "without --plan"),
+)  # fmt: skip
+
+
+def unused_flags(given: Iterable[str], values: Mapping[str, object]) -> list[str]:
+    """One warning per flag given on the command line that this run will not use."""
+    given = set(given)
+    out = []
+    for flags, used, context in _USED_ONLY:
+        if used(values):
+            continue
+        out += [f"--{f} has no effect {context}" for f in flags if f in given]
+    warmup, steps = values.get("lr_warmup_steps"), values.get("max_train_steps")
+    if "lr_warmup_steps" in given and steps and warmup and warmup >= steps and values.get("lr_scheduler") != "constant":
+        out.append(f"--lr_warmup_steps {warmup} >= --max_train_steps {steps}: the LR never reaches --learning_rate")
+    return out
+
+
+def given_flags(parser, argv: list[str]) -> set[str]:
+    """Destinations of the flags present in `argv` (not those left at their defaults)."""
+    import argparse
+    import copy
+
+    quiet = copy.deepcopy(parser)
+    for action in quiet._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(quiet.parse_known_args(argv)[0]))

@@ -1,0 +1,65 @@
+"""The encoding cache: a damaged entry is recomputed, a cache that cannot be written is one line, and a cached
+entry that breaks during training names its file."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from flux_cp import files
+from flux_cp.config import DataConfig
+from flux_cp.data import open_source
+from flux_cp.encode import Geometry, encode_dataset
+from flux_cp.errors import UsageError
+
+
+class _Encoders:
+    """Stands in for the VAE and text encoders: the cache logic only needs tensors of the right names."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def latents(self, pixels):
+        self.calls += 1
+        return pixels[:, :4, ::8, ::8].float(), torch.ones_like(pixels[:, :4, ::8, ::8]).float()
+
+    def prompts(self, captions, max_len):
+        self.calls += len(captions)
+        return torch.zeros(len(captions), max_len, 8), torch.zeros(len(captions), 8)
+
+
+def _encode(cache, encoders):
+    data = DataConfig(resolution=64, max_sequence_length=8)
+    source = open_source(data)
+    return encode_dataset(source, encoders, Geometry(64, 1, False), data, 0, cache, ("v", "t"), 0, 1)
+
+
+def test_a_damaged_entry_is_recomputed_and_one_broken_later_names_its_file(tmp_path, caplog):
+    first = _encode(tmp_path, _Encoders())
+    captions = {s.caption for s in open_source(DataConfig()).samples}
+    assert first.computed == 24 + len(captions)  # the bundled set's latents, and its distinct prompts
+    latent = sorted((tmp_path / "latents").glob("*.safetensors"))[0]
+    text = sorted((tmp_path / "text").glob("*.safetensors"))[0]
+    latent.write_bytes(latent.read_bytes()[:40])  # truncated
+    text.write_bytes(b"\x00" * 16)  # garbage
+    again = _encode(tmp_path, _Encoders())
+    assert again.computed == 2
+    assert f"cache entry {latent} cannot be read" in caplog.text and "recomputing it" in caplog.text
+    load_file(latent), load_file(text)
+    text.unlink()  # gone after the start-up check: training names it
+    index = next(i for i, e in enumerate(again.entries) if e["text"] == text.stem)
+    with pytest.raises(UsageError, match=f"cache entry {text} cannot be read .*delete it and resume"):
+        again.load(index, False, 0)
+
+
+def test_a_cache_that_cannot_be_written_is_one_line(tmp_path, monkeypatch):
+    def full(path, tensors):
+        raise OSError(28, "No space left on device", str(path))
+
+    monkeypatch.setattr(files, "write_safetensors", full)
+    with pytest.raises(UsageError) as e:
+        _encode(tmp_path, _Encoders())
+    message = str(e.value)
+    assert message.startswith(f"cannot write the encoding cache under --cache_dir {tmp_path} (") and "\n" not in message
+    assert message.endswith("No space left on device. Free space there, choose another --cache_dir, or pass --no_cache")

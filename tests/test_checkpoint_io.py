@@ -1,0 +1,229 @@
+"""Checkpoint I/O without a launch: sizes known in advance, disk checks, safe loading, one-line failures, and
+changed hyperparameters applied on resume."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from diffusers.optimization import get_scheduler
+
+from flux_cp import checkpoint, diskspace
+from flux_cp.config import LoraConfig
+from flux_cp.errors import UsageError
+from flux_cp.lora import DEFAULT_TARGETS, save_lora
+from flux_cp.model import prepare_trainable, save_full, trainable_parameters
+from flux_cp.tiny import TRANSFORMER_CONFIG, tiny_transformer
+
+
+def _tree(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def _trained(lr: float = 1e-3, betas=(0.9, 0.999), full: bool = False, steps: int = 2):
+    model = tiny_transformer()
+    prepare_trainable(model, LoraConfig(full_finetune=full, rank=4, lora_alpha=4), seed=0)
+    params = [p for _, p in trainable_parameters(model)]
+    opt = torch.optim.AdamW(params, lr=lr, betas=betas)
+    sched = get_scheduler("cosine", optimizer=opt, num_warmup_steps=1, num_training_steps=10)
+    for _ in range(steps):
+        loss = sum((p.float() ** 2).sum() for p in params)
+        loss.backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    return model, opt, sched
+
+
+def _save(out: Path, step: int, model, opt, sched, **kw) -> Path:
+    return checkpoint.save(str(out), step, model, opt, sched, {"run": {}}, True, None, **kw)
+
+
+@pytest.mark.parametrize("full", [False, True], ids=["lora", "full"])
+def test_sizes_known_in_advance_match_what_is_written(tmp_path, full):
+    model, opt, sched = _trained(full=full)
+    counts = diskspace.count(TRANSFORMER_CONFIG, None if full else 4, list(DEFAULT_TARGETS))
+    assert counts.trainable == sum(p.numel() for _, p in trainable_parameters(model))
+    for with_opt in (True, False):
+        s = diskspace.sizes(counts, full, with_opt, torch.bfloat16, world=1)
+        ckpt = _save(tmp_path / f"c{with_opt}", 2, model, opt, sched, optimizer_state=with_opt)
+        written = _tree(ckpt)
+        assert written <= s.checkpoint <= written * 1.1 + 256 * 1024, (with_opt, written, s.checkpoint)
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    if full:
+        out = save_full(model, state, str(tmp_path / "model"), torch.bfloat16)
+    else:
+        names = {n for n, _ in trainable_parameters(model)}
+        out = save_lora(model, {k: v for k, v in state.items() if k in names}, str(tmp_path / "model"), LoraConfig())
+    written = _tree(out) if out.is_dir() else out.stat().st_size
+    assert written <= s.model <= written * 1.1 + 2 * 2**20, (written, s.model)
+
+
+def test_flux1_dev_full_finetuning_needs_a_143_gb_checkpoint_and_is_refused_on_a_128_gb_disk(tmp_path, monkeypatch):
+    from flux_cp.tiny import FLUX1_DEV_TRANSFORMER
+
+    counts = diskspace.count(FLUX1_DEV_TRANSFORMER, None, [])
+    assert counts.trainable == 11_901_408_320
+    s = diskspace.sizes(counts, True, True, torch.bfloat16, world=2)
+    assert 142.8e9 < s.checkpoint < 142.9e9 and 23.8e9 < s.model < 23.9e9
+    monkeypatch.setenv("FLUX_CP_DISK_BYTES", str(128 * 10**9))
+    with pytest.raises(UsageError) as e:
+        diskspace.check_start(tmp_path, s, saves=1, total_limit=None)
+    assert str(e.value) == (
+        f"the disk of --output_dir {tmp_path} has 119.2 GiB free, but this run needs 155.2 GiB at least: one "
+        "checkpoint 133.0 GiB (fp32 weights 44.3 GiB + AdamW state 88.7 GiB), the final transformer 22.2 GiB. Free "
+        "space or choose another --output_dir; --checkpoint_weights_only makes checkpoints of 44.3 GiB"
+    )
+    small = diskspace.sizes(counts, True, False, torch.bfloat16, world=2)
+    assert diskspace.check_start(tmp_path, small, saves=1, total_limit=None) is None
+    warning = diskspace.check_start(tmp_path, small, saves=4, total_limit=None)
+    assert warning.startswith("4 checkpoints of 44.3 GiB and the final transformer need 199.5 GiB")
+
+
+def test_a_save_that_does_not_fit_stops_before_writing_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
+    model, opt, sched = _trained()
+    first = _save(tmp_path, 2, model, opt, sched)
+    size = _tree(first)
+    monkeypatch.setenv("FLUX_CP_DISK_BYTES", str(size + size // 2))  # a disk holding only this folder
+    with pytest.raises(UsageError) as e:
+        _save(tmp_path, 4, model, opt, sched, need_bytes=size)
+    assert str(e.value).startswith(f"not enough disk space for checkpoint-4: it needs {diskspace.gib(size)}")
+    assert f"Nothing was written; {first} is the last good checkpoint." in str(e.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2"]
+
+
+def test_a_write_failure_inside_torch_is_one_line(tmp_path, monkeypatch):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    model, opt, sched = _trained()
+    _save(tmp_path, 2, model, opt, sched)
+
+    def full_disk(*a, **k):
+        raise CheckpointException("save", {0: (RuntimeError("unexpected pos 6841792 vs 6841680"), None)})
+
+    monkeypatch.setattr(dcp, "save", full_disk)
+    with pytest.raises(UsageError) as e:
+        _save(tmp_path, 4, model, opt, sched)
+    assert str(e.value) == (
+        "writing checkpoint-4 failed (rank 0: RuntimeError: unexpected pos 6841792 vs 6841680); nothing was renamed, "
+        f"{tmp_path / 'checkpoint-2'} is intact. Free disk space or choose another --output_dir, then resume."
+    )
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (os.system, ("touch pwned",))
+
+
+def test_resume_runs_no_code_from_the_checkpoint(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    model, opt, sched = _trained()
+    ckpt = _save(tmp_path / "out", 2, model, opt, sched)
+    meta = (ckpt / "state" / ".metadata").read_bytes()
+    (ckpt / "state" / ".metadata").write_bytes(pickle.dumps(_RunsCode()))
+    with pytest.raises(UsageError, match=r"cannot load it \(.*refusing to load posix.system"):
+        checkpoint.load(ckpt, *_trained(steps=0))
+    (ckpt / "state" / ".metadata").write_bytes(meta)
+    torch.save({"lr_scheduler": _RunsCode()}, ckpt / "train.pt")
+    with pytest.raises(UsageError, match="cannot load it .*Weights only load failed"):
+        checkpoint.load(ckpt, *_trained(steps=0))
+    # a non-tensor entry of the optimizer state (DCP reads those with weights_only=False)
+    model, opt, sched = _trained()
+    opt.param_groups[0]["eps"] = _RunsCode()
+    ckpt = _save(tmp_path / "out2", 2, model, opt, sched)
+    with pytest.raises(UsageError, match="cannot load it .*Weights only load failed"):
+        checkpoint.load(ckpt, *_trained(steps=0))
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_a_truncated_shard_is_one_line_naming_the_checkpoint(tmp_path):
+    model, opt, sched = _trained()
+    ckpt = _save(tmp_path, 2, model, opt, sched)
+    shard = next((ckpt / "state").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    with pytest.raises(UsageError) as e:
+        checkpoint.load(ckpt, *_trained(steps=0))
+    message = str(e.value)
+    assert message.startswith(f"--resume_from_checkpoint {ckpt}: cannot load it (rank 0: ") and "\n" not in message
+
+
+def test_changed_hyperparameters_are_applied_on_resume(tmp_path):
+    model, opt, sched = _trained(lr=1e-3)
+    ckpt = _save(tmp_path, 2, model, opt, sched)
+    saved_moments = [opt.state[p]["exp_avg"].clone() for p in opt.param_groups[0]["params"]]
+    model2, opt2, sched2 = _trained(lr=5e-4, betas=(0.8, 0.99), steps=0)
+    changes = checkpoint.load(ckpt, model2, opt2, sched2)
+    assert changes == ["AdamW betas (0.9, 0.999) -> (0.8, 0.99)", "learning rate 0.001 -> 0.0005"]
+    g = opt2.param_groups[0]
+    assert g["betas"] == (0.8, 0.99) and sched2.last_epoch == 2
+    assert g["lr"] == pytest.approx(5e-4 * sched2.lr_lambdas[0](2), rel=1e-12) == sched2.get_last_lr()[0]
+    assert all(torch.equal(opt2.state[p]["exp_avg"], m) for p, m in zip(g["params"], saved_moments))
+    sched2.step()
+    assert g["lr"] == pytest.approx(5e-4 * sched2.lr_lambdas[0](3), rel=1e-12)
+    # unchanged flags: nothing to say, the checkpoint's values stand
+    model3, opt3, sched3 = _trained(lr=1e-3, steps=0)
+    assert checkpoint.load(ckpt, model3, opt3, sched3) == []
+    assert opt3.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+
+
+def test_a_checkpoint_without_optimizer_state_restores_weights_and_schedule(tmp_path):
+    model, opt, sched = _trained()
+    ckpt = _save(tmp_path, 2, model, opt, sched, optimizer_state=False)
+    model2, opt2, sched2 = _trained(steps=0)
+    checkpoint.load(ckpt, model2, opt2, sched2, optimizer_state=False)
+    a, b = dict(trainable_parameters(model)), dict(trainable_parameters(model2))
+    assert all(torch.equal(a[k], b[k]) for k in a) and sched2.last_epoch == 2 and not opt2.state
+
+
+def test_a_checkpoint_exception_outside_our_checkpoint_code_still_ends_as_one_line(capsys):
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from flux_cp.runner import run
+
+    def main() -> int:
+        raise CheckpointException("save", {0: (RuntimeError("unexpected pos 6841792 vs 6841680"), None)})
+
+    assert run(main) == 1
+    err = capsys.readouterr().err
+    assert err.strip() == "error: [rank 0] CheckpointException: RuntimeError: unexpected pos 6841792 vs 6841680"
+
+
+def test_the_plan_shows_the_disk_a_run_needs(capsys):
+    from flux_cp.config import parse_config
+    from flux_cp.plan import print_plan
+
+    print_plan(parse_config(["--plan", "--checkpoints_total_limit", "2"]))
+    disk = [line for line in capsys.readouterr().out.splitlines() if line.startswith("disk:")]
+    assert disk == [
+        "disk: one checkpoint 1.5 MiB (fp32 weights 0.5 MiB + AdamW state 1.0 MiB), the final LoRA 0.4 MiB; keep at "
+        "least 2.0 MiB free in --output_dir (2 checkpoints kept: 5.0 MiB)"
+    ]
+
+
+@pytest.mark.parametrize(
+    "meta, message",
+    [
+        ("not json", "meta.json cannot be read"),
+        (b"\xff\xfe", "meta.json cannot be read"),
+        ("[1, 2]", "meta.json is a JSON list, not an object"),
+        ('{"format": 2}', "format 2 is not 1"),
+        ('{"format": 1, "run": {}, "layout": "x"}', "meta.json has no valid 'step' (got None)"),
+        ('{"format": 1, "step": -3, "run": {}, "layout": "x"}', "meta.json has no valid 'step' (got -3)"),
+        ('{"format": 1, "step": "3", "run": {}, "layout": "x"}', "meta.json has no valid 'step' (got '3')"),
+        ('{"format": 1, "step": 3, "run": [], "layout": "x"}', "meta.json has no valid 'run' (got [])"),
+        ('{"format": 1, "step": 3, "run": {}}', "meta.json has no valid 'layout'"),
+        ('{"format": 1, "step": 3, "run": {}, "layout": "x", "args": 1}', "meta.json has no valid 'args' (got 1)"),
+        ('{"format": 1, "step": 3, "run": {}, "layout": "x", "optimizer_state": "no"}', "no valid 'optimizer_state'"),
+    ],
+)
+def test_every_field_of_meta_json_is_checked(tmp_path, meta, message):
+    (tmp_path / "meta.json").write_bytes(meta if isinstance(meta, bytes) else meta.encode())
+    with pytest.raises(
+        UsageError, match=re.escape(f"--resume_from_checkpoint {tmp_path}: ") + ".*" + re.escape(message)
+    ):
+        checkpoint.read_meta(tmp_path)

@@ -1,0 +1,104 @@
+"""Every numeric flag has its range checked by the parser (no launch needed), and unused flags are named."""
+
+from __future__ import annotations
+
+import pytest
+
+from flux_cp.config import build_parser, is_hub_id, parse_config
+from flux_cp.errors import UsageError
+from flux_cp.flag_ranges import RULES, given_flags, unused_flags
+
+# (flags, the start of the message). Values that turn training off, that a library would refuse with a traceback,
+# and the non-finite values argparse lets through.
+BAD = [
+    (["--learning_rate", "0"], "--learning_rate 0 is out of range: it must be > 0 (at 0 or below"),
+    (["--learning_rate", "-0.0001"], "--learning_rate -0.0001 is out of range"),
+    (["--learning_rate", "nan"], "--learning_rate nan is out of range"),
+    (["--learning_rate", "inf"], "--learning_rate inf is out of range"),
+    (["--lora_alpha", "0"], "--lora_alpha 0 is out of range: it must be > 0 (LoRA's output is scaled"),
+    (["--lora_alpha", "-4"], "--lora_alpha -4 is out of range"),
+    (["--lora_dropout", "1"], "--lora_dropout 1 is out of range: it must be >= 0 and < 1"),
+    (["--lora_dropout", "-0.1"], "--lora_dropout -0.1 is out of range"),
+    (["--rank", "0"], "--rank 0 is out of range: it must be >= 1"),
+    (["--adam_beta1", "1"], "--adam_beta1 1 is out of range: it must be >= 0 and < 1"),
+    (["--adam_beta2", "-0.5"], "--adam_beta2 -0.5 is out of range"),
+    (["--adam_epsilon", "0"], "--adam_epsilon 0 is out of range: it must be > 0 and <= 0.001"),
+    (["--adam_epsilon", "1"], "--adam_epsilon 1 is out of range"),
+    (["--adam_weight_decay", "-0.01"], "--adam_weight_decay -0.01 is out of range: it must be >= 0"),
+    (
+        ["--learning_rate", "1e-4", "--adam_weight_decay", "2e4"],
+        "--learning_rate 0.0001 x --adam_weight_decay 20000 >= 1",
+    ),
+    (["--max_grad_norm", "-1"], "--max_grad_norm -1 is out of range: it must be >= 0 (0 turns clipping off)"),
+    (["--max_grad_norm", "nan"], "--max_grad_norm nan is out of range"),
+    (["--lr_power", "0"], "--lr_power 0 is out of range"),
+    (["--lr_num_cycles", "0"], "--lr_num_cycles 0 is out of range"),
+    (["--lr_warmup_steps", "-1"], "--lr_warmup_steps -1 is out of range"),
+    (["--logit_std", "0"], "--logit_std 0 is out of range"),
+    (["--logit_mean", "50"], "--logit_mean 50 is out of range"),
+    (["--mode_scale", "3"], "--mode_scale 3 is out of range: it must be >= -1 and <= 1.75194"),
+    (["--guidance_scale", "-1"], "--guidance_scale -1 is out of range"),
+    (["--seed", "-1"], "--seed -1 is out of range: it must be >= 0 and <= 4.29497e+09"),
+    (["--seed", str(2**40)], "--seed 1.09951e+12 is out of range"),
+    (["--resolution", "0"], "--resolution 0 is out of range: it must be >= 16"),
+    (["--resolution", "-16"], "--resolution -16 is out of range"),
+    (["--validation_resolution", "-32"], "--validation_resolution -32 is out of range"),
+    (["--max_sequence_length", "0"], "--max_sequence_length 0 is out of range: it must be >= 1 and <= 512"),
+    (["--max_sequence_length", "513"], "--max_sequence_length 513 is out of range"),
+    (["--train_batch_size", "0"], "--train_batch_size 0 is out of range"),
+    (["--max_train_steps", "0"], "--max_train_steps 0 is out of range"),
+    (["--num_train_epochs", "0"], "--num_train_epochs 0 is out of range"),
+    (["--gradient_accumulation_steps", "0"], "--gradient_accumulation_steps 0 is out of range"),
+    (["--cp_size", "0"], "--cp_size 0 is out of range"),
+    (["--cp_mode", "hybrid", "--ulysses_size", "0"], "--ulysses_size 0 is out of range"),
+    (["--collective_timeout", "-5"], "--collective_timeout -5 is out of range"),
+    (["--collective_timeout", "inf"], "--collective_timeout inf is out of range"),
+    (["--checkpointing_steps", "0"], "--checkpointing_steps 0 is out of range"),
+    (["--checkpoints_total_limit", "0"], "--checkpoints_total_limit 0 is out of range"),
+    (["--validation_steps", "0"], "--validation_steps 0 is out of range"),
+    (["--num_validation_images", "0"], "--num_validation_images 0 is out of range"),
+    (["--validation_inference_steps", "0"], "--validation_inference_steps 0 is out of range"),
+    (["--gpu_memory_gib", "0"], "--gpu_memory_gib 0 is out of range"),
+    (["--dataset_name", "./no/such/folder"], "--dataset_name ./no/such/folder: no such folder"),
+    (["--dataset_name", "a/b/c"], "--dataset_name a/b/c: no such folder (and not a hub id like owner/name)"),
+]
+
+
+@pytest.mark.parametrize("argv,message", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_out_of_range_values_are_refused_by_the_parser(argv, message):
+    with pytest.raises(UsageError) as e:
+        parse_config(argv)
+    assert str(e.value).startswith(message), str(e.value)
+
+
+def test_every_numeric_flag_has_a_rule_and_the_bounds_themselves_are_accepted():
+    numeric = {a.dest for a in build_parser()._actions if a.type in (int, float)}
+    assert numeric <= {r.flag for r in RULES}, f"flags without a range: {numeric - {r.flag for r in RULES}}"
+    edges = ["--learning_rate", "1e-12", "--lora_dropout", "0.999", "--adam_beta2", "0", "--adam_epsilon", "1e-3",
+             "--max_grad_norm", "0", "--mode_scale", "-1", "--seed", str(2**32 - 1), "--resolution", "16",
+             "--max_sequence_length", "512", "--guidance_scale", "0", "--lora_alpha", "1"]  # fmt: skip
+    args = parse_config(edges)
+    assert args.train.learning_rate == 1e-12 and args.train.seed == 2**32 - 1
+    parse_config([])  # the defaults are in range
+
+
+def test_hub_ids_are_not_mistaken_for_missing_folders():
+    assert is_hub_id("owner/name") and is_hub_id("lambdalabs/naruto-blip-captions") and is_hub_id("mnist")
+    assert not any(is_hub_id(p) for p in ("./data", "/abs/path", "a/b/c", "~/x", "../x", "owner/..", "a\\b"))
+    assert parse_config(["--dataset_name", "owner/name"]).data.dataset_name == "owner/name"
+
+
+def test_flags_that_this_run_would_not_use_are_named(capsys):
+    argv = ["--full_finetune", "--rank", "4", "--validation_steps", "5", "--mode_scale", "1.0", "--lr_power", "2",
+            "--lr_warmup_steps", "10", "--max_train_steps", "5", "--lr_scheduler", "linear"]  # fmt: skip
+    args = parse_config(argv)
+    warnings = unused_flags(given_flags(build_parser(), argv), args.flat())
+    assert warnings == [
+        "--validation_steps has no effect without --validation_prompt",
+        "--rank has no effect with --full_finetune (it trains all weights, no LoRA)",
+        "--mode_scale has no effect without --weighting_scheme mode",
+        "--lr_power has no effect without --lr_scheduler polynomial",
+        "--lr_warmup_steps 10 >= --max_train_steps 5: the LR never reaches --learning_rate",
+    ]
+    assert "warning: --rank has no effect with --full_finetune" in capsys.readouterr().err
+    assert unused_flags(given_flags(build_parser(), []), parse_config([]).flat()) == []

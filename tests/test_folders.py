@@ -1,0 +1,86 @@
+"""Local data folders: every field of metadata.jsonl and every caption file is checked, hidden files are skipped."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from PIL import Image
+
+from flux_cp.errors import UsageError
+from flux_cp.folders import list_folder
+
+
+def _folder(tmp_path, names=("a.png", "b.png")):
+    d = tmp_path / "data"
+    d.mkdir()
+    for n in names:
+        (d / n).parent.mkdir(parents=True, exist_ok=True)
+        Image.new("RGB", (8, 8)).save(d / n)
+    return d
+
+
+def _meta(d, *rows):
+    (d / "metadata.jsonl").write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+
+
+# (metadata.jsonl lines, the message's tail after "<path> line N")
+BAD_ROWS = [
+    (['{"file_name": "a.png", "text": "x"', '{"file_name": "b.png", "text": "y"}'], " is not valid JSON"),
+    (['["a.png", "x"]'], " is a JSON list, not an object with 'file_name' and a caption"),
+    (['"a.png"'], " is a JSON str, not an object"),
+    ([{"text": "x"}], " has no 'file_name'"),
+    ([{"file_name": 3, "text": "x"}], " has no 'file_name'"),
+    ([{"file_name": "", "text": "x"}], " has no 'file_name'"),
+    ([{"file_name": "c.png", "text": "x"}], ": file_name 'c.png' does not exist in"),
+    ([{"file_name": "../a.png", "text": "x"}], ": file_name '../a.png' must be a path inside"),
+    ([{"file_name": "/etc/passwd", "text": "x"}], ": file_name '/etc/passwd' must be a path inside"),
+    ([{"file_name": "metadata.jsonl", "text": "x"}], ": file_name 'metadata.jsonl' is not an image this trainer reads"),
+    ([{"file_name": "a.png", "text": "x"}, {"file_name": "./a.png", "text": "y"}],
+     ": file_name './a.png' already has a caption on line 1"),
+    ([{"file_name": "a.png", "caption": "x"}], " has no caption column 'text' (columns: ['caption', 'file_name'])"),
+    ([{"file_name": "a.png", "text": None}], ": 'text' is null, not a string: give every image a caption"),
+    ([{"file_name": "a.png", "text": 3}], ": 'text' is 3, not a string"),
+    ([{"file_name": "a.png", "text": ["x"]}], ': \'text\' is ["x"], not a string'),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("rows,tail", BAD_ROWS, ids=[t.strip()[:40] for _, t in BAD_ROWS])
+def test_every_bad_metadata_line_is_named(tmp_path, rows, tail):
+    d = _folder(tmp_path)
+    (d / "b.txt").write_text("b")
+    _meta(d, *rows)
+    bad_line = 2 if "already has" in tail else 1
+    with pytest.raises(UsageError) as e:
+        list_folder(d, "text", None)
+    assert str(e.value).startswith(f"{d / 'metadata.jsonl'} line {bad_line}{tail}"), str(e.value)
+
+
+def test_metadata_txt_captions_and_encodings(tmp_path):
+    d = _folder(tmp_path, ("a.png", "sub/b.png", "c.jpg", ".hidden.png", "._a.png", ".ipynb_checkpoints/x.png"))
+    _meta(d, "\ufeff" + json.dumps({"file_name": "a.png", "text": "ünïcode", "extra": 1}), "",
+          {"file_name": "sub/b.png", "text": ""})  # fmt: skip
+    (d / "c.txt").write_bytes("\ufeffa cat\n".encode())
+    (d / "a.txt").write_text("ignored: metadata.jsonl wins")
+    got = [(p.replace(str(d) + "/", ""), c) for p, c in list_folder(d, "text", None)]
+    assert got == [("a.png", "ünïcode"), ("c.jpg", "a cat"), ("sub/b.png", "")]
+    assert [c for _, c in list_folder(d, "text", "sks dog")] == ["sks dog"] * 3
+    (d / "metadata.jsonl").write_bytes(b'{"file_name": "a.png", "text": "caf\xe9"}\n')
+    with pytest.raises(UsageError, match=r"metadata.jsonl line 1 is not UTF-8 text \(byte 0xe9\): save it as UTF-8"):
+        list_folder(d, "text", None)
+    (d / "metadata.jsonl").unlink()
+    (d / "a.txt").write_bytes(b"caf\xe9")
+    with pytest.raises(UsageError, match=r"a.txt is not UTF-8 text"):
+        list_folder(d, "text", None)
+
+
+def test_missing_captions_and_empty_folders(tmp_path):
+    d = _folder(tmp_path)
+    (d / "metadata.csv").write_text("file_name,text\na.png,x\n")
+    with pytest.raises(UsageError) as e:
+        list_folder(d, "text", None)
+    assert "2 images in" in str(e.value) and "metadata.csv is not read: convert it to metadata.jsonl" in str(e.value)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "._x.png").write_bytes(b"\x00\x05\x16\x07")  # a macOS resource fork is not an image
+    with pytest.raises(UsageError, match="no images"):
+        list_folder(tmp_path / "empty", "text", None)
