@@ -1,4 +1,5 @@
-"""Run a function on N spawned processes joined in a gloo process group (CPU), with a hard timeout."""
+"""Run a function on N spawned processes joined in one process group, with a hard timeout: gloo on the CPU (the
+default), or NCCL with one CUDA GPU per process (tests/gpu)."""
 
 from __future__ import annotations
 
@@ -14,13 +15,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _entry(fn: Callable, rank: int, world: int, init_file: str, queue, args: tuple) -> None:
+def _entry(fn: Callable, rank: int, world: int, init_file: str, queue, args: tuple, backend: str) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     try:
-        dist.init_process_group(
-            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
-        )
+        kw: dict[str, Any] = {"timeout": timedelta(seconds=60)}
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+            kw = {"timeout": timedelta(seconds=120), "device_id": torch.device("cuda", rank)}
+        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world, **kw)
         queue.put((rank, True, fn(rank, world, *args)))
     except BaseException:  # noqa: BLE001 - reported to the parent, which fails the test
         queue.put((rank, False, traceback.format_exc()))
@@ -29,13 +32,15 @@ def _entry(fn: Callable, rank: int, world: int, init_file: str, queue, args: tup
             dist.destroy_process_group()
 
 
-def run(fn: Callable, world: int, *args: Any, timeout: float = 240) -> list[Any]:
+def run(fn: Callable, world: int, *args: Any, timeout: float = 240, backend: str = "gloo") -> list[Any]:
     """Return [fn(rank, world, *args) for each rank]; raise with every failing rank's traceback."""
+    if backend == "nccl":
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off on shared machines
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
-        procs = [ctx.Process(target=_entry, args=(fn, r, world, init_file, queue, args)) for r in range(world)]
+        procs = [ctx.Process(target=_entry, args=(fn, r, world, init_file, queue, args, backend)) for r in range(world)]
         for p in procs:
             p.start()
         results: dict[int, tuple[bool, Any]] = {}

@@ -68,9 +68,9 @@ def _bf16_attention(rank: int, world: int, seq: int) -> dict:
 
 @pytest.mark.parametrize("seq", [4608 + 512, 16384 + 512])
 def test_bf16_cp_attention_is_as_exact_as_one_gpu_and_compiled_equals_eager(seq):
-    from tests.gpu import nccl
+    from tests import distributed
 
-    for r in nccl.run(_bf16_attention, 2, seq):
+    for r in distributed.run(_bf16_attention, 2, seq, timeout=600, backend="nccl"):
         print(json.dumps(r))
         assert "cudnn" in json.dumps(r["kernels"]), r
         for mode in ("ulysses", "ring"):
