@@ -21,7 +21,7 @@ import torch
 from PIL import Image
 
 from .errors import UsageError
-from .folders import list_folder
+from .folders import list_folder, metadata_text
 from .images import decode
 from .rng import Stream, generator
 
@@ -117,13 +117,7 @@ def _local_folder(folder: Path, caption_column: str, instance_prompt: str | None
 def _metadata_rows(meta: Path) -> list[tuple[int, dict]]:
     """(line number, row) of every non-empty line of a metadata.jsonl."""
     rows = []
-    try:
-        text = meta.read_bytes().decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        line = e.object[: e.start].count(b"\n") + 1
-        raise UsageError(
-            f"{meta} line {line} is not UTF-8 text (byte {e.object[e.start]:#04x}): save it as UTF-8"
-        ) from None
+    text = metadata_text(meta)
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue

@@ -27,15 +27,20 @@ def image_files(folder: Path) -> list[Path]:
     )  # fmt: skip
 
 
-def read_metadata(path: Path, folder: Path, caption_column: str) -> dict[Path, str]:
-    """Resolved image path -> caption, from metadata.jsonl; every line checked."""
+def metadata_text(path: Path) -> str:
+    """The text of a metadata.jsonl, which must be UTF-8 (a byte-order mark is allowed); the bad line named."""
     try:
-        text = path.read_bytes().decode("utf-8-sig")
+        return path.read_bytes().decode("utf-8-sig")
     except UnicodeDecodeError as e:
         line = e.object[: e.start].count(b"\n") + 1
         raise UsageError(
             f"{path} line {line} is not UTF-8 text (byte {e.object[e.start]:#04x}): save it as UTF-8"
         ) from None
+
+
+def read_metadata(path: Path, folder: Path, caption_column: str) -> dict[Path, str]:
+    """Resolved image path -> caption, from metadata.jsonl; every line checked."""
+    text = metadata_text(path)
     root = folder.resolve()
     captions: dict[Path, str] = {}
     first_line: dict[Path, int] = {}
