@@ -30,6 +30,8 @@ from .images import DECODER_VERSION
 from .rng import Stream, generator
 
 if TYPE_CHECKING:
+    from PIL import Image
+
     from .config import DataConfig
 
 Tensor = torch.Tensor
@@ -184,6 +186,17 @@ class EncodedData:
         return {**lat, **txt}
 
 
+def _decode(source: ImageSource, i: int, reference: bool = False) -> tuple[Image.Image, str]:
+    """Sample i's image (or its Kontext reference), decoded, and the hash of its bytes (the cache key's part);
+    a UsageError naming the file when it cannot be read or decoded."""
+    try:
+        raw = source.raw_bytes(i, reference=reference)
+    except OSError as e:
+        what = "reference image" if reference else "image"
+        raise UsageError(f"cannot read {what} {source.where(i, reference=reference)}: {e.strerror or e}") from None
+    return source.load(i, raw, reference=reference), hashlib.sha256(raw).hexdigest()
+
+
 def encode_dataset(
     source: ImageSource,
     encoders: Encoders,
@@ -207,17 +220,11 @@ def encode_dataset(
     try:  # a cache that cannot be written (full disk, permissions) ends as one line, on every rank alike
         for i in bar:
             try:
-                raw = source.raw_bytes(i)
-            except OSError as e:
-                errors.append(f"cannot read image {source.where(i)}: {e.strerror or e}")
-                continue
-            except UsageError as e:
-                errors.append(str(e))
-                continue
-            img_hash = hashlib.sha256(raw).hexdigest()
-            img = None
-            try:
-                img = source.load(i, raw)
+                img, img_hash = _decode(source, i)
+                # A Kontext pair's reference gets the target's resize, crop and flip, so the two stay aligned.
+                images = [("latents", img, img_hash)]
+                if source.pairs:
+                    images.append(("reference", *_decode(source, i, reference=True)))
             except UsageError as e:
                 errors.append(str(e))
                 continue
@@ -225,18 +232,6 @@ def encode_dataset(
             target = geometry.buckets[bucket]
             resized, offset = crop_box(img.size, target, data.center_crop, generator(Stream.CROP, seed, i))
             entry: dict = {"bucket": bucket}
-            # A Kontext pair's reference gets the target's resize, crop and flip, so the two stay aligned.
-            images = [("latents", img, img_hash)]
-            if source.pairs:
-                try:
-                    raw = source.raw_bytes(i, reference=True)
-                    images.append(("reference", source.load(i, raw, reference=True), hashlib.sha256(raw).hexdigest()))
-                except OSError as e:
-                    errors.append(f"cannot read reference image {source.where(i, reference=True)}: {e}")
-                    continue
-                except UsageError as e:
-                    errors.append(str(e))
-                    continue
             for name, image, digest in images:
                 entry[name] = []
                 for flip in variants:
