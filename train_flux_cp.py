@@ -27,6 +27,7 @@ import torch
 import cp
 from flux_cp import checkpoint, diskspace, distributed, faults, files, outdir, runner, validation
 from flux_cp.batches import Batches
+from flux_cp.blocks import attention_recomputed, prepare_blocks, step_begins
 from flux_cp.config import Config, parse_config
 from flux_cp.data import BatchSchedule, ImageSource, check_pair_flags, open_source, reference_column
 from flux_cp.encode import Encoders, Geometry, LiveData, TrainingData, encode_dataset, encoder_fingerprints
@@ -256,8 +257,6 @@ def build_model(run: Run, data: Data) -> Trainee:
     if train.seed_checkpoint:
         how = apply_seed_checkpoint(transformer, train.seed_checkpoint, layout.is_main)
         logger.info(f"seed checkpoint {how}: {train.seed_checkpoint}")
-    if train.gradient_checkpointing:
-        transformer.enable_gradient_checkpointing()
     mode, ulysses_size = choose_cp_mode(cfg.parallel, config["num_attention_heads"], layout.cp)
     # Installed at cp=1 too: its block kernels (cuDNN on Hopper) beat diffusers' default SDPA path.
     cp.apply_context_parallel(transformer, layout.cp_group, mode=mode, ulysses_size=ulysses_size)
@@ -272,9 +271,9 @@ def build_model(run: Run, data: Data) -> Trainee:
         advice = cp_advice(images * (cfg.data.resolution // 16) ** 2 + cfg.data.max_sequence_length, layout.cp)
         if advice and run.device.type == "cuda":  # measured on GPUs; the CPU demo's tiny sequences are for testing
             logger.warning(advice)
-    if train.compile or train.compile_mode:
-        for block in [*transformer.transformer_blocks, *transformer.single_transformer_blocks]:
-            block.compile(mode=train.compile_mode)
+    prepare_blocks(transformer, gradient_checkpointing=train.gradient_checkpointing,
+                   recompute_attention=train.recompute_attention, compile=bool(train.compile or train.compile_mode),
+                   compile_mode=train.compile_mode, cp=layout.cp)  # fmt: skip
     optimizer = make_optimizer(train, [p for _, p in trainable_parameters(transformer)], data.global_batch)
     steps_per_epoch = data.schedule.batches_per_epoch // train.gradient_accumulation_steps
     if steps_per_epoch == 0 and train.max_train_steps is None:
@@ -372,7 +371,9 @@ def train_step(run: Run, data: Data, trainee: Trainee, loop: Loop, step: int) ->
         mb = loop.batches.micro((step - 1) * accum + micro)
         tokens += data.global_batch * (mb.image_tokens + mb.text_tokens)
         flops += flux_flops_per_step(trainee.transformer_config, mb.image_tokens, mb.text_tokens, data.global_batch,
-                                     not cfg.lora.full_finetune, cfg.train.gradient_checkpointing)  # fmt: skip
+                                     not cfg.lora.full_finetune, cfg.train.gradient_checkpointing,
+                                     attention_recomputed(cfg.train))  # fmt: skip
+        step_begins(cfg.train.compile_mode)
         with accelerator.accumulate(model):
             loss = loop.fault.maybe_corrupt(step, mb.loss(model(**mb.inputs)[0]))
             accelerator.backward(loss)

@@ -11,6 +11,9 @@
 #   anchor     diffusers' built-in CP (Ulysses, ring; cuDNN) with its blocks compiled, 1024 and 2048 px
 #              (ANCHOR=path/to/anchor_bench.py, skipped when unset; ANCHOR_MODES="ulysses ring" by default)
 #   modes      cp=2 at 1024 px with --compile_mode reduce-overhead (CUDA graphs)
+#   variants   cp=2 at 2048 px, each choice of the compiled step against the default of the lora set: no reordering
+#              of the exchanges (FLUX_CP_OVERLAP=none), Inductor's overlap scheduler (FLUX_CP_OVERLAP=scheduler),
+#              the attention recomputed in the backward (--recompute_attention)
 #   ring       cp=2 at 2048 px with --cp_mode ring
 #   big        4096 px LoRA (one GPU against cp=2) and full fine-tuning at 2048 px (FSDP2, cp=2)
 #   attention  benchmarks/bench_attention.py, eager and compiled, 16,896 and 66,048 tokens
@@ -67,6 +70,11 @@ for SET in "$@"; do
     modes)
       trainer 200 \
         "cp2_1024_ro:2:ddp_cp2.yaml:--cp_size 2 --resolution 1024 --compile_mode reduce-overhead" ;;
+    variants)
+      FLUX_CP_OVERLAP=none trainer 200 "cp2_2048_nooverlap:2:ddp_cp2.yaml:--cp_size 2 --resolution 2048 --compile"
+      trainer 200 "cp2_2048_recompute:2:ddp_cp2.yaml:--cp_size 2 --resolution 2048 --compile --recompute_attention"
+      FLUX_CP_OVERLAP=scheduler trainer 200 \
+        "cp2_2048_scheduler:2:ddp_cp2.yaml:--cp_size 2 --resolution 2048 --compile" ;;
     ring)
       trainer 300 "cp2_2048_ring:2:ddp_cp2.yaml:--cp_size 2 --cp_mode ring --resolution 2048 --compile" ;;
     big)
@@ -96,7 +104,7 @@ for SET in "$@"; do
       if [ "$N" -ge 8 ]; then OUT=$OUT bash benchmarks/equivalence.sh 4 200
       elif [ "$N" -ge 4 ]; then OUT=$OUT bash benchmarks/equivalence.sh 2 200
       else echo "equivalence: needs 4 or 8 GPUs, skipped"; fi ;;
-    *) echo "error: unknown set $SET (check, check_attention, check_model, lora, lora_attn, kontext, anchor, modes, ring, big, attention, equivalence)"; exit 2 ;;
+    *) echo "error: unknown set $SET (check, check_attention, check_model, lora, lora_attn, kontext, anchor, modes, variants, ring, big, attention, equivalence)"; exit 2 ;;
   esac
 done
 tar czf "$OUT/logs.tgz" -C "$TMP" logs

@@ -113,25 +113,14 @@ class FluxCPAttnProcessor:
             return FluxAttnProcessor.__call__(
                 self, attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb
             )
-        query, key, value, encoder_query, encoder_key, encoder_value = _get_qkv_projections(
-            attn, hidden_states, encoder_hidden_states
-        )
-        query = attn.norm_q(query.unflatten(-1, (-1, attn.head_dim)))
-        key = attn.norm_k(key.unflatten(-1, (-1, attn.head_dim)))
-        value = value.unflatten(-1, (-1, attn.head_dim))
-
-        if attn.added_kv_proj_dim is not None:
-            encoder_query = attn.norm_added_q(encoder_query.unflatten(-1, (-1, attn.head_dim)))
-            encoder_key = attn.norm_added_k(encoder_key.unflatten(-1, (-1, attn.head_dim)))
-            encoder_value = encoder_value.unflatten(-1, (-1, attn.head_dim))
-            query = torch.cat([encoder_query, query], dim=1)
-            key = torch.cat([encoder_key, key], dim=1)
-            value = torch.cat([encoder_value, value], dim=1)
-
-        if image_rotary_emb is not None:
-            query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
-            key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
-
+        if attn.fused_projections:
+            query, key, value = _joint_qkv(attn, hidden_states, encoder_hidden_states, image_rotary_emb)
+        else:
+            # One tensor at a time, each finished (projections, norm, text + image, RoPE) before the next is
+            # projected: compiled, the exchange of q can then run while k and v are projected.
+            query, key, value = (
+                _joint(attn, which, hidden_states, encoder_hidden_states, image_rotary_emb) for which in "qkv"
+            )
         hidden_states = attention(query, key, value, group=self.group, mode=self.mode, ulysses_size=self.ulysses_size)
         hidden_states = hidden_states.flatten(2, 3).to(query.dtype)
 
@@ -142,6 +131,53 @@ class FluxCPAttnProcessor:
         hidden_states = attn.to_out[1](attn.to_out[0](hidden_states.contiguous()))
         encoder_hidden_states = attn.to_add_out(encoder_hidden_states.contiguous())
         return hidden_states, encoder_hidden_states
+
+
+# Per tensor: (image projection, norm, text projection, text norm); None where the tensor has no norm.
+_PARTS = {
+    "q": ("to_q", "norm_q", "add_q_proj", "norm_added_q"),
+    "k": ("to_k", "norm_k", "add_k_proj", "norm_added_k"),
+    "v": ("to_v", None, "add_v_proj", None),
+}
+
+
+def _joint(
+    attn: FluxAttention, which: str, hidden: Tensor, encoder_hidden: Tensor | None, rope: tuple[Tensor, Tensor] | None
+) -> Tensor:
+    """One of q, k, v as `FluxAttnProcessor` computes it: `[text; image]` tokens, `[B, S, H, D]`, RoPE applied."""
+    proj, norm, added_proj, added_norm = _PARTS[which]
+    x = getattr(attn, proj)(hidden).unflatten(-1, (-1, attn.head_dim))
+    if norm:
+        x = getattr(attn, norm)(x)
+    if encoder_hidden is not None and attn.added_kv_proj_dim is not None:
+        e = getattr(attn, added_proj)(encoder_hidden).unflatten(-1, (-1, attn.head_dim))
+        if added_norm:
+            e = getattr(attn, added_norm)(e)
+        x = torch.cat([e, x], dim=1)
+    if rope is not None and which != "v":
+        x = apply_rotary_emb(x, rope, sequence_dim=1)
+    return x
+
+
+def _joint_qkv(
+    attn: FluxAttention, hidden: Tensor, encoder_hidden: Tensor | None, rope: tuple[Tensor, Tensor] | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k, v from fused projections (`fuse_projections()`), as `FluxAttnProcessor` computes them."""
+    query, key, value, encoder_query, encoder_key, encoder_value = _get_qkv_projections(attn, hidden, encoder_hidden)
+    query = attn.norm_q(query.unflatten(-1, (-1, attn.head_dim)))
+    key = attn.norm_k(key.unflatten(-1, (-1, attn.head_dim)))
+    value = value.unflatten(-1, (-1, attn.head_dim))
+    if attn.added_kv_proj_dim is not None and encoder_query is not None:
+        encoder_query = attn.norm_added_q(encoder_query.unflatten(-1, (-1, attn.head_dim)))
+        encoder_key = attn.norm_added_k(encoder_key.unflatten(-1, (-1, attn.head_dim)))
+        encoder_value = encoder_value.unflatten(-1, (-1, attn.head_dim))
+        query = torch.cat([encoder_query, query], dim=1)
+        key = torch.cat([encoder_key, key], dim=1)
+        value = torch.cat([encoder_value, value], dim=1)
+    if rope is not None:
+        query = apply_rotary_emb(query, rope, sequence_dim=1)
+        key = apply_rotary_emb(key, rope, sequence_dim=1)
+    return query, key, value
 
 
 _ORIGINAL = "_flux_cp_original_processor"

@@ -232,6 +232,12 @@ class TrainConfig:
     )
     on_nonfinite: str = flag("stop", "What to do when the loss or gradient norm is NaN/inf.", choices=("stop", "skip"))
     compile: bool = flag(False, "torch.compile each transformer block.")
+    recompute_attention: bool = flag(
+        False,
+        "With --gradient_checkpointing and --compile: recompute the attention (and its CP exchanges) in the backward "
+        "instead of keeping its outputs. Saves memory (--plan shows how much) at the cost of a second attention "
+        "forward per block.",
+    )
     compile_mode: str | None = flag(
         None,
         "torch.compile mode of the blocks (implies --compile); reduce-overhead replays each block as a CUDA graph, "

@@ -14,13 +14,16 @@ import torch
 from . import files
 
 
-def flux_flops_per_step(config: dict, image_tokens: int, text_tokens: int, batch: int, lora: bool, ckpt: bool) -> float:
+def flux_flops_per_step(
+    config: dict, image_tokens: int, text_tokens: int, batch: int, lora: bool, ckpt: bool, attn_ckpt: bool | None = None
+) -> float:
     """FLOPs one optimizer step executes (recomputation included), for a Flux transformer.
 
     Linears: every token passes one stream of each double block and each single block, 12 * D^2
     weights per block (q, k, v, out + 4x MLP; single: q, k, v + 4x MLP + 5D -> D out); ~6.45 B for
     FLUX.1-dev. Forward 2 FLOPs/weight/token; backward 2 (input grads) + 2 more for full fine-tuning;
-    checkpointing adds one forward. Attention: 4 S^2 D forward per layer, backward 2.5x forward.
+    checkpointing adds one forward. Attention: 4 S^2 D forward per layer, backward 2.5x forward, and one more
+    forward when it is recomputed (`attn_ckpt`, default `ckpt`; compiled blocks keep the attention's outputs).
     The adaLN modulation acts once per sample and is left out, as are LoRA's own small matmuls.
     """
     d = config["num_attention_heads"] * config["attention_head_dim"]
@@ -29,7 +32,7 @@ def flux_flops_per_step(config: dict, image_tokens: int, text_tokens: int, batch
     linear_fwd = 2 * 12 * d * d * layers * s * batch
     attn_fwd = 4 * s * s * d * layers * batch
     linear = linear_fwd * ((1 if lora else 2) + 1 + (1 if ckpt else 0))
-    attn = attn_fwd * (1 + 2.5 + (1 if ckpt else 0))
+    attn = attn_fwd * (1 + 2.5 + (1 if (ckpt if attn_ckpt is None else attn_ckpt) else 0))
     return float(linear + attn)
 
 

@@ -1,0 +1,121 @@
+"""How the transformer blocks run during training: activation checkpointing (what each block keeps for its
+backward, what it recomputes) and torch.compile, applied to the blocks in one place.
+
+Eager, checkpointing is diffusers' own (`enable_gradient_checkpointing`: each block's forward is recomputed in
+its backward). Compiled, the checkpoint goes *inside* each block's graph, which changes three things:
+
+- the recomputation is part of the compiled backward graph, so a block is one forward graph and one backward
+  graph; CUDA graphs (`--compile_mode reduce-overhead`) can then replay them, which they cannot while a
+  compiled forward is called again from inside the backward;
+- the attention is not recomputed: the outputs of the CP attention op and of its sequence/head exchanges are
+  saved (`SAVED_OPS`), so the backward runs no second attention forward and no second round of exchanges.
+  The attention forward is about a seventh of a 2048 px LoRA step's FLOPs; what it keeps is a few tensors of
+  the attention's size per block (`flux_cp.plan` counts them);
+- everything else (projections, norms, RoPE, the MLP) is recomputed as before.
+
+The values computed are the same either way; only which of them are kept or computed twice differs.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+import cp.ops  # noqa: F401 - registers torch.ops.flux_cp
+
+# Ops whose outputs a compiled, checkpointed block keeps for its backward instead of recomputing them.
+SAVED_OPS = (
+    torch.ops.flux_cp.ring_attention.default,
+    torch.ops._c10d_functional.all_to_all_single.default,
+    torch.ops._c10d_functional_autograd.all_to_all_single.default,
+    torch.ops._c10d_functional.wait_tensor.default,
+)
+
+
+def transformer_blocks(transformer: torch.nn.Module) -> list[torch.nn.Module]:
+    return [*transformer.transformer_blocks, *transformer.single_transformer_blocks]
+
+
+def _keep_attention(_ctx, op, *_args, **_kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _recompute_all(_ctx, _op, *_args, **_kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _checkpointed(forward, policy, *args, **kwargs):
+    if not torch.is_grad_enabled():  # validation, inference: nothing to keep or recompute
+        return forward(*args, **kwargs)
+    context = functools.partial(create_selective_checkpoint_contexts, policy)
+    return checkpoint(forward, *args, use_reentrant=False, context_fn=context, **kwargs)
+
+
+def checkpoint_inside(block: torch.nn.Module, keep_attention: bool = True) -> None:
+    """Make `block.forward` checkpoint itself, keeping the attention's outputs (`SAVED_OPS`) unless
+    `keep_attention` is False, so that a compile of the block traces the checkpoint into its graph. Module names
+    and parameters are unchanged."""
+    policy = _keep_attention if keep_attention else _recompute_all
+    block.forward = functools.partial(_checkpointed, block.forward, policy)
+
+
+def attention_recomputed(train) -> bool:
+    """Whether a run with these training flags (`TrainConfig`) computes each attention forward twice."""
+    compiled = bool(train.compile or train.compile_mode)
+    return train.gradient_checkpointing and (not compiled or train.recompute_attention)
+
+
+def uses_cuda_graphs(compile_mode: str | None) -> bool:
+    import torch._inductor
+
+    return bool(compile_mode) and bool(torch._inductor.list_mode_options(compile_mode).get("triton.cudagraphs"))
+
+
+def step_begins(compile_mode: str | None) -> None:
+    """Call before each forward of a training step: CUDA graph trees may then reuse the memory of the previous
+    step's outputs (its loss has been read by then)."""
+    if uses_cuda_graphs(compile_mode):
+        torch.compiler.cudagraph_mark_step_begin()
+
+
+def inductor_options(mode: str | None, overlap: str) -> dict:
+    """Inductor options for a block: those of torch.compile's `mode`, plus the reordering that lets the CP
+    exchanges overlap compute. `overlap`: "passes" starts each exchange as soon as its input exists and waits
+    for it only where its output is first read; "scheduler" is Inductor's estimate-driven overlap scheduler;
+    "none" keeps the graph's order."""
+    import torch._inductor
+
+    options = dict(torch._inductor.list_mode_options(mode)) if mode else {}
+    if overlap == "passes":
+        options["reorder_for_compute_comm_overlap"] = True
+        options["reorder_for_compute_comm_overlap_passes"] = ["sink_waits", "raise_comms"]
+    elif overlap == "scheduler":
+        options["aten_distributed_optimizations.enable_overlap_scheduling"] = True
+    elif overlap != "none":
+        raise ValueError(f"FLUX_CP_OVERLAP={overlap!r}: choose passes, scheduler or none")
+    return options
+
+
+def prepare_blocks(
+    transformer: torch.nn.Module,
+    *,
+    gradient_checkpointing: bool,
+    recompute_attention: bool,
+    compile: bool,
+    compile_mode: str | None,
+    cp: int,
+) -> None:
+    """Activation checkpointing and torch.compile of every transformer block, as described above."""
+    if not compile:
+        if gradient_checkpointing:
+            transformer.enable_gradient_checkpointing()
+        return
+    overlap = os.environ.get("FLUX_CP_OVERLAP", "passes") if cp > 1 else "none"
+    options = inductor_options(compile_mode, overlap)
+    for block in transformer_blocks(transformer):
+        if gradient_checkpointing:
+            checkpoint_inside(block, keep_attention=not recompute_attention)
+        block.compile(options=options)

@@ -1,0 +1,106 @@
+"""Compiled, checkpointed blocks (flux_cp/blocks.py): the checkpoint is traced into each block's graph, the
+backward keeps the CP attention's outputs instead of recomputing them (or recomputes them with
+--recompute_attention), and the block computes what the eager block without checkpointing computes."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
+
+import cp
+from flux_cp.blocks import checkpoint_inside, inductor_options
+from tests import distributed
+
+ATTENTION = "torch.ops.flux_cp.ring_attention.default("
+EXCHANGE = "all_to_all_single.default("
+
+
+def _block_inputs(model, group):
+    from tests.test_cp_flux import _inputs
+
+    inputs = _inputs(batch=1)
+    hidden = cp.shard(model.x_embedder(inputs["hidden_states"]), 1, group).detach()
+    text = cp.shard(model.context_embedder(inputs["encoder_hidden_states"]), 1, group).detach()
+    temb = model.time_text_embed(inputs["timestep"], inputs["guidance"], inputs["pooled_projections"]).detach()
+    ids = torch.cat([cp.shard(inputs["txt_ids"], 0, group), cp.shard(inputs["img_ids"], 0, group)])
+    return dict(hidden_states=hidden, encoder_hidden_states=text, temb=temb, image_rotary_emb=model.pos_embed(ids))
+
+
+def _graphs_and_errors(rank: int, world: int, cases: list[tuple[str, str, bool]]) -> dict:
+    """For each (mode, block kind, keep_attention): the largest difference of the compiled, checkpointed block
+    from the eager block without checkpointing (outputs and parameter gradients), and how often the attention op
+    and the exchanges occur in its forward and backward graphs."""
+    from tests.test_cp_flux import _model
+
+    group = dist.group.WORLD
+    found = {}
+    for mode, kind, keep in cases:
+        model = _model()
+        cp.apply_context_parallel(model, group, mode=mode)
+        inputs = _block_inputs(model, group)
+        block = model.transformer_blocks[0] if kind == "double" else model.single_transformer_blocks[0]
+
+        def step(fn, model=model, inputs=inputs):
+            model.zero_grad()
+            enc, hid = fn(**inputs)
+            (hid.square().mean() + enc.square().mean()).backward()
+            return [hid.detach(), enc.detach()] + [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+        eager = step(block)
+        code = {"fw": "", "bw": ""}
+
+        def keep_code(which, code=code):
+            def compiler(gm, _inputs):
+                code[which] += gm.code
+                return make_boxed_func(gm.forward)
+
+            return compiler
+
+        torch._dynamo.reset()
+        checkpoint_inside(block, keep_attention=keep)
+        block.compile(backend=aot_autograd(fw_compiler=keep_code("fw"), bw_compiler=keep_code("bw")), fullgraph=True)
+        compiled = step(block)
+        found[(mode, kind, keep)] = {
+            "error": max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(compiled, eager)),
+            "n": len(eager),
+            **{f"{g}_{op}": code[g].count(s) for g in code for op, s in (("attn", ATTENTION), ("a2a", EXCHANGE))},
+        }
+    return found
+
+
+def test_compiled_checkpointed_blocks_keep_the_attention_and_equal_eager():
+    cases = [
+        ("ulysses", "double", True),
+        ("ulysses", "single", True),
+        ("ring", "double", True),
+        ("ulysses", "double", False),
+        ("ring", "single", False),
+    ]
+    found = distributed.run(_graphs_and_errors, 2, cases, timeout=300)[0]
+    for case, f in found.items():
+        mode, _, keep = case
+        assert f["n"] > 8 and f["error"] < 1e-6, (case, f)
+        assert f["fw_attn"] == 1, (case, f)
+        # Ulysses: q, k, v and the output cross the group once each way in the forward...
+        assert f["fw_a2a"] == (4 if mode == "ulysses" else 0), (case, f)
+        if keep:  # ...and the backward only sends their gradients back: no second attention, no second exchange
+            assert f["bw_attn"] == 0 and f["bw_a2a"] == f["fw_a2a"], (case, f)
+        else:  # --recompute_attention: the backward runs the attention forward again, with its exchanges
+            assert f["bw_attn"] == 1 and f["bw_a2a"] == 2 * f["fw_a2a"], (case, f)
+
+
+def test_inductor_options_add_the_overlap_passes_to_the_compile_mode():
+    assert inductor_options(None, "none") == {}
+    assert inductor_options("reduce-overhead", "none") == {"triton.cudagraphs": True}
+    passes = inductor_options("reduce-overhead", "passes")
+    assert passes["triton.cudagraphs"] and passes["reorder_for_compute_comm_overlap"]
+    assert passes["reorder_for_compute_comm_overlap_passes"] == ["sink_waits", "raise_comms"]
+    assert inductor_options(None, "scheduler") == {"aten_distributed_optimizations.enable_overlap_scheduling": True}
+    try:
+        inductor_options(None, "sometimes")
+    except ValueError as e:
+        assert "FLUX_CP_OVERLAP" in str(e)
+    else:
+        raise AssertionError("an unknown overlap choice was accepted")
