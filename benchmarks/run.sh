@@ -10,7 +10,7 @@
 #              tokens at 1024 and 2048 px)
 #   anchor     diffusers' built-in CP (Ulysses, ring; cuDNN) with its blocks compiled, 1024 and 2048 px
 #              (ANCHOR=path/to/anchor_bench.py, skipped when unset; ANCHOR_MODES="ulysses ring" by default)
-#   modes      cp=2 at 1024 px with --compile_mode reduce-overhead (CUDA graphs)
+#   lora_ro    the lora set with --compile_mode reduce-overhead (each block's forward and backward a CUDA graph)
 #   variants   cp=2 at 2048 px, each choice of the compiled step against the default of the lora set: no reordering
 #              of the exchanges (FLUX_CP_OVERLAP=none), Inductor's overlap scheduler (FLUX_CP_OVERLAP=scheduler),
 #              the attention recomputed in the backward (--recompute_attention)
@@ -67,9 +67,13 @@ for SET in "$@"; do
         "cp1_1024_kontext:1:gpu1.yaml:--resolution 1024 $K" \
         "cp2_2048_kontext:2:ddp_cp2.yaml:--cp_size 2 --resolution 2048 $K" \
         "cp2_1024_kontext:2:ddp_cp2.yaml:--cp_size 2 --resolution 1024 $K" ;;
-    modes)
-      trainer 200 \
-        "cp2_1024_ro:2:ddp_cp2.yaml:--cp_size 2 --resolution 1024 --compile_mode reduce-overhead" ;;
+    lora_ro)
+      RO="--compile_mode reduce-overhead"
+      trainer ${LORA_S:-560} \
+        "cp1_2048_ro:1:gpu1.yaml:--resolution 2048 $RO" \
+        "cp1_1024_ro:1:gpu1.yaml:--resolution 1024 $RO" \
+        "cp2_2048_ro:2:ddp_cp2.yaml:--cp_size 2 --resolution 2048 $RO" \
+        "cp2_1024_ro:2:ddp_cp2.yaml:--cp_size 2 --resolution 1024 $RO" ;;
     variants)
       FLUX_CP_OVERLAP=none trainer 200 "cp2_2048_nooverlap:2:ddp_cp2.yaml:--cp_size 2 --resolution 2048 --compile"
       trainer 200 "cp2_2048_recompute:2:ddp_cp2.yaml:--cp_size 2 --resolution 2048 --compile --recompute_attention"
@@ -104,7 +108,7 @@ for SET in "$@"; do
       if [ "$N" -ge 8 ]; then OUT=$OUT bash benchmarks/equivalence.sh 4 200
       elif [ "$N" -ge 4 ]; then OUT=$OUT bash benchmarks/equivalence.sh 2 200
       else echo "equivalence: needs 4 or 8 GPUs, skipped"; fi ;;
-    *) echo "error: unknown set $SET (check, check_attention, check_model, lora, lora_attn, kontext, anchor, modes, variants, ring, big, attention, equivalence)"; exit 2 ;;
+    *) echo "error: unknown set $SET (check, check_attention, check_model, lora, lora_attn, kontext, anchor, lora_ro, variants, ring, big, attention, equivalence)"; exit 2 ;;
   esac
 done
 tar czf "$OUT/logs.tgz" -C "$TMP" logs
