@@ -79,7 +79,10 @@ def finish(job: dict, work: Path, steps: int, warmup: int, timeout: float) -> di
     result["wall_s"] = round(time.time() - job["t0"], 1)
     if len(timed) < 2:
         lines = [ln for ln in job["log_path"].read_text().splitlines() if ln.strip() and "Warning" not in ln]
-        errors = [ln for ln in lines if "Error" in ln and "error_file" not in ln]
+        # The trainer's own one-line refusals ("error: ...") first, then exceptions.
+        errors = [ln for ln in lines if ln.startswith("error:")] or [
+            ln for ln in lines if "Error" in ln and "error_file" not in ln
+        ]
         result["error"] = f"only {len(got)} steps logged (exit {proc.returncode}): " + " | ".join(errors[-3:])
         result["log_tail"] = lines[-40:]
         return result

@@ -475,6 +475,180 @@ def render_equivalence(folder: Path) -> None:
     (DOCS / "equivalence.md").write_text("\n".join(lines) + "\n")
 
 
+def env_txt(folder: Path) -> str:
+    """The machine line of a run.sh folder's env.txt: GPUs, driver, torch and diffusers versions."""
+    lines = (folder / "env.txt").read_text().splitlines()
+    gpus = [ln.split(",")[0] for ln in lines if ln.startswith("NVIDIA")]
+    driver = next(ln.split(",")[1].strip() for ln in lines if ln.startswith("NVIDIA"))
+    versions = next(ln for ln in lines if ln.startswith("torch"))
+    return f"{len(gpus)}x {gpus[0]} (driver {driver}), {versions}"
+
+
+def trainer_runs(folder: Path) -> list[dict]:
+    return [r for p in sorted(folder.glob("trainer_*.json")) for r in json.load(open(p))["runs"]]
+
+
+def step_efficiency(runs: list[dict], r: dict) -> float | None:
+    """t1 / (n tn) against the one-GPU run of the same name (`cpN_` prefix replaced by `cp1_`)."""
+    base = next((b for b in runs if b["name"] == "cp1_" + r["name"].split("_", 1)[-1] and "error" not in b), None)
+    return base["s_per_step"] / (r["gpus"] * r["s_per_step"]) if base and r["gpus"] > 1 else None
+
+
+def steps_table(folder: Path) -> list[str]:
+    runs = trainer_runs(folder)
+    lines = [
+        "| run | flags | GPUs | s/step | MFU | peak GiB/GPU | efficiency | loss at step 1 |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in runs:
+        flags = " ".join(r["extra"])
+        if "error" in r:
+            lines.append(f"| {r['name']} | `{flags}` | {r['gpus']} | failed: {r['error'][:120]} | | | | |")
+            continue
+        e = step_efficiency(runs, r)
+        lines.append(
+            f"| {r['name']} | `{flags}` | {r['gpus']} | {r['s_per_step']:.3f} | {r['mfu']:.0%} | "
+            f"{r['peak_mem_gib']:.1f} | {f'{e:.2f}' if e else ''} | {r['losses'][0]:.5f} |"
+        )
+    return lines
+
+
+STEP_SETUP = (
+    "`train_flux_cp.py` itself, launched by `benchmarks/bench_trainer.py`: FLUX.1-dev shapes (`--transformer_init "
+    "random`), bf16, LoRA r16 on the default `--lora_layers` (attention and feed-forward), `--gradient_checkpointing`, "
+    "batch 1, 512 text tokens; medians of steps 4-8 of metrics.jsonl; one-GPU runs side by side, one per GPU; cp=2 "
+    "through `ddp_cp2.yaml`, Ulysses. Compiled blocks are checkpointed inside their graph and keep the attention's "
+    "outputs (`flux_cp/blocks.py`); MFU counts the FLOPs executed, so it no longer counts an attention "
+    "recomputation. Efficiency = t1 / (2 t2) against the one-GPU run of the same flags."
+)
+
+
+def saved_attention_section(folder: Path) -> list[str]:
+    runs = {r["name"]: r for r in trainer_runs(folder) if "error" not in r}
+    base, none, again = runs["cp2_2048"], runs["cp2_2048_nooverlap"], runs["cp2_2048_recompute"]
+    return [
+        f"## Trainer with saved attention, {folder.name}",
+        "",
+        f"Measured on {env_txt(folder)}, in one lease. Raw outputs: `{folder.relative_to(ROOT)}/`. Command: "
+        "`bash benchmarks/run.sh RESULTS lora modes variants` (`modes` then ran only what is now `cp2_1024_ro` of "
+        "the `lora_ro` set; the `variants` run with Inductor's overlap scheduler did not finish inside the call).",
+        "",
+        STEP_SETUP,
+        "",
+        *steps_table(folder),
+        "",
+        f"- Keeping the attention's outputs (against `--recompute_attention`, cp=2, 2048 px): {again['s_per_step']:.3f}"
+        f" -> {base['s_per_step']:.3f} s/step ({base['s_per_step'] / again['s_per_step'] - 1:+.0%}), peak memory "
+        f"{again['peak_mem_gib']:.1f} -> {base['peak_mem_gib']:.1f} GiB per GPU.",
+        f"- Reordering the exchanges (`FLUX_CP_OVERLAP=passes`, the default, against `none`): {none['s_per_step']:.3f} "
+        f"-> {base['s_per_step']:.3f} s/step: no measurable difference.",
+        f"- CUDA graphs at 1024 px, cp=2: {runs['cp2_1024']['s_per_step']:.3f} -> "
+        f"{runs['cp2_1024_ro']['s_per_step']:.3f} s/step.",
+        "",
+    ]
+
+
+def cuda_graphs_section(folder: Path, saved: Path | None, compiled: Path | None) -> list[str]:
+    """The newest trainer runs (`--compile_mode reduce-overhead`, 4096 px) with diffusers' compiled CP from the same
+    lease, and the speed targets, each from one lease."""
+    all_runs = trainer_runs(folder)
+    runs = {r["name"]: r for r in all_runs if "error" not in r}
+    anchors = [json.loads(x) for x in open(folder / "anchors.jsonl") if '"kind": "model"' in x]
+    diff = {a["res"]: a for a in anchors}
+
+    def eff(name: str, pool: list[dict] = all_runs) -> float:
+        return step_efficiency(pool, next(r for r in pool if r["name"] == name))
+
+    def v(good: bool) -> str:
+        return "met" if good else "**missed**"
+
+    lines = [
+        f"## Trainer with CUDA graphs, {folder.name}",
+        "",
+        f"Measured on {env_txt(folder)}, in one lease. Raw outputs: `{folder.relative_to(ROOT)}/`. Commands: "
+        "`ANCHOR=... ANCHOR_MODES=ulysses bash benchmarks/run.sh RESULTS anchor lora_ro`, then "
+        "`bash benchmarks/run.sh RESULTS big`.",
+        "",
+        STEP_SETUP + " `--compile_mode reduce-overhead` replays each block's forward and backward as CUDA graphs.",
+        "",
+        *steps_table(folder),
+        "",
+        "diffusers 0.42.1's built-in CP in the same lease (`anchor` set: a standalone script, not part of this "
+        "repository, builds the same model with diffusers' `enable_parallelism`, Ulysses, `_native_cudnn`, each block "
+        "`.compile()`d as diffusers documents regional compilation, LoRA r16 on `to_q/to_k/to_v/to_out.0` only, "
+        "gradient checkpointing, median of 4 steps after 2). diffusers with CUDA graphs was not measured.",
+        "",
+        "| res | diffusers s/step | ours cp=2, reduce-overhead | ours faster by |",
+        "|---:|---:|---:|---:|",
+    ]
+    for res in sorted(diff):
+        ours = runs.get(f"cp2_{res}_ro")
+        if ours:
+            lines.append(
+                f"| {res} | {diff[res]['s_per_step']:.3f} | {ours['s_per_step']:.3f} | "
+                f"{diff[res]['s_per_step'] / ours['s_per_step']:.2f}x |"
+            )
+    c2, c1 = runs["cp2_2048_ro"], runs["cp2_1024_ro"]
+    e2, e1 = eff("cp2_2048_ro"), eff("cp2_1024_ro")
+    r2, r1 = diff[2048]["s_per_step"] / c2["s_per_step"], diff[1024]["s_per_step"] / c1["s_per_step"]
+    lines += ["", "### Targets", "", "| target | measured | verdict |", "|---|---|---|"]
+    if saved:
+        a_runs = trainer_runs(saved)
+        a2 = eff("cp2_2048", a_runs)
+        lines.append(
+            f"| 2048 px LoRA cp=2, both compiled: efficiency >= 0.95 | {e2:.2f} with CUDA graphs "
+            f"({c2['s_per_step']:.3f} s vs {runs['cp1_2048_ro']['s_per_step']:.3f}); {a2:.2f} with `--compile` "
+            f"({saved.name}) | "
+            f"{v(max(e2, a2) >= 0.95)} (by {0.95 - max(e2, a2):.2f}) |"
+        )
+    lines += [
+        f"| 2048 px: >= 1.3x faster than diffusers' CP compiled | {r2:.2f}x ({c2['s_per_step']:.3f} vs "
+        f"{diff[2048]['s_per_step']:.3f} s) | {v(r2 >= 1.3)}{f' (by {1.3 - r2:.2f})' if r2 < 1.3 else ''} |",
+        f"| 1024 px LoRA cp=2: efficiency >= 0.70 | {e1:.2f} ({c1['s_per_step']:.3f} s vs "
+        f"{runs['cp1_1024_ro']['s_per_step']:.3f} s on one GPU, both CUDA graphs) | {v(e1 >= 0.7)} |",
+        f"| 1024 px: >= 1.2x faster than diffusers' CP compiled | {r1:.2f}x ({c1['s_per_step']:.3f} vs "
+        f"{diff[1024]['s_per_step']:.3f} s) | {v(r1 >= 1.2)} |",
+    ]
+    if "cp2_4096" in runs:
+        e4 = eff("cp2_4096")
+        lines.append(
+            f"| 4096 px LoRA cp=2: efficiency >= 0.97 | {e4:.2f} ({runs['cp2_4096']['s_per_step']:.3f} s vs "
+            f"{runs['cp1_4096']['s_per_step']:.3f} s, `--compile`) | {v(e4 >= 0.97)}"
+            f"{f' (by {0.97 - e4:.2f})' if e4 < 0.97 else ''} |"
+        )
+    lines.append(
+        f"| MFU at 2048 px cp=2 >= 65% | {c2['mfu']:.0%} (one GPU {runs['cp1_2048_ro']['mfu']:.0%}) | "
+        f"{v(c2['mfu'] >= 0.65)} |"
+    )
+    if compiled:
+        att = json.load(open(compiled / "attention_compiled.json"))
+
+        def att_eff(tokens: int) -> float:
+            return next(
+                r["efficiency"] for r in att["rows"] if r["tokens"] == tokens and r["impl"] == "ulysses[chunks=1]"
+            )
+
+        lines += [
+            f"| attention cp=2, 16,896 tokens: >= 0.92 | {att_eff(16896):.3f} compiled ({compiled.name}; the attention "
+            f"is unchanged since) | {v(att_eff(16896) >= 0.92)} |",
+            f"| attention cp=2, 66,048 tokens: >= 0.97 | {att_eff(66048):.3f} compiled ({compiled.name}) | "
+            f"{v(att_eff(66048) >= 0.97)} |",
+        ]
+    full = next((r for r in all_runs if r["name"] == "cp2_2048_full"), None)
+    if full is None or "error" in full:
+        lines.append(
+            "| full fine-tuning 2048 px, FSDP2 + cp=2 compiled: <= 1.9 s/step | not measured: the run was refused by "
+            "the trainer's own disk check (a full checkpoint needs 133 GiB, the machine had 124.8 GiB free); the "
+            "`big` set now passes `--checkpoint_weights_only` (`bash benchmarks/run.sh RESULTS big`) | open |"
+        )
+    else:
+        lines.append(
+            f"| full fine-tuning 2048 px, FSDP2 + cp=2 compiled: <= 1.9 s/step | {full['s_per_step']:.3f} s | "
+            f"{v(full['s_per_step'] <= 1.9)} |"
+        )
+    return lines + ["", "Why the missed targets are missed and what would close them: `benchmarks/NOTES.md`.", ""]
+
+
 def is_trainer_folder(folder: Path) -> bool:
     return any(folder.glob("trainer_*.json"))
 
@@ -698,9 +872,20 @@ def main(argv: list[str]) -> int:
     4 GPUs) their own tables; the equivalence runs come from whichever has them."""
     folders = [Path(a).resolve() for a in argv]
     lead: list[str] = []
+    trainer_folders = []
     while folders and is_trainer_folder(folders[0]):
-        folder = folders.pop(0)
-        lead += kontext_section(folder) if "kontext" in folder.name else trainer_section(folder)
+        trainer_folders.append(folders.pop(0))
+    for folder in trainer_folders:
+        if "kontext" in folder.name:
+            lead += kontext_section(folder)
+        elif "cuda-graphs" in folder.name:
+            saved = next((f for f in trainer_folders if "saved-attention" in f.name), None)
+            compiled = next((f for f in trainer_folders if (f / "attention_compiled.json").is_file()), None)
+            lead += cuda_graphs_section(folder, saved, compiled)
+        elif "saved-attention" in folder.name:
+            lead += saved_attention_section(folder)
+        else:
+            lead += trainer_section(folder)
     runs = [Run.load(f) for f in folders]
     DOCS.mkdir(exist_ok=True)
     render_benchmarks(runs[0], folders[0].parent / f"{folders[0].name}.json", runs[1:], lead)

@@ -15,7 +15,8 @@
 #              of the exchanges (FLUX_CP_OVERLAP=none), Inductor's overlap scheduler (FLUX_CP_OVERLAP=scheduler),
 #              the attention recomputed in the backward (--recompute_attention)
 #   ring       cp=2 at 2048 px with --cp_mode ring
-#   big        4096 px LoRA (one GPU against cp=2) and full fine-tuning at 2048 px (FSDP2, cp=2)
+#   big        4096 px LoRA (one GPU against cp=2) and full fine-tuning at 2048 px (FSDP2, cp=2; weights-only
+#              checkpoints, so that the trainer's disk check passes on a 128 GB disk - no checkpoint is written)
 #   attention  benchmarks/bench_attention.py, eager and compiled, 16,896 and 66,048 tokens
 #   check_model  benchmarks/check_gpu.py: bf16 attention and a 4-block Flux model with CP against fp32 and bf16
 #   equivalence  benchmarks/equivalence.sh: losses with and without CP over 200 steps (4 or 8 GPUs)
@@ -85,7 +86,7 @@ for SET in "$@"; do
       trainer 560 \
         "cp1_4096:1:gpu1.yaml:--resolution 4096 --compile" \
         "cp2_4096:2:ddp_cp2.yaml:--cp_size 2 --resolution 4096 --compile" \
-        "cp2_2048_full:2:fsdp2_cp2.yaml:--cp_size 2 --resolution 2048 --compile --full_finetune" ;;
+        "cp2_2048_full:2:fsdp2_cp2.yaml:--cp_size 2 --resolution 2048 --compile --full_finetune --checkpoint_weights_only" ;;
     anchor)
       if [ -n "${ANCHOR:-}" ]; then
         for mode in ${ANCHOR_MODES:-ulysses ring}; do
