@@ -27,7 +27,7 @@ import torch
 import cp
 from flux_cp import checkpoint, diskspace, distributed, faults, files, outdir, runner, validation
 from flux_cp.batches import Batches
-from flux_cp.blocks import attention_recomputed, prepare_blocks, step_begins
+from flux_cp.blocks import attention_recomputed, prepare_blocks, step_begins, uses_cuda_graphs
 from flux_cp.config import Config, parse_config
 from flux_cp.data import BatchSchedule, ImageSource, check_pair_flags, open_source, reference_column
 from flux_cp.encode import Encoders, Geometry, LiveData, TrainingData, encode_dataset, encoder_fingerprints
@@ -268,7 +268,8 @@ def build_model(run: Run, data: Data) -> Trainee:
             + f" over {layout.cp} ranks"
         )
         images = 2 if data.source.pairs else 1  # a Kontext pair: target and reference tokens
-        advice = cp_advice(images * (cfg.data.resolution // 16) ** 2 + cfg.data.max_sequence_length, layout.cp)
+        tokens = images * (cfg.data.resolution // 16) ** 2 + cfg.data.max_sequence_length
+        advice = cp_advice(tokens, layout.cp, uses_cuda_graphs(cfg.train.compile_mode))
         if advice and run.device.type == "cuda":  # measured on GPUs; the CPU demo's tiny sequences are for testing
             logger.warning(advice)
     prepare_blocks(transformer, gradient_checkpointing=train.gradient_checkpointing,

@@ -201,20 +201,21 @@ def auto_mode(heads: int, cp_size: int) -> tuple[str, int | None]:
     return "ring", None
 
 
-# CP on H200s at 2,304 tokens per rank (1024 px on 2 GPUs) was slower than one GPU (LoRA step through the trainer,
-# compiled: 0.556 s against 0.515 s) and 0.90 efficient at 8,448 (2048 px: 1.586 against 2.869 s;
-# docs/benchmarks.md). The warning threshold sits between the
-# two measured points; lengths in between were not measured.
+# CP on H200s at 2,304 tokens per rank (1024 px on 2 GPUs), LoRA step through the trainer: compiled, no faster
+# than one GPU (0.456 s against 0.448 s); with CUDA graphs (--compile_mode reduce-overhead) 0.280 s against 0.440 s,
+# 0.78 efficient. At 8,448 per rank (2048 px) 0.92-0.93 efficient either way (docs/benchmarks.md). The threshold
+# sits between the two measured points; lengths in between were not measured.
 SHORT_TOKENS_PER_RANK = 4096
 
 
-def cp_advice(tokens: int, cp_size: int) -> str | None:
-    """A warning for CP groups whose ranks get too few tokens to gain from the split (None: no advice)."""
+def cp_advice(tokens: int, cp_size: int, cuda_graphs: bool) -> str | None:
+    """A warning for CP groups whose ranks get too few tokens to gain from the split without CUDA graphs (None: no
+    advice)."""
     per_rank = tokens // cp_size
-    if cp_size == 1 or per_rank >= SHORT_TOKENS_PER_RANK:
+    if cp_size == 1 or per_rank >= SHORT_TOKENS_PER_RANK or cuda_graphs:
         return None
     return (
-        f"--cp_size {cp_size} leaves {per_rank} tokens per rank: at 2,304 per rank CP was slower than one GPU on "
-        "H200s (docs/benchmarks.md). Unless one sample must be split to fit, --cp_size 1 (each GPU its own sample) "
-        "trains faster."
+        f"--cp_size {cp_size} leaves {per_rank} tokens per rank: at 2,304 per rank compiled CP was no faster than one "
+        "GPU on H200s, and 1.6x faster with CUDA graphs (docs/benchmarks.md). Add --compile_mode reduce-overhead; or, "
+        "unless one sample must be split to fit, --cp_size 1 (each GPU its own sample) trains more samples per second."
     )

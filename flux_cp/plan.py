@@ -29,6 +29,10 @@ BLOCK_PEAK_UNITS = 34.0  # fitted: 31.0 GiB measured at 2048 px, LoRA, cp=1 (ben
 DOUBLE_BLOCK_UNITS = 37.7  # saved by autograd per token, bf16, LoRA; counted by tests/test_plan.py
 SINGLE_BLOCK_UNITS = 25.9
 FSDP_GATHERED_BLOCKS = 2  # the block being computed and the one prefetched
+# Kept per block by compiled, checkpointed blocks (flux_cp/blocks.py), in units: the attention's output where it
+# runs on the rank's own heads (one GPU, ring), and also the exchanged q, k, v and output under Ulysses (hybrid).
+# Fitted to the H200 peaks with and without --recompute_attention (benchmarks/results/2026-11-30-h200x2-*).
+SAVED_ATTENTION_UNITS = {"local": 1.0, "exchanged": 4.25}
 
 
 @dataclass
@@ -85,9 +89,11 @@ def estimate(
     checkpointing: bool,
     weight_bytes: int = 2,
     fsdp: bool | None = None,
+    saved_attention: float = 0.0,
 ) -> Estimate:
     """Bytes per GPU. `tokens` per sample (image + text); FSDP (default: world > 1) shards weights, gradients
-    and optimizer state over all `world` ranks; each rank holds tokens / cp of each of its `batch` samples."""
+    and optimizer state over all `world` ranks; each rank holds tokens / cp of each of its `batch` samples.
+    `saved_attention`: units each checkpointed block keeps of its attention (`saved_attention_units`)."""
     base, trainable, block = count_parameters(config, lora_rank, lora_layers)
     fsdp = world > 1 if fsdp is None else fsdp
     shard = world if fsdp else 1
@@ -101,10 +107,19 @@ def estimate(
     d = config["num_attention_heads"] * config["attention_head_dim"]
     blocks = config["num_layers"] + config["num_single_layers"]
     unit = batch * math.ceil(tokens / cp) * d * 2
-    with_ckpt = unit * (blocks + BLOCK_PEAK_UNITS)
+    with_ckpt = unit * (blocks * (1 + saved_attention) + BLOCK_PEAK_UNITS)
     without = unit * (config["num_layers"] * DOUBLE_BLOCK_UNITS + config["num_single_layers"] * SINGLE_BLOCK_UNITS)
     activations = with_ckpt if checkpointing else without
     return Estimate(weights, grads, optimizer, activations, without, with_ckpt, step_temporaries)
+
+
+def saved_attention_units(train, mode: str, cp: int) -> float:
+    """Units of its attention a checkpointed block keeps with these training flags (`TrainConfig`) and CP mode."""
+    from .blocks import attention_recomputed
+
+    if attention_recomputed(train):
+        return 0.0
+    return SAVED_ATTENTION_UNITS["exchanged" if cp > 1 and mode in ("ulysses", "hybrid") else "local"]
 
 
 def sharded_weights(full_finetune: bool) -> bool:
@@ -165,6 +180,9 @@ def print_plan(cfg: Config) -> None:
     sizes = sorted({c for c in (1, 2, 4, 8, 16) if c <= max(world, 8)} | {cp_size})
     for c in sizes:
         w = max(world, c)
+        mode = (
+            cfg.parallel.cp_mode if cfg.parallel.cp_mode != "auto" else auto_mode(config["num_attention_heads"], c)[0]
+        )
         e = estimate(
             config,
             tokens=tokens,
@@ -176,6 +194,7 @@ def print_plan(cfg: Config) -> None:
             checkpointing=True,
             weight_bytes=wb,
             fsdp=fsdp and w > 1,
+            saved_attention=saved_attention_units(cfg.train, mode, c),
         )
         ck, full = e.total_with(e.activations_with_ckpt) / GIB, e.total_with(e.activations_without_ckpt) / GIB
         verdict = "yes" if full < 0.9 * gpu else ("with --gradient_checkpointing" if ck < 0.9 * gpu else "no")

@@ -91,6 +91,44 @@ def test_estimates_are_within_15_percent_of_the_peaks_measured_on_h200s():
         assert abs(predicted - r["peak_mem_gib"]) / r["peak_mem_gib"] < 0.15, (r["res"], r["cp"], predicted, r)
 
 
+def test_estimates_of_compiled_trainer_runs_are_within_10_percent_of_their_h200_peaks():
+    """The trainer's own peaks (metrics.jsonl) with compiled blocks that keep the attention's outputs, and with
+    --recompute_attention; one GPU and cp=2 (Ulysses), 1024 to 4096 px, default LoRA layers, DDP."""
+    from types import SimpleNamespace
+
+    from flux_cp.config import parse_config
+
+    layers = list(parse_config([]).lora.lora_layers)
+    rows = []
+    for name in ("2026-11-30-h200x2-saved-attention", "2026-11-30-h200x2-cuda-graphs"):
+        for path in (ROOT / "benchmarks" / "results" / name).glob("trainer_*.json"):
+            rows += [r for r in json.loads(path.read_text())["runs"] if "error" not in r]
+    assert len(rows) >= 10 and any("--recompute_attention" in r["extra"] for r in rows)
+    for r in rows:
+        flags = r["extra"]
+        train = SimpleNamespace(
+            gradient_checkpointing=True,
+            compile="--compile" in flags,
+            compile_mode="reduce-overhead" if "--compile_mode" in flags else None,
+            recompute_attention="--recompute_attention" in flags,
+        )
+        res = int(flags[flags.index("--resolution") + 1])
+        e = plan.estimate(
+            dict(FLUX1_DEV_TRANSFORMER),
+            tokens=(res // 16) ** 2 + 512,
+            batch=1,
+            lora_rank=16,
+            lora_layers=layers,
+            world=r["gpus"],
+            cp=r["gpus"],
+            checkpointing=True,
+            fsdp=False,
+            saved_attention=plan.saved_attention_units(train, "ulysses", r["gpus"]),
+        )
+        predicted = e.total / plan.GIB
+        assert abs(predicted - r["peak_mem_gib"]) / r["peak_mem_gib"] < 0.10, (r["name"], predicted, r["peak_mem_gib"])
+
+
 def test_plan_flag_prints_a_table_and_a_suggestion_without_training(tmp_path, capsys):
     """`train_flux_cp.py --plan` (its entry point, in this process): a table and a suggestion, no run."""
     import train_flux_cp
