@@ -76,9 +76,17 @@ def keep_active_backend():
     _AttentionBackendRegistry.set_active_backend(backend)
 
 
-def test_without_cp_outputs_and_gradients_equal_diffusers_bit_for_bit():
+@pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused_projections"])
+def test_without_cp_outputs_and_gradients_equal_diffusers_bit_for_bit(fused: bool):
+    from diffusers.models.transformers.transformer_flux import FluxAttention
+
     torch.manual_seed(0)
     ref = tiny_transformer(seed=0)
+    if fused:  # diffusers' fused q/k/v projections (to_qkv, to_added_qkv), kept by both processors
+        for m in ref.modules():
+            if isinstance(m, FluxAttention):
+                m.fuse_projections()
+        assert all(m.fused_projections for m in ref.modules() if isinstance(m, FluxAttention))
     ours = cp.apply_context_parallel(copy.deepcopy(ref), None)
     assert _processor_types(ref) == {"FluxAttnProcessor"} and _processor_types(ours) == {"FluxCPAttnProcessor"}
     inputs = _inputs(lat=32, text=16)  # 256 image + 16 text tokens
@@ -90,7 +98,9 @@ def test_without_cp_outputs_and_gradients_equal_diffusers_bit_for_bit():
         outs.append(out.detach())
         grads.append([p.grad for p in model.parameters()])
     assert torch.equal(outs[0], outs[1])
-    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    # fused: the separate projections stay in the module unused, without gradients in both
+    assert [a is None for a in grads[0]] == [b is None for b in grads[1]] and any(a is not None for a in grads[0])
+    assert all(a is None or torch.equal(a, b) for a, b in zip(*grads))
 
 
 def test_processor_without_arguments_is_no_cp():
