@@ -474,7 +474,6 @@ def finish(run: Run, data: Data, trainee: Trainee, loop: Loop, step: int) -> Non
 
         plot_loss_curve(Path(output_dir) / "metrics.jsonl", Path(output_dir) / "loss_curve.png")
     run.accelerator.wait_for_everyone()
-    run.accelerator.end_training()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -493,6 +492,11 @@ def main(argv: list[str] | None = None) -> int:
         result = train_step(run, data, trainee, loop, step)
         after_step(run, data, trainee, loop, result)
     finish(run, data, trainee, loop, trainee.max_steps)
+    # The wrapped model's gradient reducer holds the process group: free it while the group is up. Freed after the
+    # group was destroyed, its teardown can deadlock gloo (a worker thread waits for the GIL the destructor holds).
+    del trainee, loop
+    run.accelerator.free_memory()
+    run.accelerator.end_training()
     return 0
 
 
