@@ -532,7 +532,8 @@ def saved_attention_section(folder: Path) -> list[str]:
     return [
         f"## Trainer with saved attention, {folder.name}",
         "",
-        f"Measured on {env_txt(folder)}, in one lease. Raw outputs: `{folder.relative_to(ROOT)}/`. Command: "
+        f"Measured on {env_txt(folder)}, back to back on one machine. Raw outputs: "
+        f"`{folder.relative_to(ROOT)}/`. Command: "
         "`bash benchmarks/run.sh RESULTS lora modes variants` (`modes` then ran only what is now `cp2_1024_ro` of "
         "the `lora_ro` set; the `variants` run with Inductor's overlap scheduler did not finish inside the call).",
         "",
@@ -553,7 +554,7 @@ def saved_attention_section(folder: Path) -> list[str]:
 
 def cuda_graphs_section(folder: Path, saved: Path | None, compiled: Path | None) -> list[str]:
     """The newest trainer runs (`--compile_mode reduce-overhead`, 4096 px) with diffusers' compiled CP from the same
-    lease, and the speed targets, each from one lease."""
+    machine, and the speed targets, each from runs measured back to back on one machine."""
     all_runs = trainer_runs(folder)
     runs = {r["name"]: r for r in all_runs if "error" not in r}
     path = folder / "anchors.jsonl"
@@ -570,7 +571,8 @@ def cuda_graphs_section(folder: Path, saved: Path | None, compiled: Path | None)
     lines = [
         f"## Trainer with CUDA graphs, {folder.name}",
         "",
-        f"Measured on {env_txt(folder)}, in one lease. Raw outputs: `{folder.relative_to(ROOT)}/`. Commands: "
+        f"Measured on {env_txt(folder)}, back to back on one machine. Raw outputs: "
+        f"`{folder.relative_to(ROOT)}/`. Commands: "
         "`ANCHOR=... ANCHOR_MODES=ulysses bash benchmarks/run.sh RESULTS anchor lora_ro`, then "
         "`bash benchmarks/run.sh RESULTS big`.",
         "",
@@ -581,8 +583,8 @@ def cuda_graphs_section(folder: Path, saved: Path | None, compiled: Path | None)
     ]
     if anchors:
         lines += [
-            "diffusers 0.42.1's built-in CP in the same lease (`anchor` set: a standalone script, not part of this "
-            "repository, builds the same model with diffusers' `enable_parallelism`, Ulysses, `_native_cudnn`, each "
+            "diffusers 0.42.1's built-in CP on the same machine, back to back with ours (`anchor` set: a standalone "
+            "script, not part of this repository, builds the same model with diffusers' `enable_parallelism`, Ulysses, `_native_cudnn`, each "
             "block `.compile()`d as diffusers documents regional compilation, LoRA r16 on `to_q/to_k/to_v/to_out.0` "
             "only, gradient checkpointing, median of 4 steps after 2). diffusers with CUDA graphs was not measured.",
             "",
