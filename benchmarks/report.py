@@ -583,10 +583,11 @@ def cuda_graphs_section(folder: Path, saved: Path | None, compiled: Path | None)
     ]
     if anchors:
         lines += [
-            "diffusers 0.42.1's built-in CP on the same machine, back to back with ours (`anchor` set: a standalone "
-            "script, not part of this repository, builds the same model with diffusers' `enable_parallelism`, Ulysses, `_native_cudnn`, each "
-            "block `.compile()`d as diffusers documents regional compilation, LoRA r16 on `to_q/to_k/to_v/to_out.0` "
-            "only, gradient checkpointing, median of 4 steps after 2). diffusers with CUDA graphs was not measured.",
+            "diffusers 0.42.1's built-in CP on the same machine, back to back with ours (`anchor` set: a "
+            "standalone script, not part of this repository, builds the same model with diffusers' "
+            "`enable_parallelism`, Ulysses, `_native_cudnn`, each block `.compile()`d as diffusers documents "
+            "regional compilation, LoRA r16 on `to_q/to_k/to_v/to_out.0` only, gradient checkpointing, median of 4 "
+            "steps after 2). diffusers with CUDA graphs was not measured.",
             "",
             "| res | diffusers s/step | ours cp=2, reduce-overhead | ours faster by |",
             "|---:|---:|---:|---:|",
