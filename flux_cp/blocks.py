@@ -9,8 +9,9 @@ its backward). Compiled, the checkpoint goes *inside* each block's graph, which 
   compiled forward is called again from inside the backward;
 - the attention is not recomputed: the outputs of the CP attention op and of its sequence/head exchanges are
   saved (`SAVED_OPS`), so the backward runs no second attention forward and no second round of exchanges.
-  The attention forward is about a seventh of a 2048 px LoRA step's FLOPs; what it keeps is a few tensors of
-  the attention's size per block (`flux_cp.plan` counts them);
+  The attention forward is about an eighth of a 2048 px LoRA step's FLOPs (14% less step time on 2 H200s,
+  docs/benchmarks.md); what it keeps is a few tensors of the attention's size per block (`flux_cp.plan` counts
+  them, `--recompute_attention` turns it off);
 - everything else (projections, norms, RoPE, the MLP) is recomputed as before.
 
 The values computed are the same either way; only which of them are kept or computed twice differs.
