@@ -92,11 +92,15 @@ def _launch(config: str, out: Path, *args: str, timeout: float = 400) -> subproc
     return result
 
 
-def test_trainer_compiled_cp_trains_checkpoints_and_resumes_on_gpus(tmp_path):
+@pytest.mark.parametrize(
+    "compile_flags", [["--compile"], ["--compile_mode", "reduce-overhead"]], ids=["compile", "cudagraphs"]
+)
+def test_trainer_compiled_cp_trains_checkpoints_and_resumes_on_gpus(tmp_path, compile_flags):
+    """The embedded default (its validation images included) with compiled, checkpointed blocks, and as CUDA graphs."""
     out = tmp_path / "run"
-    common = ["--cp_size", "2", "--checkpointing_steps", "3", "--gradient_checkpointing"]
-    _launch("ddp_cp2.yaml", out, *common, "--compile", "--max_train_steps", "6")
-    _launch("ddp_cp2.yaml", out, *common, "--compile", "--max_train_steps", "9", "--resume_from_checkpoint", "latest")
+    common = ["--cp_size", "2", "--checkpointing_steps", "3", "--gradient_checkpointing", *compile_flags]
+    _launch("ddp_cp2.yaml", out, *common, "--max_train_steps", "6")
+    _launch("ddp_cp2.yaml", out, *common, "--max_train_steps", "9", "--resume_from_checkpoint", "latest")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert [r["step"] for r in rows] == list(range(1, 10)), rows
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
