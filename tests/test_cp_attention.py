@@ -48,7 +48,9 @@ def _attention_errors(rank: int, world: int, seq_per_rank: int) -> dict:
     return errors
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 6, 7, 8])
+# 7 ranks add nothing that 3 and 5 (odd, prime: ring and Ulysses, no hybrid) do not test, and cost 13 s of the
+# suite's 15 minutes; 6 tests hybrid with both Ulysses degrees 2 and 3.
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 6, 8])
 def test_attention_matches_full_sequence_sdpa(world):
     results = distributed.run(_attention_errors, world, 3)
     for rank, errs in enumerate(results):
