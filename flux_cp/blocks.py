@@ -27,6 +27,8 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 import cp.ops  # noqa: F401 - registers torch.ops.flux_cp
 
+from .errors import UsageError
+
 # Ops whose outputs a compiled, checkpointed block keeps for its backward instead of recomputing them.
 SAVED_OPS = (
     torch.ops.flux_cp.ring_attention.default,
@@ -96,7 +98,7 @@ def inductor_options(mode: str | None, overlap: str) -> dict:
     elif overlap == "scheduler":
         options["aten_distributed_optimizations.enable_overlap_scheduling"] = True
     elif overlap != "none":
-        raise ValueError(f"FLUX_CP_OVERLAP={overlap!r}: choose passes, scheduler or none")
+        raise UsageError(f"FLUX_CP_OVERLAP={overlap!r}: choose passes, scheduler or none")
     return options
 
 
