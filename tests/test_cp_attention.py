@@ -48,9 +48,9 @@ def _attention_errors(rank: int, world: int, seq_per_rank: int) -> dict:
     return errors
 
 
-# 7 ranks add nothing that 3 and 5 (odd, prime: ring and Ulysses, no hybrid) do not test, and cost 13 s of the
+# 5 and 7 ranks add nothing that 3 (odd, prime: ring and Ulysses, no hybrid) does not test, and cost 23 s of the
 # suite's 15 minutes; 6 tests hybrid with both Ulysses degrees 2 and 3.
-@pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 6, 8])
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 6, 8])
 def test_attention_matches_full_sequence_sdpa(world):
     results = distributed.run(_attention_errors, world, 3)
     for rank, errs in enumerate(results):
