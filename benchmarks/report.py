@@ -79,6 +79,10 @@ def with_efficiency(rows: list[dict]) -> list[dict]:
     return rows
 
 
+def verdict(good: bool) -> str:
+    return "met" if good else "**missed**"
+
+
 def env_line(env: dict) -> str:
     return (
         f"{env.get('gpus')}x {env.get('gpu')} (driver {env.get('driver')}), torch {env.get('torch')}, CUDA "
@@ -283,9 +287,6 @@ def targets(main: Run, more: list[Run]) -> list[str]:
     def two(res, **kw):
         return best(rows, impl="ours", gpus=2, dp=1, res=res, train="lora", **kw)
 
-    def v(ok):
-        return "met" if ok else "**missed**"
-
     t1e, t1c = (best(rows, impl="ours", cp=1, dp=1, res=2048, compile=c) for c in (False, True))
     e2, c2 = two(2048, compile=False), two(2048, compile=True)
     e1, c1 = two(1024, compile=False), two(1024, compile=True)
@@ -305,19 +306,19 @@ def targets(main: Run, more: list[Run]) -> list[str]:
         f"| 2048 px LoRA, cp=2 efficiency t1/(2 t2) >= 0.90 | eager: {eff(e2):.2f} ({label(e2)} "
         f"{e2['s_per_step']:.3f} s vs {t1e['s_per_step']:.3f} s on 1 GPU); compiled: {eff(c2):.2f} "
         f"({c2['s_per_step']:.3f} s vs "
-        f"{t1c['s_per_step']:.3f} s) | eager {v(eff(e2) >= 0.9)}, compiled {v(eff(c2) >= 0.9)} |",
+        f"{t1c['s_per_step']:.3f} s) | eager {verdict(eff(e2) >= 0.9)}, compiled {verdict(eff(c2) >= 0.9)} |",
         f"| 2048 px LoRA, cp=2 >= 1.2x faster than diffusers' fastest built-in CP | {vs:.2f}x ({label(fastest)} "
         f"{fastest['s_per_step']:.3f} s vs diffusers {d2['mode']} {d2['s_per_step']:.3f} s); eager "
-        f"{d2['s_per_step'] / e2['s_per_step']:.2f}x | {v(vs >= 1.2)} |",
+        f"{d2['s_per_step'] / e2['s_per_step']:.2f}x | {verdict(vs >= 1.2)} |",
         f"| 1024 px LoRA, cp=2 efficiency >= 0.75 | eager {eff(e1):.2f} ({label(e1)} {e1['s_per_step']:.3f} s), "
         f"compiled {eff(c1):.2f} ({c1['s_per_step']:.3f} s); diffusers {d1['s_per_step']:.3f} s | "
-        f"{v(max(eff(e1), eff(c1)) >= 0.75)} |",
+        f"{verdict(max(eff(e1), eff(c1)) >= 0.75)} |",
         f"| attention, 16,896 tokens, efficiency >= 0.90 (cp=2) | {a(att, 16896, 2):.3f}{earlier(16896)} | "
-        f"{v(a(att, 16896, 2) >= 0.9)} |",
+        f"{verdict(a(att, 16896, 2) >= 0.9)} |",
         f"| attention, 66,048 tokens, efficiency >= 0.97 (cp=2) | {a(att, 66048, 2):.3f}{earlier(66048)} | "
-        f"{v(a(att, 66048, 2) >= 0.97)} |",
+        f"{verdict(a(att, 66048, 2) >= 0.97)} |",
         f"| MFU >= 50% at 2048 px, cp=2 | {fastest['mfu']:.0%} compiled, {e2['mfu']:.0%} eager | "
-        f"{v(fastest['mfu'] >= 0.5)} |",
+        f"{verdict(fastest['mfu'] >= 0.5)} |",
     ]
     mem = []
     for res in (2048, 4096):
@@ -565,9 +566,6 @@ def cuda_graphs_section(folder: Path, saved: Path | None, compiled: Path | None)
         r = next((r for r in pool if r["name"] == name and "error" not in r), None)
         return step_efficiency(pool, r) if r else None
 
-    def v(good: bool) -> str:
-        return "met" if good else "**missed**"
-
     lines = [
         f"## Trainer with CUDA graphs, {folder.name}",
         "",
@@ -610,7 +608,7 @@ def cuda_graphs_section(folder: Path, saved: Path | None, compiled: Path | None)
         lines.append(
             f"| 2048 px LoRA cp=2, both compiled: efficiency >= 0.95 | {e2:.2f} with CUDA graphs "
             f"({c2['s_per_step']:.3f} s vs {runs['cp1_2048_ro']['s_per_step']:.3f}){also} | "
-            f"{v(best_e >= 0.95)}{f' (by {0.95 - best_e:.2f})' if best_e < 0.95 else ''} |"
+            f"{verdict(best_e >= 0.95)}{f' (by {0.95 - best_e:.2f})' if best_e < 0.95 else ''} |"
         )
     else:
         lines.append(f"| 2048 px LoRA cp=2, both compiled: efficiency >= 0.95 | {absent} | open |")
@@ -620,14 +618,14 @@ def cuda_graphs_section(folder: Path, saved: Path | None, compiled: Path | None)
             r = diff[res]["s_per_step"] / c["s_per_step"]
             lines.append(
                 f"{target} | {r:.2f}x ({c['s_per_step']:.3f} vs {diff[res]['s_per_step']:.3f} s) | "
-                f"{v(r >= goal)}{f' (by {goal - r:.2f})' if r < goal else ''} |"
+                f"{verdict(r >= goal)}{f' (by {goal - r:.2f})' if r < goal else ''} |"
             )
         else:
             lines.append(f"{target} | {absent} | open |")
     if e1 is not None:
         lines.append(
             f"| 1024 px LoRA cp=2: efficiency >= 0.70 | {e1:.2f} ({c1['s_per_step']:.3f} s vs "
-            f"{runs['cp1_1024_ro']['s_per_step']:.3f} s on one GPU, both CUDA graphs) | {v(e1 >= 0.7)} |"
+            f"{runs['cp1_1024_ro']['s_per_step']:.3f} s on one GPU, both CUDA graphs) | {verdict(e1 >= 0.7)} |"
         )
     else:
         lines.append(f"| 1024 px LoRA cp=2: efficiency >= 0.70 | {absent} | open |")
@@ -635,7 +633,7 @@ def cuda_graphs_section(folder: Path, saved: Path | None, compiled: Path | None)
     if e4 is not None:
         lines.append(
             f"| 4096 px LoRA cp=2: efficiency >= 0.97 | {e4:.2f} ({runs['cp2_4096']['s_per_step']:.3f} s vs "
-            f"{runs['cp1_4096']['s_per_step']:.3f} s, `--compile`) | {v(e4 >= 0.97)}"
+            f"{runs['cp1_4096']['s_per_step']:.3f} s, `--compile`) | {verdict(e4 >= 0.97)}"
             f"{f' (by {0.97 - e4:.2f})' if e4 < 0.97 else ''} |"
         )
     else:
@@ -643,7 +641,7 @@ def cuda_graphs_section(folder: Path, saved: Path | None, compiled: Path | None)
     if c2:
         lines.append(
             f"| MFU at 2048 px cp=2 >= 65% | {c2['mfu']:.0%} (one GPU {runs['cp1_2048_ro']['mfu']:.0%}) | "
-            f"{v(c2['mfu'] >= 0.65)} |"
+            f"{verdict(c2['mfu'] >= 0.65)} |"
         )
     if compiled:
         att = json.load(open(compiled / "attention_compiled.json"))
@@ -655,9 +653,9 @@ def cuda_graphs_section(folder: Path, saved: Path | None, compiled: Path | None)
 
         lines += [
             f"| attention cp=2, 16,896 tokens: >= 0.92 | {att_eff(16896):.3f} compiled ({compiled.name}; the attention "
-            f"is unchanged since) | {v(att_eff(16896) >= 0.92)} |",
+            f"is unchanged since) | {verdict(att_eff(16896) >= 0.92)} |",
             f"| attention cp=2, 66,048 tokens: >= 0.97 | {att_eff(66048):.3f} compiled ({compiled.name}) | "
-            f"{v(att_eff(66048) >= 0.97)} |",
+            f"{verdict(att_eff(66048) >= 0.97)} |",
         ]
     full = next((r for r in all_runs if r["name"] == "cp2_2048_full"), None)
     if full is None:
@@ -671,7 +669,7 @@ def cuda_graphs_section(folder: Path, saved: Path | None, compiled: Path | None)
     else:
         lines.append(
             f"| full fine-tuning 2048 px, FSDP2 + cp=2 compiled: <= 1.9 s/step | {full['s_per_step']:.3f} s | "
-            f"{v(full['s_per_step'] <= 1.9)} |"
+            f"{verdict(full['s_per_step'] <= 1.9)} |"
         )
     return lines + ["", "Why the missed targets are missed and what would close them: `benchmarks/NOTES.md`.", ""]
 
@@ -683,7 +681,7 @@ def is_trainer_folder(folder: Path) -> bool:
 def trainer_section(folder: Path) -> list[str]:
     """The trainer measured through benchmarks/run.sh: steps of train_flux_cp.py, diffusers' compiled CP, the
     attention eager and compiled, and the targets with their verdicts, all from the files in `folder`."""
-    runs = [r for p in sorted(folder.glob("trainer_*.json")) for r in json.load(open(p))["runs"]]
+    runs = trainer_runs(folder)
     ok = {r["name"]: r for r in runs if "error" not in r}
     anchors = [json.loads(x) for x in open(folder / "anchors.jsonl") if '"kind": "model"' in x]
     att = {c: json.load(open(folder / f"attention{c}.json")) for c in ("", "_compiled")}
@@ -699,9 +697,6 @@ def trainer_section(folder: Path) -> list[str]:
 
     def diff(res: int) -> dict:
         return min((a for a in anchors if a["res"] == res), key=lambda a: a["s_per_step"])
-
-    def v(good: bool) -> str:
-        return "met" if good else "**missed**"
 
     def ratio(res: int) -> float:
         return diff(res)["s_per_step"] / ok[f"cp2_{res}"]["s_per_step"]
@@ -786,20 +781,20 @@ def trainer_section(folder: Path) -> list[str]:
         "| target | measured | verdict |",
         "|---|---|---|",
         f"| 2048 px LoRA cp=2, both compiled: efficiency >= 0.95 | {e2048:.2f} ({c2['s_per_step']:.3f} s vs "
-        f"{ok['cp1_2048']['s_per_step']:.3f} s on one GPU) | {v(e2048 >= 0.95)} (by {0.95 - e2048:.2f}) |",
+        f"{ok['cp1_2048']['s_per_step']:.3f} s on one GPU) | {verdict(e2048 >= 0.95)} (by {0.95 - e2048:.2f}) |",
         f"| 2048 px: >= 1.3x faster than diffusers' CP compiled | {d2['s_per_step'] / c2['s_per_step']:.2f}x "
-        f"(diffusers {d2['mode']} {d2['s_per_step']:.3f} s) | {v(d2['s_per_step'] / c2['s_per_step'] >= 1.3)} |",
+        f"(diffusers {d2['mode']} {d2['s_per_step']:.3f} s) | {verdict(d2['s_per_step'] / c2['s_per_step'] >= 1.3)} |",
         f"| 1024 px LoRA cp=2: efficiency >= 0.70 | {e1024:.2f} ({c1['s_per_step']:.3f} s vs "
-        f"{ok['cp1_1024']['s_per_step']:.3f} s) | {v(e1024 >= 0.7)} |",
+        f"{ok['cp1_1024']['s_per_step']:.3f} s) | {verdict(e1024 >= 0.7)} |",
         f"| 1024 px: >= 1.2x faster than diffusers' CP compiled | {d1['s_per_step'] / c1['s_per_step']:.2f}x "
-        f"(diffusers {d1['mode']} {d1['s_per_step']:.3f} s) | {v(d1['s_per_step'] / c1['s_per_step'] >= 1.2)} |",
+        f"(diffusers {d1['mode']} {d1['s_per_step']:.3f} s) | {verdict(d1['s_per_step'] / c1['s_per_step'] >= 1.2)} |",
         "| 4096 px LoRA cp=2: efficiency >= 0.97 | not measured (`bash benchmarks/run.sh RESULTS big`) | open |",
         f"| MFU at 2048 px cp=2 >= 65% | {c2['mfu']:.0%} (one GPU: {ok['cp1_2048']['mfu']:.0%}) | "
-        f"{v(c2['mfu'] >= 0.65)} |",
+        f"{verdict(c2['mfu'] >= 0.65)} |",
         f"| attention cp=2, 16,896 tokens: >= 0.92 | compiled {att_eff('_compiled', 16896):.3f}, eager "
-        f"{att_eff('', 16896):.3f} (Ulysses) | {v(att_eff('_compiled', 16896) >= 0.92)} |",
+        f"{att_eff('', 16896):.3f} (Ulysses) | {verdict(att_eff('_compiled', 16896) >= 0.92)} |",
         f"| attention cp=2, 66,048 tokens: >= 0.97 | compiled {att_eff('_compiled', 66048):.3f}, eager "
-        f"{att_eff('', 66048):.3f} (Ulysses) | {v(att_eff('_compiled', 66048) >= 0.97)} |",
+        f"{att_eff('', 66048):.3f} (Ulysses) | {verdict(att_eff('_compiled', 66048) >= 0.97)} |",
         "| full fine-tuning 2048 px, FSDP2 + cp=2 compiled: <= 1.9 s/step | not measured with the traced attention "
         "(`bash benchmarks/run.sh RESULTS big`; the earlier run below, attention a graph break: 2.055 s) | open |",
     ]
@@ -815,10 +810,8 @@ def trainer_section(folder: Path) -> list[str]:
 def kontext_section(folder: Path) -> list[str]:
     """FLUX.1 Kontext pairs through the trainer (`benchmarks/run.sh RESULTS kontext`), the bf16 attention check and
     the CUDA-graph run of the same call (`check_attention modes`), from the files in `folder`."""
-    runs = [r for p in sorted(folder.glob("trainer_*.json")) for r in json.load(open(p))["runs"]]
+    runs = trainer_runs(folder)
     ok = {r["name"]: r for r in runs if "error" not in r and "kontext" in r["name"]}
-    env = (folder / "env.txt").read_text().splitlines()
-    versions = next(x for x in env if x.startswith("torch"))
     rel = folder.relative_to(ROOT)
     log = (folder / next(p.name for p in folder.glob("run_*.log"))).read_text()
     check = next((json.loads(x) for x in log.splitlines() if x.startswith('{"one_gpu"')), None)
@@ -826,14 +819,10 @@ def kontext_section(folder: Path) -> list[str]:
     def eff(res: int) -> float:
         return ok[f"cp1_{res}_kontext"]["s_per_step"] / (2 * ok[f"cp2_{res}_kontext"]["s_per_step"])
 
-    def v(good: bool) -> str:
-        return "met" if good else "**missed**"
-
     lines = [
         f"## FLUX.1 Kontext pairs through the trainer, {folder.name}",
         "",
-        f"Measured on 2x {env[0].split(',')[0]} (driver {env[0].split(',')[1].strip()}), {versions}, on "
-        f"{folder.name[:10]}. Raw outputs: `{rel}/`. Command, "
+        f"Measured on {env_txt(folder)}, on {folder.name[:10]}. Raw outputs: `{rel}/`. Command, "
         "from the repository root on the 2-GPU machine: `bash benchmarks/run.sh RESULTS kontext check_attention "
         "modes`.",
         "",
@@ -865,8 +854,8 @@ def kontext_section(folder: Path) -> list[str]:
         "",
         "| target | measured | verdict |",
         "|---|---|---|",
-        f"| Kontext 1024 px pair, cp=2 efficiency >= 0.90 | {e1:.2f} | {v(e1 >= 0.90)} |",
-        f"| Kontext 2048 px pair, cp=2 efficiency >= 0.95 | {e2:.2f} | {v(e2 >= 0.95)} |",
+        f"| Kontext 1024 px pair, cp=2 efficiency >= 0.90 | {e1:.2f} | {verdict(e1 >= 0.90)} |",
+        f"| Kontext 2048 px pair, cp=2 efficiency >= 0.95 | {e2:.2f} | {verdict(e2 >= 0.95)} |",
         "| Kontext pairs whose token count does not divide by the CP size still train | at cp=2 every pair does "
         "(target + reference = 2 x target tokens); at other sizes `--aspect_buckets` (CPU tests) | met |",
     ]

@@ -113,14 +113,22 @@ class FluxCPAttnProcessor:
             return FluxAttnProcessor.__call__(
                 self, attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb
             )
+        joint_text = encoder_hidden_states is not None and attn.added_kv_proj_dim is not None
         if attn.fused_projections:
-            query, key, value = _joint_qkv(attn, hidden_states, encoder_hidden_states, image_rotary_emb)
+            q, k, v, eq, ek, ev = _get_qkv_projections(attn, hidden_states, encoder_hidden_states)
+            projected = {"q": (q, eq), "k": (k, ek), "v": (v, ev)}
+            query, key, value = (
+                _joint(attn, w, projected[w][0], projected[w][1] if joint_text else None, image_rotary_emb)
+                for w in "qkv"
+            )
         else:
             # One tensor at a time, each finished (projections, norm, text + image, RoPE) before the next is
             # projected: compiled, the exchange of q can then run while k and v are projected.
             query, key, value = (
-                _joint(attn, which, hidden_states, encoder_hidden_states, image_rotary_emb) for which in "qkv"
-            )
+                _joint(attn, w, getattr(attn, _PARTS[w][0])(hidden_states),
+                       getattr(attn, _PARTS[w][2])(encoder_hidden_states) if joint_text else None, image_rotary_emb)
+                for w in "qkv"
+            )  # fmt: skip
         hidden_states = attention(query, key, value, group=self.group, mode=self.mode, ulysses_size=self.ulysses_size)
         hidden_states = hidden_states.flatten(2, 3).to(query.dtype)
 
@@ -141,43 +149,21 @@ _PARTS = {
 }
 
 
-def _joint(
-    attn: FluxAttention, which: str, hidden: Tensor, encoder_hidden: Tensor | None, rope: tuple[Tensor, Tensor] | None
-) -> Tensor:
-    """One of q, k, v as `FluxAttnProcessor` computes it: `[text; image]` tokens, `[B, S, H, D]`, RoPE applied."""
-    proj, norm, added_proj, added_norm = _PARTS[which]
-    x = getattr(attn, proj)(hidden).unflatten(-1, (-1, attn.head_dim))
+def _joint(attn: FluxAttention, which: str, x: Tensor, e: Tensor | None, rope: tuple[Tensor, Tensor] | None) -> Tensor:
+    """One of q, k, v from its projections of the image tokens `x` and the text tokens `e` (None: no text stream),
+    as `FluxAttnProcessor` computes it: `[text; image]` tokens, `[B, S, H, D]`, normed, RoPE applied."""
+    _, norm, _, added_norm = _PARTS[which]
+    x = x.unflatten(-1, (-1, attn.head_dim))
     if norm:
         x = getattr(attn, norm)(x)
-    if encoder_hidden is not None and attn.added_kv_proj_dim is not None:
-        e = getattr(attn, added_proj)(encoder_hidden).unflatten(-1, (-1, attn.head_dim))
+    if e is not None:
+        e = e.unflatten(-1, (-1, attn.head_dim))
         if added_norm:
             e = getattr(attn, added_norm)(e)
         x = torch.cat([e, x], dim=1)
     if rope is not None and which != "v":
         x = apply_rotary_emb(x, rope, sequence_dim=1)
     return x
-
-
-def _joint_qkv(
-    attn: FluxAttention, hidden: Tensor, encoder_hidden: Tensor | None, rope: tuple[Tensor, Tensor] | None
-) -> tuple[Tensor, Tensor, Tensor]:
-    """q, k, v from fused projections (`fuse_projections()`), as `FluxAttnProcessor` computes them."""
-    query, key, value, encoder_query, encoder_key, encoder_value = _get_qkv_projections(attn, hidden, encoder_hidden)
-    query = attn.norm_q(query.unflatten(-1, (-1, attn.head_dim)))
-    key = attn.norm_k(key.unflatten(-1, (-1, attn.head_dim)))
-    value = value.unflatten(-1, (-1, attn.head_dim))
-    if attn.added_kv_proj_dim is not None and encoder_query is not None:
-        encoder_query = attn.norm_added_q(encoder_query.unflatten(-1, (-1, attn.head_dim)))
-        encoder_key = attn.norm_added_k(encoder_key.unflatten(-1, (-1, attn.head_dim)))
-        encoder_value = encoder_value.unflatten(-1, (-1, attn.head_dim))
-        query = torch.cat([encoder_query, query], dim=1)
-        key = torch.cat([encoder_key, key], dim=1)
-        value = torch.cat([encoder_value, value], dim=1)
-    if rope is not None:
-        query = apply_rotary_emb(query, rope, sequence_dim=1)
-        key = apply_rotary_emb(key, rope, sequence_dim=1)
-    return query, key, value
 
 
 _ORIGINAL = "_flux_cp_original_processor"

@@ -71,6 +71,7 @@ def attention_recomputed(train) -> bool:
     return train.gradient_checkpointing and (not compiled or train.recompute_attention)
 
 
+@functools.cache  # asked before every forward of a step
 def uses_cuda_graphs(compile_mode: str | None) -> bool:
     import torch._inductor
 
