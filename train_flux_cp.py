@@ -57,6 +57,7 @@ from flux_cp.parallel import (
     make_accelerator,
     make_layout,
 )
+from flux_cp.profiling import profiled
 
 logger = logging.getLogger("flux_cp")
 
@@ -489,7 +490,8 @@ def main(argv: list[str] | None = None) -> int:
     start_step = resume(run, trainee)
     loop = start_loop(run, data, trainee, start_step)
     for step in range(start_step + 1, trainee.max_steps + 1):
-        result = train_step(run, data, trainee, loop, step)
+        with profiled(step == cfg.train.profile_step, cfg.train.output_dir, run.layout.rank, run.layout.is_main):
+            result = train_step(run, data, trainee, loop, step)
         after_step(run, data, trainee, loop, result)
     finish(run, data, trainee, loop, trainee.max_steps)
     # The wrapped model's gradient reducer holds the process group: free it while the group is up. Freed after the

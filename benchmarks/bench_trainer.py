@@ -15,8 +15,10 @@ Every run gets `--transformer_init random --mixed_precision bf16 --gradient_chec
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -74,8 +76,16 @@ def finish(job: dict, work: Path, steps: int, warmup: int, timeout: float) -> di
             proc.wait()
     job["log"].close()
     got = rows(work, job["name"])
-    timed = [r for r in got if r["step"] > warmup][: steps - warmup]
     result = {k: job[k] for k in ("name", "gpus", "config", "extra")}
+    profile = work / job["name"] / "profile"  # runs given --profile_step: summaries here, traces beside the logs
+    if profile.is_dir():
+        result["profile"] = {
+            p.name.split("_")[0]: json.loads(p.read_text()) for p in sorted(profile.glob("*_summary.json"))
+        }
+        for trace in profile.glob("rank0.json"):
+            with open(trace, "rb") as src, gzip.open(job["log_path"].with_suffix(".trace.json.gz"), "wb") as dst:
+                shutil.copyfileobj(src, dst)
+    timed = [r for r in got if r["step"] > warmup][: steps - warmup]
     result["wall_s"] = round(time.time() - job["t0"], 1)
     if len(timed) < 2:
         lines = [ln for ln in job["log_path"].read_text().splitlines() if ln.strip() and "Warning" not in ln]

@@ -14,6 +14,10 @@
 #   variants   cp=2 at 2048 px, each choice of the compiled step against the default of the lora set: no reordering
 #              of the exchanges (FLUX_CP_OVERLAP=none), Inductor's overlap scheduler (FLUX_CP_OVERLAP=scheduler),
 #              the attention recomputed in the backward (--recompute_attention)
+#   profile    one step of the 2048 px one-GPU and cp=2 lora runs under --profile_step (GPU time by kernel kind,
+#              how much of the communication overlapped compute; rank 0's trace in logs.tgz), and
+#              benchmarks/probe_layouts.py (which q/k/v layouts cuDNN's attention takes, and at what speed)
+#   full       full fine-tuning at 2048 px alone (FSDP2, cp=2; the last run of the big set)
 #   ring       cp=2 at 2048 px with --cp_mode ring
 #   big        4096 px LoRA (one GPU against cp=2) and full fine-tuning at 2048 px (FSDP2, cp=2; weights-only
 #              checkpoints, so that the trainer's disk check passes on a 128 GB disk - no checkpoint is written)
@@ -80,6 +84,12 @@ for SET in "$@"; do
       trainer 200 "cp2_2048_recompute:2:ddp_cp2.yaml:--cp_size 2 --resolution 2048 --compile --recompute_attention"
       FLUX_CP_OVERLAP=scheduler trainer 200 \
         "cp2_2048_scheduler:2:ddp_cp2.yaml:--cp_size 2 --resolution 2048 --compile" ;;
+    profile)
+      P="--resolution 2048 --compile --profile_step 5"
+      trainer 300 "cp1_2048_profile:1:gpu1.yaml:$P" "cp2_2048_profile:2:ddp_cp2.yaml:--cp_size 2 $P"
+      python3 benchmarks/probe_layouts.py --out "$OUT/layouts.jsonl" --tokens 16896 --heads 12 24 || echo "layouts exit $?" ;;
+    full)
+      trainer 400 "cp2_2048_full:2:fsdp2_cp2.yaml:--cp_size 2 --resolution 2048 --compile --full_finetune --checkpoint_weights_only" ;;
     ring)
       trainer 300 "cp2_2048_ring:2:ddp_cp2.yaml:--cp_size 2 --cp_mode ring --resolution 2048 --compile" ;;
     big)
@@ -109,7 +119,7 @@ for SET in "$@"; do
       if [ "$N" -ge 8 ]; then OUT=$OUT bash benchmarks/equivalence.sh 4 200
       elif [ "$N" -ge 4 ]; then OUT=$OUT bash benchmarks/equivalence.sh 2 200
       else echo "equivalence: needs 4 or 8 GPUs, skipped"; fi ;;
-    *) echo "error: unknown set $SET (check, check_attention, check_model, lora, lora_attn, kontext, anchor, lora_ro, variants, ring, big, attention, equivalence)"; exit 2 ;;
+    *) echo "error: unknown set $SET (check, check_attention, check_model, lora, lora_attn, kontext, anchor, lora_ro, variants, profile, full, ring, big, attention, equivalence)"; exit 2 ;;
   esac
 done
 tar czf "$OUT/logs.tgz" -C "$TMP" logs

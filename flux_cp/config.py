@@ -225,6 +225,11 @@ class TrainConfig:
         "Guidance embedding value for guidance-distilled checkpoints (FLUX.1-dev); also used for validation images.",
     )
     deterministic: bool = flag(False, "Deterministic kernels (slower).")
+    profile_step: int | None = flag(
+        None,
+        "Profile this step (torch.profiler): a Chrome trace per rank and a summary of the GPU time by kernel kind, "
+        "with how much of the communication overlapped compute, under OUTPUT_DIR/profile/.",
+    )
     seed_checkpoint: str | None = flag(
         None,
         "Initial trainable weights: written here when absent, read when present, so runs with different layouts "

@@ -52,6 +52,7 @@ RULES = (
     Rule("seed", 0, SEED_MAX, why="seeds are 32-bit"),
     Rule("train_batch_size", 1),
     Rule("max_train_steps", 1),
+    Rule("profile_step", 1),
     Rule("num_train_epochs", 1),
     Rule("gradient_accumulation_steps", 1),
     Rule("learning_rate", 0, low_open=True, why="at 0 or below the weights never improve"),

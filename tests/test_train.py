@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -58,8 +59,13 @@ def test_single_process_matches_cp2(tmp_path):
     ok(train(1, *_common(tmp_path, "one", 10, *args, "--checkpointing_steps", "3", "--checkpoints_total_limit", "2")))
     kept = sorted(p.name for p in (tmp_path / "one").glob("checkpoint-*"))
     assert kept == ["checkpoint-10", "checkpoint-9"], kept  # every 3 steps and the last, the newest 2 kept
-    ok(train(2, *_common(tmp_path, "cp2", 10, "--cp_size", "2", "--cp_mode", "ulysses", *args)))
+    # --profile_step: a trace per rank, and the profiled step's numbers are those of the run without it
+    ok(train(2, *_common(tmp_path, "cp2", 10, "--cp_size", "2", "--cp_mode", "ulysses", "--profile_step", "4", *args)))
     _assert_same_trajectory(tmp_path / "one", tmp_path / "cp2")
+    for rank in (0, 1):
+        trace = json.loads((tmp_path / "cp2" / "profile" / f"rank{rank}.json").read_text())
+        assert any(e.get("name", "").startswith("aten::") for e in trace["traceEvents"])
+        assert "kernels" in json.loads((tmp_path / "cp2" / "profile" / f"rank{rank}_summary.json").read_text())
     rows = read_metrics(tmp_path / "cp2" / "metrics.jsonl")
     assert all(r["grad_norm"] > 0 for r in rows), "gradient norm not measured"
 

@@ -1,0 +1,42 @@
+"""--profile_step's summary: GPU time by kernel kind and how much communication overlapped compute."""
+
+from __future__ import annotations
+
+import pytest
+
+from flux_cp.profiling import kernel_kind, summarize
+
+
+def _k(name: str, ts: float, dur: float, stream: int = 7) -> dict:
+    return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"stream": stream}}
+
+
+def test_kernel_kinds():
+    assert kernel_kind("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)") == "communication"
+    assert kernel_kind("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3") == "attention"
+    assert kernel_kind("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNT") == "matmul"
+    assert kernel_kind("triton_poi_fused_add_mul_0") == "other"
+
+
+def test_summary_counts_overlap_idle_and_kinds():
+    events = [
+        _k("nvjet_gemm", 0, 100),  # compute 0-100
+        _k("ncclDevKernel_SendRecv", 50, 100, stream=20),  # comm 50-150: 50 overlapped, 50 exposed
+        _k("cudnn_sdpa_fprop", 200, 100),  # idle 150-200
+        _k("ncclDevKernel_SendRecv", 210, 40, stream=20),  # fully hidden
+        _k("triton_poi_fused", 290, 20),  # overlaps the attention by 10
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 1000},  # not a kernel: ignored
+    ]
+    s = summarize(events)
+    assert s["kernels"] == 5
+    assert s["span_ms"] == pytest.approx(0.310)
+    assert s["busy_ms"] == pytest.approx(0.260)
+    assert s["idle_ms"] == pytest.approx(0.050)
+    assert s["communication_ms"] == pytest.approx(0.140)
+    assert s["matmul_ms"] == pytest.approx(0.100) and s["attention_ms"] == pytest.approx(0.100)
+    assert s["communication_exposed_ms"] == pytest.approx(0.050)
+    assert s["communication_hidden"] == pytest.approx(90 / 140, abs=1e-3)
+
+
+def test_summary_without_kernels():
+    assert summarize([{"ph": "X", "cat": "cpu_op", "name": "aten::add", "ts": 0, "dur": 5}]) == {"kernels": 0}
