@@ -133,6 +133,8 @@ def main() -> None:
             for mode, u, chunks in variants:
                 if chunks is not None:
                     os.environ["FLUX_CP_ULYSSES_CHUNKS"] = str(chunks)
+                    if args.compile:  # the chunk count is read while tracing: trace again
+                        torch._dynamo.reset()
                 qs, ks, vs = (t.detach().requires_grad_(True) for t in (ql, kl, vl))
 
                 def step(mode=mode, u=u, qs=qs, ks=ks, vs=vs, group=group, dl=dl):

@@ -17,11 +17,14 @@
 #   profile    one step of the 2048 px one-GPU and cp=2 lora runs under --profile_step (GPU time by kernel kind,
 #              how much of the communication overlapped compute; rank 0's trace in logs.tgz), and
 #              benchmarks/probe_layouts.py (which q/k/v layouts cuDNN's attention takes, and at what speed)
+#   chunks     the 2048 px lora_ro pair, and cp=2 with the Ulysses heads in CHUNKS chunks (default "2 4"; each
+#              chunk exchanged and attended on its own, FLUX_CP_ULYSSES_CHUNKS)
 #   full       full fine-tuning at 2048 px alone (FSDP2, cp=2; the last run of the big set)
 #   ring       cp=2 at 2048 px with --cp_mode ring
 #   big        4096 px LoRA (one GPU against cp=2) and full fine-tuning at 2048 px (FSDP2, cp=2; weights-only
 #              checkpoints, so that the trainer's disk check passes on a 128 GB disk - no checkpoint is written)
-#   attention  benchmarks/bench_attention.py, eager and compiled, 16,896 and 66,048 tokens
+#   attention  benchmarks/bench_attention.py, eager and compiled, 16,896 and 66,048 tokens (ATTENTION_COMPILE=--compile:
+#              compiled only; ATTENTION_CHUNKS="1 2": the Ulysses head chunks to measure, default 1)
 #   check_model  benchmarks/check_gpu.py: bf16 attention and a 4-block Flux model with CP against fp32 and bf16
 #   equivalence  benchmarks/equivalence.sh: losses with and without CP over 200 steps (4 or 8 GPUs)
 # Results (JSON, logs) go to RESULTS_DIR; benchmarks/report.py renders docs/benchmarks.md from such folders.
@@ -88,6 +91,12 @@ for SET in "$@"; do
       P="--resolution 2048 --compile --profile_step 5"
       trainer 300 "cp1_2048_profile:1:gpu1.yaml:$P" "cp2_2048_profile:2:ddp_cp2.yaml:--cp_size 2 $P"
       python3 benchmarks/probe_layouts.py --out "$OUT/layouts.jsonl" --tokens 16896 --heads 12 24 || echo "layouts exit $?" ;;
+    chunks)
+      RO="--resolution 2048 --compile_mode reduce-overhead"
+      trainer 300 "cp1_2048_ro:1:gpu1.yaml:$RO" "cp2_2048_ro:2:ddp_cp2.yaml:--cp_size 2 $RO"
+      for c in ${CHUNKS:-2 4}; do
+        FLUX_CP_ULYSSES_CHUNKS=$c trainer 200 "cp2_2048_ro_chunks$c:2:ddp_cp2.yaml:--cp_size 2 $RO"
+      done ;;
     full)
       trainer 400 "cp2_2048_full:2:fsdp2_cp2.yaml:--cp_size 2 --resolution 2048 --compile --full_finetune --checkpoint_weights_only" ;;
     ring)
@@ -106,9 +115,9 @@ for SET in "$@"; do
         cp "$TMP/anchors.jsonl" "$OUT/anchors.jsonl" && grep -h '"kind": "model"' "$OUT/anchors.jsonl" || true
       fi ;;
     attention)
-      for c in "" --compile; do
-        timeout 150 torchrun --nproc_per_node 2 benchmarks/bench_attention.py --tokens 16896 66048 $c \
-          --ulysses_chunks 1 --out "$OUT/attention${c:+_compiled}.json" 2>&1 | grep -E "^tokens" \
+      for c in ${ATTENTION_COMPILE-"" --compile}; do
+        timeout 200 torchrun --nproc_per_node 2 benchmarks/bench_attention.py --tokens 16896 66048 $c \
+          --ulysses_chunks ${ATTENTION_CHUNKS:-1} --out "$OUT/attention${c:+_compiled}.json" 2>&1 | grep -E "^tokens" \
           || echo "attention $c exit $?"
       done ;;
     check_model)
@@ -119,7 +128,7 @@ for SET in "$@"; do
       if [ "$N" -ge 8 ]; then OUT=$OUT bash benchmarks/equivalence.sh 4 200
       elif [ "$N" -ge 4 ]; then OUT=$OUT bash benchmarks/equivalence.sh 2 200
       else echo "equivalence: needs 4 or 8 GPUs, skipped"; fi ;;
-    *) echo "error: unknown set $SET (check, check_attention, check_model, lora, lora_attn, kontext, anchor, lora_ro, variants, profile, full, ring, big, attention, equivalence)"; exit 2 ;;
+    *) echo "error: unknown set $SET (check, check_attention, check_model, lora, lora_attn, kontext, anchor, lora_ro, variants, profile, chunks, full, ring, big, attention, equivalence)"; exit 2 ;;
   esac
 done
 tar czf "$OUT/logs.tgz" -C "$TMP" logs

@@ -3,8 +3,10 @@
 Ring attention computes attention of the local queries against one K/V block at a time and merges
 the partial results with their LSE, so it needs kernels that return it, and backward kernels that
 accept the *merged* output and LSE. The aten SDPA ops do both. All kernels here take and return
-the `[batch, heads, seq, head_dim]` layout, contiguous, and return the LSE as `[batch, heads, seq]`
-in the accumulation dtype (fp32, or fp64 for fp64 inputs).
+the `[batch, heads, seq, head_dim]` shape and return the LSE as `[batch, heads, seq]` in the accumulation
+dtype (fp32, or fp64 for fp64 inputs). cuDNN reads q, k, v in the strides it is given (contiguous, or
+transposed views of `[batch, seq, heads, head_dim]` memory) and writes the output and gradients in the
+same layout; the other kernels get contiguous copies.
 
 A kernel that cannot serve an input (dtype, head_dim, device) raises on its first call; we then
 fall back to the next kernel in the preference list and remember the choice per input signature.
@@ -99,10 +101,12 @@ def _cudnn_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, aux: tuple
 ) -> tuple[Tensor, Tensor, Tensor]:
     lse_shape, cum_q, cum_k, max_q, max_k, seed, offset = aux
-    # cuDNN's backward assumes contiguous grad_out/out/lse: a transposed grad_out ends in an
-    # illegal memory access on torch 2.11.
+    # cuDNN's backward reads grad_out in the output's layout: a grad_out in another layout (a transposed one
+    # beside a contiguous output) ends in an illegal memory access on torch 2.11.
+    if dout.stride() != out.stride():
+        dout = torch.empty_like(out).copy_(dout)
     dq, dk, dv = aten._scaled_dot_product_cudnn_attention_backward(
-        dout.contiguous(), q, k, v, out.contiguous(), lse.reshape(lse_shape).contiguous(),
+        dout, q, k, v, out, lse.reshape(lse_shape).contiguous(),
         seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, False, scale=scale,
     )  # fmt: skip
     return dq, dk, dv
@@ -199,22 +203,31 @@ def _shape_key(q: Tensor, k: Tensor) -> tuple:
     return (q.device, q.dtype, tuple(q.shape), tuple(k.shape))
 
 
+def _strided(kernel: Kernel) -> bool:
+    """Whether the kernel takes inputs in any layout (else it gets contiguous ones)."""
+    return kernel.name == "cudnn"
+
+
+def _contiguous(*ts: Tensor) -> tuple[Tensor, ...]:
+    return tuple(t.contiguous() for t in ts)
+
+
 def forward(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor, Kernel, tuple]:
-    """Attention of q against one K/V block, inputs `[B, H, S, D]` contiguous.
+    """Attention of q against one K/V block, inputs `[B, H, S, D]` (see the module's note on layouts).
 
     Returns (out, lse in the accumulation dtype, kernel used, aux for that kernel's backward).
     """
     sig = _signature(q, k)
     kernel = _CHOSEN.get(sig)
     if kernel is not None:
-        out, lse, aux = kernel.forward(q, k, v, scale)
+        out, lse, aux = kernel.forward(*((q, k, v) if _strided(kernel) else _contiguous(q, k, v)), scale)
         _LAST[_shape_key(q, k)] = (kernel, _keep(aux))
         return out, lse.to(acc_dtype(q.dtype)), kernel, aux
     errors = []
     for name in sig[-1]:
         kernel = KERNELS[name]
         try:
-            out, lse, aux = kernel.forward(q, k, v, scale)
+            out, lse, aux = kernel.forward(*((q, k, v) if _strided(kernel) else _contiguous(q, k, v)), scale)
         except (RuntimeError, NotImplementedError) as e:  # this kernel cannot serve the input: try the next
             errors.append(f"{name}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
             continue
@@ -244,6 +257,8 @@ def backward(
     block's share of dQ and the full dK/dV of the block, as in flash-attention's backward.
     """
     try:
+        if not _strided(kernel):
+            dout, q, k, v, out = _contiguous(dout, q, k, v, out)
         return kernel.backward(dout, q, k, v, out, lse, scale, aux)
     except (RuntimeError, NotImplementedError):
         if kernel.name == "math":

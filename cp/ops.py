@@ -6,6 +6,12 @@ the process group travels by name, as the compiler needs plain arguments.
 `flux_cp::ring_attention(q, k, v, scale, group_name) -> (out, lse)`: ring attention of `[B, H, S, D]` chunks
 over the named group ("" for none: plain attention on one rank); `lse` is the merged log-sum-exp, kept for the
 backward. `flux_cp::ring_attention_backward(...) -> (dq, dk, dv)`: its gradients.
+
+Layouts: `out` has the strides of `q`, and each gradient those of its input. Without a ring (group ""), q, k and
+v may be transposed views of `[B, S, H, D]` memory, the layout in which an all-to-all of sequence chunks
+delivers them: cuDNN reads and writes that layout directly (forward and backward, checked on H200s by
+benchmarks/probe_layouts.py), so no copy is made on either side of the exchange. Inductor must hand the ops
+exactly the strides it traced (`needs_exact_strides`), since the fake kernels derive the output strides from them.
 """
 
 from __future__ import annotations
@@ -27,31 +33,46 @@ def group_by_name(name: str) -> dist.ProcessGroup | None:
     return _resolve_process_group(name)
 
 
-@torch.library.custom_op("flux_cp::ring_attention", mutates_args=())
+_EXACT_STRIDES = tuple(t for t in (getattr(torch._C.Tag, "needs_exact_strides", None),) if t is not None)
+
+
+def in_layout_of(t: Tensor, like: Tensor) -> Tensor:
+    """`t` with the strides of `like` (which is dense): `t` itself when they already match, else a copy."""
+    if t.stride() == like.stride():
+        return t
+    return torch.empty_like(like, dtype=t.dtype).copy_(t)
+
+
+@torch.library.custom_op("flux_cp::ring_attention", mutates_args=(), tags=_EXACT_STRIDES)
 def ring_attention_op(q: Tensor, k: Tensor, v: Tensor, scale: float, group_name: str) -> tuple[Tensor, Tensor]:
-    q, k, v = (t.contiguous() for t in (q, k, v))
-    out, lse, _, _ = ring_forward(q, k, v, scale, group_by_name(group_name))
-    return out.contiguous(), lse.contiguous()
+    group = group_by_name(group_name)
+    q0 = q
+    if group is not None:  # the ring sends whole contiguous blocks
+        q, k, v = (t.contiguous() for t in (q, k, v))
+    out, lse, _, _ = ring_forward(q, k, v, scale, group)
+    return in_layout_of(out, q0), lse.contiguous()
 
 
 @ring_attention_op.register_fake
 def _(q: Tensor, k: Tensor, v: Tensor, scale: float, group_name: str) -> tuple[Tensor, Tensor]:
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    return out, q.new_empty(q.shape[:3], dtype=kernels.acc_dtype(q.dtype))
+    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=kernels.acc_dtype(q.dtype))
 
 
-@torch.library.custom_op("flux_cp::ring_attention_backward", mutates_args=())
+@torch.library.custom_op("flux_cp::ring_attention_backward", mutates_args=(), tags=_EXACT_STRIDES)
 def ring_attention_backward_op(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, group_name: str
 ) -> tuple[Tensor, Tensor, Tensor]:
-    q, k, v = (t.contiguous() for t in (q, k, v))
+    group = group_by_name(group_name)
+    inputs = (q, k, v)
+    if group is not None:
+        q, k, v, out, dout = (t.contiguous() for t in (q, k, v, out, dout))
     kernel, aux = kernels.used_for(q, k)
-    grads = ring_backward(dout, q, k, v, out, lse, scale, group_by_name(group_name), kernel, aux)
+    grads = ring_backward(dout, q, k, v, out, lse, scale, group, kernel, aux)
     # Outputs of a custom op may not share memory (the ring returns dk and dv as views of one buffer).
     seen: set[int] = set()
     result = []
-    for g in grads:
-        g = g.contiguous()
+    for g, like in zip(grads, inputs):
+        g = in_layout_of(g, like)
         ptr = g.untyped_storage().data_ptr()
         result.append(g.clone() if ptr in seen else g)
         seen.add(ptr)
@@ -62,7 +83,7 @@ def ring_attention_backward_op(
 def _(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, group_name: str
 ) -> tuple[Tensor, Tensor, Tensor]:
-    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+    return tuple(torch.empty_like(t) for t in (q, k, v))
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -75,8 +96,9 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward(ctx, dout: Tensor, _dlse: Tensor | None):
     q, k, v, out, lse = ctx.saved_tensors
-    # cuDNN's backward needs a contiguous grad_out; making it so here lets the compiler fuse the copy.
-    dq, dk, dv = ring_attention_backward_op(dout.contiguous(), q, k, v, out, lse, ctx.scale, ctx.group_name)
+    # cuDNN's backward reads grad_out in the output's layout (another layout can fault on torch 2.11); a copy
+    # made here, where one is needed, is one the compiler can fuse.
+    dq, dk, dv = ring_attention_backward_op(in_layout_of(dout, out), q, k, v, out, lse, ctx.scale, ctx.group_name)
     return dq, dk, dv, None, None
 
 

@@ -74,10 +74,10 @@ def ring_backward(
     aux: tuple,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of ring attention given the forward's output and merged LSE."""
-    dout = dout.contiguous()
     n = group_size(group)
-    if n == 1:
+    if n == 1:  # the kernel takes the layouts it is given (see kernels.backward)
         return kernels.backward(kernel, dout, q, k, v, out, lse, scale, aux)
+    dout = dout.contiguous()
 
     ring = RingComm(group)
     acc = kernels.acc_dtype(q.dtype)

@@ -10,8 +10,8 @@ Input/output layout `[batch, seq_local, heads, head_dim]`; the attention kernels
 `[batch, heads/u, seq_local * u, head_dim]`, contiguous.
 
 Under torch.compile (`ulysses_traced`) the all-to-alls are functional collectives, which the compiler traces
-and schedules, around the `flux_cp::ring_attention` custom op (cp/ops.py); one exchange per tensor, without the
-head-chunk pipeline.
+and schedules, around the `flux_cp::ring_attention` custom op (cp/ops.py), in layouts that need no copy
+between exchange and kernel; FLUX_CP_ULYSSES_CHUNKS splits the heads there too.
 """
 
 from __future__ import annotations
@@ -169,34 +169,49 @@ def ulysses_attention(
 
 
 # --- traced by torch.compile -----------------------------------------------------------------------------
+# Layouts are chosen so that nothing is copied between the exchanges and the attention kernel: a tensor is
+# sent as `[u, B, S_l, h, D]` (destination rank first), so what arrives is `[B, u*S_l, h, D]` memory, the whole
+# sequence for h heads, which the attention op reads as a transposed view (for batch 1; a larger batch costs a
+# copy). Its output comes back in the same layout and goes out again without a copy. With c > 1 head chunks
+# (FLUX_CP_ULYSSES_CHUNKS), each chunk is exchanged and attended separately, so the compiler can run the
+# exchange of one chunk while another is computed.
 
 
-def seq_to_heads_traced(t: Tensor, group: dist.ProcessGroup | str, u: int) -> Tensor:
-    """`[B, S_l, H, D]` sequence chunk -> `[B, H/u, u*S_l, D]` head group of the whole sequence, through a
-    functional all-to-all over `group` (a group or its name; `u` its size). Autograd: the inverse all-to-all."""
+def _sent(t: Tensor, u: int, c: int) -> Tensor:
+    """`[B, S_l, H, D]` -> `[c, u, B, S_l, H/(c u), D]`: per head chunk, what goes to each rank (one copy, which
+    the compiler fuses into the op that produced `t`)."""
     b, s, h, d = t.shape
-    x = t.reshape(b, s, u, h // u, d).permute(2, 0, 3, 1, 4).contiguous()  # [u, B, H/u, S_l, D]
-    x = funcol.all_to_all_single_autograd(x, None, None, group)
-    return x.permute(1, 2, 0, 3, 4).reshape(b, h // u, u * s, d)
+    return t.reshape(b, s, c, u, h // (c * u), d).permute(2, 3, 0, 1, 4, 5).contiguous()
 
 
-def heads_to_seq_traced(out: Tensor, group: dist.ProcessGroup | str, u: int) -> Tensor:
-    """`[B, H/u, u*S_l, D]` -> `[B, S_l, H, D]`, the inverse of `seq_to_heads_traced`."""
-    b, hu, s_full, d = out.shape
-    s = s_full // u
-    x = out.reshape(b, hu, u, s, d).permute(2, 0, 3, 1, 4).contiguous()  # [u, B, S_l, H/u, D]
-    x = funcol.all_to_all_single_autograd(x, None, None, group)
-    return x.permute(1, 2, 0, 3, 4).reshape(b, s, u * hu, d)
+def _received_as_heads(x: Tensor) -> Tensor:
+    """An all-to-all's `[u, B, S_l, h, D]` (sequence chunk i from rank i) -> `[B, h, u*S_l, D]`, a view."""
+    u, b, s, h, d = x.shape
+    return x.transpose(0, 1).reshape(b, u * s, h, d).transpose(1, 2)
+
+
+def _heads_to_send(o: Tensor, u: int) -> Tensor:
+    """`[B, h, u*S_l, D]` attention output -> `[u, B, S_l, h, D]`, sequence chunk j for rank j."""
+    b, h, s_full, d = o.shape
+    return o.transpose(1, 2).reshape(b, u, s_full // u, h, d).transpose(0, 1).contiguous()
 
 
 def ulysses_traced(
     q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup | str, u: int, scale: float, ring_group_name: str = ""
 ) -> Tensor:
-    """Ulysses for torch.compile: each of q, k, v is exchanged as soon as it is given (so the exchange of q
-    can run while k and v are produced, if the caller produces them after), attention runs on heads/u heads
-    (a ring over `ring_group_name` in the hybrid mode), and the output goes back."""
+    """Ulysses for torch.compile, over `group` (a group or its name; `u` its size): each of q, k, v is exchanged
+    as soon as it is given (so the exchange of q can run while k and v are produced, if the caller produces
+    them after), attention runs on heads/u heads (a ring over `ring_group_name` in the hybrid mode), and the
+    output goes back. Autograd: each all-to-all's backward is the inverse all-to-all."""
     from .ops import ring_attention_op
 
-    qh, kh, vh = (seq_to_heads_traced(t, group, u) for t in (q, k, v))
-    out, _ = ring_attention_op(qh, kh, vh, scale, ring_group_name)
-    return heads_to_seq_traced(out, group, u)
+    b, s, h, d = q.shape
+    c = _chunks(h, u)
+    sent = [_sent(t, u, c) for t in (q, k, v)]
+    back = []
+    for i in range(c):
+        qh, kh, vh = (_received_as_heads(funcol.all_to_all_single_autograd(x[i], None, None, group)) for x in sent)
+        out, _ = ring_attention_op(qh, kh, vh, scale, ring_group_name)
+        back.append(funcol.all_to_all_single_autograd(_heads_to_send(out, u), None, None, group))
+    # [c, u, B, S_l, H/(c u), D] -> [B, S_l, H, D]: head (i, j, m) is head (i u + j) H/(c u) + m
+    return torch.stack(back).permute(2, 3, 0, 1, 4, 5).reshape(b, s, h, d)

@@ -18,12 +18,17 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
 
 
-def _compiled_attention_errors(rank: int, world: int, cases: list[tuple[str, int | None]]) -> dict:
+def _compiled_attention_errors(rank: int, world: int, cases: list[tuple[str, int | None]], chunks: int = 1) -> dict:
+    """Compiled against eager for each (mode, ulysses_size); `chunks` > 1: Ulysses in that many head chunks, at
+    batch 1 (the layout in which the exchanges and the kernel share memory without a copy)."""
+    import os
+
+    os.environ["FLUX_CP_ULYSSES_CHUNKS"] = str(chunks)
     group = dist.group.WORLD
     errors = {}
     for mode, u in cases:
         g = torch.Generator().manual_seed(len(errors))
-        shape = (2, 3 * world, 4 * world, 8)  # [batch, seq, heads, head_dim], full sequence
+        shape = (2 if chunks == 1 else 1, 3 * world, 4 * world, 8)  # [batch, seq, heads, head_dim], full sequence
         full = [torch.randn(shape, generator=g, dtype=torch.float32) for _ in range(4)]
         q, k, v, dout = (cp.shard(t, 1, group) for t in full)
 
@@ -49,6 +54,11 @@ def test_attention_compiles_fullgraph_and_equals_eager():
         for mode in ("ring", "ulysses"):
             assert errs[(mode, None, "traced")], f"{mode}: the compiled graph lacks the CP attention ops"
             assert errs[(mode, None)] < 1e-6, f"{mode}: compiled differs from eager by {errs[(mode, None)]:.2e}"
+
+
+def test_chunked_ulysses_compiles_fullgraph_and_equals_eager():
+    for errs in distributed.run(_compiled_attention_errors, 2, [("ulysses", None)], 2):
+        assert errs[("ulysses", None, "traced")] and errs[("ulysses", None)] < 1e-6, errs
 
 
 def test_hybrid_attention_compiles_fullgraph_and_equals_eager():
