@@ -44,3 +44,16 @@ def test_attention_op_keeps_its_inputs_layout_forward_and_backward():
     for g, leaf, t in zip(grads, leaves, (q, k, v)):
         assert g.stride() == t.stride()
         torch.testing.assert_close(g, leaf.grad, rtol=1e-10, atol=1e-12)
+
+
+def test_a_size_one_dims_stride_does_not_force_a_copy():
+    from cp.ops import in_layout_of
+
+    # batch 1 as a view of an exchange's buffer gives: any stride on the batch dim, the rest dense
+    base = torch.randn(72).as_strided((1, 6, 3, 4), (144, 12, 4, 1))
+    like = torch.empty(1, 6, 3, 4)
+    assert base.stride()[0] != like.stride()[0]
+    assert in_layout_of(base, like) is base
+    t = base.transpose(1, 2)  # another layout: copied into like's
+    moved = in_layout_of(t, like.transpose(1, 2).contiguous())
+    assert moved is not t and moved.is_contiguous() and torch.equal(moved, t)
