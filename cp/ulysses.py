@@ -196,6 +196,35 @@ def _heads_to_send(o: Tensor, u: int) -> Tensor:
     return o.transpose(1, 2).reshape(b, u, s_full // u, h, d).transpose(0, 1).contiguous()
 
 
+class _ExchangeQKV(torch.autograd.Function):
+    """q, k and v go out as three all-to-alls (each can leave as soon as it is made, while the next is computed);
+    their gradients come back as one. Inductor orders collectives one after another, each after the previous
+    one's wait, so three gradient exchanges in a row run back to back with nothing beside the first two; one
+    exchange can run beside the compute of the backward that does not need it (FLUX_CP_GRAD_EXCHANGE=joint)."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, group_name: str) -> tuple[Tensor, Tensor, Tensor]:
+        ctx.group_name = group_name
+        return tuple(funcol.all_to_all_single(t, None, None, group_name) for t in (q, k, v))
+
+    @staticmethod
+    def backward(ctx, dq: Tensor, dk: Tensor, dv: Tensor):
+        grads = torch.stack([dq, dk, dv], dim=1)  # [u, 3, ...]: the destination rank stays the leading dim
+        back = funcol.all_to_all_single(grads, None, None, ctx.group_name)
+        return back[:, 0], back[:, 1], back[:, 2], None
+
+
+def _exchange(sent: list[Tensor], group: dist.ProcessGroup | str) -> list[Tensor]:
+    """The all-to-alls of q, k, v (`[u, B, S_l, h, D]` each) with autograd."""
+    how = os.environ.get("FLUX_CP_GRAD_EXCHANGE", "separate")
+    if how not in ("separate", "joint"):
+        raise ValueError(f"FLUX_CP_GRAD_EXCHANGE={how!r}: choose separate or joint")
+    if how == "joint":
+        name = group if isinstance(group, str) else group.group_name
+        return list(_ExchangeQKV.apply(*sent, name))
+    return [funcol.all_to_all_single_autograd(x, None, None, group) for x in sent]
+
+
 def ulysses_traced(
     q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup | str, u: int, scale: float, ring_group_name: str = ""
 ) -> Tensor:
@@ -210,7 +239,7 @@ def ulysses_traced(
     sent = [_sent(t, u, c) for t in (q, k, v)]
     back = []
     for i in range(c):
-        qh, kh, vh = (_received_as_heads(funcol.all_to_all_single_autograd(x[i], None, None, group)) for x in sent)
+        qh, kh, vh = (_received_as_heads(x) for x in _exchange([t[i] for t in sent], group))
         out, _ = ring_attention_op(qh, kh, vh, scale, ring_group_name)
         back.append(funcol.all_to_all_single_autograd(_heads_to_send(out, u), None, None, group))
     # [c, u, B, S_l, H/(c u), D] -> [B, S_l, H, D]: head (i, j, m) is head (i u + j) H/(c u) + m

@@ -18,12 +18,16 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
 
 
-def _compiled_attention_errors(rank: int, world: int, cases: list[tuple[str, int | None]], chunks: int = 1) -> dict:
+def _compiled_attention_errors(
+    rank: int, world: int, cases: list[tuple[str, int | None]], chunks: int = 1, grad_exchange: str = "separate"
+) -> dict:
     """Compiled against eager for each (mode, ulysses_size); `chunks` > 1: Ulysses in that many head chunks, at
-    batch 1 (the layout in which the exchanges and the kernel share memory without a copy)."""
+    batch 1 (the layout in which the exchanges and the kernel share memory without a copy); `grad_exchange`:
+    FLUX_CP_GRAD_EXCHANGE."""
     import os
 
     os.environ["FLUX_CP_ULYSSES_CHUNKS"] = str(chunks)
+    os.environ["FLUX_CP_GRAD_EXCHANGE"] = grad_exchange
     group = dist.group.WORLD
     errors = {}
     for mode, u in cases:
@@ -56,8 +60,8 @@ def test_attention_compiles_fullgraph_and_equals_eager():
             assert errs[(mode, None)] < 1e-6, f"{mode}: compiled differs from eager by {errs[(mode, None)]:.2e}"
 
 
-def test_chunked_ulysses_compiles_fullgraph_and_equals_eager():
-    for errs in distributed.run(_compiled_attention_errors, 2, [("ulysses", None)], 2):
+def test_chunked_ulysses_with_joint_gradient_exchange_compiles_fullgraph_and_equals_eager():
+    for errs in distributed.run(_compiled_attention_errors, 2, [("ulysses", None)], 2, "joint"):
         assert errs[("ulysses", None, "traced")] and errs[("ulysses", None)] < 1e-6, errs
 
 
