@@ -88,18 +88,22 @@ def step_begins(compile_mode: str | None) -> None:
 def inductor_options(mode: str | None, overlap: str) -> dict:
     """Inductor options for a block: those of torch.compile's `mode`, plus the reordering that lets the CP
     exchanges overlap compute. `overlap`: "passes" starts each exchange as soon as its input exists and waits
-    for it only where its output is first read; "scheduler" is Inductor's estimate-driven overlap scheduler;
-    "none" keeps the graph's order."""
+    for it only where its output is first read; "compute" moves compute that does not need an exchange to run
+    beside it, by Inductor's runtime estimates (`reorder_compute_for_overlap`); "scheduler" is Inductor's
+    estimate-driven overlap scheduler; "none" keeps the graph's order."""
     import torch._inductor
 
     options = dict(torch._inductor.list_mode_options(mode)) if mode else {}
     if overlap == "passes":
         options["reorder_for_compute_comm_overlap"] = True
         options["reorder_for_compute_comm_overlap_passes"] = ["sink_waits", "raise_comms"]
+    elif overlap == "compute":
+        options["reorder_for_compute_comm_overlap"] = True
+        options["reorder_for_compute_comm_overlap_passes"] = ["reorder_compute_for_overlap"]
     elif overlap == "scheduler":
         options["aten_distributed_optimizations.enable_overlap_scheduling"] = True
     elif overlap != "none":
-        raise UsageError(f"FLUX_CP_OVERLAP={overlap!r}: choose passes, scheduler or none")
+        raise UsageError(f"FLUX_CP_OVERLAP={overlap!r}: choose passes, compute, scheduler or none")
     return options
 
 

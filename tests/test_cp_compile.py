@@ -18,19 +18,17 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
 
 
-def _compiled_attention_errors(
-    rank: int, world: int, cases: list[tuple[str, int | None]], chunks: int = 1, grad_exchange: str = "separate"
-) -> dict:
-    """Compiled against eager for each (mode, ulysses_size); `chunks` > 1: Ulysses in that many head chunks, at
-    batch 1 (the layout in which the exchanges and the kernel share memory without a copy); `grad_exchange`:
-    FLUX_CP_GRAD_EXCHANGE."""
+def _compiled_attention_errors(rank: int, world: int, cases: list[tuple[str, int | None, int, str]]) -> dict:
+    """Compiled against eager for each (mode, ulysses_size, FLUX_CP_ULYSSES_CHUNKS, FLUX_CP_GRAD_EXCHANGE). Chunked
+    cases run at batch 1, the layout in which the exchanges and the kernel share memory without a copy."""
     import os
 
-    os.environ["FLUX_CP_ULYSSES_CHUNKS"] = str(chunks)
-    os.environ["FLUX_CP_GRAD_EXCHANGE"] = grad_exchange
     group = dist.group.WORLD
     errors = {}
-    for mode, u in cases:
+    for mode, u, chunks, grad_exchange in cases:
+        os.environ["FLUX_CP_ULYSSES_CHUNKS"] = str(chunks)
+        os.environ["FLUX_CP_GRAD_EXCHANGE"] = grad_exchange
+        key = (mode, u, chunks, grad_exchange)
         g = torch.Generator().manual_seed(len(errors))
         shape = (2 if chunks == 1 else 1, 3 * world, 4 * world, 8)  # [batch, seq, heads, head_dim], full sequence
         full = [torch.randn(shape, generator=g, dtype=torch.float32) for _ in range(4)]
@@ -46,28 +44,26 @@ def _compiled_attention_errors(
         eager = step(cp.attention)
         backend = CompileCounterWithBackend("aot_eager")
         compiled = step(torch.compile(cp.attention, backend=backend, fullgraph=True))
-        errors[(mode, u)] = max(_rel(a, b) for a, b in zip(compiled, eager))
+        errors[key] = max(_rel(a, b) for a, b in zip(compiled, eager))
         # the compiler saw the CP attention itself, not a call it could not look into
         code = "".join(gm.code for gm in backend.graphs)
-        errors[(mode, u, "traced")] = "flux_cp.ring_attention" in code and (mode == "ring" or "all_to_all" in code)
+        errors[(*key, "traced")] = "flux_cp.ring_attention" in code and (mode == "ring" or "all_to_all" in code)
     return errors
 
 
 def test_attention_compiles_fullgraph_and_equals_eager():
-    for errs in distributed.run(_compiled_attention_errors, 2, [("ring", None), ("ulysses", None)]):
-        for mode in ("ring", "ulysses"):
-            assert errs[(mode, None, "traced")], f"{mode}: the compiled graph lacks the CP attention ops"
-            assert errs[(mode, None)] < 1e-6, f"{mode}: compiled differs from eager by {errs[(mode, None)]:.2e}"
-
-
-def test_chunked_ulysses_with_joint_gradient_exchange_compiles_fullgraph_and_equals_eager():
-    for errs in distributed.run(_compiled_attention_errors, 2, [("ulysses", None)], 2, "joint"):
-        assert errs[("ulysses", None, "traced")] and errs[("ulysses", None)] < 1e-6, errs
+    """Ring, Ulysses, and Ulysses in 2 head chunks with the gradients of q, k, v exchanged as one."""
+    cases = [("ring", None, 1, "separate"), ("ulysses", None, 1, "separate"), ("ulysses", None, 2, "joint")]
+    for errs in distributed.run(_compiled_attention_errors, 2, cases):
+        for case in cases:
+            assert errs[(*case, "traced")], f"{case}: the compiled graph lacks the CP attention ops"
+            assert errs[case] < 1e-6, f"{case}: compiled differs from eager by {errs[case]:.2e}"
 
 
 def test_hybrid_attention_compiles_fullgraph_and_equals_eager():
-    for errs in distributed.run(_compiled_attention_errors, 4, [("hybrid", 2)], timeout=300):
-        assert errs[("hybrid", 2, "traced")] and errs[("hybrid", 2)] < 1e-6, errs
+    case = ("hybrid", 2, 1, "separate")
+    for errs in distributed.run(_compiled_attention_errors, 4, [case], timeout=300):
+        assert errs[(*case, "traced")] and errs[case] < 1e-6, errs
 
 
 def _compiled_block_errors(rank: int, world: int, mode: str) -> dict:
