@@ -102,7 +102,8 @@ def test_inductor_options_add_the_overlap_passes_to_the_compile_mode():
     passes = inductor_options("reduce-overhead", "passes")
     assert passes["triton.cudagraphs"] and passes["reorder_for_compute_comm_overlap"]
     assert passes["reorder_for_compute_comm_overlap_passes"] == ["sink_waits", "raise_comms"]
-    assert inductor_options(None, "compute")["reorder_for_compute_comm_overlap_passes"] == ["reorder_compute_for_overlap"]
+    compute = inductor_options(None, "compute")
+    assert compute["reorder_for_compute_comm_overlap_passes"] == ["reorder_compute_for_overlap"]
     assert inductor_options(None, "scheduler") == {"aten_distributed_optimizations.enable_overlap_scheduling": True}
     with pytest.raises(UsageError, match="FLUX_CP_OVERLAP='sometimes': choose passes, compute, scheduler or none"):
         inductor_options(None, "sometimes")
