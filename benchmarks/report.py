@@ -1,7 +1,8 @@
 """Turn folders of raw benchmark outputs into docs/benchmarks.md (+ PNG) and benchmarks/results/<name>.json,
 and the equivalence runs into docs/equivalence.md (+ PNG).
 
-    python benchmarks/report.py benchmarks/results/2026-11-30-h200x2-cuda-graphs \
+    python benchmarks/report.py benchmarks/results/2026-11-30-h200x2-layouts \
+        benchmarks/results/2026-11-30-h200x2-profile benchmarks/results/2026-11-30-h200x2-cuda-graphs \
         benchmarks/results/2026-11-30-h200x2-saved-attention benchmarks/results/2026-11-30-h200x2-kontext \
         benchmarks/results/2026-11-30-h200x2-compiled benchmarks/results/2026-11-29-h200x2 \
         benchmarks/results/2026-11-29-h200x4
@@ -674,6 +675,152 @@ def cuda_graphs_section(folder: Path, saved: Path | None, compiled: Path | None)
     return lines + ["", "Why the missed targets are missed and what would close them: `benchmarks/NOTES.md`.", ""]
 
 
+def profile_table(folder: Path) -> list[str]:
+    """GPU time of one profiled step by kernel kind (`--profile_step`), per run and rank."""
+    lines = [
+        "| run | rank | step span ms | idle | attention | matmul | other | communication | of it exposed | hidden |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in trainer_runs(folder):
+        for rank, p in sorted(r.get("profile", {}).items()):
+            hidden = f"{p['communication_hidden']:.0%}" if p.get("communication_hidden") is not None else ""
+            lines.append(
+                f"| {r['name']} | {rank[4:]} | {p['span_ms']:.1f} | {p['idle_ms']:.1f} | {p['attention_ms']:.1f} | "
+                f"{p['matmul_ms']:.1f} | {p['other_ms']:.1f} | {p['communication_ms']:.1f} | "
+                f"{p['communication_exposed_ms']:.1f} | {hidden} |"
+            )
+    return lines
+
+
+def layouts_table(folder: Path) -> list[str]:
+    lines = [
+        "| case | heads | forward + backward ms | strides of q / out / dq | largest difference from contiguous |",
+        "|---|---:|---:|---|---|",
+    ]
+    for row in (json.loads(x) for x in open(folder / "layouts.jsonl")):
+        if not row["ok"]:
+            lines.append(f"| {row['case']} | {row['heads']} | failed: {row['error'][:100]} | | |")
+            continue
+        strides = " / ".join(str(tuple(row[k])) for k in ("q_stride", "out_stride", "dq_stride"))
+        diff = ", ".join(f"{d:g}" for d in row["max_abs_diff_vs_contiguous"])
+        lines.append(f"| {row['case']} | {row['heads']} | {row['ms']:.3f} | {strides} | {diff} |")
+    return lines
+
+
+def layouts_section(folder: Path, profile: Path | None, earlier: Path | None) -> list[str]:
+    """The newest trainer runs: the compiled Ulysses path exchanging in the kernel's layout, with diffusers' compiled
+    CP and the attention benchmark from the same machine, the profile of a step from another, and the targets."""
+    runs = {r["name"]: r for r in trainer_runs(folder) if "error" not in r}
+    all_runs = trainer_runs(folder)
+    anchors = [json.loads(x) for x in open(folder / "anchors.jsonl") if '"kind": "model"' in x]
+    diff = {a["res"]: a for a in anchors}
+    att = json.load(open(folder / "attention_compiled.json"))
+    c1, c2, ch = runs["cp1_2048_ro"], runs["cp2_2048_ro"], runs["cp2_2048_ro_chunks2"]
+    e2 = step_efficiency(all_runs, c2)
+    e4 = step_efficiency(all_runs, runs["cp2_4096"])
+    lines = [
+        f"## Trainer, exchanges in the kernel's layout, {folder.name}",
+        "",
+        f"Measured on {env_txt(folder)}, back to back on one machine. Raw outputs: `{folder.relative_to(ROOT)}/`. "
+        "Commands: `CHUNKS=2 ANCHOR=... ANCHOR_MODES=ulysses bash benchmarks/run.sh RESULTS check_attention chunks "
+        "anchor`, then `ATTENTION_COMPILE=--compile bash benchmarks/run.sh RESULTS attention` and the `big` set's "
+        "two 4096 px runs through `benchmarks/bench_trainer.py` (the cp=2 one alone, after a first attempt ran out "
+        "of memory beside a run left over from a stopped call).",
+        "",
+        STEP_SETUP + " The 2048 px runs use `--compile_mode reduce-overhead` (CUDA graphs); 4096 px `--compile`. "
+        "Under torch.compile, q, k, v and the attention output now cross the group in the layout cuDNN reads, so "
+        "nothing is copied between an exchange and the kernel (`cp/ulysses.py`); that change alone was not "
+        "measured like for like (before it: the CUDA-graph run below, another machine).",
+        "",
+        *steps_table(folder),
+        "",
+        f"- Ulysses in 2 head chunks (`FLUX_CP_ULYSSES_CHUNKS=2`, each chunk exchanged and attended on its own): "
+        f"{ch['s_per_step']:.3f} s/step against {c2['s_per_step']:.3f} with one: slower; the default stays 1.",
+        f"- diffusers 0.42.1's built-in CP on this machine (`anchor` set, as described under the CUDA-graph run "
+        f"below): {diff[2048]['s_per_step']:.3f} s/step at 2048 px, {diff[1024]['s_per_step']:.3f} at 1024 px.",
+        "",
+        "Attention alone, compiled (`torch.compile(cp.attention, fullgraph=True)`), forward + backward, bf16, "
+        "batch 1, 24 heads x 128, same machine:",
+        "",
+        *attention_table(att),
+        "",
+    ]
+    if profile:
+        full = next((r for r in trainer_runs(profile) if r["name"] == "cp2_2048_full"), None)
+        lines += [
+            f"### Where a cp=2 step's time goes, {profile.name}",
+            "",
+            f"Measured on {env_txt(profile)} (another machine, before the layout change). Raw outputs: "
+            f"`{profile.relative_to(ROOT)}/`. Command: `bash benchmarks/run.sh RESULTS profile full`: the 2048 px "
+            "`--compile` runs with `--profile_step 5` (`flux_cp/profiling.py`: kernel time by kind from "
+            "torch.profiler's trace; communication *exposed* is NCCL kernel time with no compute kernel beside it; "
+            "the profiled step is one of the five timed ones), and full fine-tuning.",
+            "",
+            *steps_table(profile),
+            "",
+            *profile_table(profile),
+            "",
+            "What the traces show: per rank, the attention and matrix kernels of cp=2 take half of the one-GPU "
+            "step's; what cp=2 adds is the exposed communication and a few more copies. Inductor issues each "
+            "collective only after the previous one's wait, so the three gradient exchanges of q, k, v in the "
+            "backward run back to back with nothing beside the first two, and the exchange of v in the forward and "
+            "of the output's gradient in the backward wait with nothing beside them. The exchanges themselves move "
+            "26 MB each in 110-170 us (about 200 GB/s over 18 NVLinks).",
+            "",
+            "Which layouts cuDNN's attention takes (`benchmarks/probe_layouts.py`, 16,896 tokens, bf16, one GPU; "
+            "`bshd` = q, k, v as transposed views of `[B, S, H, D]` memory, what an all-to-all delivers):",
+            "",
+            *layouts_table(profile),
+            "",
+        ]
+    lines += ["### Targets", "", "| target | measured | verdict |", "|---|---|---|"]
+    lines.append(
+        f"| 2048 px LoRA cp=2, both compiled: efficiency >= 0.95 | {e2:.2f} ({c2['s_per_step']:.3f} s vs "
+        f"{c1['s_per_step']:.3f} s, CUDA graphs) | {verdict(e2 >= 0.95)}"
+        f"{f' (by {0.95 - e2:.2f})' if e2 < 0.95 else ''} |"
+    )
+    r2 = diff[2048]["s_per_step"] / c2["s_per_step"]
+    lines.append(
+        f"| 2048 px: >= 1.3x faster than diffusers' CP compiled | {r2:.2f}x ({c2['s_per_step']:.3f} vs "
+        f"{diff[2048]['s_per_step']:.3f} s) | {verdict(r2 >= 1.3)}{f' (by {1.3 - r2:.2f})' if r2 < 1.3 else ''} |"
+    )
+    if earlier:
+        old = {r["name"]: r for r in trainer_runs(earlier) if "error" not in r}
+        od = {json.loads(x)["res"]: json.loads(x) for x in open(earlier / "anchors.jsonl") if '"kind": "model"' in x}
+        o1 = old["cp2_1024_ro"]
+        e1, r1 = step_efficiency(list(old.values()), o1), od[1024]["s_per_step"] / o1["s_per_step"]
+        lines += [
+            f"| 1024 px LoRA cp=2: efficiency >= 0.70 | {e1:.2f} ({earlier.name}; 1024 px not re-run here) | "
+            f"{verdict(e1 >= 0.7)} |",
+            f"| 1024 px: >= 1.2x faster than diffusers' CP compiled | {r1:.2f}x ({earlier.name}; diffusers took "
+            f"{diff[1024]['s_per_step']:.3f} s here) | {verdict(r1 >= 1.2)} |",
+        ]
+    lines.append(
+        f"| 4096 px LoRA cp=2: efficiency >= 0.97 | {e4:.2f} ({runs['cp2_4096']['s_per_step']:.3f} s vs "
+        f"{runs['cp1_4096']['s_per_step']:.3f} s, `--compile`) | {verdict(e4 >= 0.97)}"
+        f"{f' (by {0.97 - e4:.2f})' if e4 < 0.97 else ''} |"
+    )
+    lines.append(
+        f"| MFU at 2048 px cp=2 >= 65% | {c2['mfu']:.0%} (one GPU {c1['mfu']:.0%}) | {verdict(c2['mfu'] >= 0.65)} |"
+    )
+
+    def att_eff(tokens: int) -> float:
+        return next(r["efficiency"] for r in att["rows"] if r["tokens"] == tokens and r["impl"] == "ulysses[chunks=1]")
+
+    for tokens, goal in ((16896, 0.92), (66048, 0.97)):
+        e = att_eff(tokens)
+        lines.append(
+            f"| attention cp=2, {tokens:,} tokens: >= {goal} | {e:.3f} compiled | {verdict(e >= goal)}"
+            f"{f' (by {goal - e:.3f})' if e < goal else ''} |"
+        )
+    if profile and full:
+        lines.append(
+            f"| full fine-tuning 2048 px, FSDP2 + cp=2 compiled: <= 1.9 s/step | {full['s_per_step']:.3f} s "
+            f"({profile.name}) | {verdict(full['s_per_step'] <= 1.9)} |"
+        )
+    return lines + ["", "Why the missed targets are missed and what would close them: `benchmarks/NOTES.md`.", ""]
+
+
 def is_trainer_folder(folder: Path) -> bool:
     return any(folder.glob("trainer_*.json"))
 
@@ -892,7 +1039,13 @@ def main(argv: list[str]) -> int:
     while folders and is_trainer_folder(folders[0]):
         trainer_folders.append(folders.pop(0))
     for folder in trainer_folders:
-        if "kontext" in folder.name:
+        if "profile" in folder.name:  # rendered inside the layouts section
+            continue
+        if "layouts" in folder.name:
+            profile = next((f for f in trainer_folders if "profile" in f.name), None)
+            earlier = next((f for f in trainer_folders if "cuda-graphs" in f.name), None)
+            lead += layouts_section(folder, profile, earlier)
+        elif "kontext" in folder.name:
             lead += kontext_section(folder)
         elif (folder / "attention_compiled.json").is_file():
             lead += trainer_section(folder)
@@ -900,7 +1053,10 @@ def main(argv: list[str]) -> int:
             lead += saved_attention_section(folder)
         else:  # the newest kind: CUDA graphs, 4096 px, diffusers' compiled CP (each where measured)
             saved = next((f for f in trainer_folders if "saved-attention" in f.name), None)
-            compiled = next((f for f in trainer_folders if (f / "attention_compiled.json").is_file()), None)
+            compiled = next(
+                (f for f in trainer_folders if (f / "attention_compiled.json").is_file() and "layouts" not in f.name),
+                None,
+            )
             lead += cuda_graphs_section(folder, saved, compiled)
     runs = [Run.load(f) for f in folders]
     DOCS.mkdir(exist_ok=True)
