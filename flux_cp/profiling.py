@@ -105,4 +105,7 @@ def profiled(active: bool, output_dir: str, rank: int, is_main: bool) -> Iterato
     summary = summarize(json.loads(trace.read_text()).get("traceEvents", []))
     (folder / f"rank{rank}_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     if is_main:
-        logger.info("profile of this step: %s (trace: %s)", json.dumps(summary), trace)
+        if summary["kernels"]:
+            logger.info("profile of this step: %s (trace: %s)", json.dumps(summary), trace)
+        else:  # a CPU run: the trace holds the operators, there are no GPU kernels to sum up
+            logger.info("profile of this step: no GPU kernels in it (trace: %s)", trace)
