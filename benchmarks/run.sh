@@ -14,8 +14,8 @@
 #   variants   cp=2 at 2048 px, each choice of the compiled step against the default of the lora set: no reordering
 #              of the exchanges (FLUX_CP_OVERLAP=none), Inductor's overlap scheduler (FLUX_CP_OVERLAP=scheduler),
 #              the attention recomputed in the backward (--recompute_attention), the gradients of q, k and v sent
-#              back as one exchange (FLUX_CP_GRAD_EXCHANGE=joint, profiled at step 5), and that with compute moved
-#              beside the exchanges by Inductor's estimates (FLUX_CP_OVERLAP=compute)
+#              back as one exchange (FLUX_CP_GRAD_EXCHANGE=joint, profiled at step 5), compute moved beside the
+#              exchanges by Inductor's estimates (FLUX_CP_OVERLAP=compute, profiled), and both together
 #   profile    one step of the 2048 px one-GPU and cp=2 lora runs under --profile_step (GPU time by kernel kind,
 #              how much of the communication overlapped compute; rank 0's trace in logs.tgz), and
 #              benchmarks/probe_layouts.py (which q/k/v layouts cuDNN's attention takes, and at what speed)
@@ -91,6 +91,8 @@ for SET in "$@"; do
         "cp2_2048_scheduler:2:ddp_cp2.yaml:--cp_size 2 --resolution 2048 --compile"
       FLUX_CP_GRAD_EXCHANGE=joint trainer 200 \
         "cp2_2048_joint:2:ddp_cp2.yaml:--cp_size 2 --resolution 2048 --compile --profile_step 5"
+      FLUX_CP_OVERLAP=compute trainer 200 \
+        "cp2_2048_compute:2:ddp_cp2.yaml:--cp_size 2 --resolution 2048 --compile --profile_step 5"
       FLUX_CP_OVERLAP=compute FLUX_CP_GRAD_EXCHANGE=joint trainer 200 \
         "cp2_2048_compute_joint:2:ddp_cp2.yaml:--cp_size 2 --resolution 2048 --compile --profile_step 5" ;;
     profile)
