@@ -82,7 +82,8 @@ def finish(job: dict, work: Path, steps: int, warmup: int, timeout: float) -> di
         result["profile"] = {
             p.name.split("_")[0]: json.loads(p.read_text()) for p in sorted(profile.glob("*_summary.json"))
         }
-        for trace in profile.glob("rank0.json"):
+        trace = profile / "rank0.json"
+        if trace.is_file():
             with open(trace, "rb") as src, gzip.open(job["log_path"].with_suffix(".trace.json.gz"), "wb") as dst:
                 shutil.copyfileobj(src, dst)
     timed = [r for r in got if r["step"] > warmup][: steps - warmup]

@@ -116,10 +116,9 @@ class FluxCPAttnProcessor:
         joint_text = encoder_hidden_states is not None and attn.added_kv_proj_dim is not None
         if attn.fused_projections:
             q, k, v, eq, ek, ev = _get_qkv_projections(attn, hidden_states, encoder_hidden_states)
-            projected = {"q": (q, eq), "k": (k, ek), "v": (v, ev)}
             query, key, value = (
-                _joint(attn, w, projected[w][0], projected[w][1] if joint_text else None, image_rotary_emb)
-                for w in "qkv"
+                _joint(attn, w, x, e if joint_text else None, image_rotary_emb)
+                for w, x, e in zip("qkv", (q, k, v), (eq, ek, ev))
             )
         else:
             # One tensor at a time, each finished (projections, norm, text + image, RoPE) before the next is

@@ -66,6 +66,21 @@ def _math_backward(
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
+# --- layouts ---------------------------------------------------------------------------------------------
+
+
+def same_layout(a: Tensor, b: Tensor) -> bool:
+    """Whether two tensors of one shape lay out their elements alike (the stride of a size-1 dim is not read)."""
+    return all(sa == sb for sa, sb, n in zip(a.stride(), b.stride(), a.shape) if n > 1)
+
+
+def in_layout_of(t: Tensor, like: Tensor) -> Tensor:
+    """`t` laid out as `like` (which is dense): `t` itself when it already is, else a copy."""
+    if same_layout(t, like):
+        return t
+    return torch.empty_like(like, dtype=t.dtype).copy_(t)
+
+
 # --- CPU flash --------------------------------------------------------------------------------------
 
 
@@ -103,10 +118,8 @@ def _cudnn_backward(
     lse_shape, cum_q, cum_k, max_q, max_k, seed, offset = aux
     # cuDNN's backward reads grad_out in the output's layout: a grad_out in another layout (a transposed one
     # beside a contiguous output) ends in an illegal memory access on torch 2.11.
-    if any(a != b for a, b, n in zip(dout.stride(), out.stride(), out.shape) if n > 1):
-        dout = torch.empty_like(out).copy_(dout)
     dq, dk, dv = aten._scaled_dot_product_cudnn_attention_backward(
-        dout, q, k, v, out, lse.reshape(lse_shape).contiguous(),
+        in_layout_of(dout, out), q, k, v, out, lse.reshape(lse_shape).contiguous(),
         seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, False, scale=scale,
     )  # fmt: skip
     return dq, dk, dv
@@ -212,6 +225,10 @@ def _contiguous(*ts: Tensor) -> tuple[Tensor, ...]:
     return tuple(t.contiguous() for t in ts)
 
 
+def _forward(kernel: Kernel, q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor, tuple]:
+    return kernel.forward(*((q, k, v) if _strided(kernel) else _contiguous(q, k, v)), scale)
+
+
 def forward(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor, Kernel, tuple]:
     """Attention of q against one K/V block, inputs `[B, H, S, D]` (see the module's note on layouts).
 
@@ -220,14 +237,14 @@ def forward(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tens
     sig = _signature(q, k)
     kernel = _CHOSEN.get(sig)
     if kernel is not None:
-        out, lse, aux = kernel.forward(*((q, k, v) if _strided(kernel) else _contiguous(q, k, v)), scale)
+        out, lse, aux = _forward(kernel, q, k, v, scale)
         _LAST[_shape_key(q, k)] = (kernel, _keep(aux))
         return out, lse.to(acc_dtype(q.dtype)), kernel, aux
     errors = []
     for name in sig[-1]:
         kernel = KERNELS[name]
         try:
-            out, lse, aux = kernel.forward(*((q, k, v) if _strided(kernel) else _contiguous(q, k, v)), scale)
+            out, lse, aux = _forward(kernel, q, k, v, scale)
         except (RuntimeError, NotImplementedError) as e:  # this kernel cannot serve the input: try the next
             errors.append(f"{name}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
             continue

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from . import kernels
+from .kernels import in_layout_of
 from .ring import ring_backward, ring_forward
 
 Tensor = torch.Tensor
@@ -34,18 +35,6 @@ def group_by_name(name: str) -> dist.ProcessGroup | None:
 
 
 _EXACT_STRIDES = tuple(t for t in (getattr(torch._C.Tag, "needs_exact_strides", None),) if t is not None)
-
-
-def same_layout(a: Tensor, b: Tensor) -> bool:
-    """Whether two tensors of one shape lay out their elements alike (the stride of a size-1 dim is not read)."""
-    return all(sa == sb for sa, sb, n in zip(a.stride(), b.stride(), a.shape) if n > 1)
-
-
-def in_layout_of(t: Tensor, like: Tensor) -> Tensor:
-    """`t` laid out as `like` (which is dense): `t` itself when it already is, else a copy."""
-    if same_layout(t, like):
-        return t
-    return torch.empty_like(like, dtype=t.dtype).copy_(t)
 
 
 @torch.library.custom_op("flux_cp::ring_attention", mutates_args=(), tags=_EXACT_STRIDES)

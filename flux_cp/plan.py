@@ -15,6 +15,7 @@ trainable parameters at once (fp32), after the activations are freed; it decides
 from __future__ import annotations
 
 import functools
+import json
 import math
 import os
 from dataclasses import dataclass
@@ -60,16 +61,15 @@ class Estimate:
 
 def count_parameters(config: dict, lora_rank: int | None, lora_layers: list[str]) -> tuple[int, int, int]:
     """(all base parameters, trainable parameters, parameters of the largest block), exact, on the meta device."""
-    frozen = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in config.items()))
-    return _count_parameters(frozen, lora_rank, tuple(lora_layers))
+    return _count_parameters(json.dumps(config, sort_keys=True), lora_rank, tuple(lora_layers))
 
 
 @functools.lru_cache(maxsize=16)  # --plan asks for every CP size; building the model is the slow part
-def _count_parameters(config: tuple, lora_rank: int | None, lora_layers: tuple[str, ...]) -> tuple[int, int, int]:
+def _count_parameters(config: str, lora_rank: int | None, lora_layers: tuple[str, ...]) -> tuple[int, int, int]:
     from diffusers import FluxTransformer2DModel
 
     with torch.device("meta"):
-        model = FluxTransformer2DModel.from_config({k: list(v) if isinstance(v, tuple) else v for k, v in config})
+        model = FluxTransformer2DModel.from_config(json.loads(config))
         base = sum(p.numel() for p in model.parameters())
         block = max(
             sum(p.numel() for p in b.parameters())

@@ -47,7 +47,7 @@ def test_attention_op_keeps_its_inputs_layout_forward_and_backward():
 
 
 def test_a_size_one_dims_stride_does_not_force_a_copy():
-    from cp.ops import in_layout_of
+    from cp.kernels import in_layout_of
 
     # batch 1 as a view of an exchange's buffer gives: any stride on the batch dim, the rest dense
     base = torch.randn(72).as_strided((1, 6, 3, 4), (144, 12, 4, 1))
