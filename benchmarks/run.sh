@@ -16,6 +16,8 @@
 #              the attention recomputed in the backward (--recompute_attention), the gradients of q, k and v sent
 #              back as one exchange (FLUX_CP_GRAD_EXCHANGE=joint, profiled at step 5), compute moved beside the
 #              exchanges by Inductor's estimates (FLUX_CP_OVERLAP=compute, profiled), and both together
+#   overlap    the 2048 px lora_ro pair against cp=2 with FLUX_CP_OVERLAP=compute, alone and with
+#              FLUX_CP_GRAD_EXCHANGE=joint, and the compute choice under --compile profiled at step 5
 #   profile    one step of the 2048 px one-GPU and cp=2 lora runs under --profile_step (GPU time by kernel kind,
 #              how much of the communication overlapped compute; rank 0's trace in logs.tgz), and
 #              benchmarks/probe_layouts.py (which q/k/v layouts cuDNN's attention takes, and at what speed)
@@ -23,6 +25,7 @@
 #              chunk exchanged and attended on its own, FLUX_CP_ULYSSES_CHUNKS)
 #   full       full fine-tuning at 2048 px alone (FSDP2, cp=2; the last run of the big set)
 #   ring       cp=2 at 2048 px with --cp_mode ring
+#   lora4096   4096 px LoRA alone: one GPU against cp=2
 #   big        4096 px LoRA (one GPU against cp=2) and full fine-tuning at 2048 px (FSDP2, cp=2; weights-only
 #              checkpoints, so that the trainer's disk check passes on a 128 GB disk - no checkpoint is written)
 #   attention  benchmarks/bench_attention.py, eager and compiled, 16,896 and 66,048 tokens (ATTENTION_COMPILE=--compile:
@@ -95,6 +98,14 @@ for SET in "$@"; do
         "cp2_2048_compute:2:ddp_cp2.yaml:--cp_size 2 --resolution 2048 --compile --profile_step 5"
       FLUX_CP_OVERLAP=compute FLUX_CP_GRAD_EXCHANGE=joint trainer 200 \
         "cp2_2048_compute_joint:2:ddp_cp2.yaml:--cp_size 2 --resolution 2048 --compile --profile_step 5" ;;
+    overlap)
+      RO="--resolution 2048 --compile_mode reduce-overhead"
+      trainer 300 "cp1_2048_ro:1:gpu1.yaml:$RO" "cp2_2048_ro:2:ddp_cp2.yaml:--cp_size 2 $RO"
+      FLUX_CP_OVERLAP=compute trainer 200 "cp2_2048_ro_compute:2:ddp_cp2.yaml:--cp_size 2 $RO"
+      FLUX_CP_OVERLAP=compute FLUX_CP_GRAD_EXCHANGE=joint trainer 200 \
+        "cp2_2048_ro_compute_joint:2:ddp_cp2.yaml:--cp_size 2 $RO"
+      FLUX_CP_OVERLAP=compute trainer 200 \
+        "cp2_2048_compute:2:ddp_cp2.yaml:--cp_size 2 --resolution 2048 --compile --profile_step 5" ;;
     profile)
       P="--resolution 2048 --compile --profile_step 5"
       trainer 300 "cp1_2048_profile:1:gpu1.yaml:$P" "cp2_2048_profile:2:ddp_cp2.yaml:--cp_size 2 $P"
@@ -109,6 +120,8 @@ for SET in "$@"; do
       trainer 400 "cp2_2048_full:2:fsdp2_cp2.yaml:--cp_size 2 --resolution 2048 --compile --full_finetune --checkpoint_weights_only" ;;
     ring)
       trainer 300 "cp2_2048_ring:2:ddp_cp2.yaml:--cp_size 2 --cp_mode ring --resolution 2048 --compile" ;;
+    lora4096)
+      trainer 560 "cp1_4096:1:gpu1.yaml:--resolution 4096 --compile" "cp2_4096:2:ddp_cp2.yaml:--cp_size 2 --resolution 4096 --compile" ;;
     big)
       trainer 560 \
         "cp1_4096:1:gpu1.yaml:--resolution 4096 --compile" \
@@ -136,7 +149,7 @@ for SET in "$@"; do
       if [ "$N" -ge 8 ]; then OUT=$OUT bash benchmarks/equivalence.sh 4 200
       elif [ "$N" -ge 4 ]; then OUT=$OUT bash benchmarks/equivalence.sh 2 200
       else echo "equivalence: needs 4 or 8 GPUs, skipped"; fi ;;
-    *) echo "error: unknown set $SET (check, check_attention, check_model, lora, lora_attn, kontext, anchor, lora_ro, variants, profile, chunks, full, ring, big, attention, equivalence)"; exit 2 ;;
+    *) echo "error: unknown set $SET (check, check_attention, check_model, lora, lora_attn, kontext, anchor, lora_ro, variants, overlap, profile, chunks, full, ring, lora4096, big, attention, equivalence)"; exit 2 ;;
   esac
 done
 tar czf "$OUT/logs.tgz" -C "$TMP" logs
