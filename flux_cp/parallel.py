@@ -184,8 +184,9 @@ def auto_mode(heads: int, cp_size: int) -> tuple[str, int | None]:
     """The CP mode, by the H200 measurements in docs/benchmarks.md (the same at every sequence length):
 
     - Ulysses when the heads divide over the group: fewer, larger messages. Compiled, on 2 H200s, its
-      attention beat the ring's at 16,896 and 66,048 tokens (12.07 / 173.8 against 13.71 / 180.2 ms, with the
-      exchanges in the kernel's layout; 12.25 / 174.1 against 13.59 / 181.5 ms before). Eager, it
+      attention beat the ring's at 16,896 and 66,048 tokens on three machines (12.36 / 173.3 against 13.62 /
+      180.8 ms on the latest; 12.07 / 173.8 against 13.71 / 180.2 ms; 12.25 / 174.1 against 13.59 / 181.5 ms before
+      the exchanges moved to the kernel's layout). Eager, it
       matched or beat the ring at every size (LoRA step at 2048 px: 1.98 against 2.21 s; at 1024 px: 0.87 against
       0.99 s; attention at 16,896 / 66,048 tokens: 12.9 / 176 against 14.1 / 183 ms); on 4, at every size too
       (attention 3.09 / 6.86 / 90.2 ms against the ring's 6.52 / 10.5 / 95.6 ms at 4,608 / 16,896 / 66,048
