@@ -205,7 +205,7 @@ def auto_mode(heads: int, cp_size: int) -> tuple[str, int | None]:
 
 # CP on H200s at 2,304 tokens per rank (1024 px on 2 GPUs), LoRA step through the trainer: compiled, no faster
 # than one GPU (0.456 s against 0.448 s); with CUDA graphs (--compile_mode reduce-overhead) 0.280 s against 0.440 s,
-# 0.78 efficient. At 8,448 per rank (2048 px) 0.92-0.93 efficient either way (docs/benchmarks.md). The threshold
+# 0.78 efficient. At 8,448 per rank (2048 px) 0.92-0.95 efficient either way (docs/benchmarks.md). The threshold
 # sits between the two measured points; lengths in between were not measured.
 SHORT_TOKENS_PER_RANK = 4096
 

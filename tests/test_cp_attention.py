@@ -164,7 +164,7 @@ def test_cp_advice_warns_only_where_cp_was_measured_no_faster_than_one_gpu():
     advice = cp_advice(4608, 2, cuda_graphs=False)  # 1024 px on 2 GPUs: 2,304 tokens per rank
     assert "--compile_mode reduce-overhead" in advice and "--cp_size 1" in advice
     assert cp_advice(4608, 2, cuda_graphs=True) is None  # 0.78 efficient with CUDA graphs
-    assert cp_advice(16896, 2, cuda_graphs=False) is None  # 2048 px: 0.93 efficient (compiled)
+    assert cp_advice(16896, 2, cuda_graphs=False) is None  # 2048 px: 0.92-0.95 efficient
     assert cp_advice(16896, 8, cuda_graphs=False) is not None and cp_advice(66048, 8, cuda_graphs=False) is None
     assert cp_advice(4608, 1, cuda_graphs=False) is None
 
