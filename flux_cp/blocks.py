@@ -85,7 +85,7 @@ def step_begins(compile_mode: str | None) -> None:
         torch.compiler.cudagraph_mark_step_begin()
 
 
-def inductor_options(mode: str | None, overlap: str) -> dict:
+def inductor_options(mode: str | None, overlap: str, cp: int = 2) -> dict:
     """Inductor options for a block: those of torch.compile's `mode`, plus the reordering that lets the CP
     exchanges overlap compute. `overlap`: "passes" starts each exchange as soon as its input exists and waits
     for it only where its output is first read; "compute" moves compute that does not need an exchange to run
@@ -100,10 +100,15 @@ def inductor_options(mode: str | None, overlap: str) -> dict:
     elif overlap == "compute":
         options["reorder_for_compute_comm_overlap"] = True
         options["reorder_for_compute_comm_overlap_passes"] = ["reorder_compute_for_overlap"]
+    elif overlap == "fill":
+        from flux_cp.overlap import fill_exchanges
+
+        options["reorder_for_compute_comm_overlap"] = True
+        options["reorder_for_compute_comm_overlap_passes"] = ["raise_comms", functools.partial(fill_exchanges, cp=cp)]
     elif overlap == "scheduler":
         options["aten_distributed_optimizations.enable_overlap_scheduling"] = True
     elif overlap != "none":
-        raise UsageError(f"FLUX_CP_OVERLAP={overlap!r}: choose passes, compute, scheduler or none")
+        raise UsageError(f"FLUX_CP_OVERLAP={overlap!r}: choose passes, fill, compute, scheduler or none")
     return options
 
 
@@ -122,7 +127,7 @@ def prepare_blocks(
             transformer.enable_gradient_checkpointing()
         return
     overlap = os.environ.get("FLUX_CP_OVERLAP", "passes") if cp > 1 else "none"
-    options = inductor_options(compile_mode, overlap)
+    options = inductor_options(compile_mode, overlap, cp)
     for block in transformer_blocks(transformer):
         if gradient_checkpointing:
             checkpoint_inside(block, keep_attention=not recompute_attention)

@@ -68,8 +68,11 @@ def test_hybrid_attention_compiles_fullgraph_and_equals_eager():
 
 def _compiled_block_errors(rank: int, world: int, mode: str) -> dict:
     """A tiny Flux double block (text and image streams, RoPE, LoRA) with CP, `torch.compile(fullgraph=True)` with
-    Inductor, against the same block in eager mode: outputs and every parameter gradient (all-reduced over the
-    group). The trainer test compiles every block the same way (tests/test_train.py)."""
+    Inductor and the FLUX_CP_OVERLAP=fill scheduling pass, against the same block in eager mode: outputs and every
+    parameter gradient (all-reduced over the group). The trainer test compiles every block with the default
+    passes (tests/test_train.py)."""
+    from flux_cp import overlap
+    from flux_cp.blocks import inductor_options
     from tests.test_cp_flux import HEADS, _inputs, _model
 
     group = dist.group.WORLD
@@ -98,9 +101,11 @@ def _compiled_block_errors(rank: int, world: int, mode: str) -> dict:
 
     eager_out, eager_grads = run(block)
     torch._dynamo.reset()
-    compiled_out, compiled_grads = run(torch.compile(block, fullgraph=True))
+    options = {**inductor_options(None, "fill"), "fx_graph_cache": False}  # a cached graph skips the pass
+    compiled_out, compiled_grads = run(torch.compile(block, fullgraph=True, options=options))
     assert eager_grads.keys() == compiled_grads.keys() and eager_grads
     return {
+        **overlap.STATS,
         "out": max(_rel(a, b) for a, b in zip(compiled_out, eager_out)),
         "grad": max(_rel(compiled_grads[n], eager_grads[n]) for n in eager_grads),
         "n_grads": len(eager_grads),
@@ -110,6 +115,7 @@ def _compiled_block_errors(rank: int, world: int, mode: str) -> dict:
 def test_flux_block_compiles_fullgraph_with_inductor_and_equals_eager():
     for r in distributed.run(_compiled_block_errors, 2, "ulysses", timeout=600):
         assert r["n_grads"] >= 8, r
+        assert r["graphs"] == 2 and r["placed"] > 0, r  # the pass reordered the forward and the backward
         assert r["out"] < 1e-5 and r["grad"] < 1e-4, r
 
 

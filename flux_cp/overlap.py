@@ -1,0 +1,150 @@
+"""An Inductor scheduling pass that puts compute beside the CP exchanges of a compiled block
+(`FLUX_CP_OVERLAP=fill`).
+
+A block's backward comes out of AOTAutograd in autograd's order: in a single block the attention branch (later in
+the forward) first, with its four all-to-alls, then the feed-forward branch, which needs none of them. Inductor's
+own passes only move a collective and its wait within that order, so on the GPU the exchanges ran with nothing
+beside them while the feed-forward backward waited behind them (benchmarks/NOTES.md). This pass walks the schedule
+and, right after each collective is issued, places compute that is ready (all its inputs computed), in schedule
+order, until a cost model says the exchange is covered; waits, collectives and everything else keep their order.
+Two policies are tried (take what is ready next; or leave a node much longer than the exchange for a later one),
+and the order whose exchanges the model finds least exposed is kept, Inductor's own order included. Only the
+order changes, never what is computed, so results are the same to the bit.
+
+The cost model is ours rather than Inductor's, so that the order is the same on any device: an exchange moves
+(cp - 1) / cp of its tensor at `EXCHANGE_BYTES_PER_S` after `EXCHANGE_LATENCY_S`; compute takes its FLOPs at
+`FLOPS_PER_S` plus its memory traffic at `MEMORY_BYTES_PER_S` (H200 figures: 115-170 us measured for 26 MB per
+exchange between two GPUs, bf16 dense peak, HBM bandwidth). `benchmarks/schedule.py` prints the orders.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+EXCHANGE_BYTES_PER_S = 190e9
+EXCHANGE_LATENCY_S = 15e-6
+FLOPS_PER_S = 700e12
+MEMORY_BYTES_PER_S = 3e12
+COVERED = 0.9  # an exchange counts as hidden once compute for 90% of its estimated time runs beside it
+OVERSHOOTS = (None, 2.0)  # the policies tried: see fill_exchanges
+
+log = logging.getLogger(__name__)
+
+
+def _bytes(snode) -> int:
+    try:
+        size = snode.get_read_write_buffers_sizes()
+    except Exception:  # an Inductor version without the helper, or a node it cannot size
+        return 0
+    return int(sum(size.values()) if isinstance(size, dict) else size)
+
+
+def _compute_cost(snode) -> float:
+    flops = 0
+    for node in snode.get_nodes():
+        try:
+            flops += node.estimate_flops() or 0
+        except Exception:
+            pass
+    return flops / FLOPS_PER_S + _bytes(snode) / MEMORY_BYTES_PER_S
+
+
+def _exchange_cost(snode, cp: int) -> float:
+    # it reads the tensor and writes one of the same size; (cp - 1) / cp of it crosses to other ranks
+    return EXCHANGE_LATENCY_S + _bytes(snode) / 2 * (cp - 1) / cp / EXCHANGE_BYTES_PER_S
+
+
+def fill_exchanges(snodes: list, cp: int = 2) -> list:
+    """Reorder Inductor scheduler nodes: after each collective, ready compute until the exchange is covered. Two
+    policies are tried (take whatever is ready next; or leave a node much longer than the exchange for a later
+    one) and the order whose exchanges the cost model finds least exposed is kept, Inductor's own order included."""
+    from torch._inductor.utils import contains_collective, contains_wait
+
+    kinds = (contains_collective, contains_wait, _compute_cost, partial(_exchange_cost, cp=cp))
+    try:
+        candidates = [(snodes, 0)] + [fill(snodes, *kinds, overshoot=o) for o in OVERSHOOTS]
+        order, placed = min(candidates, key=lambda c: exposed(c[0], *kinds))
+    except Exception as e:  # the scheduler's IR is internal to Inductor: never fail a compile over an order
+        log.warning("FLUX_CP_OVERLAP=fill: kept Inductor's order (%s: %s)", type(e).__name__, e)
+        return snodes
+    STATS["graphs"] += 1
+    STATS["placed"] += placed
+    log.debug("FLUX_CP_OVERLAP=fill: %d nodes moved beside exchanges", placed)
+    return order
+
+
+STATS = {"graphs": 0, "placed": 0}  # what the pass did in this process (tests read it)
+
+
+def exposed(
+    order: list,
+    is_collective: Callable[[Any], bool],
+    is_wait: Callable[[Any], bool],
+    compute_cost: Callable[[Any], float],
+    exchange_cost: Callable[[Any], float],
+) -> float:
+    """Estimated time of the exchanges with no compute beside them: compute issued between an exchange and the
+    next wait runs beside it (Inductor issues one exchange after the previous one's wait)."""
+    total, pending, beside = 0.0, None, 0.0
+    for node in order:
+        if is_collective(node):
+            pending, beside = exchange_cost(node), 0.0
+        elif is_wait(node):
+            if pending is not None:
+                total += max(0.0, pending - beside)
+            pending = None
+        elif pending is not None:
+            beside += compute_cost(node)
+    return total
+
+
+def fill(
+    nodes: list,
+    is_collective: Callable[[Any], bool],
+    is_wait: Callable[[Any], bool],
+    compute_cost: Callable[[Any], float],
+    exchange_cost: Callable[[Any], float],
+    overshoot: float | None = None,
+) -> tuple[list, int]:
+    """The order, and how many nodes moved up beside an exchange. A node is ready when every operation in its
+    `ancestors` has been placed; nodes keep their order otherwise, so every dependency still comes first. With
+    `overshoot`, a node longer than `overshoot` times what is left of an exchange is left for a later exchange
+    (not for the graph's last one)."""
+    names = [set(n.get_operation_names()) for n in nodes]
+    needs = [set(n.ancestors) - own for n, own in zip(nodes, names)]  # a fused node's ancestors list its own parts
+    movable = [not (is_collective(n) or is_wait(n)) for n in nodes]
+    last = max((i for i, n in enumerate(nodes) if is_collective(n)), default=-1)
+    done: set[str] = set()
+    placed = [False] * len(nodes)
+    order: list = []
+    moved = 0
+
+    def place(i: int) -> None:
+        placed[i] = True
+        done.update(names[i])
+        order.append(nodes[i])
+
+    for i, node in enumerate(nodes):
+        if placed[i]:
+            continue
+        place(i)
+        if not is_collective(node):
+            continue
+        budget = exchange_cost(node)
+        # stop near the mark rather than past it: the next exchange may need the next large node more
+        enough = (1 - COVERED) * budget
+        for j in range(i + 1, len(nodes)):
+            if budget <= enough:
+                break
+            if placed[j] or not movable[j] or not needs[j] <= done:
+                continue
+            cost = compute_cost(nodes[j])
+            if overshoot is not None and i < last and cost > overshoot * budget:
+                continue
+            place(j)
+            moved += 1
+            budget -= cost
+    return order, moved
