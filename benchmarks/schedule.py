@@ -38,13 +38,13 @@ def recorder(graphs: list, cp: int) -> Callable:
         seq = []
         for s in snodes:
             if contains_collective(s):
-                seq.append(("A2A", overlap._exchange_cost(s, cp) * 1e6))
+                seq.append(("A2A", overlap.estimate_exchange(s, cp) * 1e6))
             elif contains_wait(s):
                 seq.append(("wait", 0.0))
             else:
                 kernel = str(getattr(s.node, "python_kernel_name", "") or "")
                 kind = "mm" if "mm" in kernel else "attn" if "attention" in kernel else "k"
-                seq.append((kind, overlap._compute_cost(s) * 1e6))
+                seq.append((kind, overlap.estimate_compute(s) * 1e6))
         graphs.append(seq)
         return snodes
 

@@ -88,8 +88,10 @@ def step_begins(compile_mode: str | None) -> None:
 def inductor_options(mode: str | None, overlap: str, cp: int = 2) -> dict:
     """Inductor options for a block: those of torch.compile's `mode`, plus the reordering that lets the CP
     exchanges overlap compute. `overlap`: "passes" starts each exchange as soon as its input exists and waits
-    for it only where its output is first read; "compute" moves compute that does not need an exchange to run
-    beside it, by Inductor's runtime estimates (`reorder_compute_for_overlap`); "scheduler" is Inductor's
+    for it only where its output is first read; "fill" adds our own pass (flux_cp/overlap.py), which moves ready
+    compute, such as a block's feed-forward backward, beside each exchange of a `cp`-rank group by a cost model;
+    "compute" moves compute that does not need an exchange to run beside it, by Inductor's runtime estimates
+    (`reorder_compute_for_overlap`); "scheduler" is Inductor's
     estimate-driven overlap scheduler; "none" keeps the graph's order."""
     import torch._inductor
 

@@ -42,7 +42,8 @@ def _bytes(snode) -> int:
     return int(sum(size.values()) if isinstance(size, dict) else size)
 
 
-def _compute_cost(snode) -> float:
+def estimate_compute(snode) -> float:
+    """Seconds an Inductor scheduler node's compute takes by the cost model."""
     flops = 0
     for node in snode.get_nodes():
         try:
@@ -52,8 +53,9 @@ def _compute_cost(snode) -> float:
     return flops / FLOPS_PER_S + _bytes(snode) / MEMORY_BYTES_PER_S
 
 
-def _exchange_cost(snode, cp: int) -> float:
-    # it reads the tensor and writes one of the same size; (cp - 1) / cp of it crosses to other ranks
+def estimate_exchange(snode, cp: int) -> float:
+    """Seconds a collective node's exchange takes by the cost model: it reads the tensor and writes one of the
+    same size, and (cp - 1) / cp of it crosses to other ranks."""
     return EXCHANGE_LATENCY_S + _bytes(snode) / 2 * (cp - 1) / cp / EXCHANGE_BYTES_PER_S
 
 
@@ -63,7 +65,7 @@ def fill_exchanges(snodes: list, cp: int = 2) -> list:
     one) and the order whose exchanges the cost model finds least exposed is kept, Inductor's own order included."""
     from torch._inductor.utils import contains_collective, contains_wait
 
-    kinds = (contains_collective, contains_wait, _compute_cost, partial(_exchange_cost, cp=cp))
+    kinds = (contains_collective, contains_wait, estimate_compute, partial(estimate_exchange, cp=cp))
     try:
         candidates = [(snodes, 0)] + [fill(snodes, *kinds, overshoot=o) for o in OVERSHOOTS]
         order, placed = min(candidates, key=lambda c: exposed(c[0], *kinds))

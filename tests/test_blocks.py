@@ -107,5 +107,5 @@ def test_inductor_options_add_the_overlap_passes_to_the_compile_mode():
     raise_comms, fill = inductor_options(None, "fill", cp=4)["reorder_for_compute_comm_overlap_passes"]
     assert raise_comms == "raise_comms" and fill.func.__name__ == "fill_exchanges" and fill.keywords == {"cp": 4}
     assert inductor_options(None, "scheduler") == {"aten_distributed_optimizations.enable_overlap_scheduling": True}
-    with pytest.raises(UsageError, match="FLUX_CP_OVERLAP='sometimes': choose passes, fill, compute, scheduler or none"):
+    with pytest.raises(UsageError, match="'sometimes': choose passes, fill, compute, scheduler or none"):
         inductor_options(None, "sometimes")
