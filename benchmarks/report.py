@@ -708,6 +708,15 @@ def layouts_table(folder: Path) -> list[str]:
     return lines
 
 
+def earlier_1024(earlier: Path) -> tuple[dict, dict, float, float]:
+    """An earlier folder's 1024 px cp=2 CUDA-graph run, diffusers' runs by resolution there, and the run's
+    efficiency and speed-up over diffusers."""
+    old = {r["name"]: r for r in trainer_runs(earlier) if "error" not in r}
+    od = {json.loads(x)["res"]: json.loads(x) for x in open(earlier / "anchors.jsonl") if '"kind": "model"' in x}
+    o1 = old["cp2_1024_ro"]
+    return o1, od, step_efficiency(list(old.values()), o1), od[1024]["s_per_step"] / o1["s_per_step"]
+
+
 def layouts_section(folder: Path, profile: Path | None, earlier: Path | None) -> list[str]:
     """The newest trainer runs: the compiled Ulysses path exchanging in the kernel's layout, with diffusers' compiled
     CP and the attention benchmark from the same machine, the profile of a step from another, and the targets."""
@@ -786,10 +795,7 @@ def layouts_section(folder: Path, profile: Path | None, earlier: Path | None) ->
         f"{diff[2048]['s_per_step']:.3f} s) | {verdict(r2 >= 1.3)}{f' (by {1.3 - r2:.2f})' if r2 < 1.3 else ''} |"
     )
     if earlier:
-        old = {r["name"]: r for r in trainer_runs(earlier) if "error" not in r}
-        od = {json.loads(x)["res"]: json.loads(x) for x in open(earlier / "anchors.jsonl") if '"kind": "model"' in x}
-        o1 = old["cp2_1024_ro"]
-        e1, r1 = step_efficiency(list(old.values()), o1), od[1024]["s_per_step"] / o1["s_per_step"]
+        o1, od, e1, r1 = earlier_1024(earlier)
         lines += [
             f"| 1024 px LoRA cp=2: efficiency >= 0.70 | {e1:.2f} ({earlier.name}; 1024 px not re-run here) | "
             f"{verdict(e1 >= 0.7)} |",
@@ -911,10 +917,7 @@ def overlap_section(folder: Path, profile: Path | None, earlier: Path | None) ->
         f"{diff[2048]['s_per_step']:.3f} s) | {verdict(r2 >= 1.3)}{f' (by {1.3 - r2:.3f})' if r2 < 1.3 else ''} |"
     )
     if earlier:
-        old = {r["name"]: r for r in trainer_runs(earlier) if "error" not in r}
-        od = {json.loads(x)["res"]: json.loads(x) for x in open(earlier / "anchors.jsonl") if '"kind": "model"' in x}
-        o1 = old["cp2_1024_ro"]
-        e1, r1 = step_efficiency(list(old.values()), o1), od[1024]["s_per_step"] / o1["s_per_step"]
+        o1, od, e1, r1 = earlier_1024(earlier)
         lines += [
             f"| 1024 px LoRA cp=2: efficiency >= 0.70 | {e1:.2f} ({earlier.name}; not re-run here) | "
             f"{verdict(e1 >= 0.7)} |",
