@@ -854,7 +854,7 @@ def overlap_section(folder: Path, profile: Path | None, earlier: Path | None) ->
     lines = [
         f"## Trainer, overlap choices and the targets, {folder.name}",
         "",
-        f"Measured on {env_txt(folder)}, five calls back to back on one machine. Raw outputs: "
+        f"Measured on {env_txt(folder)}, five commands back to back on one machine. Raw outputs: "
         f"`{folder.relative_to(ROOT)}/`; the exact commands: `{folder.relative_to(ROOT)}/commands.txt` (the sets "
         "`overlap`, `anchor attention` and `lora4096` of `benchmarks/run.sh`, then NCCL's channel count and Kontext "
         "pairs at 1024 px by hand).",
