@@ -63,13 +63,13 @@ def fill_exchanges(snodes: list, cp: int = 2) -> list:
     """Reorder Inductor scheduler nodes: after each collective, ready compute until the exchange is covered. Two
     policies are tried (take whatever is ready next; or leave a node much longer than the exchange for a later
     one) and the order whose exchanges the cost model finds least exposed is kept, Inductor's own order included."""
-    from torch._inductor.utils import contains_collective, contains_wait
-
-    kinds = (contains_collective, contains_wait, estimate_compute, partial(estimate_exchange, cp=cp))
     try:
+        from torch._inductor.utils import contains_collective, contains_wait
+
+        kinds = (contains_collective, contains_wait, estimate_compute, partial(estimate_exchange, cp=cp))
         candidates = [(snodes, 0)] + [fill(snodes, *kinds, overshoot=o) for o in OVERSHOOTS]
         order, placed = min(candidates, key=lambda c: exposed(c[0], *kinds))
-    except Exception as e:  # the scheduler's IR is internal to Inductor: never fail a compile over an order
+    except Exception as e:  # Inductor's scheduler IR is internal and changes: never fail a compile over an order
         log.warning("FLUX_CP_OVERLAP=fill: kept Inductor's order (%s: %s)", type(e).__name__, e)
         return snodes
     STATS["graphs"] += 1
