@@ -85,6 +85,11 @@ def verdict(good: bool) -> str:
     return "met" if good else "**missed**"
 
 
+def verdict_by(value: float, goal: float, digits: int = 2) -> str:
+    """The verdict of `value >= goal`, with the shortfall when missed."""
+    return verdict(True) if value >= goal else f"{verdict(False)} (by {goal - value:.{digits}f})"
+
+
 def env_line(env: dict) -> str:
     return (
         f"{env.get('gpus')}x {env.get('gpu')} (driver {env.get('driver')}), torch {env.get('torch')}, CUDA "
@@ -635,8 +640,7 @@ def cuda_graphs_section(folder: Path, saved: Path | None, compiled: Path | None)
     if e4 is not None:
         lines.append(
             f"| 4096 px LoRA cp=2: efficiency >= 0.97 | {e4:.2f} ({runs['cp2_4096']['s_per_step']:.3f} s vs "
-            f"{runs['cp1_4096']['s_per_step']:.3f} s, `--compile`) | {verdict(e4 >= 0.97)}"
-            f"{f' (by {0.97 - e4:.2f})' if e4 < 0.97 else ''} |"
+            f"{runs['cp1_4096']['s_per_step']:.3f} s, `--compile`) | {verdict_by(e4, 0.97)} |"
         )
     else:
         lines.append(f"| 4096 px LoRA cp=2: efficiency >= 0.97 | {absent} | open |")
@@ -786,13 +790,12 @@ def layouts_section(folder: Path, profile: Path | None, earlier: Path | None) ->
     lines += ["### Targets", "", "| target | measured | verdict |", "|---|---|---|"]
     lines.append(
         f"| 2048 px LoRA cp=2, both compiled: efficiency >= 0.95 | {e2:.2f} ({c2['s_per_step']:.3f} s vs "
-        f"{c1['s_per_step']:.3f} s, CUDA graphs) | {verdict(e2 >= 0.95)}"
-        f"{f' (by {0.95 - e2:.2f})' if e2 < 0.95 else ''} |"
+        f"{c1['s_per_step']:.3f} s, CUDA graphs) | {verdict_by(e2, 0.95)} |"
     )
     r2 = diff[2048]["s_per_step"] / c2["s_per_step"]
     lines.append(
         f"| 2048 px: >= 1.3x faster than diffusers' CP compiled | {r2:.2f}x ({c2['s_per_step']:.3f} vs "
-        f"{diff[2048]['s_per_step']:.3f} s) | {verdict(r2 >= 1.3)}{f' (by {1.3 - r2:.2f})' if r2 < 1.3 else ''} |"
+        f"{diff[2048]['s_per_step']:.3f} s) | {verdict_by(r2, 1.3)} |"
     )
     if earlier:
         o1, od, e1, r1 = earlier_1024(earlier)
@@ -804,8 +807,7 @@ def layouts_section(folder: Path, profile: Path | None, earlier: Path | None) ->
         ]
     lines.append(
         f"| 4096 px LoRA cp=2: efficiency >= 0.97 | {e4:.2f} ({runs['cp2_4096']['s_per_step']:.3f} s vs "
-        f"{runs['cp1_4096']['s_per_step']:.3f} s, `--compile`) | {verdict(e4 >= 0.97)}"
-        f"{f' (by {0.97 - e4:.2f})' if e4 < 0.97 else ''} |"
+        f"{runs['cp1_4096']['s_per_step']:.3f} s, `--compile`) | {verdict_by(e4, 0.97)} |"
     )
     lines.append(
         f"| MFU at 2048 px cp=2 >= 65% | {c2['mfu']:.0%} (one GPU {c1['mfu']:.0%}) | {verdict(c2['mfu'] >= 0.65)} |"
@@ -816,10 +818,7 @@ def layouts_section(folder: Path, profile: Path | None, earlier: Path | None) ->
 
     for tokens, goal in ((16896, 0.92), (66048, 0.97)):
         e = att_eff(tokens)
-        lines.append(
-            f"| attention cp=2, {tokens:,} tokens: >= {goal} | {e:.3f} compiled | {verdict(e >= goal)}"
-            f"{f' (by {goal - e:.3f})' if e < goal else ''} |"
-        )
+        lines.append(f"| attention cp=2, {tokens:,} tokens: >= {goal} | {e:.3f} compiled | {verdict_by(e, goal, 3)} |")
     if profile and full:
         lines.append(
             f"| full fine-tuning 2048 px, FSDP2 + cp=2 compiled: <= 1.9 s/step | {full['s_per_step']:.3f} s "
@@ -908,13 +907,12 @@ def overlap_section(folder: Path, profile: Path | None, earlier: Path | None) ->
     lines.append(
         f"| 2048 px LoRA cp=2, both compiled: efficiency >= 0.95 | {e2:.3f} ({c2['s_per_step']:.3f} s vs "
         f"{c1['s_per_step']:.3f} s, CUDA graphs; {eff('cp2_2048_ro_compute_joint'):.3f} with "
-        f"`FLUX_CP_OVERLAP=compute FLUX_CP_GRAD_EXCHANGE=joint`) | {verdict(e2 >= 0.95)}"
-        f"{f' (by {0.95 - e2:.3f})' if e2 < 0.95 else ''} |"
+        f"`FLUX_CP_OVERLAP=compute FLUX_CP_GRAD_EXCHANGE=joint`) | {verdict_by(e2, 0.95, 3)} |"
     )
     r2 = diff[2048]["s_per_step"] / c2["s_per_step"]
     lines.append(
         f"| 2048 px: >= 1.3x faster than diffusers' CP compiled | {r2:.3f}x ({c2['s_per_step']:.3f} vs "
-        f"{diff[2048]['s_per_step']:.3f} s) | {verdict(r2 >= 1.3)}{f' (by {1.3 - r2:.3f})' if r2 < 1.3 else ''} |"
+        f"{diff[2048]['s_per_step']:.3f} s) | {verdict_by(r2, 1.3, 3)} |"
     )
     if earlier:
         o1, od, e1, r1 = earlier_1024(earlier)
@@ -934,10 +932,7 @@ def overlap_section(folder: Path, profile: Path | None, earlier: Path | None) ->
     ]
     for tokens, goal in ((16896, 0.92), (66048, 0.97)):
         e = ulysses(att, tokens)["efficiency"]
-        lines.append(
-            f"| attention cp=2, {tokens:,} tokens: >= {goal} | {e:.3f} compiled | {verdict(e >= goal)}"
-            f"{f' (by {goal - e:.3f})' if e < goal else ''} |"
-        )
+        lines.append(f"| attention cp=2, {tokens:,} tokens: >= {goal} | {e:.3f} compiled | {verdict_by(e, goal, 3)} |")
     full = next((r for r in trainer_runs(profile) if r["name"] == "cp2_2048_full"), None) if profile else None
     if full:
         lines.append(
