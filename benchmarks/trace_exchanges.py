@@ -1,0 +1,98 @@
+"""Where a profiled step's CP exchanges lose time, from rank 0's trace of `train_flux_cp.py --profile_step N`
+(benchmarks/bench_trainer.py keeps it next to the run's log as NAME.trace.json.gz).
+
+    python benchmarks/trace_exchanges.py benchmarks/results/2026-12-01-h200x2-fill/cp2_2048_fill.trace.json.gz
+
+For the exchange kernels (NCCL's send/receive kernels, which carry the all-to-alls) it prints their count and time,
+how much of that time no compute kernel ran beside (exposed), and how many started late: after a compute kernel of
+more than 50 us that the host launched *after* the exchange ran first on the GPU. Those exchanges were ready but had
+no free streaming multiprocessors: a large matrix product launched just behind them took all of them, and the
+exchange began only when it ended. The scheduling pass (flux_cp/overlap.py) decides the order on the host; this is
+what the GPU made of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import gzip
+import json
+
+
+def load(path: str) -> list[dict]:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return json.load(f)["traceEvents"]
+
+
+def covered(start: float, end: float, kernels: list[dict], starts: list[float]) -> float:
+    """Microseconds of [start, end] during which at least one of `kernels` (sorted by start) ran."""
+    spans = []
+    for k in kernels[bisect.bisect_left(starts, start - 50_000) :]:
+        if k["ts"] > end:
+            break
+        if k["ts"] + k["dur"] > start:
+            spans.append((max(start, k["ts"]), min(end, k["ts"] + k["dur"])))
+    total, reached = 0.0, start
+    for a, b in sorted(spans):
+        if b > reached:
+            total += b - max(a, reached)
+            reached = b
+    return total
+
+
+def analyse(events: list[dict], long_us: float = 50.0) -> dict:
+    launches = {
+        e["args"]["correlation"]: e
+        for e in events
+        if e.get("ph") == "X" and e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
+    }
+    kernels = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    exchanges = [k for k in kernels if "nccl" in k["name"].lower() and "SendRecv" in k["name"]]
+    compute = [k for k in kernels if "nccl" not in k["name"].lower()]
+    starts = [k["ts"] for k in compute]
+    total = exposed = delay = 0.0
+    late = 0
+    for x in exchanges:
+        total += x["dur"]
+        exposed += x["dur"] - covered(x["ts"], x["ts"] + x["dur"], compute, starts)
+        issued = launches.get(x["args"].get("correlation"))
+        if issued is None:
+            continue
+        issued_end = issued["ts"] + issued["dur"]
+        ahead = [
+            k
+            for k in compute[bisect.bisect_left(starts, x["ts"] - 50_000) : bisect.bisect_left(starts, x["ts"])]
+            if k["dur"] > long_us
+            and k["ts"] + k["dur"] > x["ts"] - 15  # it ended just before the exchange began
+            and (lk := launches.get(k["args"].get("correlation"))) is not None
+            and lk["ts"] > issued_end  # and the host launched it after the exchange
+        ]
+        if ahead:
+            late += 1
+            delay += x["ts"] - min(k["ts"] for k in ahead)
+    return {
+        "exchanges": len(exchanges),
+        "exchange_ms": round(total / 1e3, 3),
+        "exposed_ms": round(exposed / 1e3, 3),
+        "late": late,
+        "late_delay_ms": round(delay / 1e3, 3),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("trace", help="a profiler trace (.json or .json.gz)")
+    p.add_argument("--long_us", type=float, default=50.0, help="a compute kernel this long counts as taking the GPU")
+    r = analyse(load(p.parse_args().trace), p.parse_args().long_us)
+    print(json.dumps(r))
+    print(
+        f"{r['exchanges']} exchange kernels, {r['exchange_ms']:.1f} ms, "
+        f"{r['exposed_ms']:.1f} ms with no compute beside; "
+        f"{r['late']} started only after a longer kernel launched behind them ran "
+        f"(together {r['late_delay_ms']:.1f} ms late)"
+    )
+
+
+if __name__ == "__main__":
+    main()
