@@ -505,8 +505,11 @@ def step_efficiency(runs: list[dict], r: dict) -> float | None:
     return base["s_per_step"] / (r["gpus"] * r["s_per_step"]) if base and r["gpus"] > 1 else None
 
 
-def steps_table(folder: Path, digits: int = 2) -> list[str]:
-    runs = trainer_runs(folder)
+def steps_table(
+    folder: Path, digits: int = 2, runs: list[dict] | None = None, against: dict | None = None
+) -> list[str]:
+    """A folder's trainer runs (or `runs`); efficiency against the one-GPU run of the same name, or `against`."""
+    runs = trainer_runs(folder) if runs is None else runs
     lines = [
         "| run | flags | GPUs | s/step | MFU | peak GiB/GPU | efficiency | loss at step 1 |",
         "|---|---|---:|---:|---:|---:|---:|---:|",
@@ -516,7 +519,8 @@ def steps_table(folder: Path, digits: int = 2) -> list[str]:
         if "error" in r:
             lines.append(f"| {r['name']} | `{flags}` | {r['gpus']} | failed: {r['error'][:120]} | | | | |")
             continue
-        e = step_efficiency(runs, r)
+        e = step_efficiency(runs, r) if against is None else against["s_per_step"] / (r["gpus"] * r["s_per_step"])
+        e = e if r["gpus"] > 1 else None
         lines.append(
             f"| {r['name']} | `{flags}` | {r['gpus']} | {r['s_per_step']:.3f} | {r['mfu']:.0%} | "
             f"{r['peak_mem_gib']:.1f} | {f'{e:.{digits}f}' if e else ''} | {r['losses'][0]:.5f} |"
@@ -828,9 +832,9 @@ def layouts_section(folder: Path, profile: Path | None, earlier: Path | None) ->
 
 
 def overlap_section(folder: Path, profile: Path | None, earlier: Path | None) -> list[str]:
-    """The newest runs: the compiled step's overlap choices against the default, the 2048 px pair with CUDA graphs,
-    4096 px, diffusers' compiled CP, the attention benchmark, NCCL's channel count and Kontext pairs at 1024 px,
-    all from one machine, and the targets as they stand."""
+    """The compiled step's overlap choices against the then default, the 2048 px pair with CUDA graphs, 4096 px,
+    diffusers' compiled CP, the attention benchmark, NCCL's channel count and Kontext pairs at 1024 px, all from
+    one machine."""
     all_runs = trainer_runs(folder)
     runs = {r["name"]: r for r in all_runs if "error" not in r}
     diff = {a["res"]: a for a in (json.loads(x) for x in open(folder / "anchors.jsonl")) if a["kind"] == "model"}
@@ -838,7 +842,7 @@ def overlap_section(folder: Path, profile: Path | None, earlier: Path | None) ->
     channels = {
         p.stem.rsplit("_", 1)[-1]: json.load(open(p)) for p in sorted(folder.glob("attention_compiled_nccl_*.json"))
     }
-    c1, c2 = runs["cp1_2048_ro"], runs["cp2_2048_ro"]
+    c1 = runs["cp1_2048_ro"]
 
     def eff(name: str) -> float:  # against the one-GPU run with the same resolution and compile mode
         base = c1 if "2048_ro" in name else runs["cp1_" + name.split("_", 1)[1]]
@@ -851,7 +855,7 @@ def overlap_section(folder: Path, profile: Path | None, earlier: Path | None) ->
         return next(r for r in att_["rows"] if r["tokens"] == tokens and r["impl"].startswith("ulysses"))
 
     lines = [
-        f"## Trainer, overlap choices and the targets, {folder.name}",
+        f"## Trainer and overlap choices, {folder.name}",
         "",
         f"Measured on {env_txt(folder)}, five commands back to back on one machine. Raw outputs: "
         f"`{folder.relative_to(ROOT)}/`; the exact commands: `{folder.relative_to(ROOT)}/commands.txt` (the sets "
@@ -902,37 +906,136 @@ def overlap_section(folder: Path, profile: Path | None, earlier: Path | None) ->
             + ". Two head chunks gain about 0.2 ms here; in the trainer they measured slower (layouts section).",
         )
         lines.append("")
-    lines += ["### Targets", "", "| target | measured | verdict |", "|---|---|---|"]
-    e2 = eff("cp2_2048_ro")
-    lines.append(
+    return lines
+
+
+def machine_runs(folder: Path, name: str) -> tuple[dict[str, dict], dict[int, dict]]:
+    """One machine's trainer runs (trainer_NAME.json) and diffusers' compiled CP by resolution (anchors_NAME.jsonl)."""
+    runs = {r["name"]: r for r in json.load(open(folder / f"trainer_{name}.json"))["runs"] if "error" not in r}
+    diff = {a["res"]: a for a in map(json.loads, open(folder / f"anchors_{name}.jsonl")) if a["kind"] == "model"}
+    return runs, diff
+
+
+def fill_section(folder: Path) -> list[str]:
+    """The scheduling pass (FLUX_CP_OVERLAP=fill) against Inductor's passes on two machines, NCCL's streams at high
+    priority, diffusers' compiled CP on each, and where the profiled step's exchanges still lose time."""
+    from trace_exchanges import analyse, load
+
+    rel = folder.relative_to(ROOT)
+    a, diff_a = machine_runs(folder, "fill")
+    b, diff_b = machine_runs(folder, "priority")
+
+    def faster(new: dict, old: dict) -> str:
+        less = 1 - new["s_per_step"] / old["s_per_step"]
+        return f"{new['s_per_step']:.3f} s against {old['s_per_step']:.3f} s ({less:.1%} less)"
+
+    ro = [r for r in json.load(open(folder / "trainer_fill.json"))["runs"] if "reduce-overhead" in r["extra"]]
+    prof = a["cp2_2048_fill"]["profile"]
+    trace = analyse(load(str(folder / "cp2_2048_fill.trace.json.gz")))
+    return [
+        f"## The fill pass, {folder.name}",
+        "",
+        f"Measured on {env_txt(folder)}, two commands on two machines of this kind. Raw outputs: `{rel}/`; the exact "
+        f"commands: `{rel}/commands.txt` (the sets `fill anchor`, then `priority anchor` of `benchmarks/run.sh`).",
+        "",
+        STEP_SETUP + " 2048 px with `--compile_mode reduce-overhead` (CUDA graphs); efficiency against the one-GPU "
+        "run of the same machine.",
+        "",
+        "First machine:",
+        "",
+        *steps_table(folder, 3, runs=ro, against=a["cp1_2048_ro"]),
+        "",
+        "Second machine:",
+        "",
+        *steps_table(
+            folder,
+            3,
+            runs=json.load(open(folder / "trainer_priority.json"))["runs"],
+            against=b["cp1_2048_ro"],
+        ),
+        "",
+        "Run names: `_fill` ran with `FLUX_CP_OVERLAP=fill` (our scheduling pass, `flux_cp/overlap.py`), `_high` with "
+        "`TORCH_NCCL_HIGH_PRIORITY=1` (NCCL's streams at high priority); `cp2_2048_ro` with the then default "
+        "(`FLUX_CP_OVERLAP=passes`).",
+        "",
+        f"- `fill` against `passes`: {faster(a['cp2_2048_ro_fill'], a['cp2_2048_ro'])} on the first machine; "
+        f"{faster(b['cp2_2048_ro_high_fill'], b['cp2_2048_ro_high'])} on the second, both with NCCL's streams at "
+        f"high priority, which alone changed nothing: {faster(b['cp2_2048_ro_high'], b['cp2_2048_ro'])}. Small, "
+        "but the same way on both machines, and the pass changes only the order: `fill` is now the default.",
+        f"- diffusers 0.42.1's built-in CP, blocks compiled, Ulysses, cuDNN (`anchor`) at 2048 px: "
+        f"{diff_a[2048]['s_per_step']:.3f} s on the first machine, {diff_b[2048]['s_per_step']:.3f} s on the second; "
+        f"ours with `fill` {diff_a[2048]['s_per_step'] / a['cp2_2048_ro_fill']['s_per_step']:.3f}x and "
+        f"{diff_b[2048]['s_per_step'] / b['cp2_2048_ro_high_fill']['s_per_step']:.3f}x faster. At 1024 px diffusers "
+        f"took {diff_a[1024]['s_per_step']:.3f} s and {diff_b[1024]['s_per_step']:.3f} s.",
+        f"- Profiled at step 5 with `fill` (`--compile`, {a['cp2_2048_fill']['s_per_step']:.3f} s/step): "
+        f"{prof['rank0']['communication_exposed_ms']:.0f} / {prof['rank1']['communication_exposed_ms']:.0f} ms of "
+        "NCCL time per step with no compute beside it (ranks 0 / 1; 65 / 89 ms with `compute` in the next section). "
+        f"Rank 0's trace (`python benchmarks/trace_exchanges.py {rel}/cp2_2048_fill.trace.json.gz`): "
+        f"{trace['exchanges']} exchange kernels, {trace['exchange_ms']:.1f} ms, {trace['exposed_ms']:.1f} ms of it "
+        f"with no compute kernel beside; {trace['late']} of them began only when a compute kernel of more than 50 us "
+        f"that the host launched after them had run ({trace['late_delay_ms']:.1f} ms of delay in all): the exchange "
+        "was issued first and its input was ready, which points to the matrix product behind it holding every "
+        "streaming multiprocessor until it ended. The pass orders the launches on the host; on the GPU a large "
+        "product launched right behind an exchange can still run first.",
+        "",
+    ]
+
+
+def targets_section(overlap: Path, profile: Path | None, earlier: Path | None, fill: Path | None) -> list[str]:
+    """The targets as they stand: 2048 px from the newest folder that measured it, the rest from `overlap`."""
+    runs = {r["name"]: r for r in trainer_runs(overlap) if "error" not in r}
+    diff = {a["res"]: a for a in (json.loads(x) for x in open(overlap / "anchors.jsonl")) if a["kind"] == "model"}
+    att = json.load(open(overlap / "attention_compiled.json"))
+
+    def eff(name: str) -> float:
+        return runs["cp1_" + name.split("_", 1)[1]]["s_per_step"] / (2 * runs[name]["s_per_step"])
+
+    def ulysses(att_: dict, tokens: int) -> dict:
+        return next(r for r in att_["rows"] if r["tokens"] == tokens and r["impl"].startswith("ulysses"))
+
+    lines = ["## Targets", "", "| target | measured | verdict |", "|---|---|---|"]
+    if fill:
+        a, diff_a = machine_runs(fill, "fill")
+        b, diff_b = machine_runs(fill, "priority")
+        c1, c2, d2 = a["cp1_2048_ro"], a["cp2_2048_ro_fill"], diff_a[2048]
+        e2 = c1["s_per_step"] / (2 * c2["s_per_step"])
+        eb = b["cp1_2048_ro"]["s_per_step"] / (2 * b["cp2_2048_ro_high_fill"]["s_per_step"])
+        rb = diff_b[2048]["s_per_step"] / b["cp2_2048_ro_high_fill"]["s_per_step"]
+        where, other_eff = f"{fill.name}, first machine", f"; {eb:.3f} on the second, NCCL at high priority"
+        other_ratio = f"; {rb:.3f}x on the second"
+    else:
+        c1, c2, d2 = runs["cp1_2048_ro"], runs["cp2_2048_ro"], diff[2048]
+        e2 = eff("cp2_2048_ro")
+        where, other_eff, other_ratio = overlap.name, "", ""
+    r2 = d2["s_per_step"] / c2["s_per_step"]
+    lines += [
         f"| 2048 px LoRA cp=2, both compiled: efficiency >= 0.95 | {e2:.3f} ({c2['s_per_step']:.3f} s vs "
-        f"{c1['s_per_step']:.3f} s, CUDA graphs; {eff('cp2_2048_ro_compute_joint'):.3f} with "
-        f"`FLUX_CP_OVERLAP=compute FLUX_CP_GRAD_EXCHANGE=joint`) | {verdict_by(e2, 0.95, 3)} |"
-    )
-    r2 = diff[2048]["s_per_step"] / c2["s_per_step"]
-    lines.append(
+        f"{c1['s_per_step']:.3f} s, CUDA graphs, {where}{other_eff}) | {verdict_by(e2, 0.95, 3)} |",
         f"| 2048 px: >= 1.3x faster than diffusers' CP compiled | {r2:.3f}x ({c2['s_per_step']:.3f} vs "
-        f"{diff[2048]['s_per_step']:.3f} s) | {verdict_by(r2, 1.3, 3)} |"
-    )
+        f"{d2['s_per_step']:.3f} s, {where}{other_ratio}) | {verdict_by(r2, 1.3, 3)} |",
+    ]
     if earlier:
         o1, od, e1, r1 = earlier_1024(earlier)
         lines += [
-            f"| 1024 px LoRA cp=2: efficiency >= 0.70 | {e1:.2f} ({earlier.name}; not re-run here) | "
-            f"{verdict(e1 >= 0.7)} |",
+            f"| 1024 px LoRA cp=2: efficiency >= 0.70 | {e1:.2f} ({earlier.name}) | {verdict(e1 >= 0.7)} |",
             f"| 1024 px: >= 1.2x faster than diffusers' CP compiled | {r1:.2f}x ({earlier.name}: "
             f"{o1['s_per_step']:.3f} vs {od[1024]['s_per_step']:.3f} s; diffusers took "
-            f"{diff[1024]['s_per_step']:.3f} s here, {diff[1024]['s_per_step'] / o1['s_per_step']:.2f}x, not like "
-            f"for like) | {verdict(r1 >= 1.2)} |",
+            f"{diff[1024]['s_per_step']:.3f} s on {overlap.name}, "
+            f"{diff[1024]['s_per_step'] / o1['s_per_step']:.2f}x, not like for like) | {verdict(r1 >= 1.2)} |",
         ]
     e4 = eff("cp2_4096")
     lines += [
         f"| 4096 px LoRA cp=2: efficiency >= 0.97 | {e4:.3f} ({runs['cp2_4096']['s_per_step']:.3f} s vs "
-        f"{runs['cp1_4096']['s_per_step']:.3f} s, `--compile`) | {verdict(e4 >= 0.97)} |",
-        f"| MFU at 2048 px cp=2 >= 65% | {c2['mfu']:.0%} (one GPU {c1['mfu']:.0%}) | {verdict(c2['mfu'] >= 0.65)} |",
+        f"{runs['cp1_4096']['s_per_step']:.3f} s, `--compile`, {overlap.name}) | {verdict(e4 >= 0.97)} |",
+        f"| MFU at 2048 px cp=2 >= 65% | {c2['mfu']:.0%} (one GPU {c1['mfu']:.0%}; {where}) | "
+        f"{verdict(c2['mfu'] >= 0.65)} |",
     ]
     for tokens, goal in ((16896, 0.92), (66048, 0.97)):
         e = ulysses(att, tokens)["efficiency"]
-        lines.append(f"| attention cp=2, {tokens:,} tokens: >= {goal} | {e:.3f} compiled | {verdict_by(e, goal, 3)} |")
+        lines.append(
+            f"| attention cp=2, {tokens:,} tokens: >= {goal} | {e:.3f} compiled ({overlap.name}) | "
+            f"{verdict_by(e, goal, 3)} |"
+        )
     full = next((r for r in trainer_runs(profile) if r["name"] == "cp2_2048_full"), None) if profile else None
     if full:
         lines.append(
@@ -1162,9 +1265,13 @@ def main(argv: list[str]) -> int:
     for folder in trainer_folders:
         if "profile" in folder.name:  # rendered inside the layouts section
             continue
-        if "overlap" in folder.name:
+        if "fill" in folder.name:
+            lead += fill_section(folder)
+        elif "overlap" in folder.name:
             profile = next((f for f in trainer_folders if "profile" in f.name), None)
             earlier = next((f for f in trainer_folders if "cuda-graphs" in f.name), None)
+            fill = next((f for f in trainer_folders if "fill" in f.name), None)
+            lead += targets_section(folder, profile, earlier, fill)
             lead += overlap_section(folder, profile, earlier)
         elif "layouts" in folder.name:
             profile = next((f for f in trainer_folders if "profile" in f.name), None)
