@@ -87,9 +87,10 @@ def step_begins(compile_mode: str | None) -> None:
 
 def inductor_options(mode: str | None, overlap: str, cp: int = 2) -> dict:
     """Inductor options for a block: those of torch.compile's `mode`, plus the reordering that lets the CP
-    exchanges overlap compute. `overlap`: "passes" starts each exchange as soon as its input exists and waits
-    for it only where its output is first read; "fill" adds our own pass (flux_cp/overlap.py), which moves ready
-    compute, such as a block's feed-forward backward, beside each exchange of a `cp`-rank group by a cost model;
+    exchanges overlap compute. `overlap`: "fill" (the trainer's default) starts each exchange as soon as its input
+    exists and adds our own pass (flux_cp/overlap.py), which moves ready compute, such as a block's feed-forward
+    backward, beside each exchange of a `cp`-rank group by a cost model; "passes" starts each exchange as soon as
+    its input exists and waits for it only where its output is first read;
     "compute" moves compute that does not need an exchange to run beside it, by Inductor's runtime estimates
     (`reorder_compute_for_overlap`); "scheduler" is Inductor's
     estimate-driven overlap scheduler; "none" keeps the graph's order."""
@@ -128,7 +129,7 @@ def prepare_blocks(
         if gradient_checkpointing:
             transformer.enable_gradient_checkpointing()
         return
-    overlap = os.environ.get("FLUX_CP_OVERLAP", "passes") if cp > 1 else "none"
+    overlap = os.environ.get("FLUX_CP_OVERLAP", "fill") if cp > 1 else "none"
     options = inductor_options(compile_mode, overlap, cp)
     for block in transformer_blocks(transformer):
         if gradient_checkpointing:
