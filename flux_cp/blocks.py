@@ -115,6 +115,21 @@ def inductor_options(mode: str | None, overlap: str, cp: int = 2) -> dict:
     return options
 
 
+def keep_free_sms(count: str | None) -> None:
+    """FLUX_CP_SM_CARVEOUT=N: matrix products leave N streaming multiprocessors free, so that an exchange launched
+    just before a large product can start beside it instead of after it (benchmarks/NOTES.md: on H200s a third of
+    a 2048 px step's exchanges waited so). torch's SM carveout is experimental and applies to every product."""
+    if not count:
+        return
+    try:
+        n = int(count)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise UsageError(f"FLUX_CP_SM_CARVEOUT={count!r}: give a number of streaming multiprocessors, e.g. 8")
+    torch._C._set_sm_carveout_experimental(n or None)
+
+
 def prepare_blocks(
     transformer: torch.nn.Module,
     *,
@@ -125,6 +140,8 @@ def prepare_blocks(
     cp: int,
 ) -> None:
     """Activation checkpointing and torch.compile of every transformer block, as described above."""
+    if cp > 1:
+        keep_free_sms(os.environ.get("FLUX_CP_SM_CARVEOUT"))
     if not compile:
         if gradient_checkpointing:
             transformer.enable_gradient_checkpointing()

@@ -109,3 +109,20 @@ def test_inductor_options_add_the_overlap_passes_to_the_compile_mode():
     assert inductor_options(None, "scheduler") == {"aten_distributed_optimizations.enable_overlap_scheduling": True}
     with pytest.raises(UsageError, match="'sometimes': choose passes, fill, compute, scheduler or none"):
         inductor_options(None, "sometimes")
+
+
+def test_sm_carveout_is_set_from_the_environment_and_checked():
+    from flux_cp.blocks import keep_free_sms
+
+    try:
+        keep_free_sms(None)
+        assert torch._C._get_sm_carveout_experimental() is None
+        keep_free_sms("8")
+        assert torch._C._get_sm_carveout_experimental() == 8
+        keep_free_sms("0")
+        assert torch._C._get_sm_carveout_experimental() is None
+        for bad in ("-1", "eight"):
+            with pytest.raises(UsageError, match="FLUX_CP_SM_CARVEOUT=.*give a number of streaming multiprocessors"):
+                keep_free_sms(bad)
+    finally:
+        torch._C._set_sm_carveout_experimental(None)
