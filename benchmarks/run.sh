@@ -22,6 +22,8 @@
 #              --compile profiled at step 5
 #   priority   the 2048 px lora_ro pair against cp=2 with NCCL's streams at high priority (TORCH_NCCL_HIGH_PRIORITY=1),
 #              alone and with FLUX_CP_OVERLAP=fill
+#   lora_attn_ro  the 2048 px lora_ro pair with LoRA on the attention projections only (the layers diffusers'
+#              built-in CP trains in the anchor set), and cp=2 with FLUX_CP_SM_CARVEOUT for each of CARVEOUT (if set)
 #   carveout   the 2048 px lora_ro pair against cp=2 with matrix products leaving SMs free for the exchanges
 #              (FLUX_CP_SM_CARVEOUT, each of CARVEOUT="8 16")
 #   profile    one step of the 2048 px one-GPU and cp=2 lora runs under --profile_step (GPU time by kernel kind,
@@ -125,6 +127,12 @@ for SET in "$@"; do
       trainer 300 "cp1_2048_ro:1:gpu1.yaml:$RO" "cp2_2048_ro:2:ddp_cp2.yaml:--cp_size 2 $RO"
       TORCH_NCCL_HIGH_PRIORITY=1 trainer 200 "cp2_2048_ro_high:2:ddp_cp2.yaml:--cp_size 2 $RO"
       TORCH_NCCL_HIGH_PRIORITY=1 FLUX_CP_OVERLAP=fill trainer 200 "cp2_2048_ro_high_fill:2:ddp_cp2.yaml:--cp_size 2 $RO" ;;
+    lora_attn_ro)
+      RO="--resolution 2048 --compile_mode reduce-overhead --lora_layers $ATTN"
+      trainer 300 "cp1_2048_ro_attn:1:gpu1.yaml:$RO" "cp2_2048_ro_attn:2:ddp_cp2.yaml:--cp_size 2 $RO"
+      for n in ${CARVEOUT:-}; do
+        FLUX_CP_SM_CARVEOUT=$n trainer 200 "cp2_2048_ro_attn_carve$n:2:ddp_cp2.yaml:--cp_size 2 $RO"
+      done ;;
     carveout)
       RO="--resolution 2048 --compile_mode reduce-overhead"
       trainer 300 "cp1_2048_ro:1:gpu1.yaml:$RO" "cp2_2048_ro:2:ddp_cp2.yaml:--cp_size 2 $RO"
@@ -174,7 +182,7 @@ for SET in "$@"; do
       if [ "$N" -ge 8 ]; then OUT=$OUT bash benchmarks/equivalence.sh 4 200
       elif [ "$N" -ge 4 ]; then OUT=$OUT bash benchmarks/equivalence.sh 2 200
       else echo "equivalence: needs 4 or 8 GPUs, skipped"; fi ;;
-    *) echo "error: unknown set $SET (check, check_attention, check_model, lora, lora_attn, kontext, anchor, lora_ro, variants, overlap, fill, priority, carveout, profile, chunks, full, ring, lora4096, big, attention, equivalence)"; exit 2 ;;
+    *) echo "error: unknown set $SET (check, check_attention, check_model, lora, lora_attn, kontext, anchor, lora_ro, variants, overlap, fill, priority, lora_attn_ro, carveout, profile, chunks, full, ring, lora4096, big, attention, equivalence)"; exit 2 ;;
   esac
 done
 tar czf "$OUT/logs.tgz" -C "$TMP" logs
