@@ -5,10 +5,10 @@
 
 For the exchange kernels (NCCL's send/receive kernels, which carry the all-to-alls) it prints their count and time,
 how much of that time no compute kernel ran beside (exposed), and how many started late: after a compute kernel of
-more than 50 us that the host launched *after* the exchange ran first on the GPU. Those exchanges were ready but had
-no free streaming multiprocessors: a large matrix product launched just behind them took all of them, and the
-exchange began only when it ended. The scheduling pass (flux_cp/overlap.py) decides the order on the host; this is
-what the GPU made of it.
+more than 50 us that the host launched *after* the exchange ran first on the GPU. Such an exchange had its input
+(the compute stream runs in order, and the product came later on it), yet it began only when the product ended:
+most likely the product held every streaming multiprocessor. The scheduling pass (flux_cp/overlap.py) decides the
+order on the host; this is what the GPU made of it.
 """
 
 from __future__ import annotations
@@ -84,7 +84,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("trace", help="a profiler trace (.json or .json.gz)")
     p.add_argument("--long_us", type=float, default=50.0, help="a compute kernel this long counts as taking the GPU")
-    r = analyse(load(p.parse_args().trace), p.parse_args().long_us)
+    args = p.parse_args()
+    r = analyse(load(args.trace), args.long_us)
     print(json.dumps(r))
     print(
         f"{r['exchanges']} exchange kernels, {r['exchange_ms']:.1f} ms, "

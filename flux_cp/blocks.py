@@ -117,8 +117,9 @@ def inductor_options(mode: str | None, overlap: str, cp: int = 2) -> dict:
 
 def keep_free_sms(count: str | None) -> None:
     """FLUX_CP_SM_CARVEOUT=N: matrix products leave N streaming multiprocessors free, so that an exchange launched
-    just before a large product can start beside it instead of after it (benchmarks/NOTES.md: on H200s a third of
-    a 2048 px step's exchanges waited so). torch's SM carveout is experimental and applies to every product."""
+    just before a large product can start beside it instead of after it (on H200s a third of a 2048 px step's
+    exchanges waited so; 8 SMs measured no faster step, benchmarks/NOTES.md). torch's SM carveout is experimental
+    and applies to every product."""
     if not count:
         return
     try:

@@ -108,7 +108,7 @@ def _restores(model) -> bool:
     return all(type(m.processor) is FluxAttnProcessor for m in model.modules() if hasattr(m, "processor"))
 
 
-CASES = [  # (mode, ulysses_size, checkpointing) for each CP size
+CASES = [  # (CP size, mode, ulysses_size, checkpointing)
     (2, "ring", None, None),
     (2, "ulysses", None, "non_reentrant"),
     (3, "ring", None, "non_reentrant"),
