@@ -933,7 +933,10 @@ def fill_section(folder: Path) -> list[str]:
         change = f"{less:.1%} less" if less >= 0 else f"{-less:.1%} more"
         return f"{new['s_per_step']:.3f} s against {old['s_per_step']:.3f} s ({change})"
 
-    ro = [r for r in json.load(open(folder / "trainer_fill.json"))["runs"] if "reduce-overhead" in r["extra"]]
+    def machine_table(name: str, one_gpu: dict, keep=lambda r: True) -> list[str]:
+        runs = [r for r in json.load(open(folder / f"trainer_{name}.json"))["runs"] if keep(r)]
+        return steps_table(folder, 3, runs=runs, against=one_gpu)
+
     prof = a["cp2_2048_fill"]["profile"]
     trace = analyse(load(str(folder / "cp2_2048_fill.trace.json.gz")))
     return [
@@ -948,26 +951,16 @@ def fill_section(folder: Path) -> list[str]:
         "",
         "First machine:",
         "",
-        *steps_table(folder, 3, runs=ro, against=a["cp1_2048_ro"]),
+        *machine_table("fill", a["cp1_2048_ro"], keep=lambda r: "reduce-overhead" in r["extra"]),
         "",
         "Second machine:",
         "",
-        *steps_table(
-            folder,
-            3,
-            runs=json.load(open(folder / "trainer_priority.json"))["runs"],
-            against=b["cp1_2048_ro"],
-        ),
+        *machine_table("priority", b["cp1_2048_ro"]),
         "",
         "Third machine, `fill` now the default, LoRA on the attention projections only (`--lora_layers` as in "
         "`benchmarks/run.sh`'s `lora_attn_ro` set: the layers diffusers' CP trains in `anchor`):",
         "",
-        *steps_table(
-            folder,
-            3,
-            runs=json.load(open(folder / "trainer_attn.json"))["runs"],
-            against=c["cp1_2048_ro_attn"],
-        ),
+        *machine_table("attn", c["cp1_2048_ro_attn"]),
         "",
         "Run names: `_fill` ran with `FLUX_CP_OVERLAP=fill` (our scheduling pass, `flux_cp/overlap.py`), `_high` with "
         "`TORCH_NCCL_HIGH_PRIORITY=1` (NCCL's streams at high priority), `_carve8` with `FLUX_CP_SM_CARVEOUT=8` "
