@@ -60,6 +60,14 @@ trainer() {  # trainer SECONDS RUN...
     || echo "bench_trainer exit $?"
 }
 
+ro_pair_and_carveouts() {  # SUFFIX FLAGS CARVEOUTS: the 2048 px CUDA-graph pair, then cp=2 with each SM carveout
+  local ro="--resolution 2048 --compile_mode reduce-overhead $2"
+  trainer 300 "cp1_2048_ro$1:1:gpu1.yaml:$ro" "cp2_2048_ro$1:2:ddp_cp2.yaml:--cp_size 2 $ro"
+  for n in $3; do
+    FLUX_CP_SM_CARVEOUT=$n trainer 200 "cp2_2048_ro${1}_carve$n:2:ddp_cp2.yaml:--cp_size 2 $ro"
+  done
+}
+
 for SET in "$@"; do
   echo "=== $SET $(date +%T)"
   case $SET in
@@ -128,17 +136,9 @@ for SET in "$@"; do
       TORCH_NCCL_HIGH_PRIORITY=1 trainer 200 "cp2_2048_ro_high:2:ddp_cp2.yaml:--cp_size 2 $RO"
       TORCH_NCCL_HIGH_PRIORITY=1 FLUX_CP_OVERLAP=fill trainer 200 "cp2_2048_ro_high_fill:2:ddp_cp2.yaml:--cp_size 2 $RO" ;;
     lora_attn_ro)
-      RO="--resolution 2048 --compile_mode reduce-overhead --lora_layers $ATTN"
-      trainer 300 "cp1_2048_ro_attn:1:gpu1.yaml:$RO" "cp2_2048_ro_attn:2:ddp_cp2.yaml:--cp_size 2 $RO"
-      for n in ${CARVEOUT:-}; do
-        FLUX_CP_SM_CARVEOUT=$n trainer 200 "cp2_2048_ro_attn_carve$n:2:ddp_cp2.yaml:--cp_size 2 $RO"
-      done ;;
+      ro_pair_and_carveouts _attn "--lora_layers $ATTN" "${CARVEOUT:-}" ;;
     carveout)
-      RO="--resolution 2048 --compile_mode reduce-overhead"
-      trainer 300 "cp1_2048_ro:1:gpu1.yaml:$RO" "cp2_2048_ro:2:ddp_cp2.yaml:--cp_size 2 $RO"
-      for n in ${CARVEOUT:-8 16}; do
-        FLUX_CP_SM_CARVEOUT=$n trainer 200 "cp2_2048_ro_carve$n:2:ddp_cp2.yaml:--cp_size 2 $RO"
-      done ;;
+      ro_pair_and_carveouts "" "" "${CARVEOUT:-8 16}" ;;
     profile)
       P="--resolution 2048 --compile --profile_step 5"
       trainer 300 "cp1_2048_profile:1:gpu1.yaml:$P" "cp2_2048_profile:2:ddp_cp2.yaml:--cp_size 2 $P"

@@ -114,9 +114,9 @@ def main() -> None:
                 continue
             for name, seq in zip(("forward", "backward"), graphs):
                 total = sum(us for kind, us in seq if kind == "A2A")
-                exposed = 1e6 * overlap.exposed(
-                    seq, lambda n: n[0] == "A2A", lambda n: n[0] == "wait", lambda n: n[1] / 1e6, lambda n: n[1] / 1e6
-                )
+                seconds = lambda n: n[1] / 1e6  # noqa: E731
+                kinds = overlap.NodeKinds(lambda n: n[0] == "A2A", lambda n: n[0] == "wait", seconds, seconds)
+                exposed = 1e6 * overlap.exposed(seq, kinds)
                 row = {"block": kind, "overlap": choice, "graph": name, "tokens_per_rank": n_img + n_txt}
                 row.update(exchange_us=round(total, 1), exposed_us=round(exposed, 1), order=compress(seq))
                 print(

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 EXCHANGE_BYTES_PER_S = 190e9
 EXCHANGE_LATENCY_S = 15e-6
@@ -59,6 +59,15 @@ def estimate_exchange(snode, cp: int) -> float:
     return EXCHANGE_LATENCY_S + _bytes(snode) / 2 * (cp - 1) / cp / EXCHANGE_BYTES_PER_S
 
 
+class NodeKinds(NamedTuple):
+    """How the pass reads a schedule's nodes: Inductor's scheduler nodes in a compile, plain stand-ins in tests."""
+
+    is_collective: Callable[[Any], bool]
+    is_wait: Callable[[Any], bool]
+    compute_cost: Callable[[Any], float]  # seconds
+    exchange_cost: Callable[[Any], float]  # seconds
+
+
 def fill_exchanges(snodes: list, cp: int = 2) -> list:
     """Reorder Inductor scheduler nodes: after each collective, ready compute until the exchange is covered. Two
     policies are tried (take whatever is ready next; or leave a node much longer than the exchange for a later
@@ -66,11 +75,11 @@ def fill_exchanges(snodes: list, cp: int = 2) -> list:
     try:
         from torch._inductor.utils import contains_collective, contains_wait
 
-        kinds = (contains_collective, contains_wait, estimate_compute, partial(estimate_exchange, cp=cp))
-        candidates = [(snodes, 0)] + [fill(snodes, *kinds, overshoot=o) for o in OVERSHOOTS]
-        before = exposed(snodes, *kinds)
-        order, placed = min(candidates, key=lambda c: exposed(c[0], *kinds))
-        after = exposed(order, *kinds)
+        kinds = NodeKinds(contains_collective, contains_wait, estimate_compute, partial(estimate_exchange, cp=cp))
+        candidates = [(snodes, 0)] + [fill(snodes, kinds, overshoot=o) for o in OVERSHOOTS]
+        scored = [(exposed(order, kinds), order, moved) for order, moved in candidates]
+        after, order, placed = min(scored, key=lambda c: c[0])
+        before = scored[0][0]
     except Exception as e:  # Inductor's scheduler IR is internal and changes: never fail a compile over an order
         log.warning("FLUX_CP_OVERLAP=fill: kept Inductor's order (%s: %s)", type(e).__name__, e)
         return snodes
@@ -90,44 +99,31 @@ def fill_exchanges(snodes: list, cp: int = 2) -> list:
 STATS = {"graphs": 0, "placed": 0}  # what the pass did in this process (tests read it)
 
 
-def exposed(
-    order: list,
-    is_collective: Callable[[Any], bool],
-    is_wait: Callable[[Any], bool],
-    compute_cost: Callable[[Any], float],
-    exchange_cost: Callable[[Any], float],
-) -> float:
+def exposed(order: list, kinds: NodeKinds) -> float:
     """Estimated time of the exchanges with no compute beside them: compute issued between an exchange and the
     next wait runs beside it (Inductor issues one exchange after the previous one's wait)."""
     total, pending, beside = 0.0, None, 0.0
     for node in order:
-        if is_collective(node):
-            pending, beside = exchange_cost(node), 0.0
-        elif is_wait(node):
+        if kinds.is_collective(node):
+            pending, beside = kinds.exchange_cost(node), 0.0
+        elif kinds.is_wait(node):
             if pending is not None:
                 total += max(0.0, pending - beside)
             pending = None
         elif pending is not None:
-            beside += compute_cost(node)
+            beside += kinds.compute_cost(node)
     return total
 
 
-def fill(
-    nodes: list,
-    is_collective: Callable[[Any], bool],
-    is_wait: Callable[[Any], bool],
-    compute_cost: Callable[[Any], float],
-    exchange_cost: Callable[[Any], float],
-    overshoot: float | None = None,
-) -> tuple[list, int]:
+def fill(nodes: list, kinds: NodeKinds, overshoot: float | None = None) -> tuple[list, int]:
     """The order, and how many nodes moved up beside an exchange. A node is ready when every operation in its
     `ancestors` has been placed; nodes keep their order otherwise, so every dependency still comes first. With
     `overshoot`, a node longer than `overshoot` times what is left of an exchange is left for a later exchange
     (not for the graph's last one)."""
     names = [set(n.get_operation_names()) for n in nodes]
     needs = [set(n.ancestors) - own for n, own in zip(nodes, names)]  # a fused node's ancestors list its own parts
-    movable = [not (is_collective(n) or is_wait(n)) for n in nodes]
-    last = max((i for i, n in enumerate(nodes) if is_collective(n)), default=-1)
+    movable = [not (kinds.is_collective(n) or kinds.is_wait(n)) for n in nodes]
+    last = max((i for i, n in enumerate(nodes) if kinds.is_collective(n)), default=-1)
     done: set[str] = set()
     placed = [False] * len(nodes)
     order: list = []
@@ -142,9 +138,9 @@ def fill(
         if placed[i]:
             continue
         place(i)
-        if not is_collective(node):
+        if not kinds.is_collective(node):
             continue
-        budget = exchange_cost(node)
+        budget = kinds.exchange_cost(node)
         # stop near the mark rather than past it: the next exchange may need the next large node more
         enough = (1 - COVERED) * budget
         for j in range(i + 1, len(nodes)):
@@ -152,7 +148,7 @@ def fill(
                 break
             if placed[j] or not movable[j] or not needs[j] <= done:
                 continue
-            cost = compute_cost(nodes[j])
+            cost = kinds.compute_cost(nodes[j])
             if overshoot is not None and i < last and cost > overshoot * budget:
                 continue
             place(j)

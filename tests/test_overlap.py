@@ -59,13 +59,10 @@ def _schedule() -> list[Node]:
 
 
 def _fill(nodes: list[Node]) -> tuple[list[Node], int]:
-    return overlap.fill(
-        nodes,
-        lambda n: n.kind == "collective",
-        lambda n: n.kind == "wait",
-        lambda n: n.us,
-        lambda n: n.us,
+    kinds = overlap.NodeKinds(
+        lambda n: n.kind == "collective", lambda n: n.kind == "wait", lambda n: n.us, lambda n: n.us
     )
+    return overlap.fill(nodes, kinds)
 
 
 def test_fill_keeps_every_dependency_and_the_order_of_the_exchanges():
