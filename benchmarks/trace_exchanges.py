@@ -17,28 +17,18 @@ import argparse
 import bisect
 import gzip
 import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from flux_cp.profiling import intersection, length, union  # noqa: E402
 
 
 def load(path: str) -> list[dict]:
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
         return json.load(f)["traceEvents"]
-
-
-def covered(start: float, end: float, kernels: list[dict], starts: list[float]) -> float:
-    """Microseconds of [start, end] during which at least one of `kernels` (sorted by start) ran."""
-    spans = []
-    for k in kernels[bisect.bisect_left(starts, start - 50_000) :]:
-        if k["ts"] > end:
-            break
-        if k["ts"] + k["dur"] > start:
-            spans.append((max(start, k["ts"]), min(end, k["ts"] + k["dur"])))
-    total, reached = 0.0, start
-    for a, b in sorted(spans):
-        if b > reached:
-            total += b - max(a, reached)
-            reached = b
-    return total
 
 
 def analyse(events: list[dict], long_us: float = 50.0) -> dict:
@@ -48,14 +38,16 @@ def analyse(events: list[dict], long_us: float = 50.0) -> dict:
         if e.get("ph") == "X" and e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
     }
     kernels = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    # by NCCL's name only: Inductor names some compute kernels after a fused all_to_all view
     exchanges = [k for k in kernels if "nccl" in k["name"].lower() and "SendRecv" in k["name"]]
     compute = [k for k in kernels if "nccl" not in k["name"].lower()]
     starts = [k["ts"] for k in compute]
-    total = exposed = delay = 0.0
+    spans = union([(x["ts"], x["ts"] + x["dur"]) for x in exchanges])
+    total = length(spans)
+    exposed = total - intersection(spans, union([(k["ts"], k["ts"] + k["dur"]) for k in compute]))
+    delay = 0.0
     late = 0
     for x in exchanges:
-        total += x["dur"]
-        exposed += x["dur"] - covered(x["ts"], x["ts"] + x["dur"], compute, starts)
         issued = launches.get(x["args"].get("correlation"))
         if issued is None:
             continue

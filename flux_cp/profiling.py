@@ -32,7 +32,7 @@ def kernel_kind(name: str) -> str:
     return "other"
 
 
-def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     merged: list[tuple[float, float]] = []
     for a, b in sorted(intervals):
         if merged and a <= merged[-1][1]:
@@ -42,11 +42,11 @@ def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return merged
 
 
-def _length(intervals: list[tuple[float, float]]) -> float:
+def length(intervals: list[tuple[float, float]]) -> float:
     return sum(b - a for a, b in intervals)
 
 
-def _intersection(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> float:
+def intersection(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> float:
     """Length of the intersection of two sorted, disjoint interval lists."""
     total, i, j = 0.0, 0, 0
     while i < len(xs) and j < len(ys):
@@ -68,15 +68,15 @@ def summarize(events: list[dict]) -> dict:
     for e in events:
         if e.get("ph") == "X" and e.get("cat") == "kernel" and e.get("dur", 0) > 0:
             by_kind[kernel_kind(e.get("name", ""))].append((float(e["ts"]), float(e["ts"]) + float(e["dur"])))
-    everything = _union([iv for ivs in by_kind.values() for iv in ivs])
+    everything = union([iv for ivs in by_kind.values() for iv in ivs])
     if not everything:
         return {"kernels": 0}
-    compute = _union([iv for k in ("attention", "matmul", "other") for iv in by_kind[k]])
-    comm = _union(by_kind["communication"])
-    comm_ms = _length(comm) / 1e3
-    overlapped = _intersection(comm, compute) / 1e3
+    compute = union([iv for k in ("attention", "matmul", "other") for iv in by_kind[k]])
+    comm = union(by_kind["communication"])
+    comm_ms = length(comm) / 1e3
+    overlapped = intersection(comm, compute) / 1e3
     span = (everything[-1][1] - everything[0][0]) / 1e3
-    busy = _length(everything) / 1e3
+    busy = length(everything) / 1e3
     out = {"kernels": sum(len(v) for v in by_kind.values()), "span_ms": span, "busy_ms": busy, "idle_ms": span - busy}
     for k in KINDS:
         out[f"{k}_ms"] = sum(b - a for a, b in by_kind[k]) / 1e3
