@@ -24,8 +24,10 @@
 #              alone and with FLUX_CP_OVERLAP=fill
 #   lora_attn_ro  the 2048 px lora_ro pair with LoRA on the attention projections only (the layers diffusers'
 #              built-in CP trains in the anchor set), and cp=2 with FLUX_CP_SM_CARVEOUT for each of CARVEOUT (if set)
-#   carveout   the 2048 px lora_ro pair against cp=2 with matrix products leaving SMs free for the exchanges
-#              (FLUX_CP_SM_CARVEOUT, each of CARVEOUT="8 16")
+#   carveout   the 2048 px lora_ro pair against cp=2 with the matrix products launched beside an exchange leaving
+#              SMs free for it (FLUX_CP_SM_CARVEOUT, each of CARVEOUT="8 16"); with CARVE_CTAS="8 16" also each
+#              carveout with NCCL's kernels that wide (NCCL_MAX_CTAS, NCCL_MAX_P2P_NCHANNELS); with
+#              CARVE_PROFILE=N, carveout N under --compile profiled at step 5 (rank 0's trace beside the logs)
 #   profile    one step of the 2048 px one-GPU and cp=2 lora runs under --profile_step (GPU time by kernel kind,
 #              how much of the communication overlapped compute; rank 0's trace in logs.tgz), and
 #              benchmarks/probe_layouts.py (which q/k/v layouts cuDNN's attention takes, and at what speed)
@@ -138,7 +140,15 @@ for SET in "$@"; do
     lora_attn_ro)
       ro_pair_and_carveouts _attn "--lora_layers $ATTN" "${CARVEOUT:-}" ;;
     carveout)
-      ro_pair_and_carveouts "" "" "${CARVEOUT:-8 16}" ;;
+      ro_pair_and_carveouts "" "" "${CARVEOUT:-8 16}"
+      for n in ${CARVE_CTAS:-}; do  # NCCL's kernels no wider than the SMs left free
+        FLUX_CP_SM_CARVEOUT=$n NCCL_MAX_CTAS=$n NCCL_MAX_P2P_NCHANNELS=$n trainer 200 \
+          "cp2_2048_ro_carve${n}_ctas$n:2:ddp_cp2.yaml:--cp_size 2 --resolution 2048 --compile_mode reduce-overhead"
+      done
+      if [ -n "${CARVE_PROFILE:-}" ]; then
+        FLUX_CP_SM_CARVEOUT=$CARVE_PROFILE trainer 200 \
+          "cp2_2048_carve$CARVE_PROFILE:2:ddp_cp2.yaml:--cp_size 2 --resolution 2048 --compile --profile_step 5"
+      fi ;;
     profile)
       P="--resolution 2048 --compile --profile_step 5"
       trainer 300 "cp1_2048_profile:1:gpu1.yaml:$P" "cp2_2048_profile:2:ddp_cp2.yaml:--cp_size 2 $P"

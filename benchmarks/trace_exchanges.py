@@ -47,6 +47,7 @@ def analyse(events: list[dict], long_us: float = 50.0) -> dict:
     exposed = total - intersection(spans, union([(k["ts"], k["ts"] + k["dur"]) for k in compute]))
     delay = 0.0
     late = 0
+    behind: dict[str, list[float]] = {}  # the kernel each late exchange waited for: count and delay by name
     for x in exchanges:
         issued = launches.get(x["args"].get("correlation"))
         if issued is None:
@@ -62,13 +63,19 @@ def analyse(events: list[dict], long_us: float = 50.0) -> dict:
         ]
         if ahead:
             late += 1
-            delay += x["ts"] - min(k["ts"] for k in ahead)
+            first = min(ahead, key=lambda k: k["ts"])
+            delay += x["ts"] - first["ts"]
+            behind.setdefault(first["name"][:60], []).append(x["ts"] - first["ts"])
     return {
         "exchanges": len(exchanges),
         "exchange_ms": round(total / 1e3, 3),
         "exposed_ms": round(exposed / 1e3, 3),
         "late": late,
         "late_delay_ms": round(delay / 1e3, 3),
+        "late_behind": {
+            name: {"count": len(ds), "delay_ms": round(sum(ds) / 1e3, 3)}
+            for name, ds in sorted(behind.items(), key=lambda kv: -sum(kv[1]))
+        },
     }
 
 

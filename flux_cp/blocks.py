@@ -20,7 +20,9 @@ The values computed are the same either way; only which of them are kept or comp
 from __future__ import annotations
 
 import functools
+import logging
 import os
+import warnings
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
@@ -28,6 +30,8 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 import cp.ops  # noqa: F401 - registers torch.ops.flux_cp
 
 from .errors import UsageError
+
+logger = logging.getLogger("flux_cp")
 
 # Ops whose outputs a compiled, checkpointed block keeps for its backward instead of recomputing them.
 SAVED_OPS = (
@@ -85,7 +89,7 @@ def step_begins(compile_mode: str | None) -> None:
         torch.compiler.cudagraph_mark_step_begin()
 
 
-def inductor_options(mode: str | None, overlap: str, cp: int = 2) -> dict:
+def inductor_options(mode: str | None, overlap: str, cp: int = 2, sms: int = 0) -> dict:
     """Inductor options for a block: those of torch.compile's `mode`, plus the reordering that lets the CP
     exchanges overlap compute. `overlap`: "fill" (the trainer's default) starts each exchange as soon as its input
     exists and adds our own pass (flux_cp/overlap.py), which moves ready compute, such as a block's feed-forward
@@ -93,7 +97,8 @@ def inductor_options(mode: str | None, overlap: str, cp: int = 2) -> dict:
     its input exists and waits for it only where its output is first read;
     "compute" moves compute that does not need an exchange to run beside it, by Inductor's runtime estimates
     (`reorder_compute_for_overlap`); "scheduler" is Inductor's
-    estimate-driven overlap scheduler; "none" keeps the graph's order."""
+    estimate-driven overlap scheduler; "none" keeps the graph's order. `sms` > 0 adds a pass that makes the
+    products launched while an exchange is in flight leave that many SMs free for it (FLUX_CP_SM_CARVEOUT)."""
     import torch._inductor
 
     options = dict(torch._inductor.list_mode_options(mode)) if mode else {}
@@ -112,23 +117,33 @@ def inductor_options(mode: str | None, overlap: str, cp: int = 2) -> dict:
         options["aten_distributed_optimizations.enable_overlap_scheduling"] = True
     elif overlap != "none":
         raise UsageError(f"FLUX_CP_OVERLAP={overlap!r}: choose passes, fill, compute, scheduler or none")
+    if sms:
+        if overlap == "scheduler":
+            raise UsageError("FLUX_CP_SM_CARVEOUT works with the reordering passes: unset it or FLUX_CP_OVERLAP")
+        from flux_cp.overlap import carve_beside_exchanges
+
+        options["reorder_for_compute_comm_overlap"] = True
+        options["reorder_for_compute_comm_overlap_passes"] = [
+            *options.get("reorder_for_compute_comm_overlap_passes", []),
+            functools.partial(carve_beside_exchanges, sms=sms),
+        ]
     return options
 
 
-def keep_free_sms(count: str | None) -> None:
-    """FLUX_CP_SM_CARVEOUT=N: matrix products leave N streaming multiprocessors free, so that an exchange launched
-    just before a large product can start beside it instead of after it (on H200s a third of a 2048 px step's
-    exchanges waited so; 8 SMs measured no faster step, benchmarks/NOTES.md). torch's SM carveout is experimental
-    and applies to every product."""
+def sm_carveout(count: str | None) -> int:
+    """FLUX_CP_SM_CARVEOUT=N: how many streaming multiprocessors the matrix products launched beside an exchange
+    leave free for it (0: none). A product's kernel otherwise takes every SM until it ends, and an exchange that
+    becomes ready beside it waits for that end (benchmarks/probe_sms.py); the carveout lets it start at once, at
+    the cost of a slower product (5-8% with 8 of an H200's 132 SMs)."""
     if not count:
-        return
+        return 0
     try:
         n = int(count)
     except ValueError:
         n = -1
     if n < 0:
         raise UsageError(f"FLUX_CP_SM_CARVEOUT={count!r}: give a number of streaming multiprocessors, e.g. 8")
-    torch._C._set_sm_carveout_experimental(n or None)
+    return n
 
 
 def prepare_blocks(
@@ -141,14 +156,19 @@ def prepare_blocks(
     cp: int,
 ) -> None:
     """Activation checkpointing and torch.compile of every transformer block, as described above."""
-    if cp > 1:
-        keep_free_sms(os.environ.get("FLUX_CP_SM_CARVEOUT"))
+    sms = sm_carveout(os.environ.get("FLUX_CP_SM_CARVEOUT")) if cp > 1 else 0
     if not compile:
+        if sms:
+            logger.warning("FLUX_CP_SM_CARVEOUT applies to compiled blocks only (--compile or --compile_mode)")
         if gradient_checkpointing:
             transformer.enable_gradient_checkpointing()
         return
+    if sms:
+        warnings.filterwarnings("ignore", message="Setting the SM carveout")  # torch: "experimental"; docs say so
+        if torch.cuda.is_available():
+            torch.backends.cuda.preferred_blas_library("cublaslt")  # cuBLAS ignores the carveout; same kernels else
     overlap = os.environ.get("FLUX_CP_OVERLAP", "fill") if cp > 1 else "none"
-    options = inductor_options(compile_mode, overlap, cp)
+    options = inductor_options(compile_mode, overlap, cp, sms)
     for block in transformer_blocks(transformer):
         if gradient_checkpointing:
             checkpoint_inside(block, keep_attention=not recompute_attention)

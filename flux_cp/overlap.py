@@ -15,6 +15,12 @@ The cost model is ours rather than Inductor's, so that the order is the same on 
 (cp - 1) / cp of its tensor at `EXCHANGE_BYTES_PER_S` after `EXCHANGE_LATENCY_S`; compute takes its FLOPs at
 `FLOPS_PER_S` plus its memory traffic at `MEMORY_BYTES_PER_S` (H200 figures: 115-170 us measured for 26 MB per
 exchange between two GPUs, bf16 dense peak, HBM bandwidth). `benchmarks/schedule.py` prints the orders.
+
+Placing compute beside an exchange is not enough on its own: a matrix product's kernel takes every streaming
+multiprocessor (SM) until it ends, so an exchange kernel that becomes ready beside it waits for its end
+(`benchmarks/probe_sms.py`). With `FLUX_CP_SM_CARVEOUT=N`, `carve_beside_exchanges` makes the products the
+generated code launches while an exchange is in flight leave N SMs free (torch's SM carveout, which cuBLASLt honours
+and cuBLAS ignores), and no other product.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ import logging
 from collections.abc import Callable
 from functools import partial
 from typing import Any, NamedTuple
+
+import torch
 
 EXCHANGE_BYTES_PER_S = 190e9
 EXCHANGE_LATENCY_S = 15e-6
@@ -96,7 +104,7 @@ def fill_exchanges(snodes: list, cp: int = 2) -> list:
     return order
 
 
-STATS = {"graphs": 0, "placed": 0}  # what the pass did in this process (tests read it)
+STATS = {"graphs": 0, "placed": 0, "carved": 0}  # what the passes did in this process (tests read it)
 
 
 def exposed(order: list, kinds: NodeKinds) -> float:
@@ -155,3 +163,61 @@ def fill(nodes: list, kinds: NodeKinds, overshoot: float | None = None) -> tuple
             moved += 1
             budget -= cost
     return order, moved
+
+
+def carve_beside_exchanges(snodes: list, sms: int) -> list:
+    """An Inductor pass, after `fill_exchanges`: the generated code calls `exchange_started(sms)` after launching
+    each collective and `exchange_waited()` before each wait, so that the products launched in between (on the GPU,
+    beside the exchange) leave `sms` SMs free for it. The order is not changed."""
+    try:
+        from torch._inductor.utils import contains_collective, contains_wait
+
+        starts = [n for n in snodes if contains_collective(n)]
+        waits = [n for n in snodes if contains_wait(n) and not contains_collective(n)]
+        if len(starts) != len(waits):
+            raise ValueError(f"{len(starts)} collectives against {len(waits)} waits")
+        for node in starts:
+            _write_around(node, after=f"exchange_started({int(sms)})")
+        for node in waits:
+            _write_around(node, before="exchange_waited()")
+    except Exception as e:  # Inductor's scheduler IR is internal: never fail a compile over the carveout
+        log.warning("FLUX_CP_SM_CARVEOUT: no carveout in a compiled graph (%s: %s)", type(e).__name__, e)
+        return snodes
+    STATS["carved"] += len(starts)
+    return snodes
+
+
+def _write_around(snode, before: str = "", after: str = "") -> None:
+    """Make a scheduler node's code generation write a line calling `before` / `after` (calls of this module)."""
+    codegen = snode.codegen
+
+    def call(line: str) -> str:
+        return f"from flux_cp.overlap import {line.split('(')[0]}; {line}"
+
+    def with_calls(wrapper) -> None:
+        if before:
+            wrapper.writeline(call(before))
+        codegen(wrapper)
+        if after:
+            wrapper.writeline(call(after))
+
+    snode.codegen = with_calls
+
+
+_in_flight = 0  # exchanges launched and not yet waited for, as the generated code runs
+
+
+def exchange_started(sms: int) -> None:
+    """Called by compiled code after it launches an exchange: products from here leave `sms` SMs free."""
+    global _in_flight
+    _in_flight += 1
+    if _in_flight == 1:
+        torch._C._set_sm_carveout_experimental(sms or None)
+
+
+def exchange_waited() -> None:
+    """Called by compiled code before it waits for an exchange: once none is in flight, products take every SM."""
+    global _in_flight
+    _in_flight = max(0, _in_flight - 1)
+    if _in_flight == 0:
+        torch._C._set_sm_carveout_experimental(None)

@@ -111,18 +111,39 @@ def test_inductor_options_add_the_overlap_passes_to_the_compile_mode():
         inductor_options(None, "sometimes")
 
 
-def test_sm_carveout_is_set_from_the_environment_and_checked():
-    from flux_cp.blocks import keep_free_sms
+def test_sm_carveout_is_read_from_the_environment_and_checked():
+    from flux_cp.blocks import sm_carveout
+
+    assert sm_carveout(None) == 0 and sm_carveout("") == 0 and sm_carveout("0") == 0 and sm_carveout("8") == 8
+    for bad in ("-1", "eight"):
+        with pytest.raises(UsageError, match="FLUX_CP_SM_CARVEOUT=.*give a number of streaming multiprocessors"):
+            sm_carveout(bad)
+    fill, carve = inductor_options(None, "fill", cp=2, sms=8)["reorder_for_compute_comm_overlap_passes"][1:]
+    assert fill.func.__name__ == "fill_exchanges" and carve.func.__name__ == "carve_beside_exchanges"
+    assert carve.keywords == {"sms": 8}
+    (only,) = inductor_options(None, "none", sms=16)["reorder_for_compute_comm_overlap_passes"]
+    assert only.keywords == {"sms": 16}
+    with pytest.raises(UsageError, match="FLUX_CP_SM_CARVEOUT works with the reordering passes"):
+        inductor_options(None, "scheduler", sms=8)
+
+
+def test_carveout_holds_while_any_exchange_is_in_flight():
+    """The calls compiled code makes around its exchanges (flux_cp/overlap.py): the carveout is set from the first
+    exchange launched until the last one is waited for, and a stray wait does not unbalance the count."""
+    from flux_cp.overlap import exchange_started, exchange_waited
 
     try:
-        keep_free_sms(None)
+        exchange_waited()
         assert torch._C._get_sm_carveout_experimental() is None
-        keep_free_sms("8")
+        exchange_started(8)
+        exchange_started(8)
         assert torch._C._get_sm_carveout_experimental() == 8
-        keep_free_sms("0")
+        exchange_waited()
+        assert torch._C._get_sm_carveout_experimental() == 8
+        exchange_waited()
         assert torch._C._get_sm_carveout_experimental() is None
-        for bad in ("-1", "eight"):
-            with pytest.raises(UsageError, match="FLUX_CP_SM_CARVEOUT=.*give a number of streaming multiprocessors"):
-                keep_free_sms(bad)
+        exchange_started(4)
+        assert torch._C._get_sm_carveout_experimental() == 4
     finally:
-        torch._C._set_sm_carveout_experimental(None)
+        exchange_waited()
+    assert torch._C._get_sm_carveout_experimental() is None

@@ -68,9 +68,12 @@ def test_hybrid_attention_compiles_fullgraph_and_equals_eager():
 
 def _compiled_block_errors(rank: int, world: int, mode: str) -> dict:
     """A tiny Flux double block (text and image streams, RoPE, LoRA) with CP, `torch.compile(fullgraph=True)` with
-    Inductor and the FLUX_CP_OVERLAP=fill scheduling pass, against the same block in eager mode: outputs and every
-    parameter gradient (all-reduced over the group). The trainer test compiles every block with the default
-    passes (tests/test_train.py)."""
+    Inductor, the FLUX_CP_OVERLAP=fill scheduling pass and the SM carveout beside the exchanges
+    (FLUX_CP_SM_CARVEOUT=8), against the same block in eager mode: outputs and every parameter gradient
+    (all-reduced over the group); and where the generated code sets and clears the carveout. The trainer test
+    compiles every block with the default passes (tests/test_train.py)."""
+    from torch._inductor.utils import run_and_get_code
+
     from flux_cp import overlap
     from flux_cp.blocks import inductor_options
     from tests.test_cp_flux import HEADS, _inputs, _model
@@ -101,21 +104,49 @@ def _compiled_block_errors(rank: int, world: int, mode: str) -> dict:
 
     eager_out, eager_grads = run(block)
     torch._dynamo.reset()
-    options = {**inductor_options(None, "fill"), "fx_graph_cache": False}  # a cached graph skips the pass
-    compiled_out, compiled_grads = run(torch.compile(block, fullgraph=True, options=options))
+    options = {**inductor_options(None, "fill", sms=8), "fx_graph_cache": False}  # a cached graph skips the passes
+    (compiled_out, compiled_grads), codes = run_and_get_code(run, torch.compile(block, fullgraph=True, options=options))
     assert eager_grads.keys() == compiled_grads.keys() and eager_grads
     return {
         **overlap.STATS,
+        "carveout": _carveout_calls(codes),
+        "carveout_after": torch._C._get_sm_carveout_experimental(),
         "out": max(_rel(a, b) for a, b in zip(compiled_out, eager_out)),
         "grad": max(_rel(compiled_grads[n], eager_grads[n]) for n in eager_grads),
         "n_grads": len(eager_grads),
     }
 
 
+def _carveout_calls(codes: list[str]) -> dict:
+    """In generated code: whether every exchange is followed by `exchange_started(8)` and every wait preceded by
+    `exchange_waited()`, and how many products are launched in between (with the carveout set)."""
+    counts = {"exchanges": 0, "started_after_each": True, "waited_before_each": True, "products_beside": 0}
+    for code in codes:
+        lines = [line.strip() for line in code.splitlines()]
+        lines = [line for line in lines if line and not line.startswith(("#", "assert_"))]
+        carved = False
+        for i, line in enumerate(lines):
+            if "= torch.ops._c10d_functional.all_to_all_single." in line:
+                counts["exchanges"] += 1
+                counts["started_after_each"] &= lines[i + 1].endswith("exchange_started(8)")
+            elif line.startswith("torch.ops._c10d_functional.wait_tensor."):
+                counts["waited_before_each"] &= lines[i - 1].endswith("exchange_waited()")
+            elif line.endswith("exchange_started(8)"):
+                carved = True
+            elif line.endswith("exchange_waited()"):
+                carved = False
+            elif carved and "mm(" in line:
+                counts["products_beside"] += 1
+    return counts
+
+
 def test_flux_block_compiles_fullgraph_with_inductor_and_equals_eager():
     for r in distributed.run(_compiled_block_errors, 2, "ulysses", timeout=600):
         assert r["n_grads"] >= 8, r
         assert r["graphs"] == 2 and r["placed"] > 0, r  # the pass reordered the forward and the backward
+        assert r["carved"] == r["carveout"]["exchanges"] > 0, r  # both graphs' exchanges, forward and backward
+        assert r["carveout"]["started_after_each"] and r["carveout"]["waited_before_each"], r
+        assert r["carveout"]["products_beside"] > 0 and r["carveout_after"] is None, r
         assert r["out"] < 1e-5 and r["grad"] < 1e-4, r
 
 
