@@ -30,7 +30,14 @@ def test_a_product_launched_behind_an_exchange_that_ran_first_makes_it_late():
         _kernel("triton_small", 310, 50, 3),  # beside the exchange for 50 of its 100 us
     ]
     r = analyse(events)
-    assert r == {"exchanges": 1, "exchange_ms": 0.1, "exposed_ms": 0.05, "late": 1, "late_delay_ms": 0.205}
+    assert r == {
+        "exchanges": 1,
+        "exchange_ms": 0.1,
+        "exposed_ms": 0.05,
+        "late": 1,
+        "late_delay_ms": 0.205,
+        "late_behind": {"nvjet_gemm": {"count": 1, "delay_ms": 0.205}},  # the product it waited for
+    }
 
 
 def test_an_exchange_waiting_for_its_own_input_is_not_late():
@@ -41,4 +48,4 @@ def test_an_exchange_waiting_for_its_own_input_is_not_late():
         _kernel("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", 305, 100, 1),
     ]
     r = analyse(events)
-    assert r["late"] == 0 and r["exposed_ms"] == 0.1
+    assert r["late"] == 0 and r["exposed_ms"] == 0.1 and r["late_behind"] == {}
