@@ -188,8 +188,10 @@ def carve_beside_exchanges(snodes: list, sms: int) -> list:
 
 
 def _write_around(snode, before: str = "", after: str = "") -> None:
-    """Make a scheduler node's code generation write a line calling `before` / `after` (calls of this module)."""
-    codegen = snode.codegen
+    """Make a scheduler node's code generation write a line calling `before` / `after` (calls of this module).
+    The IR node's `codegen` is the one every Inductor version calls for an extern kernel."""
+    node = snode.node
+    codegen = node.codegen
 
     def call(line: str) -> str:
         return f"from flux_cp.overlap import {line.split('(')[0]}; {line}"
@@ -201,7 +203,7 @@ def _write_around(snode, before: str = "", after: str = "") -> None:
         if after:
             wrapper.writeline(call(after))
 
-    snode.codegen = with_calls
+    node.codegen = with_calls
 
 
 _in_flight = 0  # exchanges launched and not yet waited for, as the generated code runs

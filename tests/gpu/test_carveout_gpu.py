@@ -1,0 +1,86 @@
+"""FLUX_CP_SM_CARVEOUT on a GPU: in a compiled graph, the products launched while an exchange is in flight leave
+SMs free (a smaller grid), and the other products do not. One GPU: a one-rank NCCL group still puts the
+exchange and its wait into the graph, which is all the passes look at."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+from flux_cp.blocks import inductor_options
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _product_grids(sms: int, graph: bool, tmp_path) -> list[tuple[str, int]]:
+    """The name and number of blocks of each product kernel of one call, in launch order."""
+
+    def f(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor):
+        sent = funcol.all_to_all_single(x * 2, None, None, dist.group.WORLD)
+        beside = torch.nn.functional.linear(x, w2, b2)  # needs no exchange: the fill pass puts it beside one
+        after = torch.nn.functional.linear(sent, w1, b1)
+        return beside, after
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(8448, 3072, device="cuda", dtype=torch.bfloat16, generator=g)
+    w1, w2 = (torch.randn(12288, 3072, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02 for _ in "12")
+    b1, b2 = (torch.randn(12288, device="cuda", dtype=torch.bfloat16, generator=g) for _ in "12")
+    options = {**inductor_options("reduce-overhead" if graph else None, "fill", cp=2, sms=sms), "fx_graph_cache": False}
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, options=options)
+    for _ in range(3):
+        torch.compiler.cudagraph_mark_step_begin()
+        compiled(x, w1, b1, w2, b2)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        torch.compiler.cudagraph_mark_step_begin()
+        compiled(x, w1, b1, w2, b2)
+        torch.cuda.synchronize()
+    path = tmp_path / f"trace_{sms}_{graph}.json"
+    prof.export_chrome_trace(str(path))
+    events = json.loads(path.read_text())["traceEvents"]
+    kernels = sorted((e for e in events if e.get("cat") == "kernel" and "nvjet" in e["name"]), key=lambda e: e["ts"])
+    return [(e["name"], math.prod(e["args"]["grid"])) for e in kernels]
+
+
+@pytest.fixture(scope="module")
+def one_rank_group():
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(_free_port())
+    dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    yield
+    dist.destroy_process_group()
+    torch._C._set_sm_carveout_experimental(None)
+
+
+def test_only_products_beside_an_exchange_leave_sms_free(one_rank_group, tmp_path):
+    """Compiled without CUDA graphs (a graph keeps the grids it was captured with: benchmarks/probe_sms.py)."""
+    torch.backends.cuda.preferred_blas_library("cublaslt")  # as the trainer sets it with the carveout
+    try:
+        plain = _product_grids(0, False, tmp_path)
+        carved = _product_grids(8, False, tmp_path)
+    finally:
+        torch.backends.cuda.preferred_blas_library("cublas")
+    assert len(plain) == len(carved) == 2, (plain, carved)
+    (_, beside_plain), (_, after_plain) = plain  # launch order: `beside` inside the exchange, `after` past its wait
+    (_, beside_carved), (_, after_carved) = carved
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert beside_carved <= sms - 8 < beside_plain, (plain, carved)
+    assert after_carved == after_plain, (plain, carved)
+    assert torch._C._get_sm_carveout_experimental() is None
