@@ -28,7 +28,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _product_grids(sms: int, graph: bool, tmp_path) -> list[tuple[str, int]]:
+def _product_grids(sms: int, tmp_path) -> list[tuple[str, int]]:
     """The name and number of blocks of each product kernel of one call, in launch order."""
 
     def f(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor):
@@ -41,18 +41,16 @@ def _product_grids(sms: int, graph: bool, tmp_path) -> list[tuple[str, int]]:
     x = torch.randn(8448, 3072, device="cuda", dtype=torch.bfloat16, generator=g)
     w1, w2 = (torch.randn(12288, 3072, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02 for _ in "12")
     b1, b2 = (torch.randn(12288, device="cuda", dtype=torch.bfloat16, generator=g) for _ in "12")
-    options = {**inductor_options("reduce-overhead" if graph else None, "fill", cp=2, sms=sms), "fx_graph_cache": False}
+    options = {**inductor_options(None, "fill", cp=2, sms=sms), "fx_graph_cache": False}
     torch._dynamo.reset()
     compiled = torch.compile(f, fullgraph=True, options=options)
     for _ in range(3):
-        torch.compiler.cudagraph_mark_step_begin()
         compiled(x, w1, b1, w2, b2)
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        torch.compiler.cudagraph_mark_step_begin()
         compiled(x, w1, b1, w2, b2)
         torch.cuda.synchronize()
-    path = tmp_path / f"trace_{sms}_{graph}.json"
+    path = tmp_path / f"trace_{sms}.json"
     prof.export_chrome_trace(str(path))
     events = json.loads(path.read_text())["traceEvents"]
     kernels = sorted((e for e in events if e.get("cat") == "kernel" and "nvjet" in e["name"]), key=lambda e: e["ts"])
@@ -73,8 +71,8 @@ def test_only_products_beside_an_exchange_leave_sms_free(one_rank_group, tmp_pat
     """Compiled without CUDA graphs (a graph keeps the grids it was captured with: benchmarks/probe_sms.py)."""
     torch.backends.cuda.preferred_blas_library("cublaslt")  # as the trainer sets it with the carveout
     try:
-        plain = _product_grids(0, False, tmp_path)
-        carved = _product_grids(8, False, tmp_path)
+        plain = _product_grids(0, tmp_path)
+        carved = _product_grids(8, tmp_path)
     finally:
         torch.backends.cuda.preferred_blas_library("cublas")
     assert len(plain) == len(carved) == 2, (plain, carved)
