@@ -1,15 +1,16 @@
 """Turn folders of raw benchmark outputs into docs/benchmarks.md (+ PNG) and benchmarks/results/<name>.json,
 and the equivalence runs into docs/equivalence.md (+ PNG).
 
-    python benchmarks/report.py benchmarks/results/2026-11-30-h200x2-overlap \
-        benchmarks/results/2026-11-30-h200x2-layouts \
+    python benchmarks/report.py benchmarks/results/2026-12-01-h200-sms benchmarks/results/2026-12-01-h200x2-fill \
+        benchmarks/results/2026-11-30-h200x2-overlap benchmarks/results/2026-11-30-h200x2-layouts \
         benchmarks/results/2026-11-30-h200x2-profile benchmarks/results/2026-11-30-h200x2-cuda-graphs \
         benchmarks/results/2026-11-30-h200x2-saved-attention benchmarks/results/2026-11-30-h200x2-kontext \
         benchmarks/results/2026-11-30-h200x2-compiled benchmarks/results/2026-11-29-h200x2 \
         benchmarks/results/2026-11-29-h200x4
 
 Folders written by `benchmarks/run.sh` (trainer_*.json from bench_trainer.py, anchors.jsonl from diffusers'
-compiled CP, attention*.json) come first, newest first, each rendering its section: Kontext pairs, the trainer
+compiled CP, attention*.json) or holding probe_sms.py's sms.json come first, newest first, each rendering its
+section: Kontext pairs, the trainer
 with the attention benchmark, the saved-attention variants, or (any other) the newest runs with the targets. The
 others are earlier model-level runs: attention.json (bench_attention.py), model_*.json (the former
 bench_model.py), equivalence_A.jsonl / equivalence_B.jsonl (metrics of benchmarks/equivalence.sh).
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 import re
 import sys
@@ -937,8 +939,12 @@ def fill_section(folder: Path) -> list[str]:
         runs = [r for r in json.load(open(folder / f"trainer_{name}.json"))["runs"] if keep(r)]
         return steps_table(folder, 3, runs=runs, against=one_gpu)
 
+    from flux_cp.profiling import summarize
+
     prof = a["cp2_2048_fill"]["profile"]
-    trace = analyse(load(str(folder / "cp2_2048_fill.trace.json.gz")))
+    events = load(str(folder / "cp2_2048_fill.trace.json.gz"))
+    trace, summary = analyse(events), summarize(events)
+    (behind, waits), *_ = trace["late_behind"].items()
     return [
         f"## The fill pass, {folder.name}",
         "",
@@ -964,7 +970,7 @@ def fill_section(folder: Path) -> list[str]:
         "",
         "Run names: `_fill` ran with `FLUX_CP_OVERLAP=fill` (our scheduling pass, `flux_cp/overlap.py`), `_high` with "
         "`TORCH_NCCL_HIGH_PRIORITY=1` (NCCL's streams at high priority), `_carve8` with `FLUX_CP_SM_CARVEOUT=8` "
-        "(matrix products leave 8 SMs free); `cp2_2048_ro` on the first two machines with the then default "
+        "(then: every matrix product leaves 8 SMs free); `cp2_2048_ro` on the first two machines with the then default "
         "(`FLUX_CP_OVERLAP=passes`).",
         "",
         f"- `fill` against `passes`: {faster(a['cp2_2048_ro_fill'], a['cp2_2048_ro'])} on the first machine; "
@@ -983,14 +989,80 @@ def fill_section(folder: Path) -> list[str]:
         f"for the exchanges: {faster(c['cp2_2048_ro_attn_carve8'], c['cp2_2048_ro_attn'])}, no gain.",
         f"- Profiled at step 5 with `fill` (`--compile`, {a['cp2_2048_fill']['s_per_step']:.3f} s/step): "
         f"{prof['rank0']['communication_exposed_ms']:.0f} / {prof['rank1']['communication_exposed_ms']:.0f} ms of "
-        "NCCL time per step with no compute beside it (ranks 0 / 1; 65 / 89 ms with `compute` in the next section). "
-        f"Rank 0's trace (`python benchmarks/trace_exchanges.py {rel}/cp2_2048_fill.trace.json.gz`): "
+        "communication per step with no compute beside it by the summaries the run wrote (ranks 0 / 1; 65 / 89 ms "
+        "with `compute` in the next section). Those summaries counted Inductor kernels named after a fused "
+        "`all_to_all` view as communication; rank 0's, recomputed from its trace with that corrected "
+        f"(`python -m flux_cp.profiling {rel}/cp2_2048_fill.trace.json.gz`): "
+        f"{summary['communication_exposed_ms']:.1f} of {summary['communication_ms']:.1f} ms exposed. "
+        f"Rank 0's exchanges (`python benchmarks/trace_exchanges.py {rel}/cp2_2048_fill.trace.json.gz`): "
         f"{trace['exchanges']} exchange kernels, {trace['exchange_ms']:.1f} ms, {trace['exposed_ms']:.1f} ms of it "
         f"with no compute kernel beside; {trace['late']} of them began only when a compute kernel of more than 50 us "
-        f"that the host launched after them had run ({trace['late_delay_ms']:.1f} ms of delay in all): the exchange "
-        "was issued first and its input was ready, which points to the matrix product behind it holding every "
-        "streaming multiprocessor until it ended. The pass orders the launches on the host; on the GPU a large "
-        "product launched right behind an exchange can still run first.",
+        f"that the host launched after them had run ({trace['late_delay_ms']:.1f} ms of delay in all), "
+        f"{waits['count']} of them behind `{behind}` (a product with bias, the kernel of the probe's up-projection "
+        "with bias above): the exchange "
+        "was issued first and its input was ready, yet the product behind it held every streaming multiprocessor "
+        "until it ended (measured on one GPU in the section above). The pass orders the launches on the host; on "
+        "the GPU a large product launched right behind an exchange still runs first.",
+        "",
+    ]
+
+
+def sms_section(folder: Path) -> list[str]:
+    """benchmarks/probe_sms.py: whether a kernel on a side stream starts beside a product or the attention."""
+    doc = json.load(open(folder / "sms.json"))
+    rel = folder.relative_to(ROOT)
+    rows = doc["rows"]
+
+    def pick(**want) -> list[dict]:
+        return [r for r in rows if all(r[k] == v for k, v in want.items())]
+
+    def us(x: float) -> str:
+        return f"{x:,.0f}"
+
+    def grid(r: dict) -> int:
+        return max(math.prod(json.loads(g)) for g in r["P_grid"])
+
+    names = {"up_bias": "up-projection, bias", "up": "up-projection", "down": "down-projection"}
+    table = [
+        "| P | BLAS | SMs left free | side kernel starts after its event (us) | P (us) | P's grid (blocks) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in pick(probe="elementwise", graph=False, high_priority=False):
+        blocks = " / ".join(str(math.prod(json.loads(g))) for g in r["P_grid"])
+        name = names.get(r["product"], "cuDNN attention forward, 12 heads, twice the tokens")
+        table.append(
+            f"| {name} | {r['blas']} | {r['carveout'] or '-'} | {us(r['delay_us_median'])} | "
+            f"{us(r['P_us_median'])} | {blocks} |"
+        )
+    copies = pick(probe="copy", graph=False)
+    held = [r["delay_us_median"] for r in copies if grid(r) == doc["sms"]]  # P took every SM
+    freed = [r["delay_us_median"] for r in copies if grid(r) < doc["sms"]]
+    tokens = int(re.search(r"--tokens (\d+)", doc["command"]).group(1))
+    graphs = pick(graph=True)
+    (high,) = pick(high_priority=True)
+    return [
+        f"## Why exchanges wait for products, {folder.name}",
+        "",
+        f"Measured on one {doc['device']} ({doc['sms']} SMs), torch {doc['torch']}, CUDA {doc['cuda']}. Command: "
+        f"`{doc['command']}` (raw: `{rel}/`). On the main stream a product, an event, then the product P; on a side "
+        "stream, waiting for that event and launched by the host before P, a small elementwise kernel (like NCCL's "
+        f"exchange kernel, it needs a free SM). Rows of {rows[0]['trials']} trials, medians; P has "
+        f"{tokens:,} rows (one rank's tokens at 2048 px, cp=2) "
+        "of FLUX.1's feed-forward, "
+        "the SM carveout set around P only.",
+        "",
+        *table,
+        "",
+        f"- A device-to-device copy on the side stream waits the same way ({us(min(held))} to {us(max(held))} us "
+        f"when P took every SM, at most {max(freed):.0f} us when it left some free): on one GPU it runs as a kernel. "
+        f"The side stream at high priority: {us(high['delay_us_median'])} us, no change. A product with bias runs "
+        "through cuBLASLt whichever library is preferred.",
+        "- Captured in a CUDA graph, P keeps the grid of its capture: "
+        + ", ".join(f"{r['carveout'] or 'no'} SMs free: {r['P_grid'][0]}" for r in graphs)
+        + ".",
+        "- So: a kernel that becomes ready beside a product (or cuDNN's attention) starts when it ends, whatever "
+        "order the host launched them in, unless the product leaves SMs free; cuBLAS ignores the carveout (products "
+        "without bias, by default), cuBLASLt honours it.",
         "",
     ]
 
@@ -1288,9 +1360,12 @@ def main(argv: list[str]) -> int:
     folders = [Path(a).resolve() for a in argv]
     lead: list[str] = []
     trainer_folders = []
-    while folders and is_trainer_folder(folders[0]):
+    while folders and (is_trainer_folder(folders[0]) or (folders[0] / "sms.json").is_file()):
         trainer_folders.append(folders.pop(0))
     for folder in trainer_folders:
+        if (folder / "sms.json").is_file():
+            lead += sms_section(folder)
+            continue
         if "profile" in folder.name:  # rendered inside the layouts section
             continue
         if "fill" in folder.name:

@@ -1,7 +1,8 @@
 """`--profile_step N`: a torch.profiler trace of one training step, and what it says about the GPU's time.
 
 Each rank writes `OUTPUT_DIR/profile/rank{R}.json` (a Chrome trace: chrome://tracing or ui.perfetto.dev) and
-`rank{R}_summary.json`; the main rank logs its summary. The summary splits the step's GPU time into kernels of
+`rank{R}_summary.json`; the main rank logs its summary. `python -m flux_cp.profiling TRACE` prints the summary of
+a trace (.json or .json.gz). The summary splits the step's GPU time into kernels of
 each kind (attention, matrix products, communication, the rest) and says how much of the communication ran
 while a compute kernel ran beside it: communication not overlapped is time CP adds to the step.
 """
@@ -9,8 +10,10 @@ while a compute kernel ran beside it: communication not overlapped is time CP ad
 from __future__ import annotations
 
 import contextlib
+import gzip
 import json
 import logging
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,7 +26,9 @@ KINDS = ("attention", "matmul", "communication", "other")
 
 def kernel_kind(name: str) -> str:
     n = name.lower()
-    if "nccl" in n or "all_to_all" in n or "sendrecv" in n:
+    if n.startswith("triton_"):  # Inductor's kernels, some named after a fused all_to_all view: compute
+        return "matmul" if n.startswith("triton_tem_") and "mm" in n else "other"
+    if "nccl" in n:
         return "communication"
     if any(s in n for s in ("fmha", "flash", "cudnn", "sdpa", "attention")):
         return "attention"
@@ -109,3 +114,14 @@ def profiled(active: bool, output_dir: str, rank: int, is_main: bool) -> Iterato
             logger.info("profile of this step: %s (trace: %s)", json.dumps(summary), trace)
         else:  # a CPU run: the trace holds the operators, there are no GPU kernels to sum up
             logger.info("profile of this step: no GPU kernels in it (trace: %s)", trace)
+
+
+def main(argv: list[str] | None = None) -> None:
+    for path in argv if argv is not None else sys.argv[1:]:
+        opener = gzip.open if path.endswith(".gz") else open
+        with opener(path, "rt") as f:
+            print(json.dumps({"trace": path, **summarize(json.load(f).get("traceEvents", []))}))
+
+
+if __name__ == "__main__":
+    main()

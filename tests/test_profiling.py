@@ -16,6 +16,9 @@ def test_kernel_kinds():
     assert kernel_kind("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3") == "attention"
     assert kernel_kind("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNT") == "matmul"
     assert kernel_kind("triton_poi_fused_add_mul_0") == "other"
+    # Inductor names some compute kernels after a fused all_to_all view: they are not communication
+    assert kernel_kind("triton_poi_fused__fused_rms_norm__to_copy__unsafe_view_add_all_to_all_single_clone") == "other"
+    assert kernel_kind("triton_tem_fused_mm_3") == "matmul"
 
 
 def test_summary_counts_overlap_idle_and_kinds():
