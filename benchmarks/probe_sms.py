@@ -14,7 +14,9 @@ down-projection), through cuBLAS and through cuBLASLt (`torch.backends.cuda.pref
 carveout set around P only (`torch._C._set_sm_carveout_experimental`, the knob behind FLUX_CP_SM_CARVEOUT); the
 same captured in a CUDA graph; the side stream at high priority; and cuDNN's attention forward over twice as many
 tokens with 12 heads (Ulysses at cp=2). Per case: the probe's start after A's end (`delay_us_median`), how often it
-started in P's first half, P's duration, grid and kernel. Prints each case and writes one JSON document.
+started in P's first half, P's duration, grid and kernel. And the other order (`head_start`): a kernel holding 32
+SMs (a product with the rest carved out, standing in for NCCL's exchange kernel of 32 blocks) ready just before
+P: how much later P ends than alone. Prints each case and writes one JSON document.
 """
 
 from __future__ import annotations
@@ -35,8 +37,21 @@ def kernels(trace_path: str) -> list[dict]:
     return sorted(out, key=lambda e: e["ts"])
 
 
+def is_sleep(kernel: dict) -> bool:  # the long torch.cuda._sleep kernel where each trial begins
+    name = kernel["name"].lower()
+    return ("sleep" in name or "spin" in name) and kernel["dur"] > 200
+
+
 def trial_set(
-    product: str, blas: str, carveout: int, probe: str, high_priority: bool, graph: bool, tokens: int, repeat: int
+    product: str,
+    blas: str,
+    carveout: int,
+    probe: str,
+    high_priority: bool,
+    graph: bool,
+    lead: int,
+    tokens: int,
+    repeat: int,
 ) -> dict:
     dev = torch.device("cuda")
     torch.backends.cuda.preferred_blas_library(blas)
@@ -74,6 +89,8 @@ def trial_set(
         with torch.cuda.stream(side):
             side.wait_event(ready)
             probe_op()
+        if lead:  # a short kernel ahead of P: the side kernel is ready a moment before P
+            torch.cuda._sleep(lead)
         torch._C._set_sm_carveout_experimental(carveout or None)
         product_op()  # P
         torch._C._set_sm_carveout_experimental(None)
@@ -99,7 +116,7 @@ def trial_set(
         prof.export_chrome_trace(path)
         ks = kernels(path)
     main_id = None
-    sleeps = [i for i, k in enumerate(ks) if "sleep" in k["name"].lower() or "spin" in k["name"].lower()]
+    sleeps = [i for i, k in enumerate(ks) if is_sleep(k)]
     if sleeps:
         main_id = ks[sleeps[0]]["args"].get("stream")
     delays, p_durs, beside, grids, names, probe_names = [], [], [], set(), set(), set()
@@ -128,6 +145,7 @@ def trial_set(
         "probe": probe,
         "high_priority": high_priority,
         "graph": graph,
+        "lead_cycles": lead,
         "trials": len(p_durs),
         "probe_kernels_seen": len(delays),
         "delay_us_median": statistics.median(delays) if delays else None,
@@ -139,30 +157,107 @@ def trial_set(
     }
 
 
+def head_start(product: str, blocker_sms: int, tokens: int, repeat: int) -> dict:
+    """The other order: a kernel holding `blocker_sms` SMs (a product with the rest carved out, standing in for
+    NCCL's exchange kernel) becomes ready a few microseconds before P. Does P then end later by the blocker's
+    whole length (its blocks wait for the SMs the blocker holds), or only by the blocker's share of the GPU?"""
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(tokens, 3072, device=dev, dtype=torch.bfloat16, generator=g)
+    w = torch.randn(12288, 3072, device=dev, dtype=torch.bfloat16, generator=g) * 0.02
+    b = torch.randn(12288, device=dev, dtype=torch.bfloat16, generator=g)
+    xb = torch.randn(1024, 3072, device=dev, dtype=torch.bfloat16, generator=g)
+    q, k, v = (torch.randn(1, 12, 2 * tokens, 128, device=dev, dtype=torch.bfloat16, generator=g) for _ in "qkv")
+    small = torch.zeros(4096, device=dev)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    side, main = torch.cuda.Stream(), torch.cuda.current_stream()
+
+    def product_op() -> torch.Tensor:
+        if product == "attention":
+            with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return torch.nn.functional.linear(x, w, b)
+
+    def one(blocked: bool) -> None:
+        torch.cuda._sleep(2_000_000)
+        torch.nn.functional.linear(x, w, b)  # A
+        ready = torch.cuda.Event()
+        ready.record(main)
+        if blocked:
+            with torch.cuda.stream(side):
+                side.wait_event(ready)
+                torch._C._set_sm_carveout_experimental(sms - blocker_sms)
+                torch.nn.functional.linear(xb, w, b)
+                torch._C._set_sm_carveout_experimental(None)
+        small.add_(1.0)  # a few microseconds: the blocker is ready first
+        product_op()  # P
+        main.wait_stream(side)
+
+    out: dict = {"product": product, "blocker_sms": blocker_sms}
+    for blocked in (False, True):
+        for _ in range(3):
+            one(blocked)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(repeat):
+                one(blocked)
+            torch.cuda.synchronize()
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "trace.json")
+            prof.export_chrome_trace(path)
+            ks = kernels(path)
+        sleeps = [i for i, kern in enumerate(ks) if is_sleep(kern)]
+        main_id = ks[sleeps[0]]["args"].get("stream")
+        ends, durs, blockers = [], [], []
+        for n, s0 in enumerate(sleeps):
+            group = ks[s0 + 1 : sleeps[n + 1] if n + 1 < len(sleeps) else len(ks)]
+            on_main = [kern for kern in group if kern["args"].get("stream") == main_id]
+            a, p = on_main[0], on_main[-1]
+            ends.append(p["ts"] + p["dur"] - (a["ts"] + a["dur"]))
+            durs.append(p["dur"])
+            blockers += [kern["dur"] for kern in group if kern["args"].get("stream") != main_id]
+        key = "blocked" if blocked else "alone"
+        out[f"P_end_after_A_us_{key}"] = statistics.median(ends)
+        out[f"P_us_{key}"] = statistics.median(durs)
+        if blockers:
+            out["blocker_us"] = statistics.median(blockers)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
     p.add_argument("--tokens", type=int, default=8448, help="rows of the product: one rank's tokens at 2048 px, cp=2")
     p.add_argument("--repeat", type=int, default=10)
     p.add_argument("--carveouts", default="0,8,16")
+    p.add_argument("--parts", default="rows,lead,head_start", help="which experiments: rows, lead, head_start")
     args = p.parse_args()
     torch.cuda.set_device(0)
     rows = []
     carveouts = [int(c) for c in args.carveouts.split(",")]
     cases = [
-        (product, blas, carveout, probe, False, False)
+        (product, blas, carveout, probe, False, False, 0)
         for product in ("up_bias", "up", "down")
         for blas in ("cublas", "cublaslt")
         for carveout in carveouts
         for probe in ("elementwise", "copy")
     ]
-    cases += [("up", "cublaslt", c, "elementwise", False, True) for c in carveouts]  # CUDA graph
-    cases += [("up", "cublas", 0, "elementwise", True, False)]  # side stream at high priority
-    cases += [("attention", "cublas", 0, probe, False, False) for probe in ("elementwise", "copy")]
-    for case in cases:
+    cases += [("up", "cublaslt", c, "elementwise", False, True, 0) for c in carveouts]  # CUDA graph
+    cases += [("up", "cublas", 0, "elementwise", True, False, 0)]  # side stream at high priority
+    cases += [("attention", "cublas", 0, probe, False, False, 0) for probe in ("elementwise", "copy")]
+    leads = [
+        (product, "cublas", 0, "elementwise", False, False, lead)
+        for product in ("up_bias", "attention")
+        for lead in (1000, 4000)
+    ]
+    for case in (cases if "rows" in args.parts else []) + (leads if "lead" in args.parts else []):
         row = trial_set(*case, args.tokens, args.repeat)
         print(json.dumps(row), flush=True)
         rows.append(row)
+    first = []
+    for product in ("up_bias", "attention") if "head_start" in args.parts else ():
+        first.append(head_start(product, 32, args.tokens, args.repeat))
+        print(json.dumps(first[-1]), flush=True)
     doc = {
         "command": "python benchmarks/probe_sms.py " + " ".join(f"--{k} {v}" for k, v in vars(args).items()),
         "device": torch.cuda.get_device_name(),
@@ -171,6 +266,7 @@ def main() -> None:
         "cuda": torch.version.cuda,
         "nccl": ".".join(map(str, torch.cuda.nccl.version())),
         "rows": rows,
+        "head_start": first,
     }
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=1)

@@ -1019,19 +1019,30 @@ def sms_section(folder: Path) -> list[str]:
     def us(x: float) -> str:
         return f"{x:,.0f}"
 
+    def blocked(h: dict) -> str:
+        later = h["P_end_after_A_us_blocked"] - h["P_end_after_A_us_alone"]
+        share = h["blocker_us"] * h["blocker_sms"] / doc["sms"]
+        name = names.get(h["product"], "the attention")
+        return (
+            f"{name}: P ends {us(later)} us later than alone ({us(h['P_us_alone'])} us) beside a blocker of "
+            f"{us(h['blocker_us'])} us, whose share of the GPU is {us(share)} us"
+        )
+
     def grid(r: dict) -> int:
         return max(math.prod(json.loads(g)) for g in r["P_grid"])
 
-    names = {"up_bias": "up-projection, bias", "up": "up-projection", "down": "down-projection"}
+    names = {"up_bias": "up-projection, bias", "up": "up-projection", "down": "down-projection"}  # P's shapes
     table = [
-        "| P | BLAS | SMs left free | side kernel starts after its event (us) | P (us) | P's grid (blocks) |",
-        "|---|---|---|---|---|---|",
+        "| P | BLAS | SMs left free | ahead of P | side kernel starts after its event (us) | P (us) | P's grid "
+        "(blocks) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in pick(probe="elementwise", graph=False, high_priority=False):
         blocks = " / ".join(str(math.prod(json.loads(g))) for g in r["P_grid"])
         name = names.get(r["product"], "cuDNN attention forward, 12 heads, twice the tokens")
+        lead = f"{r['lead_cycles']:,}-cycle kernel" if r.get("lead_cycles") else "-"
         table.append(
-            f"| {name} | {r['blas']} | {r['carveout'] or '-'} | {us(r['delay_us_median'])} | "
+            f"| {name} | {r['blas']} | {r['carveout'] or '-'} | {lead} | {us(r['delay_us_median'])} | "
             f"{us(r['P_us_median'])} | {blocks} |"
         )
     copies = pick(probe="copy", graph=False)
@@ -1060,9 +1071,15 @@ def sms_section(folder: Path) -> list[str]:
         "- Captured in a CUDA graph, P keeps the grid of its capture: "
         + ", ".join(f"{r['carveout'] or 'no'} SMs free: {r['P_grid'][0]}" for r in graphs)
         + ".",
-        "- So: a kernel that becomes ready beside a product (or cuDNN's attention) starts when it ends, whatever "
-        "order the host launched them in, unless the product leaves SMs free; cuBLAS ignores the carveout (products "
-        "without bias, by default), cuBLASLt honours it.",
+        "- The other order (`head_start`): a kernel holding 32 SMs (a product with the rest carved out, standing in "
+        "for NCCL's 32-block exchange kernel) ready just before P. "
+        + "; ".join(map(blocked, doc.get("head_start", [])))
+        + ". P takes the SMs as the blocker frees them: a kernel that starts first costs the product about its share "
+        "and the attention about twice it; waiting for P instead costs the exchange P's whole length.",
+        "- So: a kernel that becomes ready together with a product (or cuDNN's attention) starts when that ends, "
+        "even when the host launched it first, unless the product leaves SMs free (cuBLAS ignores the carveout, "
+        "which products without bias use by default; cuBLASLt honours it) or a tiny kernel ahead of P lets it be "
+        "dispatched first; then it runs beside P.",
         "",
     ]
 

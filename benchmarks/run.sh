@@ -27,7 +27,13 @@
 #   carveout   the 2048 px lora_ro pair against cp=2 with the matrix products launched beside an exchange leaving
 #              SMs free for it (FLUX_CP_SM_CARVEOUT, each of CARVEOUT="8 16"); with CARVE_CTAS="8 16" also each
 #              carveout with NCCL's kernels that wide (NCCL_MAX_CTAS, NCCL_MAX_P2P_NCHANNELS); with
-#              CARVE_PROFILE=N, carveout N under --compile profiled at step 5 (rank 0's trace beside the logs)
+#              CARVE_PROFILE=N, carveout N under --compile profiled at step 5 (rank 0's trace beside the logs);
+#              NO_PAIR=1 skips the pair and CARVEOUT (to split the set over two calls)
+#   first      the 2048 px lora_ro pair against cp=2 with FLUX_CP_EXCHANGE_FIRST=1 (each exchange kernel dispatched
+#              before the compute launched behind it), alone and with each SM carveout of CARVEOUT (if set);
+#              NO_PAIR=1 skips the pair
+#   attention_first  benchmarks/bench_attention.py eager, 16,896 and 66,048 tokens, Ulysses in ATTENTION_CHUNKS
+#              (default "1 2 4") head chunks, with FLUX_CP_EXCHANGE_FIRST=0 and =1
 #   profile    one step of the 2048 px one-GPU and cp=2 lora runs under --profile_step (GPU time by kernel kind,
 #              how much of the communication overlapped compute; rank 0's trace in logs.tgz), and
 #              benchmarks/probe_layouts.py (which q/k/v layouts cuDNN's attention takes, and at what speed)
@@ -140,7 +146,9 @@ for SET in "$@"; do
     lora_attn_ro)
       ro_pair_and_carveouts _attn "--lora_layers $ATTN" "${CARVEOUT:-}" ;;
     carveout)
-      ro_pair_and_carveouts "" "" "${CARVEOUT:-8 16}"
+      if [ -z "${NO_PAIR:-}" ]; then
+        ro_pair_and_carveouts "" "" "${CARVEOUT-8 16}"
+      fi
       for n in ${CARVE_CTAS:-}; do  # NCCL's kernels no wider than the SMs left free
         FLUX_CP_SM_CARVEOUT=$n NCCL_MAX_CTAS=$n NCCL_MAX_P2P_NCHANNELS=$n trainer 200 \
           "cp2_2048_ro_carve${n}_ctas$n:2:ddp_cp2.yaml:--cp_size 2 --resolution 2048 --compile_mode reduce-overhead"
@@ -149,6 +157,21 @@ for SET in "$@"; do
         FLUX_CP_SM_CARVEOUT=$CARVE_PROFILE trainer 200 \
           "cp2_2048_carve$CARVE_PROFILE:2:ddp_cp2.yaml:--cp_size 2 --resolution 2048 --compile --profile_step 5"
       fi ;;
+    first)
+      RO="--resolution 2048 --compile_mode reduce-overhead"
+      if [ -z "${NO_PAIR:-}" ]; then
+        trainer 300 "cp1_2048_ro:1:gpu1.yaml:$RO" "cp2_2048_ro:2:ddp_cp2.yaml:--cp_size 2 $RO"
+      fi
+      FLUX_CP_EXCHANGE_FIRST=1 trainer 200 "cp2_2048_ro_first:2:ddp_cp2.yaml:--cp_size 2 $RO"
+      for n in ${CARVEOUT:-}; do
+        FLUX_CP_EXCHANGE_FIRST=1 FLUX_CP_SM_CARVEOUT=$n trainer 200 "cp2_2048_ro_first_carve$n:2:ddp_cp2.yaml:--cp_size 2 $RO"
+      done ;;
+    attention_first)
+      for f in 0 1; do
+        FLUX_CP_EXCHANGE_FIRST=$f timeout 200 torchrun --nproc_per_node 2 benchmarks/bench_attention.py \
+          --tokens 16896 66048 --ulysses_chunks ${ATTENTION_CHUNKS:-1 2 4} --out "$OUT/attention_first$f.json" 2>&1 \
+          | grep -E "^tokens" || echo "attention_first $f exit $?"
+      done ;;
     profile)
       P="--resolution 2048 --compile --profile_step 5"
       trainer 300 "cp1_2048_profile:1:gpu1.yaml:$P" "cp2_2048_profile:2:ddp_cp2.yaml:--cp_size 2 $P"
@@ -192,7 +215,7 @@ for SET in "$@"; do
       if [ "$N" -ge 8 ]; then OUT=$OUT bash benchmarks/equivalence.sh 4 200
       elif [ "$N" -ge 4 ]; then OUT=$OUT bash benchmarks/equivalence.sh 2 200
       else echo "equivalence: needs 4 or 8 GPUs, skipped"; fi ;;
-    *) echo "error: unknown set $SET (check, check_attention, check_model, lora, lora_attn, kontext, anchor, lora_ro, variants, overlap, fill, priority, lora_attn_ro, carveout, profile, chunks, full, ring, lora4096, big, attention, equivalence)"; exit 2 ;;
+    *) echo "error: unknown set $SET (check, check_attention, check_model, lora, lora_attn, kontext, anchor, lora_ro, variants, overlap, fill, priority, lora_attn_ro, carveout, first, attention_first, profile, chunks, full, ring, lora4096, big, attention, equivalence)"; exit 2 ;;
   esac
 done
 tar czf "$OUT/logs.tgz" -C "$TMP" logs

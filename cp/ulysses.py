@@ -4,7 +4,10 @@ Ulysses block, and the inner attention is a ring across the blocks.
 
 Plain Ulysses can be pipelined over head chunks (FLUX_CP_ULYSSES_CHUNKS > 1): the all-to-all of chunk c+1
 (and the return of chunk c-1) then run on the communication stream while chunk c is computed, in forward
-and in backward. One chunk is the default (see `_chunks`).
+and in backward. One chunk is the default (see `_chunks`). On a GPU a chunk's exchange and the previous
+chunk's attention kernel become ready at the same moment, and the attention kernel, which takes every SM,
+would run first; with FLUX_CP_EXCHANGE_FIRST=1 the stream yields a moment after each launch and wait of an
+exchange (`comm.head_start`) so that the exchange starts first and runs beside it.
 
 Input/output layout `[batch, seq_local, heads, head_dim]`; the attention kernels get
 `[batch, heads/u, seq_local * u, head_dim]`, contiguous.
@@ -23,7 +26,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from . import kernels
-from .comm import all_to_all
+from .comm import all_to_all, exchange_first, head_start
 from .ring import ring_attention
 
 Tensor = torch.Tensor
@@ -86,7 +89,16 @@ def _recv_to_seq(buf: Tensor, out: list[Tensor], heads: slice) -> None:
 
 def _a2a(send: Tensor, group: dist.ProcessGroup):
     recv = torch.empty_like(send)
-    return recv, dist.all_to_all_single(recv, send, group=group, async_op=True)
+    work = dist.all_to_all_single(recv, send, group=group, async_op=True)
+    if exchange_first():
+        head_start()
+    return recv, work
+
+
+def _wait(work) -> None:
+    work.wait()
+    if exchange_first():  # the next chunk's exchange may be ready now too: let it start before the kernel
+        head_start()
 
 
 def _chunks(heads: int, u: int) -> int:
@@ -115,7 +127,7 @@ class UlyssesAttention(torch.autograd.Function):
             recv, work = pending_in
             if i + 1 < c:  # next chunk's exchange runs while this chunk is computed
                 pending_in = _a2a(_send_buffer([t[:, :, heads[i + 1]] for t in (q, k, v)], u), group)
-            work.wait()
+            _wait(work)
             qh, kh, vh = _recv_to_heads(recv)
             o, lse, kernel, aux = kernels.forward(qh, kh, vh, scale)
             o = o.to(q.dtype)
@@ -140,7 +152,7 @@ class UlyssesAttention(torch.autograd.Function):
             recv, work = pending_in
             if i + 1 < len(heads):
                 pending_in = _a2a(_send_buffer([dout[:, :, heads[i + 1]]], u), group)
-            work.wait()
+            _wait(work)
             (doh,) = _recv_to_heads(recv)
             qh, kh, vh, o, lse = saved[5 * i : 5 * i + 5]
             grads = kernels.backward(ctx.kernel, doh, qh, kh, vh, o, lse, ctx.scale, ctx.aux)

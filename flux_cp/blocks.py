@@ -28,6 +28,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import cp.ops  # noqa: F401 - registers torch.ops.flux_cp
+from cp.comm import exchange_first
 
 from .errors import UsageError
 
@@ -89,7 +90,7 @@ def step_begins(compile_mode: str | None) -> None:
         torch.compiler.cudagraph_mark_step_begin()
 
 
-def inductor_options(mode: str | None, overlap: str, cp: int = 2, sms: int = 0) -> dict:
+def inductor_options(mode: str | None, overlap: str, cp: int = 2, sms: int = 0, first: bool = False) -> dict:
     """Inductor options for a block: those of torch.compile's `mode`, plus the reordering that lets the CP
     exchanges overlap compute. `overlap`: "fill" (the trainer's default) starts each exchange as soon as its input
     exists and adds our own pass (flux_cp/overlap.py), which moves ready compute, such as a block's feed-forward
@@ -97,8 +98,10 @@ def inductor_options(mode: str | None, overlap: str, cp: int = 2, sms: int = 0) 
     its input exists and waits for it only where its output is first read;
     "compute" moves compute that does not need an exchange to run beside it, by Inductor's runtime estimates
     (`reorder_compute_for_overlap`); "scheduler" is Inductor's
-    estimate-driven overlap scheduler; "none" keeps the graph's order. `sms` > 0 adds a pass that makes the
-    products launched while an exchange is in flight leave that many SMs free for it (FLUX_CP_SM_CARVEOUT)."""
+    estimate-driven overlap scheduler; "none" keeps the graph's order. `sms` > 0 and `first` add a pass that
+    makes the products launched while an exchange is in flight leave that many SMs free for it
+    (FLUX_CP_SM_CARVEOUT), and lets each exchange kernel start before the compute behind it
+    (FLUX_CP_EXCHANGE_FIRST)."""
     import torch._inductor
 
     options = dict(torch._inductor.list_mode_options(mode)) if mode else {}
@@ -117,15 +120,18 @@ def inductor_options(mode: str | None, overlap: str, cp: int = 2, sms: int = 0) 
         options["aten_distributed_optimizations.enable_overlap_scheduling"] = True
     elif overlap != "none":
         raise UsageError(f"FLUX_CP_OVERLAP={overlap!r}: choose passes, fill, compute, scheduler or none")
-    if sms:
+    if sms or first:
         if overlap == "scheduler":
-            raise UsageError("FLUX_CP_SM_CARVEOUT works with the reordering passes: unset it or FLUX_CP_OVERLAP")
-        from flux_cp.overlap import carve_beside_exchanges
+            raise UsageError(
+                "FLUX_CP_SM_CARVEOUT and FLUX_CP_EXCHANGE_FIRST work with the reordering passes: unset them or "
+                "FLUX_CP_OVERLAP"
+            )
+        from flux_cp.overlap import around_exchanges
 
         options["reorder_for_compute_comm_overlap"] = True
         options["reorder_for_compute_comm_overlap_passes"] = [
             *options.get("reorder_for_compute_comm_overlap_passes", []),
-            functools.partial(carve_beside_exchanges, sms=sms),
+            functools.partial(around_exchanges, sms=sms, first=first),
         ]
     return options
 
@@ -157,6 +163,10 @@ def prepare_blocks(
 ) -> None:
     """Activation checkpointing and torch.compile of every transformer block, as described above."""
     sms = sm_carveout(os.environ.get("FLUX_CP_SM_CARVEOUT")) if cp > 1 else 0
+    try:
+        first = exchange_first() if cp > 1 else False  # eager, cp/ulysses.py reads it on each call
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     if not compile:
         if sms:
             logger.warning("FLUX_CP_SM_CARVEOUT applies to compiled blocks only (--compile or --compile_mode)")
@@ -168,7 +178,7 @@ def prepare_blocks(
         if torch.cuda.is_available():
             torch.backends.cuda.preferred_blas_library("cublaslt")  # cuBLAS ignores the carveout; same kernels else
     overlap = os.environ.get("FLUX_CP_OVERLAP", "fill") if cp > 1 else "none"
-    options = inductor_options(compile_mode, overlap, cp, sms)
+    options = inductor_options(compile_mode, overlap, cp, sms, first)
     for block in transformer_blocks(transformer):
         if gradient_checkpointing:
             checkpoint_inside(block, keep_attention=not recompute_attention)

@@ -17,9 +17,11 @@ The cost model is ours rather than Inductor's, so that the order is the same on 
 exchange between two GPUs, bf16 dense peak, HBM bandwidth). `benchmarks/schedule.py` prints the orders.
 
 Placing compute beside an exchange is not enough on its own: a matrix product's kernel takes every streaming
-multiprocessor (SM) until it ends, so an exchange kernel that becomes ready beside it waits for its end
-(`benchmarks/probe_sms.py`). With `FLUX_CP_SM_CARVEOUT=N`, `carve_beside_exchanges` makes the products the
-generated code launches while an exchange is in flight leave N SMs free (torch's SM carveout, which cuBLASLt honours
+multiprocessor (SM) until it ends, so an exchange kernel that becomes ready together with it waits for its end,
+even when launched first (`benchmarks/probe_sms.py`). `around_exchanges` offers two remedies: with
+`FLUX_CP_EXCHANGE_FIRST=1` the compute stream yields a moment after each exchange's launch and wait, so that the
+exchange kernel is dispatched first and the product runs beside it on the other SMs; with `FLUX_CP_SM_CARVEOUT=N`
+the products launched while an exchange is in flight leave N SMs free (torch's SM carveout, which cuBLASLt honours
 and cuBLAS ignores), and no other product.
 """
 
@@ -31,6 +33,8 @@ from functools import partial
 from typing import Any, NamedTuple
 
 import torch
+
+from cp.comm import head_start
 
 EXCHANGE_BYTES_PER_S = 190e9
 EXCHANGE_LATENCY_S = 15e-6
@@ -104,7 +108,7 @@ def fill_exchanges(snodes: list, cp: int = 2) -> list:
     return order
 
 
-STATS = {"graphs": 0, "placed": 0, "carved": 0}  # what the passes did in this process (tests read it)
+STATS = {"graphs": 0, "placed": 0, "marked": 0}  # what the passes did in this process (tests read it)
 
 
 def exposed(order: list, kinds: NodeKinds) -> float:
@@ -165,10 +169,15 @@ def fill(nodes: list, kinds: NodeKinds, overshoot: float | None = None) -> tuple
     return order, moved
 
 
-def carve_beside_exchanges(snodes: list, sms: int) -> list:
-    """An Inductor pass, after `fill_exchanges`: the generated code calls `exchange_started(sms)` after launching
-    each collective and `exchange_waited()` before each wait, so that the products launched in between (on the GPU,
-    beside the exchange) leave `sms` SMs free for it. The order is not changed."""
+def around_exchanges(snodes: list, sms: int = 0, first: bool = False) -> list:
+    """An Inductor pass, after `fill_exchanges`, that changes no order: the generated code calls
+    `exchange_started` right after launching each collective and `exchange_waited` / `exchange_done` right
+    before / after each wait. With `sms`, the products launched in between (on the GPU, beside the exchange) leave
+    that many SMs free for it (FLUX_CP_SM_CARVEOUT); with `first`, the compute stream yields a moment after each
+    launch and wait, so that a ready exchange kernel is dispatched before the compute behind it
+    (FLUX_CP_EXCHANGE_FIRST, `cp.comm.head_start`)."""
+    if not (sms or first):
+        return snodes
     try:
         from torch._inductor.utils import contains_collective, contains_wait
 
@@ -177,13 +186,15 @@ def carve_beside_exchanges(snodes: list, sms: int) -> list:
         if len(starts) != len(waits):
             raise ValueError(f"{len(starts)} collectives against {len(waits)} waits")
         for node in starts:
-            _write_around(node, after=f"exchange_started({int(sms)})")
+            _write_around(node, after=f"exchange_started({int(sms)}, {bool(first)})")
         for node in waits:
-            _write_around(node, before="exchange_waited()")
-    except Exception as e:  # Inductor's scheduler IR is internal: never fail a compile over the carveout
-        log.warning("FLUX_CP_SM_CARVEOUT: no carveout in a compiled graph (%s: %s)", type(e).__name__, e)
+            _write_around(node, before="exchange_waited()" if sms else "", after="exchange_done()" if first else "")
+    except Exception as e:  # Inductor's scheduler IR is internal: never fail a compile over these calls
+        log.warning(
+            "FLUX_CP_SM_CARVEOUT / FLUX_CP_EXCHANGE_FIRST: left out of a compiled graph (%s: %s)", type(e).__name__, e
+        )
         return snodes
-    STATS["carved"] += len(starts)
+    STATS["marked"] += len(starts)
     return snodes
 
 
@@ -209,12 +220,22 @@ def _write_around(snode, before: str = "", after: str = "") -> None:
 _in_flight = 0  # exchanges launched and not yet waited for, as the generated code runs
 
 
-def exchange_started(sms: int) -> None:
-    """Called by compiled code after it launches an exchange: products from here leave `sms` SMs free."""
+def exchange_started(sms: int = 0, first: bool = False) -> None:
+    """Called by compiled code after it launches an exchange: products from here leave `sms` SMs free; with
+    `first`, the compute stream yields so that the exchange kernel starts before the next compute kernel."""
     global _in_flight
+    if first:
+        head_start()
+    if not sms:
+        return
     _in_flight += 1
     if _in_flight == 1:
-        torch._C._set_sm_carveout_experimental(sms or None)
+        torch._C._set_sm_carveout_experimental(sms)
+
+
+def exchange_done() -> None:
+    """Called by compiled code after it waits for an exchange: the next exchange may be ready at this moment too."""
+    head_start()
 
 
 def exchange_waited() -> None:

@@ -118,13 +118,27 @@ def test_sm_carveout_is_read_from_the_environment_and_checked():
     for bad in ("-1", "eight"):
         with pytest.raises(UsageError, match="FLUX_CP_SM_CARVEOUT=.*give a number of streaming multiprocessors"):
             sm_carveout(bad)
-    fill, carve = inductor_options(None, "fill", cp=2, sms=8)["reorder_for_compute_comm_overlap_passes"][1:]
-    assert fill.func.__name__ == "fill_exchanges" and carve.func.__name__ == "carve_beside_exchanges"
-    assert carve.keywords == {"sms": 8}
-    (only,) = inductor_options(None, "none", sms=16)["reorder_for_compute_comm_overlap_passes"]
-    assert only.keywords == {"sms": 16}
-    with pytest.raises(UsageError, match="FLUX_CP_SM_CARVEOUT works with the reordering passes"):
+    fill, around = inductor_options(None, "fill", cp=2, sms=8)["reorder_for_compute_comm_overlap_passes"][1:]
+    assert fill.func.__name__ == "fill_exchanges" and around.func.__name__ == "around_exchanges"
+    assert around.keywords == {"sms": 8, "first": False}
+    (only,) = inductor_options(None, "none", first=True)["reorder_for_compute_comm_overlap_passes"]
+    assert only.keywords == {"sms": 0, "first": True}
+    assert len(inductor_options(None, "fill")["reorder_for_compute_comm_overlap_passes"]) == 2  # neither: no pass
+    with pytest.raises(UsageError, match="FLUX_CP_SM_CARVEOUT and FLUX_CP_EXCHANGE_FIRST work with the reordering"):
         inductor_options(None, "scheduler", sms=8)
+
+
+def test_exchange_first_is_read_from_the_environment_and_checked(monkeypatch):
+    from cp.comm import exchange_first, head_start
+
+    monkeypatch.delenv("FLUX_CP_EXCHANGE_FIRST", raising=False)
+    assert exchange_first() is False
+    monkeypatch.setenv("FLUX_CP_EXCHANGE_FIRST", "1")
+    assert exchange_first() is True
+    head_start()  # no CUDA here: nothing to hold, and no error
+    monkeypatch.setenv("FLUX_CP_EXCHANGE_FIRST", "yes")
+    with pytest.raises(ValueError, match="FLUX_CP_EXCHANGE_FIRST='yes': use 1 .on. or 0 .off."):
+        exchange_first()
 
 
 def test_carveout_holds_while_any_exchange_is_in_flight():

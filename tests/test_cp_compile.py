@@ -28,6 +28,7 @@ def _compiled_attention_errors(rank: int, world: int, cases: list[tuple[str, int
     for mode, u, chunks, grad_exchange in cases:
         os.environ["FLUX_CP_ULYSSES_CHUNKS"] = str(chunks)
         os.environ["FLUX_CP_GRAD_EXCHANGE"] = grad_exchange
+        os.environ["FLUX_CP_EXCHANGE_FIRST"] = "1" if chunks > 1 else "0"  # the pipeline's head starts (no-op on CPU)
         key = (mode, u, chunks, grad_exchange)
         g = torch.Generator().manual_seed(len(errors))
         shape = (2 if chunks == 1 else 1, 3 * world, 4 * world, 8)  # [batch, seq, heads, head_dim], full sequence
@@ -68,8 +69,9 @@ def test_hybrid_attention_compiles_fullgraph_and_equals_eager():
 
 def _compiled_block_errors(rank: int, world: int, mode: str) -> dict:
     """A tiny Flux double block (text and image streams, RoPE, LoRA) with CP, `torch.compile(fullgraph=True)` with
-    Inductor, the FLUX_CP_OVERLAP=fill scheduling pass and the SM carveout beside the exchanges
-    (FLUX_CP_SM_CARVEOUT=8), against the same block in eager mode: outputs and every parameter gradient
+    Inductor, the FLUX_CP_OVERLAP=fill scheduling pass, the SM carveout beside the exchanges
+    (FLUX_CP_SM_CARVEOUT=8) and the exchanges' head start (FLUX_CP_EXCHANGE_FIRST=1), against the same block in
+    eager mode: outputs and every parameter gradient
     (all-reduced over the group); and where the generated code sets and clears the carveout. The trainer test
     compiles every block with the default passes (tests/test_train.py)."""
     from torch._inductor.utils import run_and_get_code
@@ -104,7 +106,10 @@ def _compiled_block_errors(rank: int, world: int, mode: str) -> dict:
 
     eager_out, eager_grads = run(block)
     torch._dynamo.reset()
-    options = {**inductor_options(None, "fill", sms=8), "fx_graph_cache": False}  # a cached graph skips the passes
+    options = {
+        **inductor_options(None, "fill", sms=8, first=True),
+        "fx_graph_cache": False,
+    }  # a cached graph skips the passes
     (compiled_out, compiled_grads), codes = run_and_get_code(run, torch.compile(block, fullgraph=True, options=options))
     assert eager_grads.keys() == compiled_grads.keys() and eager_grads
     return {
@@ -118,9 +123,16 @@ def _compiled_block_errors(rank: int, world: int, mode: str) -> dict:
 
 
 def _carveout_calls(codes: list[str]) -> dict:
-    """In generated code: whether every exchange is followed by `exchange_started(8)` and every wait preceded by
-    `exchange_waited()`, and how many products are launched in between (with the carveout set)."""
-    counts = {"exchanges": 0, "started_after_each": True, "waited_before_each": True, "products_beside": 0}
+    """In generated code: whether every exchange is followed by `exchange_started(8, True)` and every wait preceded
+    by `exchange_waited()` and followed by `exchange_done()`, and how many products are launched in between (with
+    the carveout set)."""
+    counts = {
+        "exchanges": 0,
+        "started_after_each": True,
+        "waited_before_each": True,
+        "done_after_each": True,
+        "products_beside": 0,
+    }
     for code in codes:
         lines = [line.strip() for line in code.splitlines()]
         lines = [line for line in lines if line and not line.startswith(("#", "assert_"))]
@@ -128,10 +140,11 @@ def _carveout_calls(codes: list[str]) -> dict:
         for i, line in enumerate(lines):
             if "= torch.ops._c10d_functional.all_to_all_single." in line:
                 counts["exchanges"] += 1
-                counts["started_after_each"] &= lines[i + 1].endswith("exchange_started(8)")
+                counts["started_after_each"] &= lines[i + 1].endswith("exchange_started(8, True)")
             elif line.startswith("torch.ops._c10d_functional.wait_tensor."):
                 counts["waited_before_each"] &= lines[i - 1].endswith("exchange_waited()")
-            elif line.endswith("exchange_started(8)"):
+                counts["done_after_each"] &= lines[i + 1].endswith("exchange_done()")
+            elif line.endswith("exchange_started(8, True)"):
                 carved = True
             elif line.endswith("exchange_waited()"):
                 carved = False
@@ -144,8 +157,9 @@ def test_flux_block_compiles_fullgraph_with_inductor_and_equals_eager():
     for r in distributed.run(_compiled_block_errors, 2, "ulysses", timeout=600):
         assert r["n_grads"] >= 8, r
         assert r["graphs"] == 2 and r["placed"] > 0, r  # the pass reordered the forward and the backward
-        assert r["carved"] == r["carveout"]["exchanges"] > 0, r  # both graphs' exchanges, forward and backward
+        assert r["marked"] == r["carveout"]["exchanges"] > 0, r  # both graphs' exchanges, forward and backward
         assert r["carveout"]["started_after_each"] and r["carveout"]["waited_before_each"], r
+        assert r["carveout"]["done_after_each"], r
         assert r["carveout"]["products_beside"] > 0 and r["carveout_after"] is None, r
         assert r["out"] < 1e-5 and r["grad"] < 1e-4, r
 
