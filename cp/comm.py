@@ -151,12 +151,17 @@ class RingComm:
             dist.P2POp(dist.isend, send, self.next, self.group, tag),
             dist.P2POp(dist.irecv, recv, self.prev, self.group, tag),
         ]
-        return recv, dist.batch_isend_irecv(ops)
+        works = dist.batch_isend_irecv(ops)
+        if exchange_first():  # the transfer beside this step's attention: let it start before the kernel
+            head_start()
+        return recv, works
 
     @staticmethod
     def wait(works: list) -> None:
         for w in works:
             w.wait()
+        if works and exchange_first():
+            head_start()
 
 
 _SUBGROUPS: dict[tuple, tuple[ProcessGroup, ProcessGroup]] = {}
