@@ -6,14 +6,16 @@ The profile of a cp=2 step showed exchanges that the host launched before a matr
 ready, start only when the product ended. This reproduces that order on one GPU and measures the delay: on the
 main stream a product A, an event, then the product P under test; on a side stream, waiting for the event and
 launched by the host *before* P, a probe: a small elementwise kernel (like NCCL's, it needs a free SM) or a
-device-to-device copy (a copy engine, no SM). The main stream first sleeps, so that the host has queued everything
-before the GPU reaches A. (An all-to-all of a one-rank NCCL group launches no kernel, so NCCL itself is not used.)
+device-to-device copy (a copy engine could run it beside P; on one GPU it is a kernel too). The main stream first
+sleeps, so that the host has queued everything before the GPU reaches A. (An all-to-all of a one-rank NCCL group
+launches no kernel, so NCCL itself is not used.)
 
 Cases: FLUX.1's feed-forward products at `--tokens` rows (the up-projection with bias and without, the
 down-projection), through cuBLAS and through cuBLASLt (`torch.backends.cuda.preferred_blas_library`), with each SM
 carveout set around P only (`torch._C._set_sm_carveout_experimental`, the knob behind FLUX_CP_SM_CARVEOUT); the
 same captured in a CUDA graph; the side stream at high priority; and cuDNN's attention forward over twice as many
-tokens with 12 heads (Ulysses at cp=2). Per case: the probe's start after A's end (`delay_us_median`), how often it
+tokens with 12 heads (Ulysses at cp=2); a short kernel ahead of P (`lead_cycles`, what FLUX_CP_EXCHANGE_FIRST
+adds). Per case: the probe's start after A's end (`delay_us_median`), how often it
 started in P's first half, P's duration, grid and kernel. And the other order (`head_start`): a kernel holding 32
 SMs (a product with the rest carved out, standing in for NCCL's exchange kernel of 32 blocks) ready just before
 P: how much later P ends than alone. Prints each case and writes one JSON document.
