@@ -1038,7 +1038,7 @@ def sms_section(folder: Path) -> list[str]:
         "|---|---|---|---|---|---|---|",
     ]
     for r in pick(probe="elementwise", graph=False, high_priority=False):
-        blocks = " / ".join(str(math.prod(json.loads(g))) for g in r["P_grid"])
+        blocks = grid(r)
         name = names.get(r["product"], "cuDNN attention forward, 12 heads, twice the tokens")
         lead = f"{r['lead_cycles']:,}-cycle kernel" if r.get("lead_cycles") else "-"
         table.append(
@@ -1059,8 +1059,8 @@ def sms_section(folder: Path) -> list[str]:
         "stream, waiting for that event and launched by the host before P, a small elementwise kernel (like NCCL's "
         f"exchange kernel, it needs a free SM). Rows of {rows[0]['trials']} trials, medians; P has "
         f"{tokens:,} rows (one rank's tokens at 2048 px, cp=2) "
-        "of FLUX.1's feed-forward, "
-        "the SM carveout set around P only.",
+        "of FLUX.1's feed-forward, the SM carveout set around P only; `ahead of P`: a short kernel on the main "
+        "stream between the event and P (what `FLUX_CP_EXCHANGE_FIRST=1` adds after each exchange).",
         "",
         *table,
         "",
