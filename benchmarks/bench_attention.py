@@ -24,6 +24,16 @@ from benchmarks.common import environment, group_of, init, max_over_ranks, media
 TOKENS = (4608, 16896, 66048)  # 1024 / 2048 / 4096 px + 512 text tokens
 
 
+def compiled_attention():
+    """cp.attention compiled as the trainer compiles its blocks (flux_cp/blocks.py): the same Inductor passes."""
+    from cp.comm import exchange_first
+    from flux_cp.blocks import inductor_options, sm_carveout
+
+    sms = sm_carveout(os.environ.get("FLUX_CP_SM_CARVEOUT"))
+    options = inductor_options(None, os.environ.get("FLUX_CP_OVERLAP", "fill"), 2, sms, exchange_first())
+    return torch.compile(cp.attention, fullgraph=True, options=options)
+
+
 def modes_for(n: int, heads: int) -> list[tuple[str, int | None]]:
     out = [("ring", None)]
     if heads % n == 0:
@@ -69,7 +79,12 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeat", type=int, default=10)
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU: checks the script only")
-    p.add_argument("--compile", action="store_true", help="time cp.attention under torch.compile(fullgraph=True)")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="time cp.attention under torch.compile(fullgraph=True) with the trainer's Inductor options "
+        "(FLUX_CP_OVERLAP, FLUX_CP_SM_CARVEOUT, FLUX_CP_EXCHANGE_FIRST as set)",
+    )
     p.add_argument(
         "--ulysses_chunks",
         type=int,
@@ -93,7 +108,7 @@ def main() -> None:
         for mode, u in modes_for(n, args.heads):
             if mode == "hybrid":
                 cp.comm.create_hybrid_groups([list(range(n))], u)
-    attention = torch.compile(cp.attention, fullgraph=True) if args.compile else cp.attention
+    attention = compiled_attention() if args.compile else cp.attention
     rows = []
     for s in args.tokens:
         g = torch.Generator(device="cpu").manual_seed(s)
