@@ -26,11 +26,10 @@ TOKENS = (4608, 16896, 66048)  # 1024 / 2048 / 4096 px + 512 text tokens
 
 def compiled_attention():
     """cp.attention compiled as the trainer compiles its blocks (flux_cp/blocks.py): the same Inductor passes."""
-    from cp.comm import exchange_first
-    from flux_cp.blocks import inductor_options, sm_carveout
+    from flux_cp.blocks import exchange_settings, inductor_options
 
-    sms = sm_carveout(os.environ.get("FLUX_CP_SM_CARVEOUT"))
-    options = inductor_options(None, os.environ.get("FLUX_CP_OVERLAP", "fill"), 2, sms, exchange_first())
+    overlap, sms, first = exchange_settings(2)
+    options = inductor_options(None, overlap, 2, sms, first)
     return torch.compile(cp.attention, fullgraph=True, options=options)
 
 

@@ -24,6 +24,7 @@ P: how much later P ends than alone. Prints each case and writes one JSON docume
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -37,6 +38,27 @@ def kernels(trace_path: str) -> list[dict]:
         events = json.load(f)["traceEvents"]
     out = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy")]
     return sorted(out, key=lambda e: e["ts"])
+
+
+def profiled_trials(step, repeat: int) -> list[tuple[list[dict], list[dict]]]:
+    """Run `step` `repeat` times under the profiler; per trial (from one long sleep kernel to the next), the
+    kernels and copies on the main stream (the sleep's) and on the others, in time order."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeat):
+            step()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        ks = kernels(path)
+    sleeps = [i for i, k in enumerate(ks) if is_sleep(k)]
+    main_id = ks[sleeps[0]]["args"].get("stream") if sleeps else None
+    trials = []
+    for n, first in enumerate(sleeps):
+        group = ks[first + 1 : sleeps[n + 1] if n + 1 < len(sleeps) else len(ks)]
+        on_main = [k for k in group if k["args"].get("stream") == main_id]
+        trials.append((on_main, [k for k in group if k["args"].get("stream") != main_id]))
+    return trials
 
 
 def is_sleep(kernel: dict) -> bool:  # the long torch.cuda._sleep kernel where each trial begins
@@ -109,24 +131,8 @@ def trial_set(
         step = cuda_graph.replay
         step()
         torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(repeat):
-            step()
-        torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        ks = kernels(path)
-    main_id = None
-    sleeps = [i for i, k in enumerate(ks) if is_sleep(k)]
-    if sleeps:
-        main_id = ks[sleeps[0]]["args"].get("stream")
     delays, p_durs, beside, grids, names, probe_names = [], [], [], set(), set(), set()
-    for n, s in enumerate(sleeps):
-        end = sleeps[n + 1] if n + 1 < len(sleeps) else len(ks)
-        group = ks[s + 1 : end]
-        on_main = [k for k in group if k["args"].get("stream") == main_id]
-        on_side = [k for k in group if k["args"].get("stream") != main_id]
+    for on_main, on_side in profiled_trials(step, repeat):
         if len(on_main) < 2:
             continue
         a, p = on_main[0], on_main[-1]
@@ -200,24 +206,12 @@ def head_start(product: str, blocker_sms: int, tokens: int, repeat: int) -> dict
         for _ in range(3):
             one(blocked)
         torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(repeat):
-                one(blocked)
-            torch.cuda.synchronize()
-        with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, "trace.json")
-            prof.export_chrome_trace(path)
-            ks = kernels(path)
-        sleeps = [i for i, kern in enumerate(ks) if is_sleep(kern)]
-        main_id = ks[sleeps[0]]["args"].get("stream")
         ends, durs, blockers = [], [], []
-        for n, s0 in enumerate(sleeps):
-            group = ks[s0 + 1 : sleeps[n + 1] if n + 1 < len(sleeps) else len(ks)]
-            on_main = [kern for kern in group if kern["args"].get("stream") == main_id]
+        for on_main, on_side in profiled_trials(functools.partial(one, blocked), repeat):
             a, p = on_main[0], on_main[-1]
             ends.append(p["ts"] + p["dur"] - (a["ts"] + a["dur"]))
             durs.append(p["dur"])
-            blockers += [kern["dur"] for kern in group if kern["args"].get("stream") != main_id]
+            blockers += [kern["dur"] for kern in on_side]
         key = "blocked" if blocked else "alone"
         out[f"P_end_after_A_us_{key}"] = statistics.median(ends)
         out[f"P_us_{key}"] = statistics.median(durs)

@@ -922,7 +922,7 @@ def fill_section(folder: Path) -> list[str]:
     """The scheduling pass (FLUX_CP_OVERLAP=fill) against Inductor's passes on two machines, NCCL's streams at high
     priority, attention-only LoRA and the SM carveout on a third, diffusers' compiled CP on each, and where the
     profiled step's exchanges still lose time."""
-    from trace_exchanges import analyse, load
+    from trace_exchanges import analyse
 
     rel = folder.relative_to(ROOT)
     a, diff_a = machine_runs(folder, "fill")
@@ -939,10 +939,10 @@ def fill_section(folder: Path) -> list[str]:
         runs = [r for r in json.load(open(folder / f"trainer_{name}.json"))["runs"] if keep(r)]
         return steps_table(folder, 3, runs=runs, against=one_gpu)
 
-    from flux_cp.profiling import summarize
+    from flux_cp.profiling import load_trace, summarize
 
     prof = a["cp2_2048_fill"]["profile"]
-    events = load(str(folder / "cp2_2048_fill.trace.json.gz"))
+    events = load_trace(str(folder / "cp2_2048_fill.trace.json.gz"))
     trace, summary = analyse(events), summarize(events)
     (behind, waits), *_ = trace["late_behind"].items()
     return [

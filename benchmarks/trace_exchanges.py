@@ -15,20 +15,13 @@ from __future__ import annotations
 
 import argparse
 import bisect
-import gzip
 import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from flux_cp.profiling import intersection, length, union  # noqa: E402
-
-
-def load(path: str) -> list[dict]:
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt") as f:
-        return json.load(f)["traceEvents"]
+from flux_cp.profiling import intersection, length, load_trace, union  # noqa: E402
 
 
 def analyse(events: list[dict], long_us: float = 50.0) -> dict:
@@ -84,7 +77,7 @@ def main() -> None:
     p.add_argument("trace", help="a profiler trace (.json or .json.gz)")
     p.add_argument("--long_us", type=float, default=50.0, help="a compute kernel this long counts as taking the GPU")
     args = p.parse_args()
-    r = analyse(load(args.trace), args.long_us)
+    r = analyse(load_trace(args.trace), args.long_us)
     print(json.dumps(r))
     print(
         f"{r['exchanges']} exchange kernels, {r['exchange_ms']:.1f} ms, "

@@ -152,6 +152,18 @@ def sm_carveout(count: str | None) -> int:
     return n
 
 
+def exchange_settings(cp: int) -> tuple[str, int, bool]:
+    """The exchange settings from the environment, checked: FLUX_CP_OVERLAP (default fill), FLUX_CP_SM_CARVEOUT and
+    FLUX_CP_EXCHANGE_FIRST; without CP none of them applies."""
+    if cp <= 1:
+        return "none", 0, False
+    try:
+        first = exchange_first()
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    return os.environ.get("FLUX_CP_OVERLAP", "fill"), sm_carveout(os.environ.get("FLUX_CP_SM_CARVEOUT")), first
+
+
 def prepare_blocks(
     transformer: torch.nn.Module,
     *,
@@ -162,11 +174,7 @@ def prepare_blocks(
     cp: int,
 ) -> None:
     """Activation checkpointing and torch.compile of every transformer block, as described above."""
-    sms = sm_carveout(os.environ.get("FLUX_CP_SM_CARVEOUT")) if cp > 1 else 0
-    try:
-        first = exchange_first() if cp > 1 else False  # eager, cp/ulysses.py reads it on each call
-    except ValueError as e:
-        raise UsageError(str(e)) from None
+    overlap, sms, first = exchange_settings(cp)  # eager, cp/ reads FLUX_CP_EXCHANGE_FIRST itself on each call
     if not compile:
         if sms:
             logger.warning("FLUX_CP_SM_CARVEOUT applies to compiled blocks only (--compile or --compile_mode)")
@@ -177,7 +185,6 @@ def prepare_blocks(
         warnings.filterwarnings("ignore", message="Setting the SM carveout")  # torch: "experimental"; docs say so
         if torch.cuda.is_available():
             torch.backends.cuda.preferred_blas_library("cublaslt")  # cuBLAS ignores the carveout; same kernels else
-    overlap = os.environ.get("FLUX_CP_OVERLAP", "fill") if cp > 1 else "none"
     options = inductor_options(compile_mode, overlap, cp, sms, first)
     for block in transformer_blocks(transformer):
         if gradient_checkpointing:

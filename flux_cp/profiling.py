@@ -116,11 +116,16 @@ def profiled(active: bool, output_dir: str, rank: int, is_main: bool) -> Iterato
             logger.info("profile of this step: no GPU kernels in it (trace: %s)", trace)
 
 
+def load_trace(path: str) -> list[dict]:
+    """The events of a Chrome trace file, plain or gzipped."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return json.load(f).get("traceEvents", [])
+
+
 def main(argv: list[str] | None = None) -> None:
     for path in argv if argv is not None else sys.argv[1:]:
-        opener = gzip.open if path.endswith(".gz") else open
-        with opener(path, "rt") as f:
-            print(json.dumps({"trace": path, **summarize(json.load(f).get("traceEvents", []))}))
+        print(json.dumps({"trace": path, **summarize(load_trace(path))}))
 
 
 if __name__ == "__main__":
