@@ -4,7 +4,9 @@
 
 Each case runs in its own process (an illegal memory access ends the CUDA context): q, k, v in the
 `[B, H, S, D]` layout (contiguous, "bhsd") or as a transposed view of `[B, S, H, D]` memory ("bshd", what an
-all-to-all of sequence chunks receives), with grad_out either contiguous or in the output's layout. Each
+all-to-all of sequence chunks receives), with grad_out either contiguous or in the output's layout, or as views
+of one `[B, S, 3, H, D]` buffer ("packed", q, k and v interleaved as the joint exchange of the later Ulysses head
+chunks receives them; grad_out in the output's layout). Each
 case reports the strides of the output and gradients, their largest difference from the contiguous case, and
 the median time of forward + backward.
 """
@@ -16,7 +18,7 @@ import json
 import subprocess
 import sys
 
-CASES = ("bhsd", "bshd_dout_contiguous", "bshd_dout_like_out")
+CASES = ("bhsd", "bshd_dout_contiguous", "bshd_dout_like_out", "packed_dout_like_out")
 
 
 def tensors(layout: str, b: int, h: int, s: int, d: int, seed: int):
@@ -26,6 +28,9 @@ def tensors(layout: str, b: int, h: int, s: int, d: int, seed: int):
     base = [torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4)]
     if layout == "bhsd":
         return [t.transpose(1, 2).contiguous() for t in base]
+    if layout == "packed":  # q, k, v as views of one [B, S, 3, H, D] buffer
+        packed = torch.stack(base[:3], dim=2)
+        return [packed[:, :, i].transpose(1, 2) for i in range(3)] + [base[3].transpose(1, 2)]
     return [t.transpose(1, 2) for t in base]  # [B, H, S, D] views of [B, S, H, D] memory
 
 
@@ -34,7 +39,7 @@ def run_case(case: str, tokens: int, heads: int, repeat: int) -> dict:
 
     aten = torch.ops.aten
     b, d, scale = 1, 128, 128**-0.5
-    layout = "bhsd" if case == "bhsd" else "bshd"
+    layout = case.split("_")[0]
     q, k, v, dout = tensors(layout, b, heads, tokens, d, seed=0)
 
     def fwd():
@@ -47,7 +52,7 @@ def run_case(case: str, tokens: int, heads: int, repeat: int) -> dict:
         )
 
     def grad_for(out):
-        if case == "bshd_dout_like_out":
+        if case.endswith("dout_like_out"):
             return torch.empty_like(out).copy_(dout)  # same strides as out
         return dout.contiguous()
 

@@ -69,16 +69,38 @@ def _math_backward(
 # --- layouts ---------------------------------------------------------------------------------------------
 
 
+def _same_strides(shape: torch.Size, a: tuple[int, ...], b: tuple[int, ...]) -> bool:
+    return all(sa == sb for sa, sb, n in zip(a, b, shape) if n > 1)  # a size-1 dim's stride is never read
+
+
 def same_layout(a: Tensor, b: Tensor) -> bool:
     """Whether two tensors of one shape lay out their elements alike (the stride of a size-1 dim is not read)."""
-    return all(sa == sb for sa, sb, n in zip(a.stride(), b.stride(), a.shape) if n > 1)
+    return _same_strides(a.shape, a.stride(), b.stride())
+
+
+def dense_strides(t: Tensor) -> tuple[int, ...]:
+    """Strides that lay out `t`'s dims in the order of `t`'s own strides, with no gaps: `t`'s strides when `t` is
+    dense. q, k and v that are views of one exchanged buffer (gaps between the rows of each) thus give an output
+    and gradients laid out like one of them alone, where `empty_like` would fall back to contiguous."""
+    order = sorted(range(t.dim()), key=t.stride, reverse=True)  # a stable sort: equal strides keep their order
+    strides = [0] * t.dim()
+    step = 1
+    for i in reversed(order):
+        strides[i] = step
+        step *= t.shape[i]
+    return tuple(strides)
+
+
+def dense_like(t: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """An empty tensor of `t`'s shape in `dense_strides(t)`."""
+    return torch.empty_strided(t.shape, dense_strides(t), dtype=dtype or t.dtype, device=t.device)
 
 
 def in_layout_of(t: Tensor, like: Tensor) -> Tensor:
-    """`t` laid out as `like` (which is dense): `t` itself when it already is, else a copy."""
-    if same_layout(t, like):
+    """`t` in the strides of `dense_like(like)`: `t` itself when it already is, else a copy."""
+    if _same_strides(t.shape, t.stride(), dense_strides(like)):
         return t
-    return torch.empty_like(like, dtype=t.dtype).copy_(t)
+    return dense_like(like, dtype=t.dtype).copy_(t)
 
 
 # --- CPU flash --------------------------------------------------------------------------------------

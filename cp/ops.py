@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from . import kernels
-from .kernels import in_layout_of
+from .kernels import dense_like, in_layout_of
 from .ring import ring_backward, ring_forward
 
 Tensor = torch.Tensor
@@ -49,7 +49,7 @@ def ring_attention_op(q: Tensor, k: Tensor, v: Tensor, scale: float, group_name:
 
 @ring_attention_op.register_fake
 def _(q: Tensor, k: Tensor, v: Tensor, scale: float, group_name: str) -> tuple[Tensor, Tensor]:
-    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=kernels.acc_dtype(q.dtype))
+    return dense_like(q), q.new_empty(q.shape[:3], dtype=kernels.acc_dtype(q.dtype))
 
 
 @torch.library.custom_op("flux_cp::ring_attention_backward", mutates_args=(), tags=_EXACT_STRIDES)
@@ -77,7 +77,7 @@ def ring_attention_backward_op(
 def _(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, group_name: str
 ) -> tuple[Tensor, Tensor, Tensor]:
-    return tuple(torch.empty_like(t) for t in (q, k, v))
+    return tuple(dense_like(t) for t in (q, k, v))
 
 
 def _setup_context(ctx, inputs, output) -> None:

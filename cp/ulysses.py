@@ -184,16 +184,32 @@ def ulysses_attention(
 # Layouts are chosen so that nothing is copied between the exchanges and the attention kernel: a tensor is
 # sent as `[u, B, S_l, h, D]` (destination rank first), so what arrives is `[B, u*S_l, h, D]` memory, the whole
 # sequence for h heads, which the attention op reads as a transposed view (for batch 1; a larger batch costs a
-# copy). Its output comes back in the same layout and goes out again without a copy. With c > 1 head chunks
-# (FLUX_CP_ULYSSES_CHUNKS), each chunk is exchanged and attended separately, so the compiler can run the
-# exchange of one chunk while another is computed.
+# copy). Its output comes back in the same layout and goes out again without a copy.
+#
+# With c > 1 head chunks (FLUX_CP_ULYSSES_CHUNKS) the chunks form a pipeline. Inductor issues the collectives in
+# program order, each after the previous one's wait, so an exchange can only run beside compute that is issued
+# between its launch and its wait. Hence the order written here: the first chunk's q, k and v (each as soon as it
+# exists), then the q, k and v of all other chunks as one exchange (beside the first chunk's attention), then each
+# chunk's attention and the return of its output (beside the next chunk's attention). The backward mirrors it:
+# each chunk's output gradient comes in beside the attention backward of the chunk after it, the gradients of the
+# other chunks' q, k, v go back together beside the first chunk's attention backward. Exposed: the first chunk's
+# q, k, v and the last chunk's output, 1/c of the exchanges each way, where one chunk exposes all of them.
+# The joint exchange interleaves q, k and v (`[u, B, S_l, c-1, 3, h, D]`): each is a view with gaps between its
+# rows, which cuDNN reads as it is (benchmarks/probe_layouts.py, "packed").
 
 
-def _sent(t: Tensor, u: int, c: int) -> Tensor:
-    """`[B, S_l, H, D]` -> `[c, u, B, S_l, H/(c u), D]`: per head chunk, what goes to each rank (one copy, which
-    the compiler fuses into the op that produced `t`)."""
+def _sent_first(t: Tensor, u: int, c: int) -> Tensor:
+    """`[B, S_l, H, D]` -> `[u, B, S_l, H/(c u), D]`: the first head chunk, what goes to each rank."""
     b, s, h, d = t.shape
-    return t.reshape(b, s, c, u, h // (c * u), d).permute(2, 3, 0, 1, 4, 5).contiguous()
+    return t.reshape(b, s, c, u, h // (c * u), d)[:, :, 0].permute(2, 0, 1, 3, 4).contiguous()
+
+
+def _sent_rest(qkv: list[Tensor], u: int, c: int) -> Tensor:
+    """q, k, v `[B, S_l, H, D]` -> `[u, B, S_l, c-1, 3, H/(c u), D]`: head chunks 1.. of all three, what goes to
+    each rank, in one buffer."""
+    b, s, h, d = qkv[0].shape
+    x = torch.stack([t.reshape(b, s, c, u, h // (c * u), d)[:, :, 1:] for t in qkv], dim=4)  # [B, S, c-1, u, 3, ..]
+    return x.permute(3, 0, 1, 2, 4, 5, 6).contiguous()
 
 
 def _received_as_heads(x: Tensor) -> Tensor:
@@ -243,15 +259,19 @@ def ulysses_traced(
     """Ulysses for torch.compile, over `group` (a group or its name; `u` its size): each of q, k, v is exchanged
     as soon as it is given (so the exchange of q can run while k and v are produced, if the caller produces
     them after), attention runs on heads/u heads (a ring over `ring_group_name` in the hybrid mode), and the
-    output goes back. Autograd: each all-to-all's backward is the inverse all-to-all."""
+    output goes back; in c > 1 head chunks, pipelined as described above. Autograd: each all-to-all's backward is
+    the inverse all-to-all."""
     from .ops import ring_attention_op
 
     b, s, h, d = q.shape
     c = _chunks(h, u)
-    sent = [_sent(t, u, c) for t in (q, k, v)]
+    received = [_exchange([_sent_first(t, u, c) for t in (q, k, v)], group)]
+    if c > 1:
+        rest = funcol.all_to_all_single_autograd(_sent_rest([q, k, v], u, c), None, None, group)
+        received += [[rest[:, :, :, i, j] for j in range(3)] for i in range(c - 1)]
     back = []
-    for i in range(c):
-        qh, kh, vh = (_received_as_heads(x) for x in _exchange([t[i] for t in sent], group))
+    for qkv in received:
+        qh, kh, vh = (_received_as_heads(x) for x in qkv)
         out, _ = ring_attention_op(qh, kh, vh, scale, ring_group_name)
         back.append(funcol.all_to_all_single_autograd(_heads_to_send(out, u), None, None, group))
     # [c, u, B, S_l, H/(c u), D] -> [B, S_l, H, D]: head (i, j, m) is head (i u + j) H/(c u) + m

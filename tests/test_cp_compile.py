@@ -53,8 +53,14 @@ def _compiled_attention_errors(rank: int, world: int, cases: list[tuple[str, int
 
 
 def test_attention_compiles_fullgraph_and_equals_eager():
-    """Ring, Ulysses, and Ulysses in 2 head chunks with the gradients of q, k, v exchanged as one."""
-    cases = [("ring", None, 1, "separate"), ("ulysses", None, 1, "separate"), ("ulysses", None, 2, "joint")]
+    """Ring, Ulysses, and Ulysses in 2 and 4 head chunks (the first chunk's gradients of q, k, v exchanged as one, or
+    not)."""
+    cases = [
+        ("ring", None, 1, "separate"),
+        ("ulysses", None, 1, "separate"),
+        ("ulysses", None, 2, "joint"),
+        ("ulysses", None, 4, "separate"),
+    ]
     for errs in distributed.run(_compiled_attention_errors, 2, cases):
         for case in cases:
             assert errs[(*case, "traced")], f"{case}: the compiled graph lacks the CP attention ops"
@@ -62,9 +68,71 @@ def test_attention_compiles_fullgraph_and_equals_eager():
 
 
 def test_hybrid_attention_compiles_fullgraph_and_equals_eager():
-    case = ("hybrid", 2, 1, "separate")
-    for errs in distributed.run(_compiled_attention_errors, 4, [case], timeout=300):
-        assert errs[(*case, "traced")] and errs[case] < 1e-6, errs
+    """Hybrid (Ulysses over 2, a ring over 2), in one head chunk and in 2 (compiled only; eager uses one)."""
+    cases = [("hybrid", 2, 1, "separate"), ("hybrid", 2, 2, "separate")]
+    for errs in distributed.run(_compiled_attention_errors, 4, cases, timeout=300):
+        for case in cases:
+            assert errs[(*case, "traced")] and errs[case] < 1e-6, (case, errs)
+
+
+def _pipeline_order(rank: int, world: int, chunk_counts: list[int]) -> dict:
+    return {c: _pipeline_order_in(world, c) for c in chunk_counts}
+
+
+def _pipeline_order_in(world: int, chunks: int) -> dict:
+    """Compile Ulysses attention with Inductor and the trainer's passes, in `chunks` head chunks, and read the
+    generated code of the forward and the backward: for each attention kernel, whether an exchange is in flight
+    beside it (launched before it, waited for after it); and whether the outputs and gradients equal eager."""
+    import os
+
+    from torch._inductor.utils import run_and_get_code
+
+    from flux_cp.blocks import inductor_options
+
+    os.environ["FLUX_CP_ULYSSES_CHUNKS"] = str(chunks)
+    group = dist.group.WORLD
+    g = torch.Generator().manual_seed(0)
+    full = [torch.randn(1, 4 * world, 4 * world, 8, generator=g) for _ in range(4)]  # [batch, seq, heads, dim]
+    q, k, v, dout = (cp.shard(t, 1, group) for t in full)
+
+    def step(fn):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        out = fn(*leaves, group=group, mode="ulysses")
+        out.backward(dout)
+        return [out.detach()] + [t.grad for t in leaves]
+
+    eager = step(cp.attention)
+    torch._dynamo.reset()  # the chunk count is read while tracing
+    options = {**inductor_options(None, "fill", cp=world), "fx_graph_cache": False}  # a cached graph skips the passes
+    compiled, codes = run_and_get_code(step, torch.compile(cp.attention, fullgraph=True, options=options))
+    graphs = []
+    for code in codes:
+        events = []
+        for line in (line.strip() for line in code.splitlines()):
+            if "= torch.ops._c10d_functional.all_to_all_single." in line:
+                events.append("launch")
+            elif line.startswith("torch.ops._c10d_functional.wait_tensor."):
+                events.append("wait")
+            elif "= torch.ops.flux_cp.ring_attention" in line:
+                events.append("attention")
+        beside, in_flight = [], False
+        for e in events:
+            in_flight = e == "launch" or (in_flight and e != "wait")
+            if e == "attention":
+                beside.append(in_flight)
+        graphs.append({"beside": beside, "exchanges": events.count("launch")})
+    return {"graphs": graphs, "error": max(_rel(a, b) for a, b in zip(compiled, eager))}
+
+
+def test_compiled_head_chunks_pipeline_the_exchanges():
+    """In 2 head chunks each attention kernel, forward and backward, has an exchange in flight beside it (the later
+    chunks' q, k, v beside the first chunk's attention, its output beside the next one's); in one chunk none has."""
+    for by_chunks in distributed.run(_pipeline_order, 2, [2, 1], timeout=300):
+        two, one = by_chunks[2], by_chunks[1]
+        assert two["error"] < 1e-6 and one["error"] < 1e-6, by_chunks
+        assert [g["beside"] for g in two["graphs"]] == [[True, True], [True, True]], two
+        assert [g["exchanges"] for g in two["graphs"]] == [6, 6], two  # q, k, v, the rest, two outputs; mirrored
+        assert [g["beside"] for g in one["graphs"]] == [[False], [False]], one
 
 
 def _compiled_block_errors(rank: int, world: int, mode: str) -> dict:

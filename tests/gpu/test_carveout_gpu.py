@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import socket
 
 import pytest
 import torch
@@ -21,12 +19,6 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _kernels(sms: int, tmp_path, first: bool = False) -> list[tuple[str, int]]:
@@ -60,16 +52,6 @@ def _kernels(sms: int, tmp_path, first: bool = False) -> list[tuple[str, int]]:
 
 def _product_grids(sms: int, tmp_path) -> list[tuple[str, int]]:
     return [(name, blocks) for name, blocks in _kernels(sms, tmp_path) if "nvjet" in name]
-
-
-@pytest.fixture(scope="module")
-def one_rank_group():
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = str(_free_port())
-    dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
-    yield
-    dist.destroy_process_group()
-    torch._C._set_sm_carveout_experimental(None)
 
 
 def test_only_products_beside_an_exchange_leave_sms_free(one_rank_group, tmp_path):

@@ -1,0 +1,43 @@
+"""The compiled Ulysses head-chunk pipeline on a GPU, bf16: the later chunks' q, k and v arrive interleaved in one
+buffer and go to cuDNN as they are, the output and gradients come back dense; the result matches attention in fp32.
+One GPU: a one-rank NCCL group keeps the exchanges in the graph (each rank's part is then the whole sequence)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cp import kernels
+from cp.ulysses import ulysses_traced
+from flux_cp.blocks import inductor_options
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 4])
+def test_compiled_head_chunks_match_fp32_attention(one_rank_group, chunks, monkeypatch):
+    monkeypatch.setenv("FLUX_CP_ULYSSES_CHUNKS", str(chunks))
+    monkeypatch.setenv("FLUX_CP_EXCHANGE_FIRST", "1")
+    g = torch.Generator(device="cuda").manual_seed(chunks)
+    q, k, v, dout = (torch.randn(1, 4608, 24, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in "qkvd")
+    scale = 128**-0.5
+    options = {**inductor_options(None, "fill", cp=2, first=True), "fx_graph_cache": False}
+    torch._dynamo.reset()
+    attention = torch.compile(
+        lambda a, b, c: ulysses_traced(a, b, c, one_rank_group, 1, scale), fullgraph=True, options=options
+    )
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out = attention(*leaves)
+    out.backward(dout)
+    assert kernels.chosen_kernels() and set(kernels.chosen_kernels().values()) == {"cudnn"}
+
+    ref = [t.float().requires_grad_(True) for t in (q, k, v)]
+    ref_out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in ref), scale=scale).transpose(1, 2)
+    ref_out.backward(dout.float())
+    for got, want in zip([out, *(t.grad for t in leaves)], [ref_out, *(t.grad for t in ref)]):
+        err = ((got.float() - want).abs().max() / want.abs().max()).item()
+        assert err < 2e-2, f"{chunks} chunks: relative error {err:.3g}"
