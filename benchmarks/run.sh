@@ -32,13 +32,15 @@
 #   first      the 2048 px lora_ro pair against cp=2 with FLUX_CP_EXCHANGE_FIRST=1 (each exchange kernel dispatched
 #              before the compute launched behind it), alone and with each SM carveout of CARVEOUT (if set);
 #              NO_PAIR=1 skips the pair
-#   attention_first  benchmarks/bench_attention.py eager, 16,896 and 66,048 tokens, Ulysses in ATTENTION_CHUNKS
-#              (default "1 2 4") head chunks, with FLUX_CP_EXCHANGE_FIRST=0 and =1
+#   attention_first  benchmarks/bench_attention.py, 16,896 and 66,048 tokens, Ulysses in ATTENTION_CHUNKS (default
+#              "1 2 4") head chunks (compiled: the pipeline of cp/ulysses.py), with FLUX_CP_EXCHANGE_FIRST=0 and =1;
+#              compiled only unless ATTENTION_COMPILE is set ("": eager; '"" --compile': both)
 #   profile    one step of the 2048 px one-GPU and cp=2 lora runs under --profile_step (GPU time by kernel kind,
 #              how much of the communication overlapped compute; rank 0's trace in logs.tgz), and
 #              benchmarks/probe_layouts.py (which q/k/v layouts cuDNN's attention takes, and at what speed)
 #   chunks     the 2048 px lora_ro pair, and cp=2 with the Ulysses heads in CHUNKS chunks (default "2 4"; each
-#              chunk exchanged and attended on its own, FLUX_CP_ULYSSES_CHUNKS)
+#              chunk exchanged and attended on its own, FLUX_CP_ULYSSES_CHUNKS; with FLUX_CP_EXCHANGE_FIRST=1 set
+#              for the whole set, the pipeline as it is meant to run)
 #   full       full fine-tuning at 2048 px alone (FSDP2, cp=2; the last run of the big set)
 #   ring       cp=2 at 2048 px with --cp_mode ring
 #   lora4096   4096 px LoRA alone: one GPU against cp=2
@@ -168,9 +170,11 @@ for SET in "$@"; do
       done ;;
     attention_first)
       for f in 0 1; do
-        FLUX_CP_EXCHANGE_FIRST=$f timeout 200 torchrun --nproc_per_node 2 benchmarks/bench_attention.py \
-          --tokens 16896 66048 --ulysses_chunks ${ATTENTION_CHUNKS:-1 2 4} --out "$OUT/attention_first$f.json" 2>&1 \
-          | grep -E "^tokens" || echo "attention_first $f exit $?"
+        for c in ${ATTENTION_COMPILE---compile}; do
+          FLUX_CP_EXCHANGE_FIRST=$f timeout 250 torchrun --nproc_per_node 2 benchmarks/bench_attention.py $c \
+            --tokens 16896 66048 --ulysses_chunks ${ATTENTION_CHUNKS:-1 2 4} \
+            --out "$OUT/attention_first$f${c:+_compiled}.json" 2>&1 | grep -E "^tokens" || echo "attention_first $f exit $?"
+        done
       done ;;
     profile)
       P="--resolution 2048 --compile --profile_step 5"

@@ -54,12 +54,43 @@ def _bytes(snode) -> int:
     return int(sum(size.values()) if isinstance(size, dict) else size)
 
 
+# FLOPs of the CP attention ops per batch x head x query x key x head_dim: the two products of the forward; the
+# backward's five (it recomputes the scores), about what cuDNN's kernels take on an H200 (2.8x the forward).
+ATTENTION_FLOPS = {"flux_cp::ring_attention": 4, "flux_cp::ring_attention_backward": 10}
+
+
+def _size(x) -> int:
+    try:
+        return int(x)
+    except TypeError:  # a symbolic size: Inductor's hint for it
+        from torch._inductor.virtualized import V
+
+        return V.graph.sizevars.optimization_hint(x)
+
+
+def _attention_flops(ir_node) -> float:
+    """FLOPs of a CP attention op (Inductor counts none for a custom op), over the whole ring when it has one."""
+    op = getattr(ir_node, "op_overload", None)
+    name = op.name() if hasattr(op, "name") else ""
+    if name not in ATTENTION_FLOPS:
+        return 0.0
+    q, k = ir_node.inputs[1:3] if name.endswith("_backward") else ir_node.inputs[:2]  # the backward's first: dout
+    b, h, s, d = (_size(x) for x in q.get_size())
+    group_name = next((a for a in ir_node.constant_args if isinstance(a, str)), "")
+    ring = 1
+    if group_name:
+        from cp.ops import group_by_name
+
+        ring = group_by_name(group_name).size()
+    return float(ATTENTION_FLOPS[name] * b * h * s * _size(k.get_size()[2]) * ring * d)
+
+
 def estimate_compute(snode) -> float:
     """Seconds an Inductor scheduler node's compute takes by the cost model."""
-    flops = 0
+    flops = 0.0
     for node in snode.get_nodes():
         try:
-            flops += node.estimate_flops() or 0
+            flops += node.estimate_flops() or _attention_flops(node.node)
         except Exception:
             pass
     return flops / FLOPS_PER_S + _bytes(snode) / MEMORY_BYTES_PER_S

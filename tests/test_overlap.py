@@ -116,3 +116,31 @@ def test_fill_exchanges_keeps_inductors_order_when_its_ir_changes(caplog):
     with caplog.at_level(logging.WARNING, logger="flux_cp.overlap"):
         assert overlap.fill_exchanges(nodes) is nodes
     assert "kept Inductor's order" in caplog.text
+
+
+class _Buffer:
+    def __init__(self, *size: int) -> None:
+        self.size = list(size)
+
+    def get_size(self) -> list[int]:
+        return self.size
+
+
+class _Op:
+    def __init__(self, op, *inputs: _Buffer) -> None:
+        self.op_overload, self.inputs, self.constant_args = op, list(inputs), (0.125, "")
+
+
+def test_the_cost_model_counts_the_attention_ops():
+    """Inductor counts no FLOPs for a custom op; without its own count the model would take the CP attention for a
+    short kernel and leave exchanges beside it counted as exposed (b=1, 12 heads, 16,896 tokens, head_dim 128)."""
+    import torch
+
+    import cp.ops  # noqa: F401 - registers torch.ops.flux_cp
+
+    x = _Buffer(1, 12, 16896, 128)
+    forward = overlap._attention_flops(_Op(torch.ops.flux_cp.ring_attention.default, x, x, x))
+    backward = overlap._attention_flops(_Op(torch.ops.flux_cp.ring_attention_backward.default, x, x, x, x, x))
+    assert forward == 4 * 12 * 16896**2 * 128 and backward == 2.5 * forward
+    assert 2e-3 < forward / overlap.FLOPS_PER_S < 4e-3  # measured on one H200: 2.7 ms
+    assert overlap._attention_flops(_Op(torch.ops.aten.mm.default, x, x)) == 0
