@@ -1,7 +1,8 @@
 """Turn folders of raw benchmark outputs into docs/benchmarks.md (+ PNG) and benchmarks/results/<name>.json,
 and the equivalence runs into docs/equivalence.md (+ PNG).
 
-    python benchmarks/report.py benchmarks/results/2026-12-01-h200-sms benchmarks/results/2026-12-01-h200x2-fill \
+    python benchmarks/report.py benchmarks/results/2026-12-01-h200-chunks benchmarks/results/2026-12-01-h200-sms \
+        benchmarks/results/2026-12-01-h200x2-fill \
         benchmarks/results/2026-11-30-h200x2-overlap benchmarks/results/2026-11-30-h200x2-layouts \
         benchmarks/results/2026-11-30-h200x2-profile benchmarks/results/2026-11-30-h200x2-cuda-graphs \
         benchmarks/results/2026-11-30-h200x2-saved-attention benchmarks/results/2026-11-30-h200x2-kontext \
@@ -9,11 +10,11 @@ and the equivalence runs into docs/equivalence.md (+ PNG).
         benchmarks/results/2026-11-29-h200x4
 
 Folders written by `benchmarks/run.sh` (trainer_*.json from bench_trainer.py, anchors.jsonl from diffusers'
-compiled CP, attention*.json) or holding probe_sms.py's sms.json come first, newest first, each rendering its
-section: Kontext pairs, the trainer
-with the attention benchmark, the saved-attention variants, or (any other) the newest runs with the targets. The
-others are earlier model-level runs: attention.json (bench_attention.py), model_*.json (the former
-bench_model.py), equivalence_A.jsonl / equivalence_B.jsonl (metrics of benchmarks/equivalence.sh).
+compiled CP, attention*.json) or holding probe_sms.py's sms.json or probe_head_chunks.py's chunks.jsonl come first,
+newest first, each rendering its section: Kontext pairs, the trainer with the attention benchmark, the
+saved-attention variants, or (any other) the newest runs with the targets. The others are earlier model-level runs:
+attention.json (bench_attention.py), model_*.json (the former bench_model.py), equivalence_A.jsonl /
+equivalence_B.jsonl (metrics of benchmarks/equivalence.sh).
 """
 
 from __future__ import annotations
@@ -1007,6 +1008,46 @@ def fill_section(folder: Path) -> list[str]:
     ]
 
 
+def chunks_section(folder: Path) -> list[str]:
+    """benchmarks/probe_head_chunks.py (what head chunks cost the attention kernels) and the interleaved layout of
+    probe_layouts.py, with the GPU tests of the compiled pipeline, on one GPU."""
+    rows = [json.loads(line) for line in open(folder / "chunks.jsonl")]
+    layouts = {r["case"]: r for r in (json.loads(line) for line in open(folder / "layouts.jsonl"))}
+    env = (folder / "env.txt").read_text().splitlines()
+    tests = (folder / "tests_gpu.log").read_text().strip().splitlines()[-1]
+    rel = folder.relative_to(ROOT)
+    counts = sorted({r["chunks"] for r in rows})
+    table = [
+        "| tokens | heads | " + " | ".join(f"{c} chunk{'s' if c > 1 else ''}" for c in counts) + " |",
+        "|---:|---:|" + "---:|" * len(counts),
+    ]
+    for tokens, heads in dict.fromkeys((r["tokens"], r["heads"]) for r in rows):
+        by = {r["chunks"]: r for r in rows if (r["tokens"], r["heads"]) == (tokens, heads)}
+        cells = [(f"{by[c]['ms']:.2f} ms" if c == 1 else f"{by[c]['vs_one']:.3f}x") if c in by else "-" for c in counts]
+        table.append(f"| {tokens:,} | {heads} | " + " | ".join(cells) + " |")
+    packed, bshd = layouts["packed_dout_like_out"], layouts["bshd_dout_like_out"]
+    return [
+        f"## What head chunks cost the attention, {folder.name}",
+        "",
+        f"One {env[0].split(',')[0]}, {env[1]}; commands in `{rel}/commands.txt`. The compiled Ulysses head-chunk "
+        "pipeline (`FLUX_CP_ULYSSES_CHUNKS`, cp/ulysses.py) runs each rank's heads as c attention kernels, so that "
+        "the exchange of one chunk can run beside the attention of another. Its price, measured alone "
+        "(`benchmarks/probe_head_chunks.py`, cuDNN forward + backward, bf16, the heads of one kernel pair run as c "
+        "pairs, the chunk counts interleaved; medians): 24 heads is one GPU, 12 one rank of cp=2.",
+        "",
+        *table,
+        "",
+        f"The later chunks' q, k and v arrive interleaved in one buffer (`probe_layouts.py`, case `packed`, "
+        f"{packed['tokens']:,} tokens, {packed['heads']} heads): cuDNN reads them as they are (q's strides "
+        f"{packed['q_stride']}) and writes the output and gradients dense ({packed['out_stride']}, as for the "
+        f"uninterleaved layout: {bshd['out_stride']}), {packed['ms']:.2f} ms against {bshd['ms']:.2f} ms. "
+        f"`tests/gpu/test_chunks_gpu.py` (the compiled pipeline in 1, 2 and 4 chunks against fp32 attention) and "
+        f"`tests/gpu/test_carveout_gpu.py`: {tests.split(',')[0]}. What the pipeline gains on two GPUs is not "
+        "measured (`FLUX_CP_EXCHANGE_FIRST=1 bash benchmarks/run.sh RESULTS attention_first chunks`).",
+        "",
+    ]
+
+
 def sms_section(folder: Path) -> list[str]:
     """benchmarks/probe_sms.py: whether a kernel on a side stream starts beside a product or the attention."""
     doc = json.load(open(folder / "sms.json"))
@@ -1377,11 +1418,18 @@ def main(argv: list[str]) -> int:
     folders = [Path(a).resolve() for a in argv]
     lead: list[str] = []
     trainer_folders = []
-    while folders and (is_trainer_folder(folders[0]) or (folders[0] / "sms.json").is_file()):
+
+    def probe(folder: Path) -> bool:
+        return (folder / "sms.json").is_file() or (folder / "chunks.jsonl").is_file()
+
+    while folders and (is_trainer_folder(folders[0]) or probe(folders[0])):
         trainer_folders.append(folders.pop(0))
     for folder in trainer_folders:
         if (folder / "sms.json").is_file():
             lead += sms_section(folder)
+            continue
+        if (folder / "chunks.jsonl").is_file():
+            lead += chunks_section(folder)
             continue
         if "profile" in folder.name:  # rendered inside the layouts section
             continue
