@@ -14,7 +14,8 @@ Input/output layout `[batch, seq_local, heads, head_dim]`; the attention kernels
 
 Under torch.compile (`ulysses_traced`) the all-to-alls are functional collectives, which the compiler traces
 and schedules, around the `flux_cp::ring_attention` custom op (cp/ops.py), in layouts that need no copy
-between exchange and kernel; FLUX_CP_ULYSSES_CHUNKS splits the heads there too.
+between exchange and kernel; with FLUX_CP_ULYSSES_CHUNKS the chunks form a pipeline in the order the compiler
+keeps (see the note above `_sent_first`).
 """
 
 from __future__ import annotations
@@ -103,8 +104,9 @@ def _wait(work) -> None:
 
 def _chunks(heads: int, u: int) -> int:
     """Head chunks of the pipeline: FLUX_CP_ULYSSES_CHUNKS, reduced until each chunk's heads divide over the
-    group. Default 1: on H200s, 2 chunks gained 2% at 16,896 tokens on 2 GPUs and lost 2-15% elsewhere
-    (docs/benchmarks.md), the all-to-all being short next to the copies a chunk adds."""
+    group. Default 1: on H200s the eager pipeline's 2 chunks gained 2% at 16,896 tokens on 2 GPUs and lost 2-15%
+    elsewhere, and the compiled form before the pipeline below lost 1% (docs/benchmarks.md); the compiled pipeline
+    is not measured on two GPUs yet (the kernels alone cost 0.1% more in 2 chunks at 16,896 tokens)."""
     c = max(1, int(os.environ.get("FLUX_CP_ULYSSES_CHUNKS", "1")))
     while c > 1 and (heads % c or (heads // c) % u):
         c -= 1
