@@ -82,7 +82,8 @@ def dense_strides(t: Tensor) -> tuple[int, ...]:
     """Strides that lay out `t`'s dims in the order of `t`'s own strides, with no gaps: `t`'s strides when `t` is
     dense. q, k and v that are views of one exchanged buffer (gaps between the rows of each) thus give an output
     and gradients laid out like one of them alone, where `empty_like` would fall back to contiguous."""
-    order = sorted(range(t.dim()), key=t.stride, reverse=True)  # a stable sort: equal strides keep their order
+    broadcast = any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape))  # no order to follow: contiguous
+    order = list(range(t.dim())) if broadcast else sorted(range(t.dim()), key=t.stride, reverse=True)  # stable
     strides = [0] * t.dim()
     step = 1
     for i in reversed(order):

@@ -87,3 +87,11 @@ def test_a_size_one_dims_stride_does_not_force_a_copy():
     t = base.transpose(1, 2)  # another layout: copied into like's
     moved = in_layout_of(t, like.transpose(1, 2).contiguous())
     assert moved is not t and moved.is_contiguous() and torch.equal(moved, t)
+
+
+def test_dense_strides_follow_the_order_of_the_strides_without_gaps():
+    packed = torch.empty(1, 5, 3, 2, 4)[:, :, 1].transpose(1, 2)  # [B, H, S, D] view with gaps between rows
+    assert dense_strides(packed) == (40, 4, 8, 1)
+    plain = torch.empty(2, 5, 3, 4)
+    assert dense_strides(plain) == plain.stride() and dense_strides(plain.transpose(1, 2)) == (60, 4, 12, 1)
+    assert dense_strides(torch.empty(5, 1, 4).expand(5, 3, 4)) == (12, 4, 1)  # broadcast: contiguous
