@@ -1041,8 +1041,9 @@ def chunks_section(folder: Path) -> list[str]:
         f"{packed['tokens']:,} tokens, {packed['heads']} heads): cuDNN reads them as they are (q's strides "
         f"{packed['q_stride']}) and writes the output and gradients dense ({packed['out_stride']}, as for the "
         f"uninterleaved layout: {bshd['out_stride']}), {packed['ms']:.2f} ms against {bshd['ms']:.2f} ms. "
-        f"`tests/gpu/test_chunks_gpu.py` (the compiled pipeline in 1, 2 and 4 chunks against fp32 attention) and "
-        f"`tests/gpu/test_carveout_gpu.py`: {tests.split(',')[0]}. What the pipeline gains on two GPUs is not "
+        "`tests/gpu/test_chunks_gpu.py` (the compiled pipeline in 1, 2 and 4 chunks, and in 2 as CUDA graphs, "
+        f"against fp32 attention) and `tests/gpu/test_carveout_gpu.py`: {tests.split(',')[0]}. What the pipeline "
+        "gains on two GPUs is not "
         "measured (`FLUX_CP_EXCHANGE_FIRST=1 bash benchmarks/run.sh RESULTS attention_first chunks`).",
         "",
     ]

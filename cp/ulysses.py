@@ -106,7 +106,8 @@ def _chunks(heads: int, u: int) -> int:
     """Head chunks of the pipeline: FLUX_CP_ULYSSES_CHUNKS, reduced until each chunk's heads divide over the
     group. Default 1: on H200s the eager pipeline's 2 chunks gained 2% at 16,896 tokens on 2 GPUs and lost 2-15%
     elsewhere, and compiled chunks before `ulysses_traced` became a pipeline lost 1% (docs/benchmarks.md); the
-    pipeline is not measured on two GPUs yet (its kernels alone cost 0.1% more in 2 chunks at 16,896 tokens)."""
+    pipeline is not measured on two GPUs yet (its kernels alone cost 0.7% more in 2 or 4 chunks at 16,896 tokens
+    on one H200)."""
     c = max(1, int(os.environ.get("FLUX_CP_ULYSSES_CHUNKS", "1")))
     while c > 1 and (heads % c or (heads // c) % u):
         c -= 1
