@@ -38,8 +38,6 @@ def analyse(events: list[dict], long_us: float = 50.0) -> dict:
     spans = union([(x["ts"], x["ts"] + x["dur"]) for x in exchanges])
     total = length(spans)
     exposed = total - intersection(spans, union([(k["ts"], k["ts"] + k["dur"]) for k in compute]))
-    delay = 0.0
-    late = 0
     behind: dict[str, list[float]] = {}  # the kernel each late exchange waited for: count and delay by name
     for x in exchanges:
         issued = launches.get(x["args"].get("correlation"))
@@ -55,16 +53,15 @@ def analyse(events: list[dict], long_us: float = 50.0) -> dict:
             and lk["ts"] > issued_end  # and the host launched it after the exchange
         ]
         if ahead:
-            late += 1
             first = min(ahead, key=lambda k: k["ts"])
-            delay += x["ts"] - first["ts"]
             behind.setdefault(first["name"][:60], []).append(x["ts"] - first["ts"])
+    delays = [d for ds in behind.values() for d in ds]
     return {
         "exchanges": len(exchanges),
         "exchange_ms": round(total / 1e3, 3),
         "exposed_ms": round(exposed / 1e3, 3),
-        "late": late,
-        "late_delay_ms": round(delay / 1e3, 3),
+        "late": len(delays),
+        "late_delay_ms": round(sum(delays) / 1e3, 3),
         "late_behind": {
             name: {"count": len(ds), "delay_ms": round(sum(ds) / 1e3, 3)}
             for name, ds in sorted(behind.items(), key=lambda kv: -sum(kv[1]))

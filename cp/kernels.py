@@ -70,12 +70,8 @@ def _math_backward(
 
 
 def _same_strides(shape: torch.Size, a: tuple[int, ...], b: tuple[int, ...]) -> bool:
-    return all(sa == sb for sa, sb, n in zip(a, b, shape) if n > 1)  # a size-1 dim's stride is never read
-
-
-def same_layout(a: Tensor, b: Tensor) -> bool:
-    """Whether two tensors of one shape lay out their elements alike (the stride of a size-1 dim is not read)."""
-    return _same_strides(a.shape, a.stride(), b.stride())
+    """Whether two stride tuples lay out a tensor of `shape` alike (the stride of a size-1 dim is never read)."""
+    return all(sa == sb for sa, sb, n in zip(a, b, shape) if n > 1)
 
 
 def dense_strides(t: Tensor) -> tuple[int, ...]:
@@ -99,9 +95,10 @@ def dense_like(t: Tensor, dtype: torch.dtype | None = None) -> Tensor:
 
 def in_layout_of(t: Tensor, like: Tensor) -> Tensor:
     """`t` in the strides of `dense_like(like)`: `t` itself when it already is, else a copy."""
-    if _same_strides(t.shape, t.stride(), dense_strides(like)):
+    strides = dense_strides(like)
+    if _same_strides(t.shape, t.stride(), strides):
         return t
-    return dense_like(like, dtype=t.dtype).copy_(t)
+    return torch.empty_strided(like.shape, strides, dtype=t.dtype, device=like.device).copy_(t)
 
 
 # --- CPU flash --------------------------------------------------------------------------------------

@@ -201,17 +201,22 @@ def ulysses_attention(
 # rows, which cuDNN reads as it is (benchmarks/probe_layouts.py, "packed").
 
 
+def _by_chunk(t: Tensor, u: int, c: int) -> Tensor:
+    """`[B, S_l, H, D]` -> `[B, S_l, c, u, H/(c u), D]` (a view): head (i u + j) H/(c u) + m is chunk i's share of
+    rank j."""
+    b, s, h, d = t.shape
+    return t.reshape(b, s, c, u, h // (c * u), d)
+
+
 def _sent_first(t: Tensor, u: int, c: int) -> Tensor:
     """`[B, S_l, H, D]` -> `[u, B, S_l, H/(c u), D]`: the first head chunk, what goes to each rank."""
-    b, s, h, d = t.shape
-    return t.reshape(b, s, c, u, h // (c * u), d)[:, :, 0].permute(2, 0, 1, 3, 4).contiguous()
+    return _by_chunk(t, u, c)[:, :, 0].permute(2, 0, 1, 3, 4).contiguous()
 
 
 def _sent_rest(qkv: list[Tensor], u: int, c: int) -> Tensor:
     """q, k, v `[B, S_l, H, D]` -> `[u, B, S_l, c-1, 3, H/(c u), D]`: head chunks 1.. of all three, what goes to
     each rank, in one buffer."""
-    b, s, h, d = qkv[0].shape
-    x = torch.stack([t.reshape(b, s, c, u, h // (c * u), d)[:, :, 1:] for t in qkv], dim=4)  # [B, S, c-1, u, 3, ..]
+    x = torch.stack([_by_chunk(t, u, c)[:, :, 1:] for t in qkv], dim=4)  # [B, S_l, c-1, u, 3, H/(c u), D]
     return x.permute(3, 0, 1, 2, 4, 5, 6).contiguous()
 
 
