@@ -380,6 +380,9 @@ def train_step(run: Run, data: Data, trainee: Trainee, loop: Loop, step: int) ->
             loss = loop.fault.maybe_corrupt(step, mb.loss(model(**mb.inputs)[0]))
             accelerator.backward(loss)
             loss_sum += loss.detach().double()
+            upcoming = (step - 1) * accum + micro + 1
+            if upcoming < trainee.max_steps * accum:  # the host builds it while the GPU runs this backward
+                loop.batches.prefetch(upcoming)
             if accelerator.sync_gradients:
                 grad_norm = clip_grad_norm(accelerator, trainee.params, cfg.train.max_grad_norm)
     loop.fault.maybe_fail(step)

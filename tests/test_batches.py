@@ -63,6 +63,23 @@ def test_a_slot_gets_the_same_sample_noise_and_timestep_on_every_layout():
     assert all(flips[(i, e)] == f for i, f, e in data.calls), "a sample's flip must not depend on the layout"
 
 
+def test_a_prefetched_batch_is_the_batch_built_on_demand():
+    """The trainer builds the next micro-step's batch while the GPU runs the backward: it must be the same batch,
+    and a prefetch of another micro-step must not be handed out in its place."""
+    data = FakeData(8)
+    ahead, plain = _batches(data, dp=1, dp_rank=0, per_rank=2), _batches(data, dp=1, dp_rank=0, per_rank=2)
+    for m in range(6):
+        ahead.prefetch(m)
+        got, want = ahead.micro(m), plain.micro(m)
+        for key in ("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep", "img_ids"):
+            assert torch.equal(got.inputs[key], want.inputs[key]), (m, key)
+        assert torch.equal(got.target, want.target) and torch.equal(got.weighting, want.weighting)
+        assert got.epoch == want.epoch
+    ahead.prefetch(3)
+    assert torch.equal(ahead.micro(4).target, plain.micro(4).target)  # not the prefetched micro-step 3
+    assert torch.equal(ahead.micro(3).target, plain.micro(3).target)
+
+
 @pytest.fixture
 def fake_cp_group(monkeypatch):
     """cp.shard's view of a CP group of 2 (which chunk this rank keeps), without a process group."""
