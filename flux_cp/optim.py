@@ -18,11 +18,17 @@ logger = logging.getLogger("flux_cp")
 
 
 def make_optimizer(train: TrainConfig, params: list[torch.nn.Parameter], global_batch: int) -> torch.optim.Optimizer:
-    """AdamW over `params`; `--scale_lr` multiplies the LR by the samples per optimizer step."""
+    """AdamW over `params`; `--scale_lr` multiplies the LR by the samples per optimizer step.
+
+    The fused implementation: a LoRA has hundreds of small tensors, and the default (foreach) AdamW spends
+    milliseconds of host time per step issuing its dozen list operations over them, after the gradient norm has
+    been read, so the GPU waits (docs/design.md, "The step's host time"). The fused one updates them in a few
+    kernels, the same update to rounding."""
     scale = global_batch * train.gradient_accumulation_steps if train.scale_lr else 1
+    fused = all(p.device.type in ("cuda", "cpu") and p.is_floating_point() for p in params)
     return torch.optim.AdamW(
         params, lr=train.learning_rate * scale, betas=(train.adam_beta1, train.adam_beta2),
-        weight_decay=train.adam_weight_decay, eps=train.adam_epsilon,
+        weight_decay=train.adam_weight_decay, eps=train.adam_epsilon, fused=fused or None,
     )  # fmt: skip
 
 

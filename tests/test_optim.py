@@ -37,3 +37,29 @@ def test_a_non_finite_loss_or_gradient_norm_alone_skips_the_update(loss, grad_no
     with pytest.raises(NonFiniteError, match=r"at step 3; no checkpoint was written for it"):
         apply_update(optimizer, scheduler, loss, grad_norm, "stop", 3)
     assert torch.equal(p.detach(), torch.ones(3))
+
+
+def test_the_trainers_adamw_is_fused_and_steps_like_the_reference_adamw():
+    """make_optimizer uses the fused AdamW (fewer host-side launches); it must update as torch's default AdamW."""
+    from flux_cp.config import TrainConfig
+    from flux_cp.optim import make_optimizer
+
+    g = torch.Generator().manual_seed(0)
+    shapes = [(16, 4), (4, 16), (7,), (3, 3, 2)]
+    ours = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    start = [p.detach().clone() for p in ours]
+    train = TrainConfig(learning_rate=1e-2, adam_weight_decay=1e-2)
+    opt = make_optimizer(train, ours, global_batch=1)
+    assert opt.defaults["fused"] is True
+    ref_opt = torch.optim.AdamW(ref, lr=1e-2, betas=(train.adam_beta1, train.adam_beta2), weight_decay=1e-2,
+                                eps=train.adam_epsilon, foreach=False)  # fmt: skip
+    for _ in range(5):
+        grads = [torch.randn(s, generator=g) for s in shapes]
+        for p, q, gr in zip(ours, ref, grads):
+            p.grad, q.grad = gr.clone(), gr.clone()
+        opt.step()
+        ref_opt.step()
+    for p, q, p0 in zip(ours, ref, start):
+        assert (p.detach() - p0).abs().min() > 1e-3  # every entry moved: the comparison below means something
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-7)
