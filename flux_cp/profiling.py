@@ -4,7 +4,8 @@ Each rank writes `OUTPUT_DIR/profile/rank{R}.json` (a Chrome trace: chrome://tra
 `rank{R}_summary.json`; the main rank logs its summary. `python -m flux_cp.profiling TRACE` prints the summary of
 a trace (.json or .json.gz). The summary splits the step's GPU time into kernels of
 each kind (attention, matrix products, communication, the rest) and says how much of the communication ran
-while a compute kernel ran beside it: communication not overlapped is time CP adds to the step.
+while a compute kernel ran beside it: communication not overlapped is time CP adds to the step. It also names
+the longest stretches with no kernel at all and what the host did meanwhile (`idle_gaps`).
 """
 
 from __future__ import annotations
@@ -90,6 +91,33 @@ def summarize(events: list[dict]) -> dict:
     return {k: (round(v, 3) if isinstance(v, float) else v) for k, v in out.items()}
 
 
+def idle_gaps(events: list[dict], count: int = 5, min_us: float = 100.0) -> list[dict]:
+    """The `count` longest stretches (of at least `min_us`) in which no GPU kernel ran, longest first: where the step
+    waited for the host. Each gap gives `ms`, `at_ms` (from the first kernel) and `host`, the longest host
+    operations that ran through at least a third of it (what the host was doing meanwhile)."""
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel" and e.get("dur", 0) > 0]
+    busy = union([(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in kernels])
+    if not busy:
+        return []
+    host = [
+        e for e in events if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation", "python_function")
+    ]
+    gaps = sorted(((b[0] - a[1], a[1], b[0]) for a, b in zip(busy, busy[1:]) if b[0] - a[1] >= min_us), reverse=True)
+    out = []
+    for length_us, start, end in gaps[:count]:
+        meanwhile = sorted(
+            (
+                e
+                for e in host
+                if e["ts"] < end and e["ts"] + e.get("dur", 0) > start and e.get("dur", 0) >= length_us / 3
+            ),
+            key=lambda e: -e["dur"],
+        )
+        out.append({"ms": round(length_us / 1e3, 3), "at_ms": round((start - busy[0][0]) / 1e3, 3),
+                    "host": [e["name"] for e in meanwhile[:3]]})  # fmt: skip
+    return out
+
+
 @contextlib.contextmanager
 def profiled(active: bool, output_dir: str, rank: int, is_main: bool) -> Iterator[None]:
     """Profile the code inside when `active` (the step named by --profile_step), else do nothing."""
@@ -107,7 +135,10 @@ def profiled(active: bool, output_dir: str, rank: int, is_main: bool) -> Iterato
     folder.mkdir(parents=True, exist_ok=True)
     trace = folder / f"rank{rank}.json"
     prof.export_chrome_trace(str(trace))
-    summary = summarize(json.loads(trace.read_text()).get("traceEvents", []))
+    events = json.loads(trace.read_text()).get("traceEvents", [])
+    summary = summarize(events)
+    if summary["kernels"]:
+        summary["longest_idle"] = idle_gaps(events)
     (folder / f"rank{rank}_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     if is_main:
         if summary["kernels"]:
@@ -125,7 +156,8 @@ def load_trace(path: str) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> None:
     for path in argv if argv is not None else sys.argv[1:]:
-        print(json.dumps({"trace": path, **summarize(load_trace(path))}))
+        events = load_trace(path)
+        print(json.dumps({"trace": path, **summarize(events), "longest_idle": idle_gaps(events)}))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from flux_cp.profiling import kernel_kind, summarize
+from flux_cp.profiling import idle_gaps, kernel_kind, summarize
 
 
 def _k(name: str, ts: float, dur: float, stream: int = 7) -> dict:
@@ -43,3 +43,22 @@ def test_summary_counts_overlap_idle_and_kinds():
 
 def test_summary_without_kernels():
     assert summarize([{"ph": "X", "cat": "cpu_op", "name": "aten::add", "ts": 0, "dur": 5}]) == {"kernels": 0}
+
+
+def test_idle_gaps_are_the_longest_stretches_without_a_kernel_and_name_the_host_work_beside_them():
+    events = [
+        _k("nvjet_gemm", 0, 100),
+        _k("triton_poi_fused", 400, 100),  # 300 us without a kernel before it
+        _k("ncclDevKernel_SendRecv", 450, 100, stream=20),  # overlaps: no gap
+        _k("cudnn_sdpa_fprop", 700, 100),  # 150 us gap
+        _k("nvjet_gemm", 850, 10),  # 50 us: below min_us
+        {"ph": "X", "cat": "cpu_op", "name": "Optimizer.step#AdamW.step", "ts": 90, "dur": 300},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::add_", "ts": 120, "dur": 5},  # too short to explain the gap
+        {"ph": "X", "cat": "cpu_op", "name": "aten::randn", "ts": 560, "dur": 130},
+    ]
+    gaps = idle_gaps(events, count=5, min_us=100)
+    assert [g["ms"] for g in gaps] == [0.3, 0.15]
+    assert [g["at_ms"] for g in gaps] == [0.1, 0.55]
+    assert gaps[0]["host"] == ["Optimizer.step#AdamW.step"] and gaps[1]["host"] == ["aten::randn"]
+    assert idle_gaps(events, count=1) == gaps[:1]
+    assert idle_gaps([{"ph": "X", "cat": "cpu_op", "name": "aten::add", "ts": 0, "dur": 5}]) == []
