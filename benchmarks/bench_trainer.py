@@ -10,6 +10,8 @@ A RUN is `name:gpus:config:extra trainer flags`, e.g.
 separate GPUs when `--parallel` is given (each is timed alone on its GPU); the others one after another.
 Every run gets `--transformer_init random --mixed_precision bf16 --gradient_checkpointing --rank 16` (LoRA unless
 `--full_finetune` is in its flags) and a fresh folder; it is stopped once its steps are logged (no final save).
+With `--fake_peers`, a one-GPU run given `--cp_size N` runs benchmarks/fake_peers.py instead: rank 0 of a CP group
+of N whose exchanges cost nothing, its efficiency taken against N GPUs.
 """
 
 from __future__ import annotations
@@ -35,11 +37,17 @@ def parse_run(spec: str) -> dict:
     return {"name": name, "gpus": int(gpus), "config": config, "extra": extra.split()}
 
 
+def cp_size(run: dict) -> int:
+    flags = run["extra"]
+    return int(flags[flags.index("--cp_size") + 1]) if "--cp_size" in flags else 1
+
+
 def command(run: dict, model: str, work: Path, steps: int, port: int) -> list[str]:
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
               str(ROOT / "accelerate_configs" / run["config"]), "--num_processes", str(run["gpus"]),
               "--main_process_port", str(port)]  # fmt: skip
-    return [*launch, str(ROOT / "train_flux_cp.py"), "--pretrained_model_name_or_path", model,
+    script = ROOT / ("benchmarks/fake_peers.py" if run.get("fake_peers") else "train_flux_cp.py")
+    return [*launch, str(script), "--pretrained_model_name_or_path", model,
             "--transformer_init", "random", "--mixed_precision", "bf16", "--gradient_checkpointing",
             "--rank", "16", "--max_train_steps", str(steps + 50), "--checkpointing_steps", "100000",
             "--report_to", "none", "--output_dir", str(work / run["name"]),
@@ -77,6 +85,8 @@ def finish(job: dict, work: Path, steps: int, warmup: int, timeout: float) -> di
     job["log"].close()
     got = rows(work, job["name"])
     result = {k: job[k] for k in ("name", "gpus", "config", "extra")}
+    if job.get("fake_peers"):
+        result["fake_peers"] = job["fake_peers"]
     profile = work / job["name"] / "profile"  # runs given --profile_step: summaries here, traces beside the logs
     if profile.is_dir():
         result["profile"] = {
@@ -117,7 +127,16 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=420, help="seconds per run")
     p.add_argument("--parallel", action="store_true", help="run the one-GPU runs side by side, one per GPU")
     p.add_argument("--model", default=None, help="model folder (default: a fresh FLUX.1-dev-shaped one)")
+    p.add_argument(
+        "--fake_peers",
+        action="store_true",
+        help="one-GPU runs with --cp_size N: rank 0 of N with free exchanges (benchmarks/fake_peers.py)",
+    )
     a = p.parse_args()
+    if a.fake_peers:
+        for run in a.runs:
+            if run["gpus"] == 1 and cp_size(run) > 1:
+                run["fake_peers"] = cp_size(run)
 
     out = Path(a.out)
     log_dir = Path(a.logs) if a.logs else out.parent
@@ -160,9 +179,10 @@ def table(results: list[dict]) -> None:
             print(f"{r['name']:34s} {r['gpus']:4d} error: {r['error'][:80]}")
             continue
         eff = ""
-        base = by_name.get("cp1_" + r["name"].split("_", 1)[-1]) if r["gpus"] > 1 else None
+        n = r.get("fake_peers") or r["gpus"]  # a fake-peers run stands for n GPUs
+        base = by_name.get("cp1_" + r["name"].split("_", 1)[-1]) if n > 1 else None
         if base and "s_per_step" in base:
-            eff = f"{base['s_per_step'] / (r['gpus'] * r['s_per_step']):.2f}"
+            eff = f"{base['s_per_step'] / (n * r['s_per_step']):.2f}"
         mfu = f"{r['mfu']:.0%}" if r["mfu"] is not None else "-"
         print(f"{r['name']:34s} {r['gpus']:4d} {r['s_per_step']:7.3f} {mfu:>5s} {r['peak_mem_gib']:6.1f} {eff:>5s}")
 

@@ -41,6 +41,9 @@
 #   chunks     the 2048 px lora_ro pair, and cp=2 with the Ulysses heads in CHUNKS chunks (default "2 4"; each
 #              chunk exchanged and attended on its own, FLUX_CP_ULYSSES_CHUNKS; with FLUX_CP_EXCHANGE_FIRST=1 set
 #              for the whole set, the pipeline as it is meant to run)
+#   host       one GPU is enough: the 2048 px CUDA-graph one-GPU run against cp=2's rank 0 with exchanges that cost
+#              nothing (benchmarks/fake_peers.py): what a CP rank spends besides communication, host time included
+#   host_profile  the same pair under --compile, profiled at step 5 (where the GPU waits for the host)
 #   full       full fine-tuning at 2048 px alone (FSDP2, cp=2; the last run of the big set)
 #   ring       cp=2 at 2048 px with --cp_mode ring
 #   lora4096   4096 px LoRA alone: one GPU against cp=2
@@ -186,6 +189,12 @@ for SET in "$@"; do
       for c in ${CHUNKS:-2 4}; do
         FLUX_CP_ULYSSES_CHUNKS=$c trainer 200 "cp2_2048_ro_chunks$c:2:ddp_cp2.yaml:--cp_size 2 $RO"
       done ;;
+    host)
+      RO="--resolution 2048 --compile_mode reduce-overhead"
+      trainer 400 --fake_peers "cp1_2048_ro:1:gpu1.yaml:$RO" "fake2_2048_ro:1:gpu1.yaml:--cp_size 2 $RO" ;;
+    host_profile)
+      P="--resolution 2048 --compile --profile_step 5"
+      trainer 300 --fake_peers "cp1_2048_profile:1:gpu1.yaml:$P" "fake2_2048_profile:1:gpu1.yaml:--cp_size 2 $P" ;;
     full)
       trainer 400 "cp2_2048_full:2:fsdp2_cp2.yaml:--cp_size 2 --resolution 2048 --compile --full_finetune --checkpoint_weights_only" ;;
     ring)
@@ -219,7 +228,7 @@ for SET in "$@"; do
       if [ "$N" -ge 8 ]; then OUT=$OUT bash benchmarks/equivalence.sh 4 200
       elif [ "$N" -ge 4 ]; then OUT=$OUT bash benchmarks/equivalence.sh 2 200
       else echo "equivalence: needs 4 or 8 GPUs, skipped"; fi ;;
-    *) echo "error: unknown set $SET (check, check_attention, check_model, lora, lora_attn, kontext, anchor, lora_ro, variants, overlap, fill, priority, lora_attn_ro, carveout, first, attention_first, profile, chunks, full, ring, lora4096, big, attention, equivalence)"; exit 2 ;;
+    *) echo "error: unknown set $SET (check, check_attention, check_model, lora, lora_attn, kontext, anchor, lora_ro, variants, overlap, fill, priority, lora_attn_ro, carveout, first, attention_first, profile, host, host_profile, chunks, full, ring, lora4096, big, attention, equivalence)"; exit 2 ;;
   esac
 done
 tar czf "$OUT/logs.tgz" -C "$TMP" logs
