@@ -13,9 +13,9 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from flux_cp.batches import Batches
 from flux_cp.config import DataConfig, TrainConfig
 from flux_cp.data import BatchSchedule
-from flux_cp.optim import make_optimizer
 from flux_cp.parallel import Layout
 from tests.test_batches import FakeData
+from tests.test_optim import step_fused_and_reference
 
 pytestmark = [
     pytest.mark.gpu,
@@ -54,20 +54,4 @@ def test_batches_prefetched_behind_running_kernels_are_the_batches_built_on_dema
 
 
 def test_the_fused_adamw_on_the_gpu_steps_like_the_reference_adamw():
-    g = torch.Generator(device="cuda").manual_seed(0)
-    shapes = [(3072, 16), (16, 3072), (7,), (64, 64)]
-    ours = [torch.nn.Parameter(torch.randn(s, device="cuda", generator=g)) for s in shapes]
-    ref = [torch.nn.Parameter(p.detach().clone()) for p in ours]
-    train = TrainConfig(learning_rate=1e-2, adam_weight_decay=1e-2)
-    opt = make_optimizer(train, ours, global_batch=1)
-    assert opt.defaults["fused"] is True
-    ref_opt = torch.optim.AdamW(ref, lr=1e-2, betas=(train.adam_beta1, train.adam_beta2), weight_decay=1e-2,
-                                eps=train.adam_epsilon, foreach=False)  # fmt: skip
-    for _ in range(5):
-        for p, q in zip(ours, ref):
-            grad = torch.randn(p.shape, device="cuda", generator=g)
-            p.grad, q.grad = grad.clone(), grad
-        opt.step()
-        ref_opt.step()
-    for p, q in zip(ours, ref):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    step_fused_and_reference("cuda", [(3072, 16), (16, 3072), (7,), (64, 64)], rtol=1e-5, atol=1e-6)
