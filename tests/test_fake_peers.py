@@ -1,6 +1,7 @@
 """benchmarks/fake_peers.py's loopback process group: one process stands for a CP group of n ranks whose peers hold
-what it holds, so every collective returns what it returns among identical ranks, eager and compiled. Run in a
-subprocess: the group becomes that process's default group."""
+what it holds, so every collective returns what it returns among identical ranks. Run in a subprocess: the group
+becomes that process's default group. (Compiled, the same group ran the trainer's compiled blocks on a GPU:
+docs/benchmarks.md, host time per step.)"""
 
 from __future__ import annotations
 
@@ -37,9 +38,8 @@ SCRIPT = textwrap.dedent(
     # The ring over identical peers attends to this rank's keys n times over: the same softmax as attending once.
     q, k, v = (torch.randn(1, 12, 6, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
     local = cp.attention(q, k, v, group=None)
-    for f in (cp.attention, torch.compile(cp.attention, fullgraph=True)):
-        ring = f(q, k, v, group=dist.group.WORLD, mode="ring")
-        torch.testing.assert_close(ring, local, rtol=1e-12, atol=1e-12)
+    ring = cp.attention(q, k, v, group=dist.group.WORLD, mode="ring")
+    torch.testing.assert_close(ring, local, rtol=1e-12, atol=1e-12)
     for mode in ("ulysses", "ring"):  # finite, the real magnitude, and differentiable
         o = cp.attention(q, k, v, group=dist.group.WORLD, mode=mode)
         o.square().sum().backward()
