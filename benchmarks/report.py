@@ -1106,11 +1106,12 @@ def host_section(folder: Path, fill: Path | None) -> list[str]:
         "step's backward (`flux_cp/batches.py`, `prefetch`), where it used to be built at the start of its step "
         "with the GPU waiting; and AdamW is torch's fused implementation, where the default issued its list "
         "operations over the LoRA's hundreds of tensors with the GPU waiting (`flux_cp/optim.py`). Before: commit "
-        "725a40c with this commit's benchmark scripts; after: this commit; each pair run back to back on one "
-        "machine. `train_flux_cp.py` through `benchmarks/bench_trainer.py` as in the sections below (FLUX.1-dev "
-        "shapes, LoRA r16 on the default layers, bf16, checkpointing), 2048 px, `--compile_mode reduce-overhead`, "
-        "medians of the timed steps. cp=2's rank 0 ran alone with loopback peers (`benchmarks/fake_peers.py`: a "
-        "process group of two held by one process, each exchange one copy on the GPU), so it is what a rank spends "
+        "725a40c with the benchmark scripts of this page; after: the trainer as of commit e0848e5 (unchanged since); "
+        "each pair run back to back on one machine. `train_flux_cp.py` through `benchmarks/bench_trainer.py` as in "
+        "the sections below (FLUX.1-dev shapes, LoRA r16 on the default layers, bf16, checkpointing), 2048 px, "
+        "`--compile_mode reduce-overhead`, medians of the timed steps. cp=2's rank 0 ran alone with loopback peers "
+        "(`benchmarks/fake_peers.py`: a process group of two held by one process, each exchange one copy on the "
+        "GPU), so it is what a rank spends "
         "besides waiting for its peer, host time included (less DDP's gradient all-reduce).",
         "",
         "| run | machine | before s/step | after s/step | less | loss at step 1, before / after |",
