@@ -11,7 +11,7 @@ separate GPUs when `--parallel` is given (each is timed alone on its GPU); the o
 Every run gets `--transformer_init random --mixed_precision bf16 --gradient_checkpointing --rank 16` (LoRA unless
 `--full_finetune` is in its flags) and a fresh folder; it is stopped once its steps are logged (no final save).
 With `--fake_peers`, a one-GPU run given `--cp_size N` runs benchmarks/fake_peers.py instead: rank 0 of a CP group
-of N whose exchanges cost nothing, its efficiency taken against N GPUs.
+of N whose peers are copies of it (each exchange one local copy), its efficiency taken against N GPUs.
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ def main() -> None:
     p.add_argument(
         "--fake_peers",
         action="store_true",
-        help="one-GPU runs with --cp_size N: rank 0 of N with free exchanges (benchmarks/fake_peers.py)",
+        help="one-GPU runs with --cp_size N: rank 0 of N with loopback peers (benchmarks/fake_peers.py)",
     )
     a = p.parse_args()
     if a.fake_peers:

@@ -1,5 +1,5 @@
-"""train_flux_cp.py as rank 0 of a CP group whose peers cost nothing, on one device: what a CP rank spends besides
-communication.
+"""train_flux_cp.py as rank 0 of a CP group whose peers are copies of it, on one device: what a CP rank spends
+besides waiting for its peers.
 
     accelerate launch --config_file accelerate_configs/gpu1.yaml benchmarks/fake_peers.py --cp_size 2 ...
 
@@ -102,10 +102,16 @@ class LoopbackGroup(dist.ProcessGroup):
     def all_to_all_single(
         self, output: Tensor, input: Tensor, output_splits: list[int], input_splits: list[int], opts=None
     ) -> dist.Work:
-        if (output_splits and len(set(output_splits)) > 1) or (input_splits and len(set(input_splits)) > 1):
-            raise NotImplementedError("LoopbackGroup: all-to-all with unequal splits")
-        # Every peer sends this rank the share this rank sends itself.
-        output.view(self._size, -1).copy_(input.reshape(self._size, -1)[self._rank].expand(self._size, -1))
+        # Every peer sends this rank the share this rank sends itself (its piece `rank` of dim 0).
+        rows_in = list(input_splits) or [input.shape[0] // self._size] * self._size
+        rows_out = list(output_splits) or [output.shape[0] // self._size] * self._size
+        own = input.split(rows_in)[self._rank]
+        if any(n != own.shape[0] for n in rows_out):
+            raise ValueError(
+                f"all-to-all among identical ranks: every peer sends {own.shape[0]} rows (input splits {rows_in}), "
+                f"but the output splits are {rows_out}"
+            )
+        output.view(self._size, *own.shape).copy_(own.unsqueeze(0).expand(self._size, *own.shape))
         return _done([output])
 
     alltoall_base = all_to_all_single

@@ -41,8 +41,8 @@
 #   chunks     the 2048 px lora_ro pair, and cp=2 with the Ulysses heads in CHUNKS chunks (default "2 4"; each
 #              chunk exchanged and attended on its own, FLUX_CP_ULYSSES_CHUNKS; with FLUX_CP_EXCHANGE_FIRST=1 set
 #              for the whole set, the pipeline as it is meant to run)
-#   host       one GPU is enough: the 2048 px CUDA-graph one-GPU run against cp=2's rank 0 with exchanges that cost
-#              nothing (benchmarks/fake_peers.py): what a CP rank spends besides communication, host time included
+#   host       one GPU is enough: the 2048 px CUDA-graph one-GPU run against cp=2's rank 0 with loopback peers, each
+#              exchange one local copy (benchmarks/fake_peers.py): what a CP rank spends besides communication, host time included
 #   host_profile  the same pair under --compile, profiled at step 5 (where the GPU waits for the host)
 #   full       full fine-tuning at 2048 px alone (FSDP2, cp=2; the last run of the big set)
 #   ring       cp=2 at 2048 px with --cp_mode ring

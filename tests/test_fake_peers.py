@@ -33,6 +33,14 @@ SCRIPT = textwrap.dedent(
     out = torch.empty(4, 5); dist.reduce_scatter_tensor(out, x); torch.testing.assert_close(out, n * x[:4])
     out = torch.empty_like(x); dist.all_to_all_single(out, x)  # each peer sends this rank its own first share
     assert torch.equal(out, x[:4].repeat(n, 1))
+    out = torch.empty(n * 2, 5)  # unequal input splits: every peer sends its first piece, 2 rows
+    dist.all_to_all_single(out, x[:9], output_split_sizes=[2] * n, input_split_sizes=[2, 3, 4])
+    assert torch.equal(out, x[:2].repeat(n, 1))
+    try:
+        dist.all_to_all_single(torch.empty(9, 5), x[:9], output_split_sizes=[2, 3, 4], input_split_sizes=[2, 3, 4])
+        raise AssertionError("output splits that identical peers cannot fill were accepted")
+    except ValueError as e:
+        assert "every peer sends 2 rows" in str(e), e
     seen = [None] * n; dist.all_gather_object(seen, {"rank": dist.get_rank()}); assert seen == [{"rank": 0}] * n
 
     # The ring over identical peers attends to this rank's keys n times over: the same softmax as attending once.
