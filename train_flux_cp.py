@@ -46,7 +46,7 @@ from flux_cp.model import (
     save_full,
     trainable_parameters,
 )
-from flux_cp.optim import apply_update, clip_grad_norm, make_lr_scheduler, make_optimizer
+from flux_cp.optim import apply_update, check_finite, clip_grad_norm, make_lr_scheduler, make_optimizer
 from flux_cp.parallel import (
     Layout,
     check_layout,
@@ -122,14 +122,19 @@ class Loop:
 
 @dataclass
 class StepResult:
+    """A step as queued on the device: its loss, gradient norm and skip flag are 0-d tensors there until read
+    (`read_step`), which is done once the next step is queued too, so the GPU never waits for the host between
+    steps."""
+
     step: int
     epoch: int
-    loss: float
-    grad_norm: float
-    skipped: bool
+    loss: torch.Tensor
+    grad_norm: torch.Tensor
+    skipped: torch.Tensor
+    lr: float  # the schedule's LR after this step, as diffusers' examples log it
     tokens: int
     flops: float
-    seconds: float
+    end: Any  # StepTimer.mark() after the step's update
 
 
 # --- phases --------------------------------------------------------------------------------------------
@@ -358,13 +363,14 @@ def start_loop(run: Run, data: Data, trainee: Trainee, start_step: int) -> Loop:
     loop = Loop(batches, metrics, StepTimer(device), bar, peak, faults.from_env(layout.rank))
     if cfg.model.embedded_default and data.validation_embeds is not None and start_step == 0:
         validate(run, data, trainee, loop, 0)  # the tiny model before training, to set beside the images at the end
-        loop.timer.lap()
+        loop.timer.restart()
     trainee.model.train()
     return loop
 
 
 def train_step(run: Run, data: Data, trainee: Trainee, loop: Loop, step: int) -> StepResult:
-    """One optimizer step: forward/backward over the accumulated micro-batches, clip, update."""
+    """One optimizer step queued on the device: forward/backward over the accumulated micro-batches, clip,
+    update. Nothing in it waits for the GPU."""
     cfg, accelerator, model = run.cfg, run.accelerator, trainee.model
     accum = cfg.train.gradient_accumulation_steps
     loss_sum = torch.zeros((), device=run.device, dtype=torch.float64)
@@ -386,19 +392,34 @@ def train_step(run: Run, data: Data, trainee: Trainee, loop: Loop, step: int) ->
             if accelerator.sync_gradients:
                 grad_norm = clip_grad_norm(accelerator, trainee.params, cfg.train.max_grad_norm)
     loop.fault.maybe_fail(step)
-    step_loss = accelerator.reduce(loss_sum / accum, reduction="mean").item()
-    skipped = apply_update(trainee.optimizer, trainee.lr_scheduler, step_loss, grad_norm, cfg.train.on_nonfinite, step)
-    return StepResult(step, mb.epoch, step_loss, grad_norm, skipped, tokens, flops, loop.timer.lap())
+    step_loss = accelerator.reduce(loss_sum / accum, reduction="mean")
+    skipped = apply_update(trainee.optimizer, trainee.lr_scheduler, step_loss, grad_norm)
+    lr = trainee.lr_scheduler.get_last_lr()[0]
+    return StepResult(step, mb.epoch, step_loss, grad_norm, skipped, lr, tokens, flops, loop.timer.mark())
+
+
+def uses_model_after(run: Run, data: Data, trainee: Trainee, step: int) -> bool:
+    """Whether what follows `step` needs the model as that step left it (validation images, a checkpoint, the
+    outputs of the last step) or an idle GPU (the next step is profiled): then the next step is queued only
+    after `after_step` of this one."""
+    cfg, every = run.cfg, run.cfg.validation.validation_steps
+    validating = data.validation_embeds is not None and every and step % every == 0
+    saving = step % cfg.checkpoints.checkpointing_steps == 0
+    return bool(validating or saving or step >= trainee.max_steps or step + 1 == cfg.train.profile_step)
 
 
 def after_step(run: Run, data: Data, trainee: Trainee, loop: Loop, result: StepResult) -> None:
-    """Metrics row and trackers, progress bar, validation images when due, a checkpoint when due."""
-    cfg, layout, step, dt = run.cfg, run.layout, result.step, result.seconds
+    """Read the step's loss (stopping on a non-finite one, --on_nonfinite), write its metrics row and send it to
+    the trackers, update the progress bar; validation images when due, a checkpoint when due."""
+    cfg, layout, step = run.cfg, run.layout, result.step
+    loss, grad_norm, skipped = torch.stack([result.loss.double(), result.grad_norm.double(),
+                                            result.skipped.double()]).tolist()  # fmt: skip
+    dt = loop.timer.seconds(result.end)
+    check_finite(loss, grad_norm, cfg.train.on_nonfinite, step)
     row = {
-        "step": step, "epoch": result.epoch, "loss": result.loss, "lr": trainee.lr_scheduler.get_last_lr()[0],
-        "grad_norm": result.grad_norm, "s_per_step": dt, "tokens_per_s": result.tokens / dt,
-        "tokens_per_s_per_gpu": result.tokens / dt / layout.world, "peak_mem_gib": peak_memory_gib(run.device),
-        "skipped": result.skipped,
+        "step": step, "epoch": result.epoch, "loss": loss, "lr": result.lr, "grad_norm": grad_norm,
+        "s_per_step": dt, "tokens_per_s": result.tokens / dt, "tokens_per_s_per_gpu": result.tokens / dt / layout.world,
+        "peak_mem_gib": peak_memory_gib(run.device), "skipped": bool(skipped),
     }  # fmt: skip
     if loop.matmul_peak:
         row["mfu"] = result.flops / dt / layout.world / loop.matmul_peak
@@ -407,7 +428,7 @@ def after_step(run: Run, data: Data, trainee: Trainee, loop: Loop, result: StepR
         run.accelerator.log({k: v for k, v in row.items() if k != "step"}, step=step)
     loop.bar.update(1)
     loop.bar.set_postfix(
-        loss=f"{result.loss:.4f}", lr=f"{row['lr']:.2e}", s_step=f"{dt:.2f}", tok_s=f"{row['tokens_per_s']:.0f}",
+        loss=f"{loss:.4f}", lr=f"{row['lr']:.2e}", s_step=f"{dt:.2f}", tok_s=f"{row['tokens_per_s']:.0f}",
         **({"mfu": f"{row['mfu']:.0%}"} if loop.matmul_peak else {}),
     )  # fmt: skip
     if step < trainee.max_steps:  # the last step's outputs are written by `finish`, the model first
@@ -416,8 +437,8 @@ def after_step(run: Run, data: Data, trainee: Trainee, loop: Loop, result: StepR
             validate(run, data, trainee, loop, step)
         if step % cfg.checkpoints.checkpointing_steps == 0:
             save_checkpoint(run, trainee, loop, step)
-    if loop.timer.elapsed_since_lap() > dt:  # validation or a checkpoint ran: keep it out of the next step's time
-        loop.timer.lap()
+        if uses_model_after(run, data, trainee, step):  # keep what ran here out of the next step's time
+            loop.timer.restart()
 
 
 def save_checkpoint(run: Run, trainee: Trainee, loop: Loop, step: int) -> None:
@@ -492,10 +513,16 @@ def main(argv: list[str] | None = None) -> int:
     trainee = build_model(run, data)
     start_step = resume(run, trainee)
     loop = start_loop(run, data, trainee, start_step)
+    queued = None  # the previous step, read once this one is queued behind it
     for step in range(start_step + 1, trainee.max_steps + 1):
         with profiled(step == cfg.train.profile_step, cfg.train.output_dir, run.layout.rank, run.layout.is_main):
             result = train_step(run, data, trainee, loop, step)
-        after_step(run, data, trainee, loop, result)
+        if queued is not None:
+            after_step(run, data, trainee, loop, queued)
+        queued = result
+        if uses_model_after(run, data, trainee, step):
+            after_step(run, data, trainee, loop, result)
+            queued = None
     finish(run, data, trainee, loop, trainee.max_steps)
     # The wrapped model's gradient reducer holds the process group: free it while the group is up. Freed after the
     # group was destroyed, its teardown can deadlock gloo (a worker thread waits for the GIL the destructor holds).

@@ -131,19 +131,35 @@ def plot_loss_curve(metrics_path: str | os.PathLike, out_png: str | os.PathLike,
 
 
 class StepTimer:
+    """Seconds per step as the device ran them: from the end of one step to the end of the next. On a GPU a
+    step's end is a CUDA event (`mark`), so timing a step makes the host wait for that step alone, not for the
+    next one it has queued behind it."""
+
     def __init__(self, device: torch.device):
         self.device = device
-        self.t = time.perf_counter()
+        self.last = self.mark()
 
-    def lap(self) -> float:
+    def mark(self) -> torch.cuda.Event | float:
+        """The end of what has been queued so far."""
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        now = time.perf_counter()
-        dt, self.t = now - self.t, now
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()  # on the CPU every operation has finished when it returns
+
+    def seconds(self, end: torch.cuda.Event | float) -> float:
+        """Time from the previous step's end to `end` (waits for `end`); marks are read in the order made."""
+        if isinstance(end, float):
+            dt = end - self.last
+        else:
+            end.synchronize()
+            dt = self.last.elapsed_time(end) / 1e3
+        self.last = end
         return dt
 
-    def elapsed_since_lap(self) -> float:
-        return time.perf_counter() - self.t
+    def restart(self) -> None:
+        """After validation or a checkpoint: the next step's time starts now, without them."""
+        self.last = self.mark()
 
 
 def main(argv: list[str] | None = None) -> int:

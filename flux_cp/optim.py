@@ -41,31 +41,55 @@ def make_lr_scheduler(train: TrainConfig, optimizer: torch.optim.Optimizer, max_
     )  # fmt: skip
 
 
-def clip_grad_norm(accelerator, params: list[torch.nn.Parameter], max_norm: float) -> float:
-    """Global gradient norm of the trainable parameters, clipped to `max_norm` (<= 0: no clipping).
+def clip_grad_norm(accelerator, params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Global gradient norm of the trainable parameters (a 0-d tensor on their device, not read by the host),
+    clipped to `max_norm` (<= 0: no clipping).
     (accelerate's clip_grad_norm_ under FSDP2 only handles the whole model's parameters, not LoRA's.)"""
     from torch.distributed.tensor import DTensor
 
     accelerator.unscale_gradients()
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
-    return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
-def apply_update(optimizer, lr_scheduler, loss: float, grad_norm: float, on_nonfinite: str, step: int) -> bool:
-    """Step the optimizer and the LR schedule, unless the loss or the gradient norm is not finite: then stop
-    (NonFiniteError) or, with `on_nonfinite == "skip"`, drop the gradients and only advance the schedule.
-    Returns whether the update was skipped."""
-    finite = math.isfinite(loss) and math.isfinite(grad_norm)
-    if not finite:
-        if on_nonfinite == "stop":
-            raise NonFiniteError(
-                f"non-finite loss ({loss}) or gradient norm ({grad_norm}) at step {step}; "
-                f"no checkpoint was written for it. Lower --learning_rate, check the data, or "
-                f"pass --on_nonfinite skip to skip such steps"
-            )
-        logger.warning(f"step {step}: non-finite loss or gradient norm, update skipped (--on_nonfinite skip)")
-    else:
+def skips_on_device(optimizer) -> bool:
+    """Whether a non-finite step can be dropped without the host reading the loss first. Fused AdamW takes the
+    `found_inf` flag that torch's GradScaler sets, and where it is 1 leaves weights, moments and step count as
+    they were. Not under fp16, whose GradScaler sets that flag itself."""
+    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper holds torch's optimizer
+    return bool(inner.defaults.get("fused")) and getattr(optimizer, "scaler", None) is None
+
+
+def apply_update(optimizer, lr_scheduler, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
+    """Step the optimizer and the LR schedule, unless the loss or the gradient norm is not finite: then the
+    update is dropped (weights, moments and AdamW's step count unchanged) and only the schedule advances. Returns
+    whether it was dropped, as a 0-d bool tensor. With a fused optimizer the decision stays on the device, so the
+    host queues the update and the next step without waiting for this backward to end (`check_finite` acts on
+    it once read)."""
+    nonfinite = ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
+    if skips_on_device(optimizer):
+        inner = getattr(optimizer, "optimizer", optimizer)
+        inner.found_inf = nonfinite.to(torch.float32)
+        try:
+            optimizer.step()
+        finally:
+            del inner.found_inf
+    elif not nonfinite.item():
         optimizer.step()
     lr_scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return not finite
+    return nonfinite
+
+
+def check_finite(loss: float, grad_norm: float, on_nonfinite: str, step: int) -> None:
+    """Act on a step whose loss or gradient norm was not finite (its update already dropped by `apply_update`):
+    stop with NonFiniteError, or with `on_nonfinite == "skip"` warn and go on."""
+    if math.isfinite(loss) and math.isfinite(grad_norm):
+        return
+    if on_nonfinite == "stop":
+        raise NonFiniteError(
+            f"non-finite loss ({loss}) or gradient norm ({grad_norm}) at step {step}; "
+            f"no checkpoint was written for it. Lower --learning_rate, check the data, or "
+            f"pass --on_nonfinite skip to skip such steps"
+        )
+    logger.warning(f"step {step}: non-finite loss or gradient norm, update skipped (--on_nonfinite skip)")
