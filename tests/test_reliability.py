@@ -34,7 +34,8 @@ def _complete(run: Path) -> list[int]:
 
 
 # One uninterrupted dp=1 x cp=2 run, shared by the tests that compare against it or resume from it.
-STRAIGHT = ["--cp_size", "2", "--checkpointing_steps", "2", "--lr_scheduler", "cosine", "--lr_warmup_steps", "2"]
+STRAIGHT = ["--cp_size", "2", "--checkpointing_steps", "2", "--lr_scheduler", "cosine", "--lr_warmup_steps", "2",
+            "--random_flip"]  # fmt: skip
 STRAIGHT_STEPS = 8
 
 
@@ -61,29 +62,51 @@ def test_kill_while_writing_a_checkpoint_keeps_the_previous_one_and_resume_is_ex
     assert not (run / ".checkpoint-4.partial").exists()
 
 
+def test_resume_after_a_kill_continues_the_same_trajectory(tmp_path, straight):
+    """Rank 1 SIGKILLed in the middle of step 5 (checkpoint-4 written): resuming from `latest` gives the
+    uninterrupted run's losses and weights, bit for bit (schedule, flips, noise and AdamW state restored)."""
+    killed = train(2, *_common(tmp_path, "run", 8, *STRAIGHT), extra_env={"FLUX_CP_FAULT": "rank=1,step=5,kind=kill"})
+    assert killed.returncode != 0
+    run = tmp_path / "run"
+    assert _complete(run) == [2, 4] and not (run / "checkpoint-6").exists()
+    ok(train(2, *_common(tmp_path, "run", 8, *STRAIGHT, "--resume_from_checkpoint", "latest")))
+    assert losses(run) == losses(straight)
+    a, b = _weights(run), _weights(straight)
+    assert all((a[k] == b[k]).all() for k in a), "resumed weights differ from the uninterrupted run"
+
+
 def test_resume_on_other_layouts_continues_the_same_trajectory(tmp_path):
-    """Written by dp=1 x cp=2 (batch 2 per rank); resumed by dp=2 x cp=1 and by dp=2 x cp=2 (batch 1 per
-    rank): the global batch is the same, so the remaining steps must give the same losses."""
+    """Written by dp=1 x cp=2 (batch 2 per rank); resumed by dp=2 x cp=1 and by dp=2 x cp=2 over 4 processes
+    (ring; batch 1 per rank): the global batch is the same, so the remaining steps - schedule, losses and final
+    LoRA weights (fp32) - must be those of the run that wrote the checkpoint. This is also the test that dp x cp
+    over 4 processes trains as data parallelism alone does."""
+    from tests.test_train import _max_rel_weights
+
+    sched = ["--lr_scheduler", "cosine", "--lr_warmup_steps", "2"]
     ok(
         train(
-            2, *_common(tmp_path, "cp2", 8, "--cp_size", "2", "--train_batch_size", "2", "--checkpointing_steps", "4")
+            2,
+            *_common(tmp_path, "cp2", 8, "--cp_size", "2", "--train_batch_size", "2", "--checkpointing_steps", "4",
+                     *sched),
         )
-    )
+    )  # fmt: skip
     ckpt = tmp_path / "cp2" / "checkpoint-4"
-    reference = [r["loss"] for r in read_metrics(tmp_path / "cp2" / "metrics.jsonl") if r["step"] > 4]
-    for name, nproc, cp in (("dp2", 2, "1"), ("dp2cp2", 4, "2")):
+    written = [r for r in read_metrics(tmp_path / "cp2" / "metrics.jsonl") if r["step"] > 4]
+    for name, nproc, cp in (("dp2", 2, ["--cp_size", "1"]), ("dp2cp2", 4, ["--cp_size", "2", "--cp_mode", "ring"])):
         ok(
             train(
                 nproc,
-                *_common(
-                    tmp_path, name, 8, "--cp_size", cp, "--train_batch_size", "1", "--resume_from_checkpoint", str(ckpt)
-                ),
+                *_common(tmp_path, name, 8, *cp, "--train_batch_size", "1", "--resume_from_checkpoint", str(ckpt),
+                         *sched),
             )
-        )
-        got = losses(tmp_path / name)
-        assert len(got) == len(reference) == 4
-        worst = max(abs(x - y) / abs(y) for x, y in zip(got, reference))
-        assert worst < 1e-5, f"{name}: losses after resuming differ by {worst:.2e}: {got} vs {reference}"
+        )  # fmt: skip
+        rows = read_metrics(tmp_path / name / "metrics.jsonl")
+        assert [r["step"] for r in rows] == [r["step"] for r in written] == [5, 6, 7, 8]
+        assert [r["lr"] for r in rows] == [r["lr"] for r in written], name
+        worst = max(abs(r["loss"] - w["loss"]) / abs(w["loss"]) for r, w in zip(rows, written))
+        assert worst < 1e-5, f"{name}: losses after resuming differ by {worst:.2e}: {rows} vs {written}"
+        assert _max_rel_weights(tmp_path / name, tmp_path / "cp2") < 1e-5, name
+    assert len({round(w["loss"], 6) for w in written}) > 1, "losses do not change: the check would be blind"
 
 
 def test_resume_refuses_a_different_global_batch(tmp_path, straight):
