@@ -122,8 +122,8 @@ class Loop:
 
 @dataclass
 class StepResult:
-    """A step as queued on the device: its loss, gradient norm and skip flag are 0-d tensors there until read
-    (`read_step`), which is done once the next step is queued too, so the GPU never waits for the host between
+    """A step as queued on the device: its loss, gradient norm and skip flag are 0-d tensors there until
+    `after_step` reads them, once the next step is queued too, so the GPU never waits for the host between
     steps."""
 
     step: int
