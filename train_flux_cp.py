@@ -398,14 +398,18 @@ def train_step(run: Run, data: Data, trainee: Trainee, loop: Loop, step: int) ->
     return StepResult(step, mb.epoch, step_loss, grad_norm, skipped, lr, tokens, flops, loop.timer.mark())
 
 
+def due_after(run: Run, data: Data, step: int) -> tuple[bool, bool]:
+    """Whether validation images and whether a checkpoint are due after `step`."""
+    every = run.cfg.validation.validation_steps
+    validating = bool(data.validation_embeds is not None and every and step % every == 0)
+    return validating, step % run.cfg.checkpoints.checkpointing_steps == 0
+
+
 def uses_model_after(run: Run, data: Data, trainee: Trainee, step: int) -> bool:
     """Whether what follows `step` needs the model as that step left it (validation images, a checkpoint, the
     outputs of the last step) or an idle GPU (the next step is profiled): then the next step is queued only
     after `after_step` of this one."""
-    cfg, every = run.cfg, run.cfg.validation.validation_steps
-    validating = data.validation_embeds is not None and every and step % every == 0
-    saving = step % cfg.checkpoints.checkpointing_steps == 0
-    return bool(validating or saving or step >= trainee.max_steps or step + 1 == cfg.train.profile_step)
+    return any(due_after(run, data, step)) or step >= trainee.max_steps or step + 1 == run.cfg.train.profile_step
 
 
 def after_step(run: Run, data: Data, trainee: Trainee, loop: Loop, result: StepResult) -> None:
@@ -432,10 +436,10 @@ def after_step(run: Run, data: Data, trainee: Trainee, loop: Loop, result: StepR
         **({"mfu": f"{row['mfu']:.0%}"} if loop.matmul_peak else {}),
     )  # fmt: skip
     if step < trainee.max_steps:  # the last step's outputs are written by `finish`, the model first
-        every = cfg.validation.validation_steps
-        if data.validation_embeds is not None and every and step % every == 0:
+        validating, saving = due_after(run, data, step)
+        if validating:
             validate(run, data, trainee, loop, step)
-        if step % cfg.checkpoints.checkpointing_steps == 0:
+        if saving:
             save_checkpoint(run, trainee, loop, step)
         if uses_model_after(run, data, trainee, step):  # keep what ran here out of the next step's time
             loop.timer.restart()

@@ -21,9 +21,9 @@ def make_optimizer(train: TrainConfig, params: list[torch.nn.Parameter], global_
     """AdamW over `params`; `--scale_lr` multiplies the LR by the samples per optimizer step.
 
     The fused implementation: a LoRA has hundreds of small tensors, and the default (foreach) AdamW spends
-    milliseconds of host time per step issuing its dozen list operations over them, after the gradient norm has
-    been read, so the GPU waits (docs/design.md, "The step's host time"). The fused one updates them in a few
-    kernels, the same update to rounding."""
+    milliseconds of host time per step issuing its dozen list operations over them (docs/design.md, "The step's
+    host time"). The fused one updates them in a few kernels, the same update to rounding, and takes the
+    `found_inf` flag that lets `apply_update` drop a non-finite step on the device."""
     scale = global_batch * train.gradient_accumulation_steps if train.scale_lr else 1
     fused = all(p.device.type in ("cuda", "cpu") and p.is_floating_point() for p in params)
     return torch.optim.AdamW(

@@ -59,3 +59,19 @@ def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
 def losses(output_dir: str | Path) -> list[float]:
     with open(Path(output_dir) / "metrics.jsonl") as f:
         return [json.loads(line)["loss"] for line in f if line.strip()]
+
+
+def max_rel_weights(a: str | Path, b: str | Path) -> float:
+    """Relative L2 error between two runs' LoRA weights, over all of them and over the B matrices alone (they start
+    at zero, so their norm is the training update itself). Per-element comparison would measure Adam's
+    normalisation of near-zero gradient elements, whose fp32 summation-order noise it scales up to the step size."""
+    import torch
+    from safetensors.torch import load_file
+
+    wa, wb = (load_file(Path(r) / "pytorch_lora_weights.safetensors") for r in (a, b))
+    assert wa.keys() == wb.keys() and len(wa) > 0
+
+    def flat(w: dict, part: str) -> torch.Tensor:
+        return torch.cat([w[k].flatten().double() for k in sorted(w) if part in k])
+
+    return max(((flat(wa, p) - flat(wb, p)).norm() / flat(wb, p).norm()).item() for p in ("", "lora_B"))

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from flux_cp import diskspace, outdir
 from flux_cp.metrics import read_metrics
-from tests.launch import ROOT, env, free_port, launch_cmd, losses, ok, run_args, train
+from tests.launch import ROOT, env, free_port, launch_cmd, losses, max_rel_weights, ok, run_args, train
 
 pytestmark = pytest.mark.e2e  # every test here launches train_flux_cp.py
 
@@ -80,8 +80,6 @@ def test_resume_on_other_layouts_continues_the_same_trajectory(tmp_path):
     (ring; batch 1 per rank): the global batch is the same, so the remaining steps - schedule, losses and final
     LoRA weights (fp32) - must be those of the run that wrote the checkpoint. This is also the test that dp x cp
     over 4 processes trains as data parallelism alone does."""
-    from tests.test_train import _max_rel_weights
-
     sched = ["--lr_scheduler", "cosine", "--lr_warmup_steps", "2"]
     ok(
         train(
@@ -105,7 +103,7 @@ def test_resume_on_other_layouts_continues_the_same_trajectory(tmp_path):
         assert [r["lr"] for r in rows] == [r["lr"] for r in written], name
         worst = max(abs(r["loss"] - w["loss"]) / abs(w["loss"]) for r, w in zip(rows, written))
         assert worst < 1e-5, f"{name}: losses after resuming differ by {worst:.2e}: {rows} vs {written}"
-        assert _max_rel_weights(tmp_path / name, tmp_path / "cp2") < 1e-5, name
+        assert max_rel_weights(tmp_path / name, tmp_path / "cp2") < 1e-5, name
     assert len({round(w["loss"], 6) for w in written}) > 1, "losses do not change: the check would be blind"
 
 

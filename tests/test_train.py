@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from flux_cp.metrics import read_metrics
-from tests.launch import losses, ok, run_args, train
+from tests.launch import losses, max_rel_weights, ok, run_args, train
 
 pytestmark = pytest.mark.e2e  # every test here launches train_flux_cp.py
 
@@ -20,29 +20,12 @@ def _common(tmp: Path, name: str, steps: int, *extra: str) -> list[str]:
     return run_args(tmp, name, steps, "--checkpointing_steps", "1000", "--seed", "3", *extra)
 
 
-def _max_rel_weights(a: Path, b: Path) -> float:
-    """Relative L2 error over all LoRA weights, and over the B matrices alone (they start at zero, so their
-    norm is the training update itself). Per-element comparison would measure Adam's normalisation of
-    near-zero gradient elements, whose fp32 summation-order noise it scales up to the step size."""
-    wa, wb = load_file(a / "pytorch_lora_weights.safetensors"), load_file(b / "pytorch_lora_weights.safetensors")
-    assert wa.keys() == wb.keys() and len(wa) > 0
-
-    def flat(w, part):
-        return torch.cat([w[k].flatten().double() for k in sorted(w) if part in k])
-
-    return max(_rel_norm(flat(wa, part), flat(wb, part)) for part in ("", "lora_B"))
-
-
-def _rel_norm(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm()).item()
-
-
 def _assert_same_trajectory(a: Path, b: Path, tol: float = 1e-5) -> None:
     la, lb = losses(a), losses(b)
     assert len(la) == len(lb) >= 10
     worst = max(abs(x - y) / abs(y) for x, y in zip(la, lb))
     assert worst < tol, f"per-step losses differ by {worst:.2e} (relative): {la} vs {lb}"
-    assert _max_rel_weights(a, b) < tol
+    assert max_rel_weights(a, b) < tol
     assert len(set(round(x, 6) for x in la)) > 1, "losses do not change: the check would be blind"
 
 
