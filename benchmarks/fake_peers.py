@@ -154,33 +154,36 @@ def init_loopback(size: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import train_flux_cp
-    from flux_cp import parallel
     from flux_cp.config import parse_config
     from flux_cp.parallel import Layout
+    from flux_cp.trainer import Trainer, logger
 
-    argv = sys.argv[1:] if argv is None else argv
-    n = parse_config(argv).parallel.cp_size
+    cfg = parse_config(sys.argv[1:] if argv is None else argv)
+    n = cfg.parallel.cp_size
     if n < 2:
         raise SystemExit("fake_peers.py: pass --cp_size 2 or more (the CP group this rank stands in for)")
     if int(os.environ.get("WORLD_SIZE", "1")) != 1:
         raise SystemExit("fake_peers.py runs as one process: launch it with accelerate_configs/gpu1.yaml")
     init_loopback(n)
-    # The trainer sees a launch of n processes and a CP group of n, of which it is rank 0 ...
-    train_flux_cp.launched_world_size = parallel.launched_world_size = lambda: n
 
-    def make_layout(accelerator, cp_size: int, timeout_s: float) -> Layout:
-        return Layout(world=n, rank=0, cp=n, dp=1, dp_rank=0, cp_rank=0, cp_group=dist.group.WORLD)
+    class LoopbackTrainer(Trainer):
+        """The trainer as rank 0 of a launch of n processes and a CP group of n, ..."""
 
-    train_flux_cp.make_layout = make_layout
-    # ... but encodes the whole data set itself (no peer encodes a share).
-    encode = train_flux_cp.encode_dataset
-    train_flux_cp.encode_dataset = lambda *a: encode(*a[:-2], 0, 1)
-    # No checkpoint: its weights would be nobody's, and DCP's own collectives need a real backend.
-    train_flux_cp.save_checkpoint = lambda run, trainee, loop, step: train_flux_cp.logger.info(
-        f"fake peers: no checkpoint at step {step}"
-    )
-    return train_flux_cp.main(argv)
+        def launched_world_size(self) -> int:
+            return n
+
+        def make_layout(self, accelerator) -> Layout:
+            return Layout(world=n, rank=0, cp=n, dp=1, dp_rank=0, cp_rank=0, cp_group=dist.group.WORLD)
+
+        def encode_share(self) -> tuple[int, int]:
+            return 0, 1  # ... that encodes the whole data set itself (no peer encodes a share)
+
+        def save_checkpoint(self, step: int) -> None:
+            # No checkpoint: its weights would be nobody's, and DCP's own collectives need a real backend.
+            logger.info(f"fake peers: no checkpoint at step {step}")
+
+    LoopbackTrainer(cfg).run()
+    return 0
 
 
 if __name__ == "__main__":

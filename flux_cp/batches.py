@@ -12,12 +12,13 @@ import cp
 
 from .data import BatchSchedule
 from .encode import TrainingData
-from .flow import image_ids, loss_weighting, pack_latents, per_sample_draws, text_ids
+from .flow import loss_weighting, per_sample_draws
 from .kontext import PairSplit, pair_sequence, target_loss
 from .rng import Stream, generator
 
 if TYPE_CHECKING:
     from .config import DataConfig, TrainConfig
+    from .families import Family
     from .parallel import Layout
 
 Tensor = torch.Tensor
@@ -25,7 +26,7 @@ Tensor = torch.Tensor
 
 @dataclass
 class MicroBatch:
-    inputs: dict  # keyword arguments of FluxTransformer2DModel.forward, this rank's chunk
+    inputs: dict  # keyword arguments of the transformer's forward, this rank's chunk
     target: Tensor  # this rank's chunk of (noise - latents), packed; the whole of it for Kontext pairs
     weighting: Tensor  # [B, 1, 1] per-sample loss weights
     epoch: int
@@ -48,12 +49,12 @@ class Batches:
     """This rank's micro-batch of every global micro-step, built from `data` in the order of `schedule`."""
 
     def __init__(self, data: TrainingData, schedule: BatchSchedule, layout: Layout, data_config: DataConfig,
-                 train: TrainConfig, noise_scheduler, vae_config, guidance: bool, device: torch.device,
+                 train: TrainConfig, noise_scheduler, family: Family, normalize, guidance: bool, device: torch.device,
                  input_dtype: torch.dtype = torch.float32):  # fmt: skip
         self.data, self.schedule, self.layout = data, schedule, layout
         self.random_flip, self.train = data_config.random_flip, train
         self.noise_scheduler = noise_scheduler
-        self.shift, self.scale = vae_config.shift_factor or 0.0, vae_config.scaling_factor
+        self.family, self.normalize = family, normalize  # the model's tokens; VAE latents -> the model's latents
         self.guidance, self.device = guidance, device
         self.input_dtype = input_dtype  # the transformer's compute dtype (inputs are cast here, not by FSDP)
         self._ahead: tuple[int, MicroBatch] | None = None
@@ -101,33 +102,26 @@ class Batches:
         )
         weighting = loss_weighting(a.weighting_scheme, draws["sigmas"])
         draws = {k: self._to_device(v) for k, v in draws.items()}
-        latents = (mean + std * draws["eps"] - self.shift) * self.scale
+        family = self.family
+        latents = self.normalize(mean + std * draws["eps"])
         noise = draws["noise"]
         sigmas = draws["sigmas"].view(-1, 1, 1, 1)
         noisy = (1.0 - sigmas) * latents + sigmas * noise
         h, w = latents.shape[-2:]
         embeds = stack["prompt_embeds"]
         dt = self.input_dtype
-        target, hidden, ids, pair = (
-            pack_latents(noise - latents),
-            pack_latents(noisy),
-            image_ids(h, w, device=dev),
-            None,
-        )
+        target, hidden, ids, pair = family.pack(noise - latents), family.pack(noisy), family.image_ids(h, w, dev), None
         if "reference_latent" in stack:  # Kontext: the clean reference tokens follow the noisy target tokens
-            reference = (stack["reference_latent"] - self.shift) * self.scale
-            hidden, ids = pair_sequence(hidden, pack_latents(reference), (h, w), tuple(reference.shape[-2:]))
+            reference = self.normalize(stack["reference_latent"])
+            hidden, ids = pair_sequence(hidden, family.pack(reference), (h, w), tuple(reference.shape[-2:]))
             pair = PairSplit(target.shape[1], hidden.shape[1] - target.shape[1], self.layout.cp)
-        inputs = dict(
-            hidden_states=cp.shard(hidden, 1, group).to(dt),
-            encoder_hidden_states=cp.shard(embeds, 1, group).to(dt),
-            pooled_projections=stack["pooled_prompt_embeds"].to(dt),
-            timestep=draws["timesteps"] / 1000.0,
-            img_ids=cp.shard(ids, 0, group),
-            txt_ids=cp.shard(text_ids(embeds.shape[1], device=dev), 0, group),
+        text = {k: v.to(dt) for k, v in stack.items() if k not in ("latent_mean", "latent_std", "reference_latent")}
+        text["prompt_embeds"] = cp.shard(text["prompt_embeds"], 1, group)
+        inputs = family.transformer_inputs(
+            hidden=cp.shard(hidden, 1, group).to(dt), img_ids=cp.shard(ids, 0, group), text=text,
+            txt_ids=cp.shard(family.text_ids(embeds.shape[1], dev), 0, group), timestep=draws["timesteps"] / 1000.0,
             guidance=torch.full((len(slots),), a.guidance_scale, device=dev) if self.guidance else None,
-            return_dict=False,
-        )
+        )  # fmt: skip
         return MicroBatch(
             inputs=inputs,
             target=target if pair else cp.shard(target, 1, group),

@@ -159,9 +159,9 @@ def reference_column(data: DataConfig) -> str | None:
     return columns[0] if columns else None
 
 
-def check_pair_flags(data: DataConfig, validation: ValidationConfig) -> None:
+def check_pair_flags(data: DataConfig, validation: ValidationConfig, pairs: bool) -> None:
     """Flags that only make sense with FLUX.1 Kontext pairs (checked before anything loads)."""
-    if validation.validation_image is not None and reference_column(data) is None:
+    if validation.validation_image is not None and not pairs:
         raise UsageError(
             "--validation_image is the reference image FLUX.1 Kontext validation edits: it needs pair data "
             "(--cond_image_column, or a folder whose metadata.jsonl names each target's reference image)"

@@ -49,8 +49,9 @@ class Encoders:
     dtype: torch.dtype
 
     @torch.no_grad()
-    def prompts(self, captions: list[str], max_sequence_length: int) -> tuple[Tensor, Tensor]:
-        """T5 embeddings `[B, L, D]` and CLIP pooled embeddings `[B, D']`, as FluxPipeline.encode_prompt."""
+    def prompts(self, captions: list[str], max_sequence_length: int) -> dict[str, Tensor]:
+        """`prompt_embeds`: T5 embeddings `[B, L, D]`, and `pooled_prompt_embeds`: CLIP pooled embeddings `[B, D']`,
+        as FluxPipeline.encode_prompt."""
         ids = self.tokenizer(
             captions, padding="max_length", max_length=self.tokenizer.model_max_length, truncation=True,
             return_tensors="pt",
@@ -60,7 +61,7 @@ class Encoders:
             captions, padding="max_length", max_length=max_sequence_length, truncation=True, return_tensors="pt"
         ).input_ids
         embeds = self.text_encoder_2(ids2.to(self.device), output_hidden_states=False)[0]
-        return embeds.to(self.dtype), pooled.to(self.dtype)
+        return {"prompt_embeds": embeds.to(self.dtype), "pooled_prompt_embeds": pooled.to(self.dtype)}
 
     @torch.no_grad()
     def latents(self, pixels: Tensor) -> tuple[Tensor, Tensor]:
@@ -102,19 +103,24 @@ def encoder_fingerprints(encoders: Encoders, path: str, revision: str | None) ->
     return vae, text
 
 
-class Geometry:
-    """Target size of each image: square `resolution` crops, or aspect buckets whose token count divides
-    by the CP size."""
+def training_buckets(resolution: int, cp_size: int, aspect_buckets: bool) -> list[tuple[int, int]]:
+    """(width, height) of every training bucket: one square of `resolution`, or aspect buckets whose token count
+    divides by the CP size."""
+    buckets = bucket_sizes(resolution, bucket_divisor(cp_size)) if aspect_buckets else [(resolution, resolution)]
+    if not buckets:
+        raise UsageError(
+            f"--aspect_buckets: no bucket of about {resolution}^2 pixels has an image-token count divisible by "
+            f"{bucket_divisor(cp_size)} (lcm of --cp_size and 8): use a larger --resolution, or square crops",
+            agreed=True,
+        )
+    return buckets
 
-    def __init__(self, resolution: int, cp_size: int, aspect_buckets: bool):
-        self.buckets = (bucket_sizes(resolution, bucket_divisor(cp_size)) if aspect_buckets
-                        else [(resolution, resolution)])  # fmt: skip
-        if not self.buckets:
-            raise UsageError(
-                f"--aspect_buckets: no bucket of about {resolution}^2 pixels has an image-token count divisible by "
-                f"{bucket_divisor(cp_size)} (lcm of --cp_size and 8): use a larger --resolution, or square crops",
-                agreed=True,
-            )
+
+class Geometry:
+    """Target size of each image: the bucket nearest its aspect ratio (`training_buckets`)."""
+
+    def __init__(self, buckets: list[tuple[int, int]]):
+        self.buckets = list(buckets)
 
     def bucket_of(self, size: tuple[int, int]) -> int:
         return nearest_bucket(size[0], size[1], self.buckets) if len(self.buckets) > 1 else 0
@@ -270,10 +276,9 @@ def _encode_texts(encoders: Encoders, pending: dict[str, str], max_len: int, cac
     if not pending:
         return 0
     keys = list(pending)
-    embeds, pooled = encoders.prompts([pending[k] for k in keys], max_len)
+    embeds = encoders.prompts([pending[k] for k in keys], max_len)
     for j, k in enumerate(keys):
-        row = {"prompt_embeds": embeds[j], "pooled_prompt_embeds": pooled[j]}
-        files.write_safetensors(cache_dir / "text" / f"{k}.safetensors", row)
+        files.write_safetensors(cache_dir / "text" / f"{k}.safetensors", {n: t[j] for n, t in embeds.items()})
     pending.clear()
     return len(keys)
 
@@ -296,9 +301,8 @@ class LiveData:
         gen = generator(Stream.CROP, self.seed, i, epoch)
         resized, offset = crop_box(img.size, target, self.config.center_crop, gen)
         mean, std = self.encoders.latents(to_pixels(img, target, resized, offset, flip)[None])
-        embeds, pooled = self.encoders.prompts([self.source.samples[i].caption], self.config.max_sequence_length)
-        out = {"latent_mean": mean[0], "latent_std": std[0], "prompt_embeds": embeds[0],
-               "pooled_prompt_embeds": pooled[0]}  # fmt: skip
+        embeds = self.encoders.prompts([self.source.samples[i].caption], self.config.max_sequence_length)
+        out = {"latent_mean": mean[0], "latent_std": std[0], **{n: t[0] for n, t in embeds.items()}}
         if self.source.pairs:  # the reference with the target's resize, crop and flip; its mean latent
             pixels = to_pixels(self.source.load(i, reference=True), target, resized, offset, flip)
             out["reference_latent"] = self.encoders.latents(pixels[None])[0][0]

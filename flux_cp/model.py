@@ -22,16 +22,6 @@ if TYPE_CHECKING:
 Tensor = torch.Tensor
 
 
-def model_path(model: ModelConfig, kontext: bool = False) -> str:
-    """The pipeline folder or hub id to load; the embedded default's tiny Flux (its FLUX.1 Kontext variant for
-    pair data: `kontext`) is built here on first use."""
-    if model.embedded_default:
-        from .tiny import ensure_tiny_pipeline
-
-        return str(ensure_tiny_pipeline(kontext=kontext))
-    return model.pretrained_model_name_or_path
-
-
 def pipeline_class(path: str, revision: str | None) -> str | None:
     """The pipeline class a model folder or hub id declares in model_index.json (e.g. FluxKontextPipeline);
     None when there is none to read (a bare transformer folder, no network)."""
@@ -52,13 +42,12 @@ def _load(cls, path: str, subfolder: str, revision: str | None, **kwargs):
         ) from None
 
 
-def load_transformer(model: ModelConfig, path: str, dtype: torch.dtype, device: torch.device, seed: int):
-    """The transformer in `dtype` on `device`: pretrained weights, or random ones from its config and `seed`."""
-    from diffusers import FluxTransformer2DModel
-
+def load_transformer(model: ModelConfig, path: str, cls: type, dtype: torch.dtype, device: torch.device, seed: int):
+    """The transformer (of diffusers class `cls`) in `dtype` on `device`: pretrained weights, or random ones from its
+    config and `seed`."""
     if model.transformer_init == "random":
         try:
-            config = FluxTransformer2DModel.load_config(path, subfolder="transformer", revision=model.revision)
+            config = cls.load_config(path, subfolder="transformer", revision=model.revision)
         except (OSError, ValueError) as e:
             raise UsageError(f"cannot read transformer/config.json under {path}: {str(e).splitlines()[0]}") from None
         # Built directly on the device and in the target dtype: a 12B model initialises in seconds on a GPU,
@@ -68,12 +57,12 @@ def load_transformer(model: ModelConfig, path: str, dtype: torch.dtype, device: 
             torch.manual_seed(seed)
             torch.set_default_dtype(dtype)
             try:
-                transformer = FluxTransformer2DModel.from_config(config)
+                transformer = cls.from_config(config)
             finally:
                 torch.set_default_dtype(default)
         return transformer.to(dtype)
     kw = {"variant": model.variant} if model.variant else {}
-    return _load(FluxTransformer2DModel, path, "transformer", model.revision, torch_dtype=dtype, **kw).to(device)
+    return _load(cls, path, "transformer", model.revision, torch_dtype=dtype, **kw).to(device)
 
 
 def load_encoders(model: ModelConfig, path: str, dtype: torch.dtype, device: torch.device) -> Encoders:

@@ -23,7 +23,7 @@ import cp
 from .errors import UsageError
 
 if TYPE_CHECKING:
-    from .config import DataConfig, ParallelConfig, TrainConfig, ValidationConfig
+    from .config import ParallelConfig, TrainConfig, ValidationConfig
 
 
 @dataclass
@@ -66,9 +66,9 @@ def uses_fsdp() -> bool:
     return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and torch.cuda.is_available()
 
 
-def make_accelerator(parallel: ParallelConfig, train: TrainConfig, validation: ValidationConfig):
-    """The Accelerator for this run, with the collective timeout and, under FSDP2, the dp x cp mesh."""
-    world = launched_world_size()
+def make_accelerator(parallel: ParallelConfig, train: TrainConfig, validation: ValidationConfig, world: int):
+    """The Accelerator for a run of `world` processes, with the collective timeout and, under FSDP2, the dp x cp
+    mesh."""
     dp = check_layout(world, parallel.cp_size)
     kwargs = {}
     if uses_fsdp() and parallel.cp_size > 1:
@@ -131,39 +131,6 @@ def make_layout(accelerator, cp_size: int, timeout_s: float) -> Layout:
         if members != expected:  # the data sampler assumes dp_rank = rank // cp
             raise RuntimeError(f"CP group of rank {rank} is {members}, expected neighbouring ranks {expected}")
     return Layout(world, rank, cp_size, dp, rank // cp_size, rank % cp_size, group)
-
-
-def check_tokens(parallel: ParallelConfig, data: DataConfig, validation: ValidationConfig) -> None:
-    """Image and text token counts must split evenly over the CP group (flags only, before any GPU work)."""
-    n = parallel.cp_size
-    if n == 1:
-        return
-    if data.max_sequence_length % n:
-        raise UsageError(
-            f"--max_sequence_length {data.max_sequence_length} (text tokens) is not divisible by --cp_size {n}: "
-            f"use {data.max_sequence_length // n * n or n} or another CP size"
-        )
-    from .data import reference_column
-
-    # A Kontext pair's reference has its target's size and the two are split as one segment: twice the tokens
-    # (validation too when it edits a --validation_image).
-    pairs = reference_column(data) is not None
-    checks = [("--resolution", data.resolution, 2 if pairs else 1)]
-    if validation.validation_prompt:  # no prompt, no validation images
-        images = 2 if pairs and validation.validation_image else 1
-        checks.append(("--validation_resolution", validation.validation_resolution, images))
-    for flag, res, images in checks:
-        if data.aspect_buckets and flag == "--resolution":
-            continue  # every bucket is chosen with a token count divisible by the CP size
-        tokens = images * (res // 16) ** 2
-        if tokens % n:
-            ok = [r for r in range(16, res + 33 * 16, 16) if (images * (r // 16) ** 2) % n == 0]
-            below, above = [r for r in ok if r < res], [r for r in ok if r > res]
-            options = " or ".join(str(r) for r in (below[-1:] + above[:1]))
-            raise UsageError(
-                f"{flag} {res} gives {tokens} image tokens{' per pair' if images == 2 else ''}, not divisible by "
-                f"--cp_size {n}: use {options}, or another CP size"
-            )
 
 
 def choose_cp_mode(parallel: ParallelConfig, heads: int, cp_size: int) -> tuple[str, int | None]:

@@ -153,15 +153,13 @@ def print_disk(cfg: Config, config: dict, world: int) -> None:
 
 
 def print_plan(cfg: Config) -> None:
-    from diffusers import FluxTransformer2DModel
-
     from .data import reference_column
-    from .model import model_path
     from .parallel import auto_mode, launched_world_size
+    from .shape import model_of
 
     pairs = reference_column(cfg.data) is not None  # FLUX.1 Kontext: the reference has its target's size
-    path = model_path(cfg.model, kontext=pairs)
-    config = dict(FluxTransformer2DModel.load_config(path, subfolder="transformer", revision=cfg.model.revision))
+    family, path = model_of(cfg.model, pairs)
+    config = dict(family.transformer_class().load_config(path, subfolder="transformer", revision=cfg.model.revision))
     world = launched_world_size()
     resolution, batch, cp_size = cfg.data.resolution, cfg.train.train_batch_size, cfg.parallel.cp_size
     tokens = (2 if pairs else 1) * (resolution // 16) ** 2 + cfg.data.max_sequence_length

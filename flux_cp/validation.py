@@ -19,6 +19,7 @@ from . import distributed, files
 
 if TYPE_CHECKING:
     from .config import ValidationConfig
+    from .families import Family
     from .parallel import Layout
 
 
@@ -32,18 +33,17 @@ def _grid(images: list[np.ndarray], columns: int) -> Image.Image:
 
 
 @torch.no_grad()
-def reference_latents(path: str, resolution: int, vae, device: torch.device) -> torch.Tensor:
-    """The `--validation_image` as FluxKontextPipeline takes ready latents: read by the training data's loader,
-    resized and center-cropped to `resolution`^2 like a square training pair, the VAE's mean, shifted and scaled
-    (`[1, C, h, w]`)."""
+def reference_latents(path: str, resolution: int, vae, normalize, device: torch.device) -> torch.Tensor:
+    """The `--validation_image` as the pipeline takes ready latents: read by the training data's loader, resized
+    and center-cropped to `resolution`^2 like a square training pair, the VAE's mean, normalised as the transformer
+    sees latents (`normalize`, the family's; `[1, C, h, w]`)."""
     from .data import ImageSource, Sample, crop_box, to_pixels
 
     img = ImageSource([Sample(path, "")], "--validation_image").load(0)
     size = (resolution, resolution)
     resized, offset = crop_box(img.size, size, True, torch.Generator())
     pixels = to_pixels(img, size, resized, offset, False)[None].to(device, vae.dtype)
-    mean = vae.encode(pixels).latent_dist.mean
-    return (mean - (vae.config.shift_factor or 0.0)) * vae.config.scaling_factor
+    return normalize(vae.encode(pixels).latent_dist.mean)
 
 
 @torch.no_grad()
@@ -51,28 +51,24 @@ def generate(
     transformer,
     vae,
     scheduler_config: dict,
-    embeds: tuple[torch.Tensor, torch.Tensor],
+    embeds: dict[str, torch.Tensor],
     layout: Layout,
     validation: ValidationConfig,
     guidance_scale: float,
     seed: int,
     autocast,
+    family: Family,
     reference: torch.Tensor | None = None,
 ) -> list[np.ndarray]:
-    """All validation images (prompt-major order), on every rank. `embeds` = (T5 embeds, CLIP pooled) of
-    the validation prompts, computed before the text encoders were freed. `reference`: Kontext, the latents of
-    the image every prompt edits (`reference_latents`)."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxKontextPipeline, FluxPipeline
+    """All validation images (prompt-major order), on every rank. `embeds`: the validation prompts' encodings
+    (named as the pipeline's arguments), computed before the text encoders were freed. `reference`: pairs, the
+    latents of the image every prompt edits (`reference_latents`)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
 
-    parts = dict(
-        scheduler=FlowMatchEulerDiscreteScheduler.from_config(scheduler_config), vae=vae, text_encoder=None,
-        tokenizer=None, text_encoder_2=None, tokenizer_2=None, transformer=transformer,
-    )  # fmt: skip
+    scheduler = FlowMatchEulerDiscreteScheduler.from_config(scheduler_config)
+    pipe = family.validation_pipeline(reference is not None, scheduler=scheduler, vae=vae, transformer=transformer)
     v, res = validation, validation.validation_resolution
-    # Kontext: the pipeline appends the reference tokens after the target's (cp.full_sequence_io splits the two
-    # as one segment, as in training); max_area keeps the requested size (it defaults to 1024^2).
-    pipe = FluxKontextPipeline(**parts) if reference is not None else FluxPipeline(**parts)
-    extra = {} if reference is None else {"image": reference, "max_area": res * res}
+    extra = {} if reference is None else family.reference_inputs(reference, res)
     pipe.set_progress_bar_config(disable=True)
     items = [(p, k) for p in range(len(v.validation_prompt)) for k in range(v.num_validation_images)]
     calls = math.ceil(len(items) / layout.dp)
@@ -85,8 +81,7 @@ def generate(
         with cp.full_sequence_io(transformer, layout.cp_group), autocast():
             for j, (p, k) in enumerate(mine):
                 image = pipe(
-                    prompt_embeds=embeds[0][p : p + 1], pooled_prompt_embeds=embeds[1][p : p + 1],
-                    height=res, width=res, **extra,
+                    **{name: e[p : p + 1] for name, e in embeds.items()}, height=res, width=res, **extra,
                     num_inference_steps=v.validation_inference_steps, guidance_scale=guidance_scale,
                     generator=torch.Generator("cpu").manual_seed(seed * 1000 + p * 100 + k), output_type="np",
                 ).images[0]  # fmt: skip

@@ -13,6 +13,7 @@ import cp.comm
 from flux_cp.batches import Batches
 from flux_cp.config import DataConfig, TrainConfig
 from flux_cp.data import BatchSchedule
+from flux_cp.families import FLUX1
 from flux_cp.parallel import Layout
 
 C, H, W, L, D = 4, 8, 12, 8, 32  # latent channels and size, text tokens and width
@@ -42,9 +43,9 @@ def _batches(data, dp: int, dp_rank: int, cp_size: int = 1, cp_rank: int = 0, gr
     world = dp * cp_size
     layout = Layout(world, dp_rank * cp_size + cp_rank, cp_size, dp, dp_rank, cp_rank, group)
     schedule = BatchSchedule(data.buckets, per_rank * dp, seed=4)
-    vae = SimpleNamespace(shift_factor=0.1, scaling_factor=0.5)
-    return Batches(data, schedule, layout, DataConfig(random_flip=True), train, FlowMatchEulerDiscreteScheduler(), vae,
-                   True, torch.device("cpu"))  # fmt: skip
+    vae = SimpleNamespace(config=SimpleNamespace(shift_factor=0.1, scaling_factor=0.5))
+    return Batches(data, schedule, layout, DataConfig(random_flip=True), train, FlowMatchEulerDiscreteScheduler(),
+                   FLUX1, FLUX1.normalizer(vae), True, torch.device("cpu"))  # fmt: skip
 
 
 def test_a_slot_gets_the_same_sample_noise_and_timestep_on_every_layout():

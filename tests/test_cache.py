@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from flux_cp import files
 from flux_cp.config import DataConfig
 from flux_cp.data import open_source
-from flux_cp.encode import Geometry, encode_dataset
+from flux_cp.encode import Geometry, encode_dataset, training_buckets
 from flux_cp.errors import UsageError
 
 
@@ -26,13 +26,14 @@ class _Encoders:
 
     def prompts(self, captions, max_len):
         self.calls += len(captions)
-        return torch.zeros(len(captions), max_len, 8), torch.zeros(len(captions), 8)
+        n = len(captions)
+        return {"prompt_embeds": torch.zeros(n, max_len, 8), "pooled_prompt_embeds": torch.zeros(n, 8)}
 
 
 def _encode(cache, encoders):
     data = DataConfig(resolution=64, max_sequence_length=8)
     source = open_source(data)
-    return encode_dataset(source, encoders, Geometry(64, 1, False), data, 0, cache, ("v", "t"), 0, 1)
+    return encode_dataset(source, encoders, Geometry(training_buckets(64, 1, False)), data, 0, cache, ("v", "t"), 0, 1)
 
 
 def test_a_damaged_entry_is_recomputed_and_one_broken_later_names_its_file(tmp_path, caplog):

@@ -100,9 +100,9 @@ def test_aspect_buckets_train_the_same_with_and_without_cp(tmp_path):
         with Image.open(p) as img:
             sizes.add(round(img.size[0] / img.size[1], 2))
     assert len(sizes) >= 3, "the bundled set should hold several aspect ratios"
-    from flux_cp.encode import Geometry
+    from flux_cp.encode import Geometry, training_buckets
 
-    geometry = Geometry(128, 2, True)
+    geometry = Geometry(training_buckets(128, 2, True))
     used = {geometry.bucket_of(Image.open(p).size) for p in BUNDLED_DATA.glob("*.png")}
     assert len(used) >= 2, f"the test should train on more than one bucket: {geometry.buckets}"
 

@@ -180,11 +180,11 @@ def test_plan_counts_kontext_pair_sequences(capsys):
 
 def test_pairs_need_only_target_plus_reference_tokens_to_divide():
     from flux_cp.config import parse_config
-    from flux_cp.parallel import check_tokens
+    from flux_cp.shape import build_shape, check_tokens
 
     def check(*flags: str) -> None:
         cfg = parse_config(["--resolution", "1040", "--max_sequence_length", "512", *flags])
-        check_tokens(cfg.parallel, cfg.data, cfg.validation)
+        check_tokens(build_shape(cfg, cfg.parallel.cp_size), cfg.data, cfg.validation)
 
     check("--dataset_name", str(PAIRS), "--cp_size", "2")  # 4,225 + 4,225 tokens: each odd, together even
     with pytest.raises(UsageError, match="--resolution 1040 gives 4225 image tokens, not divisible by --cp_size 2"):

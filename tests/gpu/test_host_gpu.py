@@ -14,6 +14,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from flux_cp.batches import Batches
 from flux_cp.config import DataConfig, TrainConfig
 from flux_cp.data import BatchSchedule
+from flux_cp.families import FLUX1
 from flux_cp.parallel import Layout
 from tests.test_batches import FakeData
 from tests.test_optim import step_fused_and_reference
@@ -29,9 +30,10 @@ KEYS = ("hidden_states", "encoder_hidden_states", "pooled_projections", "timeste
 def _batches(data: FakeData, device: torch.device) -> Batches:
     train = TrainConfig(train_batch_size=2, seed=4, weighting_scheme="logit_normal")
     layout = Layout(1, 0, 1, 1, 0, 0, None)
-    vae = SimpleNamespace(shift_factor=0.1, scaling_factor=0.5)
+    vae = SimpleNamespace(config=SimpleNamespace(shift_factor=0.1, scaling_factor=0.5))
     return Batches(data, BatchSchedule(data.buckets, 2, seed=4), layout, DataConfig(random_flip=True), train,
-                   FlowMatchEulerDiscreteScheduler(), vae, True, device, torch.bfloat16)  # fmt: skip
+                   FlowMatchEulerDiscreteScheduler(), FLUX1, FLUX1.normalizer(vae), True, device,
+                   torch.bfloat16)  # fmt: skip
 
 
 def test_batches_prefetched_behind_running_kernels_are_the_batches_built_on_demand():

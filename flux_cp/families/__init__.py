@@ -1,0 +1,25 @@
+"""Model families: what is specific to one kind of FLUX model lives in one module per family, behind the `Family`
+interface that the trainer, the data path, validation, the planner and the outputs use.
+
+A family answers: which diffusers classes make up the model (transformer, encoders, pipelines), how an image
+becomes the transformer's tokens (latent normalisation, packing, position ids), what the transformer's forward
+takes, which layers get LoRA by default, and what a step costs (FLOPs, parameter counts). The trainer recognises
+the family from the model folder (`detect`); adding a family is a new module here, its tests, and one entry in
+`FAMILIES`.
+"""
+
+from __future__ import annotations
+
+from . import base
+from .base import Family, ParameterCounts, transformer_class_name
+from .flux1 import FLUX1
+
+FAMILIES: tuple[Family, ...] = (FLUX1,)
+
+
+def detect(path: str, revision: str | None = None) -> Family:
+    """The family of the model folder or hub id `path` (a UsageError naming the class if none trains it)."""
+    return base.detect(path, revision, FAMILIES)
+
+
+__all__ = ["FAMILIES", "FLUX1", "Family", "ParameterCounts", "detect", "transformer_class_name"]

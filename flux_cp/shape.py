@@ -1,0 +1,108 @@
+"""The run shape: what kind of run this is, worked out once in setup from the flags, the launch and the model
+folder, and read everywhere else: the model family, single images or pairs (a reference image per target), the
+training buckets and their token counts, the dp x cp layout and whether the weights are sharded."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .errors import UsageError
+from .families import FLUX1, Family, detect
+from .parallel import check_layout, uses_fsdp
+
+if TYPE_CHECKING:
+    from .config import Config, DataConfig, ModelConfig, ValidationConfig
+
+
+@dataclass(frozen=True)
+class RunShape:
+    family: Family
+    model_path: str  # the folder or hub id to load (the embedded default's tiny model, built by now)
+    reference_column: str | None  # the data's reference-image column (pairs), None for single images
+    buckets: tuple[tuple[int, int], ...]  # (width, height) of every training bucket, in pixels
+    text_tokens: int  # per sample
+    world: int
+    dp: int
+    cp: int
+    sharded: bool  # FSDP2 shards the weights over all ranks (else DDP keeps them whole on every rank)
+
+    @property
+    def pairs(self) -> bool:
+        """Each sample is a target with a reference image (FLUX.1 Kontext)."""
+        return self.reference_column is not None
+
+    @property
+    def images_per_sample(self) -> int:
+        return 2 if self.pairs else 1
+
+    def image_tokens(self, bucket: int = 0) -> int:
+        """Image tokens of one sample in `bucket` (target and reference for pairs)."""
+        width, height = self.buckets[bucket]
+        return self.images_per_sample * self.family.image_tokens(width, height)
+
+    def sequence_tokens(self, bucket: int = 0) -> int:
+        """Text and image tokens of one sample in `bucket`."""
+        return self.image_tokens(bucket) + self.text_tokens
+
+    @property
+    def largest_sequence(self) -> int:
+        return max(self.sequence_tokens(b) for b in range(len(self.buckets)))
+
+    def describe(self) -> str:
+        kind = f"{self.family.label}{' pairs' if self.pairs else ''}"
+        return f"{kind}, world {self.world} = dp {self.dp} x cp {self.cp}, {'FSDP2' if self.sharded else 'DDP'}"
+
+
+def check_tokens(shape: RunShape, data: DataConfig, validation: ValidationConfig) -> None:
+    """Image and text token counts must split evenly over the CP group (before any GPU work): a UsageError naming
+    the flag and the nearest values that work."""
+    n = shape.cp
+    if n == 1:
+        return
+    if data.max_sequence_length % n:
+        raise UsageError(
+            f"--max_sequence_length {data.max_sequence_length} (text tokens) is not divisible by --cp_size {n}: "
+            f"use {data.max_sequence_length // n * n or n} or another CP size"
+        )
+    # A pair's reference has its target's size and the two are split as one segment: twice the tokens (validation
+    # too when it edits a --validation_image). Aspect buckets are chosen with token counts that divide.
+    checks = [] if data.aspect_buckets else [("--resolution", data.resolution, shape.images_per_sample)]
+    if validation.validation_prompt:  # no prompt, no validation images
+        images = 2 if shape.pairs and validation.validation_image else 1
+        checks.append(("--validation_resolution", validation.validation_resolution, images))
+    for flag, res, images in checks:
+        tokens = images * shape.family.image_tokens(res, res)
+        if tokens % n:
+            ok = [r for r in range(16, res + 33 * 16, 16) if (images * shape.family.image_tokens(r, r)) % n == 0]
+            below, above = [r for r in ok if r < res], [r for r in ok if r > res]
+            options = " or ".join(str(r) for r in (below[-1:] + above[:1]))
+            raise UsageError(
+                f"{flag} {res} gives {tokens} image tokens{' per pair' if images == 2 else ''}, not divisible by "
+                f"--cp_size {n}: use {options}, or another CP size"
+            )
+
+
+def model_of(model: ModelConfig, pairs: bool) -> tuple[Family, str]:
+    """The family and the folder or hub id of the model to train: the one named, or the embedded default's tiny
+    FLUX.1 (its Kontext variant for `pairs`), built here on first use."""
+    if model.embedded_default:
+        return FLUX1, FLUX1.embedded_default(pairs)
+    return detect(model.pretrained_model_name_or_path, model.revision), model.pretrained_model_name_or_path
+
+
+def build_shape(cfg: Config, world: int) -> RunShape:
+    """The run shape of these flags for `world` launched processes. Refuses (UsageError) a layout the CP size
+    does not divide and a model folder of no known family; builds the embedded default's tiny model when no
+    model is named (before any process group: every rank of a launch calls this, one builds, the others wait)."""
+    from .data import reference_column
+    from .encode import training_buckets
+
+    dp = check_layout(world, cfg.parallel.cp_size)
+    column = reference_column(cfg.data)
+    family, path = model_of(cfg.model, column is not None)
+    buckets = training_buckets(cfg.data.resolution, cfg.parallel.cp_size, cfg.data.aspect_buckets)
+    return RunShape(
+        family=family, model_path=path, reference_column=column, buckets=tuple(buckets),
+        text_tokens=cfg.data.max_sequence_length, world=world, dp=dp, cp=cfg.parallel.cp_size, sharded=uses_fsdp(),
+    )  # fmt: skip

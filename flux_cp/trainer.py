@@ -1,0 +1,525 @@
+"""The trainer: one run of fine-tuning, phase by phase.
+
+    setup -> load_data (encode once, cached) -> build_model (LoRA or full, CP, compile, FSDP/DDP) -> resume
+    -> train: for each step `train_step`, then `after_step` (metrics, validation, checkpoint) -> finish
+
+Each phase is a method that reads what the earlier ones set on the trainer. What is specific to a model family
+(FLUX.1, FLUX.2) comes from `self.shape.family`; what benchmarks and tests replace is a method of its own (a seam):
+`launched_world_size` and `make_layout` (the process group), `open_source` and `encode_share` (the data source and
+who encodes it), `make_timer` (the clock) and `save_checkpoint`. The details of each phase live in flux_cp's modules.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import cp
+
+from . import checkpoint, diskspace, distributed, faults, files, outdir, parallel, validation
+from .batches import Batches
+from .blocks import attention_recomputed, prepare_blocks, step_begins, uses_cuda_graphs
+from .config import Config
+from .data import BatchSchedule, ImageSource, check_pair_flags, open_source
+from .encode import Geometry, LiveData, TrainingData, encode_dataset, encoder_fingerprints
+from .errors import UsageError
+from .lora import save_lora
+from .metrics import MetricsLog, StepTimer, measure_matmul_peak, peak_memory_gib
+from .model import (
+    apply_seed_checkpoint,
+    full_state_dict,
+    load_scheduler,
+    load_transformer,
+    pipeline_class,
+    prepare_trainable,
+    save_full,
+    trainable_parameters,
+)
+from .optim import apply_update, check_finite, clip_grad_norm, make_lr_scheduler, make_optimizer
+from .parallel import Layout, choose_cp_mode, cp_advice, make_accelerator
+from .profiling import profiled
+from .shape import RunShape, build_shape, check_tokens
+
+logger = logging.getLogger("flux_cp")
+
+# Settings a resumed run may change: each is applied from the resumed step on (the rest are in the run identity,
+# which a checkpoint must match).
+RESUMABLE_CHANGES = (
+    "learning_rate", "scale_lr", "lr_scheduler", "lr_warmup_steps", "lr_num_cycles", "lr_power", "adam_beta1",
+    "adam_beta2", "adam_weight_decay", "adam_epsilon", "max_grad_norm", "max_train_steps", "num_train_epochs",
+    "weighting_scheme", "logit_mean", "logit_std", "mode_scale", "guidance_scale", "lora_dropout", "mixed_precision",
+    "center_crop", "random_flip",
+)  # fmt: skip
+
+
+@dataclass
+class StepResult:
+    """A step as queued on the device: its loss, gradient norm and skip flag are 0-d tensors there until
+    `after_step` reads them, once the next step is queued too, so the GPU never waits for the host between
+    steps."""
+
+    step: int
+    epoch: int
+    loss: torch.Tensor
+    grad_norm: torch.Tensor
+    skipped: torch.Tensor
+    lr: float  # the schedule's LR after this step, as diffusers' examples log it
+    tokens: int
+    flops: float
+    end: Any  # StepTimer.mark() after the step's update
+
+
+class Trainer:
+    """A run of `train_flux_cp.py`: build it from the parsed flags, then call the phases in order (`run` does)."""
+
+    # setup: fixed for the whole run
+    shape: RunShape
+    accelerator: Any
+    layout: Layout
+    device: torch.device
+    weight_dtype: torch.dtype  # the frozen weights' and the inputs' dtype (mixed precision)
+    sizes: diskspace.Sizes  # of one checkpoint and of the final model, from parameter counts
+    # load_data: the encoded data, its batch order, and what validation needs of the encoders
+    encoders: Any  # the VAE stays; the text encoders are freed once the data is cached
+    noise_scheduler: Any
+    source: ImageSource
+    samples: TrainingData
+    schedule: BatchSchedule
+    global_batch: int  # samples per micro-step over all data-parallel ranks
+    validation_embeds: dict[str, torch.Tensor] | None
+    validation_reference: torch.Tensor | None  # pairs: latents of the --validation_image the prompts edit
+    # build_model: the wrapped model and its optimizer, ready to step
+    model: torch.nn.Module
+    optimizer: Any
+    lr_scheduler: Any
+    params: list[torch.nn.Parameter]  # trainable, after accelerate.prepare (sharded under FSDP2)
+    transformer_config: dict
+    cp_mode: str
+    ulysses_size: int | None
+    max_steps: int
+    run_identity: dict  # what a checkpoint must match to be resumed by this run
+    # train: per-step machinery
+    batches: Batches
+    metrics: MetricsLog
+    timer: StepTimer
+    bar: Any
+    matmul_peak: float | None
+    fault: faults.Fault
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+
+    # --- seams: what benchmarks and tests replace ------------------------------------------------------------
+
+    def launched_world_size(self) -> int:
+        return parallel.launched_world_size()
+
+    def make_layout(self, accelerator) -> Layout:
+        return parallel.make_layout(accelerator, self.cfg.parallel.cp_size, self.cfg.parallel.collective_timeout)
+
+    def open_source(self) -> ImageSource:
+        return open_source(self.cfg.data)
+
+    def encode_share(self) -> tuple[int, int]:
+        """(this process's index, number of processes) among those that share the encoding of the data set."""
+        return self.layout.rank, self.layout.world
+
+    def make_timer(self) -> StepTimer:
+        return StepTimer(self.device)
+
+    # --- phases ----------------------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Every phase in order, then the process group's teardown."""
+        self.setup()
+        self.load_data()
+        self.build_model()
+        self.train(self.resume())
+        self.finish()
+        self.close()
+
+    def setup(self) -> None:
+        """Flag checks that need the launch size and the model folder, then accelerate, the dp x cp layout,
+        logging and precision, and the output folder."""
+        cfg = self.cfg
+        # Everything that needs only the flags, the launch size and the model's config fails here, before any
+        # process group. transformers' save_pretrained writes weights only on rank 0 once torch.distributed is up,
+        # so the tiny default is built (by whichever process locks first) here too.
+        self.shape = shape = build_shape(cfg, self.launched_world_size())
+        check_tokens(shape, cfg.data, cfg.validation)
+        check_pair_flags(cfg.data, cfg.validation, shape.pairs)
+        self.accelerator = make_accelerator(cfg.parallel, cfg.train, cfg.validation, shape.world)
+        self.layout = layout = self.make_layout(self.accelerator)
+        logging.basicConfig(level=logging.INFO if layout.is_main else logging.WARNING, format="%(message)s")
+        if cfg.model.embedded_default:
+            logger.info(
+                f"flux-cp: embedded default - a tiny {'FLUX.1 Kontext' if shape.pairs else 'Flux'} built locally, "
+                f"trained on {cfg.data.dataset_name or 'the bundled data set (data/tiny_shapes)'}; pass "
+                "--pretrained_model_name_or_path and --dataset_name for real runs"
+            )
+        logger.info(
+            f"flux-cp: {layout.describe()}, {self.accelerator.distributed_type}, device {self.accelerator.device}"
+        )
+        if cfg.train.deterministic:
+            torch.use_deterministic_algorithms(True, warn_only=True)
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        if cfg.train.allow_tf32 and torch.cuda.is_available():
+            torch.backends.cuda.matmul.allow_tf32 = True
+        self.device = self.accelerator.device
+        self.weight_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
+            self.accelerator.mixed_precision, torch.float32
+        )
+        self.claim_output_dir()
+        self.sizes = self.output_sizes()
+        problem = None
+        if layout.is_main:
+            try:  # one checkpoint and the final model must fit; how many checkpoints fit is known once steps are
+                diskspace.check_start(cfg.train.output_dir, self.sizes, saves=1, total_limit=None)
+            except UsageError as e:
+                problem = str(e)
+        distributed.check_all_ranks(problem is None, problem or "")
+
+    def claim_output_dir(self) -> None:
+        """The output folder becomes this run's (flux_cp.outdir), before anything loads; every rank learns the
+        result."""
+        cfg = self.cfg
+        problem, removed = None, []
+        if self.layout.is_main:
+            try:
+                removed = outdir.claim(cfg.train.output_dir, cfg.checkpoints.resume_from_checkpoint,
+                                       cfg.train.overwrite_output_dir, (cfg.validation.logging_dir,))  # fmt: skip
+                if not cfg.data.no_cache:
+                    outdir.check_writable(Path(self.cache_dir), "--cache_dir")
+                resume = checkpoint.resolve(cfg.checkpoints.resume_from_checkpoint, cfg.train.output_dir)
+                if resume is not None:  # a damaged or foreign meta.json is found now, not after the models load
+                    checkpoint.read_meta(resume)
+            except UsageError as e:
+                problem = str(e)
+        distributed.check_all_ranks(problem is None, problem or "")
+        if removed:
+            logger.info(f"--overwrite_output_dir: removed the earlier run's outputs ({', '.join(removed)})")
+
+    @property
+    def cache_dir(self) -> str:
+        return self.cfg.data.cache_dir or str(Path.home() / ".cache" / "flux_cp" / "encodings")
+
+    def output_sizes(self) -> diskspace.Sizes:
+        """Bytes of one checkpoint and of the final model, from the transformer's config (nothing loaded)."""
+        cfg, shape = self.cfg, self.shape
+        config = self.read_transformer_config()
+        lora = None if cfg.lora.full_finetune else cfg.lora.rank
+        counts = shape.family.count_parameters(config, lora, list(cfg.lora.lora_layers))
+        with_optimizer = not cfg.checkpoints.checkpoint_weights_only
+        return diskspace.sizes(counts, cfg.lora.full_finetune, with_optimizer, self.weight_dtype, self.layout.world)
+
+    def read_transformer_config(self) -> dict:
+        path, cls = self.shape.model_path, self.shape.family.transformer_class()
+        try:
+            return dict(cls.load_config(path, subfolder="transformer", revision=self.cfg.model.revision))
+        except (OSError, ValueError) as e:
+            first = str(e).splitlines()[0]
+            raise UsageError(f"cannot load transformer from --pretrained_model_name_or_path {path}: {first}") from None
+
+    def load_data(self) -> None:
+        """Encode the data set once (cached on disk, spread over all ranks), then free the text encoders."""
+        cfg, layout, shape = self.cfg, self.layout, self.shape
+        self.source = source = self.open_source()  # listing errors (captions, pairs) before any model loads
+        if source.pairs:
+            logger.info(f"FLUX.1 Kontext pairs: {len(source)} targets with their reference images, loss on the targets")
+            declared = pipeline_class(shape.model_path, cfg.model.revision)
+            if declared not in (None, "FluxKontextPipeline"):
+                logger.warning(
+                    f"the data has reference images but {shape.model_path} is a {declared}: training it on pairs "
+                    "starts FLUX.1 Kontext from scratch; for image editing fine-tune "
+                    "black-forest-labs/FLUX.1-Kontext-dev"
+                )
+        self.encoders = encoders = shape.family.load_encoders(
+            cfg.model, shape.model_path, self.weight_dtype, self.device
+        )
+        self.noise_scheduler = load_scheduler(cfg.model, shape.model_path)
+        geometry = Geometry(shape.buckets)
+        self.validation_embeds = self.validation_reference = None
+        if cfg.validation.validation_prompt:
+            self.validation_embeds = encoders.prompts(list(cfg.validation.validation_prompt), shape.text_tokens)
+            if cfg.validation.validation_image:
+                self.validation_reference = validation.reference_latents(
+                    cfg.validation.validation_image, cfg.validation.validation_resolution, encoders.vae,
+                    shape.family.normalizer(encoders.vae), self.device,
+                )  # fmt: skip
+        if cfg.data.no_cache:
+            self.samples = LiveData(source, encoders, geometry, cfg.data, cfg.train.seed)
+        else:
+            cache = Path(self.cache_dir)
+            fingerprints = encoder_fingerprints(encoders, shape.model_path, cfg.model.revision)
+            self.samples = encode_dataset(
+                source, encoders, geometry, cfg.data, cfg.train.seed, cache, fingerprints, *self.encode_share()
+            )
+            logger.info(f"encodings: {len(source)} samples, {self.samples.computed} newly computed, cache {cache}")
+            encoders.free_text_encoders()
+        self.global_batch = cfg.train.train_batch_size * layout.dp
+        self.schedule = BatchSchedule(self.samples.buckets, self.global_batch, cfg.train.seed)
+
+    def build_model(self) -> None:
+        """Transformer, LoRA or full, seed checkpoint, CP attention, compile, optimizer, then FSDP/DDP."""
+        cfg, layout, train, shape = self.cfg, self.layout, self.cfg.train, self.shape
+        transformer = load_transformer(cfg.model, shape.model_path, shape.family.transformer_class(),
+                                       self.weight_dtype, self.device, train.seed)  # fmt: skip
+        self.transformer_config = config = dict(transformer.config)
+        prepare_trainable(transformer, cfg.lora, train.seed)
+        if train.seed_checkpoint:
+            how = apply_seed_checkpoint(transformer, train.seed_checkpoint, layout.is_main)
+            logger.info(f"seed checkpoint {how}: {train.seed_checkpoint}")
+        self.cp_mode, self.ulysses_size = mode, ulysses_size = choose_cp_mode(
+            cfg.parallel, config["num_attention_heads"], layout.cp
+        )
+        # Installed at cp=1 too: its block kernels (cuDNN on Hopper) beat diffusers' default SDPA path.
+        cp.apply_context_parallel(transformer, layout.cp_group, mode=mode, ulysses_size=ulysses_size)
+        if layout.cp > 1:
+            logger.info(
+                ("auto-chosen " if cfg.parallel.cp_mode == "auto" else "")
+                + f"context parallel: {mode}"
+                + (f" (ulysses {ulysses_size})" if ulysses_size else "")
+                + f" over {layout.cp} ranks"
+            )
+            tokens = shape.image_tokens() + shape.text_tokens
+            advice = cp_advice(tokens, layout.cp, uses_cuda_graphs(train.compile_mode))
+            if advice and self.device.type == "cuda":  # measured on GPUs; the CPU demo's tiny sequences are for tests
+                logger.warning(advice)
+        prepare_blocks(transformer, gradient_checkpointing=train.gradient_checkpointing,
+                       recompute_attention=train.recompute_attention, compile=bool(train.compile or train.compile_mode),
+                       compile_mode=train.compile_mode, cp=layout.cp)  # fmt: skip
+        optimizer = make_optimizer(train, [p for _, p in trainable_parameters(transformer)], self.global_batch)
+        steps_per_epoch = self.schedule.batches_per_epoch // train.gradient_accumulation_steps
+        if steps_per_epoch == 0 and train.max_train_steps is None:
+            raise UsageError(
+                f"one epoch has {self.schedule.batches_per_epoch} batches, fewer than "
+                f"--gradient_accumulation_steps {train.gradient_accumulation_steps}: set --max_train_steps"
+            )
+        self.max_steps = max_steps = train.max_train_steps or train.num_train_epochs * steps_per_epoch
+        self.lr_scheduler = make_lr_scheduler(train, optimizer, max_steps)
+        self.model, self.optimizer = self.accelerator.prepare(transformer, optimizer)
+        # After prepare: FSDP2 replaces the parameters with sharded ones (the optimizer is remapped by accelerate;
+        # a list taken before would clip and measure gradients that no longer exist).
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        samples_per_step = self.global_batch * train.gradient_accumulation_steps
+        buckets = list(shape.buckets) if cfg.data.aspect_buckets else None
+        self.run_identity = checkpoint.run_identity(cfg, samples_per_step, self.source.fingerprint(), buckets)
+        every = cfg.checkpoints.checkpointing_steps
+        if layout.is_main:
+            saves = max_steps // every + (1 if max_steps % every else 0)
+            warning = diskspace.check_start(
+                train.output_dir, self.sizes, saves, cfg.checkpoints.checkpoints_total_limit
+            )
+            if warning:
+                logger.warning(f"warning: {warning}")
+
+    def resume(self) -> int:
+        """The step to start after: a compatible checkpoint's, restored on any layout, or 0."""
+        ckpt, output_dir = self.cfg.checkpoints, self.cfg.train.output_dir
+        path = checkpoint.resolve(ckpt.resume_from_checkpoint, output_dir)
+        if path is None:
+            if ckpt.resume_from_checkpoint == "latest":
+                logger.info(f"no checkpoint in {output_dir} yet: starting from step 0")
+            return 0
+        meta = checkpoint.read_meta(path)
+        checkpoint.check_compatible(meta, self.run_identity, path)
+        with_optimizer = meta.get("optimizer_state", True)
+        applied = checkpoint.load(path, self.model, self.optimizer, self.lr_scheduler, with_optimizer)
+        logger.info(f"resumed from {path} at step {meta['step']} (written with {meta['layout']})")
+        changed = checkpoint.changed_settings(meta.get("args", {}), self.cfg.flat(), RESUMABLE_CHANGES)
+        for change in changed or applied:
+            logger.info(f"resume: {change} (applied from step {meta['step'] + 1})")
+        if not with_optimizer:
+            logger.warning(
+                f"warning: {path} has no optimizer state (--checkpoint_weights_only): AdamW's moments start from "
+                "zero, so the next steps differ from an uninterrupted run"
+            )
+        return meta["step"]
+
+    def train(self, start_step: int) -> None:
+        """Every step after `start_step`, each queued on the device before the previous one is read."""
+        self.start_loop(start_step)
+        queued = None  # the previous step, read once this one is queued behind it
+        for step in range(start_step + 1, self.max_steps + 1):
+            profile = step == self.cfg.train.profile_step
+            with profiled(profile, self.cfg.train.output_dir, self.layout.rank, self.layout.is_main):
+                result = self.train_step(step)
+            if queued is not None:
+                self.after_step(queued)
+            queued = result
+            if self.uses_model_after(step):
+                self.after_step(result)
+                queued = None
+
+    def start_loop(self, start_step: int) -> None:
+        """Record the run's settings, open the metrics and trackers, and build the batch source."""
+        cfg, layout, device, shape = self.cfg, self.layout, self.device, self.shape
+        if layout.is_main:
+            chosen = {"layout": layout.describe(), "cp_mode": self.cp_mode, "ulysses_size": self.ulysses_size}
+            files.write_json(Path(cfg.train.output_dir) / "run_config.json", {**cfg.flat(), **chosen})
+        if self.accelerator.log_with:
+            hparams = {k: v for k, v in cfg.flat().items() if isinstance(v, (int, float, str, bool))}
+            self.accelerator.init_trackers("flux-cp", config=hparams)
+        self.metrics = MetricsLog(cfg.train.output_dir, start_step, layout.is_main)
+        if device.type == "cuda":  # peak memory of training, not of loading and initialisation
+            torch.cuda.reset_peak_memory_stats(device)
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(range(self.max_steps), initial=start_step, desc="steps", disable=not layout.is_main,
+                        dynamic_ncols=True)  # fmt: skip
+        guidance = bool(self.transformer_config.get("guidance_embeds"))
+        self.batches = Batches(self.samples, self.schedule, layout, cfg.data, cfg.train, self.noise_scheduler,
+                               shape.family, shape.family.normalizer(self.encoders.vae), guidance, device,
+                               self.weight_dtype)  # fmt: skip
+        self.matmul_peak = measure_matmul_peak(device)
+        self.timer = self.make_timer()
+        self.fault = faults.from_env(layout.rank)
+        if cfg.model.embedded_default and self.validation_embeds is not None and start_step == 0:
+            self.validate(0)  # the tiny model before training, to set beside the images at the end
+            self.timer.restart()
+        self.model.train()
+
+    def train_step(self, step: int) -> StepResult:
+        """One optimizer step queued on the device: forward/backward over the accumulated micro-batches, clip,
+        update. Nothing in it waits for the GPU."""
+        cfg, accelerator, model, family = self.cfg, self.accelerator, self.model, self.shape.family
+        accum = cfg.train.gradient_accumulation_steps
+        loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
+        tokens = flops = 0
+        for micro in range(accum):
+            mb = self.batches.micro((step - 1) * accum + micro)
+            tokens += self.global_batch * (mb.image_tokens + mb.text_tokens)
+            flops += family.flops_per_step(self.transformer_config, mb.image_tokens, mb.text_tokens, self.global_batch,
+                                           not cfg.lora.full_finetune, cfg.train.gradient_checkpointing,
+                                           attention_recomputed(cfg.train))  # fmt: skip
+            step_begins(cfg.train.compile_mode)
+            with accelerator.accumulate(model):
+                loss = self.fault.maybe_corrupt(step, mb.loss(model(**mb.inputs)[0]))
+                accelerator.backward(loss)
+                loss_sum += loss.detach().double()
+                upcoming = (step - 1) * accum + micro + 1
+                if upcoming < self.max_steps * accum:  # the host builds it while the GPU runs this backward
+                    self.batches.prefetch(upcoming)
+                if accelerator.sync_gradients:
+                    grad_norm = clip_grad_norm(accelerator, self.params, cfg.train.max_grad_norm)
+        self.fault.maybe_fail(step)
+        step_loss = accelerator.reduce(loss_sum / accum, reduction="mean")
+        skipped = apply_update(self.optimizer, self.lr_scheduler, step_loss, grad_norm)
+        lr = self.lr_scheduler.get_last_lr()[0]
+        return StepResult(step, mb.epoch, step_loss, grad_norm, skipped, lr, tokens, flops, self.timer.mark())
+
+    def due_after(self, step: int) -> tuple[bool, bool]:
+        """Whether validation images and whether a checkpoint are due after `step`."""
+        every = self.cfg.validation.validation_steps
+        validating = bool(self.validation_embeds is not None and every and step % every == 0)
+        return validating, step % self.cfg.checkpoints.checkpointing_steps == 0
+
+    def uses_model_after(self, step: int) -> bool:
+        """Whether what follows `step` needs the model as that step left it (validation images, a checkpoint, the
+        outputs of the last step) or an idle GPU (the next step is profiled): then the next step is queued only
+        after `after_step` of this one."""
+        return any(self.due_after(step)) or step >= self.max_steps or step + 1 == self.cfg.train.profile_step
+
+    def after_step(self, result: StepResult) -> None:
+        """Read the step's loss (stopping on a non-finite one, --on_nonfinite), write its metrics row and send it to
+        the trackers, update the progress bar; validation images when due, a checkpoint when due."""
+        cfg, layout, step = self.cfg, self.layout, result.step
+        loss, grad_norm, skipped = torch.stack([result.loss.double(), result.grad_norm.double(),
+                                                result.skipped.double()]).tolist()  # fmt: skip
+        dt = self.timer.seconds(result.end)
+        check_finite(loss, grad_norm, cfg.train.on_nonfinite, step)
+        row = {
+            "step": step, "epoch": result.epoch, "loss": loss, "lr": result.lr, "grad_norm": grad_norm,
+            "s_per_step": dt, "tokens_per_s": result.tokens / dt,
+            "tokens_per_s_per_gpu": result.tokens / dt / layout.world, "peak_mem_gib": peak_memory_gib(self.device),
+            "skipped": bool(skipped),
+        }  # fmt: skip
+        if self.matmul_peak:
+            row["mfu"] = result.flops / dt / layout.world / self.matmul_peak
+        self.metrics.write(row)
+        if self.accelerator.log_with:
+            self.accelerator.log({k: v for k, v in row.items() if k != "step"}, step=step)
+        self.bar.update(1)
+        self.bar.set_postfix(
+            loss=f"{loss:.4f}", lr=f"{row['lr']:.2e}", s_step=f"{dt:.2f}", tok_s=f"{row['tokens_per_s']:.0f}",
+            **({"mfu": f"{row['mfu']:.0%}"} if self.matmul_peak else {}),
+        )  # fmt: skip
+        if step < self.max_steps:  # the last step's outputs are written by `finish`, the model first
+            validating, saving = self.due_after(step)
+            if validating:
+                self.validate(step)
+            if saving:
+                self.save_checkpoint(step)
+            if self.uses_model_after(step):  # keep what ran here out of the next step's time
+                self.timer.restart()
+
+    def save_checkpoint(self, step: int) -> None:
+        cfg, layout = self.cfg, self.layout
+        meta = {"run": self.run_identity, "layout": layout.describe(), "args": cfg.flat()}
+        saved = checkpoint.save(
+            cfg.train.output_dir, step, self.model, self.optimizer, self.lr_scheduler, meta, layout.is_main,
+            cfg.checkpoints.checkpoints_total_limit, self.fault,
+            optimizer_state=not cfg.checkpoints.checkpoint_weights_only, need_bytes=self.sizes.checkpoint,
+        )  # fmt: skip
+        logger.info(f"saved {saved}")
+
+    def validate(self, step: int) -> None:
+        """Validation images with the current weights (CP across each group), saved and sent to the trackers."""
+        cfg = self.cfg
+        self.fault.during_validation(step)
+        images = validation.generate(
+            self.accelerator.unwrap_model(self.model), self.encoders.vae, self.noise_scheduler.config,
+            self.validation_embeds, self.layout, cfg.validation, cfg.train.guidance_scale, cfg.train.seed,
+            self.accelerator.autocast, self.shape.family, self.validation_reference,
+        )  # fmt: skip
+        if self.layout.is_main:
+            path = validation.save_and_log(images, step, cfg.validation, cfg.train.output_dir, self.accelerator)
+            logger.info(f"validation images: {path}")
+
+    def finish(self) -> None:
+        """The outputs of the last step, most valuable first: the trained weights in diffusers' format (LoRA file or
+        transformer folder), then the final checkpoint, then what is optional (validation images, the loss curve)."""
+        cfg, output_dir, layout, step = self.cfg, self.cfg.train.output_dir, self.layout, self.max_steps
+        self.bar.close()
+        self.metrics.close()
+        state = full_state_dict(self.model, trainable_only=not cfg.lora.full_finetune)  # every rank: FSDP gathers
+        problem = None
+        if layout.is_main:
+            inner = self.accelerator.unwrap_model(self.model)
+            try:
+                prev = checkpoint.list_checkpoints(output_dir)
+                kept = f"{prev[-1][1]} is the last good checkpoint" if prev else "no checkpoint was written"
+                diskspace.check_write(output_dir, self.sizes.model, f"the final {self.sizes.model_name}", kept)
+                if cfg.lora.full_finetune:
+                    out = outdir.write_final(output_dir, "transformer",
+                                             lambda d: save_full(inner, state, str(d), self.weight_dtype))  # fmt: skip
+                else:
+                    out = outdir.write_final(output_dir, "pytorch_lora_weights.safetensors",
+                                             lambda d: save_lora(inner, state, str(d), cfg.lora))  # fmt: skip
+                logger.info(f"wrote {out}")
+            except UsageError as e:
+                problem = str(e)
+        state.clear()  # the gathered full weights: free them before the checkpoint is written
+        distributed.check_all_ranks(problem is None, problem or "")
+        self.save_checkpoint(step)
+        if self.validation_embeds is not None:
+            self.validate(step)
+        if layout.is_main:
+            from .metrics import plot_loss_curve
+
+            plot_loss_curve(Path(output_dir) / "metrics.jsonl", Path(output_dir) / "loss_curve.png")
+        self.accelerator.wait_for_everyone()
+
+    def close(self) -> None:
+        """Free what holds the process group while it is up, then end accelerate's trackers. The wrapped model's
+        gradient reducer holds the group: freed after the group was destroyed, its teardown can deadlock gloo (a
+        worker thread waits for the GIL the destructor holds)."""
+        for name in ("model", "optimizer", "lr_scheduler", "params", "batches", "metrics", "bar"):
+            self.__dict__.pop(name, None)
+        self.accelerator.free_memory()
+        self.accelerator.end_training()
