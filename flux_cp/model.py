@@ -12,7 +12,6 @@ import torch
 from safetensors.torch import load_file
 
 from . import distributed, files
-from .encode import Encoders
 from .errors import UsageError
 from .lora import add_lora
 
@@ -33,7 +32,7 @@ def pipeline_class(path: str, revision: str | None) -> str | None:
         return None
 
 
-def _load(cls, path: str, subfolder: str, revision: str | None, **kwargs):
+def load_component(cls, path: str, subfolder: str, revision: str | None, **kwargs):
     try:
         return cls.from_pretrained(path, subfolder=subfolder, revision=revision, **kwargs)
     except (OSError, ValueError) as e:
@@ -62,28 +61,13 @@ def load_transformer(model: ModelConfig, path: str, cls: type, dtype: torch.dtyp
                 torch.set_default_dtype(default)
         return transformer.to(dtype)
     kw = {"variant": model.variant} if model.variant else {}
-    return _load(cls, path, "transformer", model.revision, torch_dtype=dtype, **kw).to(device)
-
-
-def load_encoders(model: ModelConfig, path: str, dtype: torch.dtype, device: torch.device) -> Encoders:
-    from diffusers import AutoencoderKL
-    from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
-
-    rev, kw = model.revision, ({"variant": model.variant} if model.variant else {})
-    vae = _load(AutoencoderKL, path, "vae", rev, torch_dtype=dtype, **kw).to(device).eval()
-    text_encoder = _load(CLIPTextModel, path, "text_encoder", rev, torch_dtype=dtype, **kw).to(device).eval()
-    text_encoder_2 = _load(T5EncoderModel, path, "text_encoder_2", rev, torch_dtype=dtype, **kw).to(device).eval()
-    tokenizer = _load(CLIPTokenizer, path, "tokenizer", rev)
-    tokenizer_2 = _load(T5TokenizerFast, path, "tokenizer_2", rev)
-    for m in (vae, text_encoder, text_encoder_2):
-        m.requires_grad_(False)
-    return Encoders(vae, text_encoder, tokenizer, text_encoder_2, tokenizer_2, device, dtype)
+    return load_component(cls, path, "transformer", model.revision, torch_dtype=dtype, **kw).to(device)
 
 
 def load_scheduler(model: ModelConfig, path: str):
     from diffusers import FlowMatchEulerDiscreteScheduler
 
-    return _load(FlowMatchEulerDiscreteScheduler, path, "scheduler", model.revision)
+    return load_component(FlowMatchEulerDiscreteScheduler, path, "scheduler", model.revision)
 
 
 def trainable_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:

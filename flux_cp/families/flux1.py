@@ -41,9 +41,29 @@ class Flux1(Family):
         return str(ensure_tiny_pipeline(kontext=pairs))
 
     def load_encoders(self, model: ModelConfig, path: str, dtype: torch.dtype, device: torch.device) -> Encoders:
-        from ..model import load_encoders
+        from diffusers import AutoencoderKL
+        from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
 
-        return load_encoders(model, path, dtype, device)
+        from ..encode import Encoders
+        from ..model import load_component
+
+        rev, kw = model.revision, ({"variant": model.variant} if model.variant else {})
+
+        def load(cls, subfolder: str):
+            return load_component(cls, path, subfolder, rev, torch_dtype=dtype, **kw).to(device).eval()
+
+        vae, clip, t5 = (
+            load(AutoencoderKL, "vae"),
+            load(CLIPTextModel, "text_encoder"),
+            load(T5EncoderModel, "text_encoder_2"),
+        )
+        for m in (vae, clip, t5):
+            m.requires_grad_(False)
+        tokenizer, tokenizer_2 = (
+            load_component(CLIPTokenizer, path, "tokenizer", rev),
+            load_component(T5TokenizerFast, path, "tokenizer_2", rev),
+        )
+        return Encoders(vae, clip, tokenizer, t5, tokenizer_2, device, dtype)
 
     def normalizer(self, vae):
         shift, scale = vae.config.shift_factor or 0.0, vae.config.scaling_factor
