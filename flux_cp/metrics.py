@@ -7,6 +7,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -14,26 +15,91 @@ import torch
 from . import files
 
 
-def flux_flops_per_step(
-    config: dict, image_tokens: int, text_tokens: int, batch: int, lora: bool, ckpt: bool, attn_ckpt: bool | None = None
-) -> float:
-    """FLOPs one optimizer step executes (recomputation included), for a Flux transformer.
+@dataclass(frozen=True)
+class StepFlops:
+    """FLOPs of one optimizer step. `model`: what training needs, each matmul once (forward, backward without
+    recomputation), as MFU counts them; `executed`: what runs (recomputation included), as HFU counts them."""
 
-    Linears: every token passes one stream of each double block and each single block, 12 * D^2
-    weights per block (q, k, v, out + 4x MLP; single: q, k, v + 4x MLP + 5D -> D out); ~6.45 B for
-    FLUX.1-dev. Forward 2 FLOPs/weight/token; backward 2 (input grads) + 2 more for full fine-tuning;
-    checkpointing adds one forward. Attention: 4 S^2 D forward per layer, backward 2.5x forward, and one more
-    forward when it is recomputed (`attn_ckpt`, default `ckpt`; compiled blocks keep the attention's outputs).
-    The adaLN modulation acts once per sample and is left out, as are LoRA's own small matmuls.
-    """
+    model: float
+    executed: float
+
+    def __add__(self, other: StepFlops) -> StepFlops:
+        return StepFlops(self.model + other.model, self.executed + other.executed)
+
+
+NO_FLOPS = StepFlops(0.0, 0.0)
+
+
+def step_flops(linear_fwd: float, attention_fwd: float, lora: bool, ckpt: bool, attn_recomputed: bool) -> StepFlops:
+    """Model and executed FLOPs of a step from its forward FLOPs: the matmuls of the linear layers
+    (`linear_fwd`) and the two of attention (`attention_fwd`).
+
+    Linear layers: the backward computes the input gradients (as much as the forward) and, for trained weights,
+    the weight gradients (as much again); with LoRA the base weights are frozen, so theirs are not computed.
+    Checkpointing runs the forward once more. Attention: its backward is 4 matmuls of the forward's size, twice the
+    forward (as torchtitan and PaLM count it); flash-style kernels also recompute the scores inside the backward
+    (executed: 2.5x), and recomputed blocks run the attention forward again (`attn_recomputed`; compiled blocks
+    keep its outputs). LoRA's own small matmuls are left out."""
+    backward = 1 if lora else 2
+    model = linear_fwd * (1 + backward) + attention_fwd * 3
+    executed = linear_fwd * (1 + backward + (1 if ckpt else 0)) + attention_fwd * (
+        1 + 2.5 + (1 if attn_recomputed else 0)
+    )
+    return StepFlops(float(model), float(executed))
+
+
+def flux_forward_flops(config: dict, image_tokens: int, text_tokens: int, batch: int) -> tuple[float, float]:
+    """(linear, attention) forward FLOPs of a FLUX.1 transformer (`FluxTransformer2DModel`'s config) on `batch`
+    samples of these token counts, matmuls only, per-token layers exactly:
+
+    - every token passes one stream of each double block and each single block: 12 D^2 weights (double: q, k,
+      v, out + the 4x MLP; single: q, k, v + the 4x MLP + the 5D -> D output projection), 2 FLOPs each;
+    - image tokens pass x_embedder and proj_out, text tokens the context_embedder;
+    - attention: q k^T and p v over the whole sequence, 4 S^2 D per layer.
+    The adaLN modulation and the timestep, guidance and pooled-text embedders act once per sample (a few
+    hundred-thousandths of a 1024 px step at FLUX.1-dev's size) and are left out."""
     d = config["num_attention_heads"] * config["attention_head_dim"]
     layers = config["num_layers"] + config["num_single_layers"]
     s = image_tokens + text_tokens
-    linear_fwd = 2 * 12 * d * d * layers * s * batch
-    attn_fwd = 4 * s * s * d * layers * batch
-    linear = linear_fwd * ((1 if lora else 2) + 1 + (1 if ckpt else 0))
-    attn = attn_fwd * (1 + 2.5 + (1 if (ckpt if attn_ckpt is None else attn_ckpt) else 0))
-    return float(linear + attn)
+    out = config.get("out_channels") or config["in_channels"]
+    embed = image_tokens * (config["in_channels"] + out) * d + text_tokens * config["joint_attention_dim"] * d
+    linear = 2 * (12 * d * d * layers * s + embed) * batch
+    attention = 4 * s * s * d * layers * batch
+    return float(linear), float(attention)
+
+
+# Dense bf16 tensor-core peaks from NVIDIA's datasheets (FLOP/s; the sheets quote twice these "with sparsity"),
+# by the name torch.cuda.get_device_name gives. Matched in order: the first entry contained in the name wins.
+DATASHEET_BF16_PEAKS = (
+    ("H200 NVL", 835e12),
+    ("H200", 989e12),  # H200 SXM
+    ("GH200", 989e12),
+    ("H100 NVL", 835e12),
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),  # H100 SXM (HBM3)
+    ("B200", 2250e12),
+    ("A100", 312e12),
+)
+
+
+def datasheet_peak(device_name: str) -> float | None:
+    for name, flops in DATASHEET_BF16_PEAKS:
+        if name.lower() in device_name.lower():
+            return flops
+    return None
+
+
+def peak_flops(device: torch.device) -> tuple[float, str] | None:
+    """The bf16 peak FLOP/s MFU and HFU are measured against, and where it comes from: the GPU's datasheet, or for
+    a GPU not in `DATASHEET_BF16_PEAKS` a measured 8192^3 bf16 matmul (named as such). None on CPU."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    flops = datasheet_peak(name)
+    if flops is not None:
+        return flops, f"{name}: datasheet dense bf16 peak {flops / 1e12:.0f} TFLOP/s"
+    flops = measure_matmul_peak(device)
+    return flops, f"{name}: not in the datasheet table; measured bf16 matmul peak {flops / 1e12:.0f} TFLOP/s"
 
 
 def measure_matmul_peak(device: torch.device) -> float | None:

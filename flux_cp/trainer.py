@@ -29,7 +29,7 @@ from .data import BatchSchedule, ImageSource, check_pair_flags, open_source
 from .encode import Geometry, LiveData, TrainingData, encode_dataset, encoder_fingerprints
 from .errors import UsageError
 from .lora import save_lora
-from .metrics import MetricsLog, StepTimer, measure_matmul_peak, peak_memory_gib
+from .metrics import NO_FLOPS, MetricsLog, StepFlops, StepTimer, peak_flops, peak_memory_gib
 from .model import (
     apply_seed_checkpoint,
     full_state_dict,
@@ -70,7 +70,7 @@ class StepResult:
     skipped: torch.Tensor
     lr: float  # the schedule's LR after this step, as diffusers' examples log it
     tokens: int
-    flops: float
+    flops: StepFlops
     end: Any  # StepTimer.mark() after the step's update
 
 
@@ -108,7 +108,7 @@ class Trainer:
     metrics: MetricsLog
     timer: StepTimer
     bar: Any
-    matmul_peak: float | None
+    peak: float | None  # bf16 FLOP/s that MFU and HFU are measured against (None: not on a GPU)
     fault: faults.Fault
 
     def __init__(self, cfg: Config):
@@ -376,7 +376,10 @@ class Trainer:
         self.batches = Batches(self.samples, self.schedule, layout, cfg.data, cfg.train, self.noise_scheduler,
                                shape.family, shape.family.normalizer(self.encoders.vae), guidance, device,
                                self.weight_dtype)  # fmt: skip
-        self.matmul_peak = measure_matmul_peak(device)
+        peak = peak_flops(device)
+        self.peak = peak and peak[0]
+        if peak:
+            logger.info(f"MFU and HFU against {peak[1]}")
         self.timer = self.make_timer()
         self.fault = faults.from_env(layout.rank)
         if cfg.model.embedded_default and self.validation_embeds is not None and start_step == 0:
@@ -390,13 +393,13 @@ class Trainer:
         cfg, accelerator, model, family = self.cfg, self.accelerator, self.model, self.shape.family
         accum = cfg.train.gradient_accumulation_steps
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
-        tokens = flops = 0
+        tokens, flops = 0, NO_FLOPS
         for micro in range(accum):
             mb = self.batches.micro((step - 1) * accum + micro)
             tokens += self.global_batch * (mb.image_tokens + mb.text_tokens)
-            flops += family.flops_per_step(self.transformer_config, mb.image_tokens, mb.text_tokens, self.global_batch,
-                                           not cfg.lora.full_finetune, cfg.train.gradient_checkpointing,
-                                           attention_recomputed(cfg.train))  # fmt: skip
+            flops += family.step_flops(self.transformer_config, mb.image_tokens, mb.text_tokens, self.global_batch,
+                                       not cfg.lora.full_finetune, cfg.train.gradient_checkpointing,
+                                       attention_recomputed(cfg.train))  # fmt: skip
             step_begins(cfg.train.compile_mode)
             with accelerator.accumulate(model):
                 loss = self.fault.maybe_corrupt(step, mb.loss(model(**mb.inputs)[0]))
@@ -439,15 +442,16 @@ class Trainer:
             "tokens_per_s_per_gpu": result.tokens / dt / layout.world, "peak_mem_gib": peak_memory_gib(self.device),
             "skipped": bool(skipped),
         }  # fmt: skip
-        if self.matmul_peak:
-            row["mfu"] = result.flops / dt / layout.world / self.matmul_peak
+        if self.peak:  # model FLOPs (no recomputation) and executed FLOPs per GPU-second, against the GPU's peak
+            row["mfu"] = result.flops.model / dt / layout.world / self.peak
+            row["hfu"] = result.flops.executed / dt / layout.world / self.peak
         self.metrics.write(row)
         if self.accelerator.log_with:
             self.accelerator.log({k: v for k, v in row.items() if k != "step"}, step=step)
         self.bar.update(1)
         self.bar.set_postfix(
             loss=f"{loss:.4f}", lr=f"{row['lr']:.2e}", s_step=f"{dt:.2f}", tok_s=f"{row['tokens_per_s']:.0f}",
-            **({"mfu": f"{row['mfu']:.0%}"} if self.matmul_peak else {}),
+            **({"mfu": f"{row['mfu']:.0%}"} if self.peak else {}),
         )  # fmt: skip
         if step < self.max_steps:  # the last step's outputs are written by `finish`, the model first
             validating, saving = self.due_after(step)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..errors import UsageError
+from ..metrics import StepFlops, step_flops
 
 if TYPE_CHECKING:
     from ..config import ModelConfig
@@ -107,9 +108,14 @@ class Family(ABC):
         return _count(self, json.dumps(config, sort_keys=True), lora_rank, tuple(lora_layers))
 
     @abstractmethod
-    def flops_per_step(self, config: dict, image_tokens: int, text_tokens: int, batch: int, lora: bool, ckpt: bool,
-                       attn_ckpt: bool | None = None) -> float:  # fmt: skip
-        """FLOPs one optimizer step executes (recomputation included) for `batch` samples of these token counts."""
+    def forward_flops(self, config: dict, image_tokens: int, text_tokens: int, batch: int) -> tuple[float, float]:
+        """(linear layers, attention) matmul FLOPs of one forward of `batch` samples of these token counts."""
+
+    def step_flops(self, config: dict, image_tokens: int, text_tokens: int, batch: int, lora: bool, ckpt: bool,
+                   attn_recomputed: bool) -> StepFlops:  # fmt: skip
+        """Model and executed FLOPs of one micro-step (`flux_cp.metrics.step_flops`)."""
+        linear, attention = self.forward_flops(config, image_tokens, text_tokens, batch)
+        return step_flops(linear, attention, lora, ckpt, attn_recomputed)
 
 
 _COUNTS: dict[tuple, ParameterCounts] = {}

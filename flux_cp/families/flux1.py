@@ -102,9 +102,8 @@ class Flux1(Family):
     def lora_targets(self, pairs: bool) -> tuple[str, ...]:
         return lora.DEFAULT_TARGETS
 
-    def flops_per_step(self, config: dict, image_tokens: int, text_tokens: int, batch: int, lora: bool, ckpt: bool,
-                       attn_ckpt: bool | None = None) -> float:  # fmt: skip
-        return metrics.flux_flops_per_step(config, image_tokens, text_tokens, batch, lora, ckpt, attn_ckpt)
+    def forward_flops(self, config: dict, image_tokens: int, text_tokens: int, batch: int) -> tuple[float, float]:
+        return metrics.flux_forward_flops(config, image_tokens, text_tokens, batch)
 
 
 FLUX1 = Flux1()
