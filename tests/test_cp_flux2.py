@@ -260,6 +260,34 @@ def test_remove_restores_diffusers_processors_and_apply_rejects_other_models():
 # --- under CP: diffusers' features are refused clearly; full_sequence_io ------------------------------------------
 
 
+# --- the pipelines under CP, as validation runs them -------------------------------------------------------------
+
+
+def _pipelines_under_cp(group: dist.ProcessGroup, folders: dict) -> dict:
+    from diffusers import Flux2KleinPipeline, Flux2Pipeline
+    from PIL import Image
+
+    reference = Image.fromarray(
+        (torch.rand(64, 64, 3, generator=torch.Generator().manual_seed(1)) * 255).byte().numpy()
+    )
+    errors = {}  # on the denoised latents: the tiny VAE's decoded images are mostly clipped to 0 or 1
+    for name, cls, extra in [
+        ("dev", Flux2Pipeline, {}),
+        # [klein] with classifier-free guidance and a reference image: 16 target + 16 reference tokens
+        ("klein+reference", Flux2KleinPipeline, {"image": [reference]}),
+    ]:
+        pipe = cls.from_pretrained(folders[name.split("+")[0]])
+        pipe.set_progress_bar_config(disable=True)
+
+        kwargs = dict(prompt="a red circle", height=64, width=64, num_inference_steps=2, output_type="latent", **extra)
+        expected = pipe(**kwargs, generator=torch.Generator().manual_seed(0)).images
+        apply_flux2_context_parallel(pipe.transformer, group, mode="ring")
+        with full_sequence_io(pipe.transformer, group):
+            got = pipe(**kwargs, generator=torch.Generator().manual_seed(0)).images
+        errors[name] = _rel(got, expected)
+    return errors
+
+
 def _set_kv_processors(model) -> None:
     """What Flux2KleinKVPipeline._set_kv_attn_processors does."""
     for block in model.transformer_blocks:
@@ -275,7 +303,7 @@ def _set_default_processors(model) -> None:
         block.attn.set_processor(Flux2ParallelSelfAttnProcessor())
 
 
-def _under_cp(rank: int, world: int) -> dict:
+def _under_cp(rank: int, world: int, folders: dict) -> dict:
     group = dist.group.WORLD
     errors = {}
 
@@ -323,11 +351,18 @@ def _under_cp(rank: int, world: int) -> dict:
         "rebuilt_err": _rel(after_rebuilt, expected),
         "kinds_after_default": kinds_after_default,
         "groups": groups,
+        "pipelines": _pipelines_under_cp(group, folders),  # in the same process group: starting one costs more
     }
 
 
-def test_under_cp_full_sequence_io_and_diffusers_features():
-    for r in distributed.run(_under_cp, 2, timeout=240):
+def test_under_cp_full_sequence_io_pipelines_and_diffusers_features(tmp_path):
+    from flux_cp.tiny_flux2 import ensure_tiny_flux2_pipeline
+
+    folders = {k: str(ensure_tiny_flux2_pipeline(tmp_path / k, klein=k == "klein")) for k in ("dev", "klein")}
+    for r in distributed.run(_under_cp, 2, folders, timeout=240):
+        # Flux2Pipeline / Flux2KleinPipeline under CP (as validation runs them) generate what they generate without.
+        assert set(r["pipelines"]) == {"dev", "klein+reference"}, r
+        assert all(e < 1e-5 for e in r["pipelines"].values()), r["pipelines"]
         e = r["errors"]
         assert r["shape"] == (2, 3 * LAT_H * LAT_W, IN)
         assert r["full_err"] < 1e-5 and r["tuple_err"] < 1e-5, r
