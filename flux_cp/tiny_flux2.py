@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from .flux2_recipe import DEV_TEXT_LAYERS, KLEIN_TEXT_LAYERS
+
 # Bump when the recipe below changes, so cached copies are rebuilt.
 TINY_FLUX2_VERSION = 1
 
@@ -74,10 +76,8 @@ FLUX2_KLEIN_9B_TRANSFORMER = {
     ),
 }
 
-# The hidden layers Flux2Pipeline / Flux2KleinPipeline stack (their `text_encoder_out_layers` defaults): the tiny
-# encoders have as many layers as the last index, so that the pipelines run with their defaults.
-DEV_TEXT_LAYERS = (10, 20, 30)
-KLEIN_TEXT_LAYERS = (9, 18, 27)
+# The tiny encoders have as many layers as the last hidden layer Flux2Pipeline / Flux2KleinPipeline stack by
+# default (DEV_TEXT_LAYERS, KLEIN_TEXT_LAYERS), so that the pipelines run with their defaults.
 
 # FLUX.2's VAE is AutoencoderKLFlux2's defaults (the conversion script builds `AutoencoderKLFlux2()`): 32 latent
 # channels, 4 blocks (8x), batch norm over the 2x2-patchified 128 channels with eps 1e-4.
