@@ -147,32 +147,43 @@ def _rope_in_input_dtype(x, freqs_cis, use_real=True, use_real_unbind_dim=-1, se
     return x * cos + torch.stack([-x_imag, x_real], dim=-1).flatten(3) * sin
 
 
-def _world_errors(rank: int, world: int, variants: list[tuple]) -> list[dict]:
-    """Every variant of one CP size in the same process group: starting the processes costs more than a case.
+def _world(rank: int, world: int, variants: list[tuple], folders: dict | None) -> dict:
+    """Every variant of one CP size in the same process group, and with `folders` (on 2 ranks) the checks of
+    diffusers' features and pipelines under CP (`_under_cp`): starting the processes costs more than a case.
 
     diffusers applies RoPE in fp32 whatever the model's dtype, which rounds the last-bit differences of a chunk's
     matmuls against the full sequence's to ~1e-7 in an fp64 model; with RoPE in the model's dtype (the same change
-    for the model with and without CP) the comparison is at fp64 precision. The fp32 runs below keep diffusers'
+    for the model with and without CP) the comparison is at fp64 precision. `_under_cp` (fp32) keeps diffusers'
     RoPE."""
     rope = _rope_in_input_dtype
     with (
         mock.patch.object(transformer_flux2, "apply_rotary_emb", rope),
         mock.patch.object(cp_flux2, "apply_rotary_emb", rope),
     ):
-        return [_model_errors(rank, world, *v) for v in variants]
+        exact = [_model_errors(rank, world, *v) for v in variants]
+    return {"exact": exact, "features": _under_cp(rank, world, folders) if folders else None}
 
 
 @pytest.mark.parametrize("world", sorted({c[0] for c in CASES}))
-def test_flux2_transformer_with_cp_equals_without(world):
+def test_flux2_with_cp_equals_without(world, tmp_path):
+    """The transformer at every CP size and mode; on 2 ranks also full_sequence_io, both pipelines and the
+    refusals (`_assert_features`)."""
+    from flux_cp.tiny_flux2 import ensure_tiny_flux2_pipeline
+
     variants = [c[1:] for c in CASES if c[0] == world]
-    for rank, results in enumerate(distributed.run(_world_errors, world, variants, timeout=300)):
-        for (mode, ulysses_size, ckpt), r in zip(variants, results, strict=True):
+    folders = None
+    if world == 2:
+        folders = {k: str(ensure_tiny_flux2_pipeline(tmp_path / k, klein=k == "klein")) for k in ("dev", "klein")}
+    for rank, results in enumerate(distributed.run(_world, world, variants, folders, timeout=300)):
+        for (mode, ulysses_size, ckpt), r in zip(variants, results["exact"], strict=True):
             case = f"rank {rank}, {mode} (ulysses_size {ulysses_size}, checkpointing {ckpt})"
             assert r["kinds"] == {"Flux2CPAttnProcessor", "Flux2CPParallelSelfAttnProcessor"}, (case, r)
             assert r["n_grads"] == r["n_params"] + 2, (case, r)  # every parameter and both float inputs
             assert r["out"] < 1e-10, f"{case}: output rel err {r['out']:.2e}"
             assert r["grad"] < 1e-10, f"{case}: grad rel err {r['grad']:.2e} at {r['worst']}"
             assert r["restored"] == {"Flux2AttnProcessor", "Flux2ParallelSelfAttnProcessor"}, (case, r)
+        if folders:
+            _assert_features(results["features"])
 
 
 # --- without CP: the processors are diffusers' own ---------------------------------------------------------------
@@ -355,26 +366,23 @@ def _under_cp(rank: int, world: int, folders: dict) -> dict:
     }
 
 
-def test_under_cp_full_sequence_io_pipelines_and_diffusers_features(tmp_path):
-    from flux_cp.tiny_flux2 import ensure_tiny_flux2_pipeline
-
-    folders = {k: str(ensure_tiny_flux2_pipeline(tmp_path / k, klein=k == "klein")) for k in ("dev", "klein")}
-    for r in distributed.run(_under_cp, 2, folders, timeout=240):
-        # Flux2Pipeline / Flux2KleinPipeline under CP (as validation runs them) generate what they generate without.
-        assert set(r["pipelines"]) == {"dev", "klein+reference"}, r
-        assert all(e < 1e-5 for e in r["pipelines"].values()), r["pipelines"]
-        e = r["errors"]
-        assert r["shape"] == (2, 3 * LAT_H * LAT_W, IN)
-        assert r["full_err"] < 1e-5 and r["tuple_err"] < 1e-5, r
-        assert e["backend"] and "cannot apply under flux-cp's context parallelism over 2 ranks" in e["backend"], e
-        assert e["parallel_config_set"] and "enable_parallelism" in e["parallel_config_set"], e
-        assert e["parallel_config"] and "enable_parallelism" in e["parallel_config"], e
-        assert e["mask"] and "attention masks are not supported with context parallelism" in e["mask"], e
-        assert e["kv_cache_mode"] and "Flux2KleinKVPipeline" in e["kv_cache_mode"], e
-        assert e["kv_processors"] and "Flux2KVAttnProcessor" in e["kv_processors"], e
-        assert r["kinds_after_default"] == {"Flux2CPAttnProcessor", "Flux2CPParallelSelfAttnProcessor"}, r
-        assert r["groups"] == {True}, r
-        assert r["default_err"] < 1e-5 and r["rebuilt_err"] < 1e-5, r
+def _assert_features(r: dict) -> None:
+    """What `_under_cp` found on one rank of 2."""
+    # Flux2Pipeline / Flux2KleinPipeline under CP (as validation runs them) generate what they generate without.
+    assert set(r["pipelines"]) == {"dev", "klein+reference"}, r
+    assert all(e < 1e-5 for e in r["pipelines"].values()), r["pipelines"]
+    e = r["errors"]
+    assert r["shape"] == (2, 3 * LAT_H * LAT_W, IN)
+    assert r["full_err"] < 1e-5 and r["tuple_err"] < 1e-5, r
+    assert e["backend"] and "cannot apply under flux-cp's context parallelism over 2 ranks" in e["backend"], e
+    assert e["parallel_config_set"] and "enable_parallelism" in e["parallel_config_set"], e
+    assert e["parallel_config"] and "enable_parallelism" in e["parallel_config"], e
+    assert e["mask"] and "attention masks are not supported with context parallelism" in e["mask"], e
+    assert e["kv_cache_mode"] and "Flux2KleinKVPipeline" in e["kv_cache_mode"], e
+    assert e["kv_processors"] and "Flux2KVAttnProcessor" in e["kv_processors"], e
+    assert r["kinds_after_default"] == {"Flux2CPAttnProcessor", "Flux2CPParallelSelfAttnProcessor"}, r
+    assert r["groups"] == {True}, r
+    assert r["default_err"] < 1e-5 and r["rebuilt_err"] < 1e-5, r
 
 
 def test_full_sequence_io_without_a_group_is_the_plain_model():
