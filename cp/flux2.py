@@ -46,8 +46,6 @@ class _Flux2CPProcessor:
     """What both FLUX.2 CP processors share: the CP group, and the refusal of diffusers' attention backends, its
     own parallelism and attention masks under CP (they all take diffusers' own code path without CP)."""
 
-    _diffusers_processor: type  # the diffusers processor whose computation this one reproduces
-
     def __init__(self, group: dist.ProcessGroup | None = None, mode: str = "ring", ulysses_size: int | None = None):
         self._backend = None
         self._parallel = None
@@ -124,8 +122,6 @@ class Flux2CPAttnProcessor(_Flux2CPProcessor):
     of several ranks they cannot apply and are refused with a ValueError.
     """
 
-    _diffusers_processor = Flux2AttnProcessor
-
     def __call__(
         self,
         attn: Flux2Attention,
@@ -173,8 +169,6 @@ class Flux2CPParallelSelfAttnProcessor(_Flux2CPProcessor):
     that calls `cp.attention` over `group`; the fused projections and the MLP stay local to each rank's tokens.
     Without a group it computes what `Flux2ParallelSelfAttnProcessor` computes, bit for bit on CPU; masks, backends
     and diffusers' parallelism as for `Flux2CPAttnProcessor`."""
-
-    _diffusers_processor = Flux2ParallelSelfAttnProcessor
 
     def __call__(
         self,

@@ -95,8 +95,6 @@ SCHEDULER_CONFIG = dict(
     max_image_seq_len=4096,
 )
 
-FAMILIES = ("flux2", "flux2-klein")
-
 
 def tiny_flux2_transformer(seed: int = 0, **overrides):
     """A randomly initialised tiny `Flux2Transformer2DModel` (fp32)."""
