@@ -248,14 +248,41 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     p = argparse.ArgumentParser(description="Build a local Flux pipeline folder (no downloads).")
-    p.add_argument("--preset", choices=("tiny", "flux1-dev-shapes"), default="tiny")
+    p.add_argument(
+        "--preset", choices=("tiny", "flux1-dev-shapes", "flux2-dev-shapes", "flux2-klein-shapes"), default="tiny"
+    )
     p.add_argument("--out", required=True)
+    p.add_argument(
+        "--family",
+        choices=("flux1", "flux1-kontext", "flux2", "flux2-klein"),
+        help="The model family of the folder: FluxPipeline (default), FluxKontextPipeline, Flux2Pipeline or "
+        "Flux2KleinPipeline. The flux2 shapes presets imply theirs.",
+    )
     p.add_argument("--kontext", action="store_true", help="Save it as a FluxKontextPipeline (FLUX.1 Kontext).")
     a = p.parse_args(argv)
-    if a.preset == "tiny":
-        print(ensure_tiny_pipeline(a.out, kontext=a.kontext))
+    family = a.family or ("flux1-kontext" if a.kontext else "flux1")
+    if a.kontext and family != "flux1-kontext":
+        p.error(f"--kontext is --family flux1-kontext; it does not combine with --family {family}")
+    if a.preset.startswith("flux2-"):
+        implied = "flux2-klein" if a.preset == "flux2-klein-shapes" else "flux2"
+        if (a.family or implied) != implied or a.kontext:
+            p.error(
+                f"--preset {a.preset} builds a {implied} folder; drop --family/--kontext or pass --family {implied}"
+            )
+        from .tiny_flux2 import write_flux2_shapes
+
+        print(write_flux2_shapes(a.out, klein=implied == "flux2-klein"))
+    elif family.startswith("flux2"):
+        if a.preset != "tiny":
+            shapes = {"flux2": "flux2-dev-shapes", "flux2-klein": "flux2-klein-shapes"}[family]
+            p.error(f"--preset {a.preset} is FLUX.1's; for --family {family} use --preset {shapes}")
+        from .tiny_flux2 import ensure_tiny_flux2_pipeline
+
+        print(ensure_tiny_flux2_pipeline(a.out, klein=family == "flux2-klein"))
+    elif a.preset == "tiny":
+        print(ensure_tiny_pipeline(a.out, kontext=family == "flux1-kontext"))
     else:
-        print(write_flux1_dev_shapes(a.out, kontext=a.kontext))
+        print(write_flux1_dev_shapes(a.out, kontext=family == "flux1-kontext"))
     return 0
 
 
