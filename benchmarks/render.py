@@ -29,8 +29,8 @@ def cell(value: Any, code: bool = False) -> str:
         return ""
     if isinstance(value, bool):
         return "yes" if value else "no"
-    if isinstance(value, float):
-        return f"{value:.4g}"
+    if isinstance(value, float):  # writers round what they measure; shown as stored, up to 6 digits
+        return f"{value:.6g}"
     text = str(value).replace("|", "\\|").replace("\n", " ")
     return f"`{text}`" if code and text else text
 
