@@ -48,7 +48,7 @@ COLUMNS = {
     "error": "error",
 }
 # Settings that change what a run measures without a trainer flag: recorded with the results.
-ENV_PREFIXES = ("NCCL_", "TORCH_NCCL_", "FLUX_CP_", "CUDA_LAUNCH_BLOCKING", "PYTORCH_CUDA_ALLOC_CONF", "TORCHINDUCTOR_")
+ENV_PREFIXES = ("NCCL_", "TORCH_NCCL_", "CUDA_LAUNCH_BLOCKING", "PYTORCH_CUDA_ALLOC_CONF", "TORCHINDUCTOR_")
 
 
 def parse_run(spec: str) -> dict:
