@@ -1,35 +1,43 @@
 """Attention level, forward + backward, bf16, batch 1, 24 heads x 128 (FLUX.1-dev): one-GPU SDPA (cuDNN)
 against cp.attention's ring, Ulysses and hybrid modes over 2 (and 4) GPUs.
 
-    torchrun --nproc_per_node 4 benchmarks/bench_attention.py --out results/attention.json
+    torchrun --nproc_per_node 4 -m benchmarks.bench_attention --out attention.json [--compile]
 
 Efficiency = t1 / (n * tn), t1 the one-GPU time of the full sequence, tn the slowest rank's time for its
-chunk. On CPU (gloo) it runs with --smoke shapes, to check the script, not to measure.
+chunk. The results go to --out in the suite's schema (benchmarks/schema.py). The CP tuning flags are the trainer's
+(--cp_kernels, --cp_overlap, --cp_exchange_first, --cp_ulysses_chunks). On CPU (gloo) it runs with --smoke shapes,
+to check the script, not to measure.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import cp  # noqa: E402
-from benchmarks.common import environment, group_of, init, max_over_ranks, median, time_fn, write_json  # noqa: E402
+import cp
+from benchmarks import schema
+from benchmarks.common import group_of, init, max_over_ranks, median, time_fn
 
 TOKENS = (4608, 16896, 66048)  # 1024 / 2048 / 4096 px + 512 text tokens
+COLUMNS = {"tokens": "tokens", "gpus": "GPUs", "impl": "attention", "ms": "ms", "efficiency": "efficiency"}
 
 
-def compiled_attention():
+def apply_tuning(args: argparse.Namespace) -> None:
+    """The tuning flags where this version of cp/ reads them: the kernel order and exchange-first from the
+    environment on each call (the Ulysses chunk count is set per measured variant below)."""
+    if args.cp_kernels:
+        os.environ["FLUX_CP_KERNELS"] = args.cp_kernels
+    os.environ["FLUX_CP_EXCHANGE_FIRST"] = "1" if args.cp_exchange_first else "0"
+
+
+def compiled_attention(overlap: str, first: bool):
     """cp.attention compiled as the trainer compiles its blocks (flux_cp/blocks.py): the same Inductor passes."""
-    from flux_cp.blocks import exchange_settings, inductor_options
+    from flux_cp.blocks import inductor_options
 
-    overlap, sms, first = exchange_settings(2)
-    options = inductor_options(None, overlap, 2, sms, first)
+    options = inductor_options(None, overlap, 2, first=first)
     return torch.compile(cp.attention, fullgraph=True, options=options)
 
 
@@ -81,15 +89,24 @@ def main() -> None:
     p.add_argument(
         "--compile",
         action="store_true",
-        help="time cp.attention under torch.compile(fullgraph=True) with the trainer's Inductor options "
-        "(FLUX_CP_OVERLAP, FLUX_CP_SM_CARVEOUT, FLUX_CP_EXCHANGE_FIRST as set)",
+        help="time cp.attention under torch.compile(fullgraph=True) with the trainer's Inductor options",
+    )
+    p.add_argument("--cp_kernels", default=None, help="attention kernel order, e.g. cudnn,flash (default: cp's)")
+    p.add_argument(
+        "--cp_overlap",
+        default="fill",
+        choices=["fill", "passes", "compute", "scheduler", "none"],
+        help="compiled: how Inductor orders the exchanges against compute (the trainer's default: fill)",
     )
     p.add_argument(
-        "--ulysses_chunks",
+        "--cp_exchange_first", action="store_true", help="start each exchange kernel before the compute behind it"
+    )
+    p.add_argument(
+        "--cp_ulysses_chunks",
         type=int,
         nargs="*",
         default=[1],
-        help="pipeline chunks of the Ulysses mode to measure (FLUX_CP_ULYSSES_CHUNKS; default 1, as the trainer's)",
+        help="head chunks of the Ulysses pipeline, each a measured variant (default 1, as the trainer's)",
     )
     p.add_argument(
         "--profile",
@@ -100,6 +117,7 @@ def main() -> None:
     if args.smoke:  # shapes a CPU gets through in seconds
         args.tokens, args.heads, args.head_dim, args.warmup, args.repeat = [512], 4, 32, 1, 2
     rank, world, device = init()
+    apply_tuning(args)
     dtype = torch.float32 if args.smoke else torch.bfloat16
     sizes = [n for n in (2, 4, 8) if n <= world]
     for n in sizes:  # collective over all launched ranks: make every group before any rank starts timing
@@ -107,7 +125,7 @@ def main() -> None:
         for mode, u in modes_for(n, args.heads):
             if mode == "hybrid":
                 cp.comm.create_hybrid_groups([list(range(n))], u)
-    attention = compiled_attention() if args.compile else cp.attention
+    attention = compiled_attention(args.cp_overlap, args.cp_exchange_first) if args.compile else cp.attention
     rows = []
     for s in args.tokens:
         g = torch.Generator(device="cpu").manual_seed(s)
@@ -134,8 +152,8 @@ def main() -> None:
                 t1[kind] = median(time_fn(single(kind), device, args.warmup, args.repeat))
         base = t1.get("sdpa")
         if rank == 0:
-            rows.append({"tokens": s, "gpus": 1, "impl": "sdpa_cudnn", "s": base})
-            rows.append({"tokens": s, "gpus": 1, "impl": "cp.attention(local)", "s": t1["cp_local"]})
+            rows.append({"tokens": s, "gpus": 1, "impl": "sdpa_cudnn", "ms": round(base * 1e3, 3)})
+            rows.append({"tokens": s, "gpus": 1, "impl": "cp.attention(local)", "ms": round(t1["cp_local"] * 1e3, 3)})
         for n in sizes:
             group = group_of(n)
             if rank >= n or s % n:
@@ -144,7 +162,7 @@ def main() -> None:
             variants = [
                 (m, u, c)
                 for m, u in modes_for(n, args.heads)
-                for c in (args.ulysses_chunks if m == "ulysses" else [None])
+                for c in (args.cp_ulysses_chunks if m == "ulysses" else [None])
             ]
             for mode, u, chunks in variants:
                 if chunks is not None:
@@ -162,7 +180,11 @@ def main() -> None:
                 prof = profile(step, device) if args.profile and device.type == "cuda" else None
                 if rank == 0:
                     eff = base / (n * tn) if base else None
-                    rows.append({"tokens": s, "gpus": n, "impl": name, "s": tn, "efficiency": eff, "profile": prof})
+                    ms = round(tn * 1e3, 3)
+                    efficiency = round(eff, 4) if eff else None
+                    rows.append(
+                        {"tokens": s, "gpus": n, "impl": name, "ms": ms, "efficiency": efficiency, "profile": prof}
+                    )
                     print(
                         f"tokens {s:6d} cp={n} {name:24s}: {tn * 1e3:8.2f} ms  eff {eff:.3f}  {prof or ''}", flush=True
                     )
@@ -174,19 +196,20 @@ def main() -> None:
     if rank == 0:
         from cp import kernels
 
-        write_json(
-            args.out,
-            {
-                "benchmark": "attention",
-                "env": environment(),
-                "kernels": kernels.chosen_kernels(),
-                "heads": args.heads,
-                "head_dim": args.head_dim,
-                "dtype": str(dtype),
-                "compiled": args.compile,
-                "rows": rows,
-            },
-        )
+        settings = {
+            "heads": args.heads,
+            "head_dim": args.head_dim,
+            "dtype": str(dtype).removeprefix("torch."),
+            "batch": 1,
+            "compiled": args.compile,
+            "cp_overlap": args.cp_overlap if args.compile else None,
+            "cp_exchange_first": args.cp_exchange_first,
+            "timed": f"median of {args.repeat} after {args.warmup} warm-ups; a CP time is its slowest rank's",
+            "efficiency": "t1 / (n tn) against one-GPU cuDNN SDPA on the full sequence",
+            "kernels": "; ".join(f"{k}: {v}" for k, v in kernels.chosen_kernels().items()),
+        }
+        command = schema.command_line(module="benchmarks.bench_attention")
+        schema.write(args.out, schema.result("attention", rows, command=command, settings=settings, columns=COLUMNS))
     if world > 1:
         torch.distributed.destroy_process_group()
 

@@ -3,15 +3,18 @@ weights, tiny encoders, the bundled images at the chosen resolution), read back 
 median `s_per_step` / `mfu` after the warm-up steps, the peak memory, and the CP efficiency against the one-GPU
 run of the same resolution and LoRA targets.
 
-    python benchmarks/bench_trainer.py --out results.json RUN [RUN ...]
+    python -m benchmarks.bench_trainer --out trainer.json RUN [RUN ...]
 
 A RUN is `name:gpus:config:extra trainer flags`, e.g.
 `cp2_2048:2:ddp_cp2.yaml:--cp_size 2 --resolution 2048 --compile`. Runs of one GPU each go side by side on
 separate GPUs when `--parallel` is given (each is timed alone on its GPU); the others one after another.
 Every run gets `--transformer_init random --mixed_precision bf16 --gradient_checkpointing --rank 16` (LoRA unless
 `--full_finetune` is in its flags) and a fresh folder; it is stopped once its steps are logged (no final save).
+The efficiency of a run on N GPUs is t1 / (N tN) against the one-GPU run of the same flags (less `--cp_size`).
 With `--fake_peers`, a one-GPU run given `--cp_size N` runs benchmarks/fake_peers.py instead: rank 0 of a CP group
 of N whose peers are copies of it (each exchange one local copy), its efficiency taken against N GPUs.
+The results go to --out in the suite's schema (benchmarks/schema.py), rewritten after each run; each row holds the
+exact trainer command (MODEL and WORK stand for the model folder and a temporary folder).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import argparse
 import gzip
 import json
 import os
+import shlex
 import shutil
 import signal
 import statistics
@@ -29,7 +33,22 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks import schema
+
 ROOT = Path(__file__).resolve().parent.parent
+COLUMNS = {
+    "name": "run",
+    "flags": "flags",
+    "gpus": "GPUs",
+    "s_per_step": "s/step",
+    "mfu": "MFU",
+    "peak_gib": "peak GiB/GPU",
+    "efficiency": "efficiency",
+    "loss_step1": "loss at step 1",
+    "error": "error",
+}
+# Settings that change what a run measures without a trainer flag: recorded with the results.
+ENV_PREFIXES = ("NCCL_", "TORCH_NCCL_", "CUDA_LAUNCH_BLOCKING", "PYTORCH_CUDA_ALLOC_CONF", "TORCHINDUCTOR_")
 
 
 def parse_run(spec: str) -> dict:
@@ -37,28 +56,37 @@ def parse_run(spec: str) -> dict:
     return {"name": name, "gpus": int(gpus), "config": config, "extra": extra.split()}
 
 
-def cp_size(run: dict) -> int:
-    flags = run["extra"]
+def cp_size(flags: list[str]) -> int:
     return int(flags[flags.index("--cp_size") + 1]) if "--cp_size" in flags else 1
 
 
-def command(run: dict, model: str, work: Path, steps: int, port: int) -> list[str]:
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-              str(ROOT / "accelerate_configs" / run["config"]), "--num_processes", str(run["gpus"]),
-              "--main_process_port", str(port)]  # fmt: skip
-    script = ROOT / ("benchmarks/fake_peers.py" if run.get("fake_peers") else "train_flux_cp.py")
-    return [*launch, str(script), "--pretrained_model_name_or_path", model,
+def without_cp_size(flags: list[str]) -> list[str]:
+    if "--cp_size" not in flags:
+        return list(flags)
+    i = flags.index("--cp_size")
+    return flags[:i] + flags[i + 2 :]
+
+
+def command(run: dict, model: str, work: str, steps: int, port: int | None = None) -> list[str]:
+    """The trainer's launch, from the repository root (`port`: None for the command as recorded)."""
+    launch = ["accelerate", "launch", "--config_file", f"accelerate_configs/{run['config']}",
+              "--num_processes", str(run["gpus"])]  # fmt: skip
+    if port is not None:
+        launch[:2] = [sys.executable, "-m", "accelerate.commands.launch"]
+        launch += ["--main_process_port", str(port)]
+    script = ["-m", "benchmarks.fake_peers"] if run.get("fake_peers") else ["train_flux_cp.py"]
+    return [*launch, *script, "--pretrained_model_name_or_path", model,
             "--transformer_init", "random", "--mixed_precision", "bf16", "--gradient_checkpointing",
             "--rank", "16", "--max_train_steps", str(steps + 50), "--checkpointing_steps", "100000",
-            "--report_to", "none", "--output_dir", str(work / run["name"]),
-            "--cache_dir", str(work / f"cache_{run['name']}"), *run["extra"]]  # fmt: skip
+            "--report_to", "none", "--output_dir", f"{work}/{run['name']}",
+            "--cache_dir", f"{work}/cache_{run['name']}", *run["extra"]]  # fmt: skip
 
 
 def start(run: dict, model: str, work: Path, steps: int, gpus: list[int], log_dir: Path) -> dict:
     env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(map(str, gpus)))
     log_path = log_dir / f"{run['name']}.log"
     log = open(log_path, "w")
-    cmd = command(run, model, work, steps, port=29500 + gpus[0])
+    cmd = command(run, model, str(work), steps, port=29500 + gpus[0])
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     return {**run, "proc": proc, "log": log, "log_path": log_path, "t0": time.time()}
 
@@ -84,9 +112,10 @@ def finish(job: dict, work: Path, steps: int, warmup: int, timeout: float) -> di
             proc.wait()
     job["log"].close()
     got = rows(work, job["name"])
-    result = {k: job[k] for k in ("name", "gpus", "config", "extra")}
+    result = {"name": job["name"], "gpus": job["gpus"], "config": job["config"], "flags": shlex.join(job["extra"])}
     if job.get("fake_peers"):
         result["fake_peers"] = job["fake_peers"]
+    result["command"] = shlex.join(command(job, "MODEL", "WORK", steps))
     profile = work / job["name"] / "profile"  # runs given --profile_step: summaries here, traces beside the logs
     if profile.is_dir():
         result["profile"] = {
@@ -109,18 +138,35 @@ def finish(job: dict, work: Path, steps: int, warmup: int, timeout: float) -> di
         return result
     result.update(
         steps=len(timed),
-        s_per_step=statistics.median(r["s_per_step"] for r in timed),
-        mfu=statistics.median(r["mfu"] for r in timed) if all("mfu" in r for r in timed) else None,
-        peak_mem_gib=max(r["peak_mem_gib"] for r in timed),
+        s_per_step=round(statistics.median(r["s_per_step"] for r in timed), 4),
+        mfu=round(statistics.median(r["mfu"] for r in timed), 3) if all("mfu" in r for r in timed) else None,
+        peak_gib=round(max(r["peak_mem_gib"] for r in timed), 2),
+        loss_step1=got[0]["loss"] if got else None,
         losses=[r["loss"] for r in got[:steps]],  # the same steps for every run: CP must not change them
     )
     return result
 
 
-def main() -> None:
+def with_efficiency(rows: list[dict]) -> list[dict]:
+    """Each run on N GPUs (or standing for N with fake peers) gets t1 / (N tN) against the one-GPU run of the same
+    flags less --cp_size, where there is one."""
+    one_gpu = {
+        tuple(r["flags"].split()): r["s_per_step"]
+        for r in rows
+        if r["gpus"] == 1 and not r.get("fake_peers") and r.get("s_per_step") and cp_size(r["flags"].split()) == 1
+    }
+    for r in rows:
+        n = r.get("fake_peers") or r["gpus"]
+        t1 = one_gpu.get(tuple(without_cp_size(r["flags"].split())))
+        if n > 1 and t1 and r.get("s_per_step"):
+            r["efficiency"] = round(t1 / (n * r["s_per_step"]), 3)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+", type=parse_run)
-    p.add_argument("--out", required=True, help="JSON file for the results (appended to when it exists)")
+    p.add_argument("--out", required=True, help="result file (JSON, benchmarks/schema.py); replaced if it exists")
     p.add_argument("--logs", default=None, help="folder for each run's log (default: next to --out)")
     p.add_argument("--steps", type=int, default=8, help="steps logged per run, warm-up included")
     p.add_argument("--warmup", type=int, default=3)
@@ -132,11 +178,16 @@ def main() -> None:
         action="store_true",
         help="one-GPU runs with --cp_size N: rank 0 of N with loopback peers (benchmarks/fake_peers.py)",
     )
-    a = p.parse_args()
+    p.add_argument("--dry_run", action="store_true", help="print each run's trainer command and stop")
+    a = p.parse_args(argv)
     if a.fake_peers:
         for run in a.runs:
-            if run["gpus"] == 1 and cp_size(run) > 1:
-                run["fake_peers"] = cp_size(run)
+            if run["gpus"] == 1 and cp_size(run["extra"]) > 1:
+                run["fake_peers"] = cp_size(run["extra"])
+    if a.dry_run:
+        for run in a.runs:
+            print(f"{run['name']}: {shlex.join(command(run, a.model or 'MODEL', 'WORK', a.steps))}")
+        return
 
     out = Path(a.out)
     log_dir = Path(a.logs) if a.logs else out.parent
@@ -148,8 +199,16 @@ def main() -> None:
                        cwd=ROOT, check=True, stdout=subprocess.DEVNULL)  # fmt: skip
     import torch
 
+    env = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES))
+    settings = {
+        "MODEL": a.model or "python -m flux_cp.tiny --preset flux1-dev-shapes --out MODEL (random weights at run time)",
+        "timed": f"median of steps {a.warmup + 1}-{a.steps} of metrics.jsonl",
+        "side_by_side": "one-GPU runs side by side, one per GPU" if a.parallel else "one run at a time",
+        "environment": env,
+    }
+    command_line = schema.command_line(argv, module="benchmarks.bench_trainer")
     n_gpus = torch.cuda.device_count()
-    results = json.loads(out.read_text())["runs"] if out.exists() else []
+    results: list[dict] = []
     pending = list(a.runs)
     while pending:
         batch = [pending.pop(0)]
@@ -164,27 +223,12 @@ def main() -> None:
             r = finish(job, work, a.steps, a.warmup, a.timeout)
             r["side_by_side"] = len(batch) > 1
             results.append(r)
-            print(json.dumps(r), flush=True)
-        out.write_text(json.dumps({"runs": results}, indent=1))
-    table(results)
+            print(json.dumps({k: v for k, v in r.items() if k not in ("losses", "log_tail", "profile")}), flush=True)
+        rows = with_efficiency(results)
+        schema.write(out, schema.result("trainer", rows, command=command_line, settings=settings, columns=COLUMNS))
+    from benchmarks.render import render
 
-
-def table(results: list[dict]) -> None:
-    """One line per run, with the CP efficiency t1 / (n t_n) against the one-GPU run of the same resolution,
-    training kind and compile flags (its name with the `cpN` prefix replaced by `cp1`)."""
-    by_name = {r["name"]: r for r in results}
-    print(f"{'run':34s} {'gpus':>4s} {'s/step':>7s} {'mfu':>5s} {'GiB':>6s} {'eff':>5s}")
-    for r in results:
-        if "error" in r:
-            print(f"{r['name']:34s} {r['gpus']:4d} error: {r['error'][:80]}")
-            continue
-        eff = ""
-        n = r.get("fake_peers") or r["gpus"]  # a fake-peers run stands for n GPUs
-        base = by_name.get("cp1_" + r["name"].split("_", 1)[-1]) if n > 1 else None
-        if base and "s_per_step" in base:
-            eff = f"{base['s_per_step'] / (n * r['s_per_step']):.2f}"
-        mfu = f"{r['mfu']:.0%}" if r["mfu"] is not None else "-"
-        print(f"{r['name']:34s} {r['gpus']:4d} {r['s_per_step']:7.3f} {mfu:>5s} {r['peak_mem_gib']:6.1f} {eff:>5s}")
+    print(render([str(out)]))
 
 
 if __name__ == "__main__":

@@ -2,24 +2,30 @@
 fp32 reference without CP, for CP sizes 2 and 4 and every mode. The bf16 error of CP should be that of
 plain bf16 attention (also reported), and within 2e-2 of the fp32 reference.
 
-    torchrun --nproc_per_node 4 benchmarks/check_gpu.py --out results/check.json
+    torchrun --nproc_per_node 4 -m benchmarks.check_gpu --out check_gpu.json
+
+The rows go to --out in the suite's schema (benchmarks/schema.py); relative errors are the largest over the output
+and the three input gradients (attention) or of the output and the median parameter gradient (model).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import cp
+from benchmarks import schema
+from benchmarks.bench_attention import modes_for
+from benchmarks.common import group_of, init
 
-import cp  # noqa: E402
-from benchmarks.bench_attention import modes_for  # noqa: E402
-from benchmarks.common import environment, group_of, init, write_json  # noqa: E402
+SETTINGS = {
+    "reference": "fp32 without CP, on the full sequence",
+    "attention": "bf16 cp.attention (the block kernel of cp/kernels.py), batch 1, 24 heads",
+    "model": "a 4-block Flux transformer (2 double, 2 single; 24 heads x 128), LoRA r16, bf16 autocast",
+}
 
 
 def rel_max(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -213,10 +219,11 @@ def main() -> None:
                 cp.comm.create_hybrid_groups([list(range(n))], u)
     heads, head_dim = (24, 128) if not args.smoke else (24, 8)
     rows = attention_checks(rank, world, device, args.tokens, heads, head_dim, dtype)
+    command = schema.command_line(module="benchmarks.check_gpu")
     if rank == 0:  # print and keep the attention rows before the model checks, which may fail on their own
         for r in rows:
             print(r, flush=True)
-        write_json(args.out, {"check": "bf16 vs fp32 reference", "env": environment(), "rows": rows})
+        schema.write(args.out, schema.result("check_gpu", rows, command=command, settings=SETTINGS))
     try:
         dims = dict(heads=4, head_dim=16, rope=(4, 6, 6)) if args.smoke else {}
         model_rows = model_checks(rank, world, device, dtype, **dims)
@@ -228,15 +235,8 @@ def main() -> None:
             print(r, flush=True)
         from cp import kernels
 
-        write_json(
-            args.out,
-            {
-                "check": "bf16 vs fp32 reference",
-                "env": environment(),
-                "kernels": kernels.chosen_kernels(),
-                "rows": rows,
-            },
-        )
+        settings = {**SETTINGS, "kernels": "; ".join(f"{k}: {v}" for k, v in kernels.chosen_kernels().items())}
+        schema.write(args.out, schema.result("check_gpu", rows, command=command, settings=settings))
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()

@@ -1,12 +1,9 @@
-"""Shared pieces of the benchmarks: process groups over a subset of the launched ranks, CUDA-event timing,
-environment description. Launch with torchrun (NCCL on GPUs, gloo on CPU for smoke runs)."""
+"""Shared pieces of the benchmarks: process groups over a subset of the launched ranks, CUDA-event timing.
+Launch with torchrun (NCCL on GPUs, gloo on CPU for smoke runs)."""
 
 from __future__ import annotations
 
-import json
 import os
-import platform
-import subprocess
 import time
 from datetime import timedelta
 
@@ -83,37 +80,3 @@ def max_over_ranks(x: float, group: dist.ProcessGroup | None, device: torch.devi
     t = torch.tensor([x], device=device, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return t.item()
-
-
-def environment() -> dict:
-    env = {
-        "date": time.strftime("%Y-%m-%d"),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "cuda": torch.version.cuda,
-        "cudnn": torch.backends.cudnn.version() if torch.cuda.is_available() else None,
-        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-        "gpus": torch.cuda.device_count(),
-    }
-    for mod in ("diffusers", "accelerate", "peft", "transformers"):
-        try:
-            env[mod] = __import__(mod).__version__
-        except ImportError:
-            env[mod] = None
-    try:
-        env["driver"] = (
-            subprocess.run(
-                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True
-            )
-            .stdout.split("\n")[0]
-            .strip()
-        )
-    except OSError:
-        env["driver"] = None
-    return env
-
-
-def write_json(path: str, obj) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=2)

@@ -1,7 +1,9 @@
 """train_flux_cp.py as rank 0 of a CP group whose peers are copies of it, on one device: what a CP rank spends
 besides waiting for its peers.
 
-    accelerate launch --config_file accelerate_configs/gpu1.yaml benchmarks/fake_peers.py --cp_size 2 ...
+    accelerate launch --config_file accelerate_configs/gpu1.yaml -m benchmarks.fake_peers --cp_size 2 ...
+
+(from the repository root: the script imports train_flux_cp from there).
 
 The rank joins a process group of --cp_size ranks of which it is the only process (`LoopbackGroup`): every peer is
 taken to hold what this rank holds, so a collective needs no other process and returns what it would return among
@@ -12,7 +14,7 @@ run's magnitude, and waits for no peer. Against the one-GPU run of the same flag
 efficiency CP would reach if every exchange were free; the real run's time above t_fake is what the exchanges
 cost. (torch's own `fake` backend leaves every exchanged tensor unset: the losses turn NaN from the second step,
 and a GPU computing on NaNs runs faster than on real data: a 2048 px rank step took 0.99 s so, 1.20 s with these
-peers, on two H200s of the same kind; docs/benchmarks.md, host time per step.)
+peers, on two H200s of the same kind; benchmarks/archive/history.md, host time per step.)
 The losses are not those of any real run, and no checkpoint is written; `benchmarks/bench_trainer.py --fake_peers`
 stops the run once its steps are logged.
 """
@@ -27,8 +29,6 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 from torch.futures import Future
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 Tensor = torch.Tensor
 
@@ -161,9 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg = parse_config(sys.argv[1:] if argv is None else argv)
     n = cfg.parallel.cp_size
     if n < 2:
-        raise SystemExit("fake_peers.py: pass --cp_size 2 or more (the CP group this rank stands in for)")
+        raise SystemExit("benchmarks.fake_peers: pass --cp_size 2 or more (the CP group this rank stands in for)")
     if int(os.environ.get("WORLD_SIZE", "1")) != 1:
-        raise SystemExit("fake_peers.py runs as one process: launch it with accelerate_configs/gpu1.yaml")
+        raise SystemExit("benchmarks.fake_peers runs as one process: launch it with accelerate_configs/gpu1.yaml")
     init_loopback(n)
 
     class LoopbackTrainer(Trainer):

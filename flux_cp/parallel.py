@@ -148,7 +148,7 @@ def choose_cp_mode(parallel: ParallelConfig, heads: int, cp_size: int) -> tuple[
 
 
 def auto_mode(heads: int, cp_size: int) -> tuple[str, int | None]:
-    """The CP mode, by the H200 measurements in docs/benchmarks.md (the same at every sequence length):
+    """The CP mode, by the H200 measurements in benchmarks/archive/history.md (the same at every sequence length):
 
     - Ulysses when the heads divide over the group: fewer, larger messages. Compiled, on 2 H200s, its
       attention beat the ring's at 16,896 and 66,048 tokens on three machines (12.36 / 173.3 against 13.62 /
@@ -172,8 +172,8 @@ def auto_mode(heads: int, cp_size: int) -> tuple[str, int | None]:
 
 # CP on H200s at 2,304 tokens per rank (1024 px on 2 GPUs), LoRA step through the trainer: compiled, no faster
 # than one GPU (0.456 s against 0.448 s); with CUDA graphs (--compile_mode reduce-overhead) 0.280 s against 0.440 s,
-# 0.78 efficient. At 8,448 per rank (2048 px) 0.92-0.95 efficient either way (docs/benchmarks.md). The threshold
-# sits between the two measured points; lengths in between were not measured.
+# 0.78 efficient. At 8,448 per rank (2048 px) 0.92-0.95 efficient either way (benchmarks/archive/history.md). The
+# threshold sits between the two measured points; lengths in between were not measured.
 SHORT_TOKENS_PER_RANK = 4096
 
 
@@ -185,6 +185,7 @@ def cp_advice(tokens: int, cp_size: int, cuda_graphs: bool) -> str | None:
         return None
     return (
         f"--cp_size {cp_size} leaves {per_rank} tokens per rank: at 2,304 per rank compiled CP was no faster than one "
-        "GPU on H200s, and 1.6x faster with CUDA graphs (docs/benchmarks.md). Add --compile_mode reduce-overhead; or, "
-        "unless one sample must be split to fit, --cp_size 1 (each GPU its own sample) trains more samples per second."
+        "GPU on H200s, and 1.6x faster with CUDA graphs (benchmarks/archive/history.md). Add --compile_mode "
+        "reduce-overhead; or, unless one sample must be split to fit, --cp_size 1 (each GPU its own sample) trains "
+        "more samples per second."
     )

@@ -7,7 +7,8 @@ token's hidden state in bf16 (2 x D bytes per token). Without checkpointing a do
 DOUBLE_BLOCK_UNITS and a single block SINGLE_BLOCK_UNITS (what autograd saves, counted on CPU by
 tests/test_plan.py); with checkpointing every block keeps its input (1 unit) and the block being recomputed
 peaks at BLOCK_PEAK_UNITS. BLOCK_PEAK_UNITS was fitted to one measured peak (FLUX.1-dev, LoRA, 2048 px,
-one H200); the other measured peaks in benchmarks/results check the whole estimate (tests/test_plan.py).
+one H200); the other measured peaks check the whole estimate (tests/test_plan.py). The constants and those peaks,
+with their sources, are in plan_data.json beside this module.
 The optimizer step has a peak of its own: torch's multi-tensor AdamW holds sqrt(v) for all of a rank's
 trainable parameters at once (fp32), after the activations are freed; it decides full fine-tuning's peak.
 """
@@ -19,6 +20,7 @@ import json
 import math
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,14 +29,12 @@ if TYPE_CHECKING:
     from .config import Config
 
 GIB = 2**30
-BLOCK_PEAK_UNITS = 34.0  # fitted: 31.0 GiB measured at 2048 px, LoRA, cp=1 (benchmarks/results/2026-11-29-h200x4)
-DOUBLE_BLOCK_UNITS = 37.7  # saved by autograd per token, bf16, LoRA; counted by tests/test_plan.py
-SINGLE_BLOCK_UNITS = 25.9
-FSDP_GATHERED_BLOCKS = 2  # the block being computed and the one prefetched
-# Kept per block by compiled, checkpointed blocks (flux_cp/blocks.py), in units: the attention's output where it
-# runs on the rank's own heads (one GPU, ring), and also the exchanged q, k, v and output under Ulysses (hybrid).
-# Fitted to the H200 peaks with and without --recompute_attention (benchmarks/results/2026-11-30-h200x2-*).
-SAVED_ATTENTION_UNITS = {"local": 1.0, "exchanged": 4.25}
+DATA = json.loads((Path(__file__).parent / "plan_data.json").read_text())  # its "notes" say what each constant is
+BLOCK_PEAK_UNITS: float = DATA["block_peak_units"]
+DOUBLE_BLOCK_UNITS: float = DATA["double_block_units"]
+SINGLE_BLOCK_UNITS: float = DATA["single_block_units"]
+FSDP_GATHERED_BLOCKS: int = DATA["fsdp_gathered_blocks"]
+SAVED_ATTENTION_UNITS: dict[str, float] = DATA["saved_attention_units"]
 
 
 @dataclass

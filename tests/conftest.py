@@ -1,5 +1,4 @@
 import os
-import sys
 
 import pytest
 
@@ -15,11 +14,14 @@ def _tiny_flux_home(tmp_path_factory):
     yield
 
 
-def pytest_collection_modifyitems(config, items):
-    """Tier marks: `e2e` is set by the test files that launch train_flux_cp.py; `distributed` here, on the
-    tests of every module that spawns gloo process groups through tests/distributed.py."""
-    spawner = sys.modules.get("tests.distributed")
-    for item in items:
-        module = getattr(item, "module", None)
-        if spawner is not None and any(v is spawner for v in vars(module).values()):
-            item.add_marker(pytest.mark.distributed)
+@pytest.fixture
+def fake_cp_group(monkeypatch):
+    """cp.shard's view of a CP group of 2 (which chunk this rank keeps), without a process group."""
+    import cp.comm
+
+    state = {"rank": 0}
+    group = object()
+    real_size, real_rank = cp.comm.group_size, cp.comm.group_rank
+    monkeypatch.setattr(cp.comm, "group_size", lambda g: 2 if g is group else real_size(g))
+    monkeypatch.setattr(cp.comm, "group_rank", lambda g: state["rank"] if g is group else real_rank(g))
+    return group, state

@@ -75,3 +75,83 @@ def max_rel_weights(a: str | Path, b: str | Path) -> float:
         return torch.cat([w[k].flatten().double() for k in sorted(w) if part in k])
 
     return max(((flat(wa, p) - flat(wb, p)).norm() / flat(wb, p).norm()).item() for p in ("", "lora_B"))
+
+
+def assert_same_trajectory(a: Path, b: Path, tol: float = 1e-5) -> None:
+    la, lb = losses(a), losses(b)
+    assert len(la) == len(lb) >= 10
+    worst = max(abs(x - y) / abs(y) for x, y in zip(la, lb))
+    assert worst < tol, f"per-step losses differ by {worst:.2e} (relative): {la} vs {lb}"
+    assert max_rel_weights(a, b) < tol
+    assert len(set(round(x, 6) for x in la)) > 1, "losses do not change: the check would be blind"
+
+
+# --- ComfyUI's rules, reproduced from its source -------------------------------------------------------------
+# comfy/utils.py `flux_to_diffusers`: diffusers Flux weight names -> BFL names (q/k/v are slices of one qkv).
+# comfy/lora.py `model_lora_keys_unet`: for a Flux model every BFL weight `diffusion_model.<name>.weight` is
+# reachable as `lora_unet_<name with . as _>`, and every diffusers weight name `<module>.weight` of
+# flux_to_diffusers as `transformer.<module>`. comfy/lora.py `load_lora` + comfy/weight_adapter/lora.py
+# `LoRAAdapter.load`: for each such prefix x it reads `x.alpha`, then `x.lora_up.weight` + `x.lora_down.weight`
+# or `x.lora_B.weight` + `x.lora_A.weight`; every other key is logged as "lora key not loaded" and ignored.
+
+
+def comfy_flux_to_diffusers(depth: int, depth_single: int) -> dict[str, str]:
+    """{diffusers weight name: BFL weight name} as comfy/utils.py `flux_to_diffusers` lists them (LoRA-relevant
+    `.weight` entries; biases and norm scales left out)."""
+    out = {}
+    for i in range(depth):
+        d, b = f"transformer_blocks.{i}", f"double_blocks.{i}"
+        for q in ("to_q", "to_k", "to_v"):
+            out[f"{d}.attn.{q}.weight"] = f"{b}.img_attn.qkv.weight"
+        for q in ("add_q_proj", "add_k_proj", "add_v_proj"):
+            out[f"{d}.attn.{q}.weight"] = f"{b}.txt_attn.qkv.weight"
+        block_map = {
+            "attn.to_out.0": "img_attn.proj",
+            "norm1.linear": "img_mod.lin",
+            "norm1_context.linear": "txt_mod.lin",
+            "attn.to_add_out": "txt_attn.proj",
+            "ff.net.0.proj": "img_mlp.0",
+            "ff.net.2": "img_mlp.2",
+            "ff_context.net.0.proj": "txt_mlp.0",
+            "ff_context.net.2": "txt_mlp.2",
+        }
+        out.update({f"{d}.{k}.weight": f"{b}.{v}.weight" for k, v in block_map.items()})
+    for i in range(depth_single):
+        d, b = f"single_transformer_blocks.{i}", f"single_blocks.{i}"
+        for q in ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"):
+            out[f"{d}.{q}.weight"] = f"{b}.linear1.weight"
+        out[f"{d}.norm.linear.weight"] = f"{b}.modulation.lin.weight"
+        out[f"{d}.proj_out.weight"] = f"{b}.linear2.weight"
+    basic = {
+        "proj_out": "final_layer.linear",
+        "x_embedder": "img_in",
+        "context_embedder": "txt_in",
+        "time_text_embed.timestep_embedder.linear_1": "time_in.in_layer",
+        "time_text_embed.timestep_embedder.linear_2": "time_in.out_layer",
+        "time_text_embed.text_embedder.linear_1": "vector_in.in_layer",
+        "time_text_embed.text_embedder.linear_2": "vector_in.out_layer",
+        "time_text_embed.guidance_embedder.linear_1": "guidance_in.in_layer",
+        "time_text_embed.guidance_embedder.linear_2": "guidance_in.out_layer",
+        "norm_out.linear": "final_layer.adaLN_modulation.1",
+    }
+    out.update({f"{k}.weight": f"{v}.weight" for k, v in basic.items()})
+    return out
+
+
+def comfy_lora_prefixes(depth: int, depth_single: int) -> set[str]:
+    mapping = comfy_flux_to_diffusers(depth, depth_single)
+    diffusers = {f"transformer.{k[: -len('.weight')]}" for k in mapping}
+    bfl = {"lora_unet_" + v[: -len(".weight")].replace(".", "_") for v in mapping.values()}
+    return diffusers | bfl
+
+
+def comfy_not_loaded(sd: dict, prefixes: set[str]) -> set[str]:
+    loaded = set()
+    for x in prefixes:
+        if f"{x}.alpha" in sd:
+            loaded.add(f"{x}.alpha")
+        for up, down in (("lora_up", "lora_down"), ("lora_B", "lora_A")):
+            if f"{x}.{up}.weight" in sd:
+                loaded |= {f"{x}.{up}.weight", f"{x}.{down}.weight"}
+                break
+    return set(sd) - loaded

@@ -3,55 +3,15 @@ put back together are the whole sample, with the mean of the chunks' losses equa
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
-import pytest
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler
 
-import cp.comm
-from flux_cp.batches import Batches
-from flux_cp.config import DataConfig, TrainConfig
-from flux_cp.data import BatchSchedule
-from flux_cp.families import FLUX1
-from flux_cp.parallel import Layout
-
-C, H, W, L, D = 4, 8, 12, 8, 32  # latent channels and size, text tokens and width
-
-
-class FakeData:
-    """A TrainingData with a fixed encoding per sample; records the (index, flip, epoch) it is asked for."""
-
-    def __init__(self, n: int):
-        g = torch.Generator().manual_seed(0)
-        self.samples = [
-            {"latent_mean": torch.randn(C, H, W, generator=g), "latent_std": torch.rand(C, H, W, generator=g) + 0.1,
-             "prompt_embeds": torch.randn(L, D, generator=g), "pooled_prompt_embeds": torch.randn(D, generator=g)}
-            for _ in range(n)
-        ]  # fmt: skip
-        self.buckets = [0] * n
-        self.calls: list[tuple[int, bool, int]] = []
-
-    def load(self, index: int, flip: bool, epoch: int) -> dict:
-        self.calls.append((index, flip, epoch))
-        s = self.samples[index]
-        return {k: (v.flip(-1) if flip and k.startswith("latent") else v) for k, v in s.items()}
-
-
-def _batches(data, dp: int, dp_rank: int, cp_size: int = 1, cp_rank: int = 0, group=None, per_rank: int = 1):
-    train = TrainConfig(train_batch_size=per_rank, seed=4, weighting_scheme="logit_normal")
-    world = dp * cp_size
-    layout = Layout(world, dp_rank * cp_size + cp_rank, cp_size, dp, dp_rank, cp_rank, group)
-    schedule = BatchSchedule(data.buckets, per_rank * dp, seed=4)
-    vae = SimpleNamespace(config=SimpleNamespace(shift_factor=0.1, scaling_factor=0.5))
-    return Batches(data, schedule, layout, DataConfig(random_flip=True), train, FlowMatchEulerDiscreteScheduler(),
-                   FLUX1, FLUX1.normalizer(vae), True, torch.device("cpu"))  # fmt: skip
+from tests.fakes import FakeData, H, W, make_batches
 
 
 def test_a_slot_gets_the_same_sample_noise_and_timestep_on_every_layout():
     data = FakeData(8)
-    whole = _batches(data, dp=1, dp_rank=0, per_rank=2)
-    halves = [_batches(data, dp=2, dp_rank=r) for r in (0, 1)]
+    whole = make_batches(data, dp=1, dp_rank=0, per_rank=2)
+    halves = [make_batches(data, dp=2, dp_rank=r) for r in (0, 1)]
     for m in range(6):  # more than one epoch (4 global batches of 2)
         a = whole.micro(m)
         parts = [h.micro(m) for h in halves]
@@ -68,7 +28,7 @@ def test_a_prefetched_batch_is_the_batch_built_on_demand():
     """The trainer builds the next micro-step's batch while the GPU runs the backward: it must be the same batch,
     and a prefetch of another micro-step must not be handed out in its place."""
     data = FakeData(8)
-    ahead, plain = _batches(data, dp=1, dp_rank=0, per_rank=2), _batches(data, dp=1, dp_rank=0, per_rank=2)
+    ahead, plain = make_batches(data, dp=1, dp_rank=0, per_rank=2), make_batches(data, dp=1, dp_rank=0, per_rank=2)
     for m in range(6):
         ahead.prefetch(m)
         got, want = ahead.micro(m), plain.micro(m)
@@ -81,25 +41,14 @@ def test_a_prefetched_batch_is_the_batch_built_on_demand():
     assert torch.equal(ahead.micro(3).target, plain.micro(3).target)
 
 
-@pytest.fixture
-def fake_cp_group(monkeypatch):
-    """cp.shard's view of a CP group of 2 (which chunk this rank keeps), without a process group."""
-    state = {"rank": 0}
-    group = object()
-    real_size, real_rank = cp.comm.group_size, cp.comm.group_rank
-    monkeypatch.setattr(cp.comm, "group_size", lambda g: 2 if g is group else real_size(g))
-    monkeypatch.setattr(cp.comm, "group_rank", lambda g: state["rank"] if g is group else real_rank(g))
-    return group, state
-
-
 def test_cp_chunks_are_equal_contiguous_parts_and_their_mean_loss_is_the_whole_loss(fake_cp_group):
     group, state = fake_cp_group
     data = FakeData(4)
-    whole = _batches(data, dp=1, dp_rank=0).micro(1)
+    whole = make_batches(data, dp=1, dp_rank=0).micro(1)
     chunks = []
     for r in (0, 1):
         state["rank"] = r
-        chunks.append(_batches(data, dp=1, dp_rank=0, cp_size=2, cp_rank=r, group=group).micro(1))
+        chunks.append(make_batches(data, dp=1, dp_rank=0, cp_size=2, cp_rank=r, group=group).micro(1))
     tokens = {"hidden_states": 1, "encoder_hidden_states": 1, "img_ids": 0, "txt_ids": 0}
     for key, dim in tokens.items():
         a, b = chunks[0].inputs[key], chunks[1].inputs[key]

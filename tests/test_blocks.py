@@ -15,14 +15,16 @@ from flux_cp.blocks import checkpoint_inside, inductor_options
 from flux_cp.errors import UsageError
 from tests import distributed
 
+pytestmark = pytest.mark.distributed  # spawns gloo process groups (tests/distributed.py)
+
 ATTENTION = "torch.ops.flux_cp.ring_attention.default("
 EXCHANGE = "all_to_all_single.default("
 
 
 def _block_inputs(model, group):
-    from tests.test_cp_flux import _inputs
+    from tests.distributed import flux_inputs
 
-    inputs = _inputs(batch=1)
+    inputs = flux_inputs(batch=1)
     hidden = cp.shard(model.x_embedder(inputs["hidden_states"]), 1, group).detach()
     text = cp.shard(model.context_embedder(inputs["encoder_hidden_states"]), 1, group).detach()
     temb = model.time_text_embed(inputs["timestep"], inputs["guidance"], inputs["pooled_projections"]).detach()
@@ -36,13 +38,13 @@ def _graphs_and_errors(rank: int, world: int, cases: list[tuple[str, str, bool, 
     the attention op and the exchanges occur in its forward and backward graphs."""
     import os
 
-    from tests.test_cp_flux import _model
+    from tests.distributed import flux_model
 
     group = dist.group.WORLD
     found = {}
     for mode, kind, keep, grad_exchange in cases:
         os.environ["FLUX_CP_GRAD_EXCHANGE"] = grad_exchange
-        model = _model()
+        model = flux_model()
         cp.apply_context_parallel(model, group, mode=mode)
         inputs = _block_inputs(model, group)
         block = model.transformer_blocks[0] if kind == "double" else model.single_transformer_blocks[0]

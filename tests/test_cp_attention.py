@@ -10,6 +10,8 @@ import torch.nn.functional as F
 import cp
 from tests import distributed
 
+pytestmark = pytest.mark.distributed  # spawns gloo process groups (tests/distributed.py)
+
 
 def _modes(n: int) -> list[tuple[str, int | None]]:
     modes = [("ring", None)]

@@ -6,12 +6,15 @@ without code generation: cheap enough for every mode. One Flux block goes throug
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import cp
 from tests import distributed
+
+pytestmark = pytest.mark.distributed  # spawns gloo process groups (tests/distributed.py)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -146,12 +149,12 @@ def _compiled_block_errors(rank: int, world: int, mode: str) -> dict:
 
     from flux_cp import overlap
     from flux_cp.blocks import inductor_options
-    from tests.test_cp_flux import HEADS, _inputs, _model
+    from tests.distributed import HEADS, flux_inputs, flux_model
 
     group = dist.group.WORLD
-    model = _model()
+    model = flux_model()
     cp.apply_context_parallel(model, group, mode=mode)
-    inputs = _inputs(batch=1)
+    inputs = flux_inputs(batch=1)
     hidden = cp.shard(model.x_embedder(inputs["hidden_states"]), 1, group).detach()
     text = cp.shard(model.context_embedder(inputs["encoder_hidden_states"]), 1, group).detach()
     temb = model.time_text_embed(inputs["timestep"], inputs["guidance"], inputs["pooled_projections"]).detach()

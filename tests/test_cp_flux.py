@@ -3,81 +3,31 @@ its attention) with CP over 2, 3 and 4 processes against the same model without 
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 import cp
-from flux_cp.flow import image_ids, pack_latents, text_ids
-from flux_cp.tiny import tiny_transformer
 from tests import distributed
+from tests.distributed import flux_inputs, flux_model, rel_error, set_checkpointing
 
-# 12 heads: Ulysses works at 2, 3, 4 and 6 ranks. 24 image + 12 text tokens: divisible by 2, 3, 4.
-HEADS, HEAD_DIM, TEXT, LAT_H, LAT_W = 12, 8, 12, 8, 12
-
-
-def _model(lora: bool = True):
-    model = tiny_transformer(seed=0, num_attention_heads=HEADS, attention_head_dim=HEAD_DIM, axes_dims_rope=(2, 2, 4))
-    if lora:
-        from peft import LoraConfig
-
-        targets = ["to_q", "to_k", "to_v", "to_out.0"]
-        config = LoraConfig(r=4, lora_alpha=4, init_lora_weights="gaussian", target_modules=targets)
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            torch.manual_seed(1)
-            model.add_adapter(config)
-            for name, p in model.named_parameters():
-                if "lora_B" in name:  # peft zero-initialises B; make the adapters do something
-                    p.normal_(std=0.05)
-    for p in model.parameters():
-        p.requires_grad_(True)
-    return model
-
-
-def _inputs(batch: int = 2) -> dict:
-    g = torch.Generator().manual_seed(7)
-    latents = torch.randn(batch, 4, LAT_H, LAT_W, generator=g)
-    return dict(
-        hidden_states=pack_latents(latents),
-        encoder_hidden_states=torch.randn(batch, TEXT, 32, generator=g),
-        pooled_projections=torch.randn(batch, 32, generator=g),
-        timestep=torch.rand(batch, generator=g),
-        guidance=torch.full((batch,), 3.5),
-        img_ids=image_ids(LAT_H, LAT_W),
-        txt_ids=text_ids(TEXT),
-        target=torch.randn(batch, (LAT_H // 2) * (LAT_W // 2), 16, generator=g),
-    )
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    scale = b.abs().max().item()
-    return (a - b).abs().max().item() / scale if scale > 0 else (a - b).abs().max().item()
-
-
-def _checkpointing(model, kind: str | None) -> None:
-    if kind == "reentrant":
-        # Reentrant checkpointing only produces parameter gradients when a block input requires grad.
-        model.enable_gradient_checkpointing(functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=True))
-    elif kind == "non_reentrant":
-        model.enable_gradient_checkpointing()  # diffusers' default (use_reentrant=False)
+pytestmark = pytest.mark.distributed  # spawns gloo process groups (tests/distributed.py)
 
 
 def _model_errors(rank: int, world: int, mode: str, ulysses_size: int | None, ckpt: str | None) -> dict:
     group = dist.group.WORLD
-    inputs = _inputs()
+    inputs = flux_inputs()
     target = inputs.pop("target")
 
-    ref_model = _model()
-    _checkpointing(ref_model, ckpt)
+    ref_model = flux_model()
+    set_checkpointing(ref_model, ckpt)
     ref_out = ref_model(**inputs).sample
     F.mse_loss(ref_out, target).backward()
     ref_grads = {n: p.grad for n, p in ref_model.named_parameters()}
 
-    model = _model()
-    _checkpointing(model, ckpt)
+    model = flux_model()
+    set_checkpointing(model, ckpt)
     cp.apply_context_parallel(model, group, mode=mode, ulysses_size=ulysses_size)
     local = dict(inputs)
     for key, dim in (("hidden_states", 1), ("encoder_hidden_states", 1), ("img_ids", 0), ("txt_ids", 0)):
@@ -89,10 +39,10 @@ def _model_errors(rank: int, world: int, mode: str, ulysses_size: int | None, ck
     for n, p in model.named_parameters():
         g = p.grad.clone()
         dist.all_reduce(g)
-        grad_errors[n] = _rel(g / world, ref_grads[n])
+        grad_errors[n] = rel_error(g / world, ref_grads[n])
     lora = [n for n in grad_errors if "lora" in n]
     return {
-        "out": _rel(cp.gather(out.detach(), 1, group), ref_out.detach()),
+        "out": rel_error(cp.gather(out.detach(), 1, group), ref_out.detach()),
         "grad": max(grad_errors.values()),
         "worst": max(grad_errors, key=grad_errors.get),
         "n_params": len(grad_errors),

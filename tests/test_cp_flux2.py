@@ -34,6 +34,8 @@ from cp.flux2 import (
 from flux_cp.tiny_flux2 import TRANSFORMER_CONFIG, tiny_flux2_transformer
 from tests import distributed
 
+pytestmark = pytest.mark.distributed
+
 # 12 heads of 8 (four RoPE axes of 2): Ulysses works at 2, 3, 4 and 6 ranks. 12 text + 24 image tokens (a 4 x 6
 # latent grid): every count divides by 2, 3 and 4.
 HEADS, HEAD_DIM, TEXT, LAT_H, LAT_W = 12, 8, 12, 4, 6

@@ -12,7 +12,9 @@ import cp
 from flux_cp.flow import pack_latents, text_ids
 from flux_cp.kontext import PairSplit, pair_sequence, shard_pair, target_loss
 from tests import distributed
-from tests.test_cp_flux import TEXT, _checkpointing, _model, _rel
+from tests.distributed import TEXT, flux_model, rel_error, set_checkpointing
+
+pytestmark = pytest.mark.distributed  # spawns gloo process groups (tests/distributed.py)
 
 
 def _inputs(target_hw: tuple[int, int], reference_hw: tuple[int, int], batch: int = 2) -> dict:
@@ -40,15 +42,15 @@ def _errors(rank: int, world: int, target_hw, reference_hw, mode: str, ulysses_s
     t = target.shape[1]
     r = inputs["hidden_states"].shape[1] - t
 
-    ref_model = _model()
-    _checkpointing(ref_model, ckpt)
+    ref_model = flux_model()
+    set_checkpointing(ref_model, ckpt)
     ref_pred = ref_model(**inputs).sample
     ref_loss = target_loss(ref_pred, target, weighting, PairSplit(t, r, 1), 0)
     ref_loss.backward()
     ref_grads = {n: p.grad for n, p in ref_model.named_parameters()}
 
-    model = _model()
-    _checkpointing(model, ckpt)
+    model = flux_model()
+    set_checkpointing(model, ckpt)
     cp.apply_context_parallel(model, group, mode=mode, ulysses_size=ulysses_size)
     local = dict(inputs)
     local["hidden_states"], local["img_ids"] = shard_pair(inputs["hidden_states"], inputs["img_ids"], group)
@@ -65,12 +67,12 @@ def _errors(rank: int, world: int, target_hw, reference_hw, mode: str, ulysses_s
     for n, p in model.named_parameters():
         g = p.grad.clone()
         dist.all_reduce(g)
-        grad_errors[n] = _rel(g / world, ref_grads[n])
+        grad_errors[n] = rel_error(g / world, ref_grads[n])
     full_pred = cp.gather(pred.detach(), 1, group)
     return {
         "local_targets": split.local_targets(rank),
         "loss": abs(mean_loss.item() / world - ref_loss.item()) / ref_loss.item(),
-        "pred": _rel(full_pred[:, :t], ref_pred.detach()[:, :t]),
+        "pred": rel_error(full_pred[:, :t], ref_pred.detach()[:, :t]),
         "grad": max(grad_errors.values()),
         "worst": max(grad_errors, key=grad_errors.get),
         "n_lora": sum("lora" in n for n in grad_errors),

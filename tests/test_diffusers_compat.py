@@ -19,6 +19,8 @@ from flux_cp.flow import image_ids, pack_latents, text_ids
 from flux_cp.tiny import TRANSFORMER_CONFIG, tiny_transformer
 from tests import distributed
 
+pytestmark = pytest.mark.distributed  # spawns gloo process groups (tests/distributed.py)
+
 TEXT, LAT = 8, 16  # 8 text + 64 image tokens: divisible by 2
 CLIP_DIM, IP_TOKENS = 8, 4
 

@@ -12,6 +12,8 @@ from flux_cp import distributed, files
 from flux_cp.errors import UsageError
 from tests import distributed as spawn
 
+pytestmark = pytest.mark.distributed  # spawns gloo process groups (tests/distributed.py)
+
 
 def test_atomic_writes_replace_whole_files_and_leave_nothing_behind_on_failure(tmp_path):
     target = tmp_path / "sub" / "a.json"

@@ -16,8 +16,7 @@ from flux_cp.data import open_source, reference_column
 from flux_cp.errors import UsageError
 from flux_cp.flow import pack_latents
 from flux_cp.kontext import PairSplit, check_pair_tokens, pair_sequence, reference_ids, target_loss
-from tests import test_batches
-from tests.test_batches import C, FakeData, H, W, _batches
+from tests.fakes import C, FakeData, H, W, make_batches
 
 
 def test_sequence_and_ids_match_flux_kontext_pipeline():
@@ -215,13 +214,10 @@ class FakePairs(FakeData):
         return {**s, "reference_latent": s["reference_latent"].flip(-1) if flip else s["reference_latent"]}
 
 
-fake_cp_group = test_batches.fake_cp_group  # the fixture, found by pytest under this name
-
-
 def test_pair_micro_batches_hold_target_then_reference_and_cp_chunks_keep_the_loss(request):
     group, state = request.getfixturevalue("fake_cp_group")
     data = FakePairs(4)
-    whole = _batches(data, dp=1, dp_rank=0).micro(1)
+    whole = make_batches(data, dp=1, dp_rank=0).micro(1)
     t = (H // 2) * (W // 2)
     assert whole.image_tokens == 2 * t and whole.target.shape[1] == t and whole.pair == PairSplit(t, t, 1)
     index, flip, _ = data.calls[-1]
@@ -232,7 +228,7 @@ def test_pair_micro_batches_hold_target_then_reference_and_cp_chunks_keep_the_lo
     chunks = []
     for r in (0, 1):
         state["rank"] = r
-        chunks.append(_batches(data, dp=1, dp_rank=0, cp_size=2, cp_rank=r, group=group).micro(1))
+        chunks.append(make_batches(data, dp=1, dp_rank=0, cp_size=2, cp_rank=r, group=group).micro(1))
     for key, dim in {"hidden_states": 1, "encoder_hidden_states": 1, "img_ids": 0, "txt_ids": 0}.items():
         assert torch.equal(torch.cat([c.inputs[key] for c in chunks], dim), whole.inputs[key]), key
     assert all(torch.equal(c.target, whole.target) for c in chunks)  # each rank keeps the whole target

@@ -9,6 +9,7 @@ import torch
 
 from flux_cp.errors import NonFiniteError
 from flux_cp.optim import apply_update, check_finite
+from tests.fakes import step_fused_and_reference
 
 
 def _setup(kind: str = "sgd"):
@@ -79,32 +80,6 @@ def test_a_dropped_fused_step_leaves_no_trace_in_adamw_and_reads_nothing_on_the_
     assert not torch.equal(p.detach(), torch.ones(3))  # it moved: the comparison means something
     torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=0)
     assert optimizer.state[p]["step"].item() == ref.state[q]["step"].item() == 2
-
-
-def step_fused_and_reference(device: str, shapes: list[tuple], steps: int = 5, rtol: float = 1e-6, atol: float = 1e-7):
-    """The trainer's AdamW (make_optimizer: fused) and torch's reference AdamW (foreach=False) from the same start
-    with the same gradients: the weights must move, and the two must agree."""
-    from flux_cp.config import TrainConfig
-    from flux_cp.optim import make_optimizer
-
-    g = torch.Generator(device=device).manual_seed(0)
-    ours = [torch.nn.Parameter(torch.randn(s, device=device, generator=g)) for s in shapes]
-    ref = [torch.nn.Parameter(p.detach().clone()) for p in ours]
-    start = [p.detach().clone() for p in ours]
-    train = TrainConfig(learning_rate=1e-2, adam_weight_decay=1e-2)
-    opt = make_optimizer(train, ours, global_batch=1)
-    assert opt.defaults["fused"] is True
-    ref_opt = torch.optim.AdamW(ref, lr=1e-2, betas=(train.adam_beta1, train.adam_beta2), weight_decay=1e-2,
-                                eps=train.adam_epsilon, foreach=False)  # fmt: skip
-    for _ in range(steps):
-        for p, q in zip(ours, ref):
-            grad = torch.randn(p.shape, device=device, generator=g)
-            p.grad, q.grad = grad.clone(), grad
-        opt.step()
-        ref_opt.step()
-    for p, q, p0 in zip(ours, ref, start):
-        assert (p.detach() - p0).abs().mean() > 1e-3  # the weights moved: the comparison below means something
-        torch.testing.assert_close(p.detach(), q.detach(), rtol=rtol, atol=atol)
 
 
 def test_the_trainers_adamw_is_fused_and_steps_like_the_reference_adamw():

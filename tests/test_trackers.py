@@ -11,8 +11,7 @@ import pytest
 from safetensors.torch import load_file
 from wandb.proto import wandb_internal_pb2  # requirements-test.txt
 
-from tests.launch import losses, ok, run_args, train
-from tests.test_lora_format import _comfy_lora_prefixes, _comfy_not_loaded
+from tests.launch import comfy_lora_prefixes, comfy_not_loaded, losses, ok, run_args, train
 
 
 def _records(path: Path):
@@ -62,4 +61,4 @@ def test_wandb_offline_logs_scalars_and_validation_images_and_a_kohya_lora_is_wr
     lora = load_file(tmp_path / "wb" / "pytorch_lora_weights.safetensors")
     assert lora and all(k.startswith("lora_unet_") for k in lora), sorted(lora)[:4]
     assert "lora_unet_single_blocks_0_linear1.lora_up.weight" in lora
-    assert _comfy_not_loaded(lora, _comfy_lora_prefixes(2, 2)) == set()
+    assert comfy_not_loaded(lora, comfy_lora_prefixes(2, 2)) == set()

@@ -10,8 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.launch import ok, run_args, train
-from tests.test_train import _assert_same_trajectory
+from tests.launch import assert_same_trajectory, ok, run_args, train
 
 pytestmark = pytest.mark.e2e  # every test here launches train_flux_cp.py
 
@@ -44,7 +43,7 @@ def test_kontext_pairs_with_cp_train_like_one_process_and_the_lora_edits(tmp_pat
     ok(train(1, *_pairs(tmp_path, "one", 10, *args)))
     cp2 = ok(train(2, *_pairs(tmp_path, "cp2", 10, "--cp_size", "2", "--cp_mode", "ring", *args)))
     assert "FLUX.1 Kontext pairs: 16 targets" in cp2.stdout + cp2.stderr
-    _assert_same_trajectory(tmp_path / "one", tmp_path / "cp2")
+    assert_same_trajectory(tmp_path / "one", tmp_path / "cp2")
     # FluxKontextPipeline validation with CP (target and reference split as in training) draws the same image.
     one, two = (
         np.asarray(Image.open(tmp_path / r / "validation" / "step-000010.png")).astype(int) for r in ("one", "cp2")

@@ -16,8 +16,7 @@ from flux_cp.config import DataConfig, TrainConfig
 from flux_cp.data import BatchSchedule
 from flux_cp.families import FLUX1
 from flux_cp.parallel import Layout
-from tests.test_batches import FakeData
-from tests.test_optim import step_fused_and_reference
+from tests.fakes import FakeData, step_fused_and_reference
 
 pytestmark = [
     pytest.mark.gpu,

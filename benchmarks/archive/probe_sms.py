@@ -1,6 +1,6 @@
 """Does a kernel launched on a side stream start while a matrix product holds the GPU? (one GPU, bf16)
 
-    python benchmarks/probe_sms.py --out sms.json [--tokens 8448] [--repeat 10] [--carveouts 0,8,16]
+    python benchmarks/archive/probe_sms.py --out sms.json [--tokens 8448] [--repeat 10] [--carveouts 0,8,16]
 
 The profile of a cp=2 step showed exchanges that the host launched before a matrix product, with their input
 ready, start only when the product ended. This reproduces that order on one GPU and measures the delay: on the
@@ -255,7 +255,7 @@ def main() -> None:
         first.append(head_start(product, 32, args.tokens, args.repeat))
         print(json.dumps(first[-1]), flush=True)
     doc = {
-        "command": "python benchmarks/probe_sms.py " + " ".join(f"--{k} {v}" for k, v in vars(args).items()),
+        "command": "python benchmarks/archive/probe_sms.py " + " ".join(f"--{k} {v}" for k, v in vars(args).items()),
         "device": torch.cuda.get_device_name(),
         "sms": torch.cuda.get_device_properties(0).multi_processor_count,
         "torch": torch.__version__,

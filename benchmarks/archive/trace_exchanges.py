@@ -1,7 +1,8 @@
 """Where a profiled step's CP exchanges lose time, from rank 0's trace of `train_flux_cp.py --profile_step N`
 (benchmarks/bench_trainer.py keeps it next to the run's log as NAME.trace.json.gz).
 
-    python benchmarks/trace_exchanges.py benchmarks/results/2026-12-01-h200x2-fill/cp2_2048_fill.trace.json.gz
+    python -m benchmarks.archive.trace_exchanges \
+        benchmarks/archive/results/2026-12-01-h200x2-fill/cp2_2048_fill.trace.json.gz
 
 For the exchange kernels (NCCL's send/receive kernels, which carry the all-to-alls) it prints their count and time,
 how much of that time no compute kernel ran beside (exposed), and how many started late: after a compute kernel of
@@ -16,12 +17,8 @@ from __future__ import annotations
 import argparse
 import bisect
 import json
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from flux_cp.profiling import intersection, length, load_trace, union  # noqa: E402
+from flux_cp.profiling import intersection, length, load_trace, union
 
 
 def analyse(events: list[dict], long_us: float = 50.0) -> dict:

@@ -1,6 +1,6 @@
 """What running the attention in head chunks costs in kernel time (one GPU, bf16, cuDNN, forward + backward).
 
-    python benchmarks/probe_head_chunks.py --out chunks.jsonl [--tokens 4608 16896 66048] [--heads 24 12]
+    python benchmarks/archive/probe_head_chunks.py --out chunks.jsonl [--tokens 4608 16896 66048] [--heads 24 12]
 
 The Ulysses head-chunk pipeline (FLUX_CP_ULYSSES_CHUNKS) runs each rank's heads as c smaller attention kernels so
 that one chunk's exchange can run beside another's attention. This measures only the price side: the same heads

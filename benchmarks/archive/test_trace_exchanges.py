@@ -1,14 +1,9 @@
-"""benchmarks/trace_exchanges.py on a hand-made trace: exposed exchange time, and exchanges that a matrix product
-launched behind them kept waiting."""
+"""benchmarks/archive/trace_exchanges.py on a hand-made trace: exposed exchange time, and exchanges that a matrix
+product launched behind them kept waiting. Run from the repository root: `python -m pytest benchmarks/archive`."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-from trace_exchanges import analyse  # noqa: E402
+from benchmarks.archive.trace_exchanges import analyse
 
 
 def _kernel(name: str, ts: float, dur: float, corr: int) -> dict:

@@ -1,6 +1,6 @@
 """Which memory layouts cuDNN's attention accepts, forward and backward, and what each costs (bf16, one GPU).
 
-    python benchmarks/probe_layouts.py --out layouts.jsonl [--tokens 16896] [--heads 12]
+    python benchmarks/archive/probe_layouts.py --out layouts.jsonl [--tokens 16896] [--heads 12]
 
 Each case runs in its own process (an illegal memory access ends the CUDA context): q, k, v in the
 `[B, H, S, D]` layout (contiguous, "bhsd") or as a transposed view of `[B, S, H, D]` memory ("bshd", what an

@@ -3,7 +3,7 @@ FLUX.1's width (3072, 24 heads x 128, LoRA-like: frozen weights), checkpointed a
 CPU over gloo as well as on GPUs; the order does not depend on the device except for `compute`, whose runtime
 estimates exist on GPUs only.
 
-    torchrun --nproc_per_node 2 benchmarks/schedule.py --block single double --overlap passes fill
+    torchrun --nproc_per_node 2 -m benchmarks.archive.schedule --block single double --overlap passes fill
 
 For each block, choice and graph (forward, backward) it prints the kernel sequence (A2A = an exchange issued,
 wait = where it is waited for, mm = a matrix product, k = another kernel) and, by flux_cp/overlap.py's cost model
@@ -16,18 +16,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 from collections.abc import Callable
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import cp  # noqa: E402
-from benchmarks.common import init  # noqa: E402
-from flux_cp import overlap  # noqa: E402
-from flux_cp.blocks import checkpoint_inside, inductor_options  # noqa: E402
+import cp
+from benchmarks.common import init
+from flux_cp import overlap
+from flux_cp.blocks import checkpoint_inside, inductor_options
 
 
 def recorder(graphs: list, cp: int) -> Callable:

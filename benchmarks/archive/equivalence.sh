@@ -3,7 +3,7 @@
 #   Task A: dp=2 x cp=1 on 2 GPUs.   Task B: dp=2 x cp=CP on 2*CP GPUs (CP=2 on a 4-GPU machine, 4 on 8).
 # FLUX.1-dev transformer config with seeded random weights (no download), tiny matching encoders, the
 # bundled data set at 1024 px, LoRA r16, bf16, --deterministic, one seed checkpoint written by A, read by B.
-# Usage (run.sh's `equivalence` set calls it): OUT=DIR bash benchmarks/equivalence.sh [CP] [STEPS];
+# Usage, from the repository root: OUT=DIR bash benchmarks/archive/equivalence.sh [CP] [STEPS];
 # metrics go to $OUT/equivalence_{A,B}.jsonl.
 set -euo pipefail
 CP=${1:-2}; STEPS=${2:-200}; OUT=${OUT:?set OUT to the results folder}; mkdir -p "$OUT"

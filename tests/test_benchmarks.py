@@ -1,0 +1,88 @@
+"""The benchmark suite's result schema and renderer (benchmarks/schema.py, benchmarks/render.py), and how
+bench_trainer pairs each CP run with its one-GPU run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import render, schema
+from benchmarks.bench_trainer import command, parse_run, with_efficiency
+
+
+def _trainer_rows() -> list[dict]:
+    return [
+        {"name": "cp1_2048", "gpus": 1, "flags": "--resolution 2048 --compile", "s_per_step": 2.4},
+        {"name": "cp2_2048", "gpus": 2, "flags": "--cp_size 2 --resolution 2048 --compile", "s_per_step": 1.25},
+        {"name": "cp2_1024", "gpus": 2, "flags": "--cp_size 2 --resolution 1024 --compile", "s_per_step": 0.3},
+        {
+            "name": "fake2_2048",
+            "gpus": 1,
+            "flags": "--cp_size 2 --resolution 2048 --compile",
+            "fake_peers": 2,
+            "s_per_step": 1.2,
+        },  # fmt: skip
+        {"name": "cp2_2048_bad", "gpus": 2, "flags": "--cp_size 2 --resolution 2048 --compile", "error": "exit 1"},
+    ]
+
+
+def test_efficiency_is_against_the_one_gpu_run_of_the_same_flags():
+    rows = {r["name"]: r for r in with_efficiency(_trainer_rows())}
+    assert rows["cp2_2048"]["efficiency"] == round(2.4 / (2 * 1.25), 3)
+    assert rows["fake2_2048"]["efficiency"] == 1.0  # loopback peers stand for two GPUs
+    assert "efficiency" not in rows["cp1_2048"]  # the reference itself
+    assert "efficiency" not in rows["cp2_1024"]  # no one-GPU run at 1024 px
+    assert "efficiency" not in rows["cp2_2048_bad"]
+
+
+def test_a_recorded_command_is_the_trainer_launch_with_placeholders():
+    run = parse_run("cp2_2048:2:ddp_cp2.yaml:--cp_size 2 --resolution 2048")
+    cmd = command(run, "MODEL", "WORK", steps=8)
+    assert cmd[:6] == [
+        "accelerate",
+        "launch",
+        "--config_file",
+        "accelerate_configs/ddp_cp2.yaml",
+        "--num_processes",
+        "2",
+    ]
+    assert cmd[6] == "train_flux_cp.py" and cmd[-4:] == ["--cp_size", "2", "--resolution", "2048"]
+    assert cmd[cmd.index("--output_dir") + 1] == "WORK/cp2_2048"
+    fake = command({**run, "gpus": 1, "fake_peers": 2}, "MODEL", "WORK", steps=8)
+    assert fake[6:8] == ["-m", "benchmarks.fake_peers"]
+
+
+def test_result_files_render_as_tables_with_their_commands(tmp_path, capsys):
+    rows = with_efficiency(_trainer_rows())
+    rows[1]["command"] = "accelerate launch --config_file accelerate_configs/ddp_cp2.yaml train_flux_cp.py --cp_size 2"
+    rows[1]["losses"] = [1.0, 0.9]  # not a scalar: kept, not tabled
+    columns = {"name": "run", "flags": "flags", "s_per_step": "s/step", "efficiency": "efficiency", "error": "error"}
+    data = schema.result("trainer", rows, command="python -m benchmarks.bench_trainer --out t.json", columns=columns)
+    assert data["schema"] == schema.SCHEMA and data["software"]["torch"] and data["date"]
+    schema.write(tmp_path / "trainer.json", data)
+    schema.write(tmp_path / "attention.json", schema.result("attention", [{"tokens": 16896, "ms": 21.68}], command="x"))
+    (tmp_path / "other.json").write_text(json.dumps({"runs": []}))  # an older format: skipped, with a note
+
+    text = render.render([str(tmp_path)])
+    assert "skipped" in capsys.readouterr().err
+    lines = text.splitlines()
+    header = lines.index("| run | flags | s/step | efficiency | error |")
+    assert lines[header + 1] == "|---|---|---:|---:|---|"
+    assert lines[header + 3] == "| cp2_2048 | `--cp_size 2 --resolution 2048 --compile` | 1.25 | 0.96 |  |"
+    assert lines[header + 6] == "| cp2_2048_bad | `--cp_size 2 --resolution 2048 --compile` |  |  | exit 1 |"
+    assert (
+        "- cp2_2048: `accelerate launch --config_file accelerate_configs/ddp_cp2.yaml train_flux_cp.py --cp_size 2`"
+        in lines
+    )
+    assert "| tokens | ms |" in lines and "| 16896 | 21.68 |" in lines  # columns from the rows themselves
+    assert "Command: `python -m benchmarks.bench_trainer --out t.json`" in lines
+
+
+def test_files_of_another_schema_are_refused_by_name(tmp_path):
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({"schema": "flux-cp-benchmark/0", "rows": []}))
+    with pytest.raises(ValueError, match="old.json: not a flux-cp-benchmark/1 result file"):
+        schema.load(path)
+    with pytest.raises(SystemExit, match="no flux-cp-benchmark/1 result file"):
+        render.render([str(tmp_path)])
