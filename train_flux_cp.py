@@ -32,7 +32,8 @@ from flux_cp.config import Config, parse_config
 from flux_cp.data import BatchSchedule, ImageSource, check_pair_flags, open_source, reference_column
 from flux_cp.encode import Encoders, Geometry, LiveData, TrainingData, encode_dataset, encoder_fingerprints
 from flux_cp.errors import UsageError
-from flux_cp.lora import save_lora
+from flux_cp.lora import lora_origin, save_lora
+from flux_cp.lora_format import check_export
 from flux_cp.metrics import MetricsLog, StepTimer, flux_flops_per_step, measure_matmul_peak, peak_memory_gib
 from flux_cp.model import (
     apply_seed_checkpoint,
@@ -210,6 +211,7 @@ def output_sizes(cfg: Config, path: str, weight_dtype: torch.dtype, world: int) 
     except (OSError, ValueError) as e:
         first = str(e).splitlines()[0]
         raise UsageError(f"cannot load transformer from --pretrained_model_name_or_path {path}: {first}") from None
+    check_export(config, cfg.lora)  # a kohya file diffusers could not read back is refused now, not at the end
     lora = None if cfg.lora.full_finetune else cfg.lora.rank
     counts = diskspace.count(config, lora, list(cfg.lora.lora_layers))
     with_optimizer = not cfg.checkpoints.checkpoint_weights_only
@@ -488,8 +490,9 @@ def finish(run: Run, data: Data, trainee: Trainee, loop: Loop, step: int) -> Non
                 out = outdir.write_final(output_dir, "transformer",
                                          lambda d: save_full(inner, state, str(d), run.weight_dtype))  # fmt: skip
             else:
+                origin = lora_origin(cfg, kontext=data.source.pairs)
                 out = outdir.write_final(output_dir, "pytorch_lora_weights.safetensors",
-                                         lambda d: save_lora(inner, state, str(d), cfg.lora))  # fmt: skip
+                                         lambda d: save_lora(inner, state, str(d), cfg.lora, origin))  # fmt: skip
             logger.info(f"wrote {out}")
         except UsageError as e:
             problem = str(e)
