@@ -10,6 +10,7 @@ Only huggingface_hub is imported here (no torch), so a push can also run on its 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from .errors import UsageError
@@ -76,11 +77,14 @@ def push_to_hub(
     private: bool = False,
     ignore: list[str] | tuple[str, ...] | None = None,
     commit_message: str = "End of training",
+    on_repo: Callable[[str], None] | None = None,
 ) -> str:
     """Upload `output_dir` to the model repository `hub_model_id` (`name` or `owner/name`; None: the output folder's
     name, in the token owner's namespace, as diffusers' examples do), creating it when missing. `token`: None uses
     huggingface_hub's own (HF_TOKEN, the stored login). `ignore`: fnmatch patterns left local (DEFAULT_IGNORE).
-    Returns the repository's URL. A hub that cannot be reached or refuses the token is a one-line UsageError."""
+    `on_repo(repo_id)`: called with the repository's full id (`owner/name`) once it exists, before the upload (to
+    write the model card naming it: flux_cp.card). Call it on one process. Returns the repository's URL. A hub
+    that cannot be reached or refuses the token is a one-line UsageError."""
     from huggingface_hub import HfApi
     from huggingface_hub.errors import HfHubHTTPError
 
@@ -94,6 +98,8 @@ def push_to_hub(
         api.whoami()  # one request: says at once whether the hub answers and takes the token
         step = f"create or find the model repository {repo_id}"
         repo = api.create_repo(repo_id, private=private, exist_ok=True)
+        if on_repo is not None:
+            on_repo(repo.repo_id)
         step = f"upload {folder} to {repo.repo_id}"
         api.upload_folder(
             repo_id=repo.repo_id,

@@ -89,9 +89,12 @@ def test_the_repository_defaults_to_the_folder_name_and_the_tracker_folder_follo
     (out / "tb" / "events").parent.mkdir()
     (out / "tb" / "events").write_bytes(b"")
     fake = _Hub(monkeypatch)
-    hub.push_to_hub(str(out), None, None, ignore=hub.ignore_patterns("tb"))
+    named = []
+    hub.push_to_hub(str(out), None, None, ignore=hub.ignore_patterns("tb"),
+                    on_repo=lambda repo_id: named.append((repo_id, [n for n, _ in fake.calls])))  # fmt: skip
     assert fake.call("create_repo")["repo_id"] == "dog-lora"  # in the token owner's namespace, as diffusers does
     assert fake.call("upload_folder")["repo_id"] == "me/dog-lora"
+    assert named == [("me/dog-lora", ["whoami", "create_repo"])]  # the full id, before the upload (the card)
     sent = _uploaded(out, fake.call("upload_folder")["ignore_patterns"])
     assert "tb/events" not in sent and "logs/flux-cp/events.out.tfevents.1" in sent
 
