@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import os
 import re
 import sys
@@ -39,13 +40,16 @@ def flag(
     derive: Callable[[dict], Any] | None = None,
     parse: Callable[[str], Any] | None = None,
     repeat: bool = False,
+    secret: bool = False,
 ) -> Any:
     """A dataclass field that is also the flag `--<field name>`.
 
-    derive: computes the value from the other raw flag values when the flag is not given (the parser's
-        default is then None, so "not given" is seen). parse: converts the command-line string (the field
-        keeps the converted value). repeat: the flag may be given several times (a tuple of values)."""
-    meta = {"help": help, "choices": choices, "derive": derive, "parse": parse, "repeat": repeat}
+    help: one line for --help; a flag whose default is None or derived says what it defaults to ("Default: ..."),
+        the others get their default appended. derive: computes the value from the other raw flag values when the
+        flag is not given (the parser's default is then None, so "not given" is seen). parse: converts the
+        command-line string (the field keeps the converted value). repeat: the flag may be given several times (a
+        tuple of values). secret: kept out of `Config.flat()`, so out of run_config.json, checkpoints and trackers."""
+    meta = {"help": help, "choices": choices, "derive": derive, "parse": parse, "repeat": repeat, "secret": secret}
     return field(default=default, metadata=meta)
 
 
@@ -79,8 +83,12 @@ class ModelConfig:
     pretrained_model_name_or_path: str | None = flag(
         None, "Diffusers-layout folder or hub id of FLUX.1. Default: a tiny Flux built locally."
     )
-    revision: str | None = flag(None)
-    variant: str | None = flag(None, "Weight file variant, e.g. fp16.")
+    revision: str | None = flag(
+        None, "Revision of pretrained model identifier from huggingface.co/models. Default: the main branch."
+    )
+    variant: str | None = flag(
+        None, "Variant of the model files of the pretrained model, e.g. fp16. Default: the plain weight files."
+    )
     transformer_init: str = flag(
         "pretrained",
         "'random': build the transformer from its config with seeded random weights (benchmarks and "
@@ -100,9 +108,11 @@ class LoraConfig:
     rank is `Layout.rank`)."""
 
     full_finetune: bool = flag(False, "Train all transformer weights instead of LoRA.")
-    rank: int = flag(16, "LoRA rank.")
-    lora_alpha: int = flag(16, "Default: the rank.", derive=lambda raw: raw["rank"])
-    lora_dropout: float = flag(0.0)
+    rank: int = flag(16, "The dimension of the LoRA update matrices (LoRA rank).")
+    lora_alpha: int = flag(
+        16, "LoRA alpha: the update is scaled by alpha / rank. Default: the rank.", derive=lambda raw: raw["rank"]
+    )
+    lora_dropout: float = flag(0.0, "Dropout probability for LoRA layers.")
     lora_layers: tuple[str, ...] = flag(
         DEFAULT_TARGETS, "Comma-separated module name suffixes that get LoRA adapters.", parse=_comma_list
     )
@@ -130,24 +140,26 @@ class DataConfig:
         "Hub data set id, or a local folder of images with metadata.jsonl or a .txt caption beside each image. "
         "Default: the bundled data set.",
     )
-    dataset_config_name: str | None = flag(None)
-    image_column: str = flag("image")
-    caption_column: str = flag("text")
+    dataset_config_name: str | None = flag(
+        None, "The config of the hub data set. Default: its only config (leave unset when it has one)."
+    )
+    image_column: str = flag("image", "The column of the data set holding the (target) image.")
+    caption_column: str = flag("text", "The column of the data set holding each image's caption.")
     cond_image_column: str | None = flag(
         None,
         "FLUX.1 Kontext: the column of each target's reference image (a local folder's metadata.jsonl names it in "
-        "'<column>_file_name'; found there without this flag when it is the only one).",
+        "'<column>_file_name'; found there without this flag when it is the only one). Default: none (FLUX.1 data).",
     )
     instance_prompt: str | None = flag(
-        None, "DreamBooth-style: use this prompt for every image (captions are ignored)."
+        None, "DreamBooth-style: use this prompt for every image (captions are ignored). Default: the captions."
     )
     resolution: int = flag(
         1024,
         "Training resolution in pixels (multiple of 16). Default: 1024, or 64 for the tiny default.",
         derive=lambda raw: 64 if _is_embedded(raw) else 1024,
     )
-    center_crop: bool = flag(False, "Center crop (default: random crop).")
-    random_flip: bool = flag(False)
+    center_crop: bool = flag(False, "Center crop the images to the resolution. Default: off (a random crop).")
+    random_flip: bool = flag(False, "Randomly flip images horizontally.")
     aspect_buckets: bool = flag(
         False, "Group images into aspect-ratio buckets of about resolution^2 pixels instead of square crops."
     )
@@ -177,13 +189,15 @@ class DataConfig:
 class TrainConfig:
     """Optimisation: batch, steps, optimizer, schedule, loss, precision (train_flux_cp.py, flux_cp.flow)."""
 
-    output_dir: str = flag("flux-cp-output")
+    output_dir: str = flag(
+        "flux-cp-output", "Where the trained model, checkpoints, metrics, validation images and logs are written."
+    )
     overwrite_output_dir: bool = flag(
         False,
         "Replace an earlier run in --output_dir (its checkpoints, weights, metrics, validation images and logs are "
         "removed; other files stay). Without it, a folder holding another run is refused unless resumed.",
     )
-    seed: int = flag(0)
+    seed: int = flag(0, "A seed for reproducible training: data order, crops, noise, timesteps, initial LoRA weights.")
     train_batch_size: int = flag(
         1,
         f"Samples per data-parallel rank per micro-step. Default: 1, or {DEMO_BATCH} for the demo.",
@@ -191,35 +205,52 @@ class TrainConfig:
     )
     max_train_steps: int | None = flag(
         None,
-        f"Optimizer steps. Overrides --num_train_epochs. The demo: {DEMO_STEPS}.",
+        f"Optimizer steps; overrides --num_train_epochs. Default: --num_train_epochs epochs, or {DEMO_STEPS} for "
+        "the demo.",
         derive=lambda raw: DEMO_STEPS if _is_demo(raw) else None,
     )
-    num_train_epochs: int = flag(1, "Default: 1.", derive=lambda raw: 1)
-    gradient_accumulation_steps: int = flag(1)
-    gradient_checkpointing: bool = flag(False)
+    num_train_epochs: int = flag(
+        1, "Passes over the data set when --max_train_steps is not given. Default: 1.", derive=lambda raw: 1
+    )
+    gradient_accumulation_steps: int = flag(
+        1, "Number of updates steps to accumulate before performing a backward/update pass."
+    )
+    gradient_checkpointing: bool = flag(
+        False, "Recompute each transformer block in the backward pass to save memory, at the cost of a slower step."
+    )
     learning_rate: float = flag(
         1e-4,
-        f"Default: 1e-4, or {DEMO_LEARNING_RATE:g} for the demo.",
+        f"Initial learning rate (after the warmup). Default: 1e-4, or {DEMO_LEARNING_RATE:g} for the demo.",
         derive=lambda raw: DEMO_LEARNING_RATE if _is_demo(raw) else 1e-4,
     )
     scale_lr: bool = flag(False, "Multiply the LR by the global batch size.")
-    lr_scheduler: str = flag("constant", choices=LR_SCHEDULERS)
-    lr_warmup_steps: int = flag(0)
-    lr_num_cycles: int = flag(1)
-    lr_power: float = flag(1.0)
-    adam_beta1: float = flag(0.9)
-    adam_beta2: float = flag(0.999)
-    adam_weight_decay: float = flag(1e-4)
-    adam_epsilon: float = flag(1e-8)
-    max_grad_norm: float = flag(1.0)
+    lr_scheduler: str = flag("constant", "The learning rate schedule.", choices=LR_SCHEDULERS)
+    lr_warmup_steps: int = flag(0, "Number of steps for the warmup in the lr scheduler.")
+    lr_num_cycles: int = flag(1, "Number of hard resets of the lr in cosine_with_restarts scheduler.")
+    lr_power: float = flag(1.0, "Power factor of the polynomial scheduler.")
+    adam_beta1: float = flag(0.9, "The beta1 parameter of AdamW.")
+    adam_beta2: float = flag(0.999, "The beta2 parameter of AdamW.")
+    adam_weight_decay: float = flag(1e-4, "AdamW's (decoupled) weight decay of the trained weights.")
+    adam_epsilon: float = flag(1e-8, "Epsilon value of AdamW.")
+    max_grad_norm: float = flag(1.0, "Max gradient norm (clipping; 0 turns it off).")
     mixed_precision: str | None = flag(
-        None, "Default: accelerate's config (bf16 in the GPU configs here).", choices=("no", "fp16", "bf16")
+        None,
+        "Precision of the frozen weights and the activations (trained weights stay fp32). Default: accelerate's "
+        "config (bf16 in the GPU configs here).",
+        choices=("no", "fp16", "bf16"),
     )
-    allow_tf32: bool = flag(False)
-    weighting_scheme: str = flag("none", choices=WEIGHTING_SCHEMES)
-    logit_mean: float = flag(0.0)
-    logit_std: float = flag(1.0)
-    mode_scale: float = flag(1.29)
+    allow_tf32: bool = flag(
+        False, "Allow TF32 on Ampere and newer GPUs: faster matrix products of fp32 tensors, at lower precision."
+    )
+    weighting_scheme: str = flag(
+        "none",
+        "Timestep density and loss weighting, as in diffusers' examples: 'none' samples timesteps uniformly and "
+        "weights the loss uniformly.",
+        choices=WEIGHTING_SCHEMES,
+    )
+    logit_mean: float = flag(0.0, "Mean of the 'logit_normal' weighting scheme.")
+    logit_std: float = flag(1.0, "Standard deviation of the 'logit_normal' weighting scheme.")
+    mode_scale: float = flag(1.29, "Scale of the 'mode' weighting scheme.")
     guidance_scale: float = flag(
         3.5,
         "Guidance embedding value for guidance-distilled checkpoints (FLUX.1-dev); also used for validation images.",
@@ -228,12 +259,12 @@ class TrainConfig:
     profile_step: int | None = flag(
         None,
         "Profile this step (torch.profiler): a Chrome trace per rank and a summary of the GPU time by kernel kind, "
-        "with how much of the communication overlapped compute, under OUTPUT_DIR/profile/.",
+        "with how much of the communication overlapped compute, under OUTPUT_DIR/profile/. Default: no profile.",
     )
     seed_checkpoint: str | None = flag(
         None,
         "Initial trainable weights: written here when absent, read when present, so runs with different layouts "
-        "start from identical parameters.",
+        "start from identical parameters. Default: none (weights drawn from --seed).",
     )
     on_nonfinite: str = flag("stop", "What to do when the loss or gradient norm is NaN/inf.", choices=("stop", "skip"))
     compile: bool = flag(False, "torch.compile each transformer block.")
@@ -246,7 +277,8 @@ class TrainConfig:
     compile_mode: str | None = flag(
         None,
         "torch.compile mode of the blocks (implies --compile); reduce-overhead replays each block's forward and "
-        "backward as CUDA graphs, communication included: the fastest on GPUs, most of all for short sequences.",
+        "backward as CUDA graphs, communication included: the fastest on GPUs, most of all for short sequences. "
+        "Default: torch.compile's own mode with --compile, else none.",
         choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
     )
 
@@ -256,8 +288,13 @@ class ParallelConfig:
     """The CP group and collectives (flux_cp.parallel, cp)."""
 
     cp_size: int = flag(1, "Ranks that share one sample's tokens.")
-    cp_mode: str = flag("auto", choices=CP_MODES)
-    ulysses_size: int | None = flag(None, "Ulysses degree of the hybrid mode.")
+    cp_mode: str = flag(
+        "auto",
+        "How attention exchanges keys and values in a CP group: ring, ulysses (all-to-all over heads), hybrid "
+        "(Ulysses inside ring); auto picks Ulysses when the heads divide over the group, else hybrid, else ring.",
+        choices=CP_MODES,
+    )
+    ulysses_size: int | None = flag(None, "Ulysses degree of the hybrid mode. Default: chosen by --cp_mode auto.")
     collective_timeout: float = flag(
         600.0, "Seconds before a stuck collective aborts the run (a dead rank never hangs the others)."
     )
@@ -275,9 +312,15 @@ class ParallelConfig:
 class CheckpointConfig:
     """Training checkpoints and resume (flux_cp.checkpoint)."""
 
-    checkpointing_steps: int = flag(500)
-    checkpoints_total_limit: int | None = flag(None)
-    resume_from_checkpoint: str | None = flag(None, "'latest' or a checkpoint folder.")
+    checkpointing_steps: int = flag(
+        500, "Save a resumable checkpoint of the training state every X optimizer steps (and at the end)."
+    )
+    checkpoints_total_limit: int | None = flag(
+        None, "Max number of checkpoints to store (the oldest are removed). Default: keep them all."
+    )
+    resume_from_checkpoint: str | None = flag(
+        None, "'latest' (of --output_dir) or a checkpoint folder. Default: start from step 0."
+    )
     checkpoint_weights_only: bool = flag(
         False,
         "Checkpoints hold the trainable weights and the LR schedule but not AdamW's moments (a third of the size). "
@@ -296,19 +339,26 @@ class ValidationConfig:
 
     validation_prompt: tuple[str, ...] | None = flag(
         None,
-        "Repeatable. The embedded default also renders them before training (step 0). The demo: two captions of "
-        "the bundled set.",
+        "A prompt to render validation images of; repeatable. The embedded default also renders them before training "
+        "(step 0). Default: none (no validation), or two captions of the bundled set for the demo.",
         repeat=True,
         derive=lambda raw: DEMO_PROMPTS if _is_demo(raw) else None,
     )
     validation_image: str | None = flag(
-        None, "FLUX.1 Kontext: the reference image every --validation_prompt edits (FluxKontextPipeline)."
+        None,
+        "FLUX.1 Kontext: the reference image every --validation_prompt edits (FluxKontextPipeline). Default: none.",
     )
-    validation_steps: int | None = flag(None, "Default: only at the end of training.")
-    num_validation_images: int = flag(2)
-    validation_resolution: int = flag(1024, "Default: --resolution.", derive=lambda raw: raw["resolution"])
-    validation_inference_steps: int = flag(28)
-    report_to: str = flag("tensorboard", choices=("tensorboard", "wandb", "all", "none"))
+    validation_steps: int | None = flag(
+        None, "Render validation images every X optimizer steps. Default: only at the end of training."
+    )
+    num_validation_images: int = flag(2, "Number of images generated per --validation_prompt.")
+    validation_resolution: int = flag(
+        1024, "Size of the validation images in pixels. Default: --resolution.", derive=lambda raw: raw["resolution"]
+    )
+    validation_inference_steps: int = flag(28, "Denoising steps of each validation image.")
+    report_to: str = flag(
+        "tensorboard", "The integration to report results and logs to.", choices=("tensorboard", "wandb", "all", "none")
+    )
     logging_dir: str = flag("logs", "Tracker folder, relative to --output_dir.")
 
     def check(self) -> None:
@@ -324,6 +374,31 @@ class ValidationConfig:
 
 
 @dataclass(frozen=True)
+class HubConfig:
+    """Uploading the output folder to the Hugging Face Hub at the end (flux_cp.hub; the model card: flux_cp.card)."""
+
+    push_to_hub: bool = flag(
+        False, "Whether or not to push the model (LoRA or transformer, its card, validation images) to the Hub."
+    )
+    hub_model_id: str | None = flag(
+        None, "The name of the repository to keep in sync with the local --output_dir. Default: the folder's name."
+    )
+    hub_token: str | None = flag(
+        None,
+        "The token to use to push to the Model Hub. Prefer `hf auth login` (or HF_TOKEN): a token on the command "
+        "line shows in the process list and shell history. Never written to the run's files. Default: HF_TOKEN, "
+        "else the stored login's.",
+        secret=True,
+    )
+
+    def check(self) -> None:
+        if self.push_to_hub:
+            from .hub import check_token
+
+            check_token(self.hub_token)
+
+
+@dataclass(frozen=True)
 class PlanConfig:
     """`--plan`: the memory planner instead of training (flux_cp.plan)."""
 
@@ -332,7 +407,9 @@ class PlanConfig:
         "Print the estimated per-GPU memory of this configuration, and the smallest CP size that fits, then exit "
         "(loads nothing heavy).",
     )
-    gpu_memory_gib: float | None = flag(None, "For --plan: memory per GPU (default: read).")
+    gpu_memory_gib: float | None = flag(
+        None, "For --plan: memory per GPU in GiB. Default: the first GPU's, or 141 (an H200) without one."
+    )
 
 
 @dataclass(frozen=True)
@@ -346,6 +423,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoints: CheckpointConfig = field(default_factory=CheckpointConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
+    hub: HubConfig = field(default_factory=HubConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
 
     def check(self) -> None:
@@ -355,10 +433,21 @@ class Config:
             check = getattr(getattr(self, f.name), "check", None)
             if check is not None:
                 check()
+        if self.hub.hub_token and self.validation.report_to in ("wandb", "all"):
+            # as diffusers' examples: wandb records the command line, and the token with it
+            raise UsageError(
+                "--hub_token with --report_to wandb would put the token in wandb's record of the command line: log "
+                "in with `hf auth login` (or set HF_TOKEN) instead of --hub_token"
+            )
 
     def flat(self) -> dict[str, Any]:
-        """{flag name: value} of every flag (run_config.json, checkpoints' meta, trackers)."""
-        return {k: v for f in dataclasses.fields(self) for k, v in dataclasses.asdict(getattr(self, f.name)).items()}
+        """{flag name: value} of every flag but the secret ones (run_config.json, checkpoints' meta, trackers)."""
+        return {
+            f.name: getattr(section, f.name)
+            for section in (getattr(self, s.name) for s in dataclasses.fields(self))
+            for f in dataclasses.fields(section)
+            if not f.metadata["secret"]
+        }
 
 
 # Argument-group titles of --help, in the order sections appear there.
@@ -370,6 +459,7 @@ _TITLES = {
     "parallel": "parallelism",
     "checkpoints": "checkpoints",
     "validation": "validation and logging",
+    "hub": "Hugging Face Hub",
     "plan": "memory plan",
 }
 
@@ -389,12 +479,61 @@ def _scalar_type(annotation: Any) -> type:
     return annotation
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's help ends with its default: its own "Default: ..." sentence (flags whose default is None or
+    derived from other flags), else argparse's "(default: X)", "(default: off)" for a switch."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if not action.option_strings or action.default is argparse.SUPPRESS or "Default:" in text:
+            return text
+        if isinstance(action, argparse._StoreTrueAction):
+            return f"{text} (default: off)"
+        return f"{text} (default: %(default)s)"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: an unknown flag gets the closest known one ("did you mean
+    --learning_rate?"), and argparse's own errors (a bad choice or number) are a UsageError instead of the usage
+    block, so that under `accelerate launch` one rank prints one line (flux_cp.runner)."""
+
+    def parse_args(self, args=None, namespace=None):  # noqa: ANN001 - argparse's signature
+        parsed, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            raise UsageError(self._unknown(unknown))
+        return parsed
+
+    def error(self, message: str):  # noqa: ANN201 - argparse's signature
+        bad = re.match(r"argument (--\w+): invalid choice: '([^']*)'", message)
+        choices = next((a.choices for a in self._actions if bad and bad.group(1) in a.option_strings), None)
+        close = difflib.get_close_matches(bad.group(2), [str(c) for c in choices], n=1) if choices else []
+        if close:
+            raise UsageError(f"{message}: did you mean {close[0]}?")
+        raise UsageError(f"{message} ({self.prog} --help lists every flag)")
+
+    def _unknown(self, unknown: list[str]) -> str:
+        known = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
+        flags = [u.split("=", 1)[0] for u in unknown if u.startswith("-") and len(u) > 1]
+        if not flags:
+            return (
+                f"unexpected argument {unknown[0]!r}: every value follows its flag (e.g. --resolution 1024); "
+                f"{self.prog} --help lists every flag"
+            )
+        parts = []
+        for given in flags:
+            name = "--" + given.lstrip("-").replace("-", "_")  # --learning-rate, -learning_rate
+            close = [name] if name in known else difflib.get_close_matches(name, known, n=1, cutoff=0.75)
+            parts.append(f"{given}: did you mean {close[0]}?" if close else given)
+        more = "" if all("did you mean" in p for p in parts) else f" ({self.prog} --help lists every flag)"
+        return f"unknown flag{'s' if len(parts) > 1 else ''} " + "; ".join(parts) + more
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="train_flux_cp.py",
         description="Fine-tune FLUX.1 (LoRA or full) with context parallelism. With no model and no data flags it "
         "trains a tiny Flux built locally on the bundled data set (the embedded default).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     for name, section in _sections():
         group = p.add_argument_group(_TITLES[name])

@@ -126,6 +126,7 @@ _USED_ONLY = (
     (("cache_dir",), lambda v: not v.get("no_cache"), "with --no_cache"),
     (("caption_column",), lambda v: v.get("instance_prompt") is None, "with --instance_prompt (one prompt for all)"),
     (("gpu_memory_gib",), lambda v: bool(v.get("plan")), "without --plan"),
+    (("hub_model_id", "hub_token"), lambda v: bool(v.get("push_to_hub")), "without --push_to_hub"),
     (("recompute_attention",),
      lambda v: bool(v.get("gradient_checkpointing") and (v.get("compile") or v.get("compile_mode"))),
      "without --gradient_checkpointing and --compile (eager checkpointing always recomputes the attention)"),

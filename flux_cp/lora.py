@@ -9,9 +9,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from .errors import UsageError
+from .lora_format import Origin
 
 if TYPE_CHECKING:
-    from .config import LoraConfig
+    from .config import Config, LoraConfig
 
 # Attention projections of both streams (image: to_*, text: add_*_proj / to_add_out). The benchmarks' and the
 # planner tests' LoRA setting.
@@ -46,19 +47,37 @@ def add_lora(transformer: torch.nn.Module, lora: LoraConfig, seed: int) -> None:
         transformer.add_adapter(config)
 
 
-def save_lora(transformer: torch.nn.Module, state: dict[str, torch.Tensor], output_dir: str, lora: LoraConfig) -> Path:
+def save_lora(
+    transformer: torch.nn.Module,
+    state: dict[str, torch.Tensor],
+    output_dir: str,
+    lora: LoraConfig,
+    origin: Origin | None = None,
+) -> Path:
     """`pytorch_lora_weights.safetensors` in the `--lora_format` layout (flux_cp.lora_format); the default is
-    diffusers' format, which FluxPipeline.load_lora_weights and ComfyUI load."""
+    diffusers' format, which FluxPipeline.load_lora_weights and ComfyUI load. Its metadata says how it was trained
+    and on which base model (`origin`; lora_format.metadata)."""
     from peft.utils import get_peft_model_state_dict
     from safetensors.torch import save_file
 
     from . import files
-    from .lora_format import convert
+    from .lora_format import adapter_metadata, convert, metadata
 
     weights = get_peft_model_state_dict(transformer, state_dict=state)
     weights = {f"transformer.{k}": v.detach().contiguous().cpu() for k, v in weights.items()}
     weights = convert(weights, lora.lora_format, lora.rank, lora.lora_alpha)
+    peft_config = getattr(transformer, "peft_config", {}).get("default")
+    adapter = adapter_metadata(peft_config.to_dict(), origin and origin.base_model) if peft_config else None
+    guidance = bool(dict(getattr(transformer, "config", {})).get("guidance_embeds"))
+    header = metadata(lora.lora_format, rank=lora.rank, alpha=lora.lora_alpha, adapter=adapter, origin=origin,
+                      guidance=guidance)  # fmt: skip
     path = Path(output_dir) / "pytorch_lora_weights.safetensors"
-    # {"format": "pt"}: the metadata diffusers' save_lora_weights writes
-    files.write_with(path, lambda tmp: save_file(weights, tmp, metadata={"format": "pt"}))
+    files.write_with(path, lambda tmp: save_file(weights, tmp, metadata=header))
     return path
+
+
+def lora_origin(cfg: Config, kontext: bool) -> Origin:
+    """The `origin` of a run's LoRA file: its base model (--pretrained_model_name_or_path), the run's name (its
+    output folder's), the training resolution, and whether it trained on FLUX.1 Kontext pairs."""
+    name = Path(cfg.train.output_dir).resolve().name
+    return Origin(cfg.model.pretrained_model_name_or_path, name, cfg.data.resolution, kontext)

@@ -11,19 +11,36 @@
   `alpha / rank` is multiplied into the up matrices and `.alpha` equals each LoRA's rank (scale 1), since
   loaders differ in how they treat alphas (diffusers' converter ignores those of the final layer).
   diffusers' `load_lora_weights` converts this layout too, but drops LoRAs on the top-level modules
-  (x_embedder, context_embedder, time_text_embed, proj_out, norm_out), and splits single-block linear1 with
-  FLUX.1's sizes: for diffusers keep the `diffusers` format.
+  (x_embedder, context_embedder, time_text_embed, proj_out, norm_out), splits single-block linear1 with
+  FLUX.1's sizes and knows FLUX.1's 19 + 38 blocks only: `kohya_problem` names such LoRAs so that a run asking
+  for this format refuses them at start (`check_export`) instead of writing a file diffusers cannot read back.
+
+Metadata (the safetensors header, `metadata()`): the diffusers file carries diffusers' adapter metadata (the
+peft LoraConfig, under `lora_adapter_metadata` with the `transformer.` prefix, as `FluxPipeline.save_lora_weights`
+writes it given `transformer_lora_adapter_metadata`), from which `load_lora_weights` builds the adapter (rank,
+alpha, targets) instead of guessing them from the keys, and the base model. diffusers refuses a file with both
+adapter metadata and alpha keys ("Both `network_alphas` and `metadata` cannot be specified"), and ComfyUI reads
+alphas only from the keys: a LoRA whose alpha differs from its rank keeps its alpha keys and goes without the
+adapter metadata (diffusers then derives rank, alpha and targets from the keys). The kohya file carries the
+fields kohya's sd-scripts writes for FLUX.1 LoRAs and kohya-format readers show (`ss_network_module`,
+`ss_network_dim`, `ss_network_alpha`, `ss_base_model_version`, `ss_sd_model_name`, `modelspec.*`).
 """
 
 from __future__ import annotations
 
+import datetime
+import json
+import os
 import re
+from dataclasses import dataclass
 
 import torch
 
 Tensor = torch.Tensor
 
 FORMATS = ("diffusers", "kohya")
+# diffusers.loaders.lora_base.LORA_ADAPTER_METADATA_KEY: where load_lora_weights looks for the adapter's config.
+LORA_ADAPTER_METADATA_KEY = "lora_adapter_metadata"
 
 # diffusers module -> BFL module (a module of a fused BFL linear is one of its slots, below).
 _DOUBLE = {
@@ -155,3 +172,150 @@ def convert(state: dict[str, Tensor], fmt: str, rank: int, alpha: float) -> dict
     if fmt == "kohya":
         return to_kohya(state, rank, alpha)
     raise ValueError(f"unknown LoRA format {fmt!r}; choose one of {', '.join(FORMATS)}")
+
+
+# --- what diffusers' kohya loader reads back -------------------------------------------------------------------
+
+# diffusers' `_convert_kohya_flux_lora_to_diffusers` (0.42.1) walks FLUX.1's 19 double and 38 single blocks and
+# splits a single block's linear1 into q/k/v/mlp with FLUX.1's sizes; it names the top-level layers without the
+# `transformer.` prefix, so `load_lora_weights` drops them without a word.
+_DIFFUSERS_KOHYA_BLOCKS = {"transformer_blocks": 19, "single_transformer_blocks": 38}
+_FLUX1_HIDDEN = 3072
+
+
+def _pattern(module: str) -> str:
+    return re.sub(r"^(transformer_blocks|single_transformer_blocks)\.\d+\.", r"\1.*.", module)
+
+
+def _listed(modules: list[str]) -> str:
+    patterns = sorted(dict.fromkeys(_pattern(m) for m in modules))
+    return ", ".join(patterns[:6]) + (f" and {len(patterns) - 6} more" if len(patterns) > 6 else "")
+
+
+def kohya_problem(modules: list[str], config: dict) -> str | None:
+    """Why diffusers could not read back a kohya file holding LoRAs on `modules` (diffusers names) of a Flux
+    transformer with `config`, or None when it can."""
+    top, beyond, fused, homeless = [], [], [], []
+    hidden = config["num_attention_heads"] * config["attention_head_dim"]
+    for module in modules:
+        m = _BLOCK.match(module)
+        if m is None:
+            (top if module in _GLOBAL else homeless).append(module)
+            continue
+        kind, i, inner = m.group(1), int(m.group(2)), m.group(3)
+        plain, slots = (_DOUBLE, _DOUBLE_FUSED) if kind == "transformer_blocks" else (_SINGLE, _SINGLE_FUSED)
+        if inner not in plain and not any(inner in s for s in slots.values()):
+            homeless.append(module)
+        elif i >= _DIFFUSERS_KOHYA_BLOCKS[kind]:
+            beyond.append(module)
+        elif kind == "single_transformer_blocks" and inner not in plain and hidden != _FLUX1_HIDDEN:
+            fused.append(module)
+    if homeless:
+        return f"the kohya layout has no place for LoRAs on {_listed(homeless)}"
+    if top:
+        return (
+            f"diffusers' kohya loader drops LoRAs on top-level layers ({_listed(top)}), so it would not read back "
+            "those of this file"
+        )
+    if beyond:
+        return f"diffusers' kohya loader knows FLUX.1's 19 double and 38 single blocks only, not {_listed(beyond)}"
+    if fused:
+        return (
+            f"diffusers' kohya loader splits a single block's fused linear1 with FLUX.1's sizes (3 x {_FLUX1_HIDDEN} + "
+            f"{4 * _FLUX1_HIDDEN}), not this model's (3 x {hidden} + {4 * hidden}), so it could not read back the "
+            f"LoRAs on {_listed(fused)}"
+        )
+    return None
+
+
+def lora_modules(config: dict, targets: list[str]) -> list[str]:
+    """The linear layers of a Flux transformer with `config` that peft gives LoRAs for `targets` (module-name
+    suffixes, peft's rule for a list), found on the meta device (nothing allocated)."""
+    from diffusers import FluxTransformer2DModel
+
+    with torch.device("meta"):
+        model = FluxTransformer2DModel.from_config(config)
+    return [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and any(name == t or name.endswith("." + t) for t in targets)
+    ]
+
+
+def check_export(config: dict, lora) -> None:
+    """At start (flags and the transformer's config only): a UsageError when `--lora_format kohya` would write a
+    file diffusers cannot read back completely. `lora` is the run's LoraConfig."""
+    from .errors import UsageError
+
+    if lora.full_finetune or lora.lora_format != "kohya":
+        return
+    problem = kohya_problem(lora_modules(config, list(lora.lora_layers)), config)
+    if problem:
+        # The same flags and config on every rank: every rank raises it alike.
+        raise UsageError(
+            f"--lora_format kohya: {problem}; use --lora_format diffusers (ComfyUI loads it too), or leave those "
+            "layers out of --lora_layers",
+            agreed=True,
+        )
+
+
+# --- metadata ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Where a LoRA comes from, for its file's metadata."""
+
+    base_model: str | None  # --pretrained_model_name_or_path (hub id or folder); None: the embedded tiny Flux
+    title: str  # the run's name (its output folder's)
+    resolution: int
+    kontext: bool = False  # trained on FLUX.1 Kontext pairs
+
+
+# The LoraConfig fields diffusers needs to rebuild the adapter. diffusers passes the metadata to LoraConfig(**...),
+# and a peft release that lacks one of the fields a newer one writes would refuse the file: keep to these.
+_ADAPTER_FIELDS = ("r", "lora_alpha", "target_modules", "lora_dropout", "init_lora_weights", "bias", "use_dora",
+                   "use_rslora", "rank_pattern", "alpha_pattern", "base_model_name_or_path")  # fmt: skip
+
+
+def adapter_metadata(peft_config: dict, base_model: str | None) -> dict:
+    """diffusers' adapter metadata from a peft LoraConfig's `to_dict()`, with the base model."""
+    out = {k: peft_config[k] for k in _ADAPTER_FIELDS if k in peft_config}
+    out["base_model_name_or_path"] = base_model
+    return {k: sorted(v) if isinstance(v, set) else v for k, v in out.items()}
+
+
+def _model_name(base_model: str) -> str:
+    # kohya's sd-scripts names a local base model by its file or folder name, a hub id as it is
+    return os.path.basename(os.path.normpath(base_model)) if os.path.exists(base_model) else base_model
+
+
+def metadata(
+    fmt: str, *, rank: int, alpha: float, adapter: dict | None, origin: Origin | None, guidance: bool
+) -> dict[str, str]:
+    """The safetensors header metadata of a LoRA file in format `fmt` (see the module doc). `adapter`: diffusers'
+    adapter metadata (`adapter_metadata`); `guidance`: the transformer has a guidance embedding (FLUX.1 [dev])."""
+    out = {"format": "pt"}  # what diffusers' save_lora_weights writes
+    if fmt == "diffusers":
+        if adapter is not None and alpha == rank:  # (alpha keys otherwise: see the module doc)
+            packed = {f"transformer.{k}": v for k, v in adapter.items()}
+            out[LORA_ADAPTER_METADATA_KEY] = json.dumps(packed, indent=2, sort_keys=True)
+        if origin is not None and origin.base_model:
+            out["base_model"] = origin.base_model
+        return out
+    # kohya: the fields sd-scripts' train_network.py / flux_train_network.py write (library/sai_model_spec.py)
+    out.update({"ss_network_module": "networks.lora_flux", "ss_network_dim": str(rank), "ss_network_alpha": str(alpha),
+                "ss_base_model_version": "flux1"})  # fmt: skip
+    if origin is not None:
+        if origin.base_model:
+            out["ss_sd_model_name"] = _model_name(origin.base_model)
+        variant = "flux-1" if origin.kontext else ("flux-1-dev" if guidance else "flux-1-schnell")
+        out.update({
+            "modelspec.sai_model_spec": "1.0.1",
+            "modelspec.architecture": f"{variant}/lora",
+            "modelspec.implementation": "https://github.com/black-forest-labs/flux",
+            "modelspec.title": origin.title,
+            "modelspec.resolution": f"{origin.resolution}x{origin.resolution}",
+            "modelspec.date": datetime.datetime.now().replace(microsecond=0).isoformat(),
+        })  # fmt: skip
+    return out

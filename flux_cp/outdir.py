@@ -26,7 +26,7 @@ from .errors import UsageError
 LOCK_NAME = ".flux_cp.lock"
 # What a run writes into its folder (its tracker folder, --logging_dir, is added by the caller).
 RUN_OUTPUTS = ("run_config.json", "metrics.jsonl", "pytorch_lora_weights.safetensors", "transformer",
-               "loss_curve.png", "validation")  # fmt: skip
+               "loss_curve.png", "validation", "README.md")  # fmt: skip
 _CHECKPOINT = re.compile(r"^(checkpoint-\d+|\.checkpoint-\d+\.partial)$")
 
 _held: dict[str, int] = {}  # folder -> open file descriptor of its lock, for the life of this process

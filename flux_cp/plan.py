@@ -152,14 +152,81 @@ def print_disk(cfg: Config, config: dict, world: int) -> None:
     )
 
 
+def _hub_offline() -> bool:
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE) or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+
+
+def transformer_config(path: str, revision: str | None = None) -> tuple[dict, str]:
+    """(transformer config, where it came from) of a model folder or hub id, without waiting on the network: a
+    folder's own file; a hub id's from the local HF cache, else built in for the known FLUX.1 ids
+    (flux_cp.known_models), else from the Hub in one short attempt (not when HF_HUB_OFFLINE is set). Whatever
+    fails is one UsageError line."""
+    from .errors import UsageError
+    from .known_models import KNOWN, known_model
+
+    flag = f"--pretrained_model_name_or_path {path}"
+    file = "transformer/config.json"
+    if os.path.isdir(path):
+        from diffusers import FluxTransformer2DModel
+
+        try:
+            return dict(FluxTransformer2DModel.load_config(path, subfolder="transformer")), path
+        except (OSError, ValueError) as e:
+            raise UsageError(f"{flag}: cannot read {file} there ({str(e).splitlines()[0]})") from None
+    import huggingface_hub
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        cached = huggingface_hub.try_to_load_from_cache(path, file, revision=revision)
+    except HFValidationError:
+        raise UsageError(f"{flag}: no such folder (and not a hub id like owner/name)") from None
+    if isinstance(cached, str):
+        with open(cached) as f:
+            return json.load(f), f"{path} (local HF cache)"
+    known = known_model(path)
+    if known is not None:
+        return dict(known.transformer), f"{known.model_id} (built-in config)"
+    offline_ids = ", ".join(m.model_id for m in KNOWN.values())
+    if _hub_offline():
+        raise UsageError(
+            f"{flag}: not a local folder, and its {file} is not in the local HF cache (HF_HUB_OFFLINE is set): "
+            f"pass the model's folder, or a model known offline ({offline_ids})"
+        )
+    import httpx
+    from huggingface_hub.errors import HfHubHTTPError
+
+    try:  # one attempt with a short timeout (hf_hub_download alone retries for ~30 s when the hub is unreachable)
+        url = huggingface_hub.hf_hub_url(path, file, revision=revision)
+        huggingface_hub.get_hf_file_metadata(url, timeout=10)
+        local = huggingface_hub.hf_hub_download(path, file, revision=revision)
+    except (HfHubHTTPError, httpx.HTTPError, OSError, ValueError) as e:
+        why = " ".join(str(e).split())[:200] or type(e).__name__
+        raise UsageError(
+            f"{flag}: not a local folder or in the local HF cache, and {file} could not be read from the Hugging Face "
+            f"Hub ({why}): pass the model's folder, or a model known offline ({offline_ids})"
+        ) from None
+    with open(local) as f:
+        return json.load(f), path
+
+
 def print_plan(cfg: Config) -> None:
+    """The plan, printed once: under `accelerate launch` every rank runs this, and all but rank 0 return at once."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
     from .data import reference_column
+    from .families import for_transformer
     from .parallel import auto_mode, launched_world_size
     from .shape import model_of
 
     pairs = reference_column(cfg.data) is not None  # FLUX.1 Kontext: the reference has its target's size
-    family, path = model_of(cfg.model, pairs)
-    config = dict(family.transformer_class().load_config(path, subfolder="transformer", revision=cfg.model.revision))
+    if cfg.model.embedded_default:
+        family, path = model_of(cfg.model, pairs)
+        config = dict(family.transformer_class().load_config(path, subfolder="transformer"))
+    else:
+        config, path = transformer_config(cfg.model.pretrained_model_name_or_path, cfg.model.revision)
+        family = for_transformer(config)
     world = launched_world_size()
     resolution, batch, cp_size = cfg.data.resolution, cfg.train.train_batch_size, cfg.parallel.cp_size
     tokens = (2 if pairs else 1) * (resolution // 16) ** 2 + cfg.data.max_sequence_length

@@ -28,7 +28,8 @@ from .config import Config
 from .data import BatchSchedule, ImageSource, check_pair_flags, open_source
 from .encode import Geometry, LiveData, TrainingData, encode_dataset, encoder_fingerprints
 from .errors import UsageError
-from .lora import save_lora
+from .lora import lora_origin, save_lora
+from .lora_format import check_export
 from .metrics import NO_FLOPS, MetricsLog, StepFlops, StepTimer, peak_flops, peak_memory_gib
 from .model import (
     apply_seed_checkpoint,
@@ -213,6 +214,7 @@ class Trainer:
         cfg, shape = self.cfg, self.shape
         config = self.read_transformer_config()
         lora = None if cfg.lora.full_finetune else cfg.lora.rank
+        check_export(config, cfg.lora)  # a kohya file diffusers could not read back is refused now, not at the end
         counts = shape.family.count_parameters(config, lora, list(cfg.lora.lora_layers))
         with_optimizer = not cfg.checkpoints.checkpoint_weights_only
         return diskspace.sizes(counts, cfg.lora.full_finetune, with_optimizer, self.weight_dtype, self.layout.world)
@@ -503,8 +505,9 @@ class Trainer:
                     out = outdir.write_final(output_dir, "transformer",
                                              lambda d: save_full(inner, state, str(d), self.weight_dtype))  # fmt: skip
                 else:
+                    origin = lora_origin(cfg, kontext=self.shape.pairs)
                     out = outdir.write_final(output_dir, "pytorch_lora_weights.safetensors",
-                                             lambda d: save_lora(inner, state, str(d), cfg.lora))  # fmt: skip
+                                             lambda d: save_lora(inner, state, str(d), cfg.lora, origin))  # fmt: skip
                 logger.info(f"wrote {out}")
             except UsageError as e:
                 problem = str(e)
@@ -517,7 +520,37 @@ class Trainer:
             from .metrics import plot_loss_curve
 
             plot_loss_curve(Path(output_dir) / "metrics.jsonl", Path(output_dir) / "loss_curve.png")
+        self.publish()
         self.accelerator.wait_for_everyone()
+
+    def publish(self) -> None:
+        """The model card (README.md in the output folder, as diffusers' examples write it) and, with --push_to_hub,
+        the upload of the output folder (checkpoints and logs stay local). A failed upload is one line; the
+        outputs stay in the folder."""
+        from . import hub
+        from .card import write_model_card
+
+        cfg, problem = self.cfg, None
+        if self.layout.is_main:
+
+            def card(repo_id: str | None = None) -> Path:
+                return write_model_card(
+                    cfg.train.output_dir, cfg, kontext=self.shape.pairs, steps=self.max_steps,
+                    layout=self.layout.describe(), cp_mode=self.cp_mode, repo_id=repo_id,
+                )  # fmt: skip
+
+            try:
+                if cfg.hub.push_to_hub:
+                    url = hub.push_to_hub(
+                        cfg.train.output_dir, cfg.hub.hub_model_id, hub.token(cfg.hub.hub_token),
+                        ignore=hub.ignore_patterns(cfg.validation.logging_dir), on_repo=card,
+                    )  # fmt: skip
+                    logger.info(f"pushed {cfg.train.output_dir} to {url}")
+                else:
+                    card()
+            except UsageError as e:
+                problem = str(e)
+        distributed.check_all_ranks(problem is None, problem or "")
 
     def close(self) -> None:
         """Free what holds the process group while it is up, then end accelerate's trackers. The wrapped model's

@@ -164,6 +164,21 @@ CASES = [
         flags_only=True,
     ),
     Case(
+        "kohya_file_diffusers_cannot_read",
+        "--lora_format kohya for LoRAs diffusers could not read back from that layout",
+        1,
+        lambda t: ["--lora_format", "kohya", "--lora_layers", "attn.to_q,x_embedder"],
+        "--lora_format kohya: diffusers' kohya loader drops LoRAs on top-level layers (x_embedder)",
+    ),
+    Case(
+        "misspelt_flag",
+        "a misspelt flag",
+        1,
+        lambda t: ["--learnig_rate", "1e-4"],
+        "unknown flag --learnig_rate: did you mean --learning_rate?",
+        flags_only=True,
+    ),
+    Case(
         "hybrid_without_ulysses_size",
         "--cp_mode hybrid without --ulysses_size",
         1,

@@ -31,7 +31,7 @@ def _in_process(argv: list[str]) -> tuple[int, str]:
     with contextlib.redirect_stderr(_STDERR):
         try:
             code = runner.run(lambda: train_flux_cp.main(argv))
-        except SystemExit as e:  # argparse's own usage errors
+        except SystemExit as e:  # --help (argparse's own errors are UsageErrors too)
             code = e.code
     return code, _STDERR.getvalue()
 
@@ -75,7 +75,7 @@ def test_bad_input_gets_a_clear_message(case, tmp_path, monkeypatch, record_prop
         record_property(key, value)
     assert returncode != 0
     assert case.expect in stderr, stderr[-3000:]
-    # Ours: one line starting with "error:" (argparse: its usage line and "error:"). No frame of our code.
+    # One line starting with "error:" (argparse's errors too: flux_cp.config's parser). No frame of our code.
     assert "flux_cp/" not in stderr and 'train_flux_cp.py", line' not in stderr, stderr[-3000:]
     if case.nproc == 1:
         assert "Traceback" not in stderr

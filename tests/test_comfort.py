@@ -132,6 +132,9 @@ def test_validation_images_with_cp_equal_those_without_and_trackers_log(tmp_path
     assert one.shape == (2 * 96, 2 * 96, 3)
     assert np.abs(one - two).max() <= 1, "CP validation images differ from non-CP ones"
     assert one.std() > 1, "blank images would make the comparison blind"
+    # The model card the run ends with shows those images and says how the run was laid out.
+    card = (tmp_path / "cp2" / "README.md").read_text()
+    assert "validation/step-000001.png" in card and "world 2 = dp 1 x cp 2" in card, card[:2000]
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

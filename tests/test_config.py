@@ -16,7 +16,7 @@ def test_every_field_is_its_flag_and_every_flag_a_field():
     fields = {f.name for section in sections for f in dataclasses.fields(section)}
     dests = {a.dest for a in build_parser()._actions if a.dest != "help"}
     assert fields == dests
-    assert set(parse_config([]).flat()) == dests
+    assert set(parse_config([]).flat()) == dests - {"hub_token"}  # secrets stay out of the run's files
 
 
 def test_embedded_default_resolves_the_tiny_model_defaults():
@@ -76,3 +76,88 @@ def test_sections_built_in_code_have_the_flag_defaults():
 def test_flag_checks_name_the_flag(argv, message):
     with pytest.raises(UsageError, match="^" + message.replace("(", r"\(")):
         parse_config(argv)
+
+
+# --- the command line ------------------------------------------------------------------------------------------
+
+
+def _help_lines() -> dict[str, str]:
+    """{flag: its help text as --help prints it, unwrapped}."""
+    parser = build_parser()
+    formatter = parser._get_formatter()
+    return {a.option_strings[-1]: formatter._expand_help(a) for a in parser._actions if a.dest != "help"}
+
+
+def test_every_flag_has_a_help_line_that_shows_its_default():
+    lines = _help_lines()
+    assert len(lines) > 60
+    for flag, text in lines.items():
+        assert text.split("(default:")[0].split("Default:")[0].strip(), f"{flag} has no help text"
+        assert "Default:" in text or "(default: " in text, f"{flag}: {text}"
+        assert "(default: None)" not in text, f"{flag} must say what it defaults to: {text}"
+    assert lines["--output_dir"].endswith("(default: flux-cp-output)")
+    assert lines["--gradient_checkpointing"].endswith("(default: off)")
+    assert "hf auth login" in lines["--hub_token"]
+    assert "train_flux_cp.py" in build_parser().format_help()  # renders (a stray % in a help text would raise)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--learnig_rate", "1e-4"], "unknown flag --learnig_rate: did you mean --learning_rate?"),
+        (["--learning-rate=1e-4"], "unknown flag --learning-rate: did you mean --learning_rate?"),
+        (["--resolutoin", "512", "--gradeint_checkpointing"],
+         "unknown flags --resolutoin: did you mean --resolution?; --gradeint_checkpointing: did you mean "
+         "--gradient_checkpointing?"),
+        (["--frobnicate", "3"], "unknown flag --frobnicate (train_flux_cp.py --help lists every flag)"),
+        (["1e-4"], "unexpected argument '1e-4': every value follows its flag"),
+        (["--lr_scheduler", "cosin"], "argument --lr_scheduler: invalid choice: 'cosin' (choose from"),
+        (["--rank", "x"], "argument --rank: invalid int value: 'x' (train_flux_cp.py --help lists every flag)"),
+    ],
+)  # fmt: skip
+def test_command_line_mistakes_get_one_line(argv, message):
+    with pytest.raises(UsageError) as e:
+        parse_config(argv)
+    assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
+    if "cosin" in argv:
+        assert str(e.value).endswith("did you mean cosine?")
+
+
+def test_a_mistake_prints_one_line_once_under_a_launcher(capfd, monkeypatch):
+    """Through the trainer's exit path: one `error:` line on rank 0 and nothing on the other ranks (no usage
+    block), exit code 2."""
+    from flux_cp import runner
+
+    for rank, expected in (("0", ["error: unknown flag --learnig_rate: did you mean --learning_rate?"]), ("1", [])):
+        monkeypatch.setenv("RANK", rank)
+        assert runner.run(lambda: parse_config(["--learnig_rate", "1e-4"])) == 2
+        out, err = capfd.readouterr()
+        assert out == "" and [ln for ln in err.splitlines() if ln.strip()] == expected, err
+
+
+def test_the_hub_token_is_kept_out_of_the_run_s_records(monkeypatch):
+    import json
+
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    cfg = parse_config(["--push_to_hub", "--hub_token", "hf_secret123", "--hub_model_id", "me/dog"])
+    assert cfg.hub.hub_token == "hf_secret123" and cfg.hub.hub_model_id == "me/dog"
+    # run_config.json, checkpoints' meta.json and the trackers' hyperparameters are all cfg.flat()
+    assert "hf_secret123" not in json.dumps(cfg.flat(), default=str)
+    with pytest.raises(UsageError, match="^--hub_token with --report_to wandb would put the token"):
+        parse_config(["--hub_token", "hf_secret123", "--report_to", "all"])
+
+
+def test_push_to_hub_without_any_token_is_refused_at_start(monkeypatch, tmp_path):
+    import huggingface_hub.constants
+
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
+    with pytest.raises(UsageError, match=r"^--push_to_hub needs a Hugging Face token: log in with `hf auth login`"):
+        parse_config(["--push_to_hub"])
+    parse_config(["--push_to_hub", "--hub_token", "hf_x"])
+    (tmp_path / "no-token").write_text("hf_stored\n")  # what `hf auth login` stores
+    parse_config(["--push_to_hub"])
+    monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path / "still-none"))
+    monkeypatch.setenv("HF_TOKEN", "hf_env")
+    parse_config(["--push_to_hub"])

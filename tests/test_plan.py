@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+
+import pytest
 import torch
 from peft import LoraConfig
 
@@ -135,3 +138,115 @@ def test_plan_flag_prints_a_table_and_a_suggestion_without_training(tmp_path, ca
     out = capsys.readouterr().out
     assert "suggestion: --cp_size" in out, out
     assert not (tmp_path / "o").exists(), "--plan must not start a run"
+
+
+# --- --plan on the command line: offline for the known ids, one line for the rest, printed once ---------------
+
+
+def _offline(monkeypatch, tmp_path):
+    """No network and an empty HF cache, as on a fresh machine without access to the Hub."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    monkeypatch.delenv("RANK", raising=False)
+
+
+@pytest.mark.parametrize("model", ["FLUX.1-dev", "FLUX.1-schnell", "FLUX.1-Kontext-dev"])
+def test_plan_works_offline_for_the_known_flux1_ids(model, tmp_path, monkeypatch, capsys):
+    import train_flux_cp
+
+    model_id = f"black-forest-labs/{model}"
+    _offline(monkeypatch, tmp_path)
+    argv = ["--plan", "--pretrained_model_name_or_path", model_id, "--resolution", "2048", "--gpu_memory_gib", "141"]
+    assert train_flux_cp.main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"plan: {model_id} (built-in config), 2048 px") and "suggestion: --cp_size" in out, out
+
+
+def test_the_known_configs_are_flux1_dev_s_and_schnell_s_lacks_only_the_guidance_embedding():
+    from diffusers import FluxTransformer2DModel
+
+    from flux_cp.known_models import known_model
+
+    dev, schnell = known_model("black-forest-labs/FLUX.1-dev"), known_model("Black-Forest-Labs/flux.1-schnell")
+    kontext = known_model("black-forest-labs/FLUX.1-Kontext-dev")
+    assert dev.transformer == FLUX1_DEV_TRANSFORMER and kontext.transformer == FLUX1_DEV_TRANSFORMER
+    assert schnell.transformer == {**FLUX1_DEV_TRANSFORMER, "guidance_embeds": False}
+    assert (dev.pipeline, schnell.pipeline, kontext.pipeline) == ("FluxPipeline", "FluxPipeline", "FluxKontextPipeline")
+    with torch.device("meta"):
+        embedder = FluxTransformer2DModel(**dev.transformer).time_text_embed.guidance_embedder
+    counts = [plan.count_parameters(m.transformer, None, [])[0] for m in (dev, schnell)]
+    assert counts[0] - counts[1] == sum(p.numel() for p in embedder.parameters()) > 0
+
+
+def test_a_cached_config_comes_first_and_an_unknown_id_offline_is_one_line(tmp_path, monkeypatch):
+    from flux_cp.errors import UsageError
+
+    _offline(monkeypatch, tmp_path)
+    # the layout huggingface_hub's cache has: models--owner--name/{refs/main, snapshots/<commit>/...}
+    repo = tmp_path / "hf-cache" / "models--someone--flux-finetune"
+    (repo / "snapshots" / "abc123" / "transformer").mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    config = {**FLUX1_DEV_TRANSFORMER, "num_layers": 5}
+    (repo / "snapshots" / "abc123" / "transformer" / "config.json").write_text(json.dumps(config))
+    got, source = plan.transformer_config("someone/flux-finetune")
+    assert got["num_layers"] == 5 and source == "someone/flux-finetune (local HF cache)"
+    with pytest.raises(UsageError) as e:
+        plan.transformer_config("someone/not-cached")
+    assert str(e.value).startswith(
+        "--pretrained_model_name_or_path someone/not-cached: not a local folder, and its transformer/config.json is "
+        "not in the local HF cache (HF_HUB_OFFLINE is set): pass the model's folder, or a model known offline "
+        "(black-forest-labs/FLUX.1-dev, "
+    ) and "\n" not in str(e.value)
+
+
+def test_an_unreachable_hub_is_one_line_after_one_attempt(tmp_path, monkeypatch):
+    """Not offline, but nothing listens at the endpoint: one attempt, no retries (hf_hub_download alone retries for
+    about 30 s), and one line."""
+    import time
+
+    import huggingface_hub.constants
+
+    from flux_cp.errors import UsageError
+
+    _offline(monkeypatch, tmp_path)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")
+    start = time.monotonic()
+    with pytest.raises(UsageError) as e:
+        plan.transformer_config("someone/not-cached")
+    assert time.monotonic() - start < 5
+    message = str(e.value)
+    assert (
+        message.startswith(
+            "--pretrained_model_name_or_path someone/not-cached: not a local folder or in the local HF cache, and "
+            "transformer/config.json could not be read from the Hugging Face Hub ("
+        )
+        and "\n" not in message
+    ), message
+
+
+def test_plan_prints_on_rank_0_only(tmp_path, monkeypatch, capsys):
+    import train_flux_cp
+
+    _offline(monkeypatch, tmp_path)
+    argv = ["--plan", "--pretrained_model_name_or_path", "black-forest-labs/FLUX.1-dev"]
+    monkeypatch.setenv("RANK", "1")
+    assert train_flux_cp.main(argv) == 0
+    assert capsys.readouterr().out == ""
+    monkeypatch.setenv("RANK", "0")
+    assert train_flux_cp.main(argv) == 0
+    assert capsys.readouterr().out.count("plan: ") == 1
+
+
+@pytest.mark.e2e
+def test_plan_under_accelerate_launch_prints_once(tmp_path):
+    from tests.launch import ok, train
+
+    r = ok(train(2, "--plan", "--pretrained_model_name_or_path", "black-forest-labs/FLUX.1-dev", "--cp_size", "2",
+                 "--output_dir", str(tmp_path / "o")))  # fmt: skip
+    assert r.stdout.count("plan: black-forest-labs/FLUX.1-dev (built-in config)") == 1, r.stdout
+    assert r.stdout.count("suggestion: ") == 1 and not (tmp_path / "o").exists()

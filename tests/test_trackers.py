@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+from safetensors import safe_open
 from safetensors.torch import load_file
 from wandb.proto import wandb_internal_pb2  # requirements-test.txt
 
@@ -39,7 +40,11 @@ def _records(path: Path):
 
 @pytest.mark.e2e
 def test_wandb_offline_logs_scalars_and_validation_images_and_a_kohya_lora_is_written(tmp_path):
-    args = run_args(tmp_path, "wb", 2, "--report_to", "wandb", "--lora_format", "kohya",
+    # The tiny model's single blocks are not FLUX.1's size, so diffusers could not split their linear1 back: the
+    # kohya file gets a double block's fused q/k/v, the MLPs and the single blocks' linear2 (flux_cp.lora_format).
+    layers = ",".join(["transformer_blocks.0.attn.to_q", "transformer_blocks.0.attn.to_k", "ff.net.2",
+                       "single_transformer_blocks.0.proj_out"])  # fmt: skip
+    args = run_args(tmp_path, "wb", 2, "--report_to", "wandb", "--lora_format", "kohya", "--lora_layers", layers,
                     "--validation_prompt", "a red circle", "--num_validation_images", "1", "--validation_steps", "2",
                     "--validation_inference_steps", "2", "--validation_resolution", "64")  # fmt: skip
     ok(train(1, *args, extra_env={"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true"}))
@@ -60,5 +65,9 @@ def test_wandb_offline_logs_scalars_and_validation_images_and_a_kohya_lora_is_wr
             assert (runs[0].parent / "files" / name).stat().st_size > 0
     lora = load_file(tmp_path / "wb" / "pytorch_lora_weights.safetensors")
     assert lora and all(k.startswith("lora_unet_") for k in lora), sorted(lora)[:4]
-    assert "lora_unet_single_blocks_0_linear1.lora_up.weight" in lora
+    assert "lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight" in lora
+    assert "lora_unet_single_blocks_0_linear2.lora_up.weight" in lora
     assert comfy_not_loaded(lora, comfy_lora_prefixes(2, 2)) == set()
+    with safe_open(str(tmp_path / "wb" / "pytorch_lora_weights.safetensors"), "pt") as f:
+        header = f.metadata()
+    assert (header["ss_network_module"], header["ss_base_model_version"]) == ("networks.lora_flux", "flux1")

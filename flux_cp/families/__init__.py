@@ -22,4 +22,11 @@ def detect(path: str, revision: str | None = None) -> Family:
     return base.detect(path, revision, FAMILIES)
 
 
-__all__ = ["FAMILIES", "FLUX1", "Family", "ParameterCounts", "detect", "transformer_class_name"]
+def for_transformer(config: dict) -> Family:
+    """The family whose transformer a transformer config describes (its `_class_name`; FLUX.1 when it names none,
+    as the built-in configs of the known FLUX.1 models)."""
+    name = config.get("_class_name")
+    return next((f for f in FAMILIES if f.transformer_class_name == name), FLUX1)
+
+
+__all__ = ["FAMILIES", "FLUX1", "Family", "ParameterCounts", "detect", "for_transformer", "transformer_class_name"]

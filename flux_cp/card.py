@@ -1,0 +1,225 @@
+"""The model card: `README.md` in the output folder, as diffusers' training examples write it (their
+`save_model_card`: YAML front matter from huggingface_hub's ModelCardData with base_model, library_name, license,
+instance_prompt, widget and tags, then a description with a <Gallery /> of the validation images), completed with
+what a user of the weights needs: the training settings, the validation images, a diffusers snippet and where
+the file goes in ComfyUI. Written atomically; the Hub shows it as the repository's page (`--push_to_hub`).
+
+Unlike diffusers' `load_or_create_model_card`, nothing is fetched: the card is built from the run alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from . import files
+from .known_models import known_model
+
+if TYPE_CHECKING:
+    from .config import Config
+
+LORA_FILE = "pytorch_lora_weights.safetensors"
+
+
+def _is_hub_id(name: str | None) -> bool:
+    from .config import is_hub_id
+
+    return bool(name) and not os.path.exists(name) and is_hub_id(name) and "/" in name
+
+
+def _cell(value: object) -> str:
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def _steps(output_dir: Path) -> int | None:
+    """The last optimizer step in metrics.jsonl, when there is one."""
+    try:
+        lines = (output_dir / "metrics.jsonl").read_text().split("\n")
+    except OSError:
+        return None
+    for line in reversed(lines):
+        if line.strip():
+            try:
+                return int(json.loads(line)["step"])
+            except (ValueError, KeyError, TypeError):
+                return None
+    return None
+
+
+def _snippet(cfg: Config, kontext: bool, source: str, base: str | None) -> str:
+    pipeline = "FluxKontextPipeline" if kontext else "FluxPipeline"
+    prompt = (cfg.validation.validation_prompt or (cfg.data.instance_prompt,))[0] or "a photo"
+    load_base = f'"{base}"' if base else "ensure_tiny_pipeline()"
+    lines = ["import torch"]
+    if cfg.lora.full_finetune:
+        lines.append(f"from diffusers import {pipeline}, FluxTransformer2DModel")
+    else:
+        lines.append(f"from diffusers import {pipeline}")
+    if kontext:
+        lines.append("from diffusers.utils import load_image")
+    if not base:
+        lines.append("from flux_cp.tiny import ensure_tiny_pipeline  # the tiny Flux this demo trained")
+    lines.append("")
+    if cfg.lora.full_finetune:
+        lines.append(
+            f'transformer = FluxTransformer2DModel.from_pretrained("{source}", subfolder="transformer", '
+            "dtype=torch.bfloat16)"
+        )
+        lines.append(f"pipe = {pipeline}.from_pretrained({load_base}, transformer=transformer, dtype=torch.bfloat16)")
+    else:
+        lines.append(f"pipe = {pipeline}.from_pretrained({load_base}, dtype=torch.bfloat16)")
+        lines.append(f'pipe.load_lora_weights("{source}", weight_name="{LORA_FILE}")')
+    lines.append('pipe.to("cuda")')
+    args = f"{json.dumps(prompt)}, num_inference_steps={cfg.validation.validation_inference_steps}"
+    args += f", guidance_scale={cfg.train.guidance_scale:g}"
+    if kontext:
+        lines.append(f'image = pipe(image=load_image("reference.png"), prompt={args}).images[0]')
+    else:
+        lines.append(f"image = pipe({args}).images[0]")
+    return "\n".join(lines)
+
+
+def _comfyui(cfg: Config, kontext: bool, base_name: str) -> str:
+    if cfg.lora.full_finetune:
+        return (
+            "`transformer/` is in diffusers' layout, in shards of at most 10 GB. ComfyUI's *Load Diffusion Model* node "
+            "reads one `.safetensors` file from `ComfyUI/models/diffusion_models/` and converts diffusers' key names "
+            "for Flux: merge the shards into one file first (not tested here)."
+        )
+    layout = (
+        "kohya's / BFL's key names (`lora_unet_...`)"
+        if cfg.lora.lora_format == "kohya"
+        else "diffusers' key names (`transformer.<layer>.lora_A/lora_B`), which ComfyUI maps for Flux"
+    )
+    return (
+        f"Copy `{LORA_FILE}` (rename it as you like) into `ComfyUI/models/loras/` and apply it with a "
+        f"*LoraLoaderModelOnly* node to the {base_name} model. The file holds LoRAs of the transformer only (none for "
+        f"the text encoders), in {layout}."
+    )
+
+
+def write_model_card(
+    output_dir: str | os.PathLike,
+    cfg: Config,
+    *,
+    kontext: bool = False,
+    steps: int | None = None,
+    layout: str | None = None,
+    cp_mode: str | None = None,
+    repo_id: str | None = None,
+) -> Path:
+    """Write `<output_dir>/README.md` for the run `cfg` and return its path. `kontext`: trained on FLUX.1 Kontext
+    pairs. `steps`: optimizer steps trained (default: the last step of metrics.jsonl). `layout`, `cp_mode`: the
+    process layout and the CP mode the run used (Layout.describe(), the chosen mode). `repo_id`: the Hub
+    repository the folder goes to (the snippet loads from it; default: the output folder)."""
+    from huggingface_hub import ModelCardData
+
+    out = Path(output_dir)
+    base = cfg.model.pretrained_model_name_or_path
+    known = known_model(base)
+    hub_base = base if _is_hub_id(base) else None
+    base_name = known.model_id.split("/")[-1] if known else (base or "FLUX.1")
+    full = cfg.lora.full_finetune
+    kind = "full fine-tune" if full else "LoRA"
+    name = repo_id or out.resolve().name
+    source = repo_id or str(output_dir)
+    steps = steps if steps is not None else _steps(out)
+    grids = sorted((out / "validation").glob("step-*.png"))
+    prompts = list(cfg.validation.validation_prompt or ())
+
+    widget = []
+    if grids:
+        caption = "; ".join(prompts) if prompts else " "
+        widget.append({"text": caption, "output": {"url": grids[-1].relative_to(out).as_posix()}})
+    tags = ["text-to-image", "diffusers-training", "diffusers", *(["lora", "template:sd-lora"] if not full else []),
+            "flux", *(["flux-kontext"] if kontext else []), "flux-cp"]  # fmt: skip
+    data = ModelCardData(
+        base_model=hub_base,
+        library_name="diffusers",
+        license=known.license if known else None,
+        license_name=known.license_name if known else None,
+        license_link=known.license_link if known else None,
+        tags=tags,
+        instance_prompt=cfg.data.instance_prompt,
+        widget=widget or None,
+    )
+
+    base_text = (
+        f"[{base}](https://huggingface.co/{base})" if hub_base else (f"`{base}`" if base else "a tiny Flux built "
+        "locally (flux-cp's embedded default, for the demo)")
+    )  # fmt: skip
+    lora = cfg.lora
+    what = "a transformer fine-tuned from" if full else f"LoRA weights (rank {lora.rank}, alpha {lora.lora_alpha}) for"
+    body = [
+        f"# {'FLUX.1 Kontext' if kontext else 'FLUX.1'} {kind} - {name}",
+        "",
+        "<Gallery />",
+        "",
+        "## Model description",
+        "",
+        f"These are {name} {what} {base_text}, trained with flux-cp (diffusers' FLUX.1 training recipe with context "
+        "parallelism: each sample's tokens split over GPUs, with the loss and gradients of training without it).",
+        "",
+    ]
+    if cfg.data.instance_prompt:
+        trigger = f"You should use `{cfg.data.instance_prompt}` to trigger the image generation."
+        body += ["## Trigger words", "", trigger, ""]
+    body += ["## Training settings", "", "| setting | value |", "|---|---|"]
+    cp = f"--cp_size {cfg.parallel.cp_size}, mode {cp_mode or cfg.parallel.cp_mode}"
+    cp = cp if cfg.parallel.cp_size > 1 else "off (--cp_size 1)"
+    rows = [
+        ("base model", base or "embedded tiny Flux"),
+        ("data", (cfg.data.dataset_name or "the bundled data set") + (" (FLUX.1 Kontext pairs)" if kontext else "")),
+        ("resolution", f"{cfg.data.resolution} px" + (" (aspect buckets)" if cfg.data.aspect_buckets else "")),
+        ("optimizer steps", steps if steps is not None else "not recorded"),
+        ("batch", f"{cfg.train.train_batch_size} per data-parallel rank, gradient accumulation "
+                  f"{cfg.train.gradient_accumulation_steps}"),
+        ("learning rate", f"{cfg.train.learning_rate:g} ({cfg.train.lr_scheduler}, {cfg.train.lr_warmup_steps} warmup "
+                          "steps)"),
+        ("optimizer", f"AdamW (betas {cfg.train.adam_beta1:g}, {cfg.train.adam_beta2:g}; weight decay "
+                      f"{cfg.train.adam_weight_decay:g}; eps {cfg.train.adam_epsilon:g})"),
+        ("training", "full fine-tuning" if full else f"LoRA rank {cfg.lora.rank}, alpha {cfg.lora.lora_alpha}, "
+                     f"dropout {cfg.lora.lora_dropout:g}, layers {', '.join(cfg.lora.lora_layers)}"),
+        ("mixed precision", cfg.train.mixed_precision or "accelerate's config"),
+        ("context parallelism", cp + (f"; {layout}" if layout else "")),
+        ("seed", cfg.train.seed),
+    ]  # fmt: skip
+    if not full:
+        rows.append(("LoRA file", f"`{LORA_FILE}`, {cfg.lora.lora_format} format"))
+    body += [f"| {_cell(k)} | {_cell(v)} |" for k, v in rows] + [""]
+    if grids:
+        body += ["## Validation images", ""]
+        if prompts:
+            rows_text = "; ".join(f"{i + 1}. {p}" for i, p in enumerate(prompts))
+            body += [f"One row per prompt ({cfg.validation.num_validation_images} images each): {rows_text}", ""]
+        for grid in grids:
+            step = int(grid.stem.split("-")[-1])
+            label = "before training" if step == 0 else f"step {step}"
+            body += [f"![{label}]({grid.relative_to(out).as_posix()})", ""]
+    body += [
+        "## Use it with the [🧨 diffusers library](https://github.com/huggingface/diffusers)",
+        "",
+        "```py",
+        _snippet(cfg, kontext, source, base),
+        "```",
+        "",
+        "For more details, including weighting, merging and fusing LoRAs, check the [documentation on loading LoRAs "
+        "in diffusers](https://huggingface.co/docs/diffusers/main/en/using-diffusers/loading_adapters)."
+        if not full
+        else "",
+        "",
+        "## Use it in ComfyUI",
+        "",
+        _comfyui(cfg, kontext, base_name),
+        "",
+    ]
+    if known is not None:
+        link = known.license_link or f"https://huggingface.co/{known.model_id}"
+        body += ["## License", "", f"Please adhere to the licensing terms of the base model, {known.model_id}: "
+                 f"[{known.license_name or known.license}]({link}).", ""]  # fmt: skip
+    text = f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(body).replace("\n\n\n", "\n\n")
+    path = out / "README.md"
+    files.write_text(path, text)
+    return path

@@ -1,0 +1,125 @@
+"""Uploading a run's output folder to the Hugging Face Hub (`--push_to_hub`), as diffusers' training examples do:
+create the model repository (or reuse it) and upload the folder, leaving out the checkpoints and logs. Failures
+the user can fix (no token, a refused token, no network, offline mode) are one UsageError line; the calls that
+tell first (`whoami`, `create_repo`) make one attempt, so an unreachable hub fails in well under a second
+instead of after huggingface_hub's retries.
+
+Only huggingface_hub is imported here (no torch), so a push can also run on its own:
+`python -c "from flux_cp.hub import push_to_hub; push_to_hub('OUTPUT_DIR', 'me/my-lora', None)"`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from .errors import UsageError
+
+# What stays local, relative to the output folder (fnmatch patterns, as huggingface_hub's upload_folder takes
+# them): resumable checkpoints (large, and only this trainer reads them), partial writes, the run lock, tracker
+# logs, profiler traces and wandb's folder. The model, its card, validation images, metrics and the loss curve go.
+DEFAULT_IGNORE = (
+    "checkpoint-*", "checkpoint-*/**", ".checkpoint-*", ".checkpoint-*/**", ".*.partial", ".*.partial/**", ".*.old",
+    ".*.old/**", "*.tmp", ".flux_cp.lock", "logs/**", "profile/**", "wandb/**",
+)  # fmt: skip
+
+LOGIN_HINT = "log in with `hf auth login` (or set HF_TOKEN)"
+
+
+def token(hub_token: str | None) -> str | None:
+    """The token a push would use: `--hub_token`, else huggingface_hub's (HF_TOKEN, then the stored login)."""
+    if hub_token:
+        return hub_token
+    from huggingface_hub import get_token
+
+    return get_token()
+
+
+def check_token(hub_token: str | None) -> None:
+    """At start: a UsageError when `--push_to_hub` could not get any token (nothing is sent anywhere)."""
+    if token(hub_token) is None:
+        raise UsageError(f"--push_to_hub needs a Hugging Face token: {LOGIN_HINT}, or pass --hub_token")
+
+
+def ignore_patterns(logging_dir: str | None = "logs") -> list[str]:
+    """DEFAULT_IGNORE, with the tracker folder (`--logging_dir`, relative to the output folder) instead of `logs`."""
+    patterns = [p for p in DEFAULT_IGNORE if p != "logs/**"]
+    if logging_dir and not Path(logging_dir).is_absolute():
+        patterns.append(f"{Path(logging_dir).as_posix().strip('/')}/**")
+    return patterns
+
+
+def _network_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions meaning the hub could not be reached: huggingface_hub's offline mode, httpx's transport errors
+    (huggingface_hub's HTTP client), requests' and the OS's connection errors."""
+    import httpx
+    from huggingface_hub.errors import OfflineModeIsEnabled
+
+    errors: list[type[BaseException]] = [OfflineModeIsEnabled, httpx.TransportError, ConnectionError, TimeoutError]
+    try:
+        import requests
+
+        errors.append(requests.exceptions.RequestException)
+    except ImportError:  # pragma: no cover - requests comes with the other libraries
+        pass
+    return tuple(errors)
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return text[:300] if text else type(e).__name__
+
+
+def push_to_hub(
+    output_dir: str,
+    hub_model_id: str | None,
+    token: str | None,
+    private: bool = False,
+    ignore: list[str] | tuple[str, ...] | None = None,
+    commit_message: str = "End of training",
+    on_repo: Callable[[str], None] | None = None,
+) -> str:
+    """Upload `output_dir` to the model repository `hub_model_id` (`name` or `owner/name`; None: the output folder's
+    name, in the token owner's namespace, as diffusers' examples do), creating it when missing. `token`: None uses
+    huggingface_hub's own (HF_TOKEN, the stored login). `ignore`: fnmatch patterns left local (DEFAULT_IGNORE).
+    `on_repo(repo_id)`: called with the repository's full id (`owner/name`) once it exists, before the upload (to
+    write the model card naming it: flux_cp.card). Call it on one process. Returns the repository's URL. A hub
+    that cannot be reached or refuses the token is a one-line UsageError."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError
+
+    folder = Path(output_dir)
+    if not folder.is_dir():
+        raise UsageError(f"--push_to_hub: {folder} is not a folder")
+    repo_id = hub_model_id or folder.resolve().name
+    api = HfApi(token=token)
+    step = "reach the Hugging Face Hub"
+    try:
+        api.whoami()  # one request: says at once whether the hub answers and takes the token
+        step = f"create or find the model repository {repo_id}"
+        repo = api.create_repo(repo_id, private=private, exist_ok=True)
+        if on_repo is not None:
+            on_repo(repo.repo_id)
+        step = f"upload {folder} to {repo.repo_id}"
+        api.upload_folder(
+            repo_id=repo.repo_id,
+            folder_path=str(folder),
+            commit_message=commit_message,
+            ignore_patterns=list(DEFAULT_IGNORE if ignore is None else ignore),
+        )
+    except HfHubHTTPError as e:
+        status = getattr(e.response, "status_code", None)
+        if status == 401:
+            raise UsageError(f"--push_to_hub: the Hugging Face Hub refused the token (401): {LOGIN_HINT}") from None
+        if status == 403:
+            raise UsageError(
+                f"--push_to_hub: the token may not write to {repo_id} (403): use a token with write access, or "
+                "--hub_model_id in a namespace it may write to"
+            ) from None
+        raise UsageError(f"--push_to_hub: could not {step}: {_one_line(e)}") from None
+    except _network_errors() as e:
+        raise UsageError(
+            f"--push_to_hub: could not {step} ({_one_line(e)}); the outputs are in {folder}: upload them later "
+            "with `hf upload`"
+        ) from None
+    return f"{api.endpoint}/{repo.repo_id}"

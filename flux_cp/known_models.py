@@ -1,0 +1,51 @@
+"""The FLUX.1 models on the Hugging Face Hub that this trainer knows without downloading anything: their
+transformer configs (so `--plan` works offline for them) and their pipelines and licenses (the model card).
+
+FLUX.1 [schnell] is FLUX.1 [dev]'s architecture without the guidance embedding (diffusers'
+scripts/convert_flux_to_diffusers.py sets `guidance_embeds` only when the checkpoint has `guidance_in` weights);
+FLUX.1 Kontext [dev] has FLUX.1 [dev]'s transformer config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .tiny import FLUX1_DEV_TRANSFORMER
+
+_DEV_LICENSE = "flux-1-dev-non-commercial-license"
+
+
+@dataclass(frozen=True)
+class KnownModel:
+    model_id: str
+    transformer: dict  # transformer/config.json's fields (FluxTransformer2DModel's arguments)
+    pipeline: str  # model_index.json's _class_name
+    license: str  # the Hub's license identifier
+    license_name: str | None = None  # for license "other"
+    license_link: str | None = None
+
+
+def _dev_licensed(model_id: str) -> dict:
+    return {
+        "license": "other",
+        "license_name": _DEV_LICENSE,
+        "license_link": f"https://huggingface.co/{model_id}/blob/main/LICENSE.md",
+    }
+
+
+_DEV, _SCHNELL, _KONTEXT = (
+    "black-forest-labs/FLUX.1-dev", "black-forest-labs/FLUX.1-schnell", "black-forest-labs/FLUX.1-Kontext-dev",
+)  # fmt: skip
+KNOWN = {
+    m.model_id.lower(): m
+    for m in (
+        KnownModel(_DEV, dict(FLUX1_DEV_TRANSFORMER), "FluxPipeline", **_dev_licensed(_DEV)),
+        KnownModel(_SCHNELL, {**FLUX1_DEV_TRANSFORMER, "guidance_embeds": False}, "FluxPipeline", "apache-2.0"),
+        KnownModel(_KONTEXT, dict(FLUX1_DEV_TRANSFORMER), "FluxKontextPipeline", **_dev_licensed(_KONTEXT)),
+    )
+}
+
+
+def known_model(name: str | None) -> KnownModel | None:
+    """The known model a hub id names (the Hub's ids are case-insensitive), else None."""
+    return KNOWN.get(name.strip("/").lower()) if name else None

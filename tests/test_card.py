@@ -1,0 +1,134 @@
+"""The model card (`README.md` in the output folder): front matter the Hub reads, links to files that exist, the
+settings, a diffusers snippet that loads the weights, and a ComfyUI note."""
+
+from __future__ import annotations
+
+import re
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from flux_cp.card import write_model_card
+from flux_cp.config import parse_config
+
+TAGS = {"text-to-image", "diffusers-training", "flux", "flux-cp"}
+
+
+def _run_folder(tmp_path: Path, steps=(0, 200), name: str = "dog-lora") -> Path:
+    out = tmp_path / name
+    (out / "validation").mkdir(parents=True)
+    for step in steps:
+        (out / "validation" / f"step-{step:06d}.png").write_bytes(b"\x89PNG")
+    (out / "metrics.jsonl").write_text("".join(f'{{"step": {s}, "loss": 0.5}}\n' for s in range(1, 201)))
+    return out
+
+
+def _parts(path: Path) -> tuple[dict, str]:
+    text = path.read_text()
+    assert text.startswith("---\n")
+    front, body = text[4:].split("\n---\n", 1)
+    return yaml.safe_load(front), body
+
+
+def _links(body: str) -> list[str]:
+    return [t for t in re.findall(r"\]\(([^)\s]+)\)", body) if not t.startswith(("http://", "https://"))]
+
+
+def _code(body: str) -> str:
+    (code,) = re.findall(r"```py\n(.*?)```", body, flags=re.S)
+    return code
+
+
+def test_lora_card_for_flux1_dev(tmp_path):
+    out = _run_folder(tmp_path)
+    cfg = parse_config(["--pretrained_model_name_or_path", "black-forest-labs/FLUX.1-dev", "--output_dir", str(out),
+                        "--instance_prompt", "a photo of sks dog", "--validation_prompt", "sks dog in a bucket",
+                        "--validation_prompt", "sks dog: on the moon", "--resolution", "2048", "--rank", "32",
+                        "--learning_rate", "2e-4", "--cp_size", "2"])  # fmt: skip
+    path = write_model_card(out, cfg, layout="dp 1 x cp 2 (2 processes)", cp_mode="ulysses", repo_id="me/dog-lora")
+    assert path == out / "README.md"
+    assert [p.name for p in out.iterdir() if p.name.startswith(".")] == []  # written aside, renamed into place
+    front, body = _parts(path)
+    assert front["base_model"] == "black-forest-labs/FLUX.1-dev" and front["library_name"] == "diffusers"
+    assert (front["license"], front["license_name"]) == ("other", "flux-1-dev-non-commercial-license")
+    assert TAGS | {"lora"} <= set(front["tags"]) and front["instance_prompt"] == "a photo of sks dog"
+    assert front["widget"] == [
+        {"text": "sks dog in a bucket; sks dog: on the moon", "output": {"url": "validation/step-000200.png"}}
+    ]
+    assert (out / front["widget"][0]["output"]["url"]).is_file()
+    links = _links(body)
+    assert "validation/step-000000.png" in links and "validation/step-000200.png" in links
+    assert all((out / link).is_file() for link in links), links
+    settings = (
+        "| resolution | 2048 px |",
+        "| optimizer steps | 200 |",
+        "| learning rate | 0.0002 (constant",
+        "LoRA rank 32, alpha 32",
+        "| context parallelism | --cp_size 2, mode ulysses; dp 1 x cp 2",
+    )
+    for setting in settings:
+        assert setting in body, setting
+    assert "You should use `a photo of sks dog` to trigger the image generation." in body
+    code = _code(body)
+    compile(code, "snippet", "exec")
+    assert 'FluxPipeline.from_pretrained("black-forest-labs/FLUX.1-dev"' in code
+    assert 'pipe.load_lora_weights("me/dog-lora", weight_name="pytorch_lora_weights.safetensors")' in code
+    assert "`ComfyUI/models/loras/`" in body and "LoraLoaderModelOnly" in body
+
+
+def test_kontext_and_full_fine_tuning_cards(tmp_path):
+    out = _run_folder(tmp_path, steps=(50,), name="edit")
+    kontext = parse_config(["--pretrained_model_name_or_path", "black-forest-labs/FLUX.1-Kontext-dev",
+                            "--validation_prompt", "make it red", "--lora_format", "kohya"])  # fmt: skip
+    front, body = _parts(write_model_card(out, kontext, kontext=True))
+    assert front["base_model"] == "black-forest-labs/FLUX.1-Kontext-dev" and "flux-kontext" in front["tags"]
+    assert front["license_link"] == "https://huggingface.co/black-forest-labs/FLUX.1-Kontext-dev/blob/main/LICENSE.md"
+    code = _code(body)
+    compile(code, "snippet", "exec")
+    assert "FluxKontextPipeline.from_pretrained" in code and 'image=load_image("reference.png")' in code
+    assert f'load_lora_weights("{out}"' in code  # no repository: the output folder
+    assert "kohya's / BFL's key names" in body and "FLUX.1-Kontext-dev model" in body
+
+    full = parse_config(["--pretrained_model_name_or_path", "black-forest-labs/FLUX.1-schnell", "--full_finetune"])
+    front, body = _parts(write_model_card(out, full, steps=7))
+    assert front["license"] == "apache-2.0" and "lora" not in front["tags"] and TAGS <= set(front["tags"])
+    code = _code(body)
+    compile(code, "snippet", "exec")
+    assert f'FluxTransformer2DModel.from_pretrained("{out}", subfolder="transformer"' in code
+    assert "transformer=transformer" in code and "load_lora_weights" not in code
+    assert "| optimizer steps | 7 |" in body and "merge the shards" in body
+
+
+@pytest.mark.parametrize("base", [None, "local"])
+def test_a_base_model_that_is_not_on_the_hub_is_not_named_as_one(tmp_path, base):
+    out = _run_folder(tmp_path, steps=())
+    argv = [] if base is None else ["--pretrained_model_name_or_path", str(tmp_path)]
+    front, body = _parts(write_model_card(out, parse_config(argv)))
+    assert "base_model" not in front and "license" not in front and "widget" not in front
+    assert "## Validation images" not in body and "## License" not in body
+    compile(_code(body), "snippet", "exec")
+
+
+def test_the_demo_card_s_snippet_loads_the_trained_lora(tmp_path):
+    """The snippet of the embedded default's card, run up to the pipeline call: the base it names loads and the
+    LoRA file written by the trainer's save_lora goes into it."""
+    from flux_cp.lora import add_lora, lora_origin, save_lora
+    from flux_cp.tiny import tiny_transformer
+
+    out = _run_folder(tmp_path, steps=())
+    cfg = parse_config(["--rank", "4", "--output_dir", str(out)])
+    model = tiny_transformer()
+    add_lora(model, cfg.lora, seed=0)
+    state = {k: v for k, v in model.state_dict().items() if "lora_" in k}
+    save_lora(model, state, str(out), cfg.lora, lora_origin(cfg, kontext=False))
+    code = _code(_parts(write_model_card(out, cfg))[1])
+    setup = "\n".join(ln for ln in code.splitlines() if not ln.startswith(("pipe.to(", "image = ")))
+    scope: dict = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # no deprecated diffusers API (torch_dtype) in the snippet
+        exec(setup.replace("torch.bfloat16", "torch.float32"), scope)  # noqa: S102 - our own snippet
+    assert any("lora_A" in n for n, _ in scope["pipe"].transformer.named_parameters())
+    assert isinstance(scope["torch"], type(torch))
