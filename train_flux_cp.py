@@ -151,7 +151,7 @@ def setup(cfg: Config) -> Run:
     # torch.distributed is up, so the tiny default must be built (by whichever process locks first) now.
     path = model_path(cfg.model, kontext)
     accelerator = make_accelerator(cfg.parallel, cfg.train, cfg.validation)
-    layout = make_layout(accelerator, cfg.parallel.cp_size, cfg.parallel.collective_timeout)
+    layout = make_layout(accelerator, cfg.parallel.cp_size, cfg.parallel.collective_timeout, cfg.cp_tuning.tuning())
     logging.basicConfig(level=logging.INFO if layout.is_main else logging.WARNING, format="%(message)s")
     if cfg.model.embedded_default:
         logger.info(
@@ -265,7 +265,7 @@ def build_model(run: Run, data: Data) -> Trainee:
         logger.info(f"seed checkpoint {how}: {train.seed_checkpoint}")
     mode, ulysses_size = choose_cp_mode(cfg.parallel, config["num_attention_heads"], layout.cp)
     # Installed at cp=1 too: its block kernels (cuDNN on Hopper) beat diffusers' default SDPA path.
-    cp.apply_context_parallel(transformer, layout.cp_group, mode=mode, ulysses_size=ulysses_size)
+    cp.apply_context_parallel(transformer, layout.cp_context, mode=mode, ulysses_size=ulysses_size)
     if layout.cp > 1:
         logger.info(
             ("auto-chosen " if cfg.parallel.cp_mode == "auto" else "")
@@ -280,7 +280,7 @@ def build_model(run: Run, data: Data) -> Trainee:
             logger.warning(advice)
     prepare_blocks(transformer, gradient_checkpointing=train.gradient_checkpointing,
                    recompute_attention=train.recompute_attention, compile=bool(train.compile or train.compile_mode),
-                   compile_mode=train.compile_mode, cp=layout.cp)  # fmt: skip
+                   compile_mode=train.compile_mode, cp=layout.cp, tuning=layout.cp_context.tuning)  # fmt: skip
     optimizer = make_optimizer(train, [p for _, p in trainable_parameters(transformer)], data.global_batch)
     steps_per_epoch = data.schedule.batches_per_epoch // train.gradient_accumulation_steps
     if steps_per_epoch == 0 and train.max_train_steps is None:
@@ -312,7 +312,7 @@ RESUMABLE_CHANGES = (
     "learning_rate", "scale_lr", "lr_scheduler", "lr_warmup_steps", "lr_num_cycles", "lr_power", "adam_beta1",
     "adam_beta2", "adam_weight_decay", "adam_epsilon", "max_grad_norm", "max_train_steps", "num_train_epochs",
     "weighting_scheme", "logit_mean", "logit_std", "mode_scale", "guidance_scale", "lora_dropout", "mixed_precision",
-    "center_crop", "random_flip",
+    "center_crop", "random_flip", "cp_kernels", "cp_overlap", "cp_exchange_first", "cp_ulysses_chunks",
 )  # fmt: skip
 
 

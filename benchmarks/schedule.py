@@ -26,8 +26,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import cp  # noqa: E402
 from benchmarks.common import init  # noqa: E402
-from flux_cp import overlap  # noqa: E402
-from flux_cp.blocks import checkpoint_inside, inductor_options  # noqa: E402
+from cp import schedule as overlap  # noqa: E402
+from cp.schedule import inductor_options  # noqa: E402
+from flux_cp.blocks import checkpoint_inside  # noqa: E402
 
 
 def recorder(graphs: list, cp: int) -> Callable:
