@@ -1,5 +1,6 @@
-"""Communication for context parallelism: sharding, autograd-correct gather and all-to-all, ring P2P.
-(The hybrid mode's sub-groups are made with its `CPContext`, cp/context.py.)
+"""Communication for context parallelism: sharding, an autograd-correct gather, ring P2P, the exchanges' head start.
+(The Ulysses all-to-alls live in cp/ulysses.py; the hybrid mode's sub-groups are made with its `CPContext`,
+cp/context.py.)
 
 Only explicit `torch.distributed` calls live here (no `torch.distributed.nn`, whose all_gather has
 wrong gradients on gloo), each wrapped in an autograd Function whose backward is the exact adjoint.
@@ -81,28 +82,6 @@ def gather(tensor: Tensor, dim: int, group: ProcessGroup | None) -> Tensor:
     if group_size(group) == 1:
         return tensor
     return _AllGather.apply(tensor, dim, group)
-
-
-class _AllToAll(torch.autograd.Function):
-    """all_to_all_single over dim 0 of a `[n, ...]` tensor: chunk j goes to rank j, chunk i comes from
-    rank i. It is a permutation that is its own inverse, so its adjoint is itself."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, group: ProcessGroup) -> Tensor:
-        ctx.group = group
-        out = torch.empty_like(x, memory_format=torch.contiguous_format)
-        dist.all_to_all_single(out, x.contiguous(), group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        out = torch.empty_like(grad, memory_format=torch.contiguous_format)
-        dist.all_to_all_single(out, grad.contiguous(), group=ctx.group)
-        return out, None
-
-
-def all_to_all(x: Tensor, group: ProcessGroup) -> Tensor:
-    return _AllToAll.apply(x, group)
 
 
 HEAD_START_CYCLES = 1000  # ~0.5 us at an H200's clock; 1000 and 4000 measured the same (benchmarks/probe_sms.py)

@@ -33,6 +33,12 @@ Tensor = torch.Tensor
 
 
 # --- eager: pipelined over head chunks --------------------------------------------------------------------------
+# Plain Ulysses and the hybrid mode share these buffers (the hybrid's inner attention is the ring). A chunk's q, k
+# and v travel in one buffer, `[u, 3, B, h/u, S_l, D]`, and arrive as contiguous `[B, h/u, u*S_l, D]` tensors (one
+# copy each way, as every eager kernel takes them). The compiled path's layouts below need no copy on the way in
+# because cuDNN reads the transposed view; given to the eager path they would cost a second copy for the kernels that
+# take contiguous inputs and for every batch above 1, or hand cuDNN strided inputs in eager mode, which no eager
+# measurement covers, so the two keep their own.
 
 
 def _send_buffer(ts: list[Tensor], u: int) -> Tensor:
