@@ -12,7 +12,6 @@ to check the script, not to measure.
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
 import torch.nn.functional as F
@@ -25,20 +24,17 @@ TOKENS = (4608, 16896, 66048)  # 1024 / 2048 / 4096 px + 512 text tokens
 COLUMNS = {"tokens": "tokens", "gpus": "GPUs", "impl": "attention", "ms": "ms", "efficiency": "efficiency"}
 
 
-def apply_tuning(args: argparse.Namespace) -> None:
-    """The tuning flags where this version of cp/ reads them: the kernel order and exchange-first from the
-    environment on each call (the Ulysses chunk count is set per measured variant below)."""
-    if args.cp_kernels:
-        os.environ["FLUX_CP_KERNELS"] = args.cp_kernels
-    os.environ["FLUX_CP_EXCHANGE_FIRST"] = "1" if args.cp_exchange_first else "0"
+def tuning(args: argparse.Namespace, chunks: int | None = None) -> cp.Tuning:
+    """The tuning flags as cp takes them (the trainer's --cp_* flags)."""
+    kernels = tuple(k.strip() for k in (args.cp_kernels or "").split(",") if k.strip())
+    return cp.Tuning(kernels, args.cp_overlap, args.cp_exchange_first, chunks or 1)
 
 
-def compiled_attention(overlap: str, first: bool):
+def compiled_attention(args: argparse.Namespace):
     """cp.attention compiled as the trainer compiles its blocks (flux_cp/blocks.py): the same Inductor passes."""
-    from flux_cp.blocks import inductor_options
+    from cp.schedule import inductor_options
 
-    options = inductor_options(None, overlap, 2, first=first)
-    return torch.compile(cp.attention, fullgraph=True, options=options)
+    return torch.compile(cp.attention, fullgraph=True, options=inductor_options(None, tuning(args), 2))
 
 
 def modes_for(n: int, heads: int) -> list[tuple[str, int | None]]:
@@ -117,15 +113,14 @@ def main() -> None:
     if args.smoke:  # shapes a CPU gets through in seconds
         args.tokens, args.heads, args.head_dim, args.warmup, args.repeat = [512], 4, 32, 1, 2
     rank, world, device = init()
-    apply_tuning(args)
     dtype = torch.float32 if args.smoke else torch.bfloat16
     sizes = [n for n in (2, 4, 8) if n <= world]
-    for n in sizes:  # collective over all launched ranks: make every group before any rank starts timing
-        group_of(n)
+    contexts = {}  # collective over all launched ranks (hybrid sub-groups): every context before any rank times
+    for n in sizes:
         for mode, u in modes_for(n, args.heads):
-            if mode == "hybrid":
-                cp.comm.create_hybrid_groups([list(range(n))], u)
-    attention = compiled_attention(args.cp_overlap, args.cp_exchange_first) if args.compile else cp.attention
+            for c in args.cp_ulysses_chunks if mode == "ulysses" else [None]:
+                contexts[(n, mode, u, c)] = cp.CPContext(group_of(n), mode, u, tuning=tuning(args, c))
+    attention = compiled_attention(args) if args.compile else cp.attention
     rows = []
     for s in args.tokens:
         g = torch.Generator(device="cpu").manual_seed(s)
@@ -141,7 +136,7 @@ def main() -> None:
                     with ctx:
                         o = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (qs, ks, vs))).transpose(1, 2)
                 else:
-                    o = cp.attention(qs, ks, vs, group=None)
+                    o = cp.attention(qs, ks, vs, context=cp.CPContext(tuning=tuning(args)))
                 o.backward(do)
 
             return step
@@ -165,14 +160,10 @@ def main() -> None:
                 for c in (args.cp_ulysses_chunks if m == "ulysses" else [None])
             ]
             for mode, u, chunks in variants:
-                if chunks is not None:
-                    os.environ["FLUX_CP_ULYSSES_CHUNKS"] = str(chunks)
-                    if args.compile:  # the chunk count is read while tracing: trace again
-                        torch._dynamo.reset()
                 qs, ks, vs = (t.detach().requires_grad_(True) for t in (ql, kl, vl))
 
-                def step(mode=mode, u=u, qs=qs, ks=ks, vs=vs, group=group, dl=dl):
-                    o = attention(qs, ks, vs, group=group, mode=mode, ulysses_size=u)
+                def step(context=contexts[(n, mode, u, chunks)], qs=qs, ks=ks, vs=vs, dl=dl):
+                    o = attention(qs, ks, vs, context=context)
                     o.backward(dl)
 
                 tn = max_over_ranks(median(time_fn(step, device, args.warmup, args.repeat, group)), group, device)

@@ -66,7 +66,7 @@ def attention_checks(rank, world, device, tokens, heads, head_dim, dtype) -> lis
                 continue
             for mode, u in modes_for(n, heads):
                 loc = [cp.shard(t, 1, group).to(dtype).requires_grad_(True) for t in (q, k, v)]
-                out = cp.attention(*loc, group=group, mode=mode, ulysses_size=u)
+                out = cp.attention(*loc, context=context_of(n, mode, u))
                 out.backward(cp.shard(do, 1, group).to(dtype))
                 got = [out.detach(), *(t.grad for t in loc)]
                 exp = [cp.shard(t, 1, group) for t in refs]
@@ -84,6 +84,18 @@ def attention_checks(rank, world, device, tokens, heads, head_dim, dtype) -> lis
                 row["rel_max"], row["rel_norm"] = t.tolist()
                 rows.append(row)
     return rows
+
+
+_CONTEXTS: dict[tuple, cp.CPContext] = {}
+
+
+def context_of(n: int, mode: str, u: int | None) -> cp.CPContext:
+    """The CP context of the first n ranks in this mode, built once (the first build is collective: `main` builds
+    them all on every rank before any check runs)."""
+    key = (n, mode, u)
+    if key not in _CONTEXTS:
+        _CONTEXTS[key] = cp.CPContext(group_of(n), mode, u)
+    return _CONTEXTS[key]
 
 
 def model_checks(rank, world, device, dtype, heads=24, head_dim=128, rope=(16, 56, 56)) -> list[dict]:
@@ -146,7 +158,7 @@ def model_checks(rank, world, device, dtype, heads=24, head_dim=128, rope=(16, 5
         # Our processor at n = 1 too, as train_flux_cp.py installs it: diffusers' own bf16 path picks cuDNN and
         # hands its backward a non-contiguous grad_out, an illegal memory access on H200s (torch 2.11).
         if ours:
-            cp.apply_context_parallel(model, group if n > 1 else None, mode=mode, ulysses_size=u)
+            cp.apply_context_parallel(model, context_of(n, mode, u) if n > 1 else None)
         local = dict(inputs)
         for key, dim in (("hidden_states", 1), ("encoder_hidden_states", 1), ("img_ids", 0), ("txt_ids", 0)):
             local[key] = cp.shard(inputs[key], dim, group)
@@ -212,11 +224,9 @@ def main() -> None:
     args = p.parse_args()
     rank, world, device = init()
     dtype = torch.bfloat16
-    for n in [n for n in (2, 4, 8) if n <= world]:
-        group_of(n)
+    for n in [n for n in (2, 4, 8) if n <= world]:  # every context on every rank: hybrid ones create sub-groups
         for mode, u in modes_for(n, 24):
-            if mode == "hybrid":
-                cp.comm.create_hybrid_groups([list(range(n))], u)
+            context_of(n, mode, u)
     heads, head_dim = (24, 128) if not args.smoke else (24, 8)
     rows = attention_checks(rank, world, device, args.tokens, heads, head_dim, dtype)
     command = schema.command_line(module="benchmarks.check_gpu")

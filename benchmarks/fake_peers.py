@@ -30,6 +30,8 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 from torch.futures import Future
 
+import cp
+
 Tensor = torch.Tensor
 
 
@@ -173,7 +175,9 @@ def main(argv: list[str] | None = None) -> int:
             return n
 
         def make_layout(self, accelerator) -> Layout:
-            return Layout(world=n, rank=0, cp=n, dp=1, dp_rank=0, cp_rank=0, cp_group=dist.group.WORLD)
+            group, tuning = dist.group.WORLD, self.cfg.cp_tuning.tuning()
+            context = cp.CPContext(group, tuning=tuning, timeout=timedelta(seconds=cfg.parallel.collective_timeout))
+            return Layout(world=n, rank=0, cp=n, dp=1, dp_rank=0, cp_rank=0, cp_group=group, cp_context=context)
 
         def encode_share(self) -> tuple[int, int]:
             return 0, 1  # ... that encodes the whole data set itself (no peer encodes a share)

@@ -1,12 +1,14 @@
 """Exact context parallelism (ring, Ulysses, hybrid) for diffusion transformers, with Flux support.
 
-Public API: `attention`, `shard`, `gather`, `FluxCPAttnProcessor`, `apply_context_parallel`,
-`remove_context_parallel`. The attention core needs only torch; the Flux pieces import diffusers
-when first used.
+Public API: `CPContext` and `Tuning` (a CP group with its mode, kernels and tuning, built once at setup),
+`attention`, `shard`, `gather`, `FluxCPAttnProcessor`, `apply_context_parallel`, `remove_context_parallel`;
+`cp.schedule` orders a compiled block's exchanges against its compute. The attention core needs only torch; the
+Flux pieces import diffusers when first used.
 """
 
-from .attention import MODES, attention, validate
+from .attention import attention, validate
 from .comm import check_divisible, gather, group_rank, group_size, shard
+from .context import MODES, CPContext, Tuning
 
 _FLUX = ("FluxCPAttnProcessor", "apply_context_parallel", "remove_context_parallel", "full_sequence_io")
 
@@ -21,6 +23,8 @@ def __getattr__(name: str):
 
 __all__ = [
     "MODES",
+    "CPContext",
+    "Tuning",
     "FluxCPAttnProcessor",
     "apply_context_parallel",
     "attention",

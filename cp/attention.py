@@ -7,14 +7,15 @@ import math
 import torch
 import torch.distributed as dist
 
-from .comm import group_size, hybrid_group_names, hybrid_groups
+from .comm import group_size
+from .context import MODES, CPContext, ulysses_degree
 from .ops import ring_attention_op
 from .ring import ring_attention
 from .ulysses import ulysses_attention, ulysses_traced
 
 Tensor = torch.Tensor
 
-MODES = ("ring", "ulysses", "hybrid")
+__all__ = ["MODES", "attention", "validate"]
 
 
 def validate(shape: tuple[int, ...], group_size_: int, mode: str, ulysses_size: int | None) -> int | None:
@@ -26,25 +27,9 @@ def validate(shape: tuple[int, ...], group_size_: int, mode: str, ulysses_size: 
         raise ValueError(f"unknown CP mode {mode!r}; choose one of {', '.join(MODES)}")
     if len(shape) != 4:
         raise ValueError(f"CP attention expects [batch, seq, heads, head_dim] tensors, got shape {tuple(shape)}")
+    u = ulysses_degree(group_size_, mode, ulysses_size)
     heads = shape[2]
-    n = group_size_
-    if mode == "ring" or n == 1:
-        return None
-    if mode == "ulysses":
-        if ulysses_size not in (None, n):
-            raise ValueError(f"mode 'ulysses' uses the whole CP group: ulysses_size must be None or {n}")
-        u = n
-    else:
-        if ulysses_size is None:
-            raise ValueError("mode 'hybrid' needs ulysses_size (the Ulysses degree inside each ring step)")
-        u = ulysses_size
-        if u < 1 or n % u:
-            divisors = [d for d in range(2, n) if n % d == 0]
-            raise ValueError(
-                f"ulysses_size {u} does not divide the CP group size {n}; choose one of {divisors or 'none'}"
-                + ("" if divisors else f" ({n} is prime: use mode 'ring' or 'ulysses')")
-            )
-    if heads % u:
+    if u is not None and heads % u:
         raise ValueError(
             f"{heads} attention heads are not divisible by the Ulysses size {u}: Ulysses splits heads "
             f"across ranks. Use mode 'ring', or a Ulysses size that divides {heads}."
@@ -57,16 +42,22 @@ def attention(
     key: Tensor,
     value: Tensor,
     *,
-    group: dist.ProcessGroup | None,
+    group: dist.ProcessGroup | None = None,
     mode: str = "ring",
     ulysses_size: int | None = None,
     scale: float | None = None,
+    context: CPContext | None = None,
 ) -> Tensor:
     """Non-causal, unmasked attention of this rank's sequence chunk against the whole sequence.
 
     `query/key/value`: this rank's contiguous chunk, `[batch, seq_local, heads, head_dim]`. Every rank
-    of `group` must hold a chunk of the same length (see `cp.shard`). Returns this rank's output chunk,
+    of the group must hold a chunk of the same length (see `cp.shard`). Returns this rank's output chunk,
     same layout. Gradients w.r.t. the local chunks equal the matching slices of the full gradients.
+
+    The group, mode, kernels and tuning come from `context` (a `cp.CPContext`, built once at setup), or, for the
+    ring and Ulysses modes, from `group`, `mode` and `ulysses_size` (a context with the default tuning is made on
+    the fly). The hybrid mode needs sub-groups that every rank creates at the same point: build a `CPContext` for
+    it and pass `context`.
 
     torch.compile traces it without a graph break: the exchanges become functional collectives and the
     ring (or the local attention) a custom op (`cp/ops.py`), with the same kernels as in eager mode.
@@ -78,31 +69,46 @@ def attention(
         )
     if not (query.dtype == key.dtype == value.dtype):
         raise ValueError(f"query, key and value dtypes differ: {query.dtype}, {key.dtype}, {value.dtype}")
-    n = group_size(group)
-    u = validate(tuple(query.shape), n, mode, ulysses_size)
+    if context is not None and (group is not None or mode != "ring" or ulysses_size is not None):
+        raise ValueError("pass either context= or group=/mode=/ulysses_size=, not both (the context holds them)")
+    n = group_size(group) if context is None else context.size
+    u = validate(tuple(query.shape), n, mode, ulysses_size) if context is None else context.ulysses_size
+    if context is None and u is not None and u < n:
+        raise ValueError(
+            f"mode 'hybrid' over a plain group needs its Ulysses and ring sub-groups, which every rank must "
+            f"create at the same point: build cp.CPContext(group, mode='hybrid', ulysses_size={u}) once at "
+            "setup and pass it as context="
+        )
+    if context is not None:
+        validate(tuple(query.shape), n, context.mode, u)
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
 
     if torch.compiler.is_compiling():
-        return _traced(query, key, value, group, n, mode, u, scale)
-    if n == 1 or mode == "ring":
+        if context is None:  # plain ring or Ulysses over `group`, default tuning
+            name = group.group_name if n > 1 else ""
+            return _traced(query, key, value, scale, u, "" if u is None else name, name if u is None else "")
+        c = context
+        return _traced(
+            query, key, value, scale, u, c.ulysses_group_name, c.ring_group_name, c.tuning.ulysses_chunks,
+            c.kernels.key, c.tuning.exchange_first,
+        )  # fmt: skip
+    c = CPContext(group, mode, ulysses_size) if context is None else context
+    first = c.tuning.exchange_first
+    if c.ulysses_group is None:  # ring, or no CP
         q, k, v = (t.transpose(1, 2).contiguous() for t in (query, key, value))
-        return ring_attention(q, k, v, group if n > 1 else None, scale).transpose(1, 2)
-    if u == n:
-        return ulysses_attention(query, key, value, group, scale)
-    u_group, r_group = hybrid_groups(group, u)
-    return ulysses_attention(query, key, value, u_group, scale, ring_group=r_group)
+        return ring_attention(q, k, v, c.ring_group, scale, c.kernels, first).transpose(1, 2)
+    chunks = c.tuning.ulysses_chunks
+    return ulysses_attention(query, key, value, c.ulysses_group, scale, c.kernels, c.ring_group, chunks, first)
 
 
 def _traced(
-    query: Tensor, key: Tensor, value: Tensor, group: dist.ProcessGroup | None, n: int, mode: str, u: int | None,
-    scale: float,
+    query: Tensor, key: Tensor, value: Tensor, scale: float, u: int | None, ulysses_group_name: str,
+    ring_group_name: str, chunks: int = 1, kernels: str = "", first: bool = False,
 ) -> Tensor:  # fmt: skip
-    """The same computation in ops that torch.compile traces (forward and backward)."""
-    if n == 1 or mode == "ring":
+    """The same computation in ops that torch.compile traces (forward and backward); groups by name ("" for none),
+    the kernels by their order's key."""
+    if u is None:
         q, k, v = (t.transpose(1, 2).contiguous() for t in (query, key, value))
-        out, _ = ring_attention_op(q, k, v, scale, group.group_name if n > 1 else "")
+        out, _ = ring_attention_op(q, k, v, scale, ring_group_name, kernels, first)
         return out.transpose(1, 2)
-    if u == n:
-        return ulysses_traced(query, key, value, group, u, scale)
-    u_name, r_name = hybrid_group_names(group.group_name, u)
-    return ulysses_traced(query, key, value, u_name, u, scale, ring_group_name=r_name)
+    return ulysses_traced(query, key, value, ulysses_group_name, u, scale, ring_group_name, chunks, kernels, first)

@@ -1,14 +1,12 @@
-"""Communication for context parallelism: sharding, autograd-correct gather and all-to-all, ring P2P,
-and the sub-groups that the hybrid mode needs.
+"""Communication for context parallelism: sharding, an autograd-correct gather, ring P2P, the exchanges' head start.
+(The Ulysses all-to-alls live in cp/ulysses.py; the hybrid mode's sub-groups are made with its `CPContext`,
+cp/context.py.)
 
 Only explicit `torch.distributed` calls live here (no `torch.distributed.nn`, whose all_gather has
 wrong gradients on gloo), each wrapped in an autograd Function whose backward is the exact adjoint.
 """
 
 from __future__ import annotations
-
-import os
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -86,37 +84,7 @@ def gather(tensor: Tensor, dim: int, group: ProcessGroup | None) -> Tensor:
     return _AllGather.apply(tensor, dim, group)
 
 
-class _AllToAll(torch.autograd.Function):
-    """all_to_all_single over dim 0 of a `[n, ...]` tensor: chunk j goes to rank j, chunk i comes from
-    rank i. It is a permutation that is its own inverse, so its adjoint is itself."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, group: ProcessGroup) -> Tensor:
-        ctx.group = group
-        out = torch.empty_like(x, memory_format=torch.contiguous_format)
-        dist.all_to_all_single(out, x.contiguous(), group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        out = torch.empty_like(grad, memory_format=torch.contiguous_format)
-        dist.all_to_all_single(out, grad.contiguous(), group=ctx.group)
-        return out, None
-
-
-def all_to_all(x: Tensor, group: ProcessGroup) -> Tensor:
-    return _AllToAll.apply(x, group)
-
-
 HEAD_START_CYCLES = 1000  # ~0.5 us at an H200's clock; 1000 and 4000 measured the same (benchmarks/probe_sms.py)
-
-
-def exchange_first() -> bool:
-    """FLUX_CP_EXCHANGE_FIRST=1: give each exchange's kernel its SMs before the compute launched behind it."""
-    value = os.environ.get("FLUX_CP_EXCHANGE_FIRST", "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"FLUX_CP_EXCHANGE_FIRST={value!r}: use 1 (on) or 0 (off)")
-    return value == "1"
 
 
 def head_start() -> None:
@@ -137,8 +105,9 @@ class RingComm:
     n steps (see ring.py); getting this direction wrong is invisible at n=2.
     """
 
-    def __init__(self, group: ProcessGroup):
+    def __init__(self, group: ProcessGroup, first: bool = False):
         self.group = group
+        self.first = first  # Tuning.exchange_first: a head start after each launch and wait
         self.size = dist.get_world_size(group)
         rank = dist.get_rank(group)
         self.next = dist.get_global_rank(group, (rank + 1) % self.size)
@@ -152,78 +121,12 @@ class RingComm:
             dist.P2POp(dist.irecv, recv, self.prev, self.group, tag),
         ]
         works = dist.batch_isend_irecv(ops)
-        if exchange_first():  # the transfer beside this step's attention: let it start before the kernel
+        if self.first:  # the transfer beside this step's attention: let it start before the kernel
             head_start()
         return recv, works
 
-    @staticmethod
-    def wait(works: list) -> None:
+    def wait(self, works: list) -> None:
         for w in works:
             w.wait()
-        if works and exchange_first():
+        if works and self.first:
             head_start()
-
-
-_SUBGROUPS: dict[tuple, tuple[ProcessGroup, ProcessGroup]] = {}
-_TIMEOUT: timedelta | None = None
-
-
-def set_timeout(timeout: timedelta | None) -> None:
-    """Timeout for the sub-groups this module creates (the training script passes its own)."""
-    global _TIMEOUT
-    _TIMEOUT = timeout
-
-
-def create_hybrid_groups(cp_groups: list[list[int]], ulysses_size: int) -> None:
-    """Create the Ulysses and ring sub-groups of every CP group in `cp_groups` (global ranks).
-
-    Every rank of the default group must call this with the same arguments: `new_group` is collective
-    over the default group. Ulysses runs inside blocks of `ulysses_size` neighbouring ranks; the ring
-    runs across blocks, among ranks at the same position in their block.
-    """
-    me = dist.get_rank()
-    kw = {"timeout": _TIMEOUT} if _TIMEOUT is not None else {}
-    u = ulysses_size
-    for ranks in cp_groups:
-        key = (tuple(ranks), u)
-        if key in _SUBGROUPS:
-            continue
-        mine: dict[str, ProcessGroup] = {}
-        for b in range(len(ranks) // u):
-            block = list(ranks[b * u : (b + 1) * u])
-            g = dist.new_group(block, **kw)
-            if me in block:
-                mine["ulysses"] = g
-        for j in range(u):
-            across = list(ranks[j::u])
-            g = dist.new_group(across, **kw)
-            if me in across:
-                mine["ring"] = g
-        if me in ranks:
-            _SUBGROUPS[key] = (mine["ulysses"], mine["ring"])
-
-
-def hybrid_groups(group: ProcessGroup, ulysses_size: int) -> tuple[ProcessGroup, ProcessGroup]:
-    """(ulysses group, ring group) of this rank for the hybrid mode over `group`.
-
-    Made by `create_hybrid_groups`; if it was not called, the first call here makes them for every CP
-    group of the job, which is collective over the default group (in training every rank reaches its
-    first attention call together, so this holds).
-    """
-    key = (tuple(dist.get_process_group_ranks(group)), ulysses_size)
-    if key not in _SUBGROUPS:
-        everyone: list = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, list(key[0]))
-        groups = sorted({tuple(r) for r in everyone})
-        create_hybrid_groups([list(g) for g in groups], ulysses_size)
-    return _SUBGROUPS[key]
-
-
-@torch._dynamo.assume_constant_result
-def hybrid_group_names(group_name: str, ulysses_size: int) -> tuple[str, str]:
-    """Names of `hybrid_groups` for the group named `group_name`. torch.compile runs this once while tracing
-    (on every rank at the same point, as the first eager call would) and keeps the names as constants."""
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    u_group, r_group = hybrid_groups(_resolve_process_group(group_name), ulysses_size)
-    return u_group.group_name, r_group.group_name

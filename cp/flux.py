@@ -19,7 +19,8 @@ from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers.transformer_flux import FluxAttention, FluxAttnProcessor, _get_qkv_projections
 
 from .attention import attention
-from .comm import gather, shard
+from .comm import gather, group_size, shard
+from .context import CPContext
 
 Tensor = torch.Tensor
 
@@ -31,33 +32,72 @@ _BACKEND = (
 _PARALLEL = ("diffusers' enable_parallelism", "Use diffusers' context parallelism or flux-cp's, not both.")
 
 
-class FluxCPAttnProcessor:
-    """Drop-in replacement for diffusers' `FluxAttnProcessor` that calls `cp.attention` over `group`.
+def as_context(
+    context: CPContext | dist.ProcessGroup | None, mode: str | None = None, ulysses_size: int | None = None
+) -> CPContext:
+    """A `CPContext` from a context (in `mode`, if given) or from a plain group (None: no CP) and `mode` (default
+    ring). The hybrid mode's sub-groups are created here when a plain group is given: every rank must call this at
+    the same point."""
+    if isinstance(context, CPContext):
+        return context if mode is None else context.with_mode(mode, ulysses_size)
+    return CPContext(context, mode or "ring", ulysses_size)
 
-    `FluxCPAttnProcessor()` (no group, or a group of one rank) is no CP: it computes what `FluxAttnProcessor`
+
+class FluxCPAttnProcessor:
+    """Drop-in replacement for diffusers' `FluxAttnProcessor` that calls `cp.attention` with a `CPContext`.
+
+    `FluxCPAttnProcessor()` (no context, or a group of one rank) is no CP: it computes what `FluxAttnProcessor`
     computes, bit for bit on CPU in fp32. Without CP, an attention mask, a backend chosen with diffusers'
     `set_attention_backend` / `attention_backend`, or diffusers' own `enable_parallelism` take diffusers' own
     code path. With a CP group of several ranks those cannot apply and are refused with a ValueError.
+
+    `context`: a `cp.CPContext`, or a plain process group with `mode` and `ulysses_size` (see `as_context`).
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None, mode: str = "ring", ulysses_size: int | None = None):
+    def __init__(
+        self,
+        context: CPContext | dist.ProcessGroup | None = None,
+        mode: str | None = None,
+        ulysses_size: int | None = None,
+    ):
         self._backend = None
         self._parallel = None
-        self.group = group
-        self.mode = mode
-        self.ulysses_size = ulysses_size
+        if not isinstance(context, CPContext):
+            self._admit(group_size(context))  # before the context is built
+        self.context = as_context(context, mode, ulysses_size)
+
+    @property
+    def context(self) -> CPContext:
+        return self._context
+
+    @context.setter
+    def context(self, context: CPContext) -> None:
+        self._admit(context.size)
+        self._context, self.cp_size = context, context.size
 
     @property
     def group(self) -> dist.ProcessGroup | None:
-        return self._group
+        return self._context.group
 
     @group.setter
     def group(self, group: dist.ProcessGroup | None) -> None:
-        size = 1 if group is None else dist.get_world_size(group)
+        """Join a plain group, in this processor's mode and tuning."""
+        self._admit(group_size(group))
+        c = self._context
+        self.context = CPContext(group, c.mode, c.ulysses_size, tuning=c.tuning, timeout=c.timeout)
+
+    @property
+    def mode(self) -> str:
+        return self._context.mode
+
+    @property
+    def ulysses_size(self) -> int | None:
+        return self._context.ulysses_size
+
+    def _admit(self, size: int) -> None:
         if size > 1:
             self._refuse(_BACKEND, self._backend, size)
             self._refuse(_PARALLEL, self._parallel, size)
-        self._group, self.cp_size = group, size
 
     # diffusers' set_attention_backend / reset_attention_backend and enable_parallelism set these two
     # attributes on every processor that has them.
@@ -128,7 +168,7 @@ class FluxCPAttnProcessor:
                        getattr(attn, _PARTS[w][2])(encoder_hidden_states) if joint_text else None, image_rotary_emb)
                 for w in "qkv"
             )  # fmt: skip
-        hidden_states = attention(query, key, value, group=self.group, mode=self.mode, ulysses_size=self.ulysses_size)
+        hidden_states = attention(query, key, value, context=self._context)
         hidden_states = hidden_states.flatten(2, 3).to(query.dtype)
 
         if encoder_hidden_states is None:
@@ -175,49 +215,52 @@ def _flux_attention_modules(model: torch.nn.Module) -> list[FluxAttention]:
 
 def apply_context_parallel(
     transformer: torch.nn.Module,
-    group: dist.ProcessGroup | None,
-    mode: str = "ring",
+    context: CPContext | dist.ProcessGroup | None,
+    mode: str | None = None,
     ulysses_size: int | None = None,
 ) -> torch.nn.Module:
     """Install `FluxCPAttnProcessor` on every attention module of a Flux transformer (also one wrapped by
     peft or FSDP); the original processors are kept for `remove_context_parallel`. Returns the model.
 
+    `context`: a `cp.CPContext` (in `mode` and `ulysses_size`, if given), or a plain process group (None: no CP)
+    with `mode` (default ring) and `ulysses_size`. One context serves every processor; in the hybrid mode
+    building it creates the sub-groups, so every rank must call this at the same point.
+
     With a CP group of several ranks, every forward first checks the processors, since diffusers replaces
-    them (IP-Adapter load and unload): a processor rebuilt without arguments joins the group again,
+    them (IP-Adapter load and unload): a processor rebuilt without arguments joins the context again,
     diffusers' `FluxAttnProcessor` is swapped back for the CP one, and any other processor (which would
     silently attend within one rank's slice) stops the forward with a ValueError."""
     modules = _flux_attention_modules(transformer)
     if not modules:
         raise ValueError(f"{type(transformer).__name__} has no FluxAttention modules: is it a Flux transformer?")
+    context = as_context(context, mode, ulysses_size)
     for m in modules:
         if not hasattr(m, _ORIGINAL):
             setattr(m, _ORIGINAL, m.processor)
-        processor = FluxCPAttnProcessor(group, mode=mode, ulysses_size=ulysses_size)
+        processor = FluxCPAttnProcessor(context)
         # A backend chosen with set_attention_backend stays chosen (or is refused under CP).
         processor._attention_backend = getattr(m.processor, "_attention_backend", None)
         m.set_processor(processor)
     _remove_guard(transformer)
     if processor.cp_size > 1:
         names = [(n, m) for n, m in transformer.named_modules() if isinstance(m, FluxAttention)]
-        guard = functools.partial(_keep_context_parallel, names, group, mode, ulysses_size)
+        guard = functools.partial(_keep_context_parallel, names, context)
         setattr(transformer, _GUARD, transformer.register_forward_pre_hook(lambda *_: guard()))
     return transformer
 
 
-def _keep_context_parallel(
-    modules: list[tuple[str, FluxAttention]], group: dist.ProcessGroup, mode: str, ulysses_size: int | None
-) -> None:
+def _keep_context_parallel(modules: list[tuple[str, FluxAttention]], context: CPContext) -> None:
     for name, m in modules:
         p = m.processor
         if isinstance(p, FluxCPAttnProcessor):
             if p.group is None:  # rebuilt by diffusers as `type(processor)()`
-                p.group, p.mode, p.ulysses_size = group, mode, ulysses_size
+                p.context = context
         elif type(p) is FluxAttnProcessor:  # what unload_ip_adapter installs
-            m.set_processor(FluxCPAttnProcessor(group, mode=mode, ulysses_size=ulysses_size))
+            m.set_processor(FluxCPAttnProcessor(context))
         else:
             raise ValueError(
                 f"{name} now has a {type(p).__name__}, which does not support flux-cp's context parallelism "
-                f"(the sequence is split over {dist.get_world_size(group)} ranks). IP-Adapters work without CP: "
+                f"(the sequence is split over {context.size} ranks). IP-Adapters work without CP: "
                 "call unload_ip_adapter() to train or sample with CP again, or cp.remove_context_parallel(transformer)."
             )
 

@@ -9,13 +9,13 @@ transposed views of `[batch, seq, heads, head_dim]` memory) and writes the outpu
 same layout; the other kernels get contiguous copies.
 
 A kernel that cannot serve an input (dtype, head_dim, device) raises on its first call; we then
-fall back to the next kernel in the preference list and remember the choice per input signature.
+fall back to the next kernel in the preference list and remember the choice per input signature
+(`KernelChoice`, held by each `CPContext`).
 The last resort, `math`, is plain matmul + softmax and serves everything.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -193,32 +193,11 @@ KERNELS: dict[str, Kernel] = {
 DEFAULT_PREFERENCE = {"cuda": ("cudnn", "flash", "efficient", "math"), "cpu": ("cpu_flash", "math")}
 
 
-def preference(device_type: str) -> tuple[str, ...]:
-    """Kernel order for a device type; `FLUX_CP_KERNELS=flash,math` overrides it (benchmarks, debugging)."""
-    env = os.environ.get("FLUX_CP_KERNELS")
-    if env:
-        names = tuple(n.strip() for n in env.split(",") if n.strip())
-        unknown = [n for n in names if n not in KERNELS]
-        if unknown:
-            raise ValueError(f"FLUX_CP_KERNELS names unknown kernels {unknown}; choose from {sorted(KERNELS)}")
-        return names
-    return DEFAULT_PREFERENCE.get(device_type, ("math",))
-
-
-_CHOSEN: dict[tuple, Kernel] = {}
-
-
-def _signature(q: Tensor, k: Tensor) -> tuple:
-    return (q.device.type, q.dtype, q.shape[-1], q.shape[2], k.shape[2], preference(q.device.type))
-
-
-# The kernel and aux of the latest forward for each exact input shape: the compiled path's backward op
-# (cp/ops.py) cannot receive the aux through the graph. Without dropout the aux of one call (sequence
-# offsets, the LSE's native shape, RNG seed and offset, which no kernel reads when dropout is 0) serves every
-# call of the same shapes. Tensors are kept as shapes only (`_Spec`) and made afresh, zero-filled, for each
-# backward: a tensor kept from a forward inside a CUDA graph tree would sit in the graph's memory pool, which
-# the tree refuses ("tensors in the cudagraph pool not tracked as outputs").
-_LAST: dict[tuple, tuple[Kernel, tuple]] = {}
+def check_names(names: tuple[str, ...]) -> None:
+    """A ValueError naming the unknown kernels and the valid ones."""
+    unknown = [n for n in names if n not in KERNELS]
+    if unknown:
+        raise ValueError(f"unknown attention kernels {', '.join(unknown)}; choose from {', '.join(sorted(KERNELS))}")
 
 
 @dataclass(frozen=True)
@@ -249,40 +228,86 @@ def _forward(kernel: Kernel, q: Tensor, k: Tensor, v: Tensor, scale: float) -> t
     return kernel.forward(*((q, k, v) if _strided(kernel) else _contiguous(q, k, v)), scale)
 
 
-def forward(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor, Kernel, tuple]:
-    """Attention of q against one K/V block, inputs `[B, H, S, D]` (see the module's note on layouts).
+class KernelChoice:
+    """The attention kernels in an order of preference, and what that order chose so far: for each input signature
+    the first kernel that could serve it, and for each exact input shape the aux of the latest forward (the compiled
+    path's backward op, cp/ops.py, cannot receive it through the graph). A `CPContext` holds one
+    (`CPContext.kernels`); contexts with the same order share it (`KernelChoice.of`).
 
-    Returns (out, lse in the accumulation dtype, kernel used, aux for that kernel's backward).
-    """
-    sig = _signature(q, k)
-    kernel = _CHOSEN.get(sig)
-    if kernel is not None:
-        out, lse, aux = _forward(kernel, q, k, v, scale)
-        _LAST[_shape_key(q, k)] = (kernel, _keep(aux))
-        return out, lse.to(acc_dtype(q.dtype)), kernel, aux
-    errors = []
-    for name in sig[-1]:
-        kernel = KERNELS[name]
-        try:
+    Without dropout the aux of one call (sequence offsets, the LSE's native shape, RNG seed and offset, which no
+    kernel reads when dropout is 0) serves every call of the same shapes. Its tensors are kept as shapes only and
+    made afresh, zero-filled, for each backward: a tensor kept from a forward inside a CUDA graph tree would sit in
+    the graph's memory pool, which the tree refuses ("tensors in the cudagraph pool not tracked as outputs")."""
+
+    def __init__(self, names: tuple[str, ...] = ()):
+        check_names(names)
+        self.names = tuple(names)  # empty: the device's default order (DEFAULT_PREFERENCE)
+        self._chosen: dict[tuple, Kernel] = {}
+        self._last: dict[tuple, tuple[Kernel, tuple]] = {}
+
+    # The compiled path's custom ops take plain arguments only (torch's rule for custom ops): they receive the
+    # order as text and find its choice here, as torch finds a process group by its name. One entry per order used
+    # in the process; what it holds depends on the order and the input shapes alone.
+    _BY_ORDER: dict[tuple[str, ...], KernelChoice] = {}
+
+    @classmethod
+    def of(cls, names: tuple[str, ...] = ()) -> KernelChoice:
+        """The choice for an order of kernel names (empty: the device's default)."""
+        names = tuple(names)
+        if names not in cls._BY_ORDER:
+            cls._BY_ORDER[names] = cls(names)
+        return cls._BY_ORDER[names]
+
+    @property
+    def key(self) -> str:
+        """The order as text, as the custom ops take it ("" for the default)."""
+        return ",".join(self.names)
+
+    @classmethod
+    def from_key(cls, key: str) -> KernelChoice:
+        return cls.of(tuple(n for n in key.split(",") if n))
+
+    def order(self, device_type: str) -> tuple[str, ...]:
+        return self.names or DEFAULT_PREFERENCE.get(device_type, ("math",))
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor, Kernel, tuple]:
+        """Attention of q against one K/V block, inputs `[B, H, S, D]` (see the module's note on layouts).
+
+        Returns (out, lse in the accumulation dtype, kernel used, aux for that kernel's backward). A kernel that
+        cannot serve the input is skipped, and the next one is remembered for the input's signature.
+        """
+        sig = (q.device.type, q.dtype, q.shape[-1], q.shape[2], k.shape[2])
+        kernel = self._chosen.get(sig)
+        if kernel is not None:
             out, lse, aux = _forward(kernel, q, k, v, scale)
-        except (RuntimeError, NotImplementedError) as e:  # this kernel cannot serve the input: try the next
-            errors.append(f"{name}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
-            continue
-        _CHOSEN[sig] = kernel
-        _LAST[_shape_key(q, k)] = (kernel, _keep(aux))
-        return out, lse.to(acc_dtype(q.dtype)), kernel, aux
-    raise RuntimeError("no attention kernel could serve this input: " + "; ".join(errors))
+            self._last[_shape_key(q, k)] = (kernel, _keep(aux))
+            return out, lse.to(acc_dtype(q.dtype)), kernel, aux
+        errors = []
+        for name in self.order(q.device.type):
+            kernel = KERNELS[name]
+            try:
+                out, lse, aux = _forward(kernel, q, k, v, scale)
+            except (RuntimeError, NotImplementedError) as e:  # this kernel cannot serve the input: try the next
+                errors.append(f"{name}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+                continue
+            self._chosen[sig] = kernel
+            self._last[_shape_key(q, k)] = (kernel, _keep(aux))
+            return out, lse.to(acc_dtype(q.dtype)), kernel, aux
+        raise RuntimeError("no attention kernel could serve this input: " + "; ".join(errors))
 
+    def used_for(self, q: Tensor, k: Tensor) -> tuple[Kernel, tuple]:
+        """(kernel, aux) that the latest `forward` with these shapes used; its backward needs both."""
+        try:
+            kernel, aux = self._last[_shape_key(q, k)]
+        except KeyError:
+            shapes = f"{tuple(q.shape)}, {tuple(k.shape)}"
+            raise RuntimeError(f"attention backward before any forward of shapes {shapes}") from None
+        aux = tuple(torch.zeros(a.shape, dtype=a.dtype, device=a.device) if isinstance(a, _Spec) else a for a in aux)
+        return kernel, aux
 
-def used_for(q: Tensor, k: Tensor) -> tuple[Kernel, tuple]:
-    """(kernel, aux) that the latest `forward` with these shapes used; its backward needs both."""
-    try:
-        kernel, aux = _LAST[_shape_key(q, k)]
-    except KeyError:
-        shapes = f"{tuple(q.shape)}, {tuple(k.shape)}"
-        raise RuntimeError(f"attention backward before any forward of shapes {shapes}") from None
-    aux = tuple(torch.zeros(a.shape, dtype=a.dtype, device=a.device) if isinstance(a, _Spec) else a for a in aux)
-    return kernel, aux
+    def chosen(self) -> dict[str, str]:
+        """Which kernel served each input signature so far (for logs and benchmarks)."""
+        return {str(sig): k.name for sig, k in self._chosen.items()}
 
 
 def backward(
@@ -305,5 +330,5 @@ def backward(
 
 
 def chosen_kernels() -> dict[str, str]:
-    """Which kernel served each input signature so far (for logs and benchmarks)."""
-    return {str(sig[:5]): k.name for sig, k in _CHOSEN.items()}
+    """Which kernel served each input signature so far, for every order used in this process (logs, benchmarks)."""
+    return {sig: name for choice in KernelChoice._BY_ORDER.values() for sig, name in choice.chosen().items()}

@@ -1,11 +1,13 @@
 """Custom ops through which torch.compile traces CP attention: dynamo and AOTAutograd see one op for the
 forward and one for the backward (real kernels plus fake kernels that give shapes), so a compiled block keeps
 one graph across its attention. The ops run the same ring code as the eager autograd Function (`ring.py`);
-the process group travels by name, as the compiler needs plain arguments.
+the process group and the context's kernels travel by name, as the compiler needs plain arguments.
 
-`flux_cp::ring_attention(q, k, v, scale, group_name) -> (out, lse)`: ring attention of `[B, H, S, D]` chunks
-over the named group ("" for none: plain attention on one rank); `lse` is the merged log-sum-exp, kept for the
-backward. `flux_cp::ring_attention_backward(...) -> (dq, dk, dv)`: its gradients.
+`cp::ring_attention(q, k, v, scale, group_name, kernels, exchange_first) -> (out, lse)`: ring attention of
+`[B, H, S, D]` chunks over the named group ("" for none: plain attention on one rank), with the kernels of the
+order `kernels` (`KernelChoice.key`: names joined by commas, "" for the device's default) and
+`Tuning.exchange_first`; `lse` is the merged log-sum-exp, kept for the backward.
+`cp::ring_attention_backward(...) -> (dq, dk, dv)`: its gradients.
 
 Layouts: `out` has the strides of `q`, and each gradient those of its input. Without a ring (group ""), q, k and
 v may be transposed views of `[B, S, H, D]` memory, the layout in which an all-to-all of sequence chunks
@@ -19,8 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import kernels
-from .kernels import dense_like, in_layout_of
+from .kernels import KernelChoice, acc_dtype, dense_like, in_layout_of
 from .ring import ring_backward, ring_forward
 
 Tensor = torch.Tensor
@@ -37,31 +38,44 @@ def group_by_name(name: str) -> dist.ProcessGroup | None:
 _EXACT_STRIDES = tuple(t for t in (getattr(torch._C.Tag, "needs_exact_strides", None),) if t is not None)
 
 
-@torch.library.custom_op("flux_cp::ring_attention", mutates_args=(), tags=_EXACT_STRIDES)
-def ring_attention_op(q: Tensor, k: Tensor, v: Tensor, scale: float, group_name: str) -> tuple[Tensor, Tensor]:
+@torch.library.custom_op("cp::ring_attention", mutates_args=(), tags=_EXACT_STRIDES)
+def ring_attention_op(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, group_name: str, kernels: str = "", exchange_first: bool = False
+) -> tuple[Tensor, Tensor]:
     group = group_by_name(group_name)
     q0 = q
     if group is not None:  # the ring sends whole contiguous blocks
         q, k, v = (t.contiguous() for t in (q, k, v))
-    out, lse, _, _ = ring_forward(q, k, v, scale, group)
+    out, lse, _, _ = ring_forward(q, k, v, scale, group, KernelChoice.from_key(kernels), exchange_first)
     return in_layout_of(out, q0), lse.contiguous()
 
 
 @ring_attention_op.register_fake
-def _(q: Tensor, k: Tensor, v: Tensor, scale: float, group_name: str) -> tuple[Tensor, Tensor]:
-    return dense_like(q), q.new_empty(q.shape[:3], dtype=kernels.acc_dtype(q.dtype))
+def _(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, group_name: str, kernels: str = "", exchange_first: bool = False
+) -> tuple[Tensor, Tensor]:
+    return dense_like(q), q.new_empty(q.shape[:3], dtype=acc_dtype(q.dtype))
 
 
-@torch.library.custom_op("flux_cp::ring_attention_backward", mutates_args=(), tags=_EXACT_STRIDES)
+@torch.library.custom_op("cp::ring_attention_backward", mutates_args=(), tags=_EXACT_STRIDES)
 def ring_attention_backward_op(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, group_name: str
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    scale: float,
+    group_name: str,
+    kernels: str = "",
+    exchange_first: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     group = group_by_name(group_name)
     inputs = (q, k, v)
     if group is not None:
         q, k, v, out, dout = (t.contiguous() for t in (q, k, v, out, dout))
-    kernel, aux = kernels.used_for(q, k)
-    grads = ring_backward(dout, q, k, v, out, lse, scale, group, kernel, aux)
+    kernel, aux = KernelChoice.from_key(kernels).used_for(q, k)
+    grads = ring_backward(dout, q, k, v, out, lse, scale, group, kernel, aux, exchange_first)
     # Outputs of a custom op may not share memory (the ring returns dk and dv as views of one buffer).
     seen: set[int] = set()
     result = []
@@ -75,16 +89,25 @@ def ring_attention_backward_op(
 
 @ring_attention_backward_op.register_fake
 def _(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, group_name: str
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    scale: float,
+    group_name: str,
+    kernels: str = "",
+    exchange_first: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     return tuple(dense_like(t) for t in (q, k, v))
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, scale, group_name = inputs
+    q, k, v, scale, group_name, kernels, exchange_first = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.scale, ctx.group_name = scale, group_name
+    ctx.scale, ctx.group_name, ctx.kernels, ctx.exchange_first = scale, group_name, kernels, exchange_first
     ctx.mark_non_differentiable(lse)
 
 
@@ -92,8 +115,10 @@ def _backward(ctx, dout: Tensor, _dlse: Tensor | None):
     q, k, v, out, lse = ctx.saved_tensors
     # cuDNN's backward reads grad_out in the output's layout (another layout can fault on torch 2.11); a copy
     # made here, where one is needed, is one the compiler can fuse.
-    dq, dk, dv = ring_attention_backward_op(in_layout_of(dout, out), q, k, v, out, lse, ctx.scale, ctx.group_name)
-    return dq, dk, dv, None, None
+    dq, dk, dv = ring_attention_backward_op(
+        in_layout_of(dout, out), q, k, v, out, lse, ctx.scale, ctx.group_name, ctx.kernels, ctx.exchange_first
+    )
+    return dq, dk, dv, None, None, None, None
 
 
 ring_attention_op.register_autograd(_backward, setup_context=_setup_context)

@@ -39,12 +39,18 @@ def _merge(out: Tensor | None, lse: Tensor | None, blk_out: Tensor, blk_lse: Ten
 
 
 def ring_forward(
-    q: Tensor, k: Tensor, v: Tensor, scale: float, group: dist.ProcessGroup | None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+    group: dist.ProcessGroup | None,
+    choice: kernels.KernelChoice,
+    first: bool = False,
 ) -> tuple[Tensor, Tensor, kernels.Kernel, tuple]:
     """(out, merged LSE, kernel, aux): the forward of ring attention, shared by the eager autograd Function
-    and the compiled path's custom op."""
+    and the compiled path's custom op. `choice`: the context's kernels; `first`: `Tuning.exchange_first`."""
     n = group_size(group)
-    ring = RingComm(group) if n > 1 else None
+    ring = RingComm(group, first) if n > 1 else None
     kv = torch.stack([k, v]) if n > 1 else None
     out = lse = None
     kernel = aux = None
@@ -52,10 +58,10 @@ def ring_forward(
     for step in range(n):
         if step < n - 1:
             next_kv, works = ring.start(kv, _KV_TAG)
-        blk_out, blk_lse, kernel, aux = kernels.forward(q, blk_k, blk_v, scale)
+        blk_out, blk_lse, kernel, aux = choice.forward(q, blk_k, blk_v, scale)
         out, lse = _merge(out, lse, blk_out, blk_lse)
         if step < n - 1:
-            RingComm.wait(works)
+            ring.wait(works)
             kv = next_kv
             blk_k, blk_v = kv[0], kv[1]
     return out.to(q.dtype), lse, kernel, aux
@@ -72,6 +78,7 @@ def ring_backward(
     group: dist.ProcessGroup | None,
     kernel: kernels.Kernel,
     aux: tuple,
+    first: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of ring attention given the forward's output and merged LSE."""
     n = group_size(group)
@@ -79,7 +86,7 @@ def ring_backward(
         return kernels.backward(kernel, dout, q, k, v, out, lse, scale, aux)
     dout = dout.contiguous()
 
-    ring = RingComm(group)
+    ring = RingComm(group, first)
     acc = kernels.acc_dtype(q.dtype)
     kv = torch.stack([k, v])
     dq = torch.zeros_like(q, dtype=acc)
@@ -93,7 +100,7 @@ def ring_backward(
         if dkv_in is None:
             dkv = blk_dkv
         else:
-            RingComm.wait(dkv_works)
+            ring.wait(dkv_works)
             dkv = dkv_in + blk_dkv
         # Pass the accumulator for the block we hold to the next rank; after the last step it
         # arrives at its owner, complete, and the owner only rounds it to k's dtype: rounding before
@@ -101,27 +108,45 @@ def ring_backward(
         last = step == n - 1
         dkv_in, dkv_works = ring.start(dkv.to(k.dtype) if last else dkv, _DKV_TAG)
         if step < n - 1:
-            RingComm.wait(kv_works)
+            ring.wait(kv_works)
             kv = next_kv
-    RingComm.wait(dkv_works)
+    ring.wait(dkv_works)
     return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype)
 
 
 class RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, scale: float, group: dist.ProcessGroup | None) -> Tensor:
-        out, lse, kernel, aux = ring_forward(q, k, v, scale, group)
+    def forward(
+        ctx,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        scale: float,
+        group: dist.ProcessGroup | None,
+        choice: kernels.KernelChoice,
+        first: bool,
+    ) -> Tensor:
+        out, lse, kernel, aux = ring_forward(q, k, v, scale, group, choice, first)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.scale, ctx.group, ctx.kernel, ctx.aux = scale, group, kernel, aux
+        ctx.scale, ctx.group, ctx.kernel, ctx.aux, ctx.first = scale, group, kernel, aux, first
         return out
 
     @staticmethod
     def backward(ctx, dout: Tensor):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.scale, ctx.group, ctx.kernel, ctx.aux)
-        return dq, dk, dv, None, None
+        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.scale, ctx.group, ctx.kernel, ctx.aux, ctx.first)
+        return dq, dk, dv, None, None, None, None
 
 
-def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup | None, scale: float) -> Tensor:
-    """Ring attention on `[B, H, S_local, D]` contiguous chunks; `group` of size 1 or None: plain attention."""
-    return RingAttention.apply(q, k, v, scale, group)
+def ring_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    group: dist.ProcessGroup | None,
+    scale: float,
+    choice: kernels.KernelChoice,
+    first: bool = False,
+) -> Tensor:
+    """Ring attention on `[B, H, S_local, D]` contiguous chunks; `group` of size 1 or None: plain attention.
+    `choice`: the kernels (`CPContext.kernels`); `first`: `Tuning.exchange_first`."""
+    return RingAttention.apply(q, k, v, scale, group, choice, first)

@@ -1,59 +1,44 @@
 """Ulysses attention: all-to-all from sequence-sharded to head-sharded, attention over the full
 sequence on heads/u heads, all-to-all back. In the hybrid mode the "full" sequence is that of the
-Ulysses block, and the inner attention is a ring across the blocks.
+Ulysses block, and the inner attention is a ring across the blocks (`ring_forward` over the ring group; over no
+group it is the plain kernel).
 
-Plain Ulysses can be pipelined over head chunks (FLUX_CP_ULYSSES_CHUNKS > 1): the all-to-all of chunk c+1
-(and the return of chunk c-1) then run on the communication stream while chunk c is computed, in forward
-and in backward. One chunk is the default (see `_chunks`). On a GPU a chunk's exchange and the previous
-chunk's attention kernel become ready at the same moment, and the attention kernel, which takes every SM,
-would run first; with FLUX_CP_EXCHANGE_FIRST=1 the stream yields a moment after each launch and wait of an
-exchange (`comm.head_start`) so that the exchange starts first and runs beside it.
+Eager (`UlyssesAttention`), the heads can be pipelined in chunks (`Tuning.ulysses_chunks` > 1): the all-to-all
+of chunk c+1 (and the return of chunk c-1) then run on the communication stream while chunk c is computed, in
+forward and in backward. One chunk is the default (see `_chunks`). On a GPU a chunk's exchange and the previous
+chunk's attention kernel become ready at the same moment, and the attention kernel, which takes every SM, would
+run first; with `Tuning.exchange_first` the stream yields a moment after each launch and wait of an exchange
+(`comm.head_start`) so that the exchange starts first and runs beside it.
 
-Input/output layout `[batch, seq_local, heads, head_dim]`; the attention kernels get
+Input/output layout `[batch, seq_local, heads, head_dim]`; eager, the attention kernels get
 `[batch, heads/u, seq_local * u, head_dim]`, contiguous.
 
 Under torch.compile (`ulysses_traced`) the all-to-alls are functional collectives, which the compiler traces
-and schedules, around the `flux_cp::ring_attention` custom op (cp/ops.py), in layouts that need no copy
-between exchange and kernel; with FLUX_CP_ULYSSES_CHUNKS the chunks form a pipeline in the order the compiler
-keeps (see the note above `_sent_first`).
+and schedules, around the `cp::ring_attention` custom op (cp/ops.py), in layouts that need no copy between
+exchange and kernel; in several head chunks the chunks form a pipeline in the order the compiler keeps (see the
+note above `_sent_first`).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from . import kernels
-from .comm import all_to_all, exchange_first, head_start
-from .ring import ring_attention
+from .comm import head_start
+from .kernels import KernelChoice
+from .ring import ring_backward, ring_forward
 
 Tensor = torch.Tensor
 
 
-def _seq_to_heads(qkv: Tensor, group: dist.ProcessGroup) -> Tensor:
-    """`[3, B, S_l, H, D]` sequence chunk -> `[3, B, H/u, u*S_l, D]` head group of the whole sequence."""
-    u = dist.get_world_size(group)
-    three, b, s, h, d = qkv.shape
-    # Chunk j (heads j*H/u ... ) goes to rank j; what arrives from rank i is sequence chunk i.
-    x = qkv.view(three, b, s, u, h // u, d).permute(3, 0, 1, 4, 2, 5)  # [u, 3, B, H/u, S_l, D]
-    x = all_to_all(x.contiguous(), group)
-    return x.permute(1, 2, 3, 0, 4, 5).reshape(three, b, h // u, u * s, d)
-
-
-def _heads_to_seq(out: Tensor, group: dist.ProcessGroup) -> Tensor:
-    """`[B, H/u, u*S_l, D]` -> `[B, S_l, H, D]`, the inverse of `_seq_to_heads` for one tensor."""
-    u = dist.get_world_size(group)
-    b, hu, s_full, d = out.shape
-    s = s_full // u
-    x = out.view(b, hu, u, s, d).permute(2, 0, 3, 1, 4)  # [u, B, S_l, H/u, D]: chunk j -> rank j
-    x = all_to_all(x.contiguous(), group)  # [u (head group of rank i), B, S_l, H/u, D]
-    return x.permute(1, 2, 0, 3, 4).reshape(b, s, u * hu, d)
-
-
-# --- pipelined plain Ulysses -------------------------------------------------------------------------
+# --- eager: pipelined over head chunks --------------------------------------------------------------------------
+# Plain Ulysses and the hybrid mode share these buffers (the hybrid's inner attention is the ring). A chunk's q, k
+# and v travel in one buffer, `[u, 3, B, h/u, S_l, D]`, and arrive as contiguous `[B, h/u, u*S_l, D]` tensors (one
+# copy each way, as every eager kernel takes them). The compiled path's layouts below need no copy on the way in
+# because cuDNN reads the transposed view; given to the eager path they would cost a second copy for the kernels that
+# take contiguous inputs and for every batch above 1, or hand cuDNN strided inputs in eager mode, which no eager
+# measurement covers, so the two keep their own.
 
 
 def _send_buffer(ts: list[Tensor], u: int) -> Tensor:
@@ -88,82 +73,95 @@ def _recv_to_seq(buf: Tensor, out: list[Tensor], heads: slice) -> None:
         out[j][:, :, heads].copy_(buf[:, j].permute(1, 2, 0, 3, 4).reshape(b, s, u * hu, d))
 
 
-def _a2a(send: Tensor, group: dist.ProcessGroup):
+def _a2a(send: Tensor, group: dist.ProcessGroup, first: bool):
     recv = torch.empty_like(send)
     work = dist.all_to_all_single(recv, send, group=group, async_op=True)
-    if exchange_first():
+    if first:
         head_start()
     return recv, work
 
 
-def _wait(work) -> None:
+def _wait(work, first: bool) -> None:
     work.wait()
-    if exchange_first():  # the next chunk's exchange may be ready now too: let it start before the kernel
+    if first:  # the next chunk's exchange may be ready now too: let it start before the kernel
         head_start()
 
 
-def _chunks(heads: int, u: int) -> int:
-    """Head chunks of the pipeline: FLUX_CP_ULYSSES_CHUNKS, reduced until each chunk's heads divide over the
-    group. Default 1: on H200s the eager pipeline's 2 chunks gained 2% at 16,896 tokens on 2 GPUs and lost 2-15%
-    elsewhere, and compiled chunks before `ulysses_traced` became a pipeline lost 1% (docs/benchmarks.md); the
-    pipeline is not measured on two GPUs yet (its kernels alone cost 0.7% more in 2 or 4 chunks at 16,896 tokens
-    on one H200)."""
-    c = max(1, int(os.environ.get("FLUX_CP_ULYSSES_CHUNKS", "1")))
+def _chunks(heads: int, u: int, requested: int) -> int:
+    """Head chunks of the pipeline: `requested` (`Tuning.ulysses_chunks`), reduced until each chunk's heads divide
+    over the group. The default is 1: on H200s the eager pipeline's 2 chunks gained 2% at 16,896 tokens on 2 GPUs
+    and lost 2-15% elsewhere, and compiled chunks before `ulysses_traced` became a pipeline lost 1%
+    (docs/benchmarks.md); the pipeline is not measured on two GPUs yet (its kernels alone cost 0.7% more in 2 or 4
+    chunks at 16,896 tokens on one H200)."""
+    c = max(1, requested)
     while c > 1 and (heads % c or (heads // c) % u):
         c -= 1
     return c
 
 
 class UlyssesAttention(torch.autograd.Function):
+    """Ulysses over `group`, the attention of each head chunk a ring over `ring_group` (None: the kernel alone)."""
+
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, scale: float, group: dist.ProcessGroup) -> Tensor:
+    def forward(
+        ctx,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        scale: float,
+        group: dist.ProcessGroup,
+        ring_group: dist.ProcessGroup | None,
+        choice: KernelChoice,
+        chunks: int,
+        first: bool,
+    ) -> Tensor:
         u = dist.get_world_size(group)
         h = q.shape[2]
-        c = _chunks(h, u)
+        c = _chunks(h, u, chunks)
         hc = h // c
         heads = [slice(i * hc, (i + 1) * hc) for i in range(c)]
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
-        pending_in = _a2a(_send_buffer([t[:, :, heads[0]] for t in (q, k, v)], u), group)
+        pending_in = _a2a(_send_buffer([t[:, :, heads[0]] for t in (q, k, v)], u), group, first)
         pending_out = []
         saved = []
         for i in range(c):
             recv, work = pending_in
             if i + 1 < c:  # next chunk's exchange runs while this chunk is computed
-                pending_in = _a2a(_send_buffer([t[:, :, heads[i + 1]] for t in (q, k, v)], u), group)
-            _wait(work)
+                pending_in = _a2a(_send_buffer([t[:, :, heads[i + 1]] for t in (q, k, v)], u), group, first)
+            _wait(work, first)
             qh, kh, vh = _recv_to_heads(recv)
-            o, lse, kernel, aux = kernels.forward(qh, kh, vh, scale)
-            o = o.to(q.dtype)
+            o, lse, kernel, aux = ring_forward(qh, kh, vh, scale, ring_group, choice, first)
             saved += [qh, kh, vh, o, lse]
             ctx.kernel, ctx.aux = kernel, aux
-            pending_out.append((_a2a(_heads_send_buffer([o], u), group), heads[i]))
+            pending_out.append((_a2a(_heads_send_buffer([o], u), group, first), heads[i]))
         for (recv, work), hs in pending_out:
             work.wait()
             _recv_to_seq(recv, [out], hs)
         ctx.save_for_backward(*saved)
-        ctx.scale, ctx.group, ctx.heads, ctx.u = scale, group, heads, u
+        ctx.scale, ctx.group, ctx.ring_group, ctx.heads, ctx.u, ctx.first = scale, group, ring_group, heads, u, first
         return out
 
     @staticmethod
     def backward(ctx, dout: Tensor):
-        u, heads, group = ctx.u, ctx.heads, ctx.group
+        u, heads, group, first = ctx.u, ctx.heads, ctx.group, ctx.first
         saved = ctx.saved_tensors
         dq, dk, dv = (torch.empty(dout.shape, dtype=dout.dtype, device=dout.device) for _ in range(3))
-        pending_in = _a2a(_send_buffer([dout[:, :, heads[0]]], u), group)
+        pending_in = _a2a(_send_buffer([dout[:, :, heads[0]]], u), group, first)
         pending_out = []
         for i in range(len(heads)):
             recv, work = pending_in
             if i + 1 < len(heads):
-                pending_in = _a2a(_send_buffer([dout[:, :, heads[i + 1]]], u), group)
-            _wait(work)
+                pending_in = _a2a(_send_buffer([dout[:, :, heads[i + 1]]], u), group, first)
+            _wait(work, first)
             (doh,) = _recv_to_heads(recv)
             qh, kh, vh, o, lse = saved[5 * i : 5 * i + 5]
-            grads = kernels.backward(ctx.kernel, doh, qh, kh, vh, o, lse, ctx.scale, ctx.aux)
-            pending_out.append((_a2a(_heads_send_buffer([g.to(dout.dtype) for g in grads], u), group), heads[i]))
+            grads = ring_backward(doh, qh, kh, vh, o, lse, ctx.scale, ctx.ring_group, ctx.kernel, ctx.aux, first)
+            sent = _heads_send_buffer([g.to(dout.dtype) for g in grads], u)
+            pending_out.append((_a2a(sent, group, first), heads[i]))
         for (recv, work), hs in pending_out:
             work.wait()
             _recv_to_seq(recv, [dq, dk, dv], hs)
-        return dq, dk, dv, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def ulysses_attention(
@@ -172,15 +170,15 @@ def ulysses_attention(
     v: Tensor,
     group: dist.ProcessGroup,
     scale: float,
+    choice: KernelChoice,
     ring_group: dist.ProcessGroup | None = None,
+    chunks: int = 1,
+    first: bool = False,
 ) -> Tensor:
-    """Ulysses over `group`; the inner attention is a ring over `ring_group` (None: local attention,
-    pipelined over head chunks)."""
-    if ring_group is None:
-        return UlyssesAttention.apply(q, k, v, scale, group)
-    qkv = _seq_to_heads(torch.stack([q, k, v]), group)
-    out = ring_attention(qkv[0], qkv[1], qkv[2], ring_group, scale)
-    return _heads_to_seq(out, group)
+    """Ulysses over `group` in `chunks` head chunks (`Tuning.ulysses_chunks`); the inner attention is a ring over
+    `ring_group` (the hybrid mode) or, with None, the kernel alone. `choice`: the context's kernels; `first`:
+    `Tuning.exchange_first`."""
+    return UlyssesAttention.apply(q, k, v, scale, group, ring_group, choice, chunks, first)
 
 
 # --- traced by torch.compile -----------------------------------------------------------------------------
@@ -189,7 +187,7 @@ def ulysses_attention(
 # sequence for h heads, which the attention op reads as a transposed view (for batch 1; a larger batch costs a
 # copy). Its output comes back in the same layout and goes out again without a copy.
 #
-# With c > 1 head chunks (FLUX_CP_ULYSSES_CHUNKS) the chunks form a pipeline. Inductor issues the collectives in
+# With c > 1 head chunks (`Tuning.ulysses_chunks`) the chunks form a pipeline. Inductor issues the collectives in
 # program order, each after the previous one's wait, so an exchange can only run beside compute that is issued
 # between its launch and its wait. Hence the order written here: the first chunk's q, k and v (each as soon as it
 # exists), then the q, k and v of all other chunks as one exchange (beside the first chunk's attention), then each
@@ -232,55 +230,37 @@ def _heads_to_send(o: Tensor, u: int) -> Tensor:
     return o.transpose(1, 2).reshape(b, u, s_full // u, h, d).transpose(0, 1).contiguous()
 
 
-class _ExchangeQKV(torch.autograd.Function):
-    """q, k and v go out as three all-to-alls (each can leave as soon as it is made, while the next is computed);
-    their gradients come back as one. Inductor orders collectives one after another, each after the previous
-    one's wait, so three gradient exchanges in a row run back to back with nothing beside the first two; one
-    exchange can run beside the compute of the backward that does not need it (FLUX_CP_GRAD_EXCHANGE=joint)."""
-
-    @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, group_name: str) -> tuple[Tensor, Tensor, Tensor]:
-        ctx.group_name = group_name
-        return tuple(funcol.all_to_all_single(t, None, None, group_name) for t in (q, k, v))
-
-    @staticmethod
-    def backward(ctx, dq: Tensor, dk: Tensor, dv: Tensor):
-        grads = torch.stack([dq, dk, dv], dim=1)  # [u, 3, ...]: the destination rank stays the leading dim
-        back = funcol.all_to_all_single(grads, None, None, ctx.group_name)
-        return back[:, 0], back[:, 1], back[:, 2], None
-
-
-def _exchange(sent: list[Tensor], group: dist.ProcessGroup | str) -> list[Tensor]:
-    """The all-to-alls of q, k, v (`[u, B, S_l, h, D]` each) with autograd."""
-    how = os.environ.get("FLUX_CP_GRAD_EXCHANGE", "separate")
-    if how not in ("separate", "joint"):
-        raise ValueError(f"FLUX_CP_GRAD_EXCHANGE={how!r}: choose separate or joint")
-    if how == "joint":
-        name = group if isinstance(group, str) else group.group_name
-        return list(_ExchangeQKV.apply(*sent, name))
-    return [funcol.all_to_all_single_autograd(x, None, None, group) for x in sent]
-
-
 def ulysses_traced(
-    q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup | str, u: int, scale: float, ring_group_name: str = ""
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    group: dist.ProcessGroup | str,
+    u: int,
+    scale: float,
+    ring_group_name: str = "",
+    chunks: int = 1,
+    kernels: str = "",
+    first: bool = False,
 ) -> Tensor:
     """Ulysses for torch.compile, over `group` (a group or its name; `u` its size): each of q, k, v is exchanged
     as soon as it is given (so the exchange of q can run while k and v are produced, if the caller produces
     them after), attention runs on heads/u heads (a ring over `ring_group_name` in the hybrid mode), and the
-    output goes back; in c > 1 head chunks, pipelined as described above. Autograd: each all-to-all's backward is
-    the inverse all-to-all."""
+    output goes back; in `chunks` head chunks, pipelined as described above. `kernels`: the context's kernel order
+    (`KernelChoice.key`); `first`: `Tuning.exchange_first` for the ring's transfers (in compiled blocks the
+    exchanges' head starts are added by a pass, cp/schedule.py). Autograd: each all-to-all's backward is the
+    inverse all-to-all."""
     from .ops import ring_attention_op
 
     b, s, h, d = q.shape
-    c = _chunks(h, u)
-    received = [_exchange([_sent_first(t, u, c) for t in (q, k, v)], group)]
+    c = _chunks(h, u, chunks)
+    received = [[funcol.all_to_all_single_autograd(_sent_first(t, u, c), None, None, group) for t in (q, k, v)]]
     if c > 1:
         rest = funcol.all_to_all_single_autograd(_sent_rest([q, k, v], u, c), None, None, group)
         received += [[rest[:, :, :, i, j] for j in range(3)] for i in range(c - 1)]
     back = []
     for qkv in received:
         qh, kh, vh = (_received_as_heads(x) for x in qkv)
-        out, _ = ring_attention_op(qh, kh, vh, scale, ring_group_name)
+        out, _ = ring_attention_op(qh, kh, vh, scale, ring_group_name, kernels, first)
         back.append(funcol.all_to_all_single_autograd(_heads_to_send(out, u), None, None, group))
     # [c, u, B, S_l, H/(c u), D] -> [B, S_l, H, D]: head (i, j, m) is head (i u + j) H/(c u) + m
     return torch.stack(back).permute(2, 3, 0, 1, 4, 5).reshape(b, s, h, d)

@@ -20,23 +20,17 @@ The values computed are the same either way; only which of them are kept or comp
 from __future__ import annotations
 
 import functools
-import logging
-import os
-import warnings
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-import cp.ops  # noqa: F401 - registers torch.ops.flux_cp
-from cp.comm import exchange_first
-
-from .errors import UsageError
-
-logger = logging.getLogger("flux_cp")
+import cp.ops  # noqa: F401 - registers torch.ops.cp
+from cp import Tuning
+from cp.schedule import inductor_options
 
 # Ops whose outputs a compiled, checkpointed block keeps for its backward instead of recomputing them.
 SAVED_OPS = (
-    torch.ops.flux_cp.ring_attention.default,
+    torch.ops.cp.ring_attention.default,
     torch.ops._c10d_functional.all_to_all_single.default,
     torch.ops._c10d_functional_autograd.all_to_all_single.default,
     torch.ops._c10d_functional.wait_tensor.default,
@@ -90,80 +84,6 @@ def step_begins(compile_mode: str | None) -> None:
         torch.compiler.cudagraph_mark_step_begin()
 
 
-def inductor_options(mode: str | None, overlap: str, cp: int = 2, sms: int = 0, first: bool = False) -> dict:
-    """Inductor options for a block: those of torch.compile's `mode`, plus the reordering that lets the CP
-    exchanges overlap compute. `overlap`: "fill" (the trainer's default) starts each exchange as soon as its input
-    exists and adds our own pass (flux_cp/overlap.py), which moves ready compute, such as a block's feed-forward
-    backward, beside each exchange of a `cp`-rank group by a cost model; "passes" starts each exchange as soon as
-    its input exists and waits for it only where its output is first read;
-    "compute" moves compute that does not need an exchange to run beside it, by Inductor's runtime estimates
-    (`reorder_compute_for_overlap`); "scheduler" is Inductor's
-    estimate-driven overlap scheduler; "none" keeps the graph's order. `sms` > 0 and `first` add a pass that
-    makes the products launched while an exchange is in flight leave that many SMs free for it
-    (FLUX_CP_SM_CARVEOUT), and lets each exchange kernel start before the compute behind it
-    (FLUX_CP_EXCHANGE_FIRST)."""
-    import torch._inductor
-
-    options = dict(torch._inductor.list_mode_options(mode)) if mode else {}
-    if overlap == "passes":
-        options["reorder_for_compute_comm_overlap"] = True
-        options["reorder_for_compute_comm_overlap_passes"] = ["sink_waits", "raise_comms"]
-    elif overlap == "compute":
-        options["reorder_for_compute_comm_overlap"] = True
-        options["reorder_for_compute_comm_overlap_passes"] = ["reorder_compute_for_overlap"]
-    elif overlap == "fill":
-        from flux_cp.overlap import fill_exchanges
-
-        options["reorder_for_compute_comm_overlap"] = True
-        options["reorder_for_compute_comm_overlap_passes"] = ["raise_comms", functools.partial(fill_exchanges, cp=cp)]
-    elif overlap == "scheduler":
-        options["aten_distributed_optimizations.enable_overlap_scheduling"] = True
-    elif overlap != "none":
-        raise UsageError(f"FLUX_CP_OVERLAP={overlap!r}: choose passes, fill, compute, scheduler or none")
-    if sms or first:
-        if overlap == "scheduler":
-            raise UsageError(
-                "FLUX_CP_SM_CARVEOUT and FLUX_CP_EXCHANGE_FIRST work with the reordering passes: unset them or "
-                "FLUX_CP_OVERLAP"
-            )
-        from flux_cp.overlap import around_exchanges
-
-        options["reorder_for_compute_comm_overlap"] = True
-        options["reorder_for_compute_comm_overlap_passes"] = [
-            *options.get("reorder_for_compute_comm_overlap_passes", []),
-            functools.partial(around_exchanges, sms=sms, first=first),
-        ]
-    return options
-
-
-def sm_carveout(count: str | None) -> int:
-    """FLUX_CP_SM_CARVEOUT=N: how many streaming multiprocessors the matrix products launched beside an exchange
-    leave free for it (0: none). A product's kernel otherwise takes every SM until it ends, and an exchange that
-    becomes ready beside it waits for that end (benchmarks/probe_sms.py); the carveout lets it start at once, at
-    the cost of a slower product (5-8% with 8 of an H200's 132 SMs)."""
-    if not count:
-        return 0
-    try:
-        n = int(count)
-    except ValueError:
-        n = -1
-    if n < 0:
-        raise UsageError(f"FLUX_CP_SM_CARVEOUT={count!r}: give a number of streaming multiprocessors, e.g. 8")
-    return n
-
-
-def exchange_settings(cp: int) -> tuple[str, int, bool]:
-    """The exchange settings from the environment, checked: FLUX_CP_OVERLAP (default fill), FLUX_CP_SM_CARVEOUT and
-    FLUX_CP_EXCHANGE_FIRST; without CP none of them applies."""
-    if cp <= 1:
-        return "none", 0, False
-    try:
-        first = exchange_first()
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    return os.environ.get("FLUX_CP_OVERLAP", "fill"), sm_carveout(os.environ.get("FLUX_CP_SM_CARVEOUT")), first
-
-
 def prepare_blocks(
     transformer: torch.nn.Module,
     *,
@@ -172,20 +92,15 @@ def prepare_blocks(
     compile: bool,
     compile_mode: str | None,
     cp: int,
+    tuning: Tuning | None = None,
 ) -> None:
-    """Activation checkpointing and torch.compile of every transformer block, as described above."""
-    overlap, sms, first = exchange_settings(cp)  # eager, cp/ reads FLUX_CP_EXCHANGE_FIRST itself on each call
+    """Activation checkpointing and torch.compile of every transformer block, as described above. `tuning`: the CP
+    context's (`CPContext.tuning`), whose overlap choice orders a compiled block's exchanges (cp/schedule.py)."""
     if not compile:
-        if sms:
-            logger.warning("FLUX_CP_SM_CARVEOUT applies to compiled blocks only (--compile or --compile_mode)")
         if gradient_checkpointing:
             transformer.enable_gradient_checkpointing()
         return
-    if sms:
-        warnings.filterwarnings("ignore", message="Setting the SM carveout")  # torch: "experimental"; docs say so
-        if torch.cuda.is_available():
-            torch.backends.cuda.preferred_blas_library("cublaslt")  # cuBLAS ignores the carveout; same kernels else
-    options = inductor_options(compile_mode, overlap, cp, sms, first)
+    options = inductor_options(compile_mode, tuning or Tuning(), cp)
     for block in transformer_blocks(transformer):
         if gradient_checkpointing:
             checkpoint_inside(block, keep_attention=not recompute_attention)

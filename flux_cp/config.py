@@ -22,6 +22,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from cp.context import OVERLAPS, Tuning
+from cp.kernels import DEFAULT_PREFERENCE, KERNELS
+
 from .errors import UsageError
 from .flag_ranges import check_ranges, given_flags, unused_flags
 from .flow import WEIGHTING_SCHEMES
@@ -309,6 +312,58 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class CPTuningConfig:
+    """How CP runs, never what it computes (cp.Tuning): the attention kernels and how the exchanges are scheduled.
+    Every setting gives the same results; they are for benchmarks and debugging."""
+
+    cp_kernels: str | None = flag(
+        None,
+        "Comma-separated attention kernels in order of preference (the first that serves an input is used), from "
+        f"{', '.join(sorted(KERNELS))}. Default: {','.join(DEFAULT_PREFERENCE['cuda'])} on CUDA, "
+        f"{','.join(DEFAULT_PREFERENCE['cpu'])} on CPU.",
+        parse=lambda text: ",".join(_comma_list(text)),  # kept as text: run_config.json and resumes compare it
+    )
+    cp_overlap: str = flag(
+        "fill",
+        "How a compiled block orders its CP exchanges against its compute: 'fill' (our scheduling pass puts ready "
+        "compute beside each exchange), 'passes' (each exchange starts as early and is waited for as late as "
+        "possible), 'compute' or 'scheduler' (Inductor's own, by its GPU runtime estimates) or 'none'.",
+        choices=OVERLAPS,
+    )
+    cp_exchange_first: bool = flag(
+        False,
+        "After launching each CP exchange and after each wait for one, hold the compute stream ~0.5 us so that the "
+        "exchange starts before the compute kernel behind it and runs beside it. Effect on a step not measured.",
+    )
+    cp_ulysses_chunks: int = flag(
+        1,
+        "Head chunks of the Ulysses attention, pipelined so that one chunk's exchange runs beside another's "
+        "attention (reduced until the chunks' heads divide over the group). Gain on two GPUs not measured.",
+    )
+
+    @property
+    def kernels(self) -> tuple[str, ...]:
+        return _comma_list(self.cp_kernels or "")
+
+    def tuning(self) -> Tuning:
+        return Tuning(self.kernels, self.cp_overlap, self.cp_exchange_first, self.cp_ulysses_chunks)
+
+    def check(self) -> None:
+        unknown = [k for k in self.kernels if k not in KERNELS]
+        if unknown or self.cp_kernels == "":
+            raise UsageError(
+                f"--cp_kernels {self.cp_kernels!r}: "
+                + (f"unknown kernel {', '.join(unknown)}; " if unknown else "no kernel named; ")
+                + f"choose from {', '.join(sorted(KERNELS))}"
+            )
+        if self.cp_exchange_first and self.cp_overlap == "scheduler":
+            raise UsageError(
+                "--cp_exchange_first is added beside the reordering passes, which --cp_overlap scheduler replaces: "
+                "choose another --cp_overlap or drop --cp_exchange_first"
+            )
+
+
+@dataclass(frozen=True)
 class CheckpointConfig:
     """Training checkpoints and resume (flux_cp.checkpoint)."""
 
@@ -421,6 +476,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    cp_tuning: CPTuningConfig = field(default_factory=CPTuningConfig)
     checkpoints: CheckpointConfig = field(default_factory=CheckpointConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     hub: HubConfig = field(default_factory=HubConfig)
@@ -461,6 +517,7 @@ _TITLES = {
     "validation": "validation and logging",
     "hub": "Hugging Face Hub",
     "plan": "memory plan",
+    "cp_tuning": "advanced: CP tuning",
 }
 
 

@@ -28,7 +28,9 @@ if TYPE_CHECKING:
 
 @dataclass
 class Layout:
-    """This process's place in the dp x cp grid. `rank` is the process rank (the LoRA rank is `LoraConfig.rank`)."""
+    """This process's place in the dp x cp grid. `rank` is the process rank (the LoRA rank is `LoraConfig.rank`).
+    `cp_context`: the CP group with its timeout and tuning (`cp.CPContext`; its mode is chosen once the model's heads
+    are known, by `cp.apply_context_parallel`); one with the default tuning when not given."""
 
     world: int
     rank: int
@@ -37,6 +39,11 @@ class Layout:
     dp_rank: int
     cp_rank: int
     cp_group: dist.ProcessGroup | None
+    cp_context: cp.CPContext | None = None
+
+    def __post_init__(self) -> None:
+        if self.cp_context is None:
+            self.cp_context = cp.CPContext(self.cp_group)
 
     @property
     def is_main(self) -> bool:
@@ -111,10 +118,11 @@ def _accelerator(parallel: ParallelConfig, train: TrainConfig, validation: Valid
     )
 
 
-def make_layout(accelerator, cp_size: int, timeout_s: float) -> Layout:
+def make_layout(accelerator, cp_size: int, timeout_s: float, tuning: cp.Tuning | None = None) -> Layout:
+    """This rank's layout and its CP context: the CP group (the mesh's 'cp' dimension under FSDP2, else made here),
+    with `timeout_s` for the sub-groups its modes create and the CP `tuning`."""
     world, rank = accelerator.num_processes, accelerator.process_index
     dp = check_layout(world, cp_size)
-    cp.comm.set_timeout(timedelta(seconds=timeout_s))
     group = None
     if cp_size > 1:
         mesh = getattr(accelerator, "torch_device_mesh", None)
@@ -130,7 +138,9 @@ def make_layout(accelerator, cp_size: int, timeout_s: float) -> Layout:
         expected = list(range((rank // cp_size) * cp_size, (rank // cp_size + 1) * cp_size))
         if members != expected:  # the data sampler assumes dp_rank = rank // cp
             raise RuntimeError(f"CP group of rank {rank} is {members}, expected neighbouring ranks {expected}")
-    return Layout(world, rank, cp_size, dp, rank // cp_size, rank % cp_size, group)
+    all_groups = [list(range(d * cp_size, (d + 1) * cp_size)) for d in range(dp)]
+    context = cp.CPContext(group, tuning=tuning, timeout=timedelta(seconds=timeout_s), cp_groups=all_groups)
+    return Layout(world, rank, cp_size, dp, rank // cp_size, rank % cp_size, group, context)
 
 
 def choose_cp_mode(parallel: ParallelConfig, heads: int, cp_size: int) -> tuple[str, int | None]:

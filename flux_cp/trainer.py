@@ -54,7 +54,7 @@ RESUMABLE_CHANGES = (
     "learning_rate", "scale_lr", "lr_scheduler", "lr_warmup_steps", "lr_num_cycles", "lr_power", "adam_beta1",
     "adam_beta2", "adam_weight_decay", "adam_epsilon", "max_grad_norm", "max_train_steps", "num_train_epochs",
     "weighting_scheme", "logit_mean", "logit_std", "mode_scale", "guidance_scale", "lora_dropout", "mixed_precision",
-    "center_crop", "random_flip",
+    "center_crop", "random_flip", "cp_kernels", "cp_overlap", "cp_exchange_first", "cp_ulysses_chunks",
 )  # fmt: skip
 
 
@@ -121,7 +121,9 @@ class Trainer:
         return parallel.launched_world_size()
 
     def make_layout(self, accelerator) -> Layout:
-        return parallel.make_layout(accelerator, self.cfg.parallel.cp_size, self.cfg.parallel.collective_timeout)
+        parallel_cfg = self.cfg.parallel
+        return parallel.make_layout(accelerator, parallel_cfg.cp_size, parallel_cfg.collective_timeout,
+                                    self.cfg.cp_tuning.tuning())  # fmt: skip
 
     def open_source(self) -> ImageSource:
         return open_source(self.cfg.data)
@@ -280,7 +282,7 @@ class Trainer:
             cfg.parallel, config["num_attention_heads"], layout.cp
         )
         # Installed at cp=1 too: its block kernels (cuDNN on Hopper) beat diffusers' default SDPA path.
-        cp.apply_context_parallel(transformer, layout.cp_group, mode=mode, ulysses_size=ulysses_size)
+        cp.apply_context_parallel(transformer, layout.cp_context, mode=mode, ulysses_size=ulysses_size)
         if layout.cp > 1:
             logger.info(
                 ("auto-chosen " if cfg.parallel.cp_mode == "auto" else "")
@@ -294,7 +296,7 @@ class Trainer:
                 logger.warning(advice)
         prepare_blocks(transformer, gradient_checkpointing=train.gradient_checkpointing,
                        recompute_attention=train.recompute_attention, compile=bool(train.compile or train.compile_mode),
-                       compile_mode=train.compile_mode, cp=layout.cp)  # fmt: skip
+                       compile_mode=train.compile_mode, cp=layout.cp, tuning=layout.cp_context.tuning)  # fmt: skip
         optimizer = make_optimizer(train, [p for _, p in trainable_parameters(transformer)], self.global_batch)
         steps_per_epoch = self.schedule.batches_per_epoch // train.gradient_accumulation_steps
         if steps_per_epoch == 0 and train.max_train_steps is None:

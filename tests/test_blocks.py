@@ -11,13 +11,14 @@ from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 
 import cp
-from flux_cp.blocks import checkpoint_inside, inductor_options
-from flux_cp.errors import UsageError
+from cp import Tuning
+from cp.schedule import inductor_options
+from flux_cp.blocks import checkpoint_inside
 from tests import distributed
 
 pytestmark = pytest.mark.distributed  # spawns gloo process groups (tests/distributed.py)
 
-ATTENTION = "torch.ops.flux_cp.ring_attention.default("
+ATTENTION = "torch.ops.cp.ring_attention.default("
 EXCHANGE = "all_to_all_single.default("
 
 
@@ -32,18 +33,15 @@ def _block_inputs(model, group):
     return dict(hidden_states=hidden, encoder_hidden_states=text, temb=temb, image_rotary_emb=model.pos_embed(ids))
 
 
-def _graphs_and_errors(rank: int, world: int, cases: list[tuple[str, str, bool, str]]) -> dict:
-    """For each (mode, block kind, keep_attention, FLUX_CP_GRAD_EXCHANGE): the largest difference of the compiled,
-    checkpointed block from the eager block without checkpointing (outputs and parameter gradients), and how often
-    the attention op and the exchanges occur in its forward and backward graphs."""
-    import os
-
+def _graphs_and_errors(rank: int, world: int, cases: list[tuple[str, str, bool]]) -> dict:
+    """For each (mode, block kind, keep_attention): the largest difference of the compiled, checkpointed block from
+    the eager block without checkpointing (outputs and parameter gradients), and how often the attention op and the
+    exchanges occur in its forward and backward graphs."""
     from tests.distributed import flux_model
 
     group = dist.group.WORLD
     found = {}
-    for mode, kind, keep, grad_exchange in cases:
-        os.environ["FLUX_CP_GRAD_EXCHANGE"] = grad_exchange
+    for mode, kind, keep in cases:
         model = flux_model()
         cp.apply_context_parallel(model, group, mode=mode)
         inputs = _block_inputs(model, group)
@@ -69,7 +67,7 @@ def _graphs_and_errors(rank: int, world: int, cases: list[tuple[str, str, bool, 
         checkpoint_inside(block, keep_attention=keep)
         block.compile(backend=aot_autograd(fw_compiler=keep_code("fw"), bw_compiler=keep_code("bw")), fullgraph=True)
         compiled = step(block)
-        found[(mode, kind, keep, grad_exchange)] = {
+        found[(mode, kind, keep)] = {
             "error": max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(compiled, eager)),
             "n": len(eager),
             **{f"{g}_{op}": code[g].count(s) for g in code for op, s in (("attn", ATTENTION), ("a2a", EXCHANGE))},
@@ -79,87 +77,60 @@ def _graphs_and_errors(rank: int, world: int, cases: list[tuple[str, str, bool, 
 
 def test_compiled_checkpointed_blocks_keep_the_attention_and_equal_eager():
     cases = [
-        ("ulysses", "double", True, "separate"),
-        ("ulysses", "single", True, "joint"),
-        ("ring", "double", True, "separate"),
-        ("ulysses", "double", False, "separate"),
+        ("ulysses", "double", True),
+        ("ulysses", "single", True),
+        ("ring", "double", True),
+        ("ulysses", "double", False),
     ]
     found = distributed.run(_graphs_and_errors, 2, cases, timeout=300)[0]
     for case, f in found.items():
-        mode, _, keep, grad_exchange = case
+        mode, _, keep = case
         assert f["n"] > 8 and f["error"] < 1e-6, (case, f)
         assert f["fw_attn"] == 1, (case, f)
         # Ulysses: q, k, v and the output cross the group once each way in the forward...
         assert f["fw_a2a"] == (4 if mode == "ulysses" else 0), (case, f)
         if keep:  # ...and the backward only sends their gradients back: no second attention, no second exchange
-            # (the gradients of q, k and v as one exchange: FLUX_CP_GRAD_EXCHANGE=joint)
-            assert f["bw_attn"] == 0 and f["bw_a2a"] == (2 if grad_exchange == "joint" else f["fw_a2a"]), (case, f)
+            assert f["bw_attn"] == 0 and f["bw_a2a"] == f["fw_a2a"], (case, f)
         else:  # --recompute_attention: the backward runs the attention forward again, with its exchanges
             assert f["bw_attn"] == 1 and f["bw_a2a"] == 2 * f["fw_a2a"], (case, f)
 
 
 def test_inductor_options_add_the_overlap_passes_to_the_compile_mode():
-    assert inductor_options(None, "none") == {}
-    assert inductor_options("reduce-overhead", "none") == {"triton.cudagraphs": True}
-    passes = inductor_options("reduce-overhead", "passes")
+    assert inductor_options(None, Tuning(overlap="none")) == {}
+    assert inductor_options("reduce-overhead", Tuning(overlap="none")) == {"triton.cudagraphs": True}
+    passes = inductor_options("reduce-overhead", Tuning(overlap="passes"))
     assert passes["triton.cudagraphs"] and passes["reorder_for_compute_comm_overlap"]
     assert passes["reorder_for_compute_comm_overlap_passes"] == ["sink_waits", "raise_comms"]
-    compute = inductor_options(None, "compute")
+    compute = inductor_options(None, Tuning(overlap="compute"))
     assert compute["reorder_for_compute_comm_overlap_passes"] == ["reorder_compute_for_overlap"]
-    raise_comms, fill = inductor_options(None, "fill", cp=4)["reorder_for_compute_comm_overlap_passes"]
+    raise_comms, fill = inductor_options(None, Tuning(), 4)["reorder_for_compute_comm_overlap_passes"]
     assert raise_comms == "raise_comms" and fill.func.__name__ == "fill_exchanges" and fill.keywords == {"cp": 4}
-    assert inductor_options(None, "scheduler") == {"aten_distributed_optimizations.enable_overlap_scheduling": True}
-    with pytest.raises(UsageError, match="'sometimes': choose passes, fill, compute, scheduler or none"):
-        inductor_options(None, "sometimes")
+    scheduler = inductor_options(None, Tuning(overlap="scheduler"))
+    assert scheduler == {"aten_distributed_optimizations.enable_overlap_scheduling": True}
+    with pytest.raises(ValueError, match="unknown overlap 'sometimes'; choose one of fill, passes, compute"):
+        Tuning(overlap="sometimes")
+    assert inductor_options("reduce-overhead", Tuning(), 1) == {"triton.cudagraphs": True}  # no CP: no exchanges
 
 
-def test_sm_carveout_is_read_from_the_environment_and_checked():
-    from flux_cp.blocks import sm_carveout
+def test_exchange_first_adds_the_head_starts_after_the_reordering_passes():
+    from cp.comm import head_start
+    from cp.schedule import head_starts
 
-    assert sm_carveout(None) == 0 and sm_carveout("") == 0 and sm_carveout("0") == 0 and sm_carveout("8") == 8
-    for bad in ("-1", "eight"):
-        with pytest.raises(UsageError, match="FLUX_CP_SM_CARVEOUT=.*give a number of streaming multiprocessors"):
-            sm_carveout(bad)
-    fill, around = inductor_options(None, "fill", cp=2, sms=8)["reorder_for_compute_comm_overlap_passes"][1:]
-    assert fill.func.__name__ == "fill_exchanges" and around.func.__name__ == "around_exchanges"
-    assert around.keywords == {"sms": 8, "first": False}
-    (only,) = inductor_options(None, "none", first=True)["reorder_for_compute_comm_overlap_passes"]
-    assert only.keywords == {"sms": 0, "first": True}
-    assert len(inductor_options(None, "fill")["reorder_for_compute_comm_overlap_passes"]) == 2  # neither: no pass
-    with pytest.raises(UsageError, match="FLUX_CP_SM_CARVEOUT and FLUX_CP_EXCHANGE_FIRST work with the reordering"):
-        inductor_options(None, "scheduler", sms=8)
-
-
-def test_exchange_first_is_read_from_the_environment_and_checked(monkeypatch):
-    from cp.comm import exchange_first, head_start
-
-    monkeypatch.delenv("FLUX_CP_EXCHANGE_FIRST", raising=False)
-    assert exchange_first() is False
-    monkeypatch.setenv("FLUX_CP_EXCHANGE_FIRST", "1")
-    assert exchange_first() is True
+    *_, fill, after = inductor_options(None, Tuning(exchange_first=True), 2)["reorder_for_compute_comm_overlap_passes"]
+    assert fill.func.__name__ == "fill_exchanges" and after is head_starts
+    (only,) = inductor_options(None, Tuning(overlap="none", exchange_first=True))[
+        "reorder_for_compute_comm_overlap_passes"
+    ]
+    assert only is head_starts
+    assert len(inductor_options(None, Tuning())["reorder_for_compute_comm_overlap_passes"]) == 2  # off: no pass
+    with pytest.raises(ValueError, match="exchange_first is added by a pass beside the reordering passes"):
+        Tuning(overlap="scheduler", exchange_first=True)
     head_start()  # no CUDA here: nothing to hold, and no error
-    monkeypatch.setenv("FLUX_CP_EXCHANGE_FIRST", "yes")
-    with pytest.raises(ValueError, match="FLUX_CP_EXCHANGE_FIRST='yes': use 1 .on. or 0 .off."):
-        exchange_first()
 
 
-def test_carveout_holds_while_any_exchange_is_in_flight():
-    """The calls compiled code makes around its exchanges (flux_cp/overlap.py): the carveout is set from the first
-    exchange launched until the last one is waited for, and a stray wait does not unbalance the count."""
-    from flux_cp.overlap import exchange_started, exchange_waited
-
-    try:
-        exchange_waited()
-        assert torch._C._get_sm_carveout_experimental() is None
-        exchange_started(8)
-        exchange_started(8)
-        assert torch._C._get_sm_carveout_experimental() == 8
-        exchange_waited()
-        assert torch._C._get_sm_carveout_experimental() == 8
-        exchange_waited()
-        assert torch._C._get_sm_carveout_experimental() is None
-        exchange_started(4)
-        assert torch._C._get_sm_carveout_experimental() == 4
-    finally:
-        exchange_waited()
-    assert torch._C._get_sm_carveout_experimental() is None
+def test_tuning_refuses_unknown_kernels_and_chunk_counts():
+    with pytest.raises(ValueError, match="unknown attention kernels fast; choose from cpu_flash, cudnn, efficient"):
+        Tuning(kernels=("cudnn", "fast"))
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="ulysses_chunks must be a whole number >= 1"):
+            Tuning(ulysses_chunks=bad)

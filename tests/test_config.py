@@ -71,6 +71,12 @@ def test_sections_built_in_code_have_the_flag_defaults():
         (["--collective_timeout", "0"], "--collective_timeout 0 is out of range: it must be > 0"),
         (["--dataset_name", "/no/such/folder"], "--dataset_name /no/such/folder: no such folder"),
         (["--resume_from_checkpoint", "/no/such/ckpt"], "--resume_from_checkpoint /no/such/ckpt: no such checkpoint"),
+        (
+            ["--cp_kernels", "cudnn,fast"],
+            "--cp_kernels 'cudnn,fast': unknown kernel fast; choose from cpu_flash, cudnn",
+        ),
+        (["--cp_ulysses_chunks", "0"], "--cp_ulysses_chunks 0 is out of range: it must be >= 1"),
+        (["--cp_overlap", "scheduler", "--cp_exchange_first"], "--cp_exchange_first is added beside the reordering"),
     ],
 )
 def test_flag_checks_name_the_flag(argv, message):
@@ -161,3 +167,21 @@ def test_push_to_hub_without_any_token_is_refused_at_start(monkeypatch, tmp_path
     monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path / "still-none"))
     monkeypatch.setenv("HF_TOKEN", "hf_env")
     parse_config(["--push_to_hub"])
+
+
+def test_cp_tuning_flags_are_typed_recorded_and_become_the_cp_tuning():
+    """The CP tuning is flags, not environment variables: in --help, in every run's recorded flags (run_config.json,
+    checkpoints' meta, trackers: `Config.flat`), and handed to cp as one `cp.Tuning`."""
+    import cp
+
+    default = parse_config([])
+    assert default.cp_tuning.tuning() == cp.Tuning()
+    recorded = default.flat()
+    assert {k: recorded[k] for k in ("cp_kernels", "cp_overlap", "cp_exchange_first", "cp_ulysses_chunks")} == {
+        "cp_kernels": None, "cp_overlap": "fill", "cp_exchange_first": False, "cp_ulysses_chunks": 1,
+    }  # fmt: skip
+    argv = ["--cp_kernels", "flash, math", "--cp_overlap", "none", "--cp_exchange_first", "--cp_ulysses_chunks", "2"]
+    cfg = parse_config(argv)
+    assert cfg.flat()["cp_kernels"] == "flash,math"
+    assert cfg.cp_tuning.tuning() == cp.Tuning(("flash", "math"), "none", True, 2)
+    assert "advanced: CP tuning" in build_parser().format_help()

@@ -30,6 +30,8 @@ def _attention_errors(rank: int, world: int, seq_per_rank: int) -> dict:
     group = dist.group.WORLD
     heads, head_dim, batch = 2 * world, 16, 2
     errors = {}
+    # the hybrid mode's sub-groups are made with its context, by every rank at the same point
+    hybrid = {u: cp.CPContext(group, mode, u) for mode, u in _modes(world) if mode == "hybrid"}
     for dtype in (torch.float64, torch.float32):
         for mode, u in _modes(world):
             # Fresh inputs per case, identical on every rank (same seed), non-trivial scale.
@@ -42,7 +44,10 @@ def _attention_errors(rank: int, world: int, seq_per_rank: int) -> dict:
             ref_out.backward(dout)
 
             local = [cp.shard(t.to(dtype), 1, group).requires_grad_(True) for t in (q, k, v)]
-            out = cp.attention(*local, group=group, mode=mode, ulysses_size=u)
+            if mode == "hybrid":
+                out = cp.attention(*local, context=hybrid[u])
+            else:  # a plain group: the context is made on the fly
+                out = cp.attention(*local, group=group, mode=mode, ulysses_size=u)
             out.backward(cp.shard(dout.to(dtype), 1, group))
 
             pairs = [(out, ref_out)] + [(t.grad, r.grad) for t, r in zip(local, ref)]
@@ -130,6 +135,25 @@ def test_bad_configurations_raise_value_errors_without_communicating():
         assert "unknown CP mode 'sideways'" in messages[2]
         assert "same shape" in messages[3]
         assert "5 is not divisible by the context-parallel size 2" in messages[4]
+
+
+def _hybrid_over_a_plain_group(rank: int, world: int) -> list[str]:
+    x = torch.randn(1, 4, 2, 8)
+    messages = []
+    try:
+        cp.attention(x, x, x, group=dist.group.WORLD, mode="hybrid", ulysses_size=1)
+    except ValueError as e:
+        messages.append(str(e))
+    ctx = cp.CPContext(dist.group.WORLD, "hybrid", 1)  # every rank at the same point: the sub-groups are made
+    messages.append(f"{ctx.ulysses_group.size()} {ctx.ring_group.size()}")
+    return messages
+
+
+def test_hybrid_over_a_plain_group_asks_for_a_context():
+    """The hybrid mode's sub-groups are created by a collective over every rank: never inside an attention call."""
+    for messages in distributed.run(_hybrid_over_a_plain_group, 2, timeout=60):
+        assert len(messages) == 2 and "build cp.CPContext(group, mode='hybrid', ulysses_size=1)" in messages[0]
+        assert messages[1] == "1 2", messages
 
 
 def test_validate_rejects_ulysses_size_not_dividing_group():

@@ -21,26 +21,24 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
 
 
-def _compiled_attention_errors(rank: int, world: int, cases: list[tuple[str, int | None, int, str]]) -> dict:
-    """Compiled against eager for each (mode, ulysses_size, FLUX_CP_ULYSSES_CHUNKS, FLUX_CP_GRAD_EXCHANGE). Chunked
-    cases run at batch 1, the layout in which the exchanges and the kernel share memory without a copy."""
-    import os
-
+def _compiled_attention_errors(rank: int, world: int, cases: list[tuple[str, int | None, int]]) -> dict:
+    """Compiled against eager for each (mode, ulysses_size, Ulysses head chunks), each with its own `CPContext`.
+    Chunked cases run at batch 1, the layout in which the exchanges and the kernel share memory without a copy."""
     group = dist.group.WORLD
     errors = {}
-    for mode, u, chunks, grad_exchange in cases:
-        os.environ["FLUX_CP_ULYSSES_CHUNKS"] = str(chunks)
-        os.environ["FLUX_CP_GRAD_EXCHANGE"] = grad_exchange
-        os.environ["FLUX_CP_EXCHANGE_FIRST"] = "1" if chunks > 1 else "0"  # the pipeline's head starts (no-op on CPU)
-        key = (mode, u, chunks, grad_exchange)
+    for mode, u, chunks in cases:
+        # the pipeline's head starts with the chunks (no-op on CPU)
+        tuning = cp.Tuning(ulysses_chunks=chunks, exchange_first=chunks > 1)
+        context = cp.CPContext(group, mode, u, tuning=tuning)
+        key = (mode, u, chunks)
         g = torch.Generator().manual_seed(len(errors))
         shape = (2 if chunks == 1 else 1, 3 * world, 4 * world, 8)  # [batch, seq, heads, head_dim], full sequence
         full = [torch.randn(shape, generator=g, dtype=torch.float32) for _ in range(4)]
         q, k, v, dout = (cp.shard(t, 1, group) for t in full)
 
-        def step(fn, q=q, k=k, v=v, dout=dout, mode=mode, u=u):
+        def step(fn, q=q, k=k, v=v, dout=dout, context=context):
             leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
-            out = fn(*leaves, group=group, mode=mode, ulysses_size=u)
+            out = fn(*leaves, context=context)
             out.backward(dout)
             return [out.detach()] + [t.grad for t in leaves]
 
@@ -51,18 +49,17 @@ def _compiled_attention_errors(rank: int, world: int, cases: list[tuple[str, int
         errors[key] = max(_rel(a, b) for a, b in zip(compiled, eager))
         # the compiler saw the CP attention itself, not a call it could not look into
         code = "".join(gm.code for gm in backend.graphs)
-        errors[(*key, "traced")] = "flux_cp.ring_attention" in code and (mode == "ring" or "all_to_all" in code)
+        errors[(*key, "traced")] = "ops.cp.ring_attention" in code and (mode == "ring" or "all_to_all" in code)
     return errors
 
 
 def test_attention_compiles_fullgraph_and_equals_eager():
-    """Ring, Ulysses, and Ulysses in 2 and 4 head chunks (the first chunk's gradients of q, k, v exchanged as one, or
-    not)."""
+    """Ring, Ulysses, and Ulysses in 2 and 4 head chunks."""
     cases = [
-        ("ring", None, 1, "separate"),
-        ("ulysses", None, 1, "separate"),
-        ("ulysses", None, 2, "joint"),
-        ("ulysses", None, 4, "separate"),
+        ("ring", None, 1),
+        ("ulysses", None, 1),
+        ("ulysses", None, 2),
+        ("ulysses", None, 4),
     ]
     for errs in distributed.run(_compiled_attention_errors, 2, cases):
         for case in cases:
@@ -71,8 +68,8 @@ def test_attention_compiles_fullgraph_and_equals_eager():
 
 
 def test_hybrid_attention_compiles_fullgraph_and_equals_eager():
-    """Hybrid (Ulysses over 2, a ring over 2), in one head chunk and in 2 (compiled only; eager uses one)."""
-    cases = [("hybrid", 2, 1, "separate"), ("hybrid", 2, 2, "separate")]
+    """Hybrid (Ulysses over 2, a ring over 2), in one head chunk and in 2."""
+    cases = [("hybrid", 2, 1), ("hybrid", 2, 2)]
     for errs in distributed.run(_compiled_attention_errors, 4, cases, timeout=300):
         for case in cases:
             assert errs[(*case, "traced")] and errs[case] < 1e-6, (case, errs)
@@ -86,27 +83,25 @@ def _pipeline_order_in(world: int, chunks: int) -> dict:
     """Compile Ulysses attention with Inductor and the trainer's passes, in `chunks` head chunks, and read the
     generated code of the forward and the backward: for each attention kernel, whether an exchange is in flight
     beside it (launched before it, waited for after it); and whether the outputs and gradients equal eager."""
-    import os
-
     from torch._inductor.utils import run_and_get_code
 
-    from flux_cp.blocks import inductor_options
+    from cp.schedule import inductor_options
 
-    os.environ["FLUX_CP_ULYSSES_CHUNKS"] = str(chunks)
     group = dist.group.WORLD
+    context = cp.CPContext(group, "ulysses", tuning=cp.Tuning(ulysses_chunks=chunks))
     g = torch.Generator().manual_seed(0)
     full = [torch.randn(1, 4 * world, 4 * world, 8, generator=g) for _ in range(4)]  # [batch, seq, heads, dim]
     q, k, v, dout = (cp.shard(t, 1, group) for t in full)
 
     def step(fn):
         leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
-        out = fn(*leaves, group=group, mode="ulysses")
+        out = fn(*leaves, context=context)
         out.backward(dout)
         return [out.detach()] + [t.grad for t in leaves]
 
     eager = step(cp.attention)
     torch._dynamo.reset()  # the chunk count is read while tracing
-    options = {**inductor_options(None, "fill", cp=world), "fx_graph_cache": False}  # a cached graph skips the passes
+    options = {**inductor_options(None, cp.Tuning(), world), "fx_graph_cache": False}  # a cached graph skips passes
     compiled, codes = run_and_get_code(step, torch.compile(cp.attention, fullgraph=True, options=options))
     graphs = []
     for code in codes:
@@ -116,7 +111,7 @@ def _pipeline_order_in(world: int, chunks: int) -> dict:
                 events.append("launch")
             elif line.startswith("torch.ops._c10d_functional.wait_tensor."):
                 events.append("wait")
-            elif "= torch.ops.flux_cp.ring_attention" in line:
+            elif "= torch.ops.cp.ring_attention" in line:
                 events.append("attention")
         beside, in_flight = [], False
         for e in events:
@@ -140,20 +135,21 @@ def test_compiled_head_chunks_pipeline_the_exchanges():
 
 def _compiled_block_errors(rank: int, world: int, mode: str) -> dict:
     """A tiny Flux double block (text and image streams, RoPE, LoRA) with CP, `torch.compile(fullgraph=True)` with
-    Inductor, the FLUX_CP_OVERLAP=fill scheduling pass, the SM carveout beside the exchanges
-    (FLUX_CP_SM_CARVEOUT=8) and the exchanges' head start (FLUX_CP_EXCHANGE_FIRST=1), against the same block in
-    eager mode: outputs and every parameter gradient
-    (all-reduced over the group); and where the generated code sets and clears the carveout. The trainer test
-    compiles every block with the default passes (tests/test_train.py)."""
+    Inductor, the `fill` scheduling pass and the exchanges' head starts (`Tuning.exchange_first`), against the same
+    block in eager mode: outputs and every parameter gradient (all-reduced over the group); what the passes did (from
+    their log records) and where the generated code gives each exchange its head start. The trainer test compiles
+    every block with the default passes (tests/test_train.py)."""
+    import logging
+
     from torch._inductor.utils import run_and_get_code
 
-    from flux_cp import overlap
-    from flux_cp.blocks import inductor_options
+    from cp.schedule import inductor_options
     from tests.distributed import HEADS, flux_inputs, flux_model
 
     group = dist.group.WORLD
+    tuning = cp.Tuning(exchange_first=True)
     model = flux_model()
-    cp.apply_context_parallel(model, group, mode=mode)
+    cp.apply_context_parallel(model, cp.CPContext(group, mode, tuning=tuning))
     inputs = flux_inputs(batch=1)
     hidden = cp.shard(model.x_embedder(inputs["hidden_states"]), 1, group).detach()
     text = cp.shard(model.context_embedder(inputs["encoder_hidden_states"]), 1, group).detach()
@@ -175,52 +171,50 @@ def _compiled_block_errors(rank: int, world: int, mode: str) -> dict:
                 grads[n] = g
         return [hid.detach(), enc.detach()], grads
 
+    class Records(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.DEBUG)
+            self.messages: list[str] = []
+
+        def emit(self, record):
+            self.messages.append(record.getMessage())
+
+    records = Records()
+    log = logging.getLogger("cp.schedule")
+    log.addHandler(records)
+    log.setLevel(logging.DEBUG)
     eager_out, eager_grads = run(block)
     torch._dynamo.reset()
-    options = {
-        **inductor_options(None, "fill", sms=8, first=True),
-        "fx_graph_cache": False,
-    }  # a cached graph skips the passes
+    options = {**inductor_options(None, tuning, world), "fx_graph_cache": False}  # a cached graph skips the passes
     (compiled_out, compiled_grads), codes = run_and_get_code(run, torch.compile(block, fullgraph=True, options=options))
     assert eager_grads.keys() == compiled_grads.keys() and eager_grads
+    fills = [m for m in records.messages if m.startswith("overlap fill:")]
+    marked = [int(m.split()[4]) for m in records.messages if m.startswith("exchange_first: head starts after")]
     return {
-        **overlap.STATS,
-        "carveout": _carveout_calls(codes),
-        "carveout_after": torch._C._get_sm_carveout_experimental(),
+        "graphs": len(fills),
+        "placed": sum(int(m.split()[2]) for m in fills),
+        "marked": sum(marked),
+        "head_starts": _head_starts(codes),
         "out": max(_rel(a, b) for a, b in zip(compiled_out, eager_out)),
         "grad": max(_rel(compiled_grads[n], eager_grads[n]) for n in eager_grads),
         "n_grads": len(eager_grads),
     }
 
 
-def _carveout_calls(codes: list[str]) -> dict:
-    """In generated code: whether every exchange is followed by `exchange_started(8, True)` and every wait preceded
-    by `exchange_waited()` and followed by `exchange_done()`, and how many products are launched in between (with
-    the carveout set)."""
-    counts = {
-        "exchanges": 0,
-        "started_after_each": True,
-        "waited_before_each": True,
-        "done_after_each": True,
-        "products_beside": 0,
-    }
+def _head_starts(codes: list[str]) -> dict:
+    """In generated code: whether every exchange and every wait is followed by `head_start()`, and whether the code
+    imports anything of flux_cp."""
+    counts = {"exchanges": 0, "after_each_exchange": True, "after_each_wait": True, "flux_cp": False}
     for code in codes:
+        counts["flux_cp"] |= "flux_cp" in code
         lines = [line.strip() for line in code.splitlines()]
         lines = [line for line in lines if line and not line.startswith(("#", "assert_"))]
-        carved = False
         for i, line in enumerate(lines):
             if "= torch.ops._c10d_functional.all_to_all_single." in line:
                 counts["exchanges"] += 1
-                counts["started_after_each"] &= lines[i + 1].endswith("exchange_started(8, True)")
+                counts["after_each_exchange"] &= lines[i + 1] == "from cp.comm import head_start; head_start()"
             elif line.startswith("torch.ops._c10d_functional.wait_tensor."):
-                counts["waited_before_each"] &= lines[i - 1].endswith("exchange_waited()")
-                counts["done_after_each"] &= lines[i + 1].endswith("exchange_done()")
-            elif line.endswith("exchange_started(8, True)"):
-                carved = True
-            elif line.endswith("exchange_waited()"):
-                carved = False
-            elif carved and "mm(" in line:
-                counts["products_beside"] += 1
+                counts["after_each_wait"] &= lines[i + 1] == "from cp.comm import head_start; head_start()"
     return counts
 
 
@@ -228,10 +222,9 @@ def test_flux_block_compiles_fullgraph_with_inductor_and_equals_eager():
     for r in distributed.run(_compiled_block_errors, 2, "ulysses", timeout=600):
         assert r["n_grads"] >= 8, r
         assert r["graphs"] == 2 and r["placed"] > 0, r  # the pass reordered the forward and the backward
-        assert r["marked"] == r["carveout"]["exchanges"] > 0, r  # both graphs' exchanges, forward and backward
-        assert r["carveout"]["started_after_each"] and r["carveout"]["waited_before_each"], r
-        assert r["carveout"]["done_after_each"], r
-        assert r["carveout"]["products_beside"] > 0 and r["carveout_after"] is None, r
+        assert r["marked"] == r["head_starts"]["exchanges"] > 0, r  # both graphs' exchanges, forward and backward
+        assert r["head_starts"]["after_each_exchange"] and r["head_starts"]["after_each_wait"], r
+        assert not r["head_starts"]["flux_cp"], r  # the generated code needs cp alone
         assert r["out"] < 1e-5 and r["grad"] < 1e-4, r
 
 
@@ -245,11 +238,11 @@ def test_compiled_backward_keeps_no_tensor_of_a_forward(monkeypatch):
         return out, lse, (torch.ones(2, dtype=torch.int64), None, 7)
 
     monkeypatch.setitem(kernels.KERNELS, "probe", kernels.Kernel("probe", forward, kernels._math_backward))
-    monkeypatch.setenv("FLUX_CP_KERNELS", "probe")
+    choice = kernels.KernelChoice(("probe",))
     q, k, v = (torch.randn(1, 2, 5, 4) for _ in range(3))
-    kernels.forward(q, k, v, 0.5)
-    kept = kernels._LAST[kernels._shape_key(q, k)]
+    choice.forward(q, k, v, 0.5)
+    kept = choice._last[kernels._shape_key(q, k)]
     assert not any(isinstance(a, torch.Tensor) for a in kept[1]), kept
-    kernel, aux = kernels.used_for(q, k)
+    kernel, aux = choice.used_for(q, k)
     assert kernel.name == "probe" and aux[1:] == (None, 7)
     assert torch.equal(aux[0], torch.zeros(2, dtype=torch.int64))

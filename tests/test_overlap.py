@@ -1,4 +1,4 @@
-"""The scheduling pass of FLUX_CP_OVERLAP=fill (flux_cp/overlap.py) on a schedule shaped like a single Flux block's
+"""The scheduling pass of `--cp_overlap fill` (cp/schedule.py) on a schedule shaped like a single Flux block's
 backward at FLUX.1 width: the order stays a valid one, and compute that needs no exchange moves beside each
 exchange. The pass inside Inductor, with exactness: tests/test_cp_compile.py."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from flux_cp import overlap
+from cp import schedule as overlap
 
 
 @dataclass(eq=False)
@@ -113,7 +113,7 @@ def test_fill_stops_once_an_exchange_is_covered():
 
 def test_fill_exchanges_keeps_inductors_order_when_its_ir_changes(caplog):
     nodes = [object(), object()]
-    with caplog.at_level(logging.WARNING, logger="flux_cp.overlap"):
+    with caplog.at_level(logging.WARNING, logger="cp.schedule"):
         assert overlap.fill_exchanges(nodes) is nodes
     assert "kept Inductor's order" in caplog.text
 
@@ -136,11 +136,11 @@ def test_the_cost_model_counts_the_attention_ops():
     short kernel and leave exchanges beside it counted as exposed (b=1, 12 heads, 16,896 tokens, head_dim 128)."""
     import torch
 
-    import cp.ops  # noqa: F401 - registers torch.ops.flux_cp
+    import cp.ops  # noqa: F401 - registers torch.ops.cp
 
     x = _Buffer(1, 12, 16896, 128)
-    forward = overlap._attention_flops(_Op(torch.ops.flux_cp.ring_attention.default, x, x, x))
-    backward = overlap._attention_flops(_Op(torch.ops.flux_cp.ring_attention_backward.default, x, x, x, x, x))
+    forward = overlap._attention_flops(_Op(torch.ops.cp.ring_attention.default, x, x, x))
+    backward = overlap._attention_flops(_Op(torch.ops.cp.ring_attention_backward.default, x, x, x, x, x))
     assert forward == 4 * 12 * 16896**2 * 128 and backward == 2.5 * forward
     assert 2e-3 < forward / overlap.FLOPS_PER_S < 4e-3  # measured on one H200: 2.7 ms
     assert overlap._attention_flops(_Op(torch.ops.aten.mm.default, x, x)) == 0

@@ -61,7 +61,7 @@ def test_compiled_blocks_train_like_eager_with_cp(tmp_path, accumulated):
     breaks = re.findall(r"Graph break in user code at (\S+)", compiled.stderr)
     assert not breaks, breaks
     # the graphs dynamo produced hold the CP attention: its exchange and its attention op
-    assert "flux_cp.ring_attention" in compiled.stderr and "all_to_all_single" in compiled.stderr
+    assert "ops.cp.ring_attention" in compiled.stderr and "all_to_all_single" in compiled.stderr
     assert_same_trajectory(accumulated / "cp2", tmp_path / "compiled")
 
 

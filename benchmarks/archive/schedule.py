@@ -22,8 +22,9 @@ import torch
 
 import cp
 from benchmarks.common import init
-from flux_cp import overlap
-from flux_cp.blocks import checkpoint_inside, inductor_options
+from cp import schedule as overlap
+from cp.schedule import inductor_options
+from flux_cp.blocks import checkpoint_inside
 
 
 def recorder(graphs: list, cp: int) -> Callable:

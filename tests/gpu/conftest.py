@@ -24,4 +24,3 @@ def one_rank_group():
     dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
     yield dist.group.WORLD
     dist.destroy_process_group()
-    torch._C._set_sm_carveout_experimental(None)

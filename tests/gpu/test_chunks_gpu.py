@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cp import kernels
+from cp import Tuning, kernels
+from cp.schedule import inductor_options
 from cp.ulysses import ulysses_traced
-from flux_cp.blocks import inductor_options
 
 pytestmark = [
     pytest.mark.gpu,
@@ -21,18 +21,18 @@ pytestmark = [
 @pytest.mark.parametrize(
     "chunks, mode", [(1, None), (2, None), (4, None), (2, "reduce-overhead")], ids=["1", "2", "4", "2-cudagraphs"]
 )
-def test_compiled_head_chunks_match_fp32_attention(one_rank_group, chunks, mode, monkeypatch):
-    """In 1, 2 and 4 chunks with the head start (FLUX_CP_EXCHANGE_FIRST=1), and in 2 as CUDA graphs (the trainer's
+def test_compiled_head_chunks_match_fp32_attention(one_rank_group, chunks, mode):
+    """In 1, 2 and 4 chunks with the head start (`--cp_exchange_first`), and in 2 as CUDA graphs (the trainer's
     --compile_mode reduce-overhead), whose third call replays the recorded graphs."""
-    monkeypatch.setenv("FLUX_CP_ULYSSES_CHUNKS", str(chunks))
-    monkeypatch.setenv("FLUX_CP_EXCHANGE_FIRST", "1")
     g = torch.Generator(device="cuda").manual_seed(chunks)
     q, k, v, dout = (torch.randn(1, 4608, 24, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in "qkvd")
     scale = 128**-0.5
-    options = {**inductor_options(mode, "fill", cp=2, first=True), "fx_graph_cache": False}
+    options = {**inductor_options(mode, Tuning(exchange_first=True), 2), "fx_graph_cache": False}
     torch._dynamo.reset()
     attention = torch.compile(
-        lambda a, b, c: ulysses_traced(a, b, c, one_rank_group, 1, scale), fullgraph=True, options=options
+        lambda a, b, c: ulysses_traced(a, b, c, one_rank_group, 1, scale, "", chunks, "", True),
+        fullgraph=True,
+        options=options,
     )
     for _ in range(3 if mode else 1):
         torch.compiler.cudagraph_mark_step_begin()

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -63,10 +64,10 @@ def _bf16_attention(rank: int, world: int, seq: int) -> dict:
         result[mode] = max(_rel(a, b) for a, b in zip(eager, ref_local))
         result[f"{mode}_compiled_vs_eager"] = max(_rel(a, b) for a, b in zip(compiled, eager))
         if mode == "ulysses":  # compiled in 2 head chunks, each exchanged and attended on its own
-            os.environ["FLUX_CP_ULYSSES_CHUNKS"] = "2"
+            context = cp.CPContext(group, "ulysses", tuning=cp.Tuning(ulysses_chunks=2))
             torch._dynamo.reset()
-            chunked = grads(torch.compile(attn, fullgraph=True), torch.bfloat16, *local)
-            os.environ.pop("FLUX_CP_ULYSSES_CHUNKS")
+            chunked = grads(torch.compile(functools.partial(cp.attention, context=context), fullgraph=True),
+                            torch.bfloat16, *local)  # fmt: skip
             result["ulysses_chunks2_compiled_vs_eager"] = max(_rel(a, b) for a, b in zip(chunked, eager))
     result["kernels"] = cp.kernels.chosen_kernels()
     return result

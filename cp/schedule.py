@@ -1,14 +1,14 @@
-"""An Inductor scheduling pass that puts compute beside the CP exchanges of a compiled block
-(`FLUX_CP_OVERLAP=fill`, the default).
+"""How a compiled block orders its CP exchanges against its compute: the Inductor options for each
+`Tuning.overlap` (`inductor_options`), and our own scheduling pass (`fill`, the default).
 
 A block's backward comes out of AOTAutograd in autograd's order: in a single block the attention branch (later in
 the forward) first, with its four all-to-alls, then the feed-forward branch, which needs none of them. Inductor's
 own passes only move a collective and its wait within that order, so on the GPU the exchanges ran with nothing
-beside them while the feed-forward backward waited behind them (benchmarks/NOTES.md). This pass walks the schedule
-and, right after each collective is issued, places compute that is ready (all its inputs computed), in schedule
-order, until a cost model says the exchange is covered; waits, collectives and everything else keep their order.
-Two policies are tried (take what is ready next; or leave a node much longer than the exchange for a later one),
-and the order whose exchanges the model finds least exposed is kept, Inductor's own order included. Only the
+beside them while the feed-forward backward waited behind them (benchmarks/NOTES.md). `fill_exchanges` walks the
+schedule and, right after each collective is issued, places compute that is ready (all its inputs computed), in
+schedule order, until a cost model says the exchange is covered; waits, collectives and everything else keep their
+order. Two policies are tried (take what is ready next; or leave a node much longer than the exchange for a later
+one), and the order whose exchanges the model finds least exposed is kept, Inductor's own order included. Only the
 order changes, never what is computed, so results are the same to the bit.
 
 The cost model is ours rather than Inductor's, so that the order is the same on any device: an exchange moves
@@ -18,23 +18,22 @@ exchange between two GPUs, bf16 dense peak, HBM bandwidth). `benchmarks/schedule
 
 Placing compute beside an exchange is not enough on its own: a matrix product's kernel takes every streaming
 multiprocessor (SM) until it ends, so an exchange kernel that becomes ready together with it waits for its end,
-even when launched first (`benchmarks/probe_sms.py`). `around_exchanges` offers two remedies: with
-`FLUX_CP_EXCHANGE_FIRST=1` the compute stream yields a moment after each exchange's launch and wait, so that the
-exchange kernel is dispatched first and the product runs beside it on the other SMs; with `FLUX_CP_SM_CARVEOUT=N`
-the products launched while an exchange is in flight leave N SMs free (torch's SM carveout, which cuBLASLt honours
-and cuBLAS ignores), and no other product.
+even when launched first (`benchmarks/probe_sms.py`). With `Tuning.exchange_first`, `head_starts` makes the
+generated code call `cp.comm.head_start` after each exchange's launch and wait, so that the exchange kernel is
+dispatched first and the product runs beside it on the other SMs.
+
+The generated code imports nothing but torch and `cp`.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from functools import partial
 from typing import Any, NamedTuple
 
-import torch
-
-from cp.comm import head_start
+from .context import Tuning
 
 EXCHANGE_BYTES_PER_S = 190e9
 EXCHANGE_LATENCY_S = 15e-6
@@ -56,7 +55,7 @@ def _bytes(snode) -> int:
 
 # FLOPs of the CP attention ops per batch x head x query x key x head_dim: the two products of the forward; the
 # backward's five (it recomputes the scores), about what cuDNN's kernels take on an H200 (2.8x the forward).
-ATTENTION_FLOPS = {"flux_cp::ring_attention": 4, "flux_cp::ring_attention_backward": 10}
+ATTENTION_FLOPS = {"cp::ring_attention": 4, "cp::ring_attention_backward": 10}
 
 
 def _size(x) -> int:
@@ -79,7 +78,7 @@ def _attention_flops(ir_node) -> float:
     group_name = next((a for a in ir_node.constant_args if isinstance(a, str)), "")
     ring = 1
     if group_name:
-        from cp.ops import group_by_name
+        from .ops import group_by_name
 
         ring = group_by_name(group_name).size()
     return float(ATTENTION_FLOPS[name] * b * h * s * _size(k.get_size()[2]) * ring * d)
@@ -124,22 +123,17 @@ def fill_exchanges(snodes: list, cp: int = 2) -> list:
         after, order, placed = min(scored, key=lambda c: c[0])
         before = scored[0][0]
     except Exception as e:  # Inductor's scheduler IR is internal and changes: never fail a compile over an order
-        log.warning("FLUX_CP_OVERLAP=fill: kept Inductor's order (%s: %s)", type(e).__name__, e)
+        log.warning("overlap fill: kept Inductor's order (%s: %s)", type(e).__name__, e)
         return snodes
-    STATS["graphs"] += 1
-    STATS["placed"] += placed
-    if placed:
-        log.info(
-            "FLUX_CP_OVERLAP=fill: %d nodes moved beside the exchanges of a compiled graph (exposed by the cost "
-            "model: %.0f -> %.0f us)",
-            placed,
-            before * 1e6,
-            after * 1e6,
-        )
+    log.log(
+        logging.INFO if placed else logging.DEBUG,
+        "overlap fill: %d nodes moved beside the exchanges of a compiled graph (exposed by the cost model: %.0f -> "
+        "%.0f us)",
+        placed,
+        before * 1e6,
+        after * 1e6,
+    )
     return order
-
-
-STATS = {"graphs": 0, "placed": 0, "marked": 0}  # what the passes did in this process (tests read it)
 
 
 def exposed(order: list, kinds: NodeKinds) -> float:
@@ -200,15 +194,10 @@ def fill(nodes: list, kinds: NodeKinds, overshoot: float | None = None) -> tuple
     return order, moved
 
 
-def around_exchanges(snodes: list, sms: int = 0, first: bool = False) -> list:
-    """An Inductor pass, after `fill_exchanges`, that changes no order: the generated code calls
-    `exchange_started` right after launching each collective and `exchange_waited` / `exchange_done` right
-    before / after each wait. With `sms`, the products launched in between (on the GPU, beside the exchange) leave
-    that many SMs free for it (FLUX_CP_SM_CARVEOUT); with `first`, the compute stream yields a moment after each
-    launch and wait, so that a ready exchange kernel is dispatched before the compute behind it
-    (FLUX_CP_EXCHANGE_FIRST, `cp.comm.head_start`)."""
-    if not (sms or first):
-        return snodes
+def head_starts(snodes: list) -> list:
+    """An Inductor pass, after the reordering ones, that changes no order: the generated code calls
+    `cp.comm.head_start` right after launching each collective and right after each wait (`Tuning.exchange_first`),
+    so that a ready exchange kernel is dispatched before the compute behind it."""
     try:
         from torch._inductor.utils import contains_collective, contains_wait
 
@@ -216,62 +205,60 @@ def around_exchanges(snodes: list, sms: int = 0, first: bool = False) -> list:
         waits = [n for n in snodes if contains_wait(n) and not contains_collective(n)]
         if len(starts) != len(waits):
             raise ValueError(f"{len(starts)} collectives against {len(waits)} waits")
-        for node in starts:
-            _write_around(node, after=f"exchange_started({int(sms)}, {bool(first)})")
-        for node in waits:
-            _write_around(node, before="exchange_waited()" if sms else "", after="exchange_done()" if first else "")
+        for node in starts + waits:
+            _call_after(node, "head_start")
     except Exception as e:  # Inductor's scheduler IR is internal: never fail a compile over these calls
-        log.warning(
-            "FLUX_CP_SM_CARVEOUT / FLUX_CP_EXCHANGE_FIRST: left out of a compiled graph (%s: %s)", type(e).__name__, e
-        )
+        log.warning("exchange_first: left out of a compiled graph (%s: %s)", type(e).__name__, e)
         return snodes
-    STATS["marked"] += len(starts)
+    log.debug("exchange_first: head starts after %d exchanges and their waits", len(starts))
     return snodes
 
 
-def _write_around(snode, before: str = "", after: str = "") -> None:
-    """Make a scheduler node's code generation write a line calling `before` / `after` (calls of this module).
-    The IR node's `codegen` is the one every Inductor version calls for an extern kernel."""
+def _call_after(snode, name: str) -> None:
+    """Make a scheduler node's code generation write a line calling `cp.comm.<name>()` after the node's own. The IR
+    node's `codegen` is the one every Inductor version calls for an extern kernel."""
     node = snode.node
     codegen = node.codegen
 
-    def call(line: str) -> str:
-        return f"from flux_cp.overlap import {line.split('(')[0]}; {line}"
-
-    def with_calls(wrapper) -> None:
-        if before:
-            wrapper.writeline(call(before))
+    def with_call(wrapper) -> None:
         codegen(wrapper)
-        if after:
-            wrapper.writeline(call(after))
+        wrapper.writeline(f"from cp.comm import {name}; {name}()")
 
-    node.codegen = with_calls
-
-
-_in_flight = 0  # exchanges launched and not yet waited for, as the generated code runs
+    node.codegen = with_call
 
 
-def exchange_started(sms: int = 0, first: bool = False) -> None:
-    """Called by compiled code after it launches an exchange: products from here leave `sms` SMs free; with
-    `first`, the compute stream yields so that the exchange kernel starts before the next compute kernel."""
-    global _in_flight
-    if first:
-        head_start()
-    if not sms:
-        return
-    _in_flight += 1
-    if _in_flight == 1:
-        torch._C._set_sm_carveout_experimental(sms)
+def inductor_options(mode: str | None, tuning: Tuning | str = "fill", cp_size: int = 2) -> dict:
+    """Inductor options for a compiled block with CP exchanges over `cp_size` ranks: those of torch.compile's
+    `mode`, plus how the exchanges are ordered against compute, by `tuning.overlap` (a `Tuning`, or the overlap
+    alone):
 
+    - "fill" (the default) starts each exchange as soon as its input exists and adds `fill_exchanges`, which moves
+      ready compute, such as a block's feed-forward backward, beside each exchange by a cost model;
+    - "passes" starts each exchange as soon as its input exists and waits for it only where its output is first read;
+    - "compute" moves compute that does not need an exchange to run beside it, by Inductor's runtime estimates
+      (`reorder_compute_for_overlap`, which exist on GPUs only);
+    - "scheduler" is Inductor's estimate-driven overlap scheduler (GPU only);
+    - "none" keeps the graph's order.
 
-def exchange_done() -> None:
-    """Called by compiled code after it waits for an exchange: the next exchange may be ready at this moment too."""
-    head_start()
+    `tuning.exchange_first` adds `head_starts`. Without CP (`cp_size` 1) none of this applies."""
+    import torch._inductor
 
-
-def exchange_waited() -> None:
-    """Called by compiled code before it waits for an exchange: once none is in flight, products take every SM."""
-    global _in_flight
-    _in_flight = max(0, _in_flight - 1)
-    if _in_flight == 0:
-        torch._C._set_sm_carveout_experimental(None)
+    tuning = Tuning(overlap=tuning) if isinstance(tuning, str) else tuning
+    options = dict(torch._inductor.list_mode_options(mode)) if mode else {}
+    if cp_size <= 1:
+        return options
+    passes: list = []
+    if tuning.overlap == "passes":
+        passes = ["sink_waits", "raise_comms"]
+    elif tuning.overlap == "compute":
+        passes = ["reorder_compute_for_overlap"]
+    elif tuning.overlap == "fill":
+        passes = ["raise_comms", functools.partial(fill_exchanges, cp=cp_size)]
+    elif tuning.overlap == "scheduler":
+        options["aten_distributed_optimizations.enable_overlap_scheduling"] = True
+    if tuning.exchange_first:
+        passes.append(head_starts)
+    if passes:
+        options["reorder_for_compute_comm_overlap"] = True
+        options["reorder_for_compute_comm_overlap_passes"] = passes
+    return options

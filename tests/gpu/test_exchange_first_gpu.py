@@ -1,7 +1,6 @@
-"""FLUX_CP_SM_CARVEOUT and FLUX_CP_EXCHANGE_FIRST on a GPU, in a compiled graph: the products launched while an
-exchange is in flight leave SMs free (a smaller grid) and the other products do not; each exchange's launch and
-wait are followed by the short kernel that gives the exchange its head start. One GPU: a one-rank NCCL group still
-puts the exchange and its wait into the graph, which is all the passes look at."""
+"""`--cp_exchange_first` (`cp.Tuning.exchange_first`) on a GPU, in a compiled graph: each exchange's launch and wait
+are followed by the short kernel that gives the exchange its head start. One GPU: a one-rank NCCL group still puts
+the exchange and its wait into the graph, which is all the passes look at."""
 
 from __future__ import annotations
 
@@ -13,7 +12,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from flux_cp.blocks import inductor_options
+from cp import Tuning
+from cp.schedule import inductor_options
 
 pytestmark = [
     pytest.mark.gpu,
@@ -21,7 +21,7 @@ pytestmark = [
 ]
 
 
-def _kernels(sms: int, tmp_path, first: bool = False) -> list[tuple[str, int]]:
+def _kernels(tmp_path, first: bool = False) -> list[tuple[str, int]]:
     """The name and number of blocks of each kernel of one call, in launch order."""
 
     def f(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor):
@@ -34,7 +34,7 @@ def _kernels(sms: int, tmp_path, first: bool = False) -> list[tuple[str, int]]:
     x = torch.randn(8448, 3072, device="cuda", dtype=torch.bfloat16, generator=g)
     w1, w2 = (torch.randn(12288, 3072, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02 for _ in "12")
     b1, b2 = (torch.randn(12288, device="cuda", dtype=torch.bfloat16, generator=g) for _ in "12")
-    options = {**inductor_options(None, "fill", cp=2, sms=sms, first=first), "fx_graph_cache": False}
+    options = {**inductor_options(None, Tuning(exchange_first=first), 2), "fx_graph_cache": False}
     torch._dynamo.reset()
     compiled = torch.compile(f, fullgraph=True, options=options)
     for _ in range(3):
@@ -43,36 +43,15 @@ def _kernels(sms: int, tmp_path, first: bool = False) -> list[tuple[str, int]]:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         compiled(x, w1, b1, w2, b2)
         torch.cuda.synchronize()
-    path = tmp_path / f"trace_{sms}.json"
+    path = tmp_path / f"trace_{first}.json"
     prof.export_chrome_trace(str(path))
     events = json.loads(path.read_text())["traceEvents"]
     kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
     return [(e["name"], math.prod(e["args"]["grid"])) for e in kernels]
 
 
-def _product_grids(sms: int, tmp_path) -> list[tuple[str, int]]:
-    return [(name, blocks) for name, blocks in _kernels(sms, tmp_path) if "nvjet" in name]
-
-
-def test_only_products_beside_an_exchange_leave_sms_free(one_rank_group, tmp_path):
-    """Compiled without CUDA graphs (a graph keeps the grids it was captured with: benchmarks/probe_sms.py)."""
-    torch.backends.cuda.preferred_blas_library("cublaslt")  # as the trainer sets it with the carveout
-    try:
-        plain = _product_grids(0, tmp_path)
-        carved = _product_grids(8, tmp_path)
-    finally:
-        torch.backends.cuda.preferred_blas_library("cublas")
-    assert len(plain) == len(carved) == 2, (plain, carved)
-    (_, beside_plain), (_, after_plain) = plain  # launch order: `beside` inside the exchange, `after` past its wait
-    (_, beside_carved), (_, after_carved) = carved
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    assert beside_carved <= sms - 8 < beside_plain, (plain, carved)
-    assert after_carved == after_plain, (plain, carved)
-    assert torch._C._get_sm_carveout_experimental() is None
-
-
 def test_each_exchange_launch_and_wait_is_followed_by_a_head_start(one_rank_group, tmp_path):
-    names = [name for name, _ in _kernels(0, tmp_path, first=True)]
+    names = [name for name, _ in _kernels(tmp_path, first=True)]
     spins = [i for i, name in enumerate(names) if "sleep" in name.lower() or "spin" in name.lower()]
     assert len(spins) == 2, names  # one exchange: after its launch and after its wait
     products = [i for i, name in enumerate(names) if "nvjet" in name]
