@@ -1,23 +1,29 @@
-"""Exact context parallelism (ring, Ulysses, hybrid) for diffusion transformers, with Flux support.
+"""Exact context parallelism (ring, Ulysses, hybrid) for diffusion transformers, with FLUX.1 and FLUX.2 support.
 
 Public API: `CPContext` and `Tuning` (a CP group with its mode, kernels and tuning, built once at setup),
-`attention`, `shard`, `gather`, `FluxCPAttnProcessor`, `apply_context_parallel`, `remove_context_parallel`;
+`attention`, `shard`, `gather`; for diffusers' Flux transformers (`FluxTransformer2DModel`,
+`Flux2Transformer2DModel`) `apply_context_parallel`, `remove_context_parallel`, `full_sequence_io` and the
+processors (`FluxCPAttnProcessor`; `Flux2CPAttnProcessor`, `Flux2CPParallelSelfAttnProcessor`);
 `cp.schedule` orders a compiled block's exchanges against its compute. The attention core needs only torch; the
-Flux pieces import diffusers when first used.
+model pieces import diffusers when first used.
 """
 
 from .attention import attention, validate
 from .comm import check_divisible, gather, group_rank, group_size, shard
 from .context import MODES, CPContext, Tuning
 
-_FLUX = ("FluxCPAttnProcessor", "apply_context_parallel", "remove_context_parallel", "full_sequence_io")
+# name -> the module that defines it, imported on first use (it imports diffusers)
+_LAZY = {
+    "apply_context_parallel": "processor", "remove_context_parallel": "processor", "full_sequence_io": "processor",
+    "FluxCPAttnProcessor": "flux", "Flux2CPAttnProcessor": "flux2", "Flux2CPParallelSelfAttnProcessor": "flux2",
+}  # fmt: skip
 
 
 def __getattr__(name: str):
-    if name in _FLUX:
-        from . import flux
+    if name in _LAZY:
+        import importlib
 
-        return getattr(flux, name)
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
     raise AttributeError(f"module 'cp' has no attribute {name!r}")
 
 
@@ -25,6 +31,8 @@ __all__ = [
     "MODES",
     "CPContext",
     "Tuning",
+    "Flux2CPAttnProcessor",
+    "Flux2CPParallelSelfAttnProcessor",
     "FluxCPAttnProcessor",
     "apply_context_parallel",
     "attention",

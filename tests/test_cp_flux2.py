@@ -23,13 +23,13 @@ from diffusers.models.transformers.transformer_flux2 import (
 )
 
 import cp
-import cp.flux2 as cp_flux2
-from cp.flux2 import (
+import cp.processor
+from cp import (
     Flux2CPAttnProcessor,
     Flux2CPParallelSelfAttnProcessor,
-    apply_flux2_context_parallel,
+    apply_context_parallel,
     full_sequence_io,
-    remove_flux2_context_parallel,
+    remove_context_parallel,
 )
 from flux_cp.tiny_flux2 import TRANSFORMER_CONFIG, tiny_flux2_transformer
 from tests import distributed
@@ -100,7 +100,7 @@ def _model_errors(rank: int, world: int, mode: str, ulysses_size: int | None, ck
     model = _model()
     if ckpt:
         model.enable_gradient_checkpointing()
-    apply_flux2_context_parallel(model, group, mode=mode, ulysses_size=ulysses_size)
+    apply_context_parallel(model, group, mode=mode, ulysses_size=ulysses_size)
     local = dict(inputs)
     for key, dim in _SPLIT:
         local[key] = cp.shard(inputs[key].detach(), dim, group)
@@ -118,7 +118,7 @@ def _model_errors(rank: int, world: int, mode: str, ulysses_size: int | None, ck
     for key in ("hidden_states", "encoder_hidden_states"):
         grad_errors[key] = _rel(local[key].grad / world, cp.shard(inputs[key].grad, 1, group))
     kinds = {type(p).__name__ for p in model.attn_processors.values()}
-    remove_flux2_context_parallel(model)
+    remove_context_parallel(model)
     return {
         "out": _rel(cp.gather(out.detach(), 1, group), ref_out.detach()),
         "grad": max(grad_errors.values()),
@@ -160,7 +160,7 @@ def _world(rank: int, world: int, variants: list[tuple], folders: dict | None) -
     rope = _rope_in_input_dtype
     with (
         mock.patch.object(transformer_flux2, "apply_rotary_emb", rope),
-        mock.patch.object(cp_flux2, "apply_rotary_emb", rope),
+        mock.patch.object(cp.processor, "apply_rotary_emb", rope),
     ):
         exact = [_model_errors(rank, world, *v) for v in variants]
     return {"exact": exact, "features": _under_cp(rank, world, folders) if folders else None}
@@ -209,7 +209,7 @@ def test_without_cp_outputs_and_gradients_equal_diffusers_bit_for_bit(fused: boo
     if fused:  # diffusers' fused q/k/v projections of the double blocks (to_qkv, to_added_qkv)
         ref.fuse_qkv_projections()
         assert all(m.fused_projections for m in ref.modules() if isinstance(m, Flux2Attention))
-    ours = apply_flux2_context_parallel(copy.deepcopy(ref), None)
+    ours = apply_context_parallel(copy.deepcopy(ref), None)
     assert _processor_types(ref) == {"Flux2AttnProcessor", "Flux2ParallelSelfAttnProcessor"}
     assert _processor_types(ours) == {"Flux2CPAttnProcessor", "Flux2CPParallelSelfAttnProcessor"}
     inputs = _inputs(dtype=torch.float32, refs=1)
@@ -235,7 +235,7 @@ def test_processor_without_arguments_is_no_cp(kind):
 
 def test_attention_backend_applies_without_cp(keep_active_backend):
     ref = tiny_flux2_transformer(seed=0)
-    ours = apply_flux2_context_parallel(copy.deepcopy(ref), None)
+    ours = apply_context_parallel(copy.deepcopy(ref), None)
     inputs = _inputs(dtype=torch.float32)
     with torch.no_grad():
         for model in (ref, ours):
@@ -250,7 +250,7 @@ def test_attention_backend_applies_without_cp(keep_active_backend):
 
 def test_attention_mask_without_cp_matches_diffusers():
     ref = tiny_flux2_transformer(seed=0)
-    ours = apply_flux2_context_parallel(copy.deepcopy(ref), None)
+    ours = apply_context_parallel(copy.deepcopy(ref), None)
     inputs = _inputs(dtype=torch.float32)
     mask = torch.ones(2, 1, 1, TEXT + LAT_H * LAT_W, dtype=torch.bool)
     mask[0, ..., TEXT // 2 : TEXT] = False  # the first sample's last text tokens are padding
@@ -263,11 +263,11 @@ def test_attention_mask_without_cp_matches_diffusers():
 
 
 def test_remove_restores_diffusers_processors_and_apply_rejects_other_models():
-    model = apply_flux2_context_parallel(tiny_flux2_transformer(seed=0), None)
-    remove_flux2_context_parallel(model)
+    model = apply_context_parallel(tiny_flux2_transformer(seed=0), None)
+    remove_context_parallel(model)
     assert {type(p) for p in model.attn_processors.values()} == {Flux2AttnProcessor, Flux2ParallelSelfAttnProcessor}
-    with pytest.raises(ValueError, match="no Flux2Attention modules"):
-        apply_flux2_context_parallel(torch.nn.Linear(2, 2), None)
+    with pytest.raises(ValueError, match="has no attention module of a supported model"):
+        apply_context_parallel(torch.nn.Linear(2, 2), None)
 
 
 # --- under CP: diffusers' features are refused clearly; full_sequence_io ------------------------------------------
@@ -294,7 +294,7 @@ def _pipelines_under_cp(group: dist.ProcessGroup, folders: dict) -> dict:
 
         kwargs = dict(prompt="a red circle", height=64, width=64, num_inference_steps=2, output_type="latent", **extra)
         expected = pipe(**kwargs, generator=torch.Generator().manual_seed(0)).images
-        apply_flux2_context_parallel(pipe.transformer, group, mode="ring")
+        apply_context_parallel(pipe.transformer, group, mode="ring")
         with full_sequence_io(pipe.transformer, group):
             got = pipe(**kwargs, generator=torch.Generator().manual_seed(0)).images
         errors[name] = _rel(got, expected)
@@ -330,7 +330,7 @@ def _under_cp(rank: int, world: int, folders: dict) -> dict:
     with torch.no_grad():
         inputs = _inputs(dtype=torch.float32, refs=2)  # 12 text + 3 x 24 image tokens (target, two references)
         expected = tiny_flux2_transformer(seed=0)(**inputs).sample
-        model = apply_flux2_context_parallel(tiny_flux2_transformer(seed=0), group, mode="ulysses")
+        model = apply_context_parallel(tiny_flux2_transformer(seed=0), group, mode="ulysses")
         with full_sequence_io(model, group):
             full = model(**inputs).sample
             as_tuple = model(**inputs, return_dict=False)[0]
