@@ -25,11 +25,11 @@ from typing import Any
 import torch
 
 import cp
-from flux_cp import checkpoint, diskspace, distributed, faults, files, outdir, runner, validation
+from flux_cp import checkpoint, diskspace, distributed, environment, faults, files, manifest, outdir, runner, validation
 from flux_cp.batches import Batches
 from flux_cp.blocks import attention_recomputed, prepare_blocks, step_begins, uses_cuda_graphs
 from flux_cp.config import Config, parse_config
-from flux_cp.data import BatchSchedule, ImageSource, check_pair_flags, open_source, reference_column
+from flux_cp.data import BUNDLED_DATA, BatchSchedule, ImageSource, check_pair_flags, open_source, reference_column
 from flux_cp.encode import Encoders, Geometry, LiveData, TrainingData, encode_dataset, encoder_fingerprints
 from flux_cp.errors import UsageError
 from flux_cp.lora import save_lora
@@ -58,6 +58,7 @@ from flux_cp.parallel import (
     make_layout,
 )
 from flux_cp.profiling import profiled
+from flux_cp.resume import check_steps as check_resume_steps
 
 logger = logging.getLogger("flux_cp")
 
@@ -166,7 +167,7 @@ def setup(cfg: Config) -> Run:
     if cfg.train.allow_tf32 and torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = True
     weight_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
-    claim_output_dir(cfg, layout)
+    claim_output_dir(cfg, layout, path)
     sizes = output_sizes(cfg, path, weight_dtype, layout.world)
     problem = None
     if layout.is_main:
@@ -178,23 +179,28 @@ def setup(cfg: Config) -> Run:
     return Run(cfg, accelerator, layout, accelerator.device, weight_dtype, path, sizes)
 
 
-def claim_output_dir(cfg: Config, layout: Layout) -> None:
-    """The output folder becomes this run's (flux_cp.outdir), before anything loads; every rank learns the result."""
-    problem, removed = None, []
+def claim_output_dir(cfg: Config, layout: Layout, model_folder: str) -> None:
+    """The output folder becomes this run's (flux_cp.outdir), and how the run starts is decided (flux_cp.resume:
+    a damaged or foreign checkpoint is found now, not after the models load); every rank learns the result."""
+    problem, claimed = None, None
     if layout.is_main:
         try:
-            removed = outdir.claim(cfg.train.output_dir, cfg.checkpoints.resume_from_checkpoint,
-                                   cfg.train.overwrite_output_dir, (cfg.validation.logging_dir,))  # fmt: skip
+            trackers = cfg.validation.report_to in ("tensorboard", "all")  # the ones writing into --logging_dir
+            claimed = outdir.claim(
+                cfg.train.output_dir, cfg.checkpoints.resume_from_checkpoint, cfg.train.overwrite_output_dir,
+                logging_dir=cfg.validation.logging_dir if trackers else None, max_train_steps=cfg.train.max_train_steps,
+                apart={"--pretrained_model_name_or_path": model_folder,
+                       "--dataset_name": cfg.data.dataset_name or str(BUNDLED_DATA)},
+            )  # fmt: skip
             if not cfg.data.no_cache:
                 outdir.check_writable(Path(cache_dir(cfg)), "--cache_dir")
-            resume = checkpoint.resolve(cfg.checkpoints.resume_from_checkpoint, cfg.train.output_dir)
-            if resume is not None:  # a damaged or foreign meta.json is found now, not after the models load
-                checkpoint.read_meta(resume)
         except UsageError as e:
             problem = str(e)
     distributed.check_all_ranks(problem is None, problem or "")
-    if removed:
-        logger.info(f"--overwrite_output_dir: removed the earlier run's outputs ({', '.join(removed)})")
+    if claimed and claimed.removed:
+        logger.info(f"--overwrite_output_dir: removed the earlier run's outputs ({', '.join(claimed.removed)})")
+    for note in claimed.notes if claimed else ():
+        logger.info(note)
 
 
 def cache_dir(cfg: Config) -> str:
@@ -296,7 +302,7 @@ def build_model(run: Run, data: Data) -> Trainee:
     params = [p for p in model.parameters() if p.requires_grad]
     samples_per_step = data.global_batch * train.gradient_accumulation_steps
     buckets = data.geometry.buckets if cfg.data.aspect_buckets else None
-    identity = checkpoint.run_identity(cfg, samples_per_step, data.source.fingerprint(), buckets)
+    identity = checkpoint.run_identity(cfg, samples_per_step, data.source.identity(), buckets)
     every = cfg.checkpoints.checkpointing_steps
     if run.layout.is_main:
         saves = max_steps // every + (1 if max_steps % every else 0)
@@ -304,16 +310,6 @@ def build_model(run: Run, data: Data) -> Trainee:
         if warning:
             logger.warning(f"warning: {warning}")
     return Trainee(model, optimizer, lr_scheduler, params, config, mode, ulysses_size, max_steps, identity)
-
-
-# Settings a resumed run may change: each is applied from the resumed step on (the rest are in the run identity,
-# which a checkpoint must match).
-RESUMABLE_CHANGES = (
-    "learning_rate", "scale_lr", "lr_scheduler", "lr_warmup_steps", "lr_num_cycles", "lr_power", "adam_beta1",
-    "adam_beta2", "adam_weight_decay", "adam_epsilon", "max_grad_norm", "max_train_steps", "num_train_epochs",
-    "weighting_scheme", "logit_mean", "logit_std", "mode_scale", "guidance_scale", "lora_dropout", "mixed_precision",
-    "center_crop", "random_flip",
-)  # fmt: skip
 
 
 def resume(run: Run, trainee: Trainee) -> int:
@@ -326,10 +322,11 @@ def resume(run: Run, trainee: Trainee) -> int:
         return 0
     meta = checkpoint.read_meta(path)
     checkpoint.check_compatible(meta, trainee.run_identity, path)
+    check_resume_steps(meta["step"], trainee.max_steps, path, "--max_train_steps, or --num_train_epochs")
     with_optimizer = meta.get("optimizer_state", True)
     applied = checkpoint.load(path, trainee.model, trainee.optimizer, trainee.lr_scheduler, with_optimizer)
     logger.info(f"resumed from {path} at step {meta['step']} (written with {meta['layout']})")
-    changed = checkpoint.changed_settings(meta.get("args", {}), run.cfg.flat(), RESUMABLE_CHANGES)
+    changed = checkpoint.changed_settings(meta.get("args", {}), run.cfg.flat(), checkpoint.RESUMABLE_CHANGES)
     for change in changed or applied:
         logger.info(f"resume: {change} (applied from step {meta['step'] + 1})")
     if not with_optimizer:
@@ -345,6 +342,7 @@ def start_loop(run: Run, data: Data, trainee: Trainee, start_step: int) -> Loop:
     cfg, layout, device = run.cfg, run.layout, run.device
     if layout.is_main:
         chosen = {"layout": layout.describe(), "cp_mode": trainee.cp_mode, "ulysses_size": trainee.ulysses_size}
+        manifest.record(cfg.train.output_dir, "run_config.json")
         files.write_json(Path(cfg.train.output_dir) / "run_config.json", {**cfg.flat(), **chosen})
     if run.accelerator.log_with:
         hparams = {k: v for k, v in cfg.flat().items() if isinstance(v, (int, float, str, bool))}
@@ -483,7 +481,8 @@ def finish(run: Run, data: Data, trainee: Trainee, loop: Loop, step: int) -> Non
         try:
             prev = checkpoint.list_checkpoints(output_dir)
             kept = f"{prev[-1][1]} is the last good checkpoint" if prev else "no checkpoint was written"
-            diskspace.check_write(output_dir, run.sizes.model, f"the final {run.sizes.model_name}", kept)
+            diskspace.check_write(output_dir, run.sizes.model, f"the final {run.sizes.model_name}", kept,
+                                  resumable=bool(prev))  # fmt: skip
             if cfg.lora.full_finetune:
                 out = outdir.write_final(output_dir, "transformer",
                                          lambda d: save_full(inner, state, str(d), run.weight_dtype))  # fmt: skip
@@ -501,12 +500,14 @@ def finish(run: Run, data: Data, trainee: Trainee, loop: Loop, step: int) -> Non
     if layout.is_main:
         from flux_cp.metrics import plot_loss_curve
 
+        manifest.record(output_dir, "loss_curve.png")
         plot_loss_curve(Path(output_dir) / "metrics.jsonl", Path(output_dir) / "loss_curve.png")
     run.accelerator.wait_for_everyone()
 
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_config(argv)
+    environment.check_environment(cfg.validation.report_to)  # FLUX_CP_* values, a wandb login: before anything
     if cfg.plan.plan:
         from flux_cp.plan import print_plan
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from . import files
+from . import files, manifest
 
 
 def flux_flops_per_step(
@@ -75,8 +75,11 @@ class MetricsLog:
         if not enabled:
             return
         kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step] if resume_step else []
+        manifest.record(output_dir, self.path.name)
         files.write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
-        self._f = open(self.path, "a", buffering=1)
+        # Appended to without following a link put in its place since (a link would redirect the rows elsewhere).
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW)
+        self._f = open(fd, "a", buffering=1)
 
     def write(self, row: dict) -> None:
         if self.enabled:
