@@ -128,7 +128,7 @@ def plot_loss_curve(metrics_path: str | os.PathLike, out_png: str | os.PathLike,
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out_png)
+    files.write_with(out_png, lambda tmp: fig.savefig(tmp, format="png"))  # atomic, and never through a link
     plt.close(fig)
     return Path(out_png)
 
