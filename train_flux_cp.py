@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import sys
 
-from flux_cp import runner
+from flux_cp import environment, runner
 from flux_cp.config import parse_config
 from flux_cp.trainer import Trainer
 
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_config(argv)  # every flag checked before anything loads
+    environment.check_environment(cfg.validation.report_to)  # FLUX_CP_* values, a wandb login
     if cfg.plan.plan:  # the memory planner instead of a run
         from flux_cp.plan import print_plan
 

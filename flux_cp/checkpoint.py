@@ -28,11 +28,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import diskspace, distributed, files
+from . import diskspace, distributed, files, manifest
 from .errors import UsageError
 
 if TYPE_CHECKING:
     from .config import Config
+    from .data import DataIdentity
 
 FORMAT = 1
 _NAME = re.compile(r"^checkpoint-(\d+)$")
@@ -81,9 +82,10 @@ def resolve(resume: str | None, output_dir: str) -> Path | None:
 def read_meta(path: Path) -> dict:
     """A checkpoint's meta.json, every field this code reads checked (a damaged or foreign file is named)."""
     try:
+        _check_inside(path / "meta.json", path)
         with open(path / "meta.json", encoding="utf-8") as f:
             meta = json.load(f)
-    except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8
+    except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8, or a path outside the checkpoint
         raise UsageError(f"--resume_from_checkpoint {path}: meta.json cannot be read ({e})") from None
     if not isinstance(meta, dict):
         raise UsageError(f"--resume_from_checkpoint {path}: meta.json is a JSON {type(meta).__name__}, not an object")
@@ -102,27 +104,88 @@ def read_meta(path: Path) -> dict:
     return meta
 
 
+# Settings a resumed run may change: each is applied from the resumed step on (the rest are in the run identity,
+# which a checkpoint must match; flux_cp.resume decides what a resume accepts).
+RESUMABLE_CHANGES = (
+    "learning_rate", "scale_lr", "lr_scheduler", "lr_warmup_steps", "lr_num_cycles", "lr_power", "adam_beta1",
+    "adam_beta2", "adam_weight_decay", "adam_epsilon", "max_grad_norm", "max_train_steps", "num_train_epochs",
+    "weighting_scheme", "logit_mean", "logit_std", "mode_scale", "guidance_scale", "lora_dropout", "mixed_precision",
+    "center_crop", "random_flip", "cp_kernels", "cp_overlap", "cp_exchange_first", "cp_ulysses_chunks",
+)  # fmt: skip
+
+# Entries of the run identity compared through "data" (the fingerprint of the data set's names, contents and
+# captions): the rows behind it (kept in the checkpoint's data.json, read to say which files differ) and the
+# fingerprint of versions that identified the data by its path, to compare with their checkpoints.
+_DATA_DETAIL = ("data_files", "data_legacy")
+
+
 def run_identity(
-    cfg: Config, samples_per_step: int, data_fingerprint: str, buckets: list[tuple[int, int]] | None
+    cfg: Config, samples_per_step: int, data: DataIdentity | str, buckets: list[tuple[int, int]] | None
 ) -> dict:
     """What a checkpoint must share with the run that resumes it: the model and trainable weights, the data and
     what it sees (global batch per optimizer step, resolution, buckets, seed). The layout may differ. Keys
-    are stored in every checkpoint's meta.json (`rank` is the LoRA rank), so values are JSON's types (lists)."""
+    are stored in every checkpoint's meta.json (`rank` is the LoRA rank), so values are JSON's types (lists).
+    `data`: the data set's identity (flux_cp.data.DataIdentity: relative names, contents and captions)."""
     lora = None if cfg.lora.full_finetune else cfg.lora
-    return {
+    identity = {
         "model": str(cfg.model.pretrained_model_name_or_path or "embedded-tiny"),
         "transformer_init": cfg.model.transformer_init, "full_finetune": cfg.lora.full_finetune,
         "rank": lora and lora.rank, "lora_alpha": lora and lora.lora_alpha,
         "lora_layers": lora and ",".join(lora.lora_layers),
-        "global_batch": samples_per_step, "data": data_fingerprint, "resolution": cfg.data.resolution,
+        "global_batch": samples_per_step, "data": data if isinstance(data, str) else data.fingerprint,
+        "resolution": cfg.data.resolution,
         "seed": cfg.train.seed, "aspect_buckets": [list(b) for b in buckets] if buckets is not None else False,
         "max_sequence_length": cfg.data.max_sequence_length,
     }  # fmt: skip
+    if not isinstance(data, str):
+        identity.update(data_files=data.files, data_legacy=data.legacy)
+    return identity
+
+
+def _data_differences(saved: list, now: list) -> str:
+    """Which files differ between a checkpoint's data set and this run's (rows: name, content, caption,
+    reference name, reference content)."""
+    old, new = {r[0]: r for r in saved}, {r[0]: r for r in now}
+    kinds = (
+        ("added", [n for n in new if n not in old]),
+        ("removed", [n for n in old if n not in new]),
+        ("changed content", [n for n in new if n in old and new[n][1] != old[n][1]]),
+        ("changed caption", [n for n in new if n in old and new[n][2] != old[n][2]]),
+        ("changed reference image", [n for n in new if n in old and list(new[n][3:]) != list(old[n][3:])]),
+    )
+    parts = [
+        f"{kind}: {', '.join(names[:3])}" + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        for kind, names in kinds
+        if names
+    ]
+    return "; ".join(parts) or "the same files and captions in another order"
+
+
+def _saved_data_files(path: Path) -> list | None:
+    """The data set's rows of a checkpoint (data.json), None when absent or unreadable."""
+    try:
+        _check_inside(path / "data.json", path)
+        rows = json.loads((path / "data.json").read_bytes()).get("data_files")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return rows if isinstance(rows, list) and all(isinstance(r, list) and r for r in rows) else None
 
 
 def check_compatible(meta: dict, run: dict, path: Path) -> None:
     """Refuse a checkpoint from an incompatible run, naming what differs and what to change."""
-    diffs = [f"{k}: checkpoint {meta['run'].get(k)!r}, now {v!r}" for k, v in run.items() if meta["run"].get(k) != v]
+    saved = meta["run"]
+    diffs = []
+    for k, v in run.items():
+        if k in _DATA_DETAIL:
+            continue
+        if k == "data" and "data_legacy" not in saved and "data_legacy" in run:
+            # Written before the data were identified by content: compare the fingerprint of that time.
+            if saved.get("data") != run["data_legacy"]:
+                diffs.append(f"data: checkpoint {saved.get('data')!r}, now {run['data_legacy']!r}")
+        elif k == "data" and saved.get("data") != v and (rows := _saved_data_files(path)) is not None:
+            diffs.append(f"data set differs ({_data_differences(rows, run.get('data_files', []))})")
+        elif saved.get(k) != v:
+            diffs.append(f"{k}: checkpoint {saved.get(k)!r}, now {v!r}")
     if diffs:
         raise UsageError(
             f"--resume_from_checkpoint {path} comes from an incompatible run ({'; '.join(diffs)}). Resume with the "
@@ -178,14 +241,15 @@ def save(
     partial = root / f".checkpoint-{step}.partial"
     if is_main:
         root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(partial, ignore_errors=True)  # left by a crash during an earlier save
+        manifest.record(root, partial.name)
+        _remove(partial)  # left by a crash during an earlier save
     prev = list_checkpoints(output_dir)
     kept = f"{prev[-1][1]} is the last good checkpoint" if prev else "no checkpoint was written before"
     if need_bytes is not None:
         short = None
         if is_main:
             try:
-                diskspace.check_write(root, need_bytes, f"checkpoint-{step}", kept)
+                diskspace.check_write(root, need_bytes, f"checkpoint-{step}", kept, resumable=bool(prev))
             except UsageError as e:
                 short = str(e)
         if distributed.any_rank(short is not None):
@@ -200,7 +264,10 @@ def save(
             # Only what `load` restores: every random draw is keyed by seed and step (flux_cp.rng), so no RNG
             # state is needed to resume exactly.
             torch.save({"lr_scheduler": lr_scheduler.state_dict()}, partial / "train.pt")
-            files.write_json(partial / "meta.json", {**meta, "format": FORMAT, "step": step,
+            run = dict(meta.get("run", {}))
+            if "data_files" in run:  # one row per sample: its own file, so that meta.json stays small
+                files.write_json(partial / "data.json", {"data_files": run.pop("data_files")})
+            files.write_json(partial / "meta.json", {**meta, "run": run, "format": FORMAT, "step": step,
                                                      "optimizer_state": optimizer_state})  # fmt: skip
             _fsync_tree(partial)
     except (KeyboardInterrupt, SystemExit):
@@ -210,25 +277,41 @@ def save(
     failed = distributed.any_rank(error is not None)
     if failed:
         if is_main:
-            shutil.rmtree(partial, ignore_errors=True)
+            _remove(partial)
+        then = (
+            f"{prev[-1][1]} is intact. Free disk space or choose another --output_dir, then resume."
+            if prev
+            else "no earlier checkpoint exists, so there is nothing to resume: free disk space, then run again with "
+            "--overwrite_output_dir (from step 0)."
+        )
         raise UsageError(
-            f"writing checkpoint-{step} failed ({error or 'on another rank'}); nothing was renamed, "
-            + (f"{prev[-1][1]} is intact" if prev else "no earlier checkpoint exists")
-            + ". Free disk space or choose another --output_dir, then resume.",
+            f"writing checkpoint-{step} failed ({error or 'on another rank'}); nothing was renamed, {then}",
             agreed=True,
         )
     if is_main:
-        if final.exists():  # same step written again after a resume: replace it atomically enough
-            shutil.rmtree(final)
+        manifest.record(root, final.name)
+        _remove(final)  # same step written again after a resume: replace it atomically enough
         os.rename(partial, final)
+        manifest.forget(root, partial.name)
         fd = os.open(root, os.O_RDONLY)
         os.fsync(fd)
         os.close(fd)
         if total_limit is not None:
-            for _, old in list_checkpoints(output_dir)[:-total_limit]:
-                shutil.rmtree(old, ignore_errors=True)
+            # Only checkpoints older than this one: the newest of the run that writes is never pruned.
+            older = [p for s, p in list_checkpoints(output_dir) if s < step]
+            for old in older[: max(0, len(older) - (total_limit - 1))]:
+                _remove(old)
+                manifest.forget(root, old.name)
     distributed.barrier()
     return final
+
+
+def _remove(path: Path) -> None:
+    """Remove a checkpoint folder; a link in its place is unlinked, never followed."""
+    if path.is_symlink():
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path, ignore_errors=True)
 
 
 # The classes a DCP `.metadata` pickle refers to (torch 2.x): its own records, torch.Size, dtypes and layouts,
@@ -260,8 +343,17 @@ def _safe_reader(path: Path):
 
     class SafeReader(FileSystemReader):
         def read_metadata(self, *args, **kwargs):
-            with open(Path(self.path) / ".metadata", "rb") as f:
+            state = Path(self.path)
+            _check_inside(state / ".metadata", state)
+            with open(state / ".metadata", "rb") as f:
                 metadata = _MetadataUnpickler(f).load()
+            # Every file DCP will open is named here: each must lie inside the state folder, checked before any
+            # is opened (`../../` would read another run's shards, an absolute path any file).
+            for info in (getattr(metadata, "storage_data", None) or {}).values():
+                relative = getattr(info, "relative_path", None)
+                if not isinstance(relative, str) or not relative or "\0" in relative or os.path.isabs(relative):
+                    raise ValueError(f"{state / '.metadata'} names the file {relative!r}, not a path inside {state}")
+                _check_inside(state / relative, state)
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
@@ -284,6 +376,13 @@ def _safe_planner():
     return SafePlanner()
 
 
+def _check_inside(path: Path, root: Path) -> None:
+    """A ValueError unless `path` (links followed) lies inside `root`: a checkpoint is read from its own folder."""
+    real, base = os.path.realpath(path), os.path.realpath(root)
+    if os.path.commonpath([real, base]) != base:
+        raise ValueError(f"{path} leads outside {root} (to {real}): the checkpoint is damaged or was tampered with")
+
+
 # Optimizer hyperparameters a resumed run takes from its flags rather than from the checkpoint.
 _GROUP_KEYS = ("betas", "eps", "weight_decay")
 
@@ -299,6 +398,8 @@ def load(path: Path, model, optimizer, lr_scheduler, optimizer_state: bool = Tru
     base_lrs = list(getattr(lr_scheduler, "base_lrs", []))
     state = _state(model, optimizer, optimizer_state)
     try:
+        _check_inside(path / "state", path)
+        _check_inside(path / "train.pt", path)
         dcp.load(state, checkpoint_id=str(path / "state"), storage_reader=_safe_reader(path / "state"),
                  planner=_safe_planner())  # fmt: skip
         train = torch.load(path / "train.pt", weights_only=True)

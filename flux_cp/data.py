@@ -21,7 +21,7 @@ import torch
 from PIL import Image
 
 from .errors import UsageError
-from .folders import list_folder, metadata_text
+from .folders import FILE_NAME, Metadata, caption_of, list_folder, read_metadata_file
 from .images import decode
 from .rng import Stream, generator
 
@@ -44,6 +44,18 @@ class Sample:
     reference: str | int | None = None
 
 
+@dataclass(frozen=True)
+class DataIdentity:
+    """What a resumed run must share with its checkpoint about the data: one row per sample, in order (its name
+    relative to the data set, the hash of its file's content and of its caption, the reference image's name and
+    content hash for FLUX.1 Kontext pairs), and their fingerprint. `legacy`: the fingerprint versions before
+    content hashing computed (the data set's path and the captions), to compare with their checkpoints."""
+
+    fingerprint: str
+    files: list[list]
+    legacy: str
+
+
 class ImageSource:
     """A list of (image, caption) samples, or (target, reference, caption) pairs, with up-front checks and a
     content hash per image."""
@@ -55,12 +67,15 @@ class ImageSource:
         hf_dataset=None,
         image_column: str | None = None,
         reference_column: str | None = None,
+        root: Path | None = None,
     ):
         self.samples = samples
         self.name = name
+        self.root = root  # a local folder's path: samples are named relative to it
         self._hf = hf_dataset
         self._image_column = image_column
         self._reference_column = reference_column
+        self._digests: dict[tuple[int, bool], str] = {}
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -101,7 +116,50 @@ class ImageSource:
             raise UsageError(f"cannot read {what}: {e.strerror or e}") from None
         return decode(data, self.where(i, reference), what)
 
+    def note_digest(self, i: int, digest: str, reference: bool = False) -> None:
+        """The SHA-256 of image i's bytes, as whoever read them computed it (the encoding pass reads every file)."""
+        self._digests[(i, reference)] = digest
+
+    def digest(self, i: int, reference: bool = False) -> str:
+        """The SHA-256 of image i's bytes (read now unless noted)."""
+        key = (i, reference)
+        if key not in self._digests:
+            try:
+                self._digests[key] = hashlib.sha256(self.raw_bytes(i, reference)).hexdigest()
+            except OSError as e:
+                what = "reference image" if reference else "image"
+                raise UsageError(f"cannot read {what} {self.where(i, reference)}: {e.strerror or e}") from None
+        return self._digests[key]
+
+    def sample_name(self, i: int, reference: bool = False) -> str:
+        """Sample i's image (or reference) named as the data set names it: relative to a local folder, or a row."""
+        ref = self.samples[i].reference if reference else self.samples[i].ref
+        if self._hf is not None:
+            return f"row {ref}" + (f" {self._reference_column}" if reference else "")
+        if self.root is not None:
+            try:
+                return Path(ref).relative_to(self.root).as_posix()
+            except ValueError:
+                pass
+        return str(ref)
+
+    def identity(self) -> DataIdentity:
+        """Names, contents and captions of every sample, in order (see DataIdentity)."""
+        rows = []
+        for i, s in enumerate(self.samples):
+            caption = hashlib.sha256(s.caption.encode()).hexdigest()[:16]
+            row = [self.sample_name(i), self.digest(i)[:16], caption]
+            if s.reference is not None:
+                row += [self.sample_name(i, reference=True), self.digest(i, reference=True)[:16]]
+            rows.append(row)
+        fingerprint = hashlib.sha256(json.dumps(rows).encode()).hexdigest()[:16]
+        return DataIdentity(fingerprint, rows, self.legacy_fingerprint())
+
     def fingerprint(self) -> str:
+        return self.identity().fingerprint
+
+    def legacy_fingerprint(self) -> str:
+        """The data set's path and captions (what checkpoints of earlier versions recorded)."""
         h = hashlib.sha256(self.name.encode())
         for s in self.samples:
             h.update(f"{s.ref}\0{s.caption}\0".encode())
@@ -110,50 +168,40 @@ class ImageSource:
         return h.hexdigest()[:16]
 
 
-def _local_folder(folder: Path, caption_column: str, instance_prompt: str | None) -> list[Sample]:
-    return [Sample(path, caption) for path, caption in list_folder(folder, caption_column, instance_prompt)]
+def cache_folder(data: DataConfig) -> Path | None:
+    """The encoding cache's folder (None with --no_cache): `--cache_dir`, default ~/.cache/flux_cp/encodings."""
+    if data.no_cache:
+        return None
+    return Path(data.cache_dir) if data.cache_dir else Path.home() / ".cache" / "flux_cp" / "encodings"
 
 
-def _metadata_rows(meta: Path) -> list[tuple[int, dict]]:
-    """(line number, row) of every non-empty line of a metadata.jsonl."""
-    rows = []
-    text = metadata_text(meta)
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rows.append((n, json.loads(line)))
-        except json.JSONDecodeError as e:
-            raise UsageError(f"{meta} line {n} is not valid JSON: {e}") from None
-    return rows
+def _local_folder(
+    folder: Path, caption_column: str, instance_prompt: str | None, exclude: tuple[Path, ...], meta: Metadata | None
+) -> list[Sample]:
+    return [Sample(path, caption) for path, caption in list_folder(folder, caption_column, instance_prompt, exclude,
+                                                                   meta)]  # fmt: skip
 
 
-def _check_row(meta: Path, n: int, row: dict, caption_column: str, instance_prompt: str | None) -> None:
-    if "file_name" not in row:
-        raise UsageError(f"{meta} line {n} has no 'file_name'")
-    if instance_prompt is None and caption_column not in row:
-        raise UsageError(
-            f"{meta} line {n} has no caption column '{caption_column}' (columns: {sorted(row)}); "
-            f"set --caption_column or --instance_prompt"
-        )
+def local_metadata(data: DataConfig) -> Metadata | None:
+    """The metadata.jsonl of a local `--dataset_name` folder, read and checked (None: no such file or folder)."""
+    name = data.dataset_name
+    return read_metadata_file(Path(name)) if name is not None and os.path.isdir(name) else None
 
 
-def reference_column(data: DataConfig) -> str | None:
+def reference_column(data: DataConfig, meta: Metadata | None = None) -> str | None:
     """The reference-image column of FLUX.1 Kontext pairs, from the flags and a local folder's metadata.jsonl
     alone (no image is read): `--cond_image_column`, or else the one `<column>_file_name` key that the folder's
-    rows have besides `file_name` (the key datasets' imagefolder reads as an image column). None: FLUX.1 data."""
+    rows have besides `file_name` (the key datasets' imagefolder reads as an image column). None: FLUX.1 data.
+    `meta`: the folder's metadata.jsonl already read (flux_cp.folders.read_metadata_file; read here when None)."""
     if data.cond_image_column:
         return data.cond_image_column
-    name = data.dataset_name
-    meta = Path(name) / "metadata.jsonl" if name is not None and os.path.isdir(name) else None
-    if meta is None or not meta.is_file():
+    meta = meta or local_metadata(data)
+    if meta is None:
         return None
-    columns = sorted(
-        {k[: -len("_file_name")] for _, row in _metadata_rows(meta) for k in row if k.endswith("_file_name")}
-    )
+    columns = meta.image_columns
     if len(columns) > 1:
         raise UsageError(
-            f"{meta} names several images per row ({', '.join(c + '_file_name' for c in columns)}): pick the "
+            f"{meta.path} names several images per row ({', '.join(c + '_file_name' for c in columns)}): pick the "
             f"reference image of each pair with --cond_image_column (one of {', '.join(columns)})"
         )
     return columns[0] if columns else None
@@ -168,35 +216,30 @@ def check_pair_flags(data: DataConfig, validation: ValidationConfig, pairs: bool
         )
 
 
-def _local_pairs(folder: Path, column: str, caption_column: str, instance_prompt: str | None) -> list[Sample]:
+def _local_pairs(
+    folder: Path, column: str, caption_column: str, instance_prompt: str | None, meta: Metadata | None
+) -> list[Sample]:
     """FLUX.1 Kontext pairs of a local folder: one metadata.jsonl row per target, naming its reference image
-    in `<column>_file_name`. Images no row names as a target (the references) are not trained on alone."""
-    meta, key = folder / "metadata.jsonl", f"{column}_file_name"
-    if not meta.is_file():
+    in `<column>_file_name` (both checked like every path of metadata.jsonl: flux_cp.folders). Images no row names
+    as a target (the references) are not trained on alone."""
+    key = f"{column}_file_name"
+    if meta is None:
         raise UsageError(
             f"--cond_image_column {column}: {folder} has no metadata.jsonl; pairs need one row per target image "
             f"with 'file_name', '{key}' and '{caption_column}'"
         )
-    rows = _metadata_rows(meta)
-    if not any(key in row for _, row in rows):
-        keys = sorted({k for _, row in rows for k in row})
-        raise UsageError(f"--cond_image_column {column}: no row of {meta} has '{key}' (its keys: {keys})")
+    if column not in meta.image_columns:
+        keys = sorted({k for row in meta.rows for k in row.values})
+        raise UsageError(f"--cond_image_column {column}: no row of {meta.path} has '{key}' (its keys: {keys})")
     samples = []
-    for n, row in rows:
-        _check_row(meta, n, row, caption_column, instance_prompt)
-        if not row.get(key):
+    for row in meta.rows:
+        if key not in row.files:
             raise UsageError(
-                f"{meta} line {n} ({row['file_name']}) has no reference image '{key}': every target of a FLUX.1 "
-                "Kontext data set needs its reference"
+                f"{meta.where(row)} ({row.values[FILE_NAME]}) has no reference image '{key}': every target of a "
+                "FLUX.1 Kontext data set needs its reference"
             )
-        target, reference = folder / row["file_name"], folder / row[key]
-        for what, path in (("image", target), ("reference image", reference)):
-            if not path.is_file():
-                raise UsageError(f"{meta} line {n}: the {what} {path} does not exist")
-        caption = instance_prompt if instance_prompt is not None else row[caption_column]
-        if not isinstance(caption, str):
-            raise UsageError(f"{meta} line {n}: '{caption_column}' is {json.dumps(caption)}, not a string")
-        samples.append(Sample(str(target), caption, str(reference)))
+        caption = instance_prompt if instance_prompt is not None else caption_of(meta, row, caption_column)
+        samples.append(Sample(str(folder / row.files[FILE_NAME]), caption, str(folder / row.files[key])))
     return samples
 
 
@@ -259,25 +302,30 @@ def _check_no_missing_references(ds, column: str, name: str) -> None:
         )
 
 
-def open_source(data: DataConfig) -> ImageSource:
+def open_source(data: DataConfig, meta: Metadata | None = None) -> ImageSource:
     """The data set named by the flags (bundled default, local folder, or hub id); never empty. Every rank
-    reads the same listing, so its errors are the same on every rank (printed once)."""
+    reads the same listing, so its errors are the same on every rank (printed once). `meta`: a local folder's
+    metadata.jsonl already read (`local_metadata`; read here when None)."""
     try:
-        return _open_source(data)
+        return _open_source(data, meta)
     except UsageError as e:
         raise UsageError(str(e), agreed=True) from None
 
 
-def _open_source(data: DataConfig) -> ImageSource:
+def _open_source(data: DataConfig, meta: Metadata | None) -> ImageSource:
     name = data.dataset_name
+    cache = cache_folder(data)
+    exclude = (cache,) if cache is not None else ()
     if name is None:
-        source = ImageSource(_local_folder(BUNDLED_DATA, "text", data.instance_prompt), "bundled:tiny_shapes")
-    elif os.path.isdir(name) and (column := reference_column(data)):
-        source = ImageSource(
-            _local_pairs(Path(name), column, data.caption_column, data.instance_prompt), str(Path(name))
-        )
+        samples = _local_folder(BUNDLED_DATA, "text", data.instance_prompt, exclude, None)
+        source = ImageSource(samples, "bundled:tiny_shapes", root=BUNDLED_DATA)
     elif os.path.isdir(name):
-        source = ImageSource(_local_folder(Path(name), data.caption_column, data.instance_prompt), str(Path(name)))
+        folder, meta = Path(name), meta or local_metadata(data)  # metadata.jsonl read once, checked, then used
+        if column := reference_column(data, meta):
+            samples = _local_pairs(folder, column, data.caption_column, data.instance_prompt, meta)
+        else:
+            samples = _local_folder(folder, data.caption_column, data.instance_prompt, exclude, meta)
+        source = ImageSource(samples, str(folder), root=folder)
     else:
         source = _hub_dataset(data)
     if len(source) == 0:
@@ -332,11 +380,25 @@ def crop_box(size: tuple[int, int], target: tuple[int, int], center: bool, gen: 
     return (rw, rh), (left, top)
 
 
+# A resize to cover the target larger than this many times the target's pixels resizes the crop alone (to_pixels).
+WHOLE_RESIZE_LIMIT = 16
+
+
 def to_pixels(img: Image.Image, target: tuple[int, int], resized: tuple[int, int], offset, flip: bool) -> torch.Tensor:
-    """Resize, crop, optionally flip; `[3, h, w]` in [-1, 1]."""
-    img = img.resize(resized, Image.BICUBIC)
+    """Resize to `resized`, crop `target` at `offset`, optionally flip; `[3, h, w]` in [-1, 1].
+
+    An extreme aspect ratio makes the cover size huge (1 x 100,000 px to a 1024 px square: 1024 x 102,400,000 px,
+    300 GB): then only the crop box, in the image's own coordinates, is resized to the target (the same bicubic
+    filter at the same positions; values within one level of resizing the whole, from floating-point rounding).
+    Ordinary images (cover size up to WHOLE_RESIZE_LIMIT times the target) are resized whole, as always."""
     left, top = offset
-    img = img.crop((left, top, left + target[0], top + target[1]))
+    (tw, th), (rw, rh) = target, resized
+    if rw * rh <= WHOLE_RESIZE_LIMIT * tw * th:
+        img = img.resize(resized, Image.BICUBIC)
+        img = img.crop((left, top, left + tw, top + th))
+    else:
+        sx, sy = img.width / rw, img.height / rh
+        img = img.resize(target, Image.BICUBIC, box=(left * sx, top * sy, (left + tw) * sx, (top + th) * sy))
     if flip:
         img = img.transpose(Image.FLIP_LEFT_RIGHT)
     arr = np.asarray(img, dtype=np.float32) / 127.5 - 1.0

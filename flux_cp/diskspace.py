@@ -111,11 +111,25 @@ def _tree_bytes(path: Path) -> int:
                if not os.path.islink(os.path.join(r, f)))  # fmt: skip
 
 
+def pretend_bytes() -> int | None:
+    """FLUX_CP_DISK_BYTES (tests: the output disk's pretended size), None when unset; a UsageError naming the
+    variable when it is not a whole number of bytes."""
+    value = os.environ.get("FLUX_CP_DISK_BYTES")
+    if not value:
+        return None
+    if not value.strip().isdigit():
+        raise UsageError(
+            f"FLUX_CP_DISK_BYTES={value!r} is not a whole number of bytes (e.g. 1000000000): fix or unset it (it "
+            "pretends the output disk holds that many bytes, for tests)"
+        )
+    return int(value)
+
+
 def free_bytes(folder: str | os.PathLike) -> int:
     """Free bytes on the disk that holds `folder` (or would hold it)."""
-    pretend = os.environ.get("FLUX_CP_DISK_BYTES")
-    if pretend:
-        return int(pretend) - (_tree_bytes(Path(folder)) if Path(folder).is_dir() else 0)
+    pretend = pretend_bytes()
+    if pretend is not None:
+        return pretend - (_tree_bytes(Path(folder)) if Path(folder).is_dir() else 0)
     return shutil.disk_usage(_existing(Path(folder))).free
 
 
@@ -143,13 +157,18 @@ def check_start(folder: str | os.PathLike, s: Sizes, saves: int, total_limit: in
     return None
 
 
-def check_write(folder: str | os.PathLike, need: int, what: str, kept: str) -> None:
+def check_write(folder: str | os.PathLike, need: int, what: str, kept: str, resumable: bool = True) -> None:
     """Before writing `what` (`need` bytes): a UsageError with the numbers if the disk cannot hold it. `kept`: what
-    stays usable when the run stops here."""
+    stays usable when the run stops here; `resumable`: whether a checkpoint exists to resume from."""
     free = free_bytes(folder)
     if free < need:
+        then = (
+            "then resume with --resume_from_checkpoint latest"
+            if resumable
+            else "then run again with --overwrite_output_dir (no checkpoint to resume: it starts from step 0)"
+        )
         raise UsageError(
             f"not enough disk space for {what}: it needs {gib(need)}, the disk of {folder} has {gib(free)} free. "
             f"Nothing was written; {kept}. Free space (or keep fewer checkpoints: --checkpoints_total_limit, "
-            "--checkpoint_weights_only), then resume with --resume_from_checkpoint latest"
+            f"--checkpoint_weights_only), {then}"
         )

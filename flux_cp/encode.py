@@ -69,6 +69,19 @@ class Encoders:
         dist_ = self.vae.encode(pixels.to(self.device, self.vae.dtype)).latent_dist
         return dist_.mean.float(), dist_.std.float()
 
+    def latent_shape(self, size: tuple[int, int]) -> tuple[int, ...]:
+        """`[C, h, w]` of the latent distribution's mean (and std) of an image of `size` (w, h)."""
+        config = self.vae.config
+        factor = 2 ** (len(config.block_out_channels) - 1)
+        return (config.latent_channels, size[1] // factor, size[0] // factor)
+
+    def text_shapes(self, max_sequence_length: int) -> dict[str, tuple[int, ...]]:
+        """Shapes of one caption's `prompt_embeds` (T5, `[L, D]`) and `pooled_prompt_embeds` (CLIP, `[D']`)."""
+        return {
+            "prompt_embeds": (max_sequence_length, self.text_encoder_2.config.d_model),
+            "pooled_prompt_embeds": (self.text_encoder.config.hidden_size,),
+        }
+
     def free_text_encoders(self) -> None:
         self.text_encoder = self.text_encoder_2 = None
         gc.collect()
@@ -130,16 +143,22 @@ LATENT_KEYS = ("latent_mean", "latent_std")
 TEXT_KEYS = ("prompt_embeds", "pooled_prompt_embeds")
 
 
-def _usable(path: Path, keys: tuple[str, ...]) -> bool:
-    """A cache entry that exists and is whole: its header reads, names `keys`, and its file is as long as the
-    header says (safetensors checks that on open). A damaged entry is removed, to be recomputed."""
+def _usable(path: Path, shapes: dict[str, tuple[int, ...]]) -> bool:
+    """A cache entry that exists and is whole: its header reads, names the keys of `shapes` with those shapes, and
+    its file is as long as the header says (safetensors checks that on open). A damaged entry is removed, to be
+    recomputed (an entry of the right names but another shape would fail only at the first step)."""
     if not path.is_file():
         return False
     try:
         with safe_open(str(path), "pt") as f:
-            if set(keys) <= set(f.keys()):
-                return True
-            problem = f"it holds {sorted(f.keys())}, not {list(keys)}"
+            if not set(shapes) <= set(f.keys()):
+                problem = f"it holds {sorted(f.keys())}, not {list(shapes)}"
+            else:
+                found = {k: tuple(f.get_slice(k).get_shape()) for k in shapes}
+                wrong = [f"{k} {list(found[k])} instead of {list(v)}" for k, v in shapes.items() if found[k] != v]
+                if not wrong:
+                    return True
+                problem = "shape " + ", ".join(wrong)
     except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for every kind of damage
         problem = f"{type(e).__name__}: {e}"
     logger.warning(f"cache entry {path} cannot be read ({problem}): recomputing it")
@@ -222,6 +241,7 @@ def encode_dataset(
     errors: list[str] = []
     pending_text: dict[str, str] = {}
     computed = 0
+    text_shapes = encoders.text_shapes(data.max_sequence_length)
     bar = tqdm(mine, desc="encoding (this rank's share)", disable=rank != 0, dynamic_ncols=True)
     try:  # a cache that cannot be written (full disk, permissions) ends as one line, on every rank alike
         for i in bar:
@@ -238,19 +258,21 @@ def encode_dataset(
             target = geometry.buckets[bucket]
             resized, offset = crop_box(img.size, target, data.center_crop, generator(Stream.CROP, seed, i))
             entry: dict = {"bucket": bucket}
+            latent = encoders.latent_shape(target)
             for name, image, digest in images:
                 entry[name] = []
+                entry[f"{name}_sha"] = digest  # the file's content, for the data set's identity (resume)
                 for flip in variants:
                     key = _sha(digest, target, resized, offset, flip, vae_fp, DECODER_VERSION)
                     path = cache_dir / "latents" / f"{key}.safetensors"
-                    if not _usable(path, LATENT_KEYS):
+                    if not _usable(path, dict.fromkeys(LATENT_KEYS, latent)):
                         mean, std = encoders.latents(to_pixels(image, target, resized, offset, flip)[None])
                         files.write_safetensors(path, {"latent_mean": mean[0], "latent_std": std[0]})
                         computed += 1
                     entry[name].append(key)
             caption = source.samples[i].caption
             tkey = _sha(caption, data.max_sequence_length, text_fp)
-            if not _usable(cache_dir / "text" / f"{tkey}.safetensors", TEXT_KEYS):
+            if not _usable(cache_dir / "text" / f"{tkey}.safetensors", text_shapes):
                 pending_text[tkey] = caption
             entries[i] = {**entry, "text": tkey}
             if len(pending_text) >= 16:
@@ -268,6 +290,10 @@ def encode_dataset(
     merged: dict[int, dict] = {}
     for table in distributed.all_gather(entries):
         merged.update(table)
+    for i, e in merged.items():
+        source.note_digest(i, e.pop("latents_sha"))
+        if "reference_sha" in e:
+            source.note_digest(i, e.pop("reference_sha"), reference=True)
     computed_everywhere = sum(distributed.all_gather(computed))
     return EncodedData(cache_dir, [merged[i] for i in range(len(source))], computed_everywhere)
 
@@ -290,8 +316,10 @@ class LiveData:
         self.source, self.encoders, self.geometry, self.config, self.seed = source, encoders, geometry, data, seed
         self.sizes = []
         for i in range(len(source)):
-            with source.load(i) as img:
-                self.sizes.append(img.size)
+            img, digest = _decode(source, i)
+            source.note_digest(i, digest)  # the data set's identity (resume) reads no file a second time
+            self.sizes.append(img.size)
+            img.close()
         self.buckets = [geometry.bucket_of(s) for s in self.sizes]
 
     def load(self, index: int, flip: bool, epoch: int) -> dict[str, Tensor]:

@@ -18,6 +18,8 @@ import time
 
 import torch
 
+from .errors import UsageError
+
 KINDS = ("raise", "exit", "kill", "hang", "nan", "kill_in_save", "enospc_in_save", "raise_in_validation")
 
 
@@ -57,13 +59,35 @@ class Fault:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "checkpoint shard")
 
 
+def parse(spec: str) -> tuple[int, int, str]:
+    """(rank, step, kind) of a FLUX_CP_FAULT value; a UsageError naming the variable when any part is wrong."""
+    fields: dict[str, str] = {}
+    for part in spec.split(","):
+        key, sep, value = part.partition("=")
+        key = key.strip()
+        if not sep or key not in ("rank", "step", "kind") or key in fields:
+            raise UsageError(
+                f"FLUX_CP_FAULT={spec!r}: {part.strip()!r} is not one of rank=R, step=S, kind=K (each once): "
+                "fix or unset it (it injects failures, for tests)"
+            )
+        fields[key] = value.strip()
+    kind = fields.get("kind")
+    if kind not in KINDS:
+        raise UsageError(f"FLUX_CP_FAULT={spec!r}: kind must be one of {', '.join(KINDS)} (got {kind!r})")
+    numbers = {}
+    for key, default, low in (("rank", "0", 0), ("step", "1", 1)):
+        value = fields.get(key, default)
+        if not value.isdigit() or int(value) < low:
+            raise UsageError(f"FLUX_CP_FAULT={spec!r}: {key} must be a whole number >= {low} (got {value!r})")
+        numbers[key] = int(value)
+    return numbers["rank"], numbers["step"], kind
+
+
 def from_env(rank: int) -> Fault:
     spec = os.environ.get("FLUX_CP_FAULT")
     if not spec:
         return Fault()
-    fields = dict(part.split("=", 1) for part in spec.split(",") if "=" in part)
-    if fields.get("kind") not in KINDS:
-        raise ValueError(f"FLUX_CP_FAULT kind must be one of {KINDS}, got {spec!r}")
-    if int(fields.get("rank", 0)) != rank:
+    fault_rank, step, kind = parse(spec)
+    if fault_rank != rank:
         return Fault()
-    return Fault(rank, int(fields.get("step", 1)), fields["kind"])
+    return Fault(rank, step, kind)

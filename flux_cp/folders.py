@@ -1,30 +1,66 @@
 """A local data folder: which files are training images and which caption each one has.
 
 Images are the files PIL reads as pictures (flux_cp.images), in the folder and its sub-folders, hidden files and
-folders left out. A caption comes from `metadata.jsonl` (one JSON object per line with `file_name`, a path relative
-to the folder, and the caption column), else from a UTF-8 `.txt` file of the same name, else from
-`--instance_prompt` (which replaces all of them). Every line of metadata.jsonl is checked: a line that names no
-image of the folder, names one twice, or has no usable caption is refused with its line number, because a
-silently ignored line trains on a different data set than the one written down.
+folders left out (and the encoding cache, should it lie inside). A caption comes from `metadata.jsonl` (one JSON
+object per line with `file_name`, a path relative to the folder, and the caption column), else from a UTF-8 `.txt`
+file of the same name, else from `--instance_prompt` (which replaces all of them).
+
+metadata.jsonl is read once, by `read_metadata_file`, and every line checked before anything is derived from it
+(captions, FLUX.1 Kontext pairs and their reference column): a line that is not a JSON object, or names a file
+outside the folder, a file that does not exist or is no image, or the same image twice, is refused with its line
+number, because a silently ignored line trains on a different data set than the one written down. Every path column
+(`file_name` and each `<column>_file_name`) gets the same checks. Lines end at "\\n" only: JSON strings may hold
+U+2028, U+2029 and U+0085, which `str.splitlines` would take for line ends.
+
+Containment applies to the name written in the folder, not to where a symbolic link leads: images linked into a
+blob store (the hub cache, git-annex, DVC) are read through their links, and a link that leads nowhere is named.
 """
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
+import os
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
 
 from .errors import UsageError
 from .images import IMAGE_EXTENSIONS, is_image_file, read_caption
 
 METADATA = "metadata.jsonl"
+FILE_NAME = "file_name"
+_PATH_SUFFIX = "_file_name"  # datasets' imagefolder reads `<column>_file_name` as an image column `<column>`
 
 
-def image_files(folder: Path) -> list[Path]:
-    """Image files under `folder`, sorted, hidden files and anything inside hidden folders left out."""
-    return sorted(
-        p for p in folder.rglob("*")
-        if is_image_file(p) and not any(part.startswith(".") for part in p.relative_to(folder).parts) and p.is_file()
-    )  # fmt: skip
+def _hidden(rel: Path) -> bool:
+    return any(part.startswith(".") for part in rel.parts)
+
+
+def _dangling(path: Path) -> UsageError:
+    return UsageError(
+        f"{path} is a symbolic link to {os.readlink(path)}, which does not exist: fetch the file it stands for "
+        "(git annex get, dvc pull, a hub download) or remove the link"
+    )
+
+
+def image_files(folder: Path, exclude: tuple[Path, ...] = ()) -> list[Path]:
+    """Image files under `folder`, sorted, hidden files and anything inside hidden folders or inside `exclude`
+    (folders, e.g. the encoding cache) left out. Symbolic links to images are followed; a dangling one is refused."""
+    root = os.path.realpath(folder)
+    skip = []
+    for other in exclude:
+        rel = os.path.relpath(os.path.realpath(other), root)
+        if rel not in (".", "..") and not rel.startswith(".." + os.sep):
+            skip.append(Path(rel).parts)
+    found = []
+    for p in folder.rglob("*"):
+        rel = p.relative_to(folder)
+        if not is_image_file(p) or _hidden(rel) or any(rel.parts[: len(s)] == s for s in skip):
+            continue
+        if p.is_symlink() and not p.exists():
+            raise _dangling(p)
+        if p.is_file():
+            found.append(p)
+    return sorted(found)
 
 
 def metadata_text(path: Path) -> str:
@@ -38,65 +74,138 @@ def metadata_text(path: Path) -> str:
         ) from None
 
 
-def read_metadata(path: Path, folder: Path, caption_column: str) -> dict[Path, str]:
-    """Resolved image path -> caption, from metadata.jsonl; every line checked."""
+@dataclass(frozen=True)
+class Row:
+    """One line of metadata.jsonl: its number, the JSON object as written, and the files it names (path column ->
+    the name relative to the folder, normalised: `./a.png` -> `a.png`)."""
+
+    line: int
+    values: dict
+    files: dict[str, str]
+
+
+@dataclass(frozen=True)
+class Metadata:
+    """A folder's metadata.jsonl, read and checked (`read_metadata_file`)."""
+
+    path: Path
+    folder: Path
+    rows: tuple[Row, ...]
+    image_columns: tuple[str, ...]  # `<column>` of every `<column>_file_name` key (FLUX.1 Kontext references)
+
+    def where(self, row: Row) -> str:
+        return f"{self.path} line {row.line}"
+
+
+def _relative_name(where: str, key: str, name: str, folder: Path) -> str:
+    """`name` as a path relative to `folder`, refused when it is absolute or climbs out of it (by its name: a
+    symbolic link inside the folder may lead anywhere), names no existing file or no image."""
+    pure = PurePosixPath(name.replace("\\", "/"))
+    parts = [p for p in pure.parts if p != "."]
+    if pure.is_absolute() or os.path.isabs(name) or not parts or ".." in parts:
+        raise UsageError(f"{where}: {key} {name!r} must be a path inside {folder}, relative to it")
+    rel = "/".join(parts)
+    path = folder / rel
+    if path.is_symlink() and not path.exists():
+        raise UsageError(f"{where}: {key} {name!r} is a symbolic link to {os.readlink(path)}, which does not exist")
+    if not path.is_file():
+        raise UsageError(f"{where}: {key} {name!r} does not exist in {folder}")
+    if not is_image_file(path) or _hidden(Path(rel)):
+        raise UsageError(
+            f"{where}: {key} {name!r} is not an image this trainer reads ({', '.join(IMAGE_EXTENSIONS[:8])}, "
+            "...; hidden files are skipped)"
+        )
+    return rel
+
+
+def read_metadata_file(folder: Path) -> Metadata | None:
+    """The folder's metadata.jsonl, every line checked (see the module's text); None when the folder has none.
+    Captions are checked by their users (`captions`, FLUX.1 Kontext pairs), which know the caption column."""
+    path = folder / METADATA
+    if not path.is_file():
+        return None
     text = metadata_text(path)
-    root = folder.resolve()
-    captions: dict[Path, str] = {}
-    first_line: dict[Path, int] = {}
-    for n, line in enumerate(text.splitlines(), 1):
+    rows, first_line, columns = [], {}, set()
+    for n, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue
         where = f"{path} line {n}"
         try:
-            row = json.loads(line)
+            values = json.loads(line)
         except json.JSONDecodeError as e:
             raise UsageError(f"{where} is not valid JSON: {e}") from None
-        if not isinstance(row, dict):
-            raise UsageError(f"{where} is a JSON {type(row).__name__}, not an object with 'file_name' and a caption")
-        name = row.get("file_name")
+        if not isinstance(values, dict):
+            raise UsageError(f"{where} is a JSON {type(values).__name__}, not an object with 'file_name' and a caption")
+        name = values.get(FILE_NAME)
         if not isinstance(name, str) or not name.strip():
             raise UsageError(f"{where} has no 'file_name' (a path relative to {folder})")
-        image = (folder / name).resolve()
-        if Path(name).is_absolute() or root not in image.parents:
-            raise UsageError(f"{where}: file_name {name!r} must be a path inside {folder}, relative to it")
-        if not image.is_file():
-            raise UsageError(f"{where}: file_name {name!r} does not exist in {folder}")
-        if not is_image_file(image):
+        files = {FILE_NAME: _relative_name(where, FILE_NAME, name, folder)}
+        if files[FILE_NAME] in first_line:
             raise UsageError(
-                f"{where}: file_name {name!r} is not an image this trainer reads ({', '.join(IMAGE_EXTENSIONS[:8])}, "
-                "...; hidden files are skipped)"
+                f"{where}: file_name {name!r} already has a caption on line {first_line[files[FILE_NAME]]}"
             )
-        if image in first_line:
-            raise UsageError(f"{where}: file_name {name!r} already has a caption on line {first_line[image]}")
-        first_line[image] = n
-        if caption_column not in row:
-            raise UsageError(
-                f"{where} has no caption column '{caption_column}' (columns: {sorted(row)}); set --caption_column or "
-                "--instance_prompt"
-            )
-        caption = row[caption_column]
-        if not isinstance(caption, str):
-            raise UsageError(
-                f"{where}: '{caption_column}' is {json.dumps(caption)}, not a string: give every image a caption "
-                '(an empty string "" trains that image without one)'
-            )
-        captions[image] = caption
-    return captions
+        first_line[files[FILE_NAME]] = n
+        for key, value in values.items():
+            if key == FILE_NAME or not key.endswith(_PATH_SUFFIX):
+                continue
+            columns.add(key[: -len(_PATH_SUFFIX)])
+            if value is None or value == "":
+                continue  # a row without this image: its user says whether that is allowed
+            if not isinstance(value, str):
+                raise UsageError(f"{where}: {key} is {json.dumps(value)}, not a path relative to {folder}")
+            files[key] = _relative_name(where, key, value, folder)
+        rows.append(Row(n, values, files))
+    return Metadata(path, folder, tuple(rows), tuple(sorted(columns)))
 
 
-def list_folder(folder: Path, caption_column: str, instance_prompt: str | None) -> list[tuple[str, str]]:
-    """(image path, caption) of every image in `folder`; a UsageError that says what to add or fix."""
-    files = image_files(folder)
+def caption_of(meta: Metadata, row: Row, caption_column: str) -> str:
+    """The row's caption in `caption_column`, which must be a string."""
+    if caption_column not in row.values:
+        raise UsageError(
+            f"{meta.where(row)} has no caption column '{caption_column}' (columns: {sorted(row.values)}); set "
+            "--caption_column or --instance_prompt"
+        )
+    caption = row.values[caption_column]
+    if not isinstance(caption, str):
+        raise UsageError(
+            f"{meta.where(row)}: '{caption_column}' is {json.dumps(caption)}, not a string: give every image a "
+            'caption (an empty string "" trains that image without one)'
+        )
+    return caption
+
+
+def captions(meta: Metadata, caption_column: str) -> dict[str, str]:
+    """Image name (relative to the folder) -> caption, of every row."""
+    return {row.files[FILE_NAME]: caption_of(meta, row, caption_column) for row in meta.rows}
+
+
+def read_metadata(path: Path, folder: Path, caption_column: str) -> dict[str, str]:
+    """Image name (relative to `folder`) -> caption, from `folder`'s metadata.jsonl (`path`); every line checked."""
+    meta = read_metadata_file(folder) if path == folder / METADATA else None
+    if meta is None:
+        raise UsageError(f"{path} is not the metadata.jsonl of {folder}")
+    return captions(meta, caption_column)
+
+
+def list_folder(
+    folder: Path,
+    caption_column: str,
+    instance_prompt: str | None,
+    exclude: tuple[Path, ...] = (),
+    meta: Metadata | None = None,
+) -> list[tuple[str, str]]:
+    """(image path, caption) of every image in `folder`; a UsageError that says what to add or fix. `meta`: the
+    folder's metadata.jsonl already read (read here when None)."""
+    meta = meta or read_metadata_file(folder)  # its errors name a line
+    files = image_files(folder, exclude)
     if not files:
         raise UsageError(f"--dataset_name {folder}: no images ({', '.join(IMAGE_EXTENSIONS)}) in this folder")
-    if instance_prompt is not None:  # metadata.jsonl and .txt files are not read
+    if instance_prompt is not None:  # captions of metadata.jsonl and .txt files are not read
         return [(str(p), instance_prompt) for p in files]
-    meta = folder / METADATA
-    captions = read_metadata(meta, folder, caption_column) if meta.is_file() else {}
+    named = captions(meta, caption_column) if meta is not None else {}
     samples, missing = [], []
     for p in files:
-        caption = captions.get(p.resolve())
+        caption = named.get(p.relative_to(folder).as_posix())
         if caption is None and p.with_suffix(".txt").is_file():
             caption = read_caption(p.with_suffix(".txt"))
         if caption is None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from . import files
+from . import files, manifest
 
 
 @dataclass(frozen=True)
@@ -141,8 +141,11 @@ class MetricsLog:
         if not enabled:
             return
         kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step] if resume_step else []
+        manifest.record(output_dir, self.path.name)
         files.write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
-        self._f = open(self.path, "a", buffering=1)
+        # Appended to without following a link put in its place since (a link would redirect the rows elsewhere).
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW)
+        self._f = open(fd, "a", buffering=1)
 
     def write(self, row: dict) -> None:
         if self.enabled:
@@ -191,7 +194,7 @@ def plot_loss_curve(metrics_path: str | os.PathLike, out_png: str | os.PathLike,
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out_png)
+    files.write_with(out_png, lambda tmp: fig.savefig(tmp, format="png"))  # atomic, and never through a link
     plt.close(fig)
     return Path(out_png)
 

@@ -1,54 +1,89 @@
-"""An output folder belongs to one run.
+"""An output folder belongs to one run, and the trainer deletes only what a flux-cp run wrote there.
 
-Before anything loads, the main process makes sure `--output_dir` is a folder it can write to, takes a lock
-that keeps a second live run out (held until the process ends; the kernel drops it when a process dies, so a
-crash never leaves a stale lock), and refuses a folder that holds another run's outputs unless told to resume
-it (`--resume_from_checkpoint`) or to replace it (`--overwrite_output_dir`, which removes that run's outputs
-and nothing else).
+Before anything loads, the main process makes sure `--output_dir` is a folder it can write to, apart from the model
+and the data set (an output folder that is, holds or is inside either is refused: a run would train on its own
+outputs, or replace the model's files), takes a lock that keeps a second live run out (held until the process ends;
+the kernel drops it when a process dies, so a crash never leaves a stale lock), refuses a symbolic link where the
+trainer writes its own file, and decides with flux_cp.resume whether the folder's earlier run is continued, branched
+from, forked, replaced (`--overwrite_output_dir`) or refused. Replacing deletes the entries of the folder's manifest
+(flux_cp.manifest) and nothing else. The tracker folder (`--logging_dir`) is relative to the output folder; one
+outside it (absolute, or climbing out with `..`) is used but never removed.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import socket
+import stat
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from safetensors import SafetensorError
 
-from . import files
+from . import files, manifest, resume
 from .errors import UsageError
 
 LOCK_NAME = ".flux_cp.lock"
-# What a run writes into its folder (its tracker folder, --logging_dir, is added by the caller).
-RUN_OUTPUTS = ("run_config.json", "metrics.jsonl", "pytorch_lora_weights.safetensors", "transformer",
-               "loss_curve.png", "validation", "README.md")  # fmt: skip
-_CHECKPOINT = re.compile(r"^(checkpoint-\d+|\.checkpoint-\d+\.partial)$")
+FINAL_OUTPUTS = ("pytorch_lora_weights.safetensors", "transformer")
 
 _held: dict[str, int] = {}  # folder -> open file descriptor of its lock, for the life of this process
 
 
-def earlier_outputs(folder: Path, extra: tuple[str, ...] = ()) -> list[str]:
-    """Names in `folder` that an earlier run wrote (checkpoints first, newest last)."""
+@dataclass
+class Claim:
+    """What claiming the output folder did: earlier outputs removed (--overwrite_output_dir), how the run starts
+    (flux_cp.resume.Decision), and lines to log."""
+
+    removed: list[str] = field(default_factory=list)
+    decision: resume.Decision = field(default_factory=lambda: resume.Decision("new"))
+    notes: list[str] = field(default_factory=list)
+
+
+def tracker_folder(output_dir: str | os.PathLike, logging_dir: str | None) -> str | None:
+    """`--logging_dir` relative to the output folder when it lies inside it (not through a link), else None."""
+    if logging_dir is None:
+        return None
+    base = os.path.normpath(os.path.abspath(output_dir))
+    full = os.path.normpath(os.path.join(base, logging_dir))
+    rel = os.path.relpath(full, base)
+    if rel == "." or rel == ".." or rel.startswith(".." + os.sep):
+        return None
+    path = Path(base)
+    for part in Path(rel).parts:
+        path = path / part
+        if path.is_symlink():
+            return None
+    return Path(rel).as_posix()
+
+
+def _known(folder: Path, tracker: str | None) -> list[str]:
+    """Names in `folder` a run writes (checkpoints oldest first, then the outputs in a fixed order)."""
     if not folder.is_dir():
         return []
-    names = sorted(p.name for p in folder.iterdir() if _CHECKPOINT.match(p.name))
-    names.sort(key=lambda n: int(re.sub(r"\D", "", n)))
-    return names + [n for n in (*RUN_OUTPUTS, *extra) if (folder / n).exists()]
+    names = [p.name for p in folder.iterdir()]
+    checkpoints = sorted(
+        (n for n in names if manifest.CHECKPOINT.match(n)), key=lambda n: int(n.split("-")[1].split(".")[0])
+    )
+    aside = sorted(n for n in names if manifest.ABANDONED.match(n))
+    outputs = [n for n in manifest.RUN_OUTPUTS if os.path.lexists(folder / n)]
+    return checkpoints + outputs + aside + ([tracker] if tracker and os.path.lexists(folder / tracker) else [])
 
 
-def _describe(names: list[str]) -> str:
-    checkpoints = [n for n in names if _CHECKPOINT.match(n)]
-    rest = [n for n in names if not _CHECKPOINT.match(n)]
-    if len(checkpoints) > 1:
-        rest.insert(0, f"{len(checkpoints)} checkpoints up to {checkpoints[-1]}")
-    elif checkpoints:
-        rest.insert(0, checkpoints[0])
-    return ", ".join(rest)
+def earlier_outputs(folder: Path, tracker: str | None = None) -> tuple[list[str], list[str]]:
+    """(earlier outputs in `folder`, those of them that flux-cp wrote): the first are refused for a new run, the
+    second are what --overwrite_output_dir may delete. Known names that no manifest lists and that do not look
+    like flux-cp's outputs are in the first list only."""
+    entries = manifest.read(folder)
+    owned = (manifest.legacy_outputs(folder, tracker) if entries is None
+             else [e for e in entries if os.path.lexists(folder / e)])  # fmt: skip
+    known = _known(folder, tracker)
+    if tracker and tracker not in owned:
+        known = [n for n in known if n != tracker]  # a tracker folder we did not create: appended to, never removed
+    return known + [n for n in owned if n not in known], owned
 
 
 def check_writable(folder: Path, flag: str) -> None:
@@ -58,12 +93,39 @@ def check_writable(folder: Path, flag: str) -> None:
     try:
         folder.mkdir(parents=True, exist_ok=True)
         probe = folder / f".flux_cp_write_test.{os.getpid()}"
-        probe.write_bytes(b"x")
-        probe.unlink()
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            os.write(fd, b"x")
+        finally:
+            os.close(fd)
+            probe.unlink()
     except OSError as e:
         raise UsageError(
             f"{flag} {folder} cannot be written ({e.strerror or e}): choose a folder you can write to"
         ) from None
+
+
+def check_apart(output_dir: str | os.PathLike, others: dict[str, str | os.PathLike | None]) -> None:
+    """Refuse an output folder that is, holds or is inside one of `others` (flag -> local folder; None and hub
+    ids are skipped): a run would write into the model's or the data set's folder, or train on its own outputs."""
+    out = Path(os.path.realpath(output_dir))
+    for flag, other in others.items():
+        if other is None or not os.path.isdir(other):
+            continue
+        there = Path(os.path.realpath(other))
+        if out == there:
+            how = "is the folder of"
+        elif there in out.parents:
+            how = "is inside"
+        elif out in there.parents:
+            how = "holds"
+        else:
+            continue
+        raise UsageError(
+            f"--output_dir {output_dir} {how} {flag} {other}: a run writes checkpoints, weights and images there, "
+            "which would mix with the model or the data set (the next run would train on them). Choose an "
+            "--output_dir outside it"
+        )
 
 
 def _lock(folder: Path) -> None:
@@ -72,7 +134,22 @@ def _lock(folder: Path) -> None:
     key = str(folder.resolve())
     if key in _held:
         return
-    fd = os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o666)
+    path = folder / LOCK_NAME
+    try:  # never through a link: a link named like the lock would otherwise truncate the file it points to
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o666)
+    except OSError as e:
+        raise UsageError(
+            f"--output_dir {folder}: {LOCK_NAME} cannot be opened ({e.strerror or e}); "
+            + ("it is a symbolic link: remove it (flux-cp writes its own lock there)" if path.is_symlink() else
+               "remove it or choose another folder")
+        ) from None  # fmt: skip
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+        os.close(fd)
+        raise UsageError(
+            f"--output_dir {folder}: {LOCK_NAME} is not a plain file of its own (a hard link or a special file): "
+            "remove it; flux-cp writes its own lock there"
+        )
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
@@ -82,7 +159,7 @@ def _lock(folder: Path) -> None:
             holder = {}
         os.close(fd)
         who = (f" (pid {holder.get('pid')} on {holder.get('host')}, started {holder.get('started')})"
-               if holder else "")  # fmt: skip
+               if isinstance(holder, dict) and holder else "")  # fmt: skip
         raise UsageError(
             f"--output_dir {folder} is in use by another run{who}: wait for it to end, or choose another folder"
         ) from None
@@ -99,59 +176,81 @@ def release(folder: str | os.PathLike) -> None:
         os.close(fd)
 
 
+def _check_links(folder: Path) -> None:
+    """A symbolic link where the trainer writes its own file or folder is refused: writing through it would change
+    whatever it points to."""
+    names = sorted(
+        p.name for p in folder.iterdir() if manifest.CHECKPOINT.match(p.name) or manifest.ABANDONED.match(p.name)
+    )
+    names += [manifest.NAME, *manifest.RUN_OUTPUTS, *(f".{n}.partial" for n in FINAL_OUTPUTS), ".transformer.old"]
+    for name in names:
+        if (folder / name).is_symlink():
+            raise UsageError(
+                f"--output_dir {folder}: {name} is a symbolic link (to {os.readlink(folder / name)}), where flux-cp "
+                "writes its own file: remove the link, or choose another folder"
+            )
+
+
 def claim(
-    output_dir: str | os.PathLike, resume: str | None, overwrite: bool, extra_outputs: tuple[str, ...] = ()
-) -> list[str]:
-    """Make `output_dir` this run's (main process only). Returns the earlier outputs removed by `overwrite`."""
+    output_dir: str | os.PathLike,
+    resume_from: str | None = None,
+    overwrite: bool = False,
+    *,
+    logging_dir: str | None = None,
+    apart: dict[str, str | os.PathLike | None] | None = None,
+    max_train_steps: int | None = None,
+) -> Claim:
+    """Make `output_dir` this run's (main process only), before anything loads: see the module's text.
+    `logging_dir`: the tracker folder as given (relative to the output folder), None when no tracker writes one;
+    `apart`: flag -> folder the output folder must stay apart from (the model, the data set)."""
     folder = Path(output_dir)
+    check_apart(folder, apart or {})
     check_writable(folder, "--output_dir")
     _lock(folder)
-    earlier = earlier_outputs(folder, extra_outputs)
-    if not earlier:
-        return []
-    if resume is not None:
-        if overwrite and (resume == "latest" or _inside(Path(resume), folder)):
+    _check_links(folder)
+    tracker = tracker_folder(folder, logging_dir)
+    earlier, owned = earlier_outputs(folder, tracker)
+    decision = resume.decide(folder, resume_from, overwrite, max_train_steps, earlier)
+    removed: list[str] = []
+    if decision.kind in ("new", "fork") and earlier:  # with --overwrite_output_dir (else decide refused)
+        foreign = [n for n in earlier if n not in owned]
+        if foreign:
             raise UsageError(
-                f"--overwrite_output_dir would delete the checkpoint --resume_from_checkpoint {resume} resumes from: "
-                "pass one of the two"
+                f"--overwrite_output_dir: --output_dir {folder} holds {', '.join(foreign)}, which flux-cp did not "
+                "write (no manifest lists them and they do not look like its outputs), so it removes nothing: move "
+                "them away, or choose another folder"
             )
-        if not overwrite:
-            return []
-    elif not overwrite:
-        raise UsageError(
-            f"--output_dir {folder} holds an earlier run ({_describe(earlier)}): pass --resume_from_checkpoint "
-            "latest to continue it, --overwrite_output_dir to replace it, or choose another folder"
+        for name in owned:
+            manifest.remove(folder, name)
+        removed, owned = owned, []
+    if tracker and not os.path.lexists(folder / tracker):  # created by this run, so removed with it
+        parts = Path(tracker).parts
+        created = next(
+            Path(*parts[:i]) for i in range(1, len(parts) + 1) if not os.path.lexists(folder.joinpath(*parts[:i]))
         )
-    for name in earlier:
-        path = folder / name
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
-    return earlier
-
-
-def _inside(path: Path, folder: Path) -> bool:
-    try:
-        path.resolve().relative_to(folder.resolve())
-        return True
-    except ValueError:
-        return False
+        (folder / tracker).mkdir(parents=True)
+        if not any(Path(o) in (created, *created.parents) for o in owned):
+            owned.append(created.as_posix())
+    manifest.start(folder, owned)
+    return Claim(removed, decision, resume.apply(decision, folder))
 
 
 def write_final(output_dir: str | os.PathLike, name: str, write: Callable[[Path], Path]) -> Path:
     """Write the final output `name` (a file or folder in `output_dir`): `write(folder)` writes it into a hidden
     temporary folder beside it and returns its path there; it is then renamed into place, so the folder holds the
-    previous version or the complete new one, never a part. A failure is a UsageError naming the output."""
+    previous version or the complete new one, never a part. A failure is a UsageError naming the output and saying
+    what a resume would do."""
+    from .checkpoint import list_checkpoints
+
     root = Path(output_dir)
-    final, staging = root / name, root / f".{name}.partial"
+    final, staging, old = root / name, root / f".{name}.partial", root / f".{name}.old"
+    manifest.record(root, name, staging.name, old.name)
     shutil.rmtree(staging, ignore_errors=True)
     try:
         staging.mkdir(parents=True)
         written = write(staging)
         files.apply_umask(written)
         if final.is_dir() and not final.is_symlink():
-            old = root / f".{name}.old"
             shutil.rmtree(old, ignore_errors=True)
             os.rename(final, old)
             os.rename(written, final)
@@ -160,10 +259,16 @@ def write_final(output_dir: str | os.PathLike, name: str, write: Callable[[Path]
             os.replace(written, final)
     except (OSError, SafetensorError) as e:  # safetensors' I/O failures are not OSErrors
         why = getattr(e, "strerror", None) or e
-        raise UsageError(
-            f"writing {final} failed ({why}); the checkpoints are intact. Free disk space or choose another "
-            "--output_dir, then resume (--resume_from_checkpoint latest) to write it again"
-        ) from None
+        found = list_checkpoints(root)
+        then = (
+            f"Free disk space, then resume with --resume_from_checkpoint latest: it restarts from step {found[-1][0]} "
+            f"({found[-1][1]}, the last good checkpoint) and writes it again at the end"
+            if found
+            else "No checkpoint was written, so a resume has nothing to start from: free disk space, then run "
+            "again with --overwrite_output_dir (from step 0)"
+        )
+        raise UsageError(f"writing {final} failed ({why}). {then}") from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+    manifest.forget(root, staging.name, old.name)
     return final

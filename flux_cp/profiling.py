@@ -127,6 +127,10 @@ def profiled(active: bool, output_dir: str, rank: int, is_main: bool) -> Iterato
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    if is_main:  # before the step, whose collectives keep the other ranks from creating the folder first
+        from . import manifest
+
+        manifest.record(output_dir, "profile")
     with profile(activities=activities) as prof:
         yield
         if torch.cuda.is_available():

@@ -13,6 +13,7 @@ from .parallel import check_layout, uses_fsdp
 
 if TYPE_CHECKING:
     from .config import Config, DataConfig, ModelConfig, ValidationConfig
+    from .folders import Metadata
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,7 @@ class RunShape:
     family: Family
     model_path: str  # the folder or hub id to load (the embedded default's tiny model, built by now)
     reference_column: str | None  # the data's reference-image column (pairs), None for single images
+    metadata: Metadata | None  # a local data folder's metadata.jsonl, read and checked once
     buckets: tuple[tuple[int, int], ...]  # (width, height) of every training bucket, in pixels
     text_tokens: int  # per sample
     world: int
@@ -95,14 +97,15 @@ def build_shape(cfg: Config, world: int) -> RunShape:
     """The run shape of these flags for `world` launched processes. Refuses (UsageError) a layout the CP size
     does not divide and a model folder of no known family; builds the embedded default's tiny model when no
     model is named (before any process group: every rank of a launch calls this, one builds, the others wait)."""
-    from .data import reference_column
+    from .data import local_metadata, reference_column
     from .encode import training_buckets
 
     dp = check_layout(world, cfg.parallel.cp_size)
-    column = reference_column(cfg.data)
+    metadata = local_metadata(cfg.data)
+    column = reference_column(cfg.data, metadata)
     family, path = model_of(cfg.model, column is not None)
     buckets = training_buckets(cfg.data.resolution, cfg.parallel.cp_size, cfg.data.aspect_buckets)
     return RunShape(
-        family=family, model_path=path, reference_column=column, buckets=tuple(buckets),
+        family=family, model_path=path, reference_column=column, metadata=metadata, buckets=tuple(buckets),
         text_tokens=cfg.data.max_sequence_length, world=world, dp=dp, cp=cfg.parallel.cp_size, sharded=uses_fsdp(),
     )  # fmt: skip

@@ -194,7 +194,17 @@ def ensure_tiny_pipeline(path: str | os.PathLike | None = None, kontext: bool = 
     path.parent.mkdir(parents=True, exist_ok=True)
     # One builder at a time (every rank of a launch calls this); the others wait on the lock and then
     # find the finished folder. The rename keeps a crash mid-build from leaving a half-written folder.
-    with open(path.parent / f".{path.name}.lock", "w") as lock:
+    # Opened without following a link (a link named like the lock must not redirect the open) and not truncated.
+    lock_path = path.parent / f".{path.name}.lock"
+    try:
+        fd = os.open(lock_path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+    except OSError as e:
+        from .errors import UsageError
+
+        raise UsageError(
+            f"cannot open {lock_path} ({e.strerror or e}): remove it (a link?), or set FLUX_CP_HOME"
+        ) from None
+    with open(fd, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if (path / "model_index.json").is_file():
             return path

@@ -21,11 +21,11 @@ import torch
 
 import cp
 
-from . import checkpoint, diskspace, distributed, faults, files, outdir, parallel, validation
+from . import checkpoint, diskspace, distributed, faults, files, manifest, outdir, parallel, validation
 from .batches import Batches
 from .blocks import attention_recomputed, prepare_blocks, step_begins, uses_cuda_graphs
 from .config import Config
-from .data import BatchSchedule, ImageSource, check_pair_flags, open_source
+from .data import BUNDLED_DATA, BatchSchedule, ImageSource, check_pair_flags, open_source
 from .encode import Geometry, LiveData, TrainingData, encode_dataset, encoder_fingerprints
 from .errors import UsageError
 from .lora import lora_origin, save_lora
@@ -44,18 +44,10 @@ from .model import (
 from .optim import apply_update, check_finite, clip_grad_norm, make_lr_scheduler, make_optimizer
 from .parallel import Layout, choose_cp_mode, cp_advice, make_accelerator
 from .profiling import profiled
+from .resume import check_steps as check_resume_steps
 from .shape import RunShape, build_shape, check_tokens
 
 logger = logging.getLogger("flux_cp")
-
-# Settings a resumed run may change: each is applied from the resumed step on (the rest are in the run identity,
-# which a checkpoint must match).
-RESUMABLE_CHANGES = (
-    "learning_rate", "scale_lr", "lr_scheduler", "lr_warmup_steps", "lr_num_cycles", "lr_power", "adam_beta1",
-    "adam_beta2", "adam_weight_decay", "adam_epsilon", "max_grad_norm", "max_train_steps", "num_train_epochs",
-    "weighting_scheme", "logit_mean", "logit_std", "mode_scale", "guidance_scale", "lora_dropout", "mixed_precision",
-    "center_crop", "random_flip", "cp_kernels", "cp_overlap", "cp_exchange_first", "cp_ulysses_chunks",
-)  # fmt: skip
 
 
 @dataclass
@@ -126,7 +118,7 @@ class Trainer:
                                     self.cfg.cp_tuning.tuning())  # fmt: skip
 
     def open_source(self) -> ImageSource:
-        return open_source(self.cfg.data)
+        return open_source(self.cfg.data, self.shape.metadata)
 
     def encode_share(self) -> tuple[int, int]:
         """(this process's index, number of processes) among those that share the encoding of the data set."""
@@ -188,24 +180,29 @@ class Trainer:
         distributed.check_all_ranks(problem is None, problem or "")
 
     def claim_output_dir(self) -> None:
-        """The output folder becomes this run's (flux_cp.outdir), before anything loads; every rank learns the
-        result."""
+        """The output folder becomes this run's (flux_cp.outdir), and how the run starts is decided (flux_cp.resume:
+        a damaged or foreign checkpoint is found now, not after the models load); every rank learns the result."""
         cfg = self.cfg
-        problem, removed = None, []
+        problem, claimed = None, None
         if self.layout.is_main:
             try:
-                removed = outdir.claim(cfg.train.output_dir, cfg.checkpoints.resume_from_checkpoint,
-                                       cfg.train.overwrite_output_dir, (cfg.validation.logging_dir,))  # fmt: skip
+                trackers = cfg.validation.report_to in ("tensorboard", "all")  # the ones writing into --logging_dir
+                claimed = outdir.claim(
+                    cfg.train.output_dir, cfg.checkpoints.resume_from_checkpoint, cfg.train.overwrite_output_dir,
+                    logging_dir=cfg.validation.logging_dir if trackers else None,
+                    max_train_steps=cfg.train.max_train_steps,
+                    apart={"--pretrained_model_name_or_path": self.shape.model_path,
+                           "--dataset_name": cfg.data.dataset_name or str(BUNDLED_DATA)},
+                )  # fmt: skip
                 if not cfg.data.no_cache:
                     outdir.check_writable(Path(self.cache_dir), "--cache_dir")
-                resume = checkpoint.resolve(cfg.checkpoints.resume_from_checkpoint, cfg.train.output_dir)
-                if resume is not None:  # a damaged or foreign meta.json is found now, not after the models load
-                    checkpoint.read_meta(resume)
             except UsageError as e:
                 problem = str(e)
         distributed.check_all_ranks(problem is None, problem or "")
-        if removed:
-            logger.info(f"--overwrite_output_dir: removed the earlier run's outputs ({', '.join(removed)})")
+        if claimed and claimed.removed:
+            logger.info(f"--overwrite_output_dir: removed the earlier run's outputs ({', '.join(claimed.removed)})")
+        for note in claimed.notes if claimed else ():
+            logger.info(note)
 
     @property
     def cache_dir(self) -> str:
@@ -312,7 +309,7 @@ class Trainer:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         samples_per_step = self.global_batch * train.gradient_accumulation_steps
         buckets = list(shape.buckets) if cfg.data.aspect_buckets else None
-        self.run_identity = checkpoint.run_identity(cfg, samples_per_step, self.source.fingerprint(), buckets)
+        self.run_identity = checkpoint.run_identity(cfg, samples_per_step, self.source.identity(), buckets)
         every = cfg.checkpoints.checkpointing_steps
         if layout.is_main:
             saves = max_steps // every + (1 if max_steps % every else 0)
@@ -332,10 +329,11 @@ class Trainer:
             return 0
         meta = checkpoint.read_meta(path)
         checkpoint.check_compatible(meta, self.run_identity, path)
+        check_resume_steps(meta["step"], self.max_steps, path, "--max_train_steps, or --num_train_epochs")
         with_optimizer = meta.get("optimizer_state", True)
         applied = checkpoint.load(path, self.model, self.optimizer, self.lr_scheduler, with_optimizer)
         logger.info(f"resumed from {path} at step {meta['step']} (written with {meta['layout']})")
-        changed = checkpoint.changed_settings(meta.get("args", {}), self.cfg.flat(), RESUMABLE_CHANGES)
+        changed = checkpoint.changed_settings(meta.get("args", {}), self.cfg.flat(), checkpoint.RESUMABLE_CHANGES)
         for change in changed or applied:
             logger.info(f"resume: {change} (applied from step {meta['step'] + 1})")
         if not with_optimizer:
@@ -365,6 +363,7 @@ class Trainer:
         cfg, layout, device, shape = self.cfg, self.layout, self.device, self.shape
         if layout.is_main:
             chosen = {"layout": layout.describe(), "cp_mode": self.cp_mode, "ulysses_size": self.ulysses_size}
+            manifest.record(cfg.train.output_dir, "run_config.json")
             files.write_json(Path(cfg.train.output_dir) / "run_config.json", {**cfg.flat(), **chosen})
         if self.accelerator.log_with:
             hparams = {k: v for k, v in cfg.flat().items() if isinstance(v, (int, float, str, bool))}
@@ -502,7 +501,8 @@ class Trainer:
             try:
                 prev = checkpoint.list_checkpoints(output_dir)
                 kept = f"{prev[-1][1]} is the last good checkpoint" if prev else "no checkpoint was written"
-                diskspace.check_write(output_dir, self.sizes.model, f"the final {self.sizes.model_name}", kept)
+                diskspace.check_write(output_dir, self.sizes.model, f"the final {self.sizes.model_name}", kept,
+                                      resumable=bool(prev))  # fmt: skip
                 if cfg.lora.full_finetune:
                     out = outdir.write_final(output_dir, "transformer",
                                              lambda d: save_full(inner, state, str(d), self.weight_dtype))  # fmt: skip
@@ -521,6 +521,7 @@ class Trainer:
         if layout.is_main:
             from .metrics import plot_loss_curve
 
+            manifest.record(output_dir, "loss_curve.png")
             plot_loss_curve(Path(output_dir) / "metrics.jsonl", Path(output_dir) / "loss_curve.png")
         self.publish()
         self.accelerator.wait_for_everyone()
@@ -534,8 +535,19 @@ class Trainer:
 
         cfg, problem = self.cfg, None
         if self.layout.is_main:
+            output_dir = cfg.train.output_dir
+            theirs = os.path.lexists(Path(output_dir) / "README.md") and "README.md" not in (
+                manifest.read(output_dir) or []
+            )
+            if theirs:
+                logger.warning(
+                    f"warning: {output_dir}/README.md was not written by flux-cp: kept, no model card written"
+                )
 
-            def card(repo_id: str | None = None) -> Path:
+            def card(repo_id: str | None = None) -> Path | None:
+                if theirs:
+                    return None
+                manifest.record(output_dir, "README.md")
                 return write_model_card(
                     cfg.train.output_dir, cfg, kontext=self.shape.pairs, steps=self.max_steps,
                     layout=self.layout.describe(), cp_mode=self.cp_mode, repo_id=repo_id,

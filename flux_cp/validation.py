@@ -15,7 +15,7 @@ from PIL import Image
 
 import cp
 
-from . import distributed, files
+from . import distributed, files, manifest
 
 if TYPE_CHECKING:
     from .config import ValidationConfig
@@ -99,6 +99,7 @@ def save_and_log(
 ) -> Path:
     """A PNG grid per step under <output_dir>/validation (one row per prompt), and the trackers."""
     path = Path(output_dir) / "validation" / f"step-{step:06d}.png"
+    manifest.record(output_dir, "validation")
     grid = _grid(images, validation.num_validation_images)
     files.write_with(path, lambda tmp: grid.save(tmp, format="PNG"))
     for tracker in accelerator.trackers:

@@ -85,9 +85,9 @@ def _not_a_checkpoint(t: Path) -> list[str]:
 
 
 def _foreign_checkpoint(t: Path) -> list[str]:
-    ckpt = t / "checkpoint-3"
+    ckpt = t / "checkpoint-2"
     ckpt.mkdir(parents=True, exist_ok=True)
-    meta = {"format": 1, "step": 3, "layout": "world 1 = dp 1 x cp 1", "run": {"rank": 4, "full_finetune": False}}
+    meta = {"format": 1, "step": 2, "layout": "world 1 = dp 1 x cp 1", "run": {"rank": 4, "full_finetune": False}}
     (ckpt / "meta.json").write_text(json.dumps(meta))
     return ["--resume_from_checkpoint", str(ckpt), "--rank", "8"]
 
@@ -130,6 +130,89 @@ def _null_caption(t: Path) -> list[str]:
     rows = (folder / "metadata.jsonl").read_text().splitlines()
     rows[1] = json.dumps({"file_name": json.loads(rows[1])["file_name"], "text": None})
     (folder / "metadata.jsonl").write_text("\n".join(rows) + "\n")
+    return ["--dataset_name", str(folder)]
+
+
+def _model_folder(t: Path) -> Path:
+    """A model folder's layout (its transformer is not read before the refusal)."""
+    (t / "model" / "transformer").mkdir(parents=True, exist_ok=True)
+    (t / "model" / "transformer" / "config.json").write_text("{}")
+    (t / "model" / "model_index.json").write_text("{}")
+    return t / "model"
+
+
+def _output_dir_is_the_model(t: Path) -> list[str]:
+    model = str(_model_folder(t))
+    return [
+        "--pretrained_model_name_or_path",
+        model,
+        "--output_dir",
+        model,
+        "--overwrite_output_dir",
+        "--full_finetune",
+    ]
+
+
+def _output_dir_inside_the_data(t: Path) -> list[str]:
+    folder = _images(t / "data")
+    return ["--dataset_name", str(folder), "--output_dir", str(folder / "out")]
+
+
+def _finished_run_without_checkpoints(t: Path) -> list[str]:
+    out = t / "out"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "run_config.json").write_text(json.dumps({"output_dir": str(out), "cp_size": 1,
+                                                     "resume_from_checkpoint": None}))  # fmt: skip
+    (out / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 1.0}) + "\n")
+    (out / "pytorch_lora_weights.safetensors").write_bytes(b"x")
+    return ["--resume_from_checkpoint", "latest"]
+
+
+def _checkpoint(folder: Path, step: int) -> Path:
+    path = folder / f"checkpoint-{step}"
+    path.mkdir(parents=True, exist_ok=True)
+    meta = {"format": 1, "step": step, "layout": "world 1 = dp 1 x cp 1", "run": {}, "args": {}}
+    (path / "meta.json").write_text(json.dumps(meta))
+    return path
+
+
+def _checkpoint_of_another_run(t: Path) -> list[str]:
+    _finished_run_without_checkpoints(t)
+    return ["--resume_from_checkpoint", str(_checkpoint(t / "other", 2))]
+
+
+def _checkpoint_beyond_the_steps(t: Path) -> list[str]:
+    return ["--resume_from_checkpoint", str(_checkpoint(t / "out", 4))]
+
+
+def _lock_is_a_link(t: Path) -> list[str]:
+    (t / "out").mkdir(parents=True, exist_ok=True)
+    (t / "victim.txt").write_text("a file the lock must not truncate")
+    (t / "out" / ".flux_cp.lock").symlink_to(t / "victim.txt")
+    return []
+
+
+def _dangling_link(t: Path) -> list[str]:
+    folder = _images(t / "data")
+    (folder / "not_fetched.png").symlink_to(t / "annex" / "objects" / "missing")
+    return ["--dataset_name", str(folder), "--instance_prompt", "a shape"]
+
+
+def _not_an_object(t: Path) -> list[str]:
+    folder = _images(t / "data")
+    with open(folder / "metadata.jsonl", "a") as f:
+        f.write("42\n")
+    return ["--dataset_name", str(folder)]
+
+
+def _reference_outside(t: Path) -> list[str]:
+    def outside(rows: list[dict]) -> None:
+        rows[1]["reference_file_name"] = "../" + rows[1]["reference_file_name"]
+
+    folder = _pairs(t / "pairs", outside)
+    (t / json.loads((folder / "metadata.jsonl").read_text().splitlines()[1])["reference_file_name"][3:]).write_bytes(
+        (folder / json.loads((folder / "metadata.jsonl").read_text().splitlines()[0])["file_name"]).read_bytes()
+    )
     return ["--dataset_name", str(folder)]
 
 
@@ -401,6 +484,120 @@ CASES = [
             "red",
         ],  # fmt: skip
         "--validation_image is the reference image FLUX.1 Kontext validation edits",
+        flags_only=True,
+    ),
+    Case(
+        "output_dir_is_the_model_folder",
+        "--output_dir naming the model folder, with --overwrite_output_dir --full_finetune",
+        1,
+        _output_dir_is_the_model,
+        "is the folder of --pretrained_model_name_or_path",
+    ),
+    Case(
+        "output_dir_inside_the_data_folder",
+        "--output_dir inside the data folder (the next run would train on its validation images)",
+        1,
+        _output_dir_inside_the_data,
+        "is inside --dataset_name",
+    ),
+    Case(
+        "resume_latest_in_a_finished_run_without_checkpoints",
+        "--resume_from_checkpoint latest in a folder whose run finished and whose checkpoints were deleted",
+        1,
+        _finished_run_without_checkpoints,
+        "but no checkpoint to resume: starting it again from step 0 would replace it",
+    ),
+    Case(
+        "resume_another_runs_checkpoint_into_a_used_folder",
+        "--resume_from_checkpoint of another folder's checkpoint, with an --output_dir holding a run",
+        1,
+        _checkpoint_of_another_run,
+        "resuming it there would mix two runs in one folder",
+    ),
+    Case(
+        "resume_beyond_max_train_steps",
+        "resuming checkpoint-4 with --max_train_steps 2",
+        1,
+        _checkpoint_beyond_the_steps,
+        "is at step 4, beyond the 2 steps of this run (--max_train_steps)",
+    ),
+    Case(
+        "lock_file_is_a_link",
+        "a .flux_cp.lock in the output folder that is a symbolic link to another file",
+        1,
+        _lock_is_a_link,
+        ".flux_cp.lock cannot be opened",
+    ),
+    Case(
+        "dangling_image_link",
+        "an image that is a symbolic link to a file not fetched (git-annex, DVC)",
+        1,
+        _dangling_link,
+        "not_fetched.png is a symbolic link to",
+    ),
+    Case(
+        "metadata_line_not_an_object",
+        "a metadata.jsonl line that is a number, not an object",
+        1,
+        _not_an_object,
+        "metadata.jsonl line 4 is a JSON int, not an object",
+    ),
+    Case(
+        "kontext_reference_outside_the_folder",
+        "FLUX.1 Kontext pairs: a reference image named outside the folder (../)",
+        1,
+        _reference_outside,
+        "line 2: reference_file_name '../",
+    ),
+    Case(
+        "wandb_without_login",
+        "--report_to wandb without a wandb login (no WANDB_API_KEY, no netrc entry)",
+        1,
+        lambda t: ["--report_to", "wandb"],
+        "--report_to wandb: no wandb login found",
+        env={
+            "WANDB_API_KEY": "",
+            "WANDB_MODE": "",
+            "NETRC": "/nonexistent/netrc",
+            "WANDB_CONFIG_DIR": "/nonexistent",
+            "WANDB_DIR": "/nonexistent",
+        },  # fmt: skip
+        flags_only=True,
+    ),
+    Case(
+        "flux_cp_home_is_a_file",
+        "FLUX_CP_HOME naming a file",
+        1,
+        lambda t: [],
+        "FLUX_CP_HOME=/dev/null names a file, not a folder",
+        env={"FLUX_CP_HOME": "/dev/null"},
+        flags_only=True,
+    ),
+    Case(
+        "disk_bytes_not_a_whole_number",
+        "FLUX_CP_DISK_BYTES=1e9",
+        1,
+        lambda t: [],
+        "FLUX_CP_DISK_BYTES='1e9' is not a whole number of bytes",
+        env={"FLUX_CP_DISK_BYTES": "1e9"},
+        flags_only=True,
+    ),
+    Case(
+        "fault_of_unknown_kind",
+        "FLUX_CP_FAULT with an unknown kind",
+        1,
+        lambda t: [],
+        "FLUX_CP_FAULT='rank=0,step=2,kind=explode': kind must be one of raise, exit",
+        env={"FLUX_CP_FAULT": "rank=0,step=2,kind=explode"},
+        flags_only=True,
+    ),
+    Case(
+        "fault_with_a_bad_step",
+        "FLUX_CP_FAULT with a step that is not a number",
+        1,
+        lambda t: [],
+        "FLUX_CP_FAULT='rank=0,step=two,kind=raise': step must be a whole number >= 1",
+        env={"FLUX_CP_FAULT": "rank=0,step=two,kind=raise"},
         flags_only=True,
     ),
     Case(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import socket
@@ -41,6 +43,25 @@ def launch_cmd(nproc: int, *args: str, launcher: tuple[str, ...] = ()) -> list[s
 def train(nproc: int, *args: str, timeout: float = 600, extra_env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(launch_cmd(nproc, *args), cwd=ROOT, env=env(**(extra_env or {})), capture_output=True,
                           text=True, timeout=timeout)  # fmt: skip
+
+
+_STDERR = io.StringIO()  # one for every call: loggers set up by an earlier call keep writing to it
+
+
+def in_process(argv: list[str]) -> tuple[int, str]:
+    """The trainer's entry point as `python train_flux_cp.py` runs it, in this process (a second or two instead
+    of the ~8 s of a new interpreter importing torch, diffusers and transformers): (exit code, stderr)."""
+    import train_flux_cp
+    from flux_cp import runner
+
+    _STDERR.seek(0)
+    _STDERR.truncate()
+    with contextlib.redirect_stderr(_STDERR):
+        try:
+            code = runner.run(lambda: train_flux_cp.main(argv))
+        except SystemExit as e:  # argparse's own usage errors
+            code = e.code
+    return code, _STDERR.getvalue()
 
 
 def run_args(tmp: Path, name: str, steps: int, *extra: str, cache: bool = True) -> list[str]:

@@ -7,33 +7,13 @@ several processes are launched with `accelerate launch`."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import os
 import time
 
 import pytest
 
 from tests.bad_input_cases import CASES
-from tests.launch import train
-
-_STDERR = io.StringIO()  # one for every case: loggers set up by an earlier case keep writing to it
-
-
-def _in_process(argv: list[str]) -> tuple[int, str]:
-    """The trainer's entry point as `python train_flux_cp.py` runs it, in this process (a second or two instead
-    of the ~8 s of a new interpreter importing torch, diffusers and transformers)."""
-    import train_flux_cp
-    from flux_cp import runner
-
-    _STDERR.seek(0)
-    _STDERR.truncate()
-    with contextlib.redirect_stderr(_STDERR):
-        try:
-            code = runner.run(lambda: train_flux_cp.main(argv))
-        except SystemExit as e:  # --help (argparse's own errors are UsageErrors too)
-            code = e.code
-    return code, _STDERR.getvalue()
+from tests.launch import in_process, train
 
 
 def first_error(stderr: str) -> str:
@@ -64,7 +44,7 @@ def test_bad_input_gets_a_clear_message(case, tmp_path, monkeypatch, record_prop
     if case.flags_only or (case.nproc == 1 and not os.environ.get("FLUX_CP_LAUNCH_BAD_INPUTS")):
         for key, value in case.env.items():
             monkeypatch.setenv(key, value)
-        returncode, stderr = _in_process([*base, *args])
+        returncode, stderr = in_process([*base, *args])
     else:
         r = train(case.nproc, *base, *args, timeout=300, extra_env=case.env)
         returncode, stderr = r.returncode, r.stderr
@@ -75,7 +55,7 @@ def test_bad_input_gets_a_clear_message(case, tmp_path, monkeypatch, record_prop
         record_property(key, value)
     assert returncode != 0
     assert case.expect in stderr, stderr[-3000:]
-    # One line starting with "error:" (argparse's errors too: flux_cp.config's parser). No frame of our code.
+    # Ours: one line starting with "error:" (argparse: its usage line and "error:"). No frame of our code.
     assert "flux_cp/" not in stderr and 'train_flux_cp.py", line' not in stderr, stderr[-3000:]
     if case.nproc == 1:
         assert "Traceback" not in stderr

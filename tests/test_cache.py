@@ -29,6 +29,12 @@ class _Encoders:
         n = len(captions)
         return {"prompt_embeds": torch.zeros(n, max_len, 8), "pooled_prompt_embeds": torch.zeros(n, 8)}
 
+    def latent_shape(self, size):
+        return (3, size[1] // 8, size[0] // 8)  # the RGB pixels, subsampled (latents above)
+
+    def text_shapes(self, max_len):
+        return {"prompt_embeds": (max_len, 8), "pooled_prompt_embeds": (8,)}
+
 
 def _encode(cache, encoders):
     data = DataConfig(resolution=64, max_sequence_length=8)
@@ -64,3 +70,19 @@ def test_a_cache_that_cannot_be_written_is_one_line(tmp_path, monkeypatch):
     message = str(e.value)
     assert message.startswith(f"cannot write the encoding cache under --cache_dir {tmp_path} (") and "\n" not in message
     assert message.endswith("No space left on device. Free space there, choose another --cache_dir, or pass --no_cache")
+
+
+def test_an_entry_of_the_right_names_but_another_shape_is_recomputed(tmp_path, caplog):
+    """Written by another encoder or resolution under the same key (or damaged): it would fail only at step 1."""
+    from safetensors.torch import save_file
+
+    _encode(tmp_path, _Encoders())
+    latent = sorted((tmp_path / "latents").glob("*.safetensors"))[0]
+    text = sorted((tmp_path / "text").glob("*.safetensors"))[0]
+    save_file({"latent_mean": torch.zeros(3, 4, 4), "latent_std": torch.zeros(3, 4, 4)}, latent)
+    save_file({"prompt_embeds": torch.zeros(8, 16), "pooled_prompt_embeds": torch.zeros(8)}, text)
+    again = _encode(tmp_path, _Encoders())
+    assert again.computed == 2
+    assert f"cache entry {latent} cannot be read (shape latent_mean [3, 4, 4] instead of [3, 8, 8]" in caplog.text
+    assert "prompt_embeds [8, 16] instead of [8, 8]" in caplog.text
+    assert load_file(latent)["latent_mean"].shape == (3, 8, 8) and load_file(text)["prompt_embeds"].shape == (8, 8)

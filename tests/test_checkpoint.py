@@ -103,3 +103,16 @@ def test_incompatible_runs_and_formats_are_refused_with_what_differs(tmp_path):
     (tmp_path / "meta.json").write_text(json.dumps({"format": 99}))
     with pytest.raises(UsageError, match="format 99 is not"):
         checkpoint.read_meta(tmp_path)
+
+
+def test_the_total_limit_never_prunes_the_checkpoint_just_written(tmp_path):
+    """With checkpoints of later steps in the folder (another branch, had it not been set aside by flux_cp.resume),
+    the limit prunes older checkpoints only: the checkpoint just written always stays."""
+    trainee = _trainee(0)
+    for step in (4, 6):
+        _save(tmp_path, step, trainee)
+    _save(tmp_path, 2, trainee, limit=2)
+    _save(tmp_path, 3, trainee, limit=2)
+    assert [s for s, _ in checkpoint.list_checkpoints(tmp_path)] == [2, 3, 4, 6]
+    _save(tmp_path, 5, trainee, limit=2)  # keeps itself and the newest older one (by step)
+    assert [s for s, _ in checkpoint.list_checkpoints(tmp_path)] == [4, 5, 6]

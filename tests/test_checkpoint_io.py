@@ -227,3 +227,85 @@ def test_every_field_of_meta_json_is_checked(tmp_path, meta, message):
         UsageError, match=re.escape(f"--resume_from_checkpoint {tmp_path}: ") + ".*" + re.escape(message)
     ):
         checkpoint.read_meta(tmp_path)
+
+
+def _small(seed: int):
+    """A model, optimizer and schedule small enough to checkpoint in milliseconds."""
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+
+
+def _rewrite_storage_paths(ckpt: Path, new_path) -> None:
+    """Rewrite every storage entry's relative path in a checkpoint's DCP `.metadata` (as a hostile file would)."""
+    metadata_file = ckpt / "state" / ".metadata"
+    with open(metadata_file, "rb") as f:
+        metadata = checkpoint._MetadataUnpickler(f).load()
+    for key, info in list(metadata.storage_data.items()):
+        metadata.storage_data[key] = type(info)(new_path(info.relative_path), info.offset, info.length)
+    metadata_file.write_bytes(pickle.dumps(metadata))
+
+
+@pytest.mark.parametrize("where", ["climbing", "absolute", "link"])
+def test_a_checkpoint_path_leading_outside_its_state_folder_is_refused_before_it_is_opened(tmp_path, where):
+    """Paths read from a checkpoint's `.metadata` name the files DCP opens: `../../other/state/__0_0.distcp` would
+    load another run's weights without a word, an absolute path any file. Both are refused, as is a shard that is a
+    link leading out of the folder."""
+    other = _save(tmp_path / "other", 2, *_small(0))  # another run's shards, a valid target
+    ckpt = _save(tmp_path / "run", 2, *_small(1))
+    if where == "climbing":
+        _rewrite_storage_paths(ckpt, lambda rel: f"../../../other/checkpoint-2/state/{rel}")
+    elif where == "absolute":
+        _rewrite_storage_paths(ckpt, lambda rel: str(other / "state" / rel))
+    else:
+        for shard in (ckpt / "state").glob("*.distcp"):
+            shard.unlink()
+            os.symlink(other / "state" / shard.name, shard)
+    import builtins
+    import io
+
+    opened, real_open = [], io.open
+
+    def spy(file, *a, **k):
+        opened.append(os.path.realpath(file) if isinstance(file, (str, os.PathLike)) else str(file))
+        return real_open(file, *a, **k)
+
+    builtins.open = io.open = spy  # pathlib's open (DCP's) goes through io.open
+    try:
+        with pytest.raises(UsageError, match="leads outside|not a path inside"):
+            checkpoint.load(ckpt, *_small(2))
+    finally:
+        builtins.open = io.open = real_open
+    assert any(f.endswith(".metadata") for f in opened), opened  # the spy sees the files read
+    assert not [f for f in opened if f.startswith(str(other))], opened
+
+
+def test_a_changed_data_set_is_named_file_by_file(tmp_path):
+    """The data set is identified by relative names, contents and captions; a resume onto another data set says
+    which files differ. The checkpoint keeps the rows in data.json (meta.json stays small)."""
+    from flux_cp.config import parse_config
+    from flux_cp.data import DataIdentity
+
+    def identity(rows):
+        return DataIdentity("fp-" + str(hash(str(rows))), rows, "legacy")
+
+    before = [["a.png", "c1", "t1"], ["b.png", "c2", "t2"], ["c.png", "c3", "t3"]]
+    after = [["a.png", "c1", "t9"], ["b.png", "cX", "t2"], ["d.png", "c4", "t4"]]
+    cfg = parse_config([])
+    model, opt, sched = _small(0)
+    meta = {"run": checkpoint.run_identity(cfg, 1, identity(before), None), "layout": "x", "args": {}}
+    ckpt = checkpoint.save(str(tmp_path), 2, model, opt, sched, meta, True, None)
+    saved = checkpoint.read_meta(ckpt)
+    assert "data_files" not in saved["run"] and (ckpt / "data.json").is_file()
+    checkpoint.check_compatible(saved, checkpoint.run_identity(cfg, 1, identity(before), None), ckpt)
+    with pytest.raises(UsageError) as e:
+        checkpoint.check_compatible(saved, checkpoint.run_identity(cfg, 1, identity(after), None), ckpt)
+    assert (
+        "incompatible run (data set differs (added: d.png; removed: c.png; changed content: b.png; changed caption: "
+        "a.png)). Resume with the same settings"
+    ) in str(e.value)
+    # A checkpoint of a version that identified the data by its path: compared by that fingerprint.
+    old = {"run": {**saved["run"], "data": "legacy"}}
+    del old["run"]["data_legacy"]
+    checkpoint.check_compatible(old, checkpoint.run_identity(cfg, 1, identity(after), None), ckpt)

@@ -102,3 +102,22 @@ def test_flags_that_this_run_would_not_use_are_named(capsys):
     ]
     assert "warning: --rank has no effect with --full_finetune" in capsys.readouterr().err
     assert unused_flags(given_flags(build_parser(), []), parse_config([]).flat()) == []
+
+
+@pytest.mark.parametrize(
+    "argv, warning",
+    [
+        (["--validation_image", "ref.png"], "--validation_image has no effect without --validation_prompt"),
+        (["--cp_mode", "ulysses"], "--cp_mode ulysses has no effect at --cp_size 1 (one rank holds the whole sequence: "
+         "no CP exchange runs, run_config.json records ring)"),
+        (["--cp_mode", "hybrid", "--ulysses_size", "1"], "--ulysses_size has no effect at --cp_size 1"),
+    ],
+)  # fmt: skip
+def test_flags_ignored_at_one_rank_or_without_prompts_are_named(argv, warning):
+    values = {**parse_config(["--max_train_steps", "2"]).flat(), **dict(zip(argv[::2], argv[1::2]))}  # no demo prompts
+    values = {k.lstrip("-"): (int(v) if k == "--ulysses_size" else v) for k, v in values.items()}
+    warnings = unused_flags(given_flags(build_parser(), argv), values)
+    assert any(w.startswith(warning) for w in warnings), warnings
+    assert not unused_flags(
+        given_flags(build_parser(), ["--cp_mode", "ring"]), parse_config(["--cp_mode", "ring"]).flat()
+    )

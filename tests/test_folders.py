@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from PIL import Image
 
 from flux_cp.errors import UsageError
-from flux_cp.folders import list_folder
+from flux_cp.folders import list_folder, read_metadata_file
 
 
 def _folder(tmp_path, names=("a.png", "b.png")):
@@ -84,3 +85,78 @@ def test_missing_captions_and_empty_folders(tmp_path):
     (tmp_path / "empty" / "._x.png").write_bytes(b"\x00\x05\x16\x07")  # a macOS resource fork is not an image
     with pytest.raises(UsageError, match="no images"):
         list_folder(tmp_path / "empty", "text", None)
+
+
+def test_captions_may_hold_unicode_line_separators(tmp_path):
+    """JSON lines end at "\\n" only: U+2028, U+2029 and U+0085 are ordinary characters of a JSON string."""
+    d = _folder(tmp_path)
+    captions = ["two\u2028lines", "a\u2029paragraph and a\u0085next line"]
+    rows = [{"file_name": n, "text": c} for n, c in zip(("a.png", "b.png"), captions)]
+    (d / "metadata.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    assert "\u2028" in (d / "metadata.jsonl").read_text()  # the characters themselves, not JSON escapes
+    assert [c for _, c in list_folder(d, "text", None)] == captions
+
+
+def test_images_linked_into_a_blob_store_are_read_through_their_links(tmp_path):
+    """The hub cache, git-annex and DVC keep the files elsewhere and link them into the folder: the names in the
+    folder count (metadata.jsonl or .txt captions alike); a link that leads nowhere is named, not dropped."""
+    store = tmp_path / "store"
+    store.mkdir()
+    d = tmp_path / "data"
+    d.mkdir()
+    for n in ("a", "b"):
+        Image.new("RGB", (8, 8)).save(store / f"blob-{n}", format="PNG")
+        (d / f"{n}.png").symlink_to(store / f"blob-{n}")
+    _meta(d, {"file_name": "a.png", "text": "x"}, {"file_name": "b.png", "text": "y"})
+    assert [(p.replace(str(d) + "/", ""), c) for p, c in list_folder(d, "text", None)] == [("a.png", "x"),
+                                                                                           ("b.png", "y")]  # fmt: skip
+    (d / "metadata.jsonl").unlink()
+    (d / "a.txt").write_text("x")
+    (d / "b.txt").write_text("y")
+    assert [c for _, c in list_folder(d, "text", None)] == ["x", "y"]
+    (d / "c.png").symlink_to(store / "not-fetched")  # git annex without `git annex get`
+    with pytest.raises(UsageError, match=r"c.png is a symbolic link to .*not-fetched, which does not exist"):
+        list_folder(d, "text", None)
+    _meta(d, {"file_name": "c.png", "text": "z"})
+    with pytest.raises(UsageError, match=r"line 1: file_name 'c.png' is a symbolic link to .*, which does not exist"):
+        list_folder(d, "text", "one prompt")
+
+
+def test_every_path_column_of_pair_metadata_is_checked(tmp_path):
+    """The reference column of FLUX.1 Kontext pairs gets the checks of file_name: inside the folder, existing, an
+    image; and a target named twice is refused."""
+    d = _folder(tmp_path, ("a.png", "b.png", "r.png"))
+    Image.new("RGB", (8, 8)).save(tmp_path / "outside.png")
+    row = {"file_name": "a.png", "reference_file_name": "r.png", "text": "x"}
+    for bad, tail in (
+        ({"reference_file_name": "../outside.png"}, "reference_file_name '../outside.png' must be a path inside"),
+        ({"reference_file_name": str(tmp_path / "outside.png")}, "must be a path inside"),
+        ({"file_name": "../outside.png"}, "file_name '../outside.png' must be a path inside"),
+        ({"reference_file_name": "gone.png"}, "reference_file_name 'gone.png' does not exist in"),
+        ({"reference_file_name": "metadata.jsonl"}, "is not an image this trainer reads"),
+        ({"reference_file_name": 3}, "reference_file_name is 3, not a path relative to"),
+    ):  # fmt: skip
+        _meta(d, {**row, **bad})
+        with pytest.raises(UsageError, match=f"line 1: .*{re.escape(tail)}"):
+            read_metadata_file(d)
+    _meta(d, row, {**row, "file_name": "./a.png", "text": "y"}, {**row, "file_name": "b.png"})
+    with pytest.raises(UsageError, match=r"line 2: file_name './a.png' already has a caption on line 1"):
+        read_metadata_file(d)
+    _meta(d, row, {**row, "file_name": "b.png"})  # one reference for two targets (two edits of one picture)
+    meta = read_metadata_file(d)
+    assert [r.files for r in meta.rows] == [{"file_name": "a.png", "reference_file_name": "r.png"},
+                                            {"file_name": "b.png", "reference_file_name": "r.png"}]  # fmt: skip
+    assert meta.image_columns == ("reference",)
+
+
+def test_the_encoding_cache_inside_the_data_folder_is_not_listed(tmp_path):
+    """(An output folder inside the data folder is refused: tests/test_outdir.py.)"""
+    from flux_cp.config import DataConfig
+    from flux_cp.data import open_source
+
+    d = _folder(tmp_path)
+    (d / "cache" / "previews").mkdir(parents=True)
+    Image.new("RGB", (8, 8)).save(d / "cache" / "previews" / "x.png")
+    source = open_source(DataConfig(dataset_name=str(d), cache_dir=str(d / "cache"), instance_prompt="x"))
+    assert [p.replace(str(d) + "/", "") for p in (s.ref for s in source.samples)] == ["a.png", "b.png"]
+    assert len(open_source(DataConfig(dataset_name=str(d), no_cache=True, instance_prompt="x"))) == 3

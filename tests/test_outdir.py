@@ -1,47 +1,278 @@
-"""An output folder belongs to one run: earlier runs are refused unless resumed or overwritten; one live run."""
+"""An output folder belongs to one run: earlier runs are refused unless resumed or overwritten; one live run; the
+trainer deletes only what a flux-cp run wrote (its manifest), never a folder it did not create; the output folder
+stays apart from the model and the data; what a resume accepts (flux_cp.resume)."""
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from flux_cp import outdir
+from flux_cp import checkpoint, manifest, outdir
 from flux_cp.errors import UsageError
-from tests.launch import ROOT
+from tests.launch import ROOT, in_process
 
 
-def _earlier_run(folder):
-    (folder / "checkpoint-2").mkdir(parents=True)
-    (folder / "checkpoint-10").mkdir()
-    (folder / ".checkpoint-12.partial").mkdir()
-    (folder / "metrics.jsonl").write_text("{}\n")
+def _checkpoint(folder: Path, step: int) -> Path:
+    """A checkpoint folder as flux-cp writes it (meta.json; the state is not read by these tests)."""
+    path = folder / f"checkpoint-{step}"
+    (path / "state").mkdir(parents=True, exist_ok=True)
+    (path / "state" / ".metadata").write_bytes(b"x")
+    meta = {"format": 1, "step": step, "run": {}, "layout": "world 1 = dp 1 x cp 1", "args": {}}
+    (path / "meta.json").write_text(json.dumps(meta))
+    return path
+
+
+def _earlier_run(folder: Path, steps: tuple[int, ...] = (2, 10), partial: bool = False) -> None:
+    """A folder written by a version before the manifest: its run_config.json marks it as flux-cp's."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for step in steps:
+        _checkpoint(folder, step)
+    if partial:  # left by a crash while writing a checkpoint
+        (folder / ".checkpoint-12.partial" / "state").mkdir(parents=True, exist_ok=True)
+    (folder / "run_config.json").write_text(json.dumps({"output_dir": str(folder), "cp_size": 1,
+                                                        "resume_from_checkpoint": None}))  # fmt: skip
+    (folder / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 11)))
     (folder / "pytorch_lora_weights.safetensors").write_bytes(b"x")
-    (folder / "logs").mkdir()
+    (folder / "logs" / "flux-cp").mkdir(parents=True, exist_ok=True)
+    (folder / "logs" / "flux-cp" / "events.out.tfevents.1.host.1.0").write_bytes(b"x")
     (folder / "notes.txt").write_text("mine")
 
 
 def test_an_earlier_run_is_refused_resumed_or_overwritten(tmp_path):
     folder = tmp_path / "out"
-    assert outdir.claim(folder, None, False) == []  # new and empty: created
+    assert outdir.claim(folder, None, False).removed == []  # new and empty: created
     outdir.release(folder)
-    _earlier_run(folder)
+    (folder / manifest.NAME).unlink()
+    _earlier_run(folder, partial=True)
     with pytest.raises(UsageError) as e:
-        outdir.claim(folder, None, False, ("logs",))
+        outdir.claim(folder, None, False, logging_dir="logs")
     assert str(e.value) == (
-        f"--output_dir {folder} holds an earlier run (3 checkpoints up to .checkpoint-12.partial, metrics.jsonl, "
-        "pytorch_lora_weights.safetensors, logs): pass --resume_from_checkpoint latest to continue it, "
-        "--overwrite_output_dir to replace it, or choose another folder"
+        f"--output_dir {folder} holds an earlier run (3 checkpoints up to .checkpoint-12.partial, run_config.json, "
+        "metrics.jsonl, pytorch_lora_weights.safetensors, logs): pass --resume_from_checkpoint latest to continue "
+        "it, --overwrite_output_dir to replace it, or choose another folder"
     )
-    assert outdir.claim(folder, "latest", False, ("logs",)) == []
+    claimed = outdir.claim(folder, "latest", False, logging_dir="logs")
+    assert claimed.decision.kind == "continue" and claimed.decision.checkpoint == folder / "checkpoint-10"
+    assert sorted(manifest.read(folder)) == sorted(  # the earlier run's outputs, adopted by the resuming run
+        [".checkpoint-12.partial", "checkpoint-10", "checkpoint-2", "logs", "metrics.jsonl",
+         "pytorch_lora_weights.safetensors", "run_config.json"]
+    )  # fmt: skip
     with pytest.raises(UsageError, match="would delete the checkpoint --resume_from_checkpoint latest resumes from"):
-        outdir.claim(folder, "latest", True, ("logs",))
-    removed = outdir.claim(folder, None, True, ("logs",))
-    assert removed == ["checkpoint-2", "checkpoint-10", ".checkpoint-12.partial", "metrics.jsonl",
-                       "pytorch_lora_weights.safetensors", "logs"]  # fmt: skip
-    assert sorted(p.name for p in folder.iterdir()) == [outdir.LOCK_NAME, "notes.txt"]  # the user's file stays
+        outdir.claim(folder, "latest", True, logging_dir="logs")
+    removed = outdir.claim(folder, None, True, logging_dir="logs").removed
+    assert sorted(removed) == [".checkpoint-12.partial", "checkpoint-10", "checkpoint-2", "logs", "metrics.jsonl",
+                               "pytorch_lora_weights.safetensors", "run_config.json"]  # fmt: skip
+    # the user's file stays; the tracker folder is created again, by this run
+    assert sorted(p.name for p in folder.iterdir()) == sorted([manifest.NAME, outdir.LOCK_NAME, "logs", "notes.txt"])
+    assert manifest.read(folder) == ["logs"]
     outdir.release(folder)
+
+
+def test_overwrite_removes_only_what_the_manifest_lists(tmp_path):
+    folder = tmp_path / "out"
+    outdir.claim(folder)
+    for name in ("run_config.json", "metrics.jsonl"):
+        manifest.record(folder, name)
+        (folder / name).write_text("{}\n")
+    manifest.record(folder, "validation")
+    (folder / "validation").mkdir()
+    (folder / "validation" / "step-000002.png").write_bytes(b"x")
+    (folder / "validation" / "mine.txt").write_text("inside a folder the run created: removed with it")
+    (folder / "my_transformer").mkdir()
+    (folder / "keep.txt").write_text("mine")
+    removed = outdir.claim(folder, None, True).removed
+    assert sorted(removed) == ["metrics.jsonl", "run_config.json", "validation"]
+    assert sorted(p.name for p in folder.iterdir()) == sorted(
+        [manifest.NAME, outdir.LOCK_NAME, "keep.txt", "my_transformer"]
+    )
+    # A folder at an output's name that no manifest lists and that does not look like flux-cp's is not removed:
+    # the overwrite is refused before anything is deleted.
+    manifest.record(folder, "metrics.jsonl")
+    (folder / "metrics.jsonl").write_text("{}\n")
+    (folder / "transformer").mkdir()
+    (folder / "transformer" / "model.bin").write_bytes(b"someone's model")
+    with pytest.raises(UsageError, match=r"holds transformer, which flux-cp did not write .* removes nothing"):
+        outdir.claim(folder, None, True)
+    assert (folder / "metrics.jsonl").exists() and (folder / "transformer" / "model.bin").exists()
+    outdir.release(folder)
+
+
+@pytest.mark.parametrize("entry", ["../victim", "/etc", "a/../../victim", "./x", ".flux_cp.lock", ""])
+def test_a_manifest_entry_outside_the_folder_is_refused(tmp_path, entry):
+    folder = tmp_path / "out"
+    folder.mkdir()
+    (tmp_path / "victim").mkdir()
+    (folder / manifest.NAME).write_text(json.dumps({"format": 1, "entries": [entry]}))
+    with pytest.raises(UsageError, match="has an entry"):
+        outdir.claim(folder, None, True)
+    assert (tmp_path / "victim").exists()
+
+
+def _run(tmp_path: Path, *flags: str) -> tuple[int, str]:
+    """The trainer in this process, stopped after the output folder is claimed: the data folder holds no image,
+    which is found when the data is listed, after the claim (flux_cp.outdir runs before anything loads)."""
+    (tmp_path / "no_images").mkdir(exist_ok=True)
+    argv = ["--output_dir", str(tmp_path / "out"), "--cache_dir", str(tmp_path / "cache"), "--max_train_steps", "2",
+            "--report_to", "none", "--dataset_name", str(tmp_path / "no_images"), *flags]  # fmt: skip
+    return in_process(argv)
+
+
+def test_overwrite_keeps_a_logging_dir_outside_the_output_folder(tmp_path):
+    """An absolute --logging_dir (a TensorBoard root shared by runs) and one climbing out with `..` are used, never
+    removed by --overwrite_output_dir, nor is anything else outside the output folder."""
+    shared = tmp_path / "tensorboard"
+    (shared / "other-run").mkdir(parents=True)
+    (shared / "other-run" / "events.out.tfevents.1").write_bytes(b"x")
+    (tmp_path / "sibling.txt").write_text("next to the output folder")
+    for logging_dir in (str(shared), "..", "../tensorboard"):
+        _earlier_run(tmp_path / "out", steps=(2,))
+        code, err = _run(tmp_path, "--overwrite_output_dir", "--report_to", "tensorboard", "--logging_dir", logging_dir)
+        assert code == 2 and "no_images: no images" in err, err[-2000:]
+        assert (shared / "other-run" / "events.out.tfevents.1").exists(), logging_dir
+        assert (tmp_path / "sibling.txt").exists() and (tmp_path / "out" / "notes.txt").exists(), logging_dir
+        assert not (tmp_path / "out" / "checkpoint-2").exists(), "the earlier run's outputs are removed"
+        outdir.release(tmp_path / "out")
+        (tmp_path / "out" / "notes.txt").unlink()
+        (tmp_path / "out" / manifest.NAME).unlink()  # the next round's earlier run is one of before the manifest
+
+
+def test_an_output_folder_that_is_holds_or_is_inside_the_model_or_the_data_is_refused(tmp_path):
+    model = tmp_path / "model"
+    (model / "transformer").mkdir(parents=True)
+    (model / "transformer" / "config.json").write_text('{"_class_name": "FluxTransformer2DModel"}')
+    (model / "model_index.json").write_text('{"_class_name": "FluxPipeline"}')
+    data = tmp_path / "data"
+    data.mkdir()
+    for flags, message in (
+        (["--output_dir", str(model), "--overwrite_output_dir", "--full_finetune"], "is the folder of "
+         f"--pretrained_model_name_or_path {model}"),
+        (["--output_dir", str(model / "out")], f"is inside --pretrained_model_name_or_path {model}"),
+        (["--output_dir", str(tmp_path)], f"holds --pretrained_model_name_or_path {model}"),
+        (["--output_dir", str(data / "out")], f"is inside --dataset_name {data}"),
+    ):  # fmt: skip
+        code, err = in_process([*flags, "--pretrained_model_name_or_path", str(model), "--dataset_name", str(data),
+                                "--max_train_steps", "2", "--report_to", "none"])  # fmt: skip
+        assert code == 2 and f"error: --output_dir {flags[1]} {message}" in err, err[-2000:]
+    assert (model / "transformer" / "config.json").exists() and not (data / "out").exists()
+
+
+def test_resume_latest_without_a_checkpoint_in_a_finished_run_is_refused(tmp_path):
+    folder = tmp_path / "out"
+    _earlier_run(folder, steps=(), partial=True)
+    lora = (folder / "pytorch_lora_weights.safetensors").read_bytes()
+    code, err = _run(tmp_path, "--resume_from_checkpoint", "latest")
+    expected = (
+        f"error: --resume_from_checkpoint latest: --output_dir {folder} holds an earlier run (.checkpoint-12.partial, "
+        "run_config.json, metrics.jsonl, pytorch_lora_weights.safetensors) but no checkpoint to resume: starting "
+        "it again from step 0 would replace it. Pass --overwrite_output_dir to do so, or choose another folder"
+    )
+    assert code == 2 and expected in err, err[-2000:]
+    assert len((folder / "metrics.jsonl").read_text().splitlines()) == 10
+    assert (folder / "pytorch_lora_weights.safetensors").read_bytes() == lora
+    outdir.release(folder)
+    # An empty (or new) folder: `latest` starts from step 0, as a run that may resume always passes it.
+    assert outdir.claim(tmp_path / "fresh", "latest").decision.kind == "new"
+
+
+def test_a_checkpoint_of_another_folder_forks_only_into_a_new_one(tmp_path):
+    other = tmp_path / "other"
+    _earlier_run(other, steps=(2, 4))
+    folder = tmp_path / "out"
+    _earlier_run(folder, steps=(6,))
+    rows = (folder / "metrics.jsonl").read_text()
+    code, err = _run(tmp_path, "--resume_from_checkpoint", str(other / "checkpoint-2"))
+    expected = (
+        f"error: --resume_from_checkpoint {other / 'checkpoint-2'} is not in --output_dir {folder}, which holds an "
+        "earlier run (checkpoint-6, run_config.json, metrics.jsonl, pytorch_lora_weights.safetensors): resuming it "
+        "there would mix two runs in one folder. Resume it into a new or empty --output_dir (a fork;"
+    )
+    assert code == 2 and expected in err, err[-2000:]
+    assert (folder / "metrics.jsonl").read_text() == rows
+    outdir.release(folder)
+    claimed = outdir.claim(tmp_path / "fork", str(other / "checkpoint-2"))
+    assert claimed.decision.kind == "fork" and "a fork of that run, which stays as it is" in claimed.notes[0]
+    forked = [json.loads(line)["step"] for line in (tmp_path / "fork" / "metrics.jsonl").read_text().splitlines()]
+    assert forked == [1, 2]  # the source's history up to the checkpoint; the source is unchanged
+    assert len((other / "metrics.jsonl").read_text().splitlines()) == 10 and (other / "checkpoint-4").exists()
+
+
+def test_resuming_beyond_max_train_steps_is_refused(tmp_path):
+    folder = tmp_path / "out"
+    _earlier_run(folder, steps=(2, 4))
+    code, err = _run(tmp_path, "--resume_from_checkpoint", str(folder / "checkpoint-4"))
+    expected = (
+        f"error: --resume_from_checkpoint {folder / 'checkpoint-4'} is at step 4, beyond the 2 steps of this run "
+        "(--max_train_steps): it would write the weights of step 4 as step 2. Set --max_train_steps to 4 or more, "
+        "or resume an earlier checkpoint"
+    )
+    assert code == 2 and expected in err, err[-2000:]
+    assert sorted(p.name for p in folder.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+
+
+def test_resuming_an_earlier_checkpoint_sets_the_later_branch_aside(tmp_path):
+    folder = tmp_path / "out"
+    _earlier_run(folder, steps=(2, 4, 6))
+    (folder / "validation").mkdir()
+    for step in (0, 2, 4, 6):
+        (folder / "validation" / f"step-{step:06d}.png").write_bytes(b"x")
+    code, err = _run(tmp_path, "--resume_from_checkpoint", str(folder / "checkpoint-2"), "--max_train_steps", "6")
+    assert code == 2 and "no_images: no images" in err, err[-2000:]
+    aside = [p for p in folder.iterdir() if p.name.startswith("abandoned-")]
+    assert len(aside) == 1, sorted(p.name for p in folder.iterdir())
+    assert sorted(p.name for p in aside[0].iterdir()) == ["checkpoint-4", "checkpoint-6", "metrics.jsonl",
+                                                          "pytorch_lora_weights.safetensors", "validation"]  # fmt: skip
+    assert sorted(p.name for p in (aside[0] / "validation").iterdir()) == ["step-000004.png", "step-000006.png"]
+    assert sorted(p.name for p in (folder / "validation").iterdir()) == ["step-000000.png", "step-000002.png"]
+    assert checkpoint.resolve("latest", str(folder)) == folder / "checkpoint-2"  # `latest` is the live branch
+    assert aside[0].name in manifest.read(folder) and "checkpoint-4" not in manifest.read(folder)
+
+
+def test_links_where_the_trainer_writes_its_own_files_are_refused(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    folder = tmp_path / "out"
+    folder.mkdir()
+    os.symlink(victim, folder / outdir.LOCK_NAME)
+    with pytest.raises(UsageError, match=r"\.flux_cp\.lock cannot be opened .*it is a symbolic link"):
+        outdir.claim(folder, None, False)
+    assert victim.read_text() == "precious"
+    (folder / outdir.LOCK_NAME).unlink()
+    os.link(victim, folder / outdir.LOCK_NAME)  # a hard link: the lock's truncation would empty the victim
+    with pytest.raises(UsageError, match="is not a plain file of its own"):
+        outdir.claim(folder, None, False)
+    assert victim.read_text() == "precious"
+    (folder / outdir.LOCK_NAME).unlink()
+    _checkpoint(tmp_path, 2)
+    os.symlink(tmp_path / "checkpoint-2", folder / "checkpoint-2")
+    os.symlink(victim, folder / "metrics.jsonl")
+    with pytest.raises(UsageError, match=r"checkpoint-2 is a symbolic link \(to .*\), where flux-cp writes its own"):
+        outdir.claim(folder, "latest", False)
+    assert victim.read_text() == "precious"
+
+
+def test_a_failed_final_write_says_what_a_resume_would_do(tmp_path):
+    def full_disk(folder: Path) -> Path:
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(UsageError) as e:
+        outdir.write_final(tmp_path, "pytorch_lora_weights.safetensors", full_disk)
+    assert str(e.value) == (
+        f"writing {tmp_path / 'pytorch_lora_weights.safetensors'} failed (No space left on device). No checkpoint was "
+        "written, so a resume has nothing to start from: free disk space, then run again with --overwrite_output_dir "
+        "(from step 0)"
+    )
+    _checkpoint(tmp_path, 4)
+    with pytest.raises(UsageError) as e:
+        outdir.write_final(tmp_path, "pytorch_lora_weights.safetensors", full_disk)
+    assert str(e.value).endswith(
+        "Free disk space, then resume with --resume_from_checkpoint latest: it restarts from step 4 "
+        f"({tmp_path / 'checkpoint-4'}, the last good checkpoint) and writes it again at the end"
+    )
 
 
 def test_unusable_folders_are_named(tmp_path):

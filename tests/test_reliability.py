@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from flux_cp import diskspace, outdir
+from flux_cp import checkpoint, diskspace, manifest, outdir
 from flux_cp.metrics import read_metrics
 from tests.launch import ROOT, env, free_port, launch_cmd, losses, max_rel_weights, ok, run_args, train
 
@@ -286,3 +286,34 @@ def test_resume_applies_a_changed_learning_rate_and_says_what_a_weights_only_che
     assert "resume: --learning_rate 0.001 -> 0.0005" in r.stderr and "--max_train_steps 2 -> 4" in r.stderr
     assert "has no optimizer state (--checkpoint_weights_only): AdamW's moments start from zero" in r.stderr
     assert [row["lr"] for row in read_metrics(tmp_path / "r" / "metrics.jsonl")] == [1e-3, 1e-3, 5e-4, 5e-4]
+
+
+def test_a_resume_from_an_earlier_checkpoint_branches_and_overwrite_removes_only_the_runs_files(tmp_path):
+    """A finished run resumed from its checkpoint-2 with another learning rate: the later branch's checkpoints, final
+    LoRA, loss curve and metrics are set aside (renamed, not deleted), metrics.jsonl holds one trajectory, the limit
+    never prunes the live branch's newest checkpoint, and `latest` picks it. --overwrite_output_dir then removes what
+    the two runs wrote (their manifest) and nothing else."""
+    run = tmp_path / "run"
+    ok(train(1, *_common(tmp_path, "run", 6, "--checkpointing_steps", "2")))
+    first = read_metrics(run / "metrics.jsonl")
+    branch = ["--checkpoints_total_limit", "1", "--resume_from_checkpoint", str(run / "checkpoint-2"),
+              "--learning_rate", "5e-4"]  # fmt: skip
+    r = ok(train(1, *_common(tmp_path, "run", 6, "--checkpointing_steps", "2", *branch)))
+    assert "resuming checkpoint-2 while later checkpoints exist: a new branch from step 2" in r.stderr, r.stderr[-3000:]
+    aside = list(run.glob("abandoned-*"))
+    moved = ["checkpoint-4", "checkpoint-6", "loss_curve.png", "metrics.jsonl", "pytorch_lora_weights.safetensors"]
+    assert len(aside) == 1 and sorted(p.name for p in aside[0].iterdir()) == moved
+    assert read_metrics(aside[0] / "metrics.jsonl") == first
+    rows = read_metrics(run / "metrics.jsonl")
+    assert [row["step"] for row in rows] == [1, 2, 3, 4, 5, 6] and rows[:2] == first[:2]
+    assert [row["lr"] for row in rows] == [1e-3, 1e-3, 5e-4, 5e-4, 5e-4, 5e-4]
+    assert _complete(run) == [6]
+    latest = checkpoint.resolve("latest", str(run))
+    assert latest == run / "checkpoint-6" and checkpoint.read_meta(latest)["args"]["learning_rate"] == 5e-4
+    (run / "notes.txt").write_text("mine")
+    (run / "my_validation").mkdir()
+    removed = outdir.claim(run, None, True).removed
+    assert aside[0].name in removed and "checkpoint-6" in removed
+    assert sorted(p.name for p in run.iterdir()) == sorted([outdir.LOCK_NAME, manifest.NAME, "my_validation",
+                                                            "notes.txt"])  # fmt: skip
+    outdir.release(run)

@@ -53,8 +53,15 @@ FOOTER = [
     "skipped and marked `skipped` in metrics.jsonl |",
     "| a new run in a folder holding an earlier one | refused before anything loads (`holds an earlier run (...): "
     "pass --resume_from_checkpoint latest to continue it, --overwrite_output_dir to replace it, or choose another "
-    "folder`); the earlier run's files are untouched. `--overwrite_output_dir` removes that run's outputs and "
-    "nothing else |",
+    "folder`); the earlier run's files are untouched. `--overwrite_output_dir` removes the entries of the folder's "
+    "manifest (what flux-cp runs wrote) and nothing else; a `--logging_dir` outside the folder is never removed |",
+    "| a resume from an earlier checkpoint of a finished run (`checkpoint-2` of 6, another learning rate) | a new "
+    "branch: the later checkpoints, final LoRA, loss curve and a copy of metrics.jsonl move to "
+    "`abandoned-<date>-<time>/`; metrics.jsonl holds one trajectory, `--checkpoints_total_limit` keeps the branch's "
+    "newest checkpoint and `latest` picks it |",
+    "| a checkpoint whose DCP metadata names files outside it (`../../other/...`, an absolute path, a link) | "
+    "refused before any of them is opened: `--resume_from_checkpoint ...: cannot load it (... leads outside ...)` "
+    "(`tests/test_checkpoint_io.py`) |",
     "| two runs at once on one folder | the second is refused: `--output_dir ... is in use by another run (pid N on "
     "HOST, started ...)`; the lock goes with the first run's process, even when it is killed |",
     "| the disk fills up between checkpoints (`FLUX_CP_DISK_BYTES`) | a warning at start when not every "

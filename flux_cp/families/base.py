@@ -167,6 +167,11 @@ def transformer_class_name(path: str, revision: str | None) -> str:
             continue
         if name:
             return name
+    if first is None:
+        raise UsageError(
+            f"--pretrained_model_name_or_path {path}: its transformer/config.json and model_index.json name no class "
+            "(_class_name): pass a diffusers-layout folder or hub id of a FLUX model"
+        )
     raise UsageError(f"cannot load transformer from --pretrained_model_name_or_path {path}: {first}")
 
 

@@ -1,0 +1,215 @@
+"""Which entries of an output folder a flux-cp run wrote: the manifest `.flux_cp_manifest.json`.
+
+`--overwrite_output_dir` deletes the entries listed here and nothing else, so a folder (or file) flux-cp did not
+create is never deleted, whatever its name. Each writer records its entry just before creating it (checkpoints,
+the final model, metrics.jsonl, run_config.json, the loss curve, validation/, profile/, the tracker folder when it
+is inside the output folder); the file is rewritten atomically, by the main process only (the output folder's lock
+keeps other runs out). Entries are paths relative to the output folder, checked when read: an entry that is
+absolute, climbs out with `..` or passes through a symbolic link is refused, so a damaged or hostile manifest cannot
+make the trainer delete anything outside the folder.
+
+Folders written by versions before the manifest are recognised by their content (`legacy_outputs`): only entries
+that hold nothing but what flux-cp writes there count, and only in a folder marked as a flux-cp run by its
+run_config.json or a checkpoint's meta.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path, PurePosixPath
+
+from . import files
+from .errors import UsageError
+
+NAME = ".flux_cp_manifest.json"
+FORMAT = 1
+
+# Files and folders a run writes at the top of its output folder, besides checkpoints and its tracker folder.
+RUN_OUTPUTS = ("run_config.json", "metrics.jsonl", "pytorch_lora_weights.safetensors", "transformer",
+               "loss_curve.png", "validation", "profile")  # fmt: skip
+CHECKPOINT = re.compile(r"^(checkpoint-\d+|\.checkpoint-\d+\.partial)$")
+ABANDONED = re.compile(r"^abandoned-\d{8}-\d{6}(-\d+)?$")
+
+
+def read(folder: str | os.PathLike) -> list[str] | None:
+    """The entries of `folder`'s manifest (None: there is none); a UsageError if it is damaged."""
+    path = Path(folder) / NAME
+    if not os.path.lexists(path):
+        return None
+    where = f"--output_dir {folder}: {NAME}"
+    if path.is_symlink() or not path.is_file():
+        raise UsageError(f"{where} is not a regular file (a link or a folder): remove it; flux-cp writes it itself")
+    try:
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, ValueError) as e:
+        raise UsageError(
+            f"{where} cannot be read ({e}): it lists what flux-cp may delete there; remove it, and the folder's "
+            "outputs are recognised by their content"
+        ) from None
+    entries = data.get("entries") if isinstance(data, dict) else None
+    if not isinstance(entries, list) or data.get("format") != FORMAT:
+        raise UsageError(f"{where} is not a flux-cp manifest (format {FORMAT} with a list of 'entries'): remove it")
+    for entry in entries:
+        check_entry(entry, where)
+    return entries
+
+
+def check_entry(entry: object, where: str = "manifest") -> str:
+    """An entry is a relative path inside the folder, without `.`/`..` parts or our own bookkeeping files."""
+    parts = PurePosixPath(entry).parts if isinstance(entry, str) and entry and "\0" not in entry else ()
+    if not parts or PurePosixPath(entry).is_absolute() or any(p in (".", "..") for p in parts) or "\\" in entry:
+        raise UsageError(f"{where} has an entry outside the folder ({entry!r}): remove the manifest")
+    if parts[0] in (NAME, ".flux_cp.lock") or str(PurePosixPath(*parts)) != entry:
+        raise UsageError(f"{where} has an entry that is not an output ({entry!r}): remove the manifest")
+    return entry
+
+
+def _write(folder: Path, entries: list[str]) -> None:
+    files.write_json(folder / NAME, {"format": FORMAT, "written_by": "flux-cp", "entries": sorted(set(entries))})
+
+
+def start(folder: str | os.PathLike, entries: list[str]) -> None:
+    """Write the manifest of `folder` with `entries` (a run taking the folder over)."""
+    _write(Path(folder), [check_entry(e) for e in entries])
+
+
+def record(folder: str | os.PathLike, *names: str) -> None:
+    """Record `names` (paths relative to `folder`) as written by this run, just before writing them. A folder that
+    exists already and is not listed is left out: it is not this run's, and files written into it are not recorded
+    (the output folder's claim refused such names where a new run writes). Without a manifest (a folder no run
+    claimed, e.g. in a test) nothing is recorded."""
+    folder = Path(folder)
+    entries = read(folder)
+    if entries is None:  # a folder no run claimed (the claim writes the manifest first)
+        return
+    new = []
+    for name in names:
+        check_entry(name)
+        path = folder / name
+        if name in entries or _under_listed(name, entries):
+            continue
+        if path.is_dir() and not path.is_symlink():
+            continue
+        new.append(name)
+    if new:
+        _write(folder, entries + new)
+
+
+def forget(folder: str | os.PathLike, *names: str) -> None:
+    """Drop `names` from the manifest (removed, or renamed into another entry)."""
+    folder = Path(folder)
+    entries = read(folder)
+    if entries is None:
+        return
+    kept = [e for e in entries if e not in names]
+    if len(kept) != len(entries):
+        _write(folder, kept)
+
+
+def _under_listed(name: str, entries: list[str]) -> bool:
+    parts = PurePosixPath(name).parts
+    return any(PurePosixPath(*parts[:i]).as_posix() in entries for i in range(1, len(parts)))
+
+
+def remove(folder: Path, entry: str) -> None:
+    """Delete one entry of `folder`: a link or file is unlinked (a link is never followed), a folder removed with
+    what is in it. An entry below a link (`logs` -> elsewhere, then `logs/x`) is refused."""
+    check_entry(entry)
+    path = folder / entry
+    parent = folder
+    for part in PurePosixPath(entry).parts[:-1]:
+        parent = parent / part
+        if parent.is_symlink():
+            raise UsageError(f"--output_dir {folder}: {entry} lies behind the link {parent}: not removing it")
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        path.unlink()
+    elif path.is_dir():
+        shutil.rmtree(path)
+
+
+# --- folders of versions before the manifest --------------------------------------------------------------
+
+_DCP_FILE = re.compile(r"^(\.metadata|__\d+_\d+\.distcp)$")
+_MODEL_FILE = re.compile(r"^(config\.json|diffusion_pytorch_model(-\d+-of-\d+)?\.safetensors(\.index\.json)?)$")
+_VALIDATION_FILE = re.compile(r"^step-\d+\.png$")
+_PROFILE_FILE = re.compile(r"^rank\d+(_summary)?\.json$")
+_TRACKER_FILE = re.compile(r"^(events\.out\.tfevents\..+|hparams\.yml)$")
+
+
+def _only(path: Path, allowed: re.Pattern, depth: int = 0) -> bool:
+    """`path` is a real folder holding only files named by `allowed` (and, with depth, folders of them)."""
+    if path.is_symlink() or not path.is_dir():
+        return False
+    for p in path.iterdir():
+        if p.is_symlink():
+            return False
+        if p.is_dir():
+            if depth == 0 or not _only(p, allowed, depth - 1):
+                return False
+        elif not allowed.match(p.name):
+            return False
+    return True
+
+
+def _is_checkpoint(path: Path) -> bool:
+    if path.is_symlink() or not path.is_dir():
+        return False
+    for p in path.iterdir():
+        if p.name == "state":
+            if not _only(p, _DCP_FILE):
+                return False
+        elif p.name not in ("meta.json", "train.pt", "data.json") or p.is_symlink() or not p.is_file():
+            return False
+    return True
+
+
+def _json(path: Path) -> object:
+    try:
+        return json.loads(path.read_bytes()) if path.is_file() and not path.is_symlink() else None
+    except (OSError, ValueError):
+        return None
+
+
+def _marked(folder: Path) -> bool:
+    """A flux-cp output folder: its run_config.json or a checkpoint's meta.json says so (a model folder never is)."""
+    if (folder / "model_index.json").exists():
+        return False
+    config = _json(folder / "run_config.json")
+    if isinstance(config, dict) and {"output_dir", "cp_size", "resume_from_checkpoint"} <= set(config):
+        return True
+    for p in folder.glob("checkpoint-*"):
+        meta = _json(p / "meta.json")
+        if isinstance(meta, dict) and meta.get("format") == 1 and isinstance(meta.get("run"), dict):
+            return True
+    return False
+
+
+def legacy_outputs(folder: str | os.PathLike, tracker_dir: str | None) -> list[str]:
+    """Entries of a folder written before the manifest that are recognisably flux-cp's (see the module's text).
+    `tracker_dir`: the tracker folder relative to `folder` when it is inside it."""
+    folder = Path(folder)
+    if not folder.is_dir() or not _marked(folder):
+        return []
+    found = []
+    for p in folder.iterdir():
+        name = p.name
+        if CHECKPOINT.match(name):
+            ok = _is_checkpoint(p)
+        elif name in ("run_config.json", "metrics.jsonl", "loss_curve.png", "pytorch_lora_weights.safetensors"):
+            ok = p.is_file() and not p.is_symlink()
+        elif name == "transformer":
+            ok = _only(p, _MODEL_FILE)
+        elif name == "validation":
+            ok = _only(p, _VALIDATION_FILE)
+        elif name == "profile":
+            ok = _only(p, _PROFILE_FILE)
+        else:
+            ok = False
+        if ok:
+            found.append(name)
+    if tracker_dir and _only(folder / tracker_dir, _TRACKER_FILE, depth=3):
+        found.append(tracker_dir)
+    return found
