@@ -136,8 +136,8 @@ def _null_caption(t: Path) -> list[str]:
 def _model_folder(t: Path) -> Path:
     """A model folder's layout (its transformer is not read before the refusal)."""
     (t / "model" / "transformer").mkdir(parents=True, exist_ok=True)
-    (t / "model" / "transformer" / "config.json").write_text("{}")
-    (t / "model" / "model_index.json").write_text("{}")
+    (t / "model" / "transformer" / "config.json").write_text('{"_class_name": "FluxTransformer2DModel"}')
+    (t / "model" / "model_index.json").write_text('{"_class_name": "FluxPipeline"}')
     return t / "model"
 
 
