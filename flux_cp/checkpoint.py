@@ -116,7 +116,7 @@ def run_identity(
         "lora_layers": lora and ",".join(lora.lora_layers),
         "global_batch": samples_per_step, "data": data_fingerprint, "resolution": cfg.data.resolution,
         "seed": cfg.train.seed, "aspect_buckets": [list(b) for b in buckets] if buckets is not None else False,
-        "max_sequence_length": cfg.data.max_sequence_length,
+        "max_sequence_length": cfg.data.max_sequence_length, "vae_encode_mode": cfg.data.vae_encode_mode,
     }  # fmt: skip
 
 

@@ -155,11 +155,12 @@ def print_disk(cfg: Config, config: dict, world: int) -> None:
 def print_plan(cfg: Config) -> None:
     from .data import reference_column
     from .parallel import auto_mode, launched_world_size
-    from .shape import model_of
+    from .shape import model_of, resolved
 
     pairs = reference_column(cfg.data) is not None  # FLUX.1 Kontext: the reference has its target's size
     family, path = model_of(cfg.model, pairs)
     config = dict(family.transformer_class().load_config(path, subfolder="transformer", revision=cfg.model.revision))
+    cfg = resolved(cfg, family, pairs, config)  # the family's default --lora_layers
     world = launched_world_size()
     resolution, batch, cp_size = cfg.data.resolution, cfg.train.train_batch_size, cfg.parallel.cp_size
     tokens = (2 if pairs else 1) * (resolution // 16) ** 2 + cfg.data.max_sequence_length

@@ -11,7 +11,7 @@ from peft import LoraConfig
 import cp
 from flux_cp import plan
 from flux_cp.flow import image_ids, pack_latents, text_ids
-from flux_cp.lora import ATTENTION_TARGETS
+from flux_cp.lora import ATTENTION_TARGETS, DEFAULT_TARGETS
 from flux_cp.tiny import FLUX1_DEV_TRANSFORMER, tiny_transformer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -96,9 +96,7 @@ def test_estimates_of_compiled_trainer_runs_are_within_10_percent_of_their_h200_
     --recompute_attention; one GPU and cp=2 (Ulysses), 1024 to 4096 px, default LoRA layers, DDP."""
     from types import SimpleNamespace
 
-    from flux_cp.config import parse_config
-
-    layers = list(parse_config([]).lora.lora_layers)
+    layers = list(DEFAULT_TARGETS)  # FLUX.1's default --lora_layers
     rows = []
     for name in ("2026-11-30-h200x2-saved-attention", "2026-11-30-h200x2-cuda-graphs"):
         for path in (ROOT / "benchmarks" / "results" / name).glob("trainer_*.json"):
