@@ -99,5 +99,6 @@ def per_sample_draws(
         eps.append(torch.randn(latent_shape, generator=g))
         noise.append(torch.randn(noise_shape or latent_shape, generator=g))
         u.append(sample_timesteps(1, train.weighting_scheme, g, train.logit_mean, train.logit_std, train.mode_scale))
-    timesteps, sigmas = sigmas_for(torch.cat(u), scheduler)
-    return {"eps": torch.stack(eps), "noise": torch.stack(noise), "timesteps": timesteps, "sigmas": sigmas}
+    u = torch.cat(u)
+    timesteps, sigmas = sigmas_for(u, scheduler)
+    return {"eps": torch.stack(eps), "noise": torch.stack(noise), "u": u, "timesteps": timesteps, "sigmas": sigmas}

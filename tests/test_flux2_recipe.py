@@ -24,13 +24,16 @@ class Args:
     guidance_scale = 3.5
 
 
-def example_step(transformer, vae, noise_scheduler_copy, batch, prompt_embeds, text_ids, args, seed, klein, i2i):
+def example_step(
+    transformer, vae, noise_scheduler_copy, batch, prompt_embeds, text_ids, args, seed, klein, i2i, draws=None
+):
     """The training step of diffusers' examples/dreambooth (commit 58eb52c0), line for line, without prior
     preservation, caching or accelerate: train_dreambooth_lora_flux2.py:1209-1211 (statistics), 1810-1818
     (get_sigmas) and 1855-1932 (the step); with `i2i`, train_dreambooth_lora_flux2_img2img.py:1744-1830 (the
     condition image after the target); with `klein`, train_dreambooth_lora_flux2_klein.py:1857-1861 (guidance).
     Changes: `accelerator.device` -> "cpu", `unwrap_model(transformer)` -> `transformer`, and the global RNG is seeded
-    with `seed` just before the noise draw (the example's RNG is the global one)."""
+    with `seed` just before the noise draw (the example's RNG is the global one); `draws` = (noise, u), when given,
+    replaces the two random draws (to compare on the trainer's own draws)."""
     latents_bn_mean = vae.bn.running_mean.view(1, -1, 1, 1).to("cpu")
     latents_bn_std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to("cpu")
 
@@ -66,17 +69,23 @@ def example_step(transformer, vae, noise_scheduler_copy, batch, prompt_embeds, t
         )
         cond_model_input_ids = cond_model_input_ids.view(cond_model_input.shape[0], -1, model_input_ids.shape[-1])
 
-    torch.manual_seed(seed)
-    noise = torch.randn_like(model_input)
+    if draws is None:
+        torch.manual_seed(seed)
+        noise = torch.randn_like(model_input)
+    else:
+        noise = draws[0]
     bsz = model_input.shape[0]
 
-    u = compute_density_for_timestep_sampling(
-        weighting_scheme=args.weighting_scheme,
-        batch_size=bsz,
-        logit_mean=args.logit_mean,
-        logit_std=args.logit_std,
-        mode_scale=args.mode_scale,
-    )
+    if draws is None:
+        u = compute_density_for_timestep_sampling(
+            weighting_scheme=args.weighting_scheme,
+            batch_size=bsz,
+            logit_mean=args.logit_mean,
+            logit_std=args.logit_std,
+            mode_scale=args.mode_scale,
+        )
+    else:
+        u = draws[1]
     indices = (u * noise_scheduler_copy.config.num_train_timesteps).long()
     timesteps = noise_scheduler_copy.timesteps[indices].to(device=model_input.device)
 
