@@ -281,11 +281,15 @@ def test_default_lora_targets_are_the_examples_and_match_every_single_block(fold
     assert adapted == sorted(blocks + single)
 
 
-def test_kohya_lora_files_are_refused_for_flux2_before_anything_loads(folders, tmp_path):
+def test_lora_files_flux2_pipelines_cannot_load_are_refused_before_anything_loads(folders, tmp_path):
     from flux_cp.trainer import Trainer
 
     cfg = parse_config(["--pretrained_model_name_or_path", str(folders[True]), "--lora_format", "kohya",
                         "--output_dir", str(tmp_path / "out")])  # fmt: skip
     with pytest.raises(UsageError, match=r"^--lora_format kohya maps FLUX.1's module names; for FLUX.2 \[klein\]"):
+        Trainer(cfg).setup()
+    cfg = parse_config(["--pretrained_model_name_or_path", str(folders[False]), "--rank", "4", "--lora_alpha", "8",
+                        "--output_dir", str(tmp_path / "out")])  # fmt: skip
+    with pytest.raises(UsageError, match=r"^--lora_alpha 8 with --rank 4: a FLUX.2 \[dev\] LoRA file cannot carry"):
         Trainer(cfg).setup()
     assert not (tmp_path / "out").exists()
