@@ -154,6 +154,7 @@ def print_disk(cfg: Config, config: dict, world: int) -> None:
 
 def print_plan(cfg: Config) -> None:
     from .data import reference_column
+    from .errors import UsageError
     from .parallel import auto_mode, launched_world_size
     from .shape import model_of, resolved
 
@@ -161,6 +162,8 @@ def print_plan(cfg: Config) -> None:
     family, path = model_of(cfg.model, pairs)
     config = dict(family.transformer_class().load_config(path, subfolder="transformer", revision=cfg.model.revision))
     cfg = resolved(cfg, family, pairs, config)  # the family's default --lora_layers
+    if family.name != "flux1":  # its counts and activation units are FluxTransformer2DModel's
+        raise UsageError(f"--plan estimates FLUX.1 and FLUX.1 Kontext runs only so far, not {family.label}")
     world = launched_world_size()
     resolution, batch, cp_size = cfg.data.resolution, cfg.train.train_batch_size, cfg.parallel.cp_size
     tokens = (2 if pairs else 1) * (resolution // 16) ** 2 + cfg.data.max_sequence_length

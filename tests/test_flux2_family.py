@@ -293,3 +293,10 @@ def test_lora_files_flux2_pipelines_cannot_load_are_refused_before_anything_load
     with pytest.raises(UsageError, match=r"^--lora_alpha 8 with --rank 4: a FLUX.2 \[dev\] LoRA file cannot carry"):
         Trainer(cfg).setup()
     assert not (tmp_path / "out").exists()
+
+
+def test_the_memory_plan_says_it_does_not_count_flux2_yet(folders):
+    from flux_cp.plan import print_plan
+
+    with pytest.raises(UsageError, match=r"^--plan estimates FLUX.1 and FLUX.1 Kontext runs only so far, not FLUX.2"):
+        print_plan(parse_config(["--plan", "--pretrained_model_name_or_path", str(folders[False])]))
