@@ -26,7 +26,7 @@ def _tree(path: Path) -> int:
 
 def _trained(lr: float = 1e-3, betas=(0.9, 0.999), full: bool = False, steps: int = 2):
     model = tiny_transformer()
-    prepare_trainable(model, LoraConfig(full_finetune=full, rank=4, lora_alpha=4), seed=0)
+    prepare_trainable(model, LoraConfig(full_finetune=full, rank=4, lora_alpha=4, lora_layers=DEFAULT_TARGETS), seed=0)
     params = [p for _, p in trainable_parameters(model)]
     opt = torch.optim.AdamW(params, lr=lr, betas=betas)
     sched = get_scheduler("cosine", optimizer=opt, num_warmup_steps=1, num_training_steps=10)
