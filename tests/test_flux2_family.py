@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ from flux_cp.flow import per_sample_draws
 from flux_cp.flux2_recipe import text_ids
 from flux_cp.parallel import Layout
 from flux_cp.rng import Stream, generator
-from flux_cp.tiny_flux2 import FLUX2_KLEIN_4B_TRANSFORMER, ensure_tiny_flux2_pipeline
+from flux_cp.tiny_flux2 import FLUX2_KLEIN_4B_TRANSFORMER, default_flux2_cache_dir
 from tests import test_batches
 from tests.test_flux2_recipe import Args, example_step
 
@@ -31,9 +32,11 @@ PIPELINES = {False: Flux2Pipeline, True: Flux2KleinPipeline}
 
 
 @pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    root = tmp_path_factory.mktemp("flux2")
-    return {klein: ensure_tiny_flux2_pipeline(root / ("klein" if klein else "dev"), klein=klein) for klein in (0, 1)}
+def folders():
+    """The families' embedded tiny defaults (built under the test session's FLUX_CP_HOME)."""
+    built = {klein: Path(family.embedded_default(pairs=False)) for klein, family in ((0, FLUX2), (1, FLUX2_KLEIN))}
+    assert built[0] == default_flux2_cache_dir() and built[1] == default_flux2_cache_dir(klein=True)
+    return built
 
 
 @pytest.fixture(scope="module")
