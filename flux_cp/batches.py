@@ -27,17 +27,17 @@ Tensor = torch.Tensor
 @dataclass
 class MicroBatch:
     inputs: dict  # keyword arguments of the transformer's forward, this rank's chunk
-    target: Tensor  # this rank's chunk of (noise - latents), packed; the whole of it for Kontext pairs
+    target: Tensor  # this rank's chunk of (noise - latents), packed; the whole of it for pairs
     weighting: Tensor  # [B, 1, 1] per-sample loss weights
     epoch: int
-    image_tokens: int  # per sample, whole sequence (target and reference for Kontext pairs)
+    image_tokens: int  # per sample, whole sequence (target and reference for pairs)
     text_tokens: int
-    pair: PairSplit | None = None  # Kontext pairs: how the [target; reference] tokens are split over the CP group
+    pair: PairSplit | None = None  # pairs: how the [target; reference] tokens are split over the CP group
     cp_rank: int = 0
 
     def loss(self, pred: Tensor) -> Tensor:
         """Weighted MSE, mean over this rank's tokens (gradients are then averaged over all dp x cp ranks,
-        which with equal chunks is the full-sequence mean; docs/design.md, data flow). Kontext pairs: over the
+        which with equal chunks is the full-sequence mean; docs/design.md, data flow). Pairs: over the
         target tokens only, weighted so that the same averaging gives the full mean (docs/design.md, Kontext)."""
         if self.pair is not None:
             return target_loss(pred, self.target, self.weighting, self.pair, self.cp_rank)
@@ -53,6 +53,7 @@ class Batches:
                  input_dtype: torch.dtype = torch.float32):  # fmt: skip
         self.data, self.schedule, self.layout = data, schedule, layout
         self.random_flip, self.train = data_config.random_flip, train
+        self.vae_encode_mode = data_config.vae_encode_mode  # None: the family's default for the data
         self.noise_scheduler = noise_scheduler
         self.family, self.normalize = family, normalize  # the model's tokens; VAE latents -> the model's latents
         self.guidance, self.device = guidance, device
@@ -96,14 +97,16 @@ class Batches:
         samples = [self._load(batch[s], epoch) for s in slots]
         stack = {k: self._to_device(torch.stack([s[k] for s in samples])) for k in samples[0]}
         mean, std = stack["latent_mean"], stack["latent_std"]
-        # Noise and timesteps per *global* slot: the same for every layout and every rank of a CP group.
-        draws = per_sample_draws(
-            [generator(Stream.NOISE, a.seed, m, s) for s in slots], tuple(mean.shape[1:]), a, self.noise_scheduler
-        )
+        family, pairs = self.family, "reference_latent" in stack
+        # Noise and timesteps per *global* slot: the same for every layout and every rank of a CP group. The
+        # flow-matching noise is drawn in the model's latent space, as diffusers' examples draw it.
+        shape = tuple(mean.shape[1:])
+        draws = per_sample_draws([generator(Stream.NOISE, a.seed, m, s) for s in slots], shape, a,
+                                 self.noise_scheduler, family.model_latent_shape(shape))  # fmt: skip
         weighting = loss_weighting(a.weighting_scheme, draws["sigmas"])
         draws = {k: self._to_device(v) for k, v in draws.items()}
-        family = self.family
-        latents = self.normalize(mean + std * draws["eps"])
+        sample = (self.vae_encode_mode or family.default_vae_encode_mode(pairs)) == "sample"
+        latents = self.normalize(mean + std * draws["eps"] if sample else mean)
         noise = draws["noise"]
         sigmas = draws["sigmas"].view(-1, 1, 1, 1)
         noisy = (1.0 - sigmas) * latents + sigmas * noise
@@ -111,9 +114,9 @@ class Batches:
         embeds = stack["prompt_embeds"]
         dt = self.input_dtype
         target, hidden, ids, pair = family.pack(noise - latents), family.pack(noisy), family.image_ids(h, w, dev), None
-        if "reference_latent" in stack:  # Kontext: the clean reference tokens follow the noisy target tokens
+        if pairs:  # the clean reference tokens follow the noisy target tokens
             reference = self.normalize(stack["reference_latent"])
-            hidden, ids = pair_sequence(hidden, family.pack(reference), (h, w), tuple(reference.shape[-2:]))
+            hidden, ids = pair_sequence(hidden, family.pack(reference), (h, w), tuple(reference.shape[-2:]), family)
             pair = PairSplit(target.shape[1], hidden.shape[1] - target.shape[1], self.layout.cp)
         text = {k: v.to(dt) for k, v in stack.items() if k not in ("latent_mean", "latent_std", "reference_latent")}
         text["prompt_embeds"] = cp.shard(text["prompt_embeds"], 1, group)

@@ -135,7 +135,7 @@ def run_identity(
         "global_batch": samples_per_step, "data": data if isinstance(data, str) else data.fingerprint,
         "resolution": cfg.data.resolution,
         "seed": cfg.train.seed, "aspect_buckets": [list(b) for b in buckets] if buckets is not None else False,
-        "max_sequence_length": cfg.data.max_sequence_length,
+        "max_sequence_length": cfg.data.max_sequence_length, "vae_encode_mode": cfg.data.vae_encode_mode,
     }  # fmt: skip
     if not isinstance(data, str):
         identity.update(data_files=data.files, data_legacy=data.legacy)

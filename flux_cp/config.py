@@ -116,8 +116,12 @@ class LoraConfig:
         16, "LoRA alpha: the update is scaled by alpha / rank. Default: the rank.", derive=lambda raw: raw["rank"]
     )
     lora_dropout: float = flag(0.0, "Dropout probability for LoRA layers.")
-    lora_layers: tuple[str, ...] = flag(
-        DEFAULT_TARGETS, "Comma-separated module name suffixes that get LoRA adapters.", parse=_comma_list
+    lora_layers: tuple[str, ...] | None = flag(
+        None,
+        "Comma-separated module name suffixes that get LoRA adapters. Default: diffusers' LoRA example's for the "
+        f"model family: FLUX.1 {','.join(DEFAULT_TARGETS)} (Kontext pairs add proj_mlp); FLUX.2 "
+        "to_k,to_q,to_v,to_out.0,to_qkv_mlp_proj and every single block's attn.to_out.",
+        parse=_comma_list,
     )
     lora_format: str = flag(
         "diffusers",
@@ -170,6 +174,13 @@ class DataConfig:
         512,
         "T5 tokens per prompt (<= 512). Default: 512, or 32 for the tiny default.",
         derive=lambda raw: 32 if _is_embedded(raw) else 512,
+    )
+    vae_encode_mode: str | None = flag(
+        None,
+        "The VAE latent of each image: 'sample' (a draw from its posterior, every step) or 'mode' (its mean). "
+        "Default: diffusers' example's for the model family and data: FLUX.1 sample, FLUX.1 Kontext pairs and "
+        "FLUX.2 mode. Reference images always use the mode.",
+        choices=("sample", "mode"),
     )
     cache_dir: str | None = flag(
         None, "Where encoded latents and prompt embeddings are cached. Default: ~/.cache/flux_cp/encodings."

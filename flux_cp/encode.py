@@ -14,7 +14,7 @@ import hashlib
 import json
 import logging
 import os
-from dataclasses import dataclass
+from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -38,34 +38,30 @@ Tensor = torch.Tensor
 logger = logging.getLogger("flux_cp")
 
 
-@dataclass
-class Encoders:
-    vae: torch.nn.Module
-    text_encoder: torch.nn.Module | None
-    tokenizer: object
-    text_encoder_2: torch.nn.Module | None
-    tokenizer_2: object
-    device: torch.device
-    dtype: torch.dtype
+class Encoders(ABC):
+    """A model family's VAE and text encoders, as the encoding cache and the live data path use them. A family
+    subclasses it with its prompt encoding (`prompts`, returning `text_keys`, of `text_shapes`)."""
 
-    @torch.no_grad()
+    text_keys: tuple[str, ...] = ("prompt_embeds",)  # what `prompts` returns: the keys of a cached text entry
+    text_recipe: str = ""  # what else decides the prompt embeddings (e.g. the hidden layers read): in their cache key
+
+    def __init__(self, vae: torch.nn.Module, text_encoders: dict[str, torch.nn.Module], device: torch.device,
+                 dtype: torch.dtype):  # fmt: skip
+        self.vae, self.device, self.dtype = vae, device, dtype
+        # name -> model, in the order their fingerprints enter the text cache key
+        self.text_encoders: dict[str, torch.nn.Module] = dict(text_encoders)
+
+    @abstractmethod
     def prompts(self, captions: list[str], max_sequence_length: int) -> dict[str, Tensor]:
-        """`prompt_embeds`: T5 embeddings `[B, L, D]`, and `pooled_prompt_embeds`: CLIP pooled embeddings `[B, D']`,
-        as FluxPipeline.encode_prompt."""
-        ids = self.tokenizer(
-            captions, padding="max_length", max_length=self.tokenizer.model_max_length, truncation=True,
-            return_tensors="pt",
-        ).input_ids  # fmt: skip
-        pooled = self.text_encoder(ids.to(self.device), output_hidden_states=False).pooler_output
-        ids2 = self.tokenizer_2(
-            captions, padding="max_length", max_length=max_sequence_length, truncation=True, return_tensors="pt"
-        ).input_ids
-        embeds = self.text_encoder_2(ids2.to(self.device), output_hidden_states=False)[0]
-        return {"prompt_embeds": embeds.to(self.dtype), "pooled_prompt_embeds": pooled.to(self.dtype)}
+        """The captions' encodings `{name: [B, ...]}`, named as the pipeline's arguments (`text_keys`)."""
+
+    @abstractmethod
+    def text_shapes(self, max_sequence_length: int) -> dict[str, tuple[int, ...]]:
+        """The shape of each of one caption's encodings (`text_keys`): what a usable cache entry holds."""
 
     @torch.no_grad()
     def latents(self, pixels: Tensor) -> tuple[Tensor, Tensor]:
-        """Mean and std of the VAE latent distribution (fp32, before shift/scale)."""
+        """Mean and std of the VAE latent distribution (fp32, before any normalisation)."""
         dist_ = self.vae.encode(pixels.to(self.device, self.vae.dtype)).latent_dist
         return dist_.mean.float(), dist_.std.float()
 
@@ -75,15 +71,8 @@ class Encoders:
         factor = 2 ** (len(config.block_out_channels) - 1)
         return (config.latent_channels, size[1] // factor, size[0] // factor)
 
-    def text_shapes(self, max_sequence_length: int) -> dict[str, tuple[int, ...]]:
-        """Shapes of one caption's `prompt_embeds` (T5, `[L, D]`) and `pooled_prompt_embeds` (CLIP, `[D']`)."""
-        return {
-            "prompt_embeds": (max_sequence_length, self.text_encoder_2.config.d_model),
-            "pooled_prompt_embeds": (self.text_encoder.config.hidden_size,),
-        }
-
     def free_text_encoders(self) -> None:
-        self.text_encoder = self.text_encoder_2 = None
+        self.text_encoders.clear()
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -108,12 +97,11 @@ def model_fingerprint(module: torch.nn.Module, name: str, revision: str | None) 
 
 
 def encoder_fingerprints(encoders: Encoders, path: str, revision: str | None) -> tuple[str, str]:
-    """(VAE, text encoders) fingerprints: the cache keys of latents and of prompt embeddings include them."""
+    """(VAE, text encoders) fingerprints: the cache keys of latents and of prompt embeddings include them (every
+    text encoder's, in the family's order, and its `text_recipe`)."""
     vae = model_fingerprint(encoders.vae, path, revision)
-    text = model_fingerprint(encoders.text_encoder_2, path, revision) + model_fingerprint(
-        encoders.text_encoder, path, revision
-    )
-    return vae, text
+    text = "".join(model_fingerprint(m, path, revision) for m in encoders.text_encoders.values())
+    return vae, text + encoders.text_recipe
 
 
 def training_buckets(resolution: int, cp_size: int, aspect_buckets: bool) -> list[tuple[int, int]]:
@@ -140,7 +128,6 @@ class Geometry:
 
 
 LATENT_KEYS = ("latent_mean", "latent_std")
-TEXT_KEYS = ("prompt_embeds", "pooled_prompt_embeds")
 
 
 def _usable(path: Path, shapes: dict[str, tuple[int, ...]]) -> bool:
@@ -182,9 +169,9 @@ def _sha(*parts) -> str:
 
 class TrainingData(Protocol):
     """What the batch builder reads, cached or live: the aspect bucket of every sample, and one sample's
-    encodings (`latent_mean`, `latent_std` `[C, H, W]`, `prompt_embeds` `[L, D]`, `pooled_prompt_embeds`
-    `[D']`; for FLUX.1 Kontext pairs also `reference_latent` `[C, H, W]`, the mean latent of the reference with
-    the target's crop and flip), given whether it is flipped and the epoch (for crops drawn per epoch)."""
+    encodings (`latent_mean`, `latent_std` `[C, H, W]`, the text entries of the family's `Encoders.prompts`, e.g.
+    `prompt_embeds` `[L, D]`; for pairs also `reference_latent` `[C, H, W]`, the mean latent of the reference
+    with the target's crop and flip), given whether it is flipped and the epoch (for crops drawn per epoch)."""
 
     buckets: list[int]
 

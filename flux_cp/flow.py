@@ -1,4 +1,4 @@
-"""The flow-matching objective of diffusers' Flux training examples, and Flux's latent packing.
+"""The flow-matching objective of diffusers' Flux training examples, and FLUX.1's latent packing.
 
 Noise, timesteps and the target are drawn for the *full* latent on every rank of a CP group (same
 generator state), then each rank keeps its sequence chunk (docs/design.md, data flow).
@@ -83,14 +83,22 @@ def sigmas_for(u: Tensor, scheduler) -> tuple[Tensor, Tensor]:
 
 
 def per_sample_draws(
-    generators: list[torch.Generator], latent_shape: tuple[int, ...], train: TrainConfig, scheduler
+    generators: list[torch.Generator],
+    latent_shape: tuple[int, ...],
+    train: TrainConfig,
+    scheduler,
+    noise_shape: tuple[int, ...] | None = None,
 ) -> dict:
-    """Noise, latent-sampling noise, timesteps and sigmas for each sample of a batch, each from its own
-    generator (keyed by seed, micro-step and position in the *global* batch: layout-independent)."""
+    """Latent-sampling noise `eps` (`latent_shape`, the VAE's latent), flow-matching noise (`noise_shape`, the
+    model's latent, in which diffusers' examples draw it; default `latent_shape`), timesteps and sigmas for each
+    sample of a batch, each from its own generator (keyed by seed, micro-step and position in the *global* batch:
+    layout-independent). `eps` is drawn whether or not the latent is sampled, so that the noise and timesteps of
+    a sample do not depend on --vae_encode_mode."""
     eps, noise, u = [], [], []
     for g in generators:
         eps.append(torch.randn(latent_shape, generator=g))
-        noise.append(torch.randn(latent_shape, generator=g))
+        noise.append(torch.randn(noise_shape or latent_shape, generator=g))
         u.append(sample_timesteps(1, train.weighting_scheme, g, train.logit_mean, train.logit_std, train.mode_scale))
-    timesteps, sigmas = sigmas_for(torch.cat(u), scheduler)
-    return {"eps": torch.stack(eps), "noise": torch.stack(noise), "timesteps": timesteps, "sigmas": sigmas}
+    u = torch.cat(u)
+    timesteps, sigmas = sigmas_for(u, scheduler)
+    return {"eps": torch.stack(eps), "noise": torch.stack(noise), "u": u, "timesteps": timesteps, "sigmas": sigmas}

@@ -1,6 +1,7 @@
-"""FLUX.1 Kontext sequences: the target image's noisy latent tokens followed by the reference image's clean
-latent tokens (position ids with first coordinate 1), as diffusers' `FluxKontextPipeline` builds them; how a
-CP group splits that image segment; and the flow-matching loss over the target tokens only.
+"""Pair sequences (FLUX.1 Kontext, FLUX.2 with a reference image): the target image's noisy latent tokens followed
+by the reference image's clean latent tokens, with the family's reference position ids (FLUX.1 Kontext: first
+coordinate 1, as diffusers' `FluxKontextPipeline`; FLUX.2: time coordinate 10, as `Flux2Pipeline`); how a CP group
+splits that image segment; and the flow-matching loss over the target tokens only.
 
 The split: text tokens are cut into `cp` equal chunks as for FLUX.1, and the image segment `[target;
 reference]` is cut into `cp` equal contiguous chunks *as one sequence* (exactly what `cp.full_sequence_io`
@@ -13,12 +14,16 @@ the full-sequence mean however the target/reference boundary falls (docs/design.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 import cp
 
 from .flow import image_ids
+
+if TYPE_CHECKING:
+    from .families import Family
 
 Tensor = torch.Tensor
 
@@ -27,34 +32,40 @@ REFERENCE_INDEX = 1
 
 
 def reference_ids(height: int, width: int, device=None, dtype=torch.float32) -> Tensor:
-    """Position ids `[H/2 * W/2, 3]` of a reference latent of `height x width`: the target's ids with the first
-    coordinate set to 1, so RoPE tells the two images apart while their pixels stay aligned."""
+    """FLUX.1 Kontext: position ids `[H/2 * W/2, 3]` of a reference latent of `height x width`: the target's ids
+    with the first coordinate set to 1, so RoPE tells the two images apart while their pixels stay aligned."""
     ids = image_ids(height, width, device=device, dtype=dtype)
     ids[:, 0] = REFERENCE_INDEX
     return ids
 
 
 def pair_sequence(
-    target: Tensor, reference: Tensor, target_hw: tuple[int, int], reference_hw: tuple[int, int]
+    target: Tensor,
+    reference: Tensor,
+    target_hw: tuple[int, int],
+    reference_hw: tuple[int, int],
+    family: Family | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The full image segment: packed target tokens `[B, T, C]` then packed reference tokens `[B, R, C]`,
-    with their ids `[T + R, 3]`. `*_hw` are the latent (not token) heights and widths."""
+    with their ids `[T + R, k]` (`family`'s `image_ids` and `reference_ids`; default FLUX.1). `*_hw` are the
+    model latents' (not the tokens') heights and widths."""
+    if family is None:
+        from .families import FLUX1 as family
     if target.shape[0] != reference.shape[0] or target.shape[2] != reference.shape[2]:
         raise ValueError(
             f"target tokens {tuple(target.shape)} and reference tokens {tuple(reference.shape)} differ in batch "
             "size or channels"
         )
-    for name, t, (h, w) in (("target", target, target_hw), ("reference", reference, reference_hw)):
-        if t.shape[1] != (h // 2) * (w // 2):
-            raise ValueError(f"{name} has {t.shape[1]} tokens, but a {h}x{w} latent packs to {(h // 2) * (w // 2)}")
-    ids = torch.cat(
-        [image_ids(*target_hw, device=target.device), reference_ids(*reference_hw, device=target.device)], dim=0
-    )
-    return torch.cat([target, reference], dim=1), ids
+    dev = target.device
+    ids = [family.image_ids(*target_hw, device=dev), family.reference_ids(*reference_hw, device=dev)]
+    for name, t, part, (h, w) in zip(("target", "reference"), (target, reference), ids, (target_hw, reference_hw)):
+        if t.shape[1] != part.shape[0]:
+            raise ValueError(f"{name} has {t.shape[1]} tokens, but a {h}x{w} latent packs to {part.shape[0]}")
+    return torch.cat([target, reference], dim=1), torch.cat(ids, dim=0)
 
 
 def check_pair_tokens(text_tokens: int, target_tokens: int, reference_tokens: int, cp_size: int) -> None:
-    """A ValueError that says what to change when a Kontext sequence cannot be split over `cp_size` ranks."""
+    """A ValueError that says what to change when a pair sequence cannot be split over `cp_size` ranks."""
     if text_tokens % cp_size:
         raise ValueError(
             f"{text_tokens} text tokens are not divisible by the CP size {cp_size}: use a --max_sequence_length "
@@ -63,7 +74,7 @@ def check_pair_tokens(text_tokens: int, target_tokens: int, reference_tokens: in
     image = target_tokens + reference_tokens
     if image % cp_size:
         raise ValueError(
-            f"a Kontext pair of {target_tokens} target + {reference_tokens} reference image tokens ({image}) is not "
+            f"an image pair of {target_tokens} target + {reference_tokens} reference image tokens ({image}) is not "
             f"divisible by the CP size {cp_size}: use --aspect_buckets (every bucket divides), another "
             "--resolution, or another CP size"
         )

@@ -216,9 +216,10 @@ def print_plan(cfg: Config) -> None:
     if int(os.environ.get("RANK", "0")) != 0:
         return
     from .data import reference_column
+    from .errors import UsageError
     from .families import for_transformer
     from .parallel import auto_mode, launched_world_size
-    from .shape import model_of
+    from .shape import model_of, resolved
 
     pairs = reference_column(cfg.data) is not None  # FLUX.1 Kontext: the reference has its target's size
     if cfg.model.embedded_default:
@@ -227,6 +228,9 @@ def print_plan(cfg: Config) -> None:
     else:
         config, path = transformer_config(cfg.model.pretrained_model_name_or_path, cfg.model.revision)
         family = for_transformer(config)
+    cfg = resolved(cfg, family, pairs, config)  # the family's default --lora_layers
+    if family.name != "flux1":  # its counts and activation units are FluxTransformer2DModel's
+        raise UsageError(f"--plan estimates FLUX.1 and FLUX.1 Kontext runs only so far, not {family.label}")
     world = launched_world_size()
     resolution, batch, cp_size = cfg.data.resolution, cfg.train.train_batch_size, cfg.parallel.cp_size
     tokens = (2 if pairs else 1) * (resolution // 16) ** 2 + cfg.data.max_sequence_length

@@ -4,6 +4,7 @@ training buckets and their token counts, the dp x cp layout and whether the weig
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -31,7 +32,7 @@ class RunShape:
 
     @property
     def pairs(self) -> bool:
-        """Each sample is a target with a reference image (FLUX.1 Kontext)."""
+        """Each sample is a target with a reference image (FLUX.1 Kontext, FLUX.2 editing)."""
         return self.reference_column is not None
 
     @property
@@ -52,7 +53,7 @@ class RunShape:
         return max(self.sequence_tokens(b) for b in range(len(self.buckets)))
 
     def describe(self) -> str:
-        kind = f"{self.family.label}{' pairs' if self.pairs else ''}"
+        kind = f"{self.family.pairs_label} pairs" if self.pairs else self.family.label
         return f"{kind}, world {self.world} = dp {self.dp} x cp {self.cp}, {'FSDP2' if self.sharded else 'DDP'}"
 
 
@@ -83,6 +84,18 @@ def check_tokens(shape: RunShape, data: DataConfig, validation: ValidationConfig
                 f"{flag} {res} gives {tokens} image tokens{' per pair' if images == 2 else ''}, not divisible by "
                 f"--cp_size {n}: use {options}, or another CP size"
             )
+
+
+def resolved(cfg: Config, family: Family, pairs: bool, transformer_config: dict | None) -> Config:
+    """`cfg` with the defaults that depend on the model family filled in, so that the run (its run_config.json and
+    checkpoints too) holds final values: `--lora_layers` (the family's targets for this transformer) and
+    `--vae_encode_mode` (diffusers' example's for this family and data)."""
+    lora, data = cfg.lora, cfg.data
+    if lora.lora_layers is None:
+        lora = dataclasses.replace(lora, lora_layers=tuple(family.lora_targets(pairs, transformer_config)))
+    if data.vae_encode_mode is None:
+        data = dataclasses.replace(data, vae_encode_mode=family.default_vae_encode_mode(pairs))
+    return dataclasses.replace(cfg, lora=lora, data=data)
 
 
 def model_of(model: ModelConfig, pairs: bool) -> tuple[Family, str]:

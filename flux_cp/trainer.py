@@ -45,7 +45,7 @@ from .optim import apply_update, check_finite, clip_grad_norm, make_lr_scheduler
 from .parallel import Layout, choose_cp_mode, cp_advice, make_accelerator
 from .profiling import profiled
 from .resume import check_steps as check_resume_steps
-from .shape import RunShape, build_shape, check_tokens
+from .shape import RunShape, build_shape, check_tokens, resolved
 
 logger = logging.getLogger("flux_cp")
 
@@ -85,7 +85,7 @@ class Trainer:
     schedule: BatchSchedule
     global_batch: int  # samples per micro-step over all data-parallel ranks
     validation_embeds: dict[str, torch.Tensor] | None
-    validation_reference: torch.Tensor | None  # pairs: latents of the --validation_image the prompts edit
+    validation_reference: dict | None  # pairs: the pipeline's arguments for the --validation_image the prompts edit
     # build_model: the wrapped model and its optimizer, ready to step
     model: torch.nn.Module
     optimizer: Any
@@ -146,6 +146,8 @@ class Trainer:
         # process group. transformers' save_pretrained writes weights only on rank 0 once torch.distributed is up,
         # so the tiny default is built (by whichever process locks first) here too.
         self.shape = shape = build_shape(cfg, self.launched_world_size())
+        self.cfg = cfg = resolved(cfg, shape.family, shape.pairs, self.read_transformer_config())
+        shape.family.check(cfg)
         check_tokens(shape, cfg.data, cfg.validation)
         check_pair_flags(cfg.data, cfg.validation, shape.pairs)
         self.accelerator = make_accelerator(cfg.parallel, cfg.train, cfg.validation, shape.world)
@@ -231,14 +233,11 @@ class Trainer:
         cfg, layout, shape = self.cfg, self.layout, self.shape
         self.source = source = self.open_source()  # listing errors (captions, pairs) before any model loads
         if source.pairs:
-            logger.info(f"FLUX.1 Kontext pairs: {len(source)} targets with their reference images, loss on the targets")
-            declared = pipeline_class(shape.model_path, cfg.model.revision)
-            if declared not in (None, "FluxKontextPipeline"):
-                logger.warning(
-                    f"the data has reference images but {shape.model_path} is a {declared}: training it on pairs "
-                    "starts FLUX.1 Kontext from scratch; for image editing fine-tune "
-                    "black-forest-labs/FLUX.1-Kontext-dev"
-                )
+            label = shape.family.pairs_label
+            logger.info(f"{label} pairs: {len(source)} targets with their reference images, loss on the targets")
+            warning = shape.family.pairs_warning(shape.model_path, pipeline_class(shape.model_path, cfg.model.revision))
+            if warning:
+                logger.warning(warning)
         self.encoders = encoders = shape.family.load_encoders(
             cfg.model, shape.model_path, self.weight_dtype, self.device
         )
@@ -246,12 +245,12 @@ class Trainer:
         geometry = Geometry(shape.buckets)
         self.validation_embeds = self.validation_reference = None
         if cfg.validation.validation_prompt:
-            self.validation_embeds = encoders.prompts(list(cfg.validation.validation_prompt), shape.text_tokens)
+            prompts = list(cfg.validation.validation_prompt)
+            self.validation_embeds = shape.family.validation_embeds(encoders, prompts, shape.text_tokens)
             if cfg.validation.validation_image:
-                self.validation_reference = validation.reference_latents(
-                    cfg.validation.validation_image, cfg.validation.validation_resolution, encoders.vae,
-                    shape.family.normalizer(encoders.vae), self.device,
-                )  # fmt: skip
+                image = validation.reference_image(cfg.validation.validation_image,
+                                                   cfg.validation.validation_resolution)  # fmt: skip
+                self.validation_reference = shape.family.reference_inputs(image, encoders, self.device)
         if cfg.data.no_cache:
             self.samples = LiveData(source, encoders, geometry, cfg.data, cfg.train.seed)
         else:
@@ -480,7 +479,7 @@ class Trainer:
         cfg = self.cfg
         self.fault.during_validation(step)
         images = validation.generate(
-            self.accelerator.unwrap_model(self.model), self.encoders.vae, self.noise_scheduler.config,
+            self.accelerator.unwrap_model(self.model), self.encoders, self.noise_scheduler.config,
             self.validation_embeds, self.layout, cfg.validation, cfg.train.guidance_scale, cfg.train.seed,
             self.accelerator.autocast, self.shape.family, self.validation_reference,
         )  # fmt: skip

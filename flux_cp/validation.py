@@ -1,7 +1,7 @@
-"""Validation images from `FluxPipeline` (`FluxKontextPipeline`, editing a reference image, for Kontext) with the
-current weights, with CP across each group (so a preview too large for one GPU still renders), under DDP or
-FSDP2 (the sharded model is used as is: every rank takes part in every forward, so all ranks make the same
-number of pipeline calls)."""
+"""Validation images from the model family's pipeline (FLUX.1: `FluxPipeline`, `FluxKontextPipeline` editing a
+reference image; FLUX.2: `Flux2Pipeline`, `Flux2KleinPipeline`) with the current weights, with CP across each
+group (so a preview too large for one GPU still renders), under DDP or FSDP2 (the sharded model is used as is:
+every rank takes part in every forward, so all ranks make the same number of pipeline calls)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from . import distributed, files, manifest
 
 if TYPE_CHECKING:
     from .config import ValidationConfig
+    from .encode import Encoders
     from .families import Family
     from .parallel import Layout
 
@@ -32,24 +33,21 @@ def _grid(images: list[np.ndarray], columns: int) -> Image.Image:
     return grid
 
 
-@torch.no_grad()
-def reference_latents(path: str, resolution: int, vae, normalize, device: torch.device) -> torch.Tensor:
-    """The `--validation_image` as the pipeline takes ready latents: read by the training data's loader, resized
-    and center-cropped to `resolution`^2 like a square training pair, the VAE's mean, normalised as the transformer
-    sees latents (`normalize`, the family's; `[1, C, h, w]`)."""
-    from .data import ImageSource, Sample, crop_box, to_pixels
+def reference_image(path: str, resolution: int) -> Image.Image:
+    """The `--validation_image` as a square training pair's reference: read by the training data's loader, resized
+    and center-cropped to `resolution`^2 (the family's `reference_inputs` hands it to its pipeline)."""
+    from .data import ImageSource, Sample, crop_box
 
     img = ImageSource([Sample(path, "")], "--validation_image").load(0)
     size = (resolution, resolution)
-    resized, offset = crop_box(img.size, size, True, torch.Generator())
-    pixels = to_pixels(img, size, resized, offset, False)[None].to(device, vae.dtype)
-    return normalize(vae.encode(pixels).latent_dist.mean)
+    (width, height), (left, top) = crop_box(img.size, size, True, torch.Generator())
+    return img.resize((width, height), Image.BICUBIC).crop((left, top, left + size[0], top + size[1]))
 
 
 @torch.no_grad()
 def generate(
     transformer,
-    vae,
+    encoders: Encoders,
     scheduler_config: dict,
     embeds: dict[str, torch.Tensor],
     layout: Layout,
@@ -58,17 +56,18 @@ def generate(
     seed: int,
     autocast,
     family: Family,
-    reference: torch.Tensor | None = None,
+    reference: dict | None = None,
 ) -> list[np.ndarray]:
-    """All validation images (prompt-major order), on every rank. `embeds`: the validation prompts' encodings
-    (named as the pipeline's arguments), computed before the text encoders were freed. `reference`: pairs, the
-    latents of the image every prompt edits (`reference_latents`)."""
+    """All validation images (prompt-major order), on every rank. `encoders`: the VAE (the text encoders may be
+    freed); `embeds`: the validation prompts' encodings, one row per prompt, named as the pipeline's arguments
+    (`Family.validation_embeds`). `reference`: pairs, the pipeline's arguments for the image every prompt edits
+    (`Family.reference_inputs`)."""
     from diffusers import FlowMatchEulerDiscreteScheduler
 
     scheduler = FlowMatchEulerDiscreteScheduler.from_config(scheduler_config)
-    pipe = family.validation_pipeline(reference is not None, scheduler=scheduler, vae=vae, transformer=transformer)
+    pipe = family.validation_pipeline(reference is not None, scheduler, encoders, transformer)
     v, res = validation, validation.validation_resolution
-    extra = {} if reference is None else family.reference_inputs(reference, res)
+    extra = reference or {}
     pipe.set_progress_bar_config(disable=True)
     items = [(p, k) for p in range(len(v.validation_prompt)) for k in range(v.num_validation_images)]
     calls = math.ceil(len(items) / layout.dp)

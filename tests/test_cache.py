@@ -17,6 +17,8 @@ from flux_cp.errors import UsageError
 class _Encoders:
     """Stands in for the VAE and text encoders: the cache logic only needs tensors of the right names."""
 
+    text_keys = ("prompt_embeds", "pooled_prompt_embeds")
+
     def __init__(self):
         self.calls = 0
 

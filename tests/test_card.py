@@ -13,8 +13,15 @@ import yaml
 
 from flux_cp.card import write_model_card
 from flux_cp.config import parse_config
+from flux_cp.families import FLUX1
+from flux_cp.shape import resolved
 
 TAGS = {"text-to-image", "diffusers-training", "flux", "flux-cp"}
+
+
+def _resolved(argv: list[str], pairs: bool = False):
+    """The flags as the trainer holds them once the model is known (FLUX.1's defaults filled in)."""
+    return resolved(parse_config(argv), FLUX1, pairs, None)
 
 
 def _run_folder(tmp_path: Path, steps=(0, 200), name: str = "dog-lora") -> Path:
@@ -44,7 +51,7 @@ def _code(body: str) -> str:
 
 def test_lora_card_for_flux1_dev(tmp_path):
     out = _run_folder(tmp_path)
-    cfg = parse_config(["--pretrained_model_name_or_path", "black-forest-labs/FLUX.1-dev", "--output_dir", str(out),
+    cfg = _resolved(["--pretrained_model_name_or_path", "black-forest-labs/FLUX.1-dev", "--output_dir", str(out),
                         "--instance_prompt", "a photo of sks dog", "--validation_prompt", "sks dog in a bucket",
                         "--validation_prompt", "sks dog: on the moon", "--resolution", "2048", "--rank", "32",
                         "--learning_rate", "2e-4", "--cp_size", "2"])  # fmt: skip
@@ -81,7 +88,7 @@ def test_lora_card_for_flux1_dev(tmp_path):
 
 def test_kontext_and_full_fine_tuning_cards(tmp_path):
     out = _run_folder(tmp_path, steps=(50,), name="edit")
-    kontext = parse_config(["--pretrained_model_name_or_path", "black-forest-labs/FLUX.1-Kontext-dev",
+    kontext = _resolved(pairs=True, argv=["--pretrained_model_name_or_path", "black-forest-labs/FLUX.1-Kontext-dev",
                             "--validation_prompt", "make it red", "--lora_format", "kohya"])  # fmt: skip
     front, body = _parts(write_model_card(out, kontext, kontext=True))
     assert front["base_model"] == "black-forest-labs/FLUX.1-Kontext-dev" and "flux-kontext" in front["tags"]
@@ -92,7 +99,7 @@ def test_kontext_and_full_fine_tuning_cards(tmp_path):
     assert f'load_lora_weights("{out}"' in code  # no repository: the output folder
     assert "kohya's / BFL's key names" in body and "FLUX.1-Kontext-dev model" in body
 
-    full = parse_config(["--pretrained_model_name_or_path", "black-forest-labs/FLUX.1-schnell", "--full_finetune"])
+    full = _resolved(["--pretrained_model_name_or_path", "black-forest-labs/FLUX.1-schnell", "--full_finetune"])
     front, body = _parts(write_model_card(out, full, steps=7))
     assert front["license"] == "apache-2.0" and "lora" not in front["tags"] and TAGS <= set(front["tags"])
     code = _code(body)
@@ -106,7 +113,7 @@ def test_kontext_and_full_fine_tuning_cards(tmp_path):
 def test_a_base_model_that_is_not_on_the_hub_is_not_named_as_one(tmp_path, base):
     out = _run_folder(tmp_path, steps=())
     argv = [] if base is None else ["--pretrained_model_name_or_path", str(tmp_path)]
-    front, body = _parts(write_model_card(out, parse_config(argv)))
+    front, body = _parts(write_model_card(out, _resolved(argv)))
     assert "base_model" not in front and "license" not in front and "widget" not in front
     assert "## Validation images" not in body and "## License" not in body
     compile(_code(body), "snippet", "exec")
@@ -119,7 +126,7 @@ def test_the_demo_card_s_snippet_loads_the_trained_lora(tmp_path):
     from flux_cp.tiny import tiny_transformer
 
     out = _run_folder(tmp_path, steps=())
-    cfg = parse_config(["--rank", "4", "--output_dir", str(out)])
+    cfg = _resolved(["--rank", "4", "--output_dir", str(out)])
     model = tiny_transformer()
     add_lora(model, cfg.lora, seed=0)
     state = {k: v for k, v in model.state_dict().items() if "lora_" in k}

@@ -85,8 +85,10 @@ def test_a_failed_save_removes_its_partial_folder_and_names_the_intact_one(tmp_p
 
 def test_a_run_is_compatible_with_its_own_checkpoint_after_the_json_round_trip(tmp_path):
     from flux_cp.config import parse_config
+    from flux_cp.families import FLUX1
+    from flux_cp.shape import resolved
 
-    cfg = parse_config(["--aspect_buckets", "--resolution", "128"])
+    cfg = resolved(parse_config(["--aspect_buckets", "--resolution", "128"]), FLUX1, False, None)  # as the trainer
     identity = checkpoint.run_identity(cfg, 2, "abc", [(128, 128), (112, 144)])
     meta = json.loads(json.dumps({"run": identity}))
     checkpoint.check_compatible(meta, identity, tmp_path)

@@ -26,7 +26,7 @@ def _tree(path: Path) -> int:
 
 def _trained(lr: float = 1e-3, betas=(0.9, 0.999), full: bool = False, steps: int = 2):
     model = tiny_transformer()
-    prepare_trainable(model, LoraConfig(full_finetune=full, rank=4, lora_alpha=4), seed=0)
+    prepare_trainable(model, LoraConfig(full_finetune=full, rank=4, lora_alpha=4, lora_layers=DEFAULT_TARGETS), seed=0)
     params = [p for _, p in trainable_parameters(model)]
     opt = torch.optim.AdamW(params, lr=lr, betas=betas)
     sched = get_scheduler("cosine", optimizer=opt, num_warmup_steps=1, num_training_steps=10)
@@ -290,9 +290,12 @@ def test_a_changed_data_set_is_named_file_by_file(tmp_path):
     def identity(rows):
         return DataIdentity("fp-" + str(hash(str(rows))), rows, "legacy")
 
+    from flux_cp.families import FLUX1
+    from flux_cp.shape import resolved
+
     before = [["a.png", "c1", "t1"], ["b.png", "c2", "t2"], ["c.png", "c3", "t3"]]
     after = [["a.png", "c1", "t9"], ["b.png", "cX", "t2"], ["d.png", "c4", "t4"]]
-    cfg = parse_config([])
+    cfg = resolved(parse_config([]), FLUX1, False, None)  # as the trainer holds the flags
     model, opt, sched = _small(0)
     meta = {"run": checkpoint.run_identity(cfg, 1, identity(before), None), "layout": "x", "args": {}}
     ckpt = checkpoint.save(str(tmp_path), 2, model, opt, sched, meta, True, None)

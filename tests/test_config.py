@@ -8,7 +8,6 @@ import pytest
 
 from flux_cp.config import Config, DataConfig, LoraConfig, build_parser, parse_config
 from flux_cp.errors import UsageError
-from flux_cp.lora import DEFAULT_TARGETS
 
 
 def test_every_field_is_its_flag_and_every_flag_a_field():
@@ -25,7 +24,7 @@ def test_embedded_default_resolves_the_tiny_model_defaults():
     assert (cfg.data.resolution, cfg.data.max_sequence_length) == (64, 32)
     assert cfg.validation.validation_resolution == 64
     assert (cfg.lora.rank, cfg.lora.lora_alpha) == (16, 16)
-    assert cfg.lora.lora_layers == DEFAULT_TARGETS
+    assert cfg.lora.lora_layers is None  # the model family's, once the model is known (flux_cp.shape.resolved)
 
 
 def test_a_named_model_gets_flux_defaults_and_derived_values_follow_their_flags():
@@ -50,7 +49,7 @@ def test_list_flags_become_tuples_and_sections_are_frozen():
 
 
 def test_sections_built_in_code_have_the_flag_defaults():
-    assert DataConfig().resolution == 1024 and LoraConfig().lora_layers == DEFAULT_TARGETS
+    assert DataConfig().resolution == 1024 and LoraConfig().lora_layers is None
     assert DataConfig(dataset_name="x").image_column == "image"
 
 

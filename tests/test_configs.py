@@ -37,3 +37,31 @@ def test_readme_names_only_configs_that_exist():
     assert named, "README names no configs"
     missing = sorted(n for n in named if not (ROOT / "accelerate_configs" / n).is_file())
     assert not missing, f"README names configs that do not exist: {missing}"
+
+
+FSDP_CONFIGS = [p for p in CONFIGS if load_config_from_file(str(p)).distributed_type == DistributedType.FSDP]
+
+
+@pytest.mark.parametrize("path", FSDP_CONFIGS, ids=lambda p: p.name)
+def test_fsdp_configs_wrap_every_block_of_flux1_and_flux2(path: Path):
+    """FSDP2 shards block by block: the configs name no block classes, so accelerate wraps the model's own
+    `_no_split_modules`, FLUX.1's or FLUX.2's (a FLUX.1 class named here would stop a FLUX.2 run)."""
+    import torch
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
+
+    from flux_cp.families import FLUX1, FLUX2
+    from flux_cp.tiny import FLUX1_DEV_TRANSFORMER
+    from flux_cp.tiny_flux2 import FLUX2_DEV_TRANSFORMER
+
+    fsdp = load_config_from_file(str(path)).fsdp_config
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2, auto_wrap_policy=fsdp["fsdp_auto_wrap_policy"].lower(),
+        transformer_cls_names_to_wrap=fsdp.get("fsdp_transformer_layer_cls_to_wrap"),
+    )  # fmt: skip
+    for family, config in ((FLUX1, FLUX1_DEV_TRANSFORMER), (FLUX2, FLUX2_DEV_TRANSFORMER)):
+        with torch.device("meta"):
+            model = family.transformer_class().from_config(config)
+        policy = fsdp2_prepare_auto_wrap_policy(plugin, model)
+        blocks = [*model.transformer_blocks, *model.single_transformer_blocks]
+        assert [m for m in model.modules() if policy(m)] == blocks, family.label

@@ -47,6 +47,39 @@ def test_the_forward_formula_counts_what_torch_counts(h, w, text):
     assert linear + attention == pytest.approx(counted, rel=1e-9)
 
 
+FLUX2_PER_SAMPLE = ("modulation", "norm_out.linear", "time_guidance_embed")
+
+
+@pytest.mark.parametrize("h, w, text, pairs", [(4, 4, 8, False), (6, 4, 20, True)])
+def test_the_flux2_forward_formula_counts_what_torch_counts(h, w, text, pairs):
+    """FLUX.2's (4 + 3r) D^2 per token and layer (the SwiGLU MLP, the single blocks' fused projections), its
+    embedders and attention, against torch's count on the tiny Flux2Transformer2DModel (a reference image's tokens
+    count as image tokens)."""
+    from flux_cp import flux2_recipe
+    from flux_cp.families import FLUX2
+    from flux_cp.tiny_flux2 import tiny_flux2_transformer
+
+    model = tiny_flux2_transformer(mlp_ratio=2.5).eval()
+    config = model.config
+    latents = torch.randn(1, config.in_channels, h, w)
+    hidden, ids = flux2_recipe.image_sequence(latents, [torch.randn(1, config.in_channels, 2, 4)] if pairs else [])
+    inputs = dict(
+        hidden_states=hidden, encoder_hidden_states=torch.randn(1, text, config.joint_attention_dim),
+        timestep=torch.tensor([0.5]), img_ids=ids, txt_ids=flux2_recipe.text_ids(text), guidance=torch.tensor([3.5]),
+        return_dict=False,
+    )  # fmt: skip
+    counter = FlopCounterMode(display=False)
+    with counter, torch.no_grad(), sdpa_kernel(SDPBackend.MATH):
+        model(**inputs)
+    per_module = counter.get_flop_counts()
+    leaves = [n for n in per_module if n != "Global" and not any(o.startswith(n + ".") for o in per_module)]
+    excluded = sum(sum(per_module[n].values()) for n in leaves if any(p in n for p in FLUX2_PER_SAMPLE))
+    counted = sum(per_module["Global"].values()) - excluded
+    linear, attention = FLUX2.forward_flops(dict(config), hidden.shape[1], text, batch=1)
+    assert counted > 0 and excluded > 0
+    assert linear + attention == pytest.approx(counted, rel=1e-9)
+
+
 def test_model_flops_leave_out_recomputation_and_executed_flops_count_it():
     lin, att = 1e12, 3e11
     plain = metrics.step_flops(lin, att, lora=True, ckpt=False, attn_recomputed=False)

@@ -246,3 +246,168 @@ def test_the_pipeline_class_tells_kontext_models_apart(tmp_path):
     assert pipeline_class(str(kontext), None) == "FluxKontextPipeline"  # pairs train it without a warning
     assert pipeline_class(str(ensure_tiny_pipeline()), None) == "FluxPipeline"  # the trainer warns on pairs
     assert pipeline_class(str(kontext / "transformer"), None) is None  # nothing to tell: no warning
+
+
+# --- against diffusers' Kontext example ------------------------------------------------------------------------------
+
+
+def kontext_example_step(transformer, vae, noise_scheduler_copy, batch, prompt_embeds, pooled_prompt_embeds, text_ids,
+                         args, draws):  # fmt: skip
+    """The training step of diffusers' examples/dreambooth/train_dreambooth_lora_flux_kontext.py (commit 58eb52c0)
+    with a condition image, line for line, without prior preservation, latent caching or accelerate: 1945-1956
+    (get_sigmas, has_guidance) and 2019-2147 (the step). Changes: `accelerator.device` -> "cpu", `weight_dtype` ->
+    fp32, `unwrap_model(transformer)` -> `transformer`, and `draws` = (noise, u) replaces the two random draws (the
+    trainer's own, to compare on equal draws)."""
+    from diffusers import FluxKontextPipeline
+    from diffusers.training_utils import compute_loss_weighting_for_sd3
+
+    weight_dtype = torch.float32
+    vae_config_shift_factor = vae.config.shift_factor
+    vae_config_scaling_factor = vae.config.scaling_factor
+    vae_config_block_out_channels = vae.config.block_out_channels
+    has_image_input = True
+
+    def get_sigmas(timesteps, n_dim=4, dtype=torch.float32):
+        sigmas = noise_scheduler_copy.sigmas.to(device="cpu", dtype=dtype)
+        schedule_timesteps = noise_scheduler_copy.timesteps.to("cpu")
+        timesteps = timesteps.to("cpu")
+        step_indices = [(schedule_timesteps == t).nonzero().item() for t in timesteps]
+
+        sigma = sigmas[step_indices].flatten()
+        while len(sigma.shape) < n_dim:
+            sigma = sigma.unsqueeze(-1)
+        return sigma
+
+    has_guidance = transformer.config.guidance_embeds
+
+    pixel_values = batch["pixel_values"].to(dtype=vae.dtype)
+    if has_image_input:
+        cond_pixel_values = batch["cond_pixel_values"].to(dtype=vae.dtype)
+    if args.vae_encode_mode == "sample":
+        model_input = vae.encode(pixel_values).latent_dist.sample()
+        if has_image_input:
+            cond_model_input = vae.encode(cond_pixel_values).latent_dist.sample()
+    else:
+        model_input = vae.encode(pixel_values).latent_dist.mode()
+        if has_image_input:
+            cond_model_input = vae.encode(cond_pixel_values).latent_dist.mode()
+    model_input = (model_input - vae_config_shift_factor) * vae_config_scaling_factor
+    model_input = model_input.to(dtype=weight_dtype)
+    if has_image_input:
+        cond_model_input = (cond_model_input - vae_config_shift_factor) * vae_config_scaling_factor
+        cond_model_input = cond_model_input.to(dtype=weight_dtype)
+
+    vae_scale_factor = 2 ** (len(vae_config_block_out_channels) - 1)
+
+    latent_image_ids = FluxKontextPipeline._prepare_latent_image_ids(
+        model_input.shape[0], model_input.shape[2] // 2, model_input.shape[3] // 2, "cpu", weight_dtype
+    )
+    if has_image_input:
+        cond_latents_ids = FluxKontextPipeline._prepare_latent_image_ids(
+            cond_model_input.shape[0], cond_model_input.shape[2] // 2, cond_model_input.shape[3] // 2, "cpu",
+            weight_dtype,
+        )  # fmt: skip
+        cond_latents_ids[..., 0] = 1
+        latent_image_ids = torch.cat([latent_image_ids, cond_latents_ids], dim=0)
+
+    noise = draws[0]  # torch.randn_like(model_input)
+    u = draws[1]  # compute_density_for_timestep_sampling(weighting_scheme=args.weighting_scheme, ...)
+    indices = (u * noise_scheduler_copy.config.num_train_timesteps).long()
+    timesteps = noise_scheduler_copy.timesteps[indices].to(device=model_input.device)
+
+    sigmas = get_sigmas(timesteps, n_dim=model_input.ndim, dtype=model_input.dtype)
+    noisy_model_input = (1.0 - sigmas) * model_input + sigmas * noise
+    packed_noisy_model_input = FluxKontextPipeline._pack_latents(
+        noisy_model_input, batch_size=model_input.shape[0], num_channels_latents=model_input.shape[1],
+        height=model_input.shape[2], width=model_input.shape[3],
+    )  # fmt: skip
+    orig_inp_shape = packed_noisy_model_input.shape
+    if has_image_input:
+        packed_cond_input = FluxKontextPipeline._pack_latents(
+            cond_model_input, batch_size=cond_model_input.shape[0], num_channels_latents=cond_model_input.shape[1],
+            height=cond_model_input.shape[2], width=cond_model_input.shape[3],
+        )  # fmt: skip
+        packed_noisy_model_input = torch.cat([packed_noisy_model_input, packed_cond_input], dim=1)
+
+    guidance = None
+    if has_guidance:
+        guidance = torch.tensor([args.guidance_scale], device="cpu")
+        guidance = guidance.expand(model_input.shape[0])
+
+    model_pred = transformer(
+        hidden_states=packed_noisy_model_input, timestep=timesteps / 1000, guidance=guidance,
+        pooled_projections=pooled_prompt_embeds, encoder_hidden_states=prompt_embeds, txt_ids=text_ids,
+        img_ids=latent_image_ids, return_dict=False,
+    )[0]  # fmt: skip
+    if has_image_input:
+        model_pred = model_pred[:, : orig_inp_shape[1]]
+    model_pred = FluxKontextPipeline._unpack_latents(
+        model_pred, height=model_input.shape[2] * vae_scale_factor, width=model_input.shape[3] * vae_scale_factor,
+        vae_scale_factor=vae_scale_factor,
+    )  # fmt: skip
+
+    weighting = compute_loss_weighting_for_sd3(weighting_scheme=args.weighting_scheme, sigmas=sigmas)
+    target = noise - model_input
+    loss = torch.mean(
+        (weighting.float() * (model_pred.float() - target.float()) ** 2).reshape(target.shape[0], -1),
+        1,
+    )
+    return loss.mean()
+
+
+@pytest.mark.parametrize("scheme", ["none", "logit_normal"])
+def test_pair_loss_and_gradients_equal_the_kontext_examples_with_default_flags(scheme):
+    """The trainer's Kontext micro-batch with the default --vae_encode_mode (the mode, as the example) and
+    MicroBatch.loss, against the example's step on the same images, prompts and draws: equal loss and gradients."""
+    import copy
+    from types import SimpleNamespace
+
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from flux_cp.batches import Batches
+    from flux_cp.config import DataConfig, TrainConfig
+    from flux_cp.data import BatchSchedule
+    from flux_cp.families import FLUX1
+    from flux_cp.flow import per_sample_draws
+    from flux_cp.parallel import Layout
+    from flux_cp.rng import Stream, generator
+    from flux_cp.tiny import build_tiny_pipeline
+
+    pipe = build_tiny_pipeline(kontext=True)
+    vae, transformer = pipe.vae, pipe.transformer
+    g = torch.Generator().manual_seed(4)
+    pixels, cond = (torch.rand(2, 3, 64, 64, generator=g) * 2 - 1 for _ in range(2))
+    embeds = torch.randn(2, 8, transformer.config.joint_attention_dim, generator=g)
+    pooled = torch.randn(2, transformer.config.pooled_projection_dim, generator=g)
+    with torch.no_grad():
+        mean, std = (getattr(vae.encode(pixels).latent_dist, k) for k in ("mean", "std"))
+        ref = vae.encode(cond).latent_dist.mean
+    samples = [{"latent_mean": mean[i], "latent_std": std[i], "prompt_embeds": embeds[i],
+                "pooled_prompt_embeds": pooled[i], "reference_latent": ref[i]} for i in range(2)]  # fmt: skip
+    data = SimpleNamespace(buckets=[0, 0], load=lambda i, flip, epoch: samples[i])
+    train = TrainConfig(train_batch_size=2, seed=6, weighting_scheme=scheme)
+    scheduler = FlowMatchEulerDiscreteScheduler()
+    schedule = BatchSchedule([0, 0], 2, seed=6)
+    batches = Batches(data, schedule, Layout(1, 0, 1, 1, 0, 0, None), DataConfig(), train, scheduler, FLUX1,
+                      FLUX1.normalizer(vae), True, torch.device("cpu"))  # fmt: skip
+    m = 2
+    mb = batches.micro(m)
+    _, order = schedule.batch(m)
+    draws = per_sample_draws([generator(Stream.NOISE, 6, m, s) for s in range(2)], tuple(mean.shape[1:]), train,
+                             scheduler)  # fmt: skip
+    args = SimpleNamespace(vae_encode_mode="mode", weighting_scheme=scheme, guidance_scale=3.5)  # the example's
+    results = []
+    for ours in (False, True):
+        model = copy.deepcopy(transformer).requires_grad_(True)
+        if ours:
+            loss = mb.loss(model(**mb.inputs)[0])
+        else:
+            batch = {"pixel_values": pixels[order], "cond_pixel_values": cond[order]}
+            loss = kontext_example_step(model, vae, copy.deepcopy(scheduler), batch, embeds[order], pooled[order],
+                                        torch.zeros(8, 3), args, (draws["noise"], draws["u"]))  # fmt: skip
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (ref_loss, ref_grads), (loss, grads) = results
+    assert ref_loss > 0 and abs(loss - ref_loss) <= 1e-6 * ref_loss, (loss, ref_loss)
+    for n, want in ref_grads.items():
+        assert want is not None and torch.allclose(grads[n], want, rtol=1e-5, atol=1e-7 * want.abs().max()), n

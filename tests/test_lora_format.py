@@ -184,9 +184,11 @@ def test_with_alphas_and_unknown_formats():
 def _saved(tmp_path, argv: list[str], origin=None):
     """A LoRA file written by `save_lora` for the flags `argv` (the tiny transformer, B non-zero)."""
     from flux_cp.config import parse_config
+    from flux_cp.families import FLUX1
     from flux_cp.lora import add_lora, save_lora
+    from flux_cp.shape import resolved
 
-    cfg = parse_config(argv)
+    cfg = resolved(parse_config(argv), FLUX1, False, None)
     model = tiny_transformer(seed=0)
     add_lora(model, cfg.lora, seed=0)
     with torch.no_grad():
@@ -217,10 +219,12 @@ def test_diffusers_file_carries_the_adapter_metadata_diffusers_builds_the_adapte
     import json
 
     from flux_cp.config import parse_config
+    from flux_cp.families import FLUX1
     from flux_cp.lora import lora_origin
+    from flux_cp.shape import resolved
 
     argv = ["--pretrained_model_name_or_path", "black-forest-labs/FLUX.1-dev", "--output_dir", str(tmp_path / "dog")]
-    origin = lora_origin(parse_config(argv), kontext=False)
+    origin = lora_origin(resolved(parse_config(argv), FLUX1, False, None), kontext=False)
     assert (origin.title, origin.resolution) == ("dog", 1024)
     cfg, model, path = _saved(tmp_path, ["--rank", "4", "--lora_dropout", "0.1"], origin)
     header = _header(path)
@@ -328,10 +332,20 @@ def test_kohya_problem_names_what_diffusers_would_drop_and_accepts_what_it_reads
 def test_check_export_refuses_at_start_in_one_line():
     from flux_cp.config import parse_config
     from flux_cp.errors import UsageError
+    from flux_cp.families import FLUX1
     from flux_cp.lora_format import check_export
+    from flux_cp.shape import resolved
 
     tiny = dict(TRANSFORMER_CONFIG)
     with pytest.raises(UsageError, match=r"^--lora_format kohya: diffusers' kohya loader splits .* or leave those "):
-        check_export(tiny, parse_config(["--lora_format", "kohya"]).lora)
-    check_export(tiny, parse_config([]).lora)  # diffusers' format holds any LoRA
-    check_export(tiny, parse_config(["--lora_format", "kohya", "--lora_layers", "transformer_blocks.0.attn.to_q"]).lora)
+        check_export(tiny, resolved(parse_config(["--lora_format", "kohya"]), FLUX1, False, None).lora)
+    check_export(tiny, resolved(parse_config([]), FLUX1, False, None).lora)  # diffusers' format holds any LoRA
+    check_export(
+        tiny,
+        resolved(
+            parse_config(["--lora_format", "kohya", "--lora_layers", "transformer_blocks.0.attn.to_q"]),
+            FLUX1,
+            False,
+            None,
+        ).lora,
+    )

@@ -13,12 +13,15 @@ from __future__ import annotations
 from . import base
 from .base import Family, ParameterCounts, transformer_class_name
 from .flux1 import FLUX1
+from .flux2 import FLUX2, FLUX2_KLEIN
 
-FAMILIES: tuple[Family, ...] = (FLUX1,)
+FAMILIES: tuple[Family, ...] = (FLUX1, FLUX2, FLUX2_KLEIN)
 
 
 def detect(path: str, revision: str | None = None) -> Family:
-    """The family of the model folder or hub id `path` (a UsageError naming the class if none trains it)."""
+    """The family of the model folder or hub id `path`: its pipeline class decides where a family names it (FLUX.2
+    [dev] and [klein] share the transformer class), else its transformer class (a UsageError naming the classes if
+    no family trains them)."""
     return base.detect(path, revision, FAMILIES)
 
 
@@ -29,4 +32,7 @@ def for_transformer(config: dict) -> Family:
     return next((f for f in FAMILIES if f.transformer_class_name == name), FLUX1)
 
 
-__all__ = ["FAMILIES", "FLUX1", "Family", "ParameterCounts", "detect", "for_transformer", "transformer_class_name"]
+__all__ = [
+    "FAMILIES", "FLUX1", "FLUX2", "FLUX2_KLEIN", "Family", "ParameterCounts", "detect", "for_transformer",
+    "transformer_class_name",
+]  # fmt: skip

@@ -1,12 +1,13 @@
 """The `Family` interface: what the rest of flux-cp asks of a model family, and how a model folder names its
-family (the `_class_name` of its transformer's config, else of its pipeline's model_index.json)."""
+family (the pipeline class of its model_index.json where a family claims it, else the `_class_name` of its
+transformer's config)."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -14,7 +15,10 @@ from ..errors import UsageError
 from ..metrics import StepFlops, step_flops
 
 if TYPE_CHECKING:
-    from ..config import ModelConfig
+    from PIL import Image
+
+    from ..config import Config, ModelConfig
+    from ..encode import Encoders
 
 Tensor = torch.Tensor
 
@@ -37,8 +41,11 @@ class Family(ABC):
 
     name: str = ""  # short id, e.g. "flux1"
     label: str = ""  # for people, e.g. "FLUX.1"
+    pairs_label: str = ""  # what trains on (target, reference) pairs, e.g. "FLUX.1 Kontext"
     transformer_class_name: str = ""  # diffusers' class in transformer/config.json
-    pipeline_class_names: tuple[str, ...] = ()  # model_index.json classes of this family's pipelines
+    # model_index.json classes of this family's pipelines; they decide the family when they name one (FLUX.2
+    # [dev] and [klein] share the transformer class)
+    pipeline_class_names: tuple[str, ...] = ()
     # Pixels per side of one image token: the VAE's downsampling times the 2x2 packing.
     pixels_per_token: int = 16
 
@@ -53,23 +60,51 @@ class Family(ABC):
         """The tiny model folder trained when no model is named (built locally on first use)."""
 
     @abstractmethod
-    def load_encoders(self, model: ModelConfig, path: str, dtype: torch.dtype, device: torch.device) -> Any:
-        """The VAE and the text encoders (`flux_cp.encode.Encoders`-like: `prompts`, `latents`,
-        `free_text_encoders`)."""
+    def load_encoders(self, model: ModelConfig, path: str, dtype: torch.dtype, device: torch.device) -> Encoders:
+        """The VAE and the text encoders (a `flux_cp.encode.Encoders`: `prompts`, `latents`, `free_text_encoders`)."""
+
+    def check(self, cfg: Config) -> None:  # noqa: B027 - most families honour every flag
+        """Flags this family cannot honour: a UsageError naming the flag (before anything loads)."""
+
+    def pairs_warning(self, path: str, pipeline_class: str | None) -> str | None:
+        """A warning when pair data trains a model whose folder declares `pipeline_class` (None: nothing to say)."""
+        return None
+
+    # --- latents ----------------------------------------------------------------------------------------------
 
     @abstractmethod
     def normalizer(self, vae) -> Callable[[Tensor], Tensor]:
-        """Latents as the VAE gives them -> latents as the transformer sees them (before packing)."""
+        """Latents as the VAE gives them `[B, C, H, W]` -> latents as the transformer sees them before packing
+        ("model latents", `model_latent_shape`)."""
+
+    def model_latent_shape(self, vae_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape `normalizer` turns VAE latents of `vae_shape` (`(C, H, W)`) into: the space the flow-matching
+        noise is drawn in. The same by default."""
+        return tuple(vae_shape)
 
     @abstractmethod
-    def validation_pipeline(self, pairs: bool, scheduler, vae, transformer):
+    def default_vae_encode_mode(self, pairs: bool) -> str:
+        """`--vae_encode_mode` when not given: "sample" (a draw from the VAE's posterior) or "mode" (its mean), as
+        diffusers' training example of this family and data does."""
+
+    # --- validation -----------------------------------------------------------------------------------------
+
+    def validation_embeds(self, encoders: Encoders, prompts: list[str], max_sequence_length: int) -> dict:
+        """The validation prompts' encodings, named as the validation pipeline's arguments, one row per prompt
+        (computed before the text encoders are freed)."""
+        return encoders.prompts(prompts, max_sequence_length)
+
+    @abstractmethod
+    def validation_pipeline(self, pairs: bool, scheduler, encoders: Encoders, transformer):
         """The diffusers pipeline that renders validation images with these components, from encoded prompts (its
         text encoders left out). `pairs`: it edits a reference image."""
 
     @abstractmethod
-    def reference_inputs(self, reference: Tensor, resolution: int) -> dict:
-        """The pipeline's keyword arguments for editing the reference image whose latents are `reference` at
-        `resolution`^2 (`flux_cp.validation.reference_latents`)."""
+    def reference_inputs(self, image: Image.Image, encoders: Encoders, device: torch.device) -> dict:
+        """The validation pipeline's keyword arguments for editing `image` (the `--validation_image`, already cut to
+        `--validation_resolution`^2 by `flux_cp.validation.reference_image`)."""
+
+    # --- context parallelism (the calls into cp/ for this family's transformer) --------------------------------
 
     # --- the token sequence ----------------------------------------------------------------------------------
 
@@ -86,6 +121,11 @@ class Family(ABC):
         """Position ids of the tokens of a `height x width` model latent."""
 
     @abstractmethod
+    def reference_ids(self, height: int, width: int, device=None) -> Tensor:
+        """Position ids of the tokens of a reference image's `height x width` model latent (pairs: it follows the
+        target's tokens)."""
+
+    @abstractmethod
     def text_ids(self, length: int, device=None) -> Tensor:
         """Position ids of `length` text tokens."""
 
@@ -98,8 +138,9 @@ class Family(ABC):
     # --- training and accounting -----------------------------------------------------------------------------
 
     @abstractmethod
-    def lora_targets(self, pairs: bool) -> tuple[str, ...]:
-        """Module name suffixes that get LoRA adapters by default."""
+    def lora_targets(self, pairs: bool, config: dict | None = None) -> tuple[str, ...]:
+        """Module name suffixes that get LoRA adapters by default (`--lora_layers`), for a transformer of this
+        `config` (None: the family's released model)."""
 
     def count_parameters(self, config: dict, lora_rank: int | None, lora_layers: list[str]) -> ParameterCounts:
         """Exact counts from the transformer's config, on the meta device (nothing allocated or loaded)."""
@@ -147,40 +188,53 @@ def _count(family: Family, config: str, lora_rank: int | None, lora_layers: tupl
     return counts
 
 
-def transformer_class_name(path: str, revision: str | None) -> str:
-    """The class a model folder or hub id declares for its transformer (transformer/config.json), else the pipeline
-    class of its model_index.json; a UsageError when neither can be read."""
+def declared_classes(path: str, revision: str | None) -> tuple[str | None, str | None]:
+    """(pipeline class of model_index.json, transformer class of transformer/config.json) that a model folder or
+    hub id declares, None for what cannot be read; a UsageError when neither can be read."""
     from diffusers import ConfigMixin, DiffusionPipeline
 
     class AnyModelConfig(ConfigMixin):  # reads a model's config.json without knowing its class
         config_name = "config.json"
 
-    first = None
+    first, names = None, []
     for read in (
-        lambda: AnyModelConfig.load_config(path, subfolder="transformer", revision=revision),
         lambda: DiffusionPipeline.load_config(path, revision=revision),
+        lambda: AnyModelConfig.load_config(path, subfolder="transformer", revision=revision),
     ):
         try:
-            name = read().get("_class_name")
+            names.append(read().get("_class_name"))
         except (OSError, ValueError) as e:
             first = first or (str(e).strip().splitlines() or [type(e).__name__])[0]
-            continue
-        if name:
-            return name
-    if first is None:
-        raise UsageError(
-            f"--pretrained_model_name_or_path {path}: its transformer/config.json and model_index.json name no class "
-            "(_class_name): pass a diffusers-layout folder or hub id of a FLUX model"
-        )
-    raise UsageError(f"cannot load transformer from --pretrained_model_name_or_path {path}: {first}")
+            names.append(None)
+    if not any(names):
+        if first is None:  # both read, neither names a class
+            raise UsageError(
+                f"--pretrained_model_name_or_path {path}: its transformer/config.json and model_index.json name no "
+                "class (_class_name): pass a diffusers-layout folder or hub id of a FLUX model"
+            )
+        raise UsageError(f"cannot load transformer from --pretrained_model_name_or_path {path}: {first}")
+    return names[0], names[1]
+
+
+def transformer_class_name(path: str, revision: str | None) -> str:
+    """The class a model folder or hub id declares for its transformer (transformer/config.json), else the pipeline
+    class of its model_index.json; a UsageError when neither can be read."""
+    pipeline, transformer = declared_classes(path, revision)
+    return transformer or pipeline or ""
 
 
 def detect(path: str, revision: str | None, families: tuple[Family, ...]) -> Family:
-    """The family of the model at `path` (a folder or hub id), from the classes its configs declare; a UsageError
-    naming the class and the supported ones when no family claims it."""
-    name = transformer_class_name(path, revision)
+    """The family of the model at `path` (a folder or hub id): the one whose pipelines include the pipeline class
+    of its model_index.json, else the first whose transformer class its transformer/config.json names; a UsageError
+    naming the classes and the supported ones when no family claims them."""
+    pipeline, transformer = declared_classes(path, revision)
     for family in families:
-        if name == family.transformer_class_name or name in family.pipeline_class_names:
+        if pipeline in family.pipeline_class_names:
             return family
-    supported = ", ".join(f"{f.label} ({f.transformer_class_name})" for f in families)
-    raise UsageError(f"--pretrained_model_name_or_path {path} is a {name}; flux-cp trains {supported}")
+    for family in families:
+        if transformer == family.transformer_class_name:
+            return family
+    declared = " with a ".join(n for n in (pipeline, transformer) if n)
+    supported = ", ".join(f"{f.label} ({', '.join(f.pipeline_class_names[:1] + (f.transformer_class_name,))})"
+                          for f in families)  # fmt: skip
+    raise UsageError(f"--pretrained_model_name_or_path {path} is a {declared}; flux-cp trains {supported}")

@@ -14,18 +14,58 @@ from typing import TYPE_CHECKING
 import torch
 
 from .. import flow, lora, metrics
+from ..encode import Encoders
 from .base import Family
 
 if TYPE_CHECKING:
+    from PIL import Image
+
     from ..config import ModelConfig
-    from ..encode import Encoders
 
 Tensor = torch.Tensor
+
+# diffusers' FLUX.1 Kontext LoRA example's default targets: FLUX.1's, and the single blocks' MLP input.
+KONTEXT_TARGETS = (*lora.DEFAULT_TARGETS, "proj_mlp")
+
+
+class Flux1Encoders(Encoders):
+    """FLUX.1's VAE, CLIP (pooled embedding) and T5 (token embeddings)."""
+
+    text_keys = ("prompt_embeds", "pooled_prompt_embeds")
+
+    def __init__(self, vae, clip, tokenizer, t5, tokenizer_2, device: torch.device, dtype: torch.dtype):
+        # T5 first: the order of the fingerprints in the text cache key
+        super().__init__(vae, {"text_encoder_2": t5, "text_encoder": clip}, device, dtype)
+        self.tokenizer, self.tokenizer_2 = tokenizer, tokenizer_2
+
+    @torch.no_grad()
+    def prompts(self, captions: list[str], max_sequence_length: int) -> dict[str, Tensor]:
+        """`prompt_embeds`: T5 embeddings `[B, L, D]`, and `pooled_prompt_embeds`: CLIP pooled embeddings `[B, D']`,
+        as FluxPipeline.encode_prompt."""
+        clip, t5 = self.text_encoders["text_encoder"], self.text_encoders["text_encoder_2"]
+        ids = self.tokenizer(
+            captions, padding="max_length", max_length=self.tokenizer.model_max_length, truncation=True,
+            return_tensors="pt",
+        ).input_ids  # fmt: skip
+        pooled = clip(ids.to(self.device), output_hidden_states=False).pooler_output
+        ids2 = self.tokenizer_2(
+            captions, padding="max_length", max_length=max_sequence_length, truncation=True, return_tensors="pt"
+        ).input_ids
+        embeds = t5(ids2.to(self.device), output_hidden_states=False)[0]
+        return {"prompt_embeds": embeds.to(self.dtype), "pooled_prompt_embeds": pooled.to(self.dtype)}
+
+    def text_shapes(self, max_sequence_length: int) -> dict[str, tuple[int, ...]]:
+        """`prompt_embeds` (T5, `[L, D]`) and `pooled_prompt_embeds` (CLIP, `[D']`)."""
+        return {
+            "prompt_embeds": (max_sequence_length, self.text_encoders["text_encoder_2"].config.d_model),
+            "pooled_prompt_embeds": (self.text_encoders["text_encoder"].config.hidden_size,),
+        }
 
 
 class Flux1(Family):
     name = "flux1"
     label = "FLUX.1"
+    pairs_label = "FLUX.1 Kontext"
     transformer_class_name = "FluxTransformer2DModel"
     pipeline_class_names = ("FluxPipeline", "FluxKontextPipeline", "FluxImg2ImgPipeline", "FluxInpaintPipeline",
                             "FluxFillPipeline", "FluxControlPipeline")  # fmt: skip
@@ -44,7 +84,6 @@ class Flux1(Family):
         from diffusers import AutoencoderKL
         from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
 
-        from ..encode import Encoders
         from ..model import load_component
 
         rev, kw = model.revision, ({"variant": model.variant} if model.variant else {})
@@ -63,30 +102,54 @@ class Flux1(Family):
             load_component(CLIPTokenizer, path, "tokenizer", rev),
             load_component(T5TokenizerFast, path, "tokenizer_2", rev),
         )
-        return Encoders(vae, clip, tokenizer, t5, tokenizer_2, device, dtype)
+        return Flux1Encoders(vae, clip, tokenizer, t5, tokenizer_2, device, dtype)
+
+    def pairs_warning(self, path: str, pipeline_class: str | None) -> str | None:
+        if pipeline_class in (None, "FluxKontextPipeline"):
+            return None
+        return (
+            f"the data has reference images but {path} is a {pipeline_class}: training it on pairs starts FLUX.1 "
+            "Kontext from scratch; for image editing fine-tune black-forest-labs/FLUX.1-Kontext-dev"
+        )
 
     def normalizer(self, vae):
         shift, scale = vae.config.shift_factor or 0.0, vae.config.scaling_factor
         return lambda latents: (latents - shift) * scale
 
-    def validation_pipeline(self, pairs: bool, scheduler, vae, transformer):
+    def default_vae_encode_mode(self, pairs: bool) -> str:
+        # diffusers' FLUX.1 LoRA example samples the posterior; its Kontext example takes the mode by default
+        return "mode" if pairs else "sample"
+
+    def validation_pipeline(self, pairs: bool, scheduler, encoders: Encoders, transformer):
         from diffusers import FluxKontextPipeline, FluxPipeline
 
         return (FluxKontextPipeline if pairs else FluxPipeline)(
-            scheduler=scheduler, vae=vae, transformer=transformer, text_encoder=None, tokenizer=None,
+            scheduler=scheduler, vae=encoders.vae, transformer=transformer, text_encoder=None, tokenizer=None,
             text_encoder_2=None, tokenizer_2=None,
         )  # fmt: skip
 
-    def reference_inputs(self, reference: Tensor, resolution: int) -> dict:
-        # FluxKontextPipeline appends the reference tokens after the target's (cp.full_sequence_io splits the two
-        # as one segment, as in training); max_area keeps the requested size (it defaults to 1024^2).
-        return {"image": reference, "max_area": resolution * resolution}
+    @torch.no_grad()
+    def reference_inputs(self, image: Image.Image, encoders: Encoders, device: torch.device) -> dict:
+        # FluxKontextPipeline takes the reference as ready latents (the VAE's mean, normalised), so its own
+        # resizing to preferred resolutions does not apply; it appends their tokens after the target's
+        # (cp.full_sequence_io splits the two as one segment, as in training); max_area keeps the requested size.
+        from ..data import to_pixels
+
+        vae = encoders.vae
+        pixels = to_pixels(image, image.size, image.size, (0, 0), False)[None].to(device, vae.dtype)
+        latents = self.normalizer(vae)(vae.encode(pixels).latent_dist.mean)
+        return {"image": latents, "max_area": image.size[0] * image.size[1]}
 
     def pack(self, latents: Tensor) -> Tensor:
         return flow.pack_latents(latents)
 
     def image_ids(self, height: int, width: int, device=None) -> Tensor:
         return flow.image_ids(height, width, device=device)
+
+    def reference_ids(self, height: int, width: int, device=None) -> Tensor:
+        from ..kontext import reference_ids
+
+        return reference_ids(height, width, device=device)
 
     def text_ids(self, length: int, device=None) -> Tensor:
         return flow.text_ids(length, device=device)
@@ -99,8 +162,8 @@ class Flux1(Family):
             guidance=guidance, return_dict=False,
         )  # fmt: skip
 
-    def lora_targets(self, pairs: bool) -> tuple[str, ...]:
-        return lora.DEFAULT_TARGETS
+    def lora_targets(self, pairs: bool, config: dict | None = None) -> tuple[str, ...]:
+        return KONTEXT_TARGETS if pairs else lora.DEFAULT_TARGETS
 
     def forward_flops(self, config: dict, image_tokens: int, text_tokens: int, batch: int) -> tuple[float, float]:
         return metrics.flux_forward_flops(config, image_tokens, text_tokens, batch)

@@ -1,0 +1,259 @@
+"""FLUX.2 [dev] and FLUX.2 [klein]: `Flux2Transformer2DModel` (the same class for both; [klein] has no guidance
+embedding), the 32-channel `AutoencoderKLFlux2` whose latents are normalised with its batch-norm statistics, and one
+causal language model as text encoder ([dev]: Mistral 3, `Flux2Pipeline`; [klein]: Qwen3, `Flux2KleinPipeline`).
+The model folder's pipeline class tells the two apart. Pairs (a reference image per target) train the same model
+on `[target; reference]`, as diffusers' img2img examples and the pipelines' `image=` argument.
+
+The recipe is diffusers' FLUX.2 LoRA examples', as the pure functions of `flux_cp.flux2_recipe` (each citing the
+example's lines): latents are the posterior's mode, 2x2-patchified to 128 channels and normalised with the VAE's
+batch-norm statistics; tokens are the patchified latent's pixels in row-major order; ids have four axes (t, row,
+column, text position), the reference's t = 10; the prompt embedding stacks three hidden layers of the text
+encoder; guidance only where the transformer embeds it. Where this differs from the examples: docs/design.md.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from .. import flux2_recipe as recipe
+from ..encode import Encoders
+from ..errors import UsageError
+from .base import Family
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+    from ..config import Config, ModelConfig
+
+Tensor = torch.Tensor
+
+# diffusers' FLUX.2 LoRA examples' targets (train_dreambooth_lora_flux2.py:1297-1300): the double blocks' image
+# attention (q, k, v, out), the single blocks' fused qkv + MLP input, and each single block's fused output (named
+# per block: `to_out.0` matches only the double blocks' ModuleList entry).
+ATTENTION_TARGETS = ("to_k", "to_q", "to_v", "to_out.0", "to_qkv_mlp_proj")
+
+
+def single_block_outputs(n: int) -> tuple[str, ...]:
+    return tuple(f"single_transformer_blocks.{i}.attn.to_out" for i in range(n))
+
+
+class Flux2Encoders(Encoders):
+    """FLUX.2's VAE (its batch-norm statistics kept in fp32) and its text encoder with tokenizer: the prompt
+    embedding is three hidden layers of the language model stacked on the feature axis, as the pipeline's
+    `encode_prompt` (`flux_cp.flux2_recipe.encode_prompts`)."""
+
+    def __init__(self, vae, text_encoder, tokenizer, klein: bool, is_distilled: bool, device: torch.device,
+                 dtype: torch.dtype):  # fmt: skip
+        super().__init__(vae, {"text_encoder": text_encoder}, device, dtype)
+        self.tokenizer, self.klein, self.is_distilled = tokenizer, klein, is_distilled
+        self.layers = recipe.KLEIN_TEXT_LAYERS if klein else recipe.DEV_TEXT_LAYERS
+        self.text_recipe = "layers=" + ",".join(map(str, self.layers))
+
+    @torch.no_grad()
+    def prompts(self, captions: list[str], max_sequence_length: int) -> dict[str, Tensor]:
+        """`prompt_embeds` `[B, L, 3 * hidden]`, as Flux2Pipeline / Flux2KleinPipeline.encode_prompt."""
+        embeds, _ = recipe.encode_prompts(
+            self.text_encoders["text_encoder"], self.tokenizer, captions, klein=self.klein,
+            max_sequence_length=max_sequence_length, layers=self.layers,
+        )  # fmt: skip
+        return {"prompt_embeds": embeds.to(self.dtype)}
+
+    def text_shapes(self, max_sequence_length: int) -> dict[str, tuple[int, ...]]:
+        """`prompt_embeds` `[L, 3 * hidden]` (the language model's hidden size: its input embeddings' width)."""
+        hidden = self.text_encoders["text_encoder"].get_input_embeddings().embedding_dim
+        return {"prompt_embeds": (max_sequence_length, len(self.layers) * hidden)}
+
+
+def load_tokenizer(path: str, revision: str | None):
+    """The `tokenizer` component of a FLUX.2 folder as a plain tokenizer (AutoTokenizer), with its chat template.
+
+    FLUX.2 [dev] ships a PixtralProcessor there, which transformers loads only with torchvision (not a dependency
+    here); the pipeline's prompt encoding calls nothing but `apply_chat_template`, which the tokenizer has. A
+    processor may keep the chat template beside the tokenizer (chat_template.jinja / chat_template.json) instead of
+    in it: it is read from there when the tokenizer has none."""
+    import json
+
+    from transformers import AutoTokenizer
+    from transformers.utils import cached_file
+
+    from ..model import load_component
+
+    tokenizer = load_component(AutoTokenizer, path, "tokenizer", revision)
+    if tokenizer.chat_template:
+        return tokenizer
+    for name in ("chat_template.jinja", "chat_template.json"):
+        found = cached_file(path, name, subfolder="tokenizer", revision=revision,
+                            _raise_exceptions_for_missing_entries=False,
+                            _raise_exceptions_for_connection_errors=False)  # fmt: skip
+        if found:
+            with open(found, encoding="utf-8") as f:
+                text = f.read()
+            tokenizer.chat_template = json.loads(text)["chat_template"] if name.endswith(".json") else text
+            return tokenizer
+    raise UsageError(
+        f"the tokenizer of --pretrained_model_name_or_path {path} has no chat template (none in tokenizer/, nor a "
+        "chat_template.jinja or chat_template.json there): FLUX.2's prompt encoding needs the text encoder's"
+    )
+
+
+def forward_flops(config: dict, image_tokens: int, text_tokens: int, batch: int) -> tuple[float, float]:
+    """(linear, attention) forward FLOPs of a `Flux2Transformer2DModel` on `batch` samples of these token counts,
+    matmuls only, per-token layers exactly:
+
+    - every token passes one stream of each double block and each single block: (4 + 3r) D^2 weights, r the
+      mlp_ratio (double: q, k, v, out and the SwiGLU MLP, D -> 2rD -> rD -> D; single: the fused q, k, v + MLP input,
+      D -> 3D + 2rD, and the fused output, (1 + r)D -> D), 2 FLOPs each;
+    - image tokens pass x_embedder and proj_out, text tokens the context_embedder;
+    - attention: q k^T and p v over the whole sequence, 4 S^2 D per layer.
+    The modulations and the timestep / guidance embedders act once per sample and are left out."""
+    d = config["num_attention_heads"] * config["attention_head_dim"]
+    layers = config["num_layers"] + config["num_single_layers"]
+    r = config["mlp_ratio"]
+    s = image_tokens + text_tokens
+    out = (config.get("patch_size") or 1) ** 2 * (config.get("out_channels") or config["in_channels"])
+    embed = image_tokens * (config["in_channels"] + out) * d + text_tokens * config["joint_attention_dim"] * d
+    linear = 2 * ((4 + 3 * r) * d * d * layers * s + embed) * batch
+    attention = 4 * s * s * d * layers * batch
+    return float(linear), float(attention)
+
+
+class Flux2(Family):
+    """FLUX.2 [dev] (`klein=False`) or [klein]."""
+
+    transformer_class_name = "Flux2Transformer2DModel"
+
+    def __init__(self, klein: bool):
+        self.klein = klein
+        self.name = "flux2-klein" if klein else "flux2"
+        self.label = self.pairs_label = "FLUX.2 [klein]" if klein else "FLUX.2 [dev]"
+        self.pipeline_class_names = (
+            ("Flux2KleinPipeline", "Flux2KleinKVPipeline", "Flux2KleinInpaintPipeline") if klein else ("Flux2Pipeline",)
+        )
+        # the examples' count of single blocks named in the LoRA targets when the transformer is not known
+        self.released_single_blocks = 24 if klein else 48
+
+    def transformer_class(self) -> type:
+        from diffusers import Flux2Transformer2DModel
+
+        return Flux2Transformer2DModel
+
+    def embedded_default(self, pairs: bool) -> str:
+        from ..tiny_flux2 import ensure_tiny_flux2_pipeline
+
+        return str(ensure_tiny_flux2_pipeline(klein=self.klein))
+
+    def load_encoders(self, model: ModelConfig, path: str, dtype: torch.dtype, device: torch.device) -> Encoders:
+        from diffusers import AutoencoderKLFlux2, DiffusionPipeline
+        from transformers import Mistral3ForConditionalGeneration, Qwen3ForCausalLM
+
+        from ..model import load_component
+
+        rev, kw = model.revision, ({"variant": model.variant} if model.variant else {})
+        # The batch-norm statistics that normalise the latents stay in fp32 (the examples read them from the VAE
+        # as loaded, before casting it); nothing else uses the batch-norm layer.
+        vae = load_component(AutoencoderKLFlux2, path, "vae", rev, torch_dtype=torch.float32, **kw).eval()
+        for part in vae.children():
+            part.to(device, dtype if part is not vae.bn else torch.float32)
+        cls = Qwen3ForCausalLM if self.klein else Mistral3ForConditionalGeneration
+        text_encoder = load_component(cls, path, "text_encoder", rev, dtype=dtype, **kw).to(device).eval()
+        for m in (vae, text_encoder):
+            m.requires_grad_(False)
+        is_distilled = False
+        if self.klein:  # step-distilled [klein] checkpoints run without classifier-free guidance
+            is_distilled = bool(DiffusionPipeline.load_config(path, revision=rev).get("is_distilled", False))
+        return Flux2Encoders(vae, text_encoder, load_tokenizer(path, rev), self.klein, is_distilled, device, dtype)
+
+    def check(self, cfg: Config) -> None:
+        lora = cfg.lora
+        if lora.lora_format != "diffusers":
+            raise UsageError(
+                f"--lora_format {lora.lora_format} maps FLUX.1's module names; for {self.label} keep "
+                "--lora_format diffusers (the layout Flux2Pipeline.load_lora_weights reads)"
+            )
+        if not lora.full_finetune and lora.lora_alpha != lora.rank:
+            # The file's `<module>.alpha` keys (how the scale travels for FLUX.1) make Flux2Pipeline.load_lora_weights
+            # refuse it ("Invalid adapter checkpoint").
+            raise UsageError(
+                f"--lora_alpha {lora.lora_alpha} with --rank {lora.rank}: a {self.label} LoRA file cannot carry "
+                "its scale alpha / rank in a form Flux2Pipeline.load_lora_weights reads; use --lora_alpha equal to "
+                "--rank (scale 1) and tune --learning_rate instead"
+            )
+
+    # --- latents ----------------------------------------------------------------------------------------------
+
+    def normalizer(self, vae):
+        mean, std = recipe.latent_statistics(vae)
+        mean, std = mean.float(), std.float()
+        return lambda latents: recipe.model_latents(latents, mean, std)
+
+    def model_latent_shape(self, vae_shape: tuple[int, ...]) -> tuple[int, ...]:
+        c, h, w = vae_shape
+        return (4 * c, h // 2, w // 2)
+
+    def default_vae_encode_mode(self, pairs: bool) -> str:
+        return "mode"  # every FLUX.2 example encodes with latent_dist.mode()
+
+    # --- validation -----------------------------------------------------------------------------------------
+
+    def validation_embeds(self, encoders: Encoders, prompts: list[str], max_sequence_length: int) -> dict:
+        embeds = encoders.prompts(prompts, max_sequence_length)
+        if self.klein and not encoders.is_distilled:
+            # [klein] base models run true classifier-free guidance against "": the pipeline would encode it with
+            # the text encoder, which is freed by then.
+            empty = encoders.prompts([""], max_sequence_length)["prompt_embeds"]
+            embeds["negative_prompt_embeds"] = empty.expand(len(prompts), -1, -1).contiguous()
+        return embeds
+
+    def validation_pipeline(self, pairs: bool, scheduler, encoders: Encoders, transformer):
+        from diffusers import Flux2KleinPipeline, Flux2Pipeline
+
+        parts = dict(scheduler=scheduler, vae=encoders.vae, text_encoder=None, tokenizer=None, transformer=transformer)
+        if self.klein:
+            return Flux2KleinPipeline(**parts, is_distilled=encoders.is_distilled)
+        return Flux2Pipeline(**parts)
+
+    def reference_inputs(self, image: Image.Image, encoders: Encoders, device: torch.device) -> dict:
+        # The pipelines take references as images only (no latents): they encode them as training does (mode,
+        # patchify, batch-norm statistics); an image of at most 1024^2 pixels and sides of multiples of 16 keeps
+        # its size. Its tokens follow the target's (full_sequence_io splits them as one segment, as in training).
+        return {"image": image}
+
+    # --- context parallelism --------------------------------------------------------------------------------
+
+    # --- the token sequence ----------------------------------------------------------------------------------
+
+    def pack(self, latents: Tensor) -> Tensor:
+        return recipe.pack(latents)
+
+    def image_ids(self, height: int, width: int, device=None) -> Tensor:
+        return recipe.image_ids(height, width, device=device)
+
+    def reference_ids(self, height: int, width: int, device=None) -> Tensor:
+        return recipe.reference_ids([(height, width)], device=device)
+
+    def text_ids(self, length: int, device=None) -> Tensor:
+        return recipe.text_ids(length, device=device)
+
+    def transformer_inputs(self, hidden: Tensor, img_ids: Tensor, text: dict[str, Tensor], txt_ids: Tensor,
+                           timestep: Tensor, guidance: Tensor | None) -> dict:  # fmt: skip
+        return dict(
+            hidden_states=hidden, encoder_hidden_states=text["prompt_embeds"], timestep=timestep, img_ids=img_ids,
+            txt_ids=txt_ids, guidance=guidance, return_dict=False,
+        )  # fmt: skip
+
+    # --- training and accounting -----------------------------------------------------------------------------
+
+    def lora_targets(self, pairs: bool, config: dict | None = None) -> tuple[str, ...]:
+        # Every single block's output, as many as this transformer has (the [klein] example names 24, which
+        # [klein] 4B's 20 do not all match).
+        n = config["num_single_layers"] if config else self.released_single_blocks
+        return (*ATTENTION_TARGETS, *single_block_outputs(n))
+
+    def forward_flops(self, config: dict, image_tokens: int, text_tokens: int, batch: int) -> tuple[float, float]:
+        return forward_flops(config, image_tokens, text_tokens, batch)
+
+
+FLUX2 = Flux2(klein=False)
+FLUX2_KLEIN = Flux2(klein=True)
