@@ -246,3 +246,39 @@ def test_plan_under_accelerate_launch_prints_once(tmp_path):
                  "--output_dir", str(tmp_path / "o")))  # fmt: skip
     assert r.stdout.count("plan: black-forest-labs/FLUX.1-dev (built-in config)") == 1, r.stdout
     assert r.stdout.count("suggestion: ") == 1 and not (tmp_path / "o").exists()
+
+
+def test_flux2_plans_count_its_own_blocks_width_and_weights():
+    """FLUX.2 [dev]: 8 double and 48 single blocks 6144 wide; the planner asks the family for them and counts the
+    weights of its own class (a stand-in family here: what the planner asks of one)."""
+    from diffusers import Flux2Transformer2DModel
+
+    from flux_cp.families.flux1 import Flux1
+    from flux_cp.tiny_flux2 import FLUX2_DEV_TRANSFORMER
+    from tests.saved_activations import flux2_targets
+
+    class Flux2Shapes(Flux1):
+        name, transformer_class_name = "flux2-shapes", "Flux2Transformer2DModel"
+
+        def transformer_class(self) -> type:
+            return Flux2Transformer2DModel
+
+    family, config = Flux2Shapes(), dict(FLUX2_DEV_TRANSFORMER)
+    assert family.block_kinds(config) == (("double", 8), ("single", 48)) and family.hidden_size(config) == 6144
+    tokens = 64**2 + 512
+
+    def estimate(n: int) -> plan.Estimate:
+        return plan.estimate(config, tokens=tokens, batch=1, lora_rank=16, lora_layers=list(flux2_targets(48)),
+                             world=1, cp=1, checkpointed=n, compiled=True, fsdp=False, saved_attention=1.0,
+                             family=family)  # fmt: skip
+
+    none, one = estimate(0), estimate(1)
+    assert 30e9 < none.weights / 2 < 33e9  # FLUX.2 [dev]: 32B parameters, bf16
+    keeps = plan.BLOCK_KEEPS["Flux2Transformer2DModel"]["compiled"]
+    unit = tokens * 6144 * 2
+    start, recompute = plan.BACKWARD_START_UNITS, plan.BLOCK_PEAK_UNITS
+    assert none.activations == pytest.approx(unit * (8 * keeps["double"] + 48 * keeps["single"] + start))
+    # the last block (a single one) goes first, and recomputes at the start of the backward
+    assert one.activations == pytest.approx(none.activations - unit * (keeps["single"] - 2 + start - recompute))
+    chosen, fits = plan.choose_checkpointing(estimate, 80 * plan.GIB)
+    assert fits and 0 < chosen.checkpointed < 56 and chosen.total <= 0.9 * 80 * plan.GIB
