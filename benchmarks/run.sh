@@ -15,6 +15,9 @@
 #              one local copy, benchmarks/fake_peers.py): what a CP rank spends besides communication
 #   attention  benchmarks/bench_attention.py: cp.attention's modes against one-GPU cuDNN SDPA, forward + backward,
 #              16,896 and 66,048 tokens, eager and compiled
+#   memory     one GPU is enough: --gradient_checkpointing auto under GPU memory capped to 24, 48, 80 GiB and the whole
+#              GPU, one GPU and a cp=2 rank with loopback peers, 1024 and 2048 px: the planner's picks, their measured
+#              peaks and step times, and the fastest setting that runs (benchmarks/bench_memory.py; ~7 min of an H200)
 #   check      the GPU tests (pytest tests/gpu) and benchmarks/check_gpu.py (bf16 attention and a 4-block Flux model
 #              with CP against fp32 and bf16 without CP, every CP size the machine has)
 # EXTRA_FLAGS="..." is added to every trainer run of the sets (e.g. EXTRA_FLAGS="--cp_overlap passes" or
@@ -23,7 +26,7 @@
 # `python -m benchmarks.render RESULTS_DIR` writes RESULTS_DIR/results.md (docs/benchmarks.md, how to measure).
 set -euo pipefail
 if [ $# -lt 2 ]; then
-  sed -n '2,24p' "$0"
+  sed -n '2,27p' "$0"
   exit 2
 fi
 OUT=$1; shift
@@ -107,11 +110,14 @@ for SET in "$@"; do
         --out "$OUT/attention.json"
       run 300 torchrun --nproc_per_node 2 -m benchmarks.bench_attention --tokens 16896 66048 --compile \
         --out "$OUT/attention_compiled.json" ;;
+    memory)
+      if [ -n "$DRY" ]; then python3 -m benchmarks.bench_memory --out "$OUT/memory.json" --dry_run; continue; fi
+      run 560 python3 -m benchmarks.bench_memory --out "$OUT/memory.json" --budget 420 ;;
     check)
       run 400 python3 -m pytest -q -x tests/gpu
       run 300 torchrun --nproc_per_node "$N" -m benchmarks.check_gpu --out "$OUT/check_gpu.json" ;;
     *)
-      echo "error: unknown set $SET (lora, lora_ro, diffusers, lora4096, full, kontext, host, attention, check)"
+      echo "error: unknown set $SET (lora, lora_ro, diffusers, lora4096, full, kontext, host, memory, attention, check)"
       exit 2 ;;
   esac
 done
