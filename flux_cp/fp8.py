@@ -22,6 +22,8 @@ Why the refusals (`check`, one line before anything loads):
 FSDP2: torchao supports it (each rank casts the gathered bf16 weight); `enable_fsdp_float8_all_gather` casts trained
 weights before their all-gather and is left off: ours are frozen, and LoRA runs best with whole weights (DDP).
 
+MFU and HFU in metrics.jsonl stay counted against the GPU's bf16 peak.
+
 The switch is this module, the `--fp8` flag (flux_cp/config.py) and two calls in flux_cp/trainer.py.
 """
 
