@@ -82,7 +82,10 @@ def trials(gpu_gib: float) -> list[dict]:
 
 
 def run_spec(t: dict) -> str:
-    flags = ["--resolution", str(t["resolution"]), *FLAGS, "--gradient_checkpointing", str(t["blocks"]),
+    """A bench_trainer RUN: a pick runs as `auto` under its cap (the trainer's own choice, recorded by the run), a
+    neighbour with its count of blocks."""
+    value = "auto" if t["why"] == "pick" else str(t["blocks"])
+    flags = ["--resolution", str(t["resolution"]), *FLAGS, "--gradient_checkpointing", value,
              *LAYOUTS[t["layout"]]]  # fmt: skip
     if t["cap"] is not None:
         flags += ["--gpu_memory_gib", f"{t['cap']:g}"]
@@ -109,6 +112,9 @@ def table(runs: list[dict], gpu_gib: float) -> list[dict]:
                 same = [r for r, t in done if t["blocks"] == n and r.get("s_per_step")]
                 if same:
                     row["measured_gib"], row["s_per_step"] = same[0]["peak_gib"], same[0]["s_per_step"]
+                    resolved = same[0].get("checkpointed_blocks")
+                    if resolved is not None and resolved != n:  # the trainer's auto chose otherwise than planned
+                        row["note"] = f"the run's auto chose {resolved} blocks"
                 # fits by trial: ran under this cap or a smaller one
                 fitting = [(r["s_per_step"], t["blocks"]) for r, t in done
                            if r.get("s_per_step") and (t["cap"] or gpu_gib) <= limit]  # fmt: skip

@@ -30,14 +30,16 @@ def test_trials_run_each_pick_once_under_the_smallest_cap_that_picks_it_then_the
 
 
 def test_a_capped_run_launches_the_wrapper_with_the_same_memory():
-    spec = bench_memory.run_spec({"layout": "fake2", "resolution": 2048, "blocks": 46, "cap": 48.0})
+    spec = bench_memory.run_spec({"layout": "fake2", "resolution": 2048, "blocks": 46, "cap": 48.0, "why": "pick"})
     run = parse_run(spec)
     assert run["name"] == "fake2_2048_ck46_cap48"
     cmd = command({**run, "fake_peers": 2}, "MODEL", "WORK", steps=6)
     assert cmd[6:9] == ["-m", "benchmarks.capped", "fake_peers"]
-    assert cmd[-6:] == ["--gradient_checkpointing", "46", "--cp_size", "2", "--gpu_memory_gib", "48"]
+    assert cmd[-6:] == ["--gradient_checkpointing", "auto", "--cp_size", "2", "--gpu_memory_gib", "48"]
+    neighbour = bench_memory.run_spec({"layout": "gpu1", "resolution": 2048, "blocks": 16, "cap": 80.0, "why": "n"})
+    assert parse_run(neighbour)["extra"][-4:] == ["--gradient_checkpointing", "16", "--gpu_memory_gib", "80"]
     assert command(parse_run(spec.replace("fake2", "gpu1")), "M", "W", 6)[6:9] == ["-m", "benchmarks.capped", "trainer"]
-    full = bench_memory.run_spec({"layout": "gpu1", "resolution": 1024, "blocks": 0, "cap": None})
+    full = bench_memory.run_spec({"layout": "gpu1", "resolution": 1024, "blocks": 0, "cap": None, "why": "pick"})
     assert command(parse_run(full), "M", "W", 6)[6] == "train_flux_cp.py"
     assert cap_fraction(48, 139.8) == 48 / 139.8 and cap_fraction(141, 139.8) == 1.0
 
