@@ -9,7 +9,10 @@ A RUN is `name:gpus:config:extra trainer flags`, e.g.
 `cp2_2048:2:ddp_cp2.yaml:--cp_size 2 --resolution 2048 --compile`. Runs of one GPU each go side by side on
 separate GPUs when `--parallel` is given (each is timed alone on its GPU); the others one after another.
 Every run gets `--transformer_init random --mixed_precision bf16 --gradient_checkpointing --rank 16` (LoRA unless
-`--full_finetune` is in its flags) and a fresh folder; it is stopped once its steps are logged (no final save).
+`--full_finetune` is in its flags; `--gradient_checkpointing` alone is `auto`: the fewest blocks checkpointed that
+fit the GPU, a run's own `--gradient_checkpointing N` overrides it) and a fresh folder; it is stopped once its
+steps are logged (no final save). A run whose flags hold `--gpu_memory_gib` runs capped to that much GPU memory
+(benchmarks/capped.py).
 The efficiency of a run on N GPUs is t1 / (N tN) against the one-GPU run of the same flags (less `--cp_size`).
 With `--fake_peers`, a one-GPU run given `--cp_size N` runs benchmarks/fake_peers.py instead: rank 0 of a CP group
 of N whose peers are copies of it (each exchange one local copy), its efficiency taken against N GPUs.
@@ -75,6 +78,8 @@ def command(run: dict, model: str, work: str, steps: int, port: int | None = Non
         launch[:2] = [sys.executable, "-m", "accelerate.commands.launch"]
         launch += ["--main_process_port", str(port)]
     script = ["-m", "benchmarks.fake_peers"] if run.get("fake_peers") else ["train_flux_cp.py"]
+    if "--gpu_memory_gib" in run["extra"]:  # capped to a smaller GPU's memory before anything is allocated
+        script = ["-m", "benchmarks.capped", "fake_peers" if run.get("fake_peers") else "trainer"]
     return [*launch, *script, "--pretrained_model_name_or_path", model,
             "--transformer_init", "random", "--mixed_precision", "bf16", "--gradient_checkpointing",
             "--rank", "16", "--max_train_steps", str(steps + 50), "--checkpointing_steps", "100000",
@@ -125,6 +130,10 @@ def finish(job: dict, work: Path, steps: int, warmup: int, timeout: float) -> di
         if trace.is_file():
             with open(trace, "rb") as src, gzip.open(job["log_path"].with_suffix(".trace.json.gz"), "wb") as dst:
                 shutil.copyfileobj(src, dst)
+    run_config = work / job["name"] / "run_config.json"
+    if run_config.is_file():  # what the trainer resolved: the blocks checkpointed and their planned peak
+        chosen = json.loads(run_config.read_text())
+        result.update({k: chosen[k] for k in ("checkpointed_blocks", "planned_peak_gib") if k in chosen})
     timed = [r for r in got if r["step"] > warmup][: steps - warmup]
     result["wall_s"] = round(time.time() - job["t0"], 1)
     if len(timed) < 2:
@@ -134,6 +143,7 @@ def finish(job: dict, work: Path, steps: int, warmup: int, timeout: float) -> di
             ln for ln in lines if "Error" in ln and "error_file" not in ln
         ]
         result["error"] = f"only {len(got)} steps logged (exit {proc.returncode}): " + " | ".join(errors[-3:])
+        result["out_of_memory"] = any("out of memory" in ln.lower() for ln in lines)
         result["log_tail"] = lines[-40:]
         return result
     result.update(

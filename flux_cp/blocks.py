@@ -1,8 +1,16 @@
 """How the transformer blocks run during training: activation checkpointing (what each block keeps for its
 backward, what it recomputes) and torch.compile, applied to the blocks in one place.
 
-Eager, checkpointing is diffusers' own (`enable_gradient_checkpointing`: each block's forward is recomputed in
-its backward). Compiled, the checkpoint goes *inside* each block's graph, which changes three things:
+Checkpointing is per block: `--gradient_checkpointing N` checkpoints N whole blocks from one end, `all` every block,
+`none` none, and `auto` (flux_cp.plan) the fewest that let the planned peak fit the GPU. The end is the one whose
+blocks keep the most for their backward (`flux_cp.plan.checkpoint_from_end`; plan_data.json has what each kind
+keeps): every block of a model costs the same FLOPs per token to recompute (FLUX.1: 12 D^2 weights, FLUX.2: 13 D^2),
+so that end frees the most memory per recomputed FLOP. FLUX.1: the first N (its double blocks keep 18 units per
+token compiled, its single blocks 12); FLUX.2: the last N (single blocks 18, double 15).
+
+Eager, a checkpointed block's forward is recomputed in its backward (`torch.utils.checkpoint`, non-reentrant, as
+diffusers' `enable_gradient_checkpointing` does for every block). Compiled, the checkpoint goes *inside* each
+checkpointed block's graph, which changes three things:
 
 - the recomputation is part of the compiled backward graph, so a block is one forward graph and one backward
   graph; CUDA graphs (`--compile_mode reduce-overhead`) can then replay them, which they cannot while a
@@ -14,7 +22,7 @@ its backward). Compiled, the checkpoint goes *inside* each block's graph, which 
   them, `--recompute_attention` turns it off);
 - everything else (projections, norms, RoPE, the MLP) is recomputed as before.
 
-The values computed are the same either way; only which of them are kept or computed twice differs.
+The values computed are the same either way, for any N; only which of them are kept or computed twice differs.
 """
 
 from __future__ import annotations
@@ -56,6 +64,12 @@ def _checkpointed(forward, policy, *args, **kwargs):
     return checkpoint(forward, *args, use_reentrant=False, context_fn=context, **kwargs)
 
 
+def _recomputed(forward, *args, **kwargs):
+    if not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
 def checkpoint_inside(block: torch.nn.Module, keep_attention: bool = True) -> None:
     """Make `block.forward` checkpoint itself, keeping the attention's outputs (`SAVED_OPS`) unless
     `keep_attention` is False, so that a compile of the block traces the checkpoint into its graph. Module names
@@ -64,10 +78,28 @@ def checkpoint_inside(block: torch.nn.Module, keep_attention: bool = True) -> No
     block.forward = functools.partial(_checkpointed, block.forward, policy)
 
 
+def checkpoint_eager(block: torch.nn.Module) -> None:
+    """Make `block.forward` recompute itself in its backward (eager blocks: everything, attention included)."""
+    block.forward = functools.partial(_recomputed, block.forward)
+
+
+def checkpointed_blocks(value: str, total: int) -> int | None:
+    """Blocks checkpointed for a `--gradient_checkpointing` value on a transformer of `total` blocks; None for
+    `auto` (the planner decides, `flux_cp.plan.choose_checkpointing`). A number above `total` is all of them."""
+    if value == "auto":
+        return None
+    if value == "all":
+        return total
+    if value == "none":
+        return 0
+    return min(int(value), total)
+
+
 def attention_recomputed(train) -> bool:
-    """Whether a run with these training flags (`TrainConfig`) computes each attention forward twice."""
+    """Whether a checkpointed block of a run with these training flags (`TrainConfig`) computes its attention
+    forward twice: eager blocks always do; compiled ones keep its outputs unless --recompute_attention."""
     compiled = bool(train.compile or train.compile_mode)
-    return train.gradient_checkpointing and (not compiled or train.recompute_attention)
+    return not compiled or train.recompute_attention
 
 
 @functools.cache  # asked before every forward of a step
@@ -87,21 +119,23 @@ def step_begins(compile_mode: str | None) -> None:
 def prepare_blocks(
     transformer: torch.nn.Module,
     *,
-    gradient_checkpointing: bool,
+    checkpointed: range,
     recompute_attention: bool,
     compile: bool,
     compile_mode: str | None,
     cp: int,
     tuning: Tuning | None = None,
 ) -> None:
-    """Activation checkpointing and torch.compile of every transformer block, as described above. `tuning`: the CP
-    context's (`CPContext.tuning`), whose overlap choice orders a compiled block's exchanges (cp/schedule.py)."""
-    if not compile:
-        if gradient_checkpointing:
-            transformer.enable_gradient_checkpointing()
-        return
-    options = inductor_options(compile_mode, tuning or Tuning(), cp)
-    for block in transformer_blocks(transformer):
-        if gradient_checkpointing:
-            checkpoint_inside(block, keep_attention=not recompute_attention)
-        block.compile(options=options)
+    """Activation checkpointing of the transformer blocks whose indices (in the order they run) are in
+    `checkpointed` (`flux_cp.plan.checkpointed_indices`) and torch.compile of every block, as described above.
+    `tuning`: the CP context's (`CPContext.tuning`), whose overlap choice orders a compiled block's exchanges
+    (cp/schedule.py)."""
+    options = inductor_options(compile_mode, tuning or Tuning(), cp) if compile else None
+    for i, block in enumerate(transformer_blocks(transformer)):
+        if i in checkpointed:
+            if compile:
+                checkpoint_inside(block, keep_attention=not recompute_attention)
+            else:
+                checkpoint_eager(block)
+        if compile:
+            block.compile(options=options)

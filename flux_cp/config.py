@@ -44,6 +44,7 @@ def flag(
     parse: Callable[[str], Any] | None = None,
     repeat: bool = False,
     secret: bool = False,
+    const: Any = None,
 ) -> Any:
     """A dataclass field that is also the flag `--<field name>`.
 
@@ -51,8 +52,10 @@ def flag(
         the others get their default appended. derive: computes the value from the other raw flag values when the
         flag is not given (the parser's default is then None, so "not given" is seen). parse: converts the
         command-line string (the field keeps the converted value). repeat: the flag may be given several times (a
-        tuple of values). secret: kept out of `Config.flat()`, so out of run_config.json, checkpoints and trackers."""
-    meta = {"help": help, "choices": choices, "derive": derive, "parse": parse, "repeat": repeat, "secret": secret}
+        tuple of values). secret: kept out of `Config.flat()`, so out of run_config.json, checkpoints and trackers.
+        const: the value of the flag given without one (its value is then optional)."""
+    meta = {"help": help, "choices": choices, "derive": derive, "parse": parse, "repeat": repeat, "secret": secret,
+            "const": const}  # fmt: skip
     return field(default=default, metadata=meta)
 
 
@@ -74,6 +77,16 @@ def _is_demo(raw: dict) -> bool:
 
 def _comma_list(text: str) -> tuple[str, ...]:
     return tuple(t.strip() for t in text.split(",") if t.strip())
+
+
+def _checkpointing(text: str) -> str:
+    """--gradient_checkpointing's value: auto, all, none, or a number of blocks (kept as text: "12")."""
+    value = text.strip().lower()
+    if value in ("auto", "all", "none"):
+        return value
+    if value.isdigit():
+        return str(int(value))
+    raise argparse.ArgumentTypeError(f"{text!r}: give auto, all, none or a number of blocks")
 
 
 # --- the sections ------------------------------------------------------------------------------------------
@@ -229,8 +242,14 @@ class TrainConfig:
     gradient_accumulation_steps: int = flag(
         1, "Number of updates steps to accumulate before performing a backward/update pass."
     )
-    gradient_checkpointing: bool = flag(
-        False, "Recompute each transformer block in the backward pass to save memory, at the cost of a slower step."
+    gradient_checkpointing: str = flag(
+        "none",
+        "Recompute transformer blocks in the backward pass to save memory, at the cost of a slower step: 'auto' (the "
+        "value of the flag given alone) checkpoints the fewest blocks whose planned peak fits the GPU's memory "
+        "(--gpu_memory_gib, else the GPU's own; --plan shows the choice), 'all', 'none', or a number of blocks (the "
+        "first ones that run).",
+        parse=_checkpointing,
+        const="auto",
     )
     learning_rate: float = flag(
         1e-4,
@@ -287,6 +306,13 @@ class TrainConfig:
         "With --gradient_checkpointing and --compile: recompute the attention (and its CP exchanges) in the backward "
         "instead of keeping its outputs. Saves memory (--plan shows how much) at the cost of a second attention "
         "forward per block.",
+    )
+    fp8: str = flag(
+        "off",
+        "LoRA: run the frozen base linears of the transformer blocks in FP8 (torchao float8 training, rowwise or "
+        "tensorwise scaling; the adapters, norms, modulation, embedders and attention stay bf16). Needs --compile, a "
+        "GPU with FP8 tensor cores (compute capability 8.9+, rowwise 9.0+) and torchao (pip install torchao==0.16.0).",
+        choices=("off", "rowwise", "tensorwise"),
     )
     compile_mode: str | None = flag(
         None,
@@ -474,7 +500,9 @@ class PlanConfig:
         "(loads nothing heavy).",
     )
     gpu_memory_gib: float | None = flag(
-        None, "For --plan: memory per GPU in GiB. Default: the first GPU's, or 141 (an H200) without one."
+        None,
+        "For --plan and --gradient_checkpointing auto: memory per GPU in GiB (e.g. a per-process memory cap). "
+        "Default: the GPU's own, or 141 (an H200) for --plan without one.",
     )
 
 
@@ -621,6 +649,8 @@ def build_parser() -> argparse.ArgumentParser:
                     kw["default"] = ",".join(f.default)
                 if m["choices"]:
                     kw["choices"] = m["choices"]
+                if m["const"] is not None:
+                    kw["nargs"], kw["const"] = "?", m["const"]
                 if m["repeat"]:
                     kw["action"] = "append"
             group.add_argument(f"--{f.name}", **kw)

@@ -128,14 +128,16 @@ _USED_ONLY = (
      "with --lr_scheduler constant (use constant_with_warmup)"),
     (("cache_dir",), lambda v: not v.get("no_cache"), "with --no_cache"),
     (("caption_column",), lambda v: v.get("instance_prompt") is None, "with --instance_prompt (one prompt for all)"),
-    (("gpu_memory_gib",), lambda v: bool(v.get("plan")), "without --plan"),
+    (("gpu_memory_gib",), lambda v: bool(v.get("plan")) or v.get("gradient_checkpointing") == "auto",
+     "without --plan or --gradient_checkpointing auto"),
     (("hub_model_id", "hub_token"), lambda v: bool(v.get("push_to_hub")), "without --push_to_hub"),
     (("cp_overlap",), lambda v: bool((v.get("compile") or v.get("compile_mode")) and v.get("cp_size", 1) > 1),
      "without --compile and --cp_size > 1 (it orders a compiled block's CP exchanges)"),
     (("cp_exchange_first", "cp_ulysses_chunks"), lambda v: v.get("cp_size", 1) > 1,
      "with --cp_size 1 (no CP exchanges)"),
     (("recompute_attention",),
-     lambda v: bool(v.get("gradient_checkpointing") and (v.get("compile") or v.get("compile_mode"))),
+     lambda v: v.get("gradient_checkpointing", "none") not in ("none", "0") and bool(v.get("compile")
+                                                                                  or v.get("compile_mode")),
      "without --gradient_checkpointing and --compile (eager checkpointing always recomputes the attention)"),
 )  # fmt: skip
 

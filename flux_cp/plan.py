@@ -1,21 +1,23 @@
-"""`train_flux_cp.py --plan`: per-GPU memory of a configuration before anything heavy is loaded, and the
-smallest CP size that fits.
+"""`train_flux_cp.py --plan`: per-GPU memory of a configuration before anything heavy is loaded, the smallest CP
+size that fits, and how many blocks `--gradient_checkpointing auto` checkpoints.
 
 Weights, gradients and AdamW state are counted exactly from the transformer's config (the model is built on
 the meta device, with the LoRA adapters the flags would add). Activations are counted in units of one
-token's hidden state in bf16 (2 x D bytes per token). Without checkpointing a double block keeps
-DOUBLE_BLOCK_UNITS and a single block SINGLE_BLOCK_UNITS (what autograd saves, counted on CPU by
-tests/test_plan.py); with checkpointing every block keeps its input (1 unit) and the block being recomputed
-peaks at BLOCK_PEAK_UNITS. BLOCK_PEAK_UNITS was fitted to one measured peak (FLUX.1-dev, LoRA, 2048 px,
-one H200); the other measured peaks check the whole estimate (tests/test_plan.py). The constants and those peaks,
-with their sources, are in plan_data.json beside this module.
+token's hidden state in bf16 (2 x D bytes per token; the model family gives D and its blocks, in the order they
+run). A block that is not checkpointed keeps what its backward needs: `block_keeps` per block kind, eager and
+compiled apart (Inductor fuses away intermediates autograd would keep), counted on CPU by tests/test_plan.py. A
+checkpointed block keeps its input (1 unit) and, compiled, its attention's outputs (`saved_attention_units`).
+The peak is at the start of the backward: everything kept, plus the temporaries of the first backward
+(`backward_start_units`) - or, when the last block is checkpointed too, while a block is recomputed
+(`block_peak_units`). Those two are fitted to one measured peak each (FLUX.1-dev, LoRA, one H200); the other
+measured peaks check the whole estimate (tests/test_plan.py). The constants and those peaks, with their sources,
+are in plan_data.json beside this module.
 The optimizer step has a peak of its own: torch's multi-tensor AdamW holds sqrt(v) for all of a rank's
 trainable parameters at once (fp32), after the activations are freed; it decides full fine-tuning's peak.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import os
@@ -27,14 +29,16 @@ import torch
 
 if TYPE_CHECKING:
     from .config import Config
+    from .families import Family
 
 GIB = 2**30
 DATA = json.loads((Path(__file__).parent / "plan_data.json").read_text())  # its "notes" say what each constant is
 BLOCK_PEAK_UNITS: float = DATA["block_peak_units"]
-DOUBLE_BLOCK_UNITS: float = DATA["double_block_units"]
-SINGLE_BLOCK_UNITS: float = DATA["single_block_units"]
+BACKWARD_START_UNITS: float = DATA["backward_start_units"]
+BLOCK_KEEPS: dict[str, dict[str, dict[str, float]]] = DATA["block_keeps"]
 FSDP_GATHERED_BLOCKS: int = DATA["fsdp_gathered_blocks"]
 SAVED_ATTENTION_UNITS: dict[str, float] = DATA["saved_attention_units"]
+MARGIN = 0.9  # of the GPU's memory a plan may use: the estimates are within ~10% of measured peaks
 
 
 @dataclass
@@ -42,10 +46,12 @@ class Estimate:
     weights: float
     grads: float
     optimizer: float
-    activations: float
+    activations: float  # with the blocks checkpointed that the estimate was asked for
     activations_without_ckpt: float
     activations_with_ckpt: float
     step_temporaries: float  # AdamW's sqrt(v) during the optimizer step, when no activations are held
+    checkpointed: int = 0  # blocks checkpointed in `activations`
+    blocks: int = 0  # blocks of the transformer
 
     @property
     def fixed(self) -> float:
@@ -61,27 +67,44 @@ class Estimate:
 
 def count_parameters(config: dict, lora_rank: int | None, lora_layers: list[str]) -> tuple[int, int, int]:
     """(all base parameters, trainable parameters, parameters of the largest block), exact, on the meta device."""
-    return _count_parameters(json.dumps(config, sort_keys=True), lora_rank, tuple(lora_layers))
+    from .families import for_transformer
+
+    c = for_transformer(config).count_parameters(config, lora_rank, lora_layers)
+    return c.base, c.trainable, c.largest_block
 
 
-@functools.lru_cache(maxsize=16)  # --plan asks for every CP size; building the model is the slow part
-def _count_parameters(config: str, lora_rank: int | None, lora_layers: tuple[str, ...]) -> tuple[int, int, int]:
-    from diffusers import FluxTransformer2DModel
+def block_keeps(family: Family, compiled: bool) -> dict[str, float]:
+    """Units each block kind of `family` keeps for its backward without checkpointing (plan_data.json)."""
+    from .errors import UsageError
 
-    with torch.device("meta"):
-        model = FluxTransformer2DModel.from_config(json.loads(config))
-        base = sum(p.numel() for p in model.parameters())
-        block = max(
-            sum(p.numel() for p in b.parameters())
-            for b in [*model.transformer_blocks, *model.single_transformer_blocks]
-        )
-        if lora_rank is None:
-            return base, base, block
-        from peft import LoraConfig
+    keeps = BLOCK_KEEPS.get(family.transformer_class_name)
+    if keeps is None:
+        raise UsageError(f"the memory planner has no activation counts for {family.transformer_class_name}")
+    return keeps["compiled" if compiled else "eager"]
 
-        model.add_adapter(LoraConfig(r=lora_rank, lora_alpha=lora_rank, target_modules=list(lora_layers)))
-        trainable = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
-    return base, trainable, block
+
+def checkpoint_from_end(kinds: tuple[tuple[str, int], ...], keeps: dict[str, float]) -> bool:
+    """Whether partial checkpointing takes the last blocks rather than the first: the end whose blocks keep the
+    most frees the most memory per block recomputed (every block of FLUX.1 and FLUX.2 costs the same FLOPs per
+    token). FLUX.1: the double blocks (first); FLUX.2: the single blocks (last)."""
+    return keeps[kinds[-1][0]] > keeps[kinds[0][0]]
+
+
+def checkpointed_indices(blocks: int, checkpointed: int, from_end: bool) -> range:
+    """Indices (in the order the blocks run) of the `checkpointed` blocks checkpointed."""
+    n = max(0, min(checkpointed, blocks))
+    return range(blocks - n, blocks) if from_end else range(n)
+
+
+def activation_units(
+    kinds: tuple[tuple[str, int], ...], keeps: dict[str, float], checkpointed: int, saved_attention: float
+) -> float:
+    """Units held at the peak with `checkpointed` blocks checkpointed, from the end `checkpoint_from_end` picks."""
+    order = [kind for kind, n in kinds for _ in range(n)]
+    chosen = checkpointed_indices(len(order), checkpointed, checkpoint_from_end(kinds, keeps))
+    held = len(chosen) * (1 + saved_attention) + sum(keeps[k] for i, k in enumerate(order) if i not in chosen)
+    # The backward starts at the last block: its recomputation, or the temporaries of a block that kept everything.
+    return held + (BLOCK_PEAK_UNITS if len(order) - 1 in chosen else BACKWARD_START_UNITS)
 
 
 def estimate(
@@ -93,15 +116,24 @@ def estimate(
     lora_layers: list[str],
     world: int,
     cp: int,
-    checkpointing: bool,
+    checkpointing: bool = True,
+    checkpointed: int | None = None,
+    compiled: bool = False,
     weight_bytes: int = 2,
     fsdp: bool | None = None,
     saved_attention: float = 0.0,
+    family: Family | None = None,
 ) -> Estimate:
     """Bytes per GPU. `tokens` per sample (image + text); FSDP (default: world > 1) shards weights, gradients
     and optimizer state over all `world` ranks; each rank holds tokens / cp of each of its `batch` samples.
-    `saved_attention`: units each checkpointed block keeps of its attention (`saved_attention_units`)."""
-    base, trainable, block = count_parameters(config, lora_rank, lora_layers)
+    `checkpointed`: blocks checkpointed (default: all with `checkpointing`, else none); `compiled`: torch.compile'd
+    blocks (they keep less without checkpointing); `saved_attention`: units each checkpointed block keeps of its
+    attention (`saved_attention_units`). `family`: default the one the config names."""
+    from .families import for_transformer
+
+    family = family or for_transformer(config)
+    counts = family.count_parameters(config, lora_rank, lora_layers)
+    base, trainable, block = counts.base, counts.trainable, counts.largest_block
     fsdp = world > 1 if fsdp is None else fsdp
     shard = world if fsdp else 1
     frozen = base - trainable if lora_rank is not None else 0
@@ -111,17 +143,79 @@ def estimate(
     grads = trainable * 4 / shard
     optimizer = 2 * trainable * 4 / shard
     step_temporaries = trainable * 4 / shard
-    d = config["num_attention_heads"] * config["attention_head_dim"]
-    blocks = config["num_layers"] + config["num_single_layers"]
-    unit = batch * math.ceil(tokens / cp) * d * 2
-    with_ckpt = unit * (blocks * (1 + saved_attention) + BLOCK_PEAK_UNITS)
-    without = unit * (config["num_layers"] * DOUBLE_BLOCK_UNITS + config["num_single_layers"] * SINGLE_BLOCK_UNITS)
-    activations = with_ckpt if checkpointing else without
-    return Estimate(weights, grads, optimizer, activations, without, with_ckpt, step_temporaries)
+    kinds, keeps = family.block_kinds(config), block_keeps(family, compiled)
+    blocks = sum(n for _, n in kinds)
+    unit = batch * math.ceil(tokens / cp) * family.hidden_size(config) * 2
+    if checkpointed is None:
+        checkpointed = blocks if checkpointing else 0
+
+    def activations(n: int) -> float:
+        return unit * activation_units(kinds, keeps, n, saved_attention)
+
+    return Estimate(weights, grads, optimizer, activations(checkpointed), activations(0), activations(blocks),
+                    step_temporaries, min(checkpointed, blocks), blocks)  # fmt: skip
+
+
+def choose_checkpointing(estimate_with, gpu_bytes: float) -> tuple[Estimate, bool]:
+    """`--gradient_checkpointing auto`: the estimate with the fewest checkpointed blocks whose total fits `MARGIN`
+    of `gpu_bytes`, and whether one fits (if none does: every block checkpointed). `estimate_with(n)` is the
+    estimate with n blocks checkpointed."""
+    blocks = estimate_with(0).blocks
+    for n in range(blocks + 1):
+        e = estimate_with(n)
+        if e.total <= MARGIN * gpu_bytes:
+            return e, True
+    return estimate_with(blocks), False
+
+
+@dataclass(frozen=True)
+class Checkpointing:
+    """A run's `--gradient_checkpointing` resolved: which blocks, and the plan behind the choice."""
+
+    blocks: range  # indices of the checkpointed blocks, in the order the blocks run
+    total: int  # blocks of the transformer
+    planned_gib: float  # the planned peak per GPU with them
+    gpu_gib: float | None  # the memory it was fitted to (None: no GPU and no --gpu_memory_gib)
+    fits: bool
+
+    def describe(self, value: str) -> str:
+        n = len(self.blocks)
+        which = "" if n in (0, self.total) else f" ({'the last' if self.blocks.start else 'the first'} {n})"
+        gpu = f" of {self.gpu_gib:.1f} GiB" if self.gpu_gib else ""
+        how = f"{value}: " if value == "auto" else ""
+        peak = f"planned peak {self.planned_gib:.1f} GiB{gpu}"
+        return f"gradient checkpointing {how}{n} of {self.total} blocks{which}, {peak}"
+
+
+def checkpointing_for_run(cfg: Config, family: Family, config: dict, tokens: int, world: int, cp: int, mode: str,
+                          fsdp: bool, gpu_gib: float | None) -> Checkpointing:  # fmt: skip
+    """The trainer's `--gradient_checkpointing`: a count as given, or `auto`'s choice for `gpu_gib` (--gpu_memory_gib,
+    else the GPU's memory; without either, nothing to fit: no block checkpointed). `tokens`: of the largest sample."""
+    train = cfg.train
+    lora = None if cfg.lora.full_finetune else cfg.lora.rank
+
+    def estimate_with(n: int | None) -> Estimate:
+        return estimate(config, tokens=tokens, batch=train.train_batch_size, lora_rank=lora,
+                        lora_layers=list(cfg.lora.lora_layers), world=world, cp=cp, checkpointed=n,
+                        compiled=bool(train.compile or train.compile_mode),
+                        weight_bytes=4 if train.mixed_precision == "no" else 2, fsdp=fsdp,
+                        saved_attention=saved_attention_units(train, mode, cp), family=family)  # fmt: skip
+
+    value = train.gradient_checkpointing
+    if value == "auto" and gpu_gib is None:
+        e, fits = estimate_with(0), True
+    else:
+        e, fits = checkpointing_choice(value, estimate_with, (gpu_gib or 0) * GIB)
+        fits = fits if gpu_gib else True
+    kinds = family.block_kinds(config)
+    from_end = checkpoint_from_end(kinds, block_keeps(family, bool(train.compile or train.compile_mode)))
+    blocks = checkpointed_indices(e.blocks, e.checkpointed, from_end)
+    return Checkpointing(blocks, e.blocks, e.total / GIB, gpu_gib, fits)
 
 
 def saved_attention_units(train, mode: str, cp: int) -> float:
-    """Units of its attention a checkpointed block keeps with these training flags (`TrainConfig`) and CP mode."""
+    """Units of its attention a compiled, checkpointed block keeps with these training flags (`TrainConfig`) and CP
+    mode."""
     from .blocks import attention_recomputed
 
     if attention_recomputed(train):
@@ -241,16 +335,19 @@ def print_plan(cfg: Config) -> None:
     )
     wb = 4 if cfg.train.mixed_precision == "no" else 2
     fsdp = sharded_weights(lora is None)
+    compiled = bool(cfg.train.compile or cfg.train.compile_mode)
+    value = cfg.train.gradient_checkpointing
     print(
         f"plan: {path}, {resolution} px{' Kontext pairs' if pairs else ''} ({tokens} tokens/sample), "
         f"batch {batch}/rank, "
         f"{'full fine-tuning' if lora is None else f'LoRA r{lora}'}, {world} process(es), GPU {gpu:.0f} GiB, "
         + ("weights sharded over all GPUs (FSDP2)" if fsdp else "weights whole on every GPU (DDP)")
+        + (", blocks compiled" if compiled else ", blocks eager")
     )
     print_disk(cfg, config, max(world, cp_size))
     print(
         f"{'cp':>3} {'world':>5} {'weights':>8} {'grads':>7} {'adam':>7} {'act.ckpt':>9} {'act.full':>9} "
-        f"{'total(ckpt)':>12} {'total(no ckpt)':>15}  fits"
+        f"{'total(ckpt)':>12} {'total(no ckpt)':>15} {'ckpt ' + value:>12} {'total':>7}  fits"
     )
     fits_at = None
     sizes = sorted({c for c in (1, 2, 4, 8, 16) if c <= max(world, 8)} | {cp_size})
@@ -259,27 +356,22 @@ def print_plan(cfg: Config) -> None:
         mode = (
             cfg.parallel.cp_mode if cfg.parallel.cp_mode != "auto" else auto_mode(config["num_attention_heads"], c)[0]
         )
-        e = estimate(
-            config,
-            tokens=tokens,
-            batch=batch,
-            lora_rank=lora,
-            lora_layers=layers,
-            world=w,
-            cp=c,
-            checkpointing=True,
-            weight_bytes=wb,
-            fsdp=fsdp and w > 1,
-            saved_attention=saved_attention_units(cfg.train, mode, c),
-        )
+
+        def estimate_with(n: int | None, c=c, w=w, mode=mode) -> Estimate:
+            return estimate(config, tokens=tokens, batch=batch, lora_rank=lora, lora_layers=layers, world=w, cp=c,
+                            checkpointed=n, compiled=compiled, weight_bytes=wb, fsdp=fsdp and w > 1,
+                            saved_attention=saved_attention_units(cfg.train, mode, c), family=family)  # fmt: skip
+
+        e, chosen_fits = checkpointing_choice(value, estimate_with, gpu * GIB)
+        auto, auto_fits = checkpointing_choice("auto", estimate_with, gpu * GIB)
         ck, full = e.total_with(e.activations_with_ckpt) / GIB, e.total_with(e.activations_without_ckpt) / GIB
-        verdict = "yes" if full < 0.9 * gpu else ("with --gradient_checkpointing" if ck < 0.9 * gpu else "no")
-        if verdict != "no" and fits_at is None:
-            fits_at = (c, verdict)
+        if auto_fits and fits_at is None:
+            fits_at = (c, auto)
         print(
             f"{c:>3} {w:>5} {e.weights / GIB:>8.1f} {e.grads / GIB:>7.1f} {e.optimizer / GIB:>7.1f} "
             f"{e.activations_with_ckpt / GIB:>9.1f} {e.activations_without_ckpt / GIB:>9.1f} {ck:>12.1f} "
-            f"{full:>15.1f}  {verdict}"
+            f"{full:>15.1f} {f'{e.checkpointed}/{e.blocks}':>12} {e.total / GIB:>7.1f}  "
+            + ("yes" if chosen_fits else "no")
         )
     if fits_at is None:
         print(
@@ -287,11 +379,23 @@ def print_plan(cfg: Config) -> None:
             + (" (FSDP shards the weights over all of them)" if fsdp else ", or an fsdp2_* config to shard the weights")
         )
         return
-    c, verdict = fits_at
+    c, auto = fits_at
     mode, u = auto_mode(config["num_attention_heads"], c) if c > 1 else ("none", None)
-    extra = "" if verdict == "yes" else " --gradient_checkpointing"
+    extra = " --gradient_checkpointing" if auto.checkpointed else ""
     print(
         f"suggestion: --cp_size {c}{extra}"
         + (f" (auto mode: {mode}" + (f", ulysses {u}" if u else "") + ")" if c > 1 else "")
-        + "; figures are estimates within ~15% of measured peaks (GiB per GPU; 10% headroom kept)."
+        + (f" (auto: {auto.checkpointed} of {auto.blocks} blocks checkpointed)" if auto.checkpointed else "")
+        + f"; figures are estimates within ~15% of measured peaks (GiB per GPU; {1 - MARGIN:.0%} headroom kept)."
     )
+
+
+def checkpointing_choice(value: str, estimate_with, gpu_bytes: float) -> tuple[Estimate, bool]:
+    """The estimate of a `--gradient_checkpointing` value (auto: `choose_checkpointing`) and whether it fits."""
+    from .blocks import checkpointed_blocks
+
+    n = checkpointed_blocks(value, estimate_with(0).blocks)
+    if n is None:
+        return choose_checkpointing(estimate_with, gpu_bytes)
+    e = estimate_with(n)
+    return e, e.total <= MARGIN * gpu_bytes

@@ -21,7 +21,7 @@ import torch
 
 import cp
 
-from . import checkpoint, diskspace, distributed, faults, files, manifest, outdir, parallel, validation
+from . import checkpoint, diskspace, distributed, faults, files, fp8, manifest, outdir, parallel, validation
 from .batches import Batches
 from .blocks import attention_recomputed, prepare_blocks, step_begins, uses_cuda_graphs
 from .config import Config
@@ -43,6 +43,7 @@ from .model import (
 )
 from .optim import apply_update, check_finite, clip_grad_norm, make_lr_scheduler, make_optimizer
 from .parallel import Layout, choose_cp_mode, cp_advice, make_accelerator
+from .plan import GIB, Checkpointing, checkpointing_for_run
 from .profiling import profiled
 from .resume import check_steps as check_resume_steps
 from .shape import RunShape, build_shape, check_tokens, resolved
@@ -94,6 +95,7 @@ class Trainer:
     transformer_config: dict
     cp_mode: str
     ulysses_size: int | None
+    checkpointing: Checkpointing  # --gradient_checkpointing resolved: which blocks recompute
     max_steps: int
     run_identity: dict  # what a checkpoint must match to be resumed by this run
     # train: per-step machinery
@@ -171,6 +173,7 @@ class Trainer:
         self.weight_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
             self.accelerator.mixed_precision, torch.float32
         )
+        fp8.check(cfg, self.weight_dtype)  # --fp8 where it cannot run: one line, before the output folder and models
         self.claim_output_dir()
         self.sizes = self.output_sizes()
         problem = None
@@ -290,7 +293,10 @@ class Trainer:
             advice = cp_advice(tokens, layout.cp, uses_cuda_graphs(train.compile_mode))
             if advice and self.device.type == "cuda":  # measured on GPUs; the CPU demo's tiny sequences are for tests
                 logger.warning(advice)
-        prepare_blocks(transformer, gradient_checkpointing=train.gradient_checkpointing,
+        if train.fp8 != "off":
+            logger.info(fp8.convert(transformer, train.fp8))
+        self.checkpointing = self.plan_checkpointing(config, mode)
+        prepare_blocks(transformer, checkpointed=self.checkpointing.blocks,
                        recompute_attention=train.recompute_attention, compile=bool(train.compile or train.compile_mode),
                        compile_mode=train.compile_mode, cp=layout.cp, tuning=layout.cp_context.tuning)  # fmt: skip
         optimizer = make_optimizer(train, [p for _, p in trainable_parameters(transformer)], self.global_batch)
@@ -317,6 +323,23 @@ class Trainer:
             )
             if warning:
                 logger.warning(f"warning: {warning}")
+
+    def plan_checkpointing(self, config: dict, mode: str) -> Checkpointing:
+        """--gradient_checkpointing resolved (auto: the fewest blocks whose planned peak fits this GPU, or
+        --gpu_memory_gib), logged; run_config.json records it."""
+        cfg, shape, layout = self.cfg, self.shape, self.layout
+        gpu = cfg.plan.gpu_memory_gib
+        if gpu is None and self.device.type == "cuda":
+            gpu = torch.cuda.get_device_properties(self.device).total_memory / GIB
+        ckpt = checkpointing_for_run(cfg, shape.family, config, shape.largest_sequence, layout.world, layout.cp,
+                                     mode, shape.sharded, gpu)  # fmt: skip
+        logger.info(ckpt.describe(cfg.train.gradient_checkpointing))
+        if not ckpt.fits:
+            logger.warning(
+                f"warning: the planned peak ({ckpt.planned_gib:.1f} GiB) exceeds 90% of {ckpt.gpu_gib:.1f} GiB even "
+                "with every block checkpointed: expect out-of-memory; use --cp_size (train_flux_cp.py --plan)"
+            )
+        return ckpt
 
     def resume(self) -> int:
         """The step to start after: a compatible checkpoint's, restored on any layout, or 0."""
@@ -361,7 +384,9 @@ class Trainer:
         """Record the run's settings, open the metrics and trackers, and build the batch source."""
         cfg, layout, device, shape = self.cfg, self.layout, self.device, self.shape
         if layout.is_main:
-            chosen = {"layout": layout.describe(), "cp_mode": self.cp_mode, "ulysses_size": self.ulysses_size}
+            chosen = {"layout": layout.describe(), "cp_mode": self.cp_mode, "ulysses_size": self.ulysses_size,
+                      "checkpointed_blocks": len(self.checkpointing.blocks),
+                      "planned_peak_gib": round(self.checkpointing.planned_gib, 2)}  # fmt: skip
             manifest.record(cfg.train.output_dir, "run_config.json")
             files.write_json(Path(cfg.train.output_dir) / "run_config.json", {**cfg.flat(), **chosen})
         if self.accelerator.log_with:
@@ -396,12 +421,13 @@ class Trainer:
         accum = cfg.train.gradient_accumulation_steps
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
         tokens, flops = 0, NO_FLOPS
+        recomputed = len(self.checkpointing.blocks) / self.checkpointing.total  # share of the blocks
         for micro in range(accum):
             mb = self.batches.micro((step - 1) * accum + micro)
             tokens += self.global_batch * (mb.image_tokens + mb.text_tokens)
             flops += family.step_flops(self.transformer_config, mb.image_tokens, mb.text_tokens, self.global_batch,
-                                       not cfg.lora.full_finetune, cfg.train.gradient_checkpointing,
-                                       attention_recomputed(cfg.train))  # fmt: skip
+                                       not cfg.lora.full_finetune, recomputed,
+                                       recomputed if attention_recomputed(cfg.train) else 0.0)  # fmt: skip
             step_begins(cfg.train.compile_mode)
             with accelerator.accumulate(model):
                 loss = self.fault.maybe_corrupt(step, mb.loss(model(**mb.inputs)[0]))

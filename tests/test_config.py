@@ -101,7 +101,7 @@ def test_every_flag_has_a_help_line_that_shows_its_default():
         assert "Default:" in text or "(default: " in text, f"{flag}: {text}"
         assert "(default: None)" not in text, f"{flag} must say what it defaults to: {text}"
     assert lines["--output_dir"].endswith("(default: flux-cp-output)")
-    assert lines["--gradient_checkpointing"].endswith("(default: off)")
+    assert lines["--gradient_checkpointing"].endswith("(default: none)")
     assert "hf auth login" in lines["--hub_token"]
     assert "train_flux_cp.py" in build_parser().format_help()  # renders (a stray % in a help text would raise)
 

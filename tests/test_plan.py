@@ -6,65 +6,56 @@ import json
 
 import pytest
 import torch
-from peft import LoraConfig
 
-import cp
 from flux_cp import plan
-from flux_cp.flow import image_ids, pack_latents, text_ids
 from flux_cp.lora import ATTENTION_TARGETS, DEFAULT_TARGETS
-from flux_cp.tiny import FLUX1_DEV_TRANSFORMER, tiny_transformer
+from flux_cp.tiny import FLUX1_DEV_TRANSFORMER
 
 ATTN_LORA = list(ATTENTION_TARGETS)
 
 
-def _saved_units(double: int, single: int) -> float:
-    """Bytes autograd saves in one bf16 forward (LoRA, our processor), in units of 2 x D bytes per token."""
-    d, heads = 256, 8
-    model = tiny_transformer(
-        num_layers=double,
-        num_single_layers=single,
-        num_attention_heads=heads,
-        attention_head_dim=d // heads,
-        axes_dims_rope=(8, 12, 12),
-        joint_attention_dim=64,
-        pooled_projection_dim=32,
-    ).to(torch.bfloat16)
-    model.requires_grad_(False)
-    model.add_adapter(LoraConfig(r=4, target_modules=ATTN_LORA))
-    cp.apply_context_parallel(model, None)
-    for p in model.parameters():
-        if p.requires_grad:
-            p.data = p.data.float()
-    h = w = 32
-    text = 64
-    inputs = dict(
-        hidden_states=pack_latents(torch.randn(1, 4, h, w)).bfloat16(),
-        encoder_hidden_states=torch.randn(1, text, 64).bfloat16(),
-        pooled_projections=torch.randn(1, 32).bfloat16(),
-        timestep=torch.rand(1),
-        guidance=torch.full((1,), 3.5),
-        img_ids=image_ids(h, w),
-        txt_ids=text_ids(text),
-    )
-    storages = {}
+@pytest.mark.parametrize("family", ["flux1", "flux2"])
+def test_block_keeps_are_what_autograd_and_the_compiled_graphs_keep(family):
+    """plan_data.json's `block_keeps`: eager, what autograd saves; compiled, what the partitioner Inductor uses passes
+    from each block's forward graph to its backward (tests/saved_activations.py counts both on CPU)."""
+    from flux_cp.lora import DEFAULT_TARGETS
+    from tests.saved_activations import compiled_units, eager_units, flux2_targets
 
-    def pack(t):
-        if not (t.is_leaf and t.requires_grad):  # parameters are not activations
-            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
-        model(**inputs)
-    tokens = (h // 2) * (w // 2) + text
-    return sum(storages.values()) / (tokens * d * 2)
+    targets = DEFAULT_TARGETS if family == "flux1" else flux2_targets(2)
+    keeps = plan.BLOCK_KEEPS["FluxTransformer2DModel" if family == "flux1" else "Flux2Transformer2DModel"]
+    for mode, counted in (("eager", eager_units(family, targets)), ("compiled", compiled_units(family, targets))):
+        for kind, units in counted.items():
+            assert abs(units - keeps[mode][kind]) < 0.1, (mode, kind, units)
+    # Inductor keeps less than autograd: it recomputes cheap intermediates in the backward instead.
+    assert all(keeps["compiled"][k] < keeps["eager"][k] for k in ("double", "single")), keeps
 
 
-def test_activation_units_per_block_match_what_autograd_saves():
-    base = _saved_units(1, 1)
-    double = _saved_units(2, 1) - base
-    single = _saved_units(1, 2) - base
-    assert abs(double - plan.DOUBLE_BLOCK_UNITS) / plan.DOUBLE_BLOCK_UNITS < 0.1, double
-    assert abs(single - plan.SINGLE_BLOCK_UNITS) / plan.SINGLE_BLOCK_UNITS < 0.1, single
+def test_a_compiled_checkpointed_block_keeps_its_input_and_its_attention_output():
+    """`saved_attention_units["local"]`: 1 unit of attention output (and its log-sum-exp) beside the block's input."""
+    from flux_cp.lora import DEFAULT_TARGETS
+    from tests.saved_activations import compiled_units
+
+    for kind, units in compiled_units("flux1", DEFAULT_TARGETS, checkpointed=True).items():
+        assert abs(units - (1 + plan.SAVED_ATTENTION_UNITS["local"])) < 0.05, (kind, units)
+
+
+def test_partial_checkpointing_takes_the_end_whose_blocks_keep_the_most():
+    flux1 = (("double", 19), ("single", 38))
+    flux2 = (("double", 8), ("single", 48))
+    for compiled in (False, True):
+        keeps1 = plan.BLOCK_KEEPS["FluxTransformer2DModel"]["compiled" if compiled else "eager"]
+        keeps2 = plan.BLOCK_KEEPS["Flux2Transformer2DModel"]["compiled" if compiled else "eager"]
+        assert not plan.checkpoint_from_end(flux1, keeps1) and plan.checkpoint_from_end(flux2, keeps2)
+    assert list(plan.checkpointed_indices(57, 3, False)) == [0, 1, 2]
+    assert list(plan.checkpointed_indices(56, 3, True)) == [53, 54, 55]
+    assert list(plan.checkpointed_indices(56, 99, True)) == list(range(56))
+    keeps = plan.BLOCK_KEEPS["FluxTransformer2DModel"]["compiled"]
+    units = [plan.activation_units(flux1, keeps, n, 1.0) for n in range(58)]
+    # each block checkpointed from the front lowers the peak by what it kept less its input and attention output
+    assert all(abs(units[n] - units[n + 1] - (keeps["double"] - 2)) < 1e-9 for n in range(19))
+    assert all(abs(units[n] - units[n + 1] - (keeps["single"] - 2)) < 1e-9 for n in range(19, 56))
+    assert units[0] == pytest.approx(19 * keeps["double"] + 38 * keeps["single"] + plan.BACKWARD_START_UNITS)
+    assert units[57] == pytest.approx(57 * 2 + plan.BLOCK_PEAK_UNITS)
 
 
 def test_estimates_are_within_15_percent_of_the_peaks_measured_on_h200s():
@@ -92,33 +83,38 @@ def test_estimates_are_within_15_percent_of_the_peaks_measured_on_h200s():
 
 def test_estimates_of_compiled_trainer_runs_are_within_10_percent_of_their_h200_peaks():
     """The trainer's own peaks (metrics.jsonl) with compiled blocks that keep the attention's outputs, and with
-    --recompute_attention; one GPU and cp=2 (Ulysses), 1024 to 4096 px, default LoRA layers, DDP. The saved
-    attention's units were fitted to these same peaks: this checks that one pair of constants fits all of them."""
+    --recompute_attention; one GPU and cp=2 (Ulysses; a rank with loopback peers for the runs without
+    checkpointing), 1024 to 4096 px, default LoRA layers, DDP. The saved attention's units were fitted to the
+    checkpointed peaks: this checks that one pair of constants fits all of them. Without checkpointing, the counted
+    `block_keeps` and one fitted constant (`backward_start_units`) predict the peaks they were not fitted to."""
     from types import SimpleNamespace
 
     layers = list(DEFAULT_TARGETS)  # FLUX.1's default --lora_layers
     rows = plan.DATA["measured_peaks"]["trainer"]
     assert len(rows) >= 10 and any("--recompute_attention" in r["flags"] for r in rows)
+    unchecked = [r for r in rows if "--gradient_checkpointing none" in r["flags"] and "fitted" not in r]
+    assert len(unchecked) >= 2  # without checkpointing: one peak fitted, the others held out
     for r in rows:
         flags = r["flags"].split()
         train = SimpleNamespace(
-            gradient_checkpointing=True,
             compile="--compile" in flags,
             compile_mode="reduce-overhead" if "--compile_mode" in flags else None,
             recompute_attention="--recompute_attention" in flags,
         )
         res = int(flags[flags.index("--resolution") + 1])
+        cp = int(flags[flags.index("--cp_size") + 1]) if "--cp_size" in flags else 1
         e = plan.estimate(
             dict(FLUX1_DEV_TRANSFORMER),
             tokens=(res // 16) ** 2 + 512,
             batch=1,
             lora_rank=16,
             lora_layers=layers,
-            world=r["gpus"],
-            cp=r["gpus"],
-            checkpointing=True,
+            world=cp,
+            cp=cp,
+            checkpointing="--gradient_checkpointing none" not in r["flags"],
+            compiled=True,
             fsdp=False,
-            saved_attention=plan.saved_attention_units(train, "ulysses", r["gpus"]),
+            saved_attention=plan.saved_attention_units(train, "ulysses", cp),
         )
         predicted = e.total / plan.GIB
         assert abs(predicted - r["peak_gib"]) / r["peak_gib"] < 0.10, (r["name"], predicted, r["peak_gib"])
@@ -248,3 +244,39 @@ def test_plan_under_accelerate_launch_prints_once(tmp_path):
                  "--output_dir", str(tmp_path / "o")))  # fmt: skip
     assert r.stdout.count("plan: black-forest-labs/FLUX.1-dev (built-in config)") == 1, r.stdout
     assert r.stdout.count("suggestion: ") == 1 and not (tmp_path / "o").exists()
+
+
+def test_flux2_plans_count_its_own_blocks_width_and_weights():
+    """FLUX.2 [dev]: 8 double and 48 single blocks 6144 wide; the planner asks the family for them and counts the
+    weights of its own class (a stand-in family here: what the planner asks of one)."""
+    from diffusers import Flux2Transformer2DModel
+
+    from flux_cp.families.flux1 import Flux1
+    from flux_cp.tiny_flux2 import FLUX2_DEV_TRANSFORMER
+    from tests.saved_activations import flux2_targets
+
+    class Flux2Shapes(Flux1):
+        name, transformer_class_name = "flux2-shapes", "Flux2Transformer2DModel"
+
+        def transformer_class(self) -> type:
+            return Flux2Transformer2DModel
+
+    family, config = Flux2Shapes(), dict(FLUX2_DEV_TRANSFORMER)
+    assert family.block_kinds(config) == (("double", 8), ("single", 48)) and family.hidden_size(config) == 6144
+    tokens = 64**2 + 512
+
+    def estimate(n: int) -> plan.Estimate:
+        return plan.estimate(config, tokens=tokens, batch=1, lora_rank=16, lora_layers=list(flux2_targets(48)),
+                             world=1, cp=1, checkpointed=n, compiled=True, fsdp=False, saved_attention=1.0,
+                             family=family)  # fmt: skip
+
+    none, one = estimate(0), estimate(1)
+    assert 30e9 < none.weights / 2 < 33e9  # FLUX.2 [dev]: 32B parameters, bf16
+    keeps = plan.BLOCK_KEEPS["Flux2Transformer2DModel"]["compiled"]
+    unit = tokens * 6144 * 2
+    start, recompute = plan.BACKWARD_START_UNITS, plan.BLOCK_PEAK_UNITS
+    assert none.activations == pytest.approx(unit * (8 * keeps["double"] + 48 * keeps["single"] + start))
+    # the last block (a single one) goes first, and recomputes at the start of the backward
+    assert one.activations == pytest.approx(none.activations - unit * (keeps["single"] - 2 + start - recompute))
+    chosen, fits = plan.choose_checkpointing(estimate, 80 * plan.GIB)
+    assert fits and 0 < chosen.checkpointed < 56 and chosen.total <= 0.9 * 80 * plan.GIB

@@ -22,7 +22,7 @@ def _common(tmp: Path, name: str, steps: int, *extra: str) -> list[str]:
 
 # Gradient accumulation and checkpointing, CP by Ulysses: one process against cp=2 (eager), shared by the tests
 # that compare against the cp=2 run.
-ACCUMULATED = ["--learning_rate", "1e-3", "--gradient_accumulation_steps", "2", "--gradient_checkpointing"]
+ACCUMULATED = ["--learning_rate", "1e-3", "--gradient_accumulation_steps", "2", "--gradient_checkpointing", "all"]
 CP2 = ["--cp_size", "2", "--cp_mode", "ulysses"]
 
 

@@ -142,6 +142,15 @@ class Family(ABC):
         """Module name suffixes that get LoRA adapters by default (`--lora_layers`), for a transformer of this
         `config` (None: the family's released model)."""
 
+    def hidden_size(self, config: dict) -> int:
+        """Width of a token's hidden state in the transformer blocks (the planner's unit is one of it in bf16)."""
+        return config["num_attention_heads"] * config["attention_head_dim"]
+
+    def block_kinds(self, config: dict) -> tuple[tuple[str, int], ...]:
+        """The transformer blocks in the order they run, as (kind, count): the planner counts what each kind keeps
+        for its backward (`flux_cp/plan_data.json`, by `transformer_class_name` and kind)."""
+        return (("double", config["num_layers"]), ("single", config["num_single_layers"]))
+
     def count_parameters(self, config: dict, lora_rank: int | None, lora_layers: list[str]) -> ParameterCounts:
         """Exact counts from the transformer's config, on the meta device (nothing allocated or loaded)."""
         import json
@@ -152,9 +161,10 @@ class Family(ABC):
     def forward_flops(self, config: dict, image_tokens: int, text_tokens: int, batch: int) -> tuple[float, float]:
         """(linear layers, attention) matmul FLOPs of one forward of `batch` samples of these token counts."""
 
-    def step_flops(self, config: dict, image_tokens: int, text_tokens: int, batch: int, lora: bool, ckpt: bool,
-                   attn_recomputed: bool) -> StepFlops:  # fmt: skip
-        """Model and executed FLOPs of one micro-step (`flux_cp.metrics.step_flops`)."""
+    def step_flops(self, config: dict, image_tokens: int, text_tokens: int, batch: int, lora: bool, ckpt: float,
+                   attn_recomputed: float) -> StepFlops:  # fmt: skip
+        """Model and executed FLOPs of one micro-step (`flux_cp.metrics.step_flops`; `ckpt`, `attn_recomputed`: the
+        share of the blocks that recompute their forward, their attention)."""
         linear, attention = self.forward_flops(config, image_tokens, text_tokens, batch)
         return step_flops(linear, attention, lora, ckpt, attn_recomputed)
 

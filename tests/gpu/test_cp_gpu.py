@@ -106,7 +106,7 @@ def _launch(config: str, out: Path, *args: str, timeout: float = 400) -> subproc
 def test_trainer_compiled_cp_trains_checkpoints_and_resumes_on_gpus(tmp_path, compile_flags):
     """The embedded default (its validation images included) with compiled, checkpointed blocks, and as CUDA graphs."""
     out = tmp_path / "run"
-    common = ["--cp_size", "2", "--checkpointing_steps", "3", "--gradient_checkpointing", *compile_flags]
+    common = ["--cp_size", "2", "--checkpointing_steps", "3", "--gradient_checkpointing", "all", *compile_flags]
     _launch("ddp_cp2.yaml", out, *common, "--max_train_steps", "6")
     _launch("ddp_cp2.yaml", out, *common, "--max_train_steps", "9", "--resume_from_checkpoint", "latest")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]

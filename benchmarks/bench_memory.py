@@ -1,0 +1,194 @@
+"""`--gradient_checkpointing auto` on GPUs of 24, 48, 80 GiB and a whole H200, one GPU and a CP=2 rank (loopback
+peers, benchmarks/fake_peers.py), 1024 and 2048 px: the planner's pick and its planned peak for every cell, and by
+trial on one GPU capped to each size (benchmarks/capped.py): the pick's measured peak and step time, and the fastest
+setting that runs.
+
+    python -m benchmarks.bench_memory --out RESULTS/memory.json [--dry_run]
+
+The trials: for each (layout, resolution), the pick of every cap, run under the smallest cap that picks it (a
+setting that runs under a cap runs under every larger one); and its neighbour, the fewest blocks whose planned
+peak fits the cap without the planner's 10% margin, run under the same cap (it runs: the margin cost time; it runs
+out of memory: the margin was needed). Cells where even every block checkpointed is planned not to fit are not
+run. Runs start, picks first, until --budget seconds have passed. FLUX.1-dev shapes with random weights, LoRA r16
+on the default layers, bf16, `--compile_mode reduce-overhead`; each run stopped after --steps steps, the last
+steps - warmup timed. The trials go to RESULTS/memory_runs.json (benchmarks/bench_trainer.py's rows), the table to
+--out; both in the suite's schema.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import time
+from pathlib import Path
+
+from benchmarks import schema
+
+CAPS = (24.0, 48.0, 80.0, None)  # GiB; None: the whole GPU (an H200: 139.8 GiB)
+LAYOUTS = {"gpu1": [], "fake2": ["--cp_size", "2"]}  # one GPU; rank 0 of cp=2 with loopback peers
+RESOLUTIONS = (1024, 2048)
+FLAGS = ["--compile_mode", "reduce-overhead"]
+COLUMNS = {
+    "layout": "layout", "resolution": "px", "cap_gib": "GiB", "pick": "auto: blocks", "planned_gib": "planned GiB",
+    "measured_gib": "measured GiB", "s_per_step": "s/step", "fastest": "fastest by trial", "fastest_s": "its s/step",
+    "note": "note",
+}  # fmt: skip
+
+
+def _cap_name(cap: float | None) -> str:
+    return "full" if cap is None else f"{cap:g}"
+
+
+def plan_cell(layout: str, resolution: int, cap: float | None, gpu_gib: float, margin: float = 0.9):
+    """The planner's `Checkpointing` for a cell, as the trainer computes it (`margin`: of the memory usable)."""
+    from flux_cp import plan
+    from flux_cp.config import parse_config
+    from flux_cp.families import FLUX1
+    from flux_cp.shape import resolved
+    from flux_cp.tiny import FLUX1_DEV_TRANSFORMER
+
+    flags = ["--resolution", str(resolution), "--gradient_checkpointing", "--mixed_precision", "bf16",
+             "--train_batch_size", "1", *FLAGS, *LAYOUTS[layout]]  # fmt: skip
+    cfg = resolved(parse_config(flags), FLUX1, False, dict(FLUX1_DEV_TRANSFORMER))  # FLUX.1's default LoRA layers
+    cp = cfg.parallel.cp_size
+    tokens = (resolution // 16) ** 2 + 512
+    gib = (cap or gpu_gib) * margin / plan.MARGIN
+    return plan.checkpointing_for_run(cfg, FLUX1, dict(FLUX1_DEV_TRANSFORMER), tokens, cp, cp,
+                                      "ulysses" if cp > 1 else "ring", False, gib)  # fmt: skip
+
+
+def trials(gpu_gib: float) -> list[dict]:
+    """The runs, most telling first: every (layout, resolution)'s picks from the largest cap down, then the
+    neighbours. A pick runs under the smallest cap that picks it; a neighbour is left out where its count of blocks
+    runs as a pick under a cap as small."""
+    picks: list[dict] = []
+    neighbours: list[dict] = []
+    for res in sorted(RESOLUTIONS, reverse=True):
+        for layout in LAYOUTS:
+            chosen: dict[int, float] = {}  # blocks -> the smallest cap that picks them
+            cells = []
+            for cap in CAPS:
+                pick = plan_cell(layout, res, cap, gpu_gib)
+                if pick.fits:
+                    n = len(pick.blocks)
+                    chosen[n] = min(chosen.get(n, float("inf")), cap or gpu_gib)
+                    cells.append((cap, n, len(plan_cell(layout, res, cap, gpu_gib, margin=1.0).blocks)))
+            for cap, n, edge in reversed(cells):
+                if chosen[n] == (cap or gpu_gib):
+                    picks.append({"layout": layout, "resolution": res, "blocks": n, "cap": cap, "why": "pick"})
+                if edge < n and chosen.get(edge, float("inf")) > (cap or gpu_gib):
+                    neighbours.append({"layout": layout, "resolution": res, "blocks": edge, "cap": cap,
+                                       "why": "neighbour: fits without the margin"})  # fmt: skip
+    return picks + neighbours
+
+
+def run_spec(t: dict) -> str:
+    """A bench_trainer RUN: a pick runs as `auto` under its cap (the trainer's own choice, recorded by the run), a
+    neighbour with its count of blocks."""
+    value = "auto" if t["why"] == "pick" else str(t["blocks"])
+    flags = ["--resolution", str(t["resolution"]), *FLAGS, "--gradient_checkpointing", value,
+             *LAYOUTS[t["layout"]]]  # fmt: skip
+    if t["cap"] is not None:
+        flags += ["--gpu_memory_gib", f"{t['cap']:g}"]
+    name = f"{t['layout']}_{t['resolution']}_ck{t['blocks']}_cap{_cap_name(t['cap'])}"
+    return f"{name}:1:gpu1.yaml:{' '.join(flags)}"
+
+
+def table(runs: list[dict], gpu_gib: float) -> list[dict]:
+    """One row per cell: the pick and what the trials found."""
+    by = {}
+    for r, t in runs:
+        by.setdefault((t["layout"], t["resolution"]), []).append((r, t))
+    rows = []
+    for layout in LAYOUTS:
+        for res in RESOLUTIONS:
+            done = by.get((layout, res), [])
+            for cap in CAPS:
+                pick = plan_cell(layout, res, cap, gpu_gib)
+                n, limit = len(pick.blocks), cap or gpu_gib
+                row = {"layout": layout, "resolution": res, "cap_gib": round(limit, 1), "pick": n,
+                       "planned_gib": round(pick.planned_gib, 1)}  # fmt: skip
+                if not pick.fits:
+                    row["note"] = "planned not to fit with every block checkpointed"
+                same = [r for r, t in done if t["blocks"] == n and r.get("s_per_step")]
+                if same:
+                    row["measured_gib"], row["s_per_step"] = same[0]["peak_gib"], same[0]["s_per_step"]
+                    resolved = same[0].get("checkpointed_blocks")
+                    if resolved is not None and resolved != n:  # the trainer's auto chose otherwise than planned
+                        row["note"] = f"the run's auto chose {resolved} blocks"
+                # fits by trial: ran under this cap or a smaller one
+                fitting = [(r["s_per_step"], t["blocks"]) for r, t in done
+                           if r.get("s_per_step") and (t["cap"] or gpu_gib) <= limit]  # fmt: skip
+                if fitting:
+                    row["fastest_s"], row["fastest"] = min(fitting)
+                failed = [t["blocks"] for r, t in done if r.get("out_of_memory") and t["cap"] == cap]
+                if failed:
+                    row["note"] = (row.get("note", "") + f" out of memory by trial: {failed}").strip()
+                rows.append(row)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="the table (JSON, benchmarks/schema.py); the runs go beside it")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--timeout", type=float, default=300, help="seconds per run")
+    p.add_argument("--model", default=None, help="model folder (default: a fresh FLUX.1-dev-shaped one)")
+    p.add_argument("--budget", type=float, default=420, help="seconds after which no further run starts")
+    p.add_argument("--dry_run", action="store_true", help="print the picks and the runs, run nothing")
+    a = p.parse_args(argv)
+    import torch
+
+    gpu_gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 139.8
+    planned = trials(gpu_gib)
+    if a.dry_run:
+        for layout in LAYOUTS:
+            for res in RESOLUTIONS:
+                for cap in CAPS:
+                    c = plan_cell(layout, res, cap, gpu_gib)
+                    print(f"{layout} {res} px, {cap or gpu_gib:.1f} GiB: auto {len(c.blocks)}/{c.total} blocks, "
+                          f"planned {c.planned_gib:.1f} GiB{'' if c.fits else ' (does not fit)'}")  # fmt: skip
+        print(f"{len(planned)} runs:")
+    specs = [run_spec(t) for t in planned]
+    for t, spec in zip(planned, specs):
+        if a.dry_run:
+            print(f"  {spec}   # {t['why']}")
+    from benchmarks import bench_trainer
+
+    out = Path(a.out)
+    runs_file = out.with_name(out.stem + "_runs.json")
+    common = ["--steps", str(a.steps), "--warmup", str(a.warmup), "--timeout", str(a.timeout), "--fake_peers",
+              "--logs", str(out.parent / "logs"), *(["--model", a.model] if a.model else [])]  # fmt: skip
+    if a.dry_run:
+        print(f"(runs are started while less than --budget {a.budget:g} s has passed; picks first)")
+        bench_trainer.main(["--out", str(runs_file), "--dry_run", *common, *specs])
+        return
+    start, rows, done = time.monotonic(), [], []
+    for spec in specs:  # one bench_trainer call per run: the budget is checked between runs
+        if time.monotonic() - start > a.budget:
+            print(f"budget of {a.budget:g} s spent: {spec.split(':')[0]} and later runs not started", flush=True)
+            break
+        one = out.with_name(f"{out.stem}_{spec.split(':')[0]}.json")
+        bench_trainer.main(["--out", str(one), *common, spec])
+        rows += schema.load(one)["rows"]
+        done.append(spec)
+        one.unlink()
+    schema.write(runs_file, schema.result("trainer", rows, command=schema.command_line(argv, "benchmarks.bench_memory"),
+                                          columns=bench_trainer.COLUMNS))  # fmt: skip
+    rows = schema.load(runs_file)["rows"]
+    by_name = {r["name"]: r for r in rows}
+    paired = [(by_name.get(spec.split(":")[0], {}), t) for spec, t in zip(specs, planned) if spec in done]
+    command = schema.command_line(argv, "benchmarks.bench_memory")
+    result = schema.result("memory", table(paired, gpu_gib), command=command,
+                           settings={"trials": str(runs_file.name), "flags": shlex.join(FLAGS),
+                                     "model": "FLUX.1-dev shapes, random weights, LoRA r16 (default layers), bf16"},
+                           columns=COLUMNS)  # fmt: skip
+    schema.write(out, result)
+    from benchmarks.render import render
+
+    print(render([str(out)]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,203 @@
+"""Per-block activation checkpointing (`--gradient_checkpointing auto|all|none|N`, flux_cp/blocks.py): any number of
+checkpointed blocks, eager or compiled (a mix of checkpointed and plain compiled blocks), computes what no
+checkpointing computes; `auto` takes the planner's choice (flux_cp/plan.py) and the run records it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import cp
+from flux_cp import plan
+from flux_cp.blocks import checkpointed_blocks, prepare_blocks
+from flux_cp.config import parse_config
+from flux_cp.errors import UsageError
+from tests.distributed import flux_inputs, flux_model
+from tests.launch import assert_same_trajectory, losses, ok, run_args, train
+
+
+def _resolved(argv: list[str]):
+    """The flags as the trainer holds them once the model is known (FLUX.1's default LoRA layers filled in)."""
+    from flux_cp.families import FLUX1
+    from flux_cp.shape import resolved
+
+    return resolved(parse_config(argv), FLUX1, False, None)
+
+
+def test_the_flag_takes_auto_alone_and_keeps_old_command_lines():
+    assert parse_config([]).train.gradient_checkpointing == "none"
+    assert parse_config(["--gradient_checkpointing"]).train.gradient_checkpointing == "auto"
+    assert parse_config(["--gradient_checkpointing", "--compile"]).train.gradient_checkpointing == "auto"
+    for value, parsed in (("all", "all"), ("None", "none"), ("012", "12"), ("0", "0")):
+        assert parse_config(["--gradient_checkpointing", value]).train.gradient_checkpointing == parsed
+    with pytest.raises(UsageError, match="--gradient_checkpointing: 'half': give auto, all, none or a number"):
+        parse_config(["--gradient_checkpointing", "half"])
+    assert [checkpointed_blocks(v, 57) for v in ("auto", "all", "none", "0", "12", "99")] == [None, 57, 0, 0, 12, 57]
+
+
+def _step(model, inputs) -> list[torch.Tensor]:
+    model.zero_grad()
+    inputs = {k: v for k, v in inputs.items() if k != "target"}
+    out = model(**inputs)[0]
+    out.square().mean().backward()
+    return [out.detach()] + [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+def _graphs(monkeypatch) -> list[str]:
+    """Compile blocks with aot_eager (no code generation) instead of Inductor, keeping each backward graph's code."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    codes: list[str] = []
+
+    def keep(gm, _inputs):
+        codes.append(gm.code)
+        return make_boxed_func(gm.forward)
+
+    backend = aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm.forward), bw_compiler=keep)
+    compile_ = torch.nn.Module.compile
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: compile_(self, backend=backend))
+    return codes
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_any_blocks_checkpointed_compute_what_none_do(compiled, monkeypatch):
+    """The trainer's block preparation with 0 to 4 of the tiny model's 4 blocks checkpointed, from either end: same
+    outputs and gradients as eager without checkpointing; compiled, a checkpointed block's backward graph recomputes
+    the block's projections (more matmuls than a plain block's backward) and keeps the attention's outputs."""
+    inputs = flux_inputs(batch=1)
+    reference = flux_model()
+    cp.apply_context_parallel(reference, None)
+    expected = _step(reference, inputs)
+    codes = _graphs(monkeypatch) if compiled else []
+    for blocks in (range(0), range(1), range(0, 3), range(3, 4), range(4)):
+        torch._dynamo.reset()
+        codes.clear()
+        model = flux_model()
+        cp.apply_context_parallel(model, None)
+        prepare_blocks(model, checkpointed=blocks, recompute_attention=False, compile=compiled, compile_mode=None,
+                       cp=1)  # fmt: skip
+        got = _step(model, inputs)
+        assert len(got) == len(expected) > 8
+        for a, b in zip(got, expected):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        if compiled:  # a backward graph at least per kind of block and checkpointing: (double, single) x (plain, ckpt)
+            kinds = {("double" if i < 2 else "single", i in blocks) for i in range(4)}
+            assert len(codes) >= len(kinds), (blocks, len(codes))
+            matmuls = sorted(c.count("aten.mm.default") + c.count("aten.addmm.default") for c in codes)
+            assert not blocks or matmuls[-1] > matmuls[0], matmuls
+            assert all("ring_attention.default(" not in c for c in codes)  # kept, not recomputed
+
+
+def test_auto_fits_the_memory_given_with_the_planner_margin():
+    """`auto` takes the fewest blocks whose planned peak fits 90% of the memory; none fit: all, and says so."""
+    from flux_cp.families import FLUX1
+    from flux_cp.tiny import FLUX1_DEV_TRANSFORMER
+
+    one = ["--train_batch_size", "1", "--resolution", "2048"]
+    cfg = _resolved(["--gradient_checkpointing", "--compile_mode", "reduce-overhead", *one])
+
+    def choice(gib: float | None) -> plan.Checkpointing:
+        return plan.checkpointing_for_run(cfg, FLUX1, dict(FLUX1_DEV_TRANSFORMER), 128**2 + 512, 1, 1, "ring", False,
+                                          gib)  # fmt: skip
+
+    assert len(choice(None).blocks) == 0  # no GPU and no --gpu_memory_gib: nothing to fit
+    full, tight, none_fit = choice(141), choice(80), choice(24)
+    assert len(full.blocks) == 0 and full.fits and full.planned_gib < 0.9 * 141
+    assert 0 < len(tight.blocks) < 57 and tight.fits and tight.planned_gib <= 0.9 * 80
+    assert list(tight.blocks) == list(range(len(tight.blocks)))  # FLUX.1: from the front (double blocks first)
+    fewer = plan.checkpointing_for_run(
+        _resolved(["--gradient_checkpointing", str(len(tight.blocks) - 1), "--compile", *one]), FLUX1,
+        dict(FLUX1_DEV_TRANSFORMER), 128**2 + 512, 1, 1, "ring", False, 80,
+    )  # fmt: skip
+    assert fewer.planned_gib > 0.9 * 80 and not fewer.fits  # one block fewer would not fit
+    assert len(none_fit.blocks) == 57 and not none_fit.fits
+    assert "gradient checkpointing auto: " in tight.describe("auto") and "of 80.0 GiB" in tight.describe("auto")
+
+
+# --- end to end: the trainer on CPU ------------------------------------------------------------------------
+
+
+def _auto_memory_for_a_partial_pick(tmp_path) -> tuple[float, int]:
+    """A --gpu_memory_gib at which `auto` checkpoints some but not all of the tiny model's blocks, and how many."""
+    from flux_cp.families import FLUX1
+    from flux_cp.tiny import ensure_tiny_pipeline
+
+    config = dict(FLUX1.transformer_class().load_config(ensure_tiny_pipeline(), subfolder="transformer"))
+    cfg = _resolved(run_args(tmp_path, "probe", 10, "--gradient_checkpointing"))
+    tokens = (cfg.data.resolution // 16) ** 2 + cfg.data.max_sequence_length
+
+    def pick(gib: float) -> int:
+        return len(plan.checkpointing_for_run(cfg, FLUX1, config, tokens, 1, 1, "ring", False, gib).blocks)
+
+    none_needed = plan.checkpointing_for_run(cfg, FLUX1, config, tokens, 1, 1, "ring", False, 1e6).planned_gib
+    gib = none_needed / 0.9 * 0.999  # just too little for no checkpointing
+    assert 0 < pick(gib) < 4, pick(gib)
+    return gib, pick(gib)
+
+
+@pytest.mark.e2e
+def test_checkpointing_settings_train_identically_and_auto_is_recorded(tmp_path):
+    """Eager on CPU: none, all, one block, and auto at a memory where it picks some blocks train the same losses
+    bit for bit (a recomputation computes what it recomputes); run_config.json records the resolved count."""
+    gib, n = _auto_memory_for_a_partial_pick(tmp_path)
+    settings = {"none": [], "all": ["--gradient_checkpointing", "all"], "one": ["--gradient_checkpointing", "1"],
+                "auto": ["--gradient_checkpointing", "--gpu_memory_gib", f"{gib:.9f}"]}  # fmt: skip
+    for name, flags in settings.items():
+        ok(train(1, *run_args(tmp_path, name, 10, "--seed", "3", "--learning_rate", "1e-3", *flags)))
+    recorded = {name: json.loads((tmp_path / name / "run_config.json").read_text()) for name in settings}
+    assert [recorded[s]["checkpointed_blocks"] for s in settings] == [0, 4, 1, n]
+    assert recorded["auto"]["gradient_checkpointing"] == "auto" and recorded["auto"]["planned_peak_gib"] <= gib
+    reference = losses(tmp_path / "none")
+    assert len(set(reference)) > 1
+    for name in settings:
+        assert losses(tmp_path / name) == reference, name
+
+
+@pytest.mark.e2e
+def test_compiled_blocks_partly_checkpointed_train_like_eager(tmp_path):
+    """--compile (Inductor) with the first block checkpointed inside its graph and the others plain: the
+    trajectory of eager blocks without checkpointing, up to Inductor's fp32 reassociation."""
+    common = ["--seed", "3", "--learning_rate", "1e-3"]
+    ok(train(1, *run_args(tmp_path, "eager", 10, *common)))
+    ok(train(1, *run_args(tmp_path, "compiled", 10, *common, "--compile", "--gradient_checkpointing", "1")))
+    assert json.loads((tmp_path / "compiled" / "run_config.json").read_text())["checkpointed_blocks"] == 1
+    assert_same_trajectory(tmp_path / "eager", tmp_path / "compiled")
+
+
+def _fsdp2_gradients(blocks: range) -> list[torch.Tensor]:
+    """The tiny model's parameter gradients under FSDP2 (each block and the root sharded, as accelerate's FSDP2 wraps
+    them), eager, with `blocks` checkpointed per block (gathered to full tensors)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from flux_cp.blocks import transformer_blocks
+
+    model = flux_model()
+    cp.apply_context_parallel(model, None)
+    prepare_blocks(model, checkpointed=blocks, recompute_attention=False, compile=False, compile_mode=None, cp=1)
+    for block in transformer_blocks(model):
+        fully_shard(block)
+    fully_shard(model)
+    _step(model, flux_inputs(batch=1))
+    return [p.grad.full_tensor() for p in model.parameters() if p.grad is not None]
+
+
+def _fsdp2_errors(rank: int, world: int, cases: list[range]) -> list[tuple[int, float]]:
+    plain = _fsdp2_gradients(range(0))
+    out = []
+    for blocks in cases:
+        got = _fsdp2_gradients(blocks)
+        out.append((len(got), max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(got, plain))))
+    return out
+
+
+@pytest.mark.distributed
+def test_blocks_checkpointed_one_by_one_recompute_under_fsdp2():
+    """FSDP2 reshards each block after its forward; a checkpointed block's recomputation in the backward runs on the
+    parameters FSDP2 gathers again for that block's backward: the same gradients as without checkpointing."""
+    from tests import distributed
+
+    for n, error in distributed.run(_fsdp2_errors, 2, [range(4), range(1, 3)])[0]:
+        assert n > 8 and error < 1e-6, (n, error)
