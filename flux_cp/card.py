@@ -116,6 +116,8 @@ def write_model_card(
     repository the folder goes to (the snippet loads from it; default: the output folder)."""
     from huggingface_hub import ModelCardData
 
+    from .optim import describe as describe_optimizer
+
     out = Path(output_dir)
     base = cfg.model.pretrained_model_name_or_path
     known = known_model(base)
@@ -178,8 +180,7 @@ def write_model_card(
                   f"{cfg.train.gradient_accumulation_steps}"),
         ("learning rate", f"{cfg.train.learning_rate:g} ({cfg.train.lr_scheduler}, {cfg.train.lr_warmup_steps} warmup "
                           "steps)"),
-        ("optimizer", f"AdamW (betas {cfg.train.adam_beta1:g}, {cfg.train.adam_beta2:g}; weight decay "
-                      f"{cfg.train.adam_weight_decay:g}; eps {cfg.train.adam_epsilon:g})"),
+        ("optimizer", describe_optimizer(cfg.train)),
         ("training", "full fine-tuning" if full else f"LoRA rank {cfg.lora.rank}, alpha {cfg.lora.lora_alpha}, "
                      f"dropout {cfg.lora.lora_dropout:g}, layers {', '.join(cfg.lora.lora_layers)}"),
         ("mixed precision", cfg.train.mixed_precision or "accelerate's config"),

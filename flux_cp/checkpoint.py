@@ -108,6 +108,8 @@ def run_identity(
     """What a checkpoint must share with the run that resumes it: the model and trainable weights, the data and
     what it sees (global batch per optimizer step, resolution, buckets, seed). The layout may differ. Keys
     are stored in every checkpoint's meta.json (`rank` is the LoRA rank), so values are JSON's types (lists)."""
+    from .optim import optimizer_name
+
     lora = None if cfg.lora.full_finetune else cfg.lora
     return {
         "model": str(cfg.model.pretrained_model_name_or_path or "embedded-tiny"),
@@ -116,13 +118,18 @@ def run_identity(
         "lora_layers": lora and ",".join(lora.lora_layers),
         "global_batch": samples_per_step, "data": data_fingerprint, "resolution": cfg.data.resolution,
         "seed": cfg.train.seed, "aspect_buckets": [list(b) for b in buckets] if buckets is not None else False,
-        "max_sequence_length": cfg.data.max_sequence_length,
+        "max_sequence_length": cfg.data.max_sequence_length, "optimizer": optimizer_name(cfg.train),
     }  # fmt: skip
+
+
+# Keys added to the run identity later, with the value every checkpoint written before them had.
+_IDENTITY_BEFORE = {"optimizer": "adamw"}
 
 
 def check_compatible(meta: dict, run: dict, path: Path) -> None:
     """Refuse a checkpoint from an incompatible run, naming what differs and what to change."""
-    diffs = [f"{k}: checkpoint {meta['run'].get(k)!r}, now {v!r}" for k, v in run.items() if meta["run"].get(k) != v]
+    saved = {**_IDENTITY_BEFORE, **meta["run"]}
+    diffs = [f"{k}: checkpoint {saved.get(k)!r}, now {v!r}" for k, v in run.items() if saved.get(k) != v]
     if diffs:
         raise UsageError(
             f"--resume_from_checkpoint {path} comes from an incompatible run ({'; '.join(diffs)}). Resume with the "
@@ -284,18 +291,19 @@ def _safe_planner():
     return SafePlanner()
 
 
-# Optimizer hyperparameters a resumed run takes from its flags rather than from the checkpoint.
-_GROUP_KEYS = ("betas", "eps", "weight_decay")
+# Optimizer hyperparameters a resumed run takes from its flags rather than from the checkpoint (those its optimizer
+# has: AdamW's, Prodigy's). Prodigy's step-size estimate (d, d_max, k, ...) lives beside them and is restored.
+_GROUP_KEYS = ("betas", "eps", "weight_decay", "beta3", "decouple", "use_bias_correction", "safeguard_warmup")
 
 
 def load(path: Path, model, optimizer, lr_scheduler, optimizer_state: bool = True) -> list[str]:
     """Restore weights, optimizer and LR schedule from `path` into the (wrapped) model, on any layout. The current
-    learning rate and AdamW settings win over the checkpoint's; returns what they changed, one line each.
+    learning rate and optimizer settings win over the checkpoint's; returns what they changed, one line each.
     `optimizer_state`: whether the checkpoint holds AdamW's moments (False: they start from zero)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
 
-    current = [{k: g[k] for k in _GROUP_KEYS} for g in optimizer.param_groups]
+    current = [{k: g[k] for k in _GROUP_KEYS if k in g} for g in optimizer.param_groups]
     base_lrs = list(getattr(lr_scheduler, "base_lrs", []))
     state = _state(model, optimizer, optimizer_state)
     try:
@@ -320,10 +328,11 @@ def load(path: Path, model, optimizer, lr_scheduler, optimizer_state: bool = Tru
 
 def _apply_current(optimizer, lr_scheduler, current: list[dict], base_lrs: list[float]) -> list[str]:
     changes = []
+    name = type(getattr(optimizer, "optimizer", optimizer)).__name__  # under accelerate's wrapper: AdamW, Prodigy, ...
     for g, now in zip(optimizer.param_groups, current):
         for k, v in now.items():
             if g[k] != v:
-                changes.append(f"AdamW {k} {g[k]} -> {v}")
+                changes.append(f"{name} {k} {g[k]} -> {v}")
                 g[k] = v
     old = list(getattr(lr_scheduler, "base_lrs", []))
     if base_lrs and old != base_lrs:

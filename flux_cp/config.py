@@ -32,6 +32,7 @@ from .lora import DEFAULT_TARGETS
 from .lora_format import FORMATS as LORA_FORMATS
 
 CP_MODES = ("auto", "ring", "ulysses", "hybrid")
+OPTIMIZERS = ("adamw", "prodigy")
 LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup")
 
 
@@ -70,6 +71,16 @@ _DEMO = "_demo"  # key in the raw flag values: decided on the flags as given, be
 
 def _is_demo(raw: dict) -> bool:
     return raw[_DEMO]
+
+
+def boolean(text: str) -> bool:
+    """A flag's true/false value (true, false, yes, no, on, off, 1, 0; any case). diffusers' examples parse these
+    flags with `type=bool`, which makes every given value true: here `--prodigy_decouple false` turns it off."""
+    value = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False, "0": False}
+    try:
+        return value[text.strip().lower()]
+    except KeyError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not true or false") from None
 
 
 def _comma_list(text: str) -> tuple[str, ...]:
@@ -223,18 +234,49 @@ class TrainConfig:
     )
     learning_rate: float = flag(
         1e-4,
-        f"Initial learning rate (after the warmup). Default: 1e-4, or {DEMO_LEARNING_RATE:g} for the demo.",
-        derive=lambda raw: DEMO_LEARNING_RATE if _is_demo(raw) else 1e-4,
+        "Initial learning rate (after the warmup). Default: 1e-4; 1.0 with --optimizer prodigy (a factor on the step "
+        f"size Prodigy estimates); the demo's ({DEMO_LEARNING_RATE:g}) with AdamW.",
+        derive=lambda raw: 1.0 if raw["optimizer"] == "prodigy" else (DEMO_LEARNING_RATE if _is_demo(raw) else 1e-4),
     )
     scale_lr: bool = flag(False, "Multiply the LR by the global batch size.")
     lr_scheduler: str = flag("constant", "The learning rate schedule.", choices=LR_SCHEDULERS)
     lr_warmup_steps: int = flag(0, "Number of steps for the warmup in the lr scheduler.")
     lr_num_cycles: int = flag(1, "Number of hard resets of the lr in cosine_with_restarts scheduler.")
     lr_power: float = flag(1.0, "Power factor of the polynomial scheduler.")
-    adam_beta1: float = flag(0.9, "The beta1 parameter of AdamW.")
-    adam_beta2: float = flag(0.999, "The beta2 parameter of AdamW.")
-    adam_weight_decay: float = flag(1e-4, "AdamW's (decoupled) weight decay of the trained weights.")
-    adam_epsilon: float = flag(1e-8, "Epsilon value of AdamW.")
+    optimizer: str = flag(
+        "adamw",
+        "The optimizer: 'adamw' (torch's fused AdamW, or bitsandbytes' 8-bit one with --use_8bit_adam) or 'prodigy' "
+        "(prodigyopt: it estimates its own step size; pip install -e .[optim]). Case does not matter.",
+        choices=OPTIMIZERS,
+        parse=str.lower,
+    )
+    use_8bit_adam: bool = flag(
+        False,
+        "AdamW with 8-bit moments from bitsandbytes (a quarter of AdamW's state memory; CUDA GPUs; pip install -e "
+        ".[optim]). Applies to --optimizer adamw.",
+    )
+    adam_beta1: float = flag(0.9, "The beta1 parameter of AdamW and Prodigy.")
+    adam_beta2: float = flag(0.999, "The beta2 parameter of AdamW and Prodigy.")
+    adam_weight_decay: float = flag(
+        1e-4, "Weight decay of the trained weights (decoupled as AdamW's; Prodigy: see --prodigy_decouple)."
+    )
+    adam_epsilon: float = flag(1e-8, "Epsilon value of AdamW and Prodigy.")
+    prodigy_beta3: float | None = flag(
+        None,
+        "Prodigy: the decay of the running averages its step size is estimated from. Default: the square root of "
+        "--adam_beta2.",
+    )
+    prodigy_decouple: bool = flag(
+        True, "Prodigy: AdamW-style decoupled weight decay (true) or an L2 penalty on the gradient (false).",
+        parse=boolean,
+    )  # fmt: skip
+    prodigy_use_bias_correction: bool = flag(True, "Prodigy: Adam's bias correction (true/false).", parse=boolean)
+    prodigy_safeguard_warmup: bool = flag(
+        True,
+        "Prodigy: leave the LR out of the denominator of its step-size estimate, against problems during a warmup "
+        "(true/false).",
+        parse=boolean,
+    )
     max_grad_norm: float = flag(1.0, "Max gradient norm (clipping; 0 turns it off).")
     mixed_precision: str | None = flag(
         None,
@@ -489,6 +531,10 @@ class Config:
             check = getattr(getattr(self, f.name), "check", None)
             if check is not None:
                 check()
+        if not self.plan.plan:  # the planner loads nothing and runs on any machine
+            from .optim import check_optimizer
+
+            check_optimizer(self.train)
         if self.hub.hub_token and self.validation.report_to in ("wandb", "all"):
             # as diffusers' examples: wandb records the command line, and the token with it
             raise UsageError(
@@ -598,7 +644,7 @@ def build_parser() -> argparse.ArgumentParser:
         for f in dataclasses.fields(section):
             m, kind = f.metadata, _scalar_type(hints[f.name])
             kw: dict[str, Any] = {"help": m["help"]}
-            if kind is bool:
+            if kind is bool and not m["parse"]:  # a switch; a boolean with `parse` takes a value (true/false)
                 if f.default is not False:  # a switch turns something on; name it for that (e.g. --no_cache)
                     raise TypeError(f"{section.__name__}.{f.name}: boolean flags must default to False")
                 kw["action"] = "store_true"
@@ -637,9 +683,22 @@ def parse_config(argv: list[str] | None = None) -> Config:
     config = Config(**sections)
     config.check()
     if os.environ.get("RANK", "0") == "0":
-        for warning in unused_flags(given_flags(parser, sys.argv[1:] if argv is None else argv), config.flat()):
+        given = given_flags(parser, sys.argv[1:] if argv is None else argv)
+        for warning in unused_flags(given, config.flat()) + _setting_warnings(config, given):
             print(f"warning: {warning}", file=sys.stderr)
     return config
+
+
+def _setting_warnings(config: Config, given: set[str]) -> list[str]:
+    """Settings that run, but probably not as meant: Prodigy's learning rate (as diffusers' examples warn)."""
+    out = []
+    train = config.train
+    if train.optimizer == "prodigy" and train.learning_rate <= 0.1:
+        out.append(
+            f"--learning_rate {train.learning_rate:g} is low for --optimizer prodigy: its learning rate is a factor on "
+            "the step size it estimates itself, and around 1.0 is usual"
+        )
+    return out
 
 
 # A hub data set id: `name` or `owner/name` (letters, digits, '-', '_', '.'); anything else is a local path.

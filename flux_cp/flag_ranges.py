@@ -62,6 +62,7 @@ RULES = (
     Rule("adam_beta1", 0, 1, high_open=True, why="AdamW's moment decay"),
     Rule("adam_beta2", 0, 1, high_open=True, why="AdamW's moment decay"),
     Rule("adam_weight_decay", 0, why="a negative decay pushes the weights away from zero"),
+    Rule("prodigy_beta3", 0, 1, high_open=True, why="the decay of Prodigy's running averages"),
     Rule(
         "adam_epsilon",
         0,
@@ -125,6 +126,9 @@ _USED_ONLY = (
     (("lr_warmup_steps",), lambda v: v.get("lr_scheduler") != "constant",
      "with --lr_scheduler constant (use constant_with_warmup)"),
     (("cache_dir",), lambda v: not v.get("no_cache"), "with --no_cache"),
+    (("prodigy_beta3", "prodigy_decouple", "prodigy_use_bias_correction", "prodigy_safeguard_warmup"),
+     lambda v: v.get("optimizer") == "prodigy", "without --optimizer prodigy"),
+    (("use_8bit_adam",), lambda v: v.get("optimizer") == "adamw", "with --optimizer prodigy (it is 8-bit AdamW)"),
     (("caption_column",), lambda v: v.get("instance_prompt") is None, "with --instance_prompt (one prompt for all)"),
     (("gpu_memory_gib",), lambda v: bool(v.get("plan")), "without --plan"),
     (("hub_model_id", "hub_token"), lambda v: bool(v.get("push_to_hub")), "without --push_to_hub"),

@@ -144,7 +144,10 @@ def print_disk(cfg: Config, config: dict, world: int) -> None:
     lora = None if cfg.lora.full_finetune else cfg.lora.rank
     counts = diskspace.count(config, lora, list(cfg.lora.lora_layers))
     dtype = torch.float32 if cfg.train.mixed_precision == "no" else torch.bfloat16
-    s = diskspace.sizes(counts, cfg.lora.full_finetune, not cfg.checkpoints.checkpoint_weights_only, dtype, world)
+    from .optim import optimizer_name
+
+    s = diskspace.sizes(counts, cfg.lora.full_finetune, not cfg.checkpoints.checkpoint_weights_only, dtype, world,
+                        optimizer_name(cfg.train))  # fmt: skip
     limit = cfg.checkpoints.checkpoints_total_limit
     print(
         f"disk: {s.describe()}; keep at least {diskspace.gib(s.checkpoint + s.model)} free in --output_dir"

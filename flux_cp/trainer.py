@@ -41,7 +41,15 @@ from .model import (
     save_full,
     trainable_parameters,
 )
-from .optim import apply_update, check_finite, clip_grad_norm, make_lr_scheduler, make_optimizer
+from .optim import (
+    apply_update,
+    check_finite,
+    check_optimizer,
+    clip_grad_norm,
+    make_lr_scheduler,
+    make_optimizer,
+    optimizer_name,
+)
 from .parallel import Layout, choose_cp_mode, cp_advice, make_accelerator
 from .profiling import profiled
 from .shape import RunShape, build_shape, check_tokens
@@ -55,6 +63,7 @@ RESUMABLE_CHANGES = (
     "adam_beta2", "adam_weight_decay", "adam_epsilon", "max_grad_norm", "max_train_steps", "num_train_epochs",
     "weighting_scheme", "logit_mean", "logit_std", "mode_scale", "guidance_scale", "lora_dropout", "mixed_precision",
     "center_crop", "random_flip", "cp_kernels", "cp_overlap", "cp_exchange_first", "cp_ulysses_chunks",
+    "prodigy_beta3", "prodigy_decouple", "prodigy_use_bias_correction", "prodigy_safeguard_warmup",
 )  # fmt: skip
 
 
@@ -154,6 +163,7 @@ class Trainer:
         # process group. transformers' save_pretrained writes weights only on rank 0 once torch.distributed is up,
         # so the tiny default is built (by whichever process locks first) here too.
         self.shape = shape = build_shape(cfg, self.launched_world_size())
+        check_optimizer(cfg.train, sharded=shape.sharded)
         check_tokens(shape, cfg.data, cfg.validation)
         check_pair_flags(cfg.data, cfg.validation, shape.pairs)
         self.accelerator = make_accelerator(cfg.parallel, cfg.train, cfg.validation, shape.world)
@@ -174,6 +184,7 @@ class Trainer:
         if cfg.train.allow_tf32 and torch.cuda.is_available():
             torch.backends.cuda.matmul.allow_tf32 = True
         self.device = self.accelerator.device
+        check_optimizer(cfg.train, self.device.type, shape.sharded)  # 8-bit AdamW: a CUDA device, not only a GPU seen
         self.weight_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
             self.accelerator.mixed_precision, torch.float32
         )
@@ -219,7 +230,8 @@ class Trainer:
         check_export(config, cfg.lora)  # a kohya file diffusers could not read back is refused now, not at the end
         counts = shape.family.count_parameters(config, lora, list(cfg.lora.lora_layers))
         with_optimizer = not cfg.checkpoints.checkpoint_weights_only
-        return diskspace.sizes(counts, cfg.lora.full_finetune, with_optimizer, self.weight_dtype, self.layout.world)
+        return diskspace.sizes(counts, cfg.lora.full_finetune, with_optimizer, self.weight_dtype, self.layout.world,
+                               optimizer_name(cfg.train))  # fmt: skip
 
     def read_transformer_config(self) -> dict:
         path, cls = self.shape.model_path, self.shape.family.transformer_class()
