@@ -57,6 +57,9 @@ def flag(
     return field(default=default, metadata=meta)
 
 
+DEFAULT_ENCODINGS_DIR = "~/.cache/flux_cp/encodings"
+
+
 def _is_embedded(raw: dict) -> bool:
     return raw["pretrained_model_name_or_path"] is None
 
@@ -108,6 +111,12 @@ class ModelConfig:
         "'random': build the transformer from its config with seeded random weights (benchmarks and "
         "equivalence runs of FLUX.1-sized models without downloading them).",
         choices=("pretrained", "random"),
+    )
+    cache_dir: str | None = flag(
+        None,
+        "Where downloaded models and hub data sets are stored, as --cache_dir of diffusers' examples. Default: the "
+        "Hugging Face cache (HF_HOME). Deprecated other use, for this release: without --encodings_dir, the encodings "
+        "are also cached here (as --cache_dir did before).",
     )
 
     @property
@@ -182,8 +191,11 @@ class DataConfig:
         "T5 tokens per prompt (<= 512). Default: 512, or 32 for the tiny default.",
         derive=lambda raw: 32 if _is_embedded(raw) else 512,
     )
-    cache_dir: str | None = flag(
-        None, "Where encoded latents and prompt embeddings are cached. Default: ~/.cache/flux_cp/encodings."
+    encodings_dir: str | None = flag(
+        None,
+        f"Where encoded latents and prompt embeddings are cached. Default: {DEFAULT_ENCODINGS_DIR} (--cache_dir when "
+        "that is given: deprecated).",
+        derive=lambda raw: raw["cache_dir"],
     )
     no_cache: bool = flag(
         False, "Encode every batch on the fly (keeps VAE and text encoders loaded; per-epoch random crops)."
@@ -690,9 +702,16 @@ def parse_config(argv: list[str] | None = None) -> Config:
 
 
 def _setting_warnings(config: Config, given: set[str]) -> list[str]:
-    """Settings that run, but probably not as meant: Prodigy's learning rate (as diffusers' examples warn)."""
+    """Settings that run, but probably not as meant: the deprecated use of --cache_dir, and Prodigy's learning rate
+    (as diffusers' examples warn)."""
     out = []
-    train = config.train
+    data, train = config.data, config.train
+    if "cache_dir" in given and "encodings_dir" not in given and not data.no_cache:
+        out.append(
+            f"--cache_dir {config.model.cache_dir} now holds downloaded models and hub data sets (as in diffusers' "
+            "examples); the encodings also go there, as before, for this release only: pass --encodings_dir "
+            f"{config.model.cache_dir} to keep them there (or name another folder)"
+        )
     if train.optimizer == "prodigy" and train.learning_rate <= 0.1:
         out.append(
             f"--learning_rate {train.learning_rate:g} is low for --optimizer prodigy: its learning rate is a factor on "

@@ -200,11 +200,11 @@ def _local_pairs(folder: Path, column: str, caption_column: str, instance_prompt
     return samples
 
 
-def _hub_dataset(data: DataConfig) -> ImageSource:
+def _hub_dataset(data: DataConfig, cache_dir: str | None) -> ImageSource:
     import datasets
 
     try:
-        ds = datasets.load_dataset(data.dataset_name, data.dataset_config_name, split="train")
+        ds = datasets.load_dataset(data.dataset_name, data.dataset_config_name, split="train", cache_dir=cache_dir)
     except Exception as e:  # noqa: BLE001 - every loading failure becomes one clear line
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UsageError(
@@ -259,16 +259,17 @@ def _check_no_missing_references(ds, column: str, name: str) -> None:
         )
 
 
-def open_source(data: DataConfig) -> ImageSource:
+def open_source(data: DataConfig, cache_dir: str | None = None) -> ImageSource:
     """The data set named by the flags (bundled default, local folder, or hub id); never empty. Every rank
-    reads the same listing, so its errors are the same on every rank (printed once)."""
+    reads the same listing, so its errors are the same on every rank (printed once). `cache_dir`: where a hub data
+    set is downloaded (--cache_dir)."""
     try:
-        return _open_source(data)
+        return _open_source(data, cache_dir)
     except UsageError as e:
         raise UsageError(str(e), agreed=True) from None
 
 
-def _open_source(data: DataConfig) -> ImageSource:
+def _open_source(data: DataConfig, cache_dir: str | None) -> ImageSource:
     name = data.dataset_name
     if name is None:
         source = ImageSource(_local_folder(BUNDLED_DATA, "text", data.instance_prompt), "bundled:tiny_shapes")
@@ -279,7 +280,7 @@ def _open_source(data: DataConfig) -> ImageSource:
     elif os.path.isdir(name):
         source = ImageSource(_local_folder(Path(name), data.caption_column, data.instance_prompt), str(Path(name)))
     else:
-        source = _hub_dataset(data)
+        source = _hub_dataset(data, cache_dir)
     if len(source) == 0:
         raise UsageError(f"the data set {source.name} is empty")
     return source

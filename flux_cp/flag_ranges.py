@@ -125,7 +125,7 @@ _USED_ONLY = (
      "without --lr_scheduler cosine_with_restarts"),
     (("lr_warmup_steps",), lambda v: v.get("lr_scheduler") != "constant",
      "with --lr_scheduler constant (use constant_with_warmup)"),
-    (("cache_dir",), lambda v: not v.get("no_cache"), "with --no_cache"),
+    (("encodings_dir",), lambda v: not v.get("no_cache"), "with --no_cache"),
     (("prodigy_beta3", "prodigy_decouple", "prodigy_use_bias_correction", "prodigy_safeguard_warmup"),
      lambda v: v.get("optimizer") == "prodigy", "without --optimizer prodigy"),
     (("use_8bit_adam",), lambda v: v.get("optimizer") == "adamw", "with --optimizer prodigy (it is 8-bit AdamW)"),

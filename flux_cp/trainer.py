@@ -24,7 +24,7 @@ import cp
 from . import checkpoint, diskspace, distributed, faults, files, outdir, parallel, validation
 from .batches import Batches
 from .blocks import attention_recomputed, prepare_blocks, step_begins, uses_cuda_graphs
-from .config import Config
+from .config import DEFAULT_ENCODINGS_DIR, Config
 from .data import BatchSchedule, ImageSource, check_pair_flags, open_source
 from .encode import Geometry, LiveData, TrainingData, encode_dataset, encoder_fingerprints
 from .errors import UsageError
@@ -135,7 +135,7 @@ class Trainer:
                                     self.cfg.cp_tuning.tuning())  # fmt: skip
 
     def open_source(self) -> ImageSource:
-        return open_source(self.cfg.data)
+        return open_source(self.cfg.data, self.cfg.model.cache_dir)
 
     def encode_share(self) -> tuple[int, int]:
         """(this process's index, number of processes) among those that share the encoding of the data set."""
@@ -208,7 +208,7 @@ class Trainer:
                 removed = outdir.claim(cfg.train.output_dir, cfg.checkpoints.resume_from_checkpoint,
                                        cfg.train.overwrite_output_dir, (cfg.validation.logging_dir,))  # fmt: skip
                 if not cfg.data.no_cache:
-                    outdir.check_writable(Path(self.cache_dir), "--cache_dir")
+                    outdir.check_writable(Path(self.encodings_dir), "--encodings_dir")
                 resume = checkpoint.resolve(cfg.checkpoints.resume_from_checkpoint, cfg.train.output_dir)
                 if resume is not None:  # a damaged or foreign meta.json is found now, not after the models load
                     checkpoint.read_meta(resume)
@@ -219,8 +219,8 @@ class Trainer:
             logger.info(f"--overwrite_output_dir: removed the earlier run's outputs ({', '.join(removed)})")
 
     @property
-    def cache_dir(self) -> str:
-        return self.cfg.data.cache_dir or str(Path.home() / ".cache" / "flux_cp" / "encodings")
+    def encodings_dir(self) -> str:
+        return os.path.expanduser(self.cfg.data.encodings_dir or DEFAULT_ENCODINGS_DIR)
 
     def output_sizes(self) -> diskspace.Sizes:
         """Bytes of one checkpoint and of the final model, from the transformer's config (nothing loaded)."""
@@ -236,7 +236,9 @@ class Trainer:
     def read_transformer_config(self) -> dict:
         path, cls = self.shape.model_path, self.shape.family.transformer_class()
         try:
-            return dict(cls.load_config(path, subfolder="transformer", revision=self.cfg.model.revision))
+            model = self.cfg.model
+            return dict(cls.load_config(path, subfolder="transformer", revision=model.revision,
+                                        cache_dir=model.cache_dir))  # fmt: skip
         except (OSError, ValueError) as e:
             first = str(e).splitlines()[0]
             raise UsageError(f"cannot load transformer from --pretrained_model_name_or_path {path}: {first}") from None
@@ -247,7 +249,7 @@ class Trainer:
         self.source = source = self.open_source()  # listing errors (captions, pairs) before any model loads
         if source.pairs:
             logger.info(f"FLUX.1 Kontext pairs: {len(source)} targets with their reference images, loss on the targets")
-            declared = pipeline_class(shape.model_path, cfg.model.revision)
+            declared = pipeline_class(shape.model_path, cfg.model.revision, cfg.model.cache_dir)
             if declared not in (None, "FluxKontextPipeline"):
                 logger.warning(
                     f"the data has reference images but {shape.model_path} is a {declared}: training it on pairs "
@@ -270,7 +272,7 @@ class Trainer:
         if cfg.data.no_cache:
             self.samples = LiveData(source, encoders, geometry, cfg.data, cfg.train.seed)
         else:
-            cache = Path(self.cache_dir)
+            cache = Path(self.encodings_dir)
             fingerprints = encoder_fingerprints(encoders, shape.model_path, cfg.model.revision)
             self.samples = encode_dataset(
                 source, encoders, geometry, cfg.data, cfg.train.seed, cache, fingerprints, *self.encode_share()

@@ -17,9 +17,10 @@ from .flux1 import FLUX1
 FAMILIES: tuple[Family, ...] = (FLUX1,)
 
 
-def detect(path: str, revision: str | None = None) -> Family:
-    """The family of the model folder or hub id `path` (a UsageError naming the class if none trains it)."""
-    return base.detect(path, revision, FAMILIES)
+def detect(path: str, revision: str | None = None, cache_dir: str | None = None) -> Family:
+    """The family of the model folder or hub id `path` (a UsageError naming the class if none trains it);
+    `cache_dir`: the download cache."""
+    return base.detect(path, revision, FAMILIES, cache_dir)
 
 
 def for_transformer(config: dict) -> Family:

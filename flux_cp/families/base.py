@@ -147,9 +147,9 @@ def _count(family: Family, config: str, lora_rank: int | None, lora_layers: tupl
     return counts
 
 
-def transformer_class_name(path: str, revision: str | None) -> str:
+def transformer_class_name(path: str, revision: str | None, cache_dir: str | None = None) -> str:
     """The class a model folder or hub id declares for its transformer (transformer/config.json), else the pipeline
-    class of its model_index.json; a UsageError when neither can be read."""
+    class of its model_index.json; a UsageError when neither can be read. `cache_dir`: the download cache."""
     from diffusers import ConfigMixin, DiffusionPipeline
 
     class AnyModelConfig(ConfigMixin):  # reads a model's config.json without knowing its class
@@ -157,8 +157,8 @@ def transformer_class_name(path: str, revision: str | None) -> str:
 
     first = None
     for read in (
-        lambda: AnyModelConfig.load_config(path, subfolder="transformer", revision=revision),
-        lambda: DiffusionPipeline.load_config(path, revision=revision),
+        lambda: AnyModelConfig.load_config(path, subfolder="transformer", revision=revision, cache_dir=cache_dir),
+        lambda: DiffusionPipeline.load_config(path, revision=revision, cache_dir=cache_dir),
     ):
         try:
             name = read().get("_class_name")
@@ -170,10 +170,10 @@ def transformer_class_name(path: str, revision: str | None) -> str:
     raise UsageError(f"cannot load transformer from --pretrained_model_name_or_path {path}: {first}")
 
 
-def detect(path: str, revision: str | None, families: tuple[Family, ...]) -> Family:
+def detect(path: str, revision: str | None, families: tuple[Family, ...], cache_dir: str | None = None) -> Family:
     """The family of the model at `path` (a folder or hub id), from the classes its configs declare; a UsageError
     naming the class and the supported ones when no family claims it."""
-    name = transformer_class_name(path, revision)
+    name = transformer_class_name(path, revision, cache_dir)
     for family in families:
         if name == family.transformer_class_name or name in family.pipeline_class_names:
             return family

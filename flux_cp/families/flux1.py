@@ -47,10 +47,11 @@ class Flux1(Family):
         from ..encode import Encoders
         from ..model import load_component
 
-        rev, kw = model.revision, ({"variant": model.variant} if model.variant else {})
+        rev, cache = model.revision, model.cache_dir
+        kw = {"variant": model.variant} if model.variant else {}
 
         def load(cls, subfolder: str):
-            return load_component(cls, path, subfolder, rev, torch_dtype=dtype, **kw).to(device).eval()
+            return load_component(cls, path, subfolder, rev, torch_dtype=dtype, cache_dir=cache, **kw).to(device).eval()
 
         vae, clip, t5 = (
             load(AutoencoderKL, "vae"),
@@ -60,8 +61,8 @@ class Flux1(Family):
         for m in (vae, clip, t5):
             m.requires_grad_(False)
         tokenizer, tokenizer_2 = (
-            load_component(CLIPTokenizer, path, "tokenizer", rev),
-            load_component(T5TokenizerFast, path, "tokenizer_2", rev),
+            load_component(CLIPTokenizer, path, "tokenizer", rev, cache_dir=cache),
+            load_component(T5TokenizerFast, path, "tokenizer_2", rev, cache_dir=cache),
         )
         return Encoders(vae, clip, tokenizer, t5, tokenizer_2, device, dtype)
 
