@@ -21,7 +21,7 @@ import torch
 
 import cp
 
-from . import checkpoint, diskspace, distributed, faults, files, outdir, parallel, validation
+from . import checkpoint, diskspace, distributed, faults, files, outdir, parallel, quiet, validation
 from .batches import Batches
 from .blocks import attention_recomputed, prepare_blocks, step_begins, uses_cuda_graphs
 from .config import DEFAULT_ENCODINGS_DIR, Config
@@ -120,6 +120,8 @@ class Trainer:
     bar: Any
     peak: float | None  # bf16 FLOP/s that MFU and HFU are measured against (None: not on a GPU)
     fault: faults.Fault
+    # finish
+    hub_repo_id: str | None  # the Hub repository the outputs were pushed to (rank 0)
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -159,6 +161,7 @@ class Trainer:
         """Flag checks that need the launch size and the model folder, then accelerate, the dp x cp layout,
         logging and precision, and the output folder."""
         cfg = self.cfg
+        quiet.install()  # third-party messages that say nothing to a user (flux_cp/quiet.py)
         # Everything that needs only the flags, the launch size and the model's config fails here, before any
         # process group. transformers' save_pretrained writes weights only on rank 0 once torch.distributed is up,
         # so the tiny default is built (by whichever process locks first) here too.
@@ -536,23 +539,45 @@ class Trainer:
             from .metrics import plot_loss_curve
 
             plot_loss_curve(Path(output_dir) / "metrics.jsonl", Path(output_dir) / "loss_curve.png")
-        self.publish()
+        hub_url = self.publish()
+        if layout.is_main:
+            self.summarize(hub_url)
         self.accelerator.wait_for_everyone()
 
-    def publish(self) -> None:
+    def summarize(self, hub_url: str | None) -> None:
+        """The run's last lines (rank 0): every output written, the loss's change, and how to load the weights."""
+        from .summary import summary
+
+        cfg, family = self.cfg, self.shape.family
+        urls = []
+        if cfg.validation.report_to in ("wandb", "all"):
+            try:  # the run's page; none when wandb runs offline
+                urls = [u for u in [self.accelerator.get_tracker("wandb").run.url] if u]
+            except Exception:  # noqa: BLE001 - a missing link must not fail a finished run
+                urls = []
+        text = summary(
+            cfg, steps=self.max_steps, pipeline=family.pipeline_class_name(self.shape.pairs), kontext=self.shape.pairs,
+            hub_url=hub_url, repo_id=self.hub_repo_id, tracker_urls=tuple(urls),
+        )  # fmt: skip
+        logger.info(text)
+
+    def publish(self) -> str | None:
         """The model card (README.md in the output folder, as diffusers' examples write it) and, with --push_to_hub,
         the upload of the output folder (checkpoints and logs stay local). A failed upload is one line; the
-        outputs stay in the folder."""
+        outputs stay in the folder. Returns the repository's URL when pushed (rank 0)."""
         from . import hub
         from .card import write_model_card
 
-        cfg, problem = self.cfg, None
+        cfg, problem, url = self.cfg, None, None
+        self.hub_repo_id = None
         if self.layout.is_main:
 
             def card(repo_id: str | None = None) -> Path:
+                self.hub_repo_id = repo_id
                 return write_model_card(
                     cfg.train.output_dir, cfg, kontext=self.shape.pairs, steps=self.max_steps,
                     layout=self.layout.describe(), cp_mode=self.cp_mode, repo_id=repo_id,
+                    pipeline=self.shape.family.pipeline_class_name(self.shape.pairs),
                 )  # fmt: skip
 
             try:
@@ -567,6 +592,7 @@ class Trainer:
             except UsageError as e:
                 problem = str(e)
         distributed.check_all_ranks(problem is None, problem or "")
+        return url
 
     def close(self) -> None:
         """Free what holds the process group while it is up, then end accelerate's trackers. The wrapped model's

@@ -61,6 +61,11 @@ class Family(ABC):
     def normalizer(self, vae) -> Callable[[Tensor], Tensor]:
         """Latents as the VAE gives them -> latents as the transformer sees them (before packing)."""
 
+    def pipeline_class_name(self, pairs: bool) -> str:
+        """diffusers' pipeline class that loads this family's trained weights for inference (the model card's and
+        the run summary's snippets). `pairs`: trained on image-editing pairs."""
+        return self.pipeline_class_names[0]
+
     @abstractmethod
     def validation_pipeline(self, pairs: bool, scheduler, vae, transformer):
         """The diffusers pipeline that renders validation images with these components, from encoded prompts (its

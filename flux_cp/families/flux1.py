@@ -70,6 +70,9 @@ class Flux1(Family):
         shift, scale = vae.config.shift_factor or 0.0, vae.config.scaling_factor
         return lambda latents: (latents - shift) * scale
 
+    def pipeline_class_name(self, pairs: bool) -> str:
+        return "FluxKontextPipeline" if pairs else "FluxPipeline"
+
     def validation_pipeline(self, pairs: bool, scheduler, vae, transformer):
         from diffusers import FluxKontextPipeline, FluxPipeline
 
