@@ -20,6 +20,7 @@ import types
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from cp.context import OVERLAPS, Tuning
@@ -64,15 +65,54 @@ def _is_embedded(raw: dict) -> bool:
     return raw["pretrained_model_name_or_path"] is None
 
 
-# The embedded default run as the README's demo (no model, no data set, no step count): settings under which
-# its loss curve visibly falls within about a minute on 2 CPU cores, and validation images before and after.
-# Measured (docs in README): 200 steps at 1e-3 with 4 samples per step. Real runs keep diffusers' defaults.
-DEMO_STEPS, DEMO_LEARNING_RATE, DEMO_BATCH = 200, 1e-3, 4
-DEMO_PROMPTS = ("a white circle on a black background", "a yellow triangle on a purple background")
+BUNDLED = Path(__file__).resolve().parent.parent / "data"  # the bundled data sets (tiny_shapes, tiny_pairs)
+
+
+@dataclass(frozen=True)
+class Demo:
+    """The settings of a demo: the embedded default (no model named) on one of the bundled data sets with no step
+    count given, trained so that its loss curve visibly falls within a minute on 2 CPU cores, with validation
+    images before and after (measured in the README). Flags given still win; real runs keep diffusers' defaults."""
+
+    name: str
+    data: Path | None  # the --dataset_name that selects it (None: none given, the bundled data/tiny_shapes)
+    steps: int
+    learning_rate: float
+    batch: int  # samples per data-parallel rank per step
+    prompts: tuple[str, ...]
+    validation_image: Path | None = None  # FLUX.1 Kontext: the reference the prompts edit
+
+
+DEMO = Demo(
+    "the demo", None, steps=200, learning_rate=1e-3, batch=4,
+    prompts=("a white circle on a black background", "a yellow triangle on a purple background"),
+)  # fmt: skip
+KONTEXT_DEMO = Demo(
+    "the FLUX.1 Kontext demo", BUNDLED / "tiny_pairs", steps=100, learning_rate=2e-3, batch=4,
+    prompts=("make the circle purple", "make the circle orange"),
+    validation_image=BUNDLED / "tiny_pairs" / "00_blue_circle.png",  # its pair's target is the purple circle
+)  # fmt: skip
+DEMOS = (DEMO, KONTEXT_DEMO)
+DEMO_STEPS, DEMO_LEARNING_RATE, DEMO_BATCH, DEMO_PROMPTS = DEMO.steps, DEMO.learning_rate, DEMO.batch, DEMO.prompts
+# Flags that turn a demo's settings off when given (with the embedded default): a step count, or other data.
+DEMO_OFF_FLAGS = ("max_train_steps", "num_train_epochs", "dataset_name")
 _DEMO = "_demo"  # key in the raw flag values: decided on the flags as given, before any default is derived
 
 
-def _is_demo(raw: dict) -> bool:
+def _same_folder(given: str | None, bundled: Path | None) -> bool:
+    if given is None or bundled is None:
+        return given is None and bundled is None
+    return os.path.realpath(given) == str(bundled.resolve())
+
+
+def _demo_of(raw: dict) -> Demo | None:
+    """The demo these flags (as given) select, if any."""
+    if not _is_embedded(raw) or raw["max_train_steps"] is not None or raw["num_train_epochs"] is not None:
+        return None
+    return next((d for d in DEMOS if _same_folder(raw["dataset_name"], d.data)), None)
+
+
+def _demo(raw: dict) -> Demo | None:
     return raw[_DEMO]
 
 
@@ -226,14 +266,14 @@ class TrainConfig:
     seed: int = flag(0, "A seed for reproducible training: data order, crops, noise, timesteps, initial LoRA weights.")
     train_batch_size: int = flag(
         1,
-        f"Samples per data-parallel rank per micro-step. Default: 1, or {DEMO_BATCH} for the demo.",
-        derive=lambda raw: DEMO_BATCH if _is_demo(raw) else 1,
+        "Samples per data-parallel rank per micro-step. Default: 1, or the demo's (4).",
+        derive=lambda raw: _demo(raw).batch if _demo(raw) else 1,
     )
     max_train_steps: int | None = flag(
         None,
-        f"Optimizer steps; overrides --num_train_epochs. Default: --num_train_epochs epochs, or {DEMO_STEPS} for "
-        "the demo.",
-        derive=lambda raw: DEMO_STEPS if _is_demo(raw) else None,
+        "Optimizer steps; overrides --num_train_epochs. Default: --num_train_epochs epochs, or the demo's (200 for "
+        "the bundled data set, 100 for its Kontext pairs).",
+        derive=lambda raw: _demo(raw).steps if _demo(raw) else None,
     )
     num_train_epochs: int = flag(
         1, "Passes over the data set when --max_train_steps is not given. Default: 1.", derive=lambda raw: 1
@@ -247,8 +287,8 @@ class TrainConfig:
     learning_rate: float = flag(
         1e-4,
         "Initial learning rate (after the warmup). Default: 1e-4; 1.0 with --optimizer prodigy (a factor on the step "
-        f"size Prodigy estimates); the demo's ({DEMO_LEARNING_RATE:g}) with AdamW.",
-        derive=lambda raw: 1.0 if raw["optimizer"] == "prodigy" else (DEMO_LEARNING_RATE if _is_demo(raw) else 1e-4),
+        "size Prodigy estimates); with AdamW the demo's (1e-3; 2e-3 for the Kontext demo).",
+        derive=lambda raw: 1.0 if raw["optimizer"] == "prodigy" else (_demo(raw).learning_rate if _demo(raw) else 1e-4),
     )
     scale_lr: bool = flag(False, "Multiply the LR by the global batch size.")
     lr_scheduler: str = flag("constant", "The learning rate schedule.", choices=LR_SCHEDULERS)
@@ -451,11 +491,13 @@ class ValidationConfig:
         "A prompt to render validation images of; repeatable. The embedded default also renders them before training "
         "(step 0). Default: none (no validation), or two captions of the bundled set for the demo.",
         repeat=True,
-        derive=lambda raw: DEMO_PROMPTS if _is_demo(raw) else None,
+        derive=lambda raw: _demo(raw).prompts if _demo(raw) else None,
     )
     validation_image: str | None = flag(
         None,
-        "FLUX.1 Kontext: the reference image every --validation_prompt edits (FluxKontextPipeline). Default: none.",
+        "FLUX.1 Kontext: the reference image every --validation_prompt edits (FluxKontextPipeline). Default: none, "
+        "or a reference of the bundled pairs for the Kontext demo.",
+        derive=lambda raw: str(_demo(raw).validation_image) if _demo(raw) and _demo(raw).validation_image else None,
     )
     validation_steps: int | None = flag(
         None, "Render validation images every X optimizer steps. Default: only at the end of training."
@@ -536,6 +578,16 @@ class Config:
     hub: HubConfig = field(default_factory=HubConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
 
+    # How parse_config resolved the flags (not flags, so not fields): the demo whose settings this run got, and with
+    # the embedded default, the flags given that turned a demo's settings off. A Config built otherwise has neither.
+    @property
+    def demo(self) -> Demo | None:
+        return self.__dict__.get("_demo")
+
+    @property
+    def demo_off(self) -> tuple[str, ...]:
+        return self.__dict__.get("_demo_off", ())
+
     def check(self) -> None:
         """Every check that needs only the flags; the first failure is a UsageError naming the flag."""
         check_ranges(self.flat())
@@ -562,6 +614,28 @@ class Config:
             for f in dataclasses.fields(section)
             if not f.metadata["secret"]
         }
+
+    def demo_lines(self) -> list[str]:
+        """What the log says about the demo settings: the ones this run got, or which flags turned them off (with
+        the embedded default only; a named model never had them)."""
+        demo, train = self.demo, self.train
+        if demo is not None:
+            images = f"validation images of {len(self.validation.validation_prompt or ())} prompts"
+            if self.validation.validation_image:
+                images += f" editing {os.path.relpath(self.validation.validation_image)}"
+            return [
+                f"{demo.name}'s settings: {train.max_train_steps} steps at learning rate {train.learning_rate:g}, "
+                f"{train.train_batch_size} samples per step, {images} before and after training (given flags win; "
+                f"{', '.join('--' + f for f in DEMO_OFF_FLAGS[:2])} or another --dataset_name turn them off)"
+            ]
+        if self.demo_off:
+            given = ", ".join("--" + f for f in self.demo_off)
+            n = train.train_batch_size
+            lr = f"learning rate {train.learning_rate:g}, {n} sample{'s' if n > 1 else ''} per step"
+            epochs = train.num_train_epochs
+            steps = f"{train.max_train_steps} steps" if train.max_train_steps else f"{epochs} epoch{'s' * (epochs > 1)}"
+            return [f"the demo's settings are off ({given} given): {steps}, {lr}, as for real runs"]
+        return []
 
 
 # Argument-group titles of --help, in the order sections appear there.
@@ -678,9 +752,8 @@ def parse_config(argv: list[str] | None = None) -> Config:
     """Parse the flags once, resolve derived defaults, check them; the Config the whole run uses."""
     parser = build_parser()
     raw = dict(vars(parser.parse_args(argv)))
-    # The demo: the embedded default with no data set and no step count (the README's first command).
-    raw[_DEMO] = _is_embedded(raw) and raw["dataset_name"] is None and raw["max_train_steps"] is None
-    raw[_DEMO] = raw[_DEMO] and raw["num_train_epochs"] is None
+    off = tuple(f for f in DEMO_OFF_FLAGS if raw[f] is not None)  # given: none of them has a default before derive
+    raw[_DEMO] = _demo_of(raw)  # the embedded default on a bundled data set with no step count (the README's demos)
     sections = {}
     for name, section in _sections():
         values = {}
@@ -692,7 +765,10 @@ def parse_config(argv: list[str] | None = None) -> Config:
                 value = tuple(value)
             values[f.name] = value
         sections[name] = section(**values)
+    off = off if _is_embedded(raw) and raw[_DEMO] is None else ()
     config = Config(**sections)
+    object.__setattr__(config, "_demo", raw[_DEMO])  # frozen: set once, here
+    object.__setattr__(config, "_demo_off", off)
     config.check()
     if os.environ.get("RANK", "0") == "0":
         given = given_flags(parser, sys.argv[1:] if argv is None else argv)

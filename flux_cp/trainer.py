@@ -178,6 +178,8 @@ class Trainer:
                 f"trained on {cfg.data.dataset_name or 'the bundled data set (data/tiny_shapes)'}; pass "
                 "--pretrained_model_name_or_path and --dataset_name for real runs"
             )
+        for line in cfg.demo_lines():
+            logger.info(f"flux-cp: {line}")
         logger.info(
             f"flux-cp: {layout.describe()}, {self.accelerator.distributed_type}, device {self.accelerator.device}"
         )
