@@ -84,7 +84,7 @@ def summary(
     weights (the family's); `kontext`: trained on image-editing pairs; `repo_id`: where they were pushed."""
     out = Path(cfg.train.output_dir)
     change = loss_change(out / "metrics.jsonl")
-    head = f"done: {steps} steps"
+    head = f"done: {steps} step{'s' * (steps != 1)}"
     if change:
         first, last, n = change
         which = "the first step against the last" if n == 1 else f"means of the first and last {n} steps"

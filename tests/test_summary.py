@@ -66,7 +66,7 @@ def test_the_summary_names_only_what_exists_and_a_transformer_folder_when_fully_
                         "--pretrained_model_name_or_path", "black-forest-labs/FLUX.1-dev"])  # fmt: skip
     text = summary(cfg, steps=1, pipeline="FluxPipeline", kontext=False)
     assert text.splitlines()[:3] == [
-        f"done: 1 steps. Outputs in {out}:",
+        f"done: 1 step. Outputs in {out}:",
         "  transformer/   the fine-tuned transformer (diffusers' format)",
         "  metrics.jsonl  one row per step: loss, lr, speed, memory",
     ]
