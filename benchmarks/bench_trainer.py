@@ -84,7 +84,7 @@ def command(run: dict, model: str, work: str, steps: int, port: int | None = Non
             "--transformer_init", "random", "--mixed_precision", "bf16", "--gradient_checkpointing",
             "--rank", "16", "--max_train_steps", str(steps + 50), "--checkpointing_steps", "100000",
             "--report_to", "none", "--output_dir", f"{work}/{run['name']}",
-            "--cache_dir", f"{work}/cache_{run['name']}", *run["extra"]]  # fmt: skip
+            "--encodings_dir", f"{work}/cache_{run['name']}", *run["extra"]]  # fmt: skip
 
 
 def start(run: dict, model: str, work: Path, steps: int, gpus: list[int], log_dir: Path) -> dict:

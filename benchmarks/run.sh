@@ -137,7 +137,7 @@ for SET in "$@"; do
         F=""; [ "$V" = bf16 ] || F="--fp8 rowwise"
         # shellcheck disable=SC2086 # Q and F are lists of flags
         run 300 accelerate launch --config_file accelerate_configs/gpu1.yaml train_flux_cp.py $Q $F \
-          --output_dir "$OUT/fp8_quality/$V" --cache_dir "$OUT/fp8_quality/cache"
+          --output_dir "$OUT/fp8_quality/$V" --encodings_dir "$OUT/fp8_quality/cache"
       done
       run 60 python3 -m benchmarks.fp8_quality "$OUT/fp8_quality/bf16" "$OUT/fp8_quality/fp8_rowwise" \
         --out "$OUT/fp8_quality.json" --plot "$OUT/fp8_quality.png" ;;

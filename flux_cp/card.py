@@ -48,10 +48,12 @@ def _steps(output_dir: Path) -> int | None:
     return None
 
 
-def _snippet(cfg: Config, kontext: bool, source: str, base: str | None) -> str:
-    pipeline = "FluxKontextPipeline" if kontext else "FluxPipeline"
+def snippet(cfg: Config, kontext: bool, source: str, base: str | None, pipeline: str | None = None) -> str:
+    """Python that loads the trained weights (from `source`: the output folder or its Hub repository) into diffusers'
+    `pipeline` for `base` (None: the embedded default's tiny model) and renders an image."""
+    pipeline = pipeline or ("FluxKontextPipeline" if kontext else "FluxPipeline")
     prompt = (cfg.validation.validation_prompt or (cfg.data.instance_prompt,))[0] or "a photo"
-    load_base = f'"{base}"' if base else "ensure_tiny_pipeline()"
+    load_base = f'"{base}"' if base else f"ensure_tiny_pipeline({'kontext=True' if kontext else ''})"
     lines = ["import torch"]
     if cfg.lora.full_finetune:
         lines.append(f"from diffusers import {pipeline}, FluxTransformer2DModel")
@@ -109,12 +111,16 @@ def write_model_card(
     layout: str | None = None,
     cp_mode: str | None = None,
     repo_id: str | None = None,
+    pipeline: str | None = None,
 ) -> Path:
     """Write `<output_dir>/README.md` for the run `cfg` and return its path. `kontext`: trained on FLUX.1 Kontext
     pairs. `steps`: optimizer steps trained (default: the last step of metrics.jsonl). `layout`, `cp_mode`: the
     process layout and the CP mode the run used (Layout.describe(), the chosen mode). `repo_id`: the Hub
-    repository the folder goes to (the snippet loads from it; default: the output folder)."""
+    repository the folder goes to (the snippet loads from it; default: the output folder). `pipeline`: diffusers'
+    pipeline class of the snippet (the family's; default: FluxKontextPipeline for `kontext`, else FluxPipeline)."""
     from huggingface_hub import ModelCardData
+
+    from .optim import describe as describe_optimizer
 
     out = Path(output_dir)
     base = cfg.model.pretrained_model_name_or_path
@@ -178,8 +184,7 @@ def write_model_card(
                   f"{cfg.train.gradient_accumulation_steps}"),
         ("learning rate", f"{cfg.train.learning_rate:g} ({cfg.train.lr_scheduler}, {cfg.train.lr_warmup_steps} warmup "
                           "steps)"),
-        ("optimizer", f"AdamW (betas {cfg.train.adam_beta1:g}, {cfg.train.adam_beta2:g}; weight decay "
-                      f"{cfg.train.adam_weight_decay:g}; eps {cfg.train.adam_epsilon:g})"),
+        ("optimizer", describe_optimizer(cfg.train)),
         ("training", "full fine-tuning" if full else f"LoRA rank {cfg.lora.rank}, alpha {cfg.lora.lora_alpha}, "
                      f"dropout {cfg.lora.lora_dropout:g}, layers {', '.join(cfg.lora.lora_layers)}"),
         ("mixed precision", cfg.train.mixed_precision or "accelerate's config"),
@@ -202,7 +207,7 @@ def write_model_card(
         "## Use it with the [🧨 diffusers library](https://github.com/huggingface/diffusers)",
         "",
         "```py",
-        _snippet(cfg, kontext, source, base),
+        snippet(cfg, kontext, source, base, pipeline),
         "```",
         "",
         "For more details, including weighting, merging and fusing LoRAs, check the [documentation on loading LoRAs "

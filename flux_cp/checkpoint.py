@@ -111,7 +111,8 @@ RESUMABLE_CHANGES = (
     "adam_beta2", "adam_weight_decay", "adam_epsilon", "max_grad_norm", "max_train_steps", "num_train_epochs",
     "weighting_scheme", "logit_mean", "logit_std", "mode_scale", "guidance_scale", "lora_dropout", "mixed_precision",
     "center_crop", "random_flip", "cp_kernels", "cp_overlap", "cp_exchange_first", "cp_ulysses_chunks",
-    "gradient_checkpointing", "fp8",
+    "gradient_checkpointing", "fp8", "prodigy_beta3", "prodigy_decouple", "prodigy_use_bias_correction",
+    "prodigy_safeguard_warmup",
 )  # fmt: skip
 
 # Entries of the run identity compared through "data" (the fingerprint of the data set's names, contents and
@@ -127,6 +128,8 @@ def run_identity(
     what it sees (global batch per optimizer step, resolution, buckets, seed). The layout may differ. Keys
     are stored in every checkpoint's meta.json (`rank` is the LoRA rank), so values are JSON's types (lists).
     `data`: the data set's identity (flux_cp.data.DataIdentity: relative names, contents and captions)."""
+    from .optim import optimizer_name
+
     lora = None if cfg.lora.full_finetune else cfg.lora
     identity = {
         "model": str(cfg.model.pretrained_model_name_or_path or "embedded-tiny"),
@@ -137,6 +140,7 @@ def run_identity(
         "resolution": cfg.data.resolution,
         "seed": cfg.train.seed, "aspect_buckets": [list(b) for b in buckets] if buckets is not None else False,
         "max_sequence_length": cfg.data.max_sequence_length, "vae_encode_mode": cfg.data.vae_encode_mode,
+        "optimizer": optimizer_name(cfg.train),
     }  # fmt: skip
     if not isinstance(data, str):
         identity.update(data_files=data.files, data_legacy=data.legacy)
@@ -172,9 +176,13 @@ def _saved_data_files(path: Path) -> list | None:
     return rows if isinstance(rows, list) and all(isinstance(r, list) and r for r in rows) else None
 
 
+# Keys added to the run identity later, with the value every checkpoint written before them had.
+_IDENTITY_BEFORE = {"optimizer": "adamw"}
+
+
 def check_compatible(meta: dict, run: dict, path: Path) -> None:
     """Refuse a checkpoint from an incompatible run, naming what differs and what to change."""
-    saved = meta["run"]
+    saved = {**_IDENTITY_BEFORE, **meta["run"]}
     diffs = []
     for k, v in run.items():
         if k in _DATA_DETAIL:
@@ -384,18 +392,19 @@ def _check_inside(path: Path, root: Path) -> None:
         raise ValueError(f"{path} leads outside {root} (to {real}): the checkpoint is damaged or was tampered with")
 
 
-# Optimizer hyperparameters a resumed run takes from its flags rather than from the checkpoint.
-_GROUP_KEYS = ("betas", "eps", "weight_decay")
+# Optimizer hyperparameters a resumed run takes from its flags rather than from the checkpoint (those its optimizer
+# has: AdamW's, Prodigy's). Prodigy's step-size estimate (d, d_max, k, ...) lives beside them and is restored.
+_GROUP_KEYS = ("betas", "eps", "weight_decay", "beta3", "decouple", "use_bias_correction", "safeguard_warmup")
 
 
 def load(path: Path, model, optimizer, lr_scheduler, optimizer_state: bool = True) -> list[str]:
     """Restore weights, optimizer and LR schedule from `path` into the (wrapped) model, on any layout. The current
-    learning rate and AdamW settings win over the checkpoint's; returns what they changed, one line each.
+    learning rate and optimizer settings win over the checkpoint's; returns what they changed, one line each.
     `optimizer_state`: whether the checkpoint holds AdamW's moments (False: they start from zero)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
 
-    current = [{k: g[k] for k in _GROUP_KEYS} for g in optimizer.param_groups]
+    current = [{k: g[k] for k in _GROUP_KEYS if k in g} for g in optimizer.param_groups]
     base_lrs = list(getattr(lr_scheduler, "base_lrs", []))
     state = _state(model, optimizer, optimizer_state)
     try:
@@ -422,10 +431,11 @@ def load(path: Path, model, optimizer, lr_scheduler, optimizer_state: bool = Tru
 
 def _apply_current(optimizer, lr_scheduler, current: list[dict], base_lrs: list[float]) -> list[str]:
     changes = []
+    name = type(getattr(optimizer, "optimizer", optimizer)).__name__  # under accelerate's wrapper: AdamW, Prodigy, ...
     for g, now in zip(optimizer.param_groups, current):
         for k, v in now.items():
             if g[k] != v:
-                changes.append(f"AdamW {k} {g[k]} -> {v}")
+                changes.append(f"{name} {k} {g[k]} -> {v}")
                 g[k] = v
     old = list(getattr(lr_scheduler, "base_lrs", []))
     if base_lrs and old != base_lrs:

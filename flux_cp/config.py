@@ -20,6 +20,7 @@ import types
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from cp.context import OVERLAPS, Tuning
@@ -32,6 +33,7 @@ from .lora import DEFAULT_TARGETS
 from .lora_format import FORMATS as LORA_FORMATS
 
 CP_MODES = ("auto", "ring", "ulysses", "hybrid")
+OPTIMIZERS = ("adamw", "prodigy")
 LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup")
 
 
@@ -59,20 +61,72 @@ def flag(
     return field(default=default, metadata=meta)
 
 
+DEFAULT_ENCODINGS_DIR = "~/.cache/flux_cp/encodings"
+
+
 def _is_embedded(raw: dict) -> bool:
     return raw["pretrained_model_name_or_path"] is None
 
 
-# The embedded default run as the README's demo (no model, no data set, no step count): settings under which
-# its loss curve visibly falls within about a minute on 2 CPU cores, and validation images before and after.
-# Measured (docs in README): 200 steps at 1e-3 with 4 samples per step. Real runs keep diffusers' defaults.
-DEMO_STEPS, DEMO_LEARNING_RATE, DEMO_BATCH = 200, 1e-3, 4
-DEMO_PROMPTS = ("a white circle on a black background", "a yellow triangle on a purple background")
+BUNDLED = Path(__file__).resolve().parent.parent / "data"  # the bundled data sets (tiny_shapes, tiny_pairs)
+
+
+@dataclass(frozen=True)
+class Demo:
+    """The settings of a demo: the embedded default (no model named) on one of the bundled data sets with no step
+    count given, trained so that its loss curve visibly falls within a minute on 2 CPU cores, with validation
+    images before and after (measured in the README). Flags given still win; real runs keep diffusers' defaults."""
+
+    name: str
+    data: Path | None  # the --dataset_name that selects it (None: none given, the bundled data/tiny_shapes)
+    steps: int
+    learning_rate: float
+    batch: int  # samples per data-parallel rank per step
+    prompts: tuple[str, ...]
+    validation_image: Path | None = None  # FLUX.1 Kontext: the reference the prompts edit
+
+
+DEMO = Demo(
+    "the demo", None, steps=200, learning_rate=1e-3, batch=4,
+    prompts=("a white circle on a black background", "a yellow triangle on a purple background"),
+)  # fmt: skip
+KONTEXT_DEMO = Demo(
+    "the FLUX.1 Kontext demo", BUNDLED / "tiny_pairs", steps=100, learning_rate=2e-3, batch=4,
+    prompts=("make the circle purple", "make the circle orange"),
+    validation_image=BUNDLED / "tiny_pairs" / "00_blue_circle.png",  # its pair's target is the purple circle
+)  # fmt: skip
+DEMOS = (DEMO, KONTEXT_DEMO)
+DEMO_STEPS, DEMO_LEARNING_RATE, DEMO_BATCH, DEMO_PROMPTS = DEMO.steps, DEMO.learning_rate, DEMO.batch, DEMO.prompts
+# Flags that turn a demo's settings off when given (with the embedded default): a step count, or other data.
+DEMO_OFF_FLAGS = ("max_train_steps", "num_train_epochs", "dataset_name")
 _DEMO = "_demo"  # key in the raw flag values: decided on the flags as given, before any default is derived
 
 
-def _is_demo(raw: dict) -> bool:
+def _same_folder(given: str | None, bundled: Path | None) -> bool:
+    if given is None or bundled is None:
+        return given is None and bundled is None
+    return os.path.realpath(given) == str(bundled.resolve())
+
+
+def _demo_of(raw: dict) -> Demo | None:
+    """The demo these flags (as given) select, if any."""
+    if not _is_embedded(raw) or raw["max_train_steps"] is not None or raw["num_train_epochs"] is not None:
+        return None
+    return next((d for d in DEMOS if _same_folder(raw["dataset_name"], d.data)), None)
+
+
+def _demo(raw: dict) -> Demo | None:
     return raw[_DEMO]
+
+
+def boolean(text: str) -> bool:
+    """A flag's true/false value (true, false, yes, no, on, off, 1, 0; any case). diffusers' examples parse these
+    flags with `type=bool`, which makes every given value true: here `--prodigy_decouple false` turns it off."""
+    value = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False, "0": False}
+    try:
+        return value[text.strip().lower()]
+    except KeyError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not true or false") from None
 
 
 def _comma_list(text: str) -> tuple[str, ...]:
@@ -110,6 +164,12 @@ class ModelConfig:
         "'random': build the transformer from its config with seeded random weights (benchmarks and "
         "equivalence runs of FLUX.1-sized models without downloading them).",
         choices=("pretrained", "random"),
+    )
+    cache_dir: str | None = flag(
+        None,
+        "Where downloaded models and hub data sets are stored, as --cache_dir of diffusers' examples. Default: the "
+        "Hugging Face cache (HF_HOME). Deprecated other use, for this release: without --encodings_dir, the encodings "
+        "are also cached here (as --cache_dir did before).",
     )
 
     @property
@@ -195,8 +255,11 @@ class DataConfig:
         "FLUX.2 mode. Reference images always use the mode.",
         choices=("sample", "mode"),
     )
-    cache_dir: str | None = flag(
-        None, "Where encoded latents and prompt embeddings are cached. Default: ~/.cache/flux_cp/encodings."
+    encodings_dir: str | None = flag(
+        None,
+        f"Where encoded latents and prompt embeddings are cached. Default: {DEFAULT_ENCODINGS_DIR} (--cache_dir when "
+        "that is given: deprecated).",
+        derive=lambda raw: raw["cache_dir"],
     )
     no_cache: bool = flag(
         False, "Encode every batch on the fly (keeps VAE and text encoders loaded; per-epoch random crops)."
@@ -227,14 +290,14 @@ class TrainConfig:
     seed: int = flag(0, "A seed for reproducible training: data order, crops, noise, timesteps, initial LoRA weights.")
     train_batch_size: int = flag(
         1,
-        f"Samples per data-parallel rank per micro-step. Default: 1, or {DEMO_BATCH} for the demo.",
-        derive=lambda raw: DEMO_BATCH if _is_demo(raw) else 1,
+        "Samples per data-parallel rank per micro-step. Default: 1, or the demo's (4).",
+        derive=lambda raw: _demo(raw).batch if _demo(raw) else 1,
     )
     max_train_steps: int | None = flag(
         None,
-        f"Optimizer steps; overrides --num_train_epochs. Default: --num_train_epochs epochs, or {DEMO_STEPS} for "
-        "the demo.",
-        derive=lambda raw: DEMO_STEPS if _is_demo(raw) else None,
+        "Optimizer steps; overrides --num_train_epochs. Default: --num_train_epochs epochs, or the demo's (200 for "
+        "the bundled data set, 100 for its Kontext pairs).",
+        derive=lambda raw: _demo(raw).steps if _demo(raw) else None,
     )
     num_train_epochs: int = flag(
         1, "Passes over the data set when --max_train_steps is not given. Default: 1.", derive=lambda raw: 1
@@ -253,18 +316,49 @@ class TrainConfig:
     )
     learning_rate: float = flag(
         1e-4,
-        f"Initial learning rate (after the warmup). Default: 1e-4, or {DEMO_LEARNING_RATE:g} for the demo.",
-        derive=lambda raw: DEMO_LEARNING_RATE if _is_demo(raw) else 1e-4,
+        "Initial learning rate (after the warmup). Default: 1e-4; 1.0 with --optimizer prodigy (a factor on the step "
+        "size Prodigy estimates); with AdamW the demo's (1e-3; 2e-3 for the Kontext demo).",
+        derive=lambda raw: 1.0 if raw["optimizer"] == "prodigy" else (_demo(raw).learning_rate if _demo(raw) else 1e-4),
     )
     scale_lr: bool = flag(False, "Multiply the LR by the global batch size.")
     lr_scheduler: str = flag("constant", "The learning rate schedule.", choices=LR_SCHEDULERS)
     lr_warmup_steps: int = flag(0, "Number of steps for the warmup in the lr scheduler.")
     lr_num_cycles: int = flag(1, "Number of hard resets of the lr in cosine_with_restarts scheduler.")
     lr_power: float = flag(1.0, "Power factor of the polynomial scheduler.")
-    adam_beta1: float = flag(0.9, "The beta1 parameter of AdamW.")
-    adam_beta2: float = flag(0.999, "The beta2 parameter of AdamW.")
-    adam_weight_decay: float = flag(1e-4, "AdamW's (decoupled) weight decay of the trained weights.")
-    adam_epsilon: float = flag(1e-8, "Epsilon value of AdamW.")
+    optimizer: str = flag(
+        "adamw",
+        "The optimizer: 'adamw' (torch's fused AdamW, or bitsandbytes' 8-bit one with --use_8bit_adam) or 'prodigy' "
+        "(prodigyopt: it estimates its own step size; pip install -e .[optim]). Case does not matter.",
+        choices=OPTIMIZERS,
+        parse=str.lower,
+    )
+    use_8bit_adam: bool = flag(
+        False,
+        "AdamW with 8-bit moments from bitsandbytes (a quarter of AdamW's state memory; CUDA GPUs; pip install -e "
+        ".[optim]). Applies to --optimizer adamw.",
+    )
+    adam_beta1: float = flag(0.9, "The beta1 parameter of AdamW and Prodigy.")
+    adam_beta2: float = flag(0.999, "The beta2 parameter of AdamW and Prodigy.")
+    adam_weight_decay: float = flag(
+        1e-4, "Weight decay of the trained weights (decoupled as AdamW's; Prodigy: see --prodigy_decouple)."
+    )
+    adam_epsilon: float = flag(1e-8, "Epsilon value of AdamW and Prodigy.")
+    prodigy_beta3: float | None = flag(
+        None,
+        "Prodigy: the decay of the running averages its step size is estimated from. Default: the square root of "
+        "--adam_beta2.",
+    )
+    prodigy_decouple: bool = flag(
+        True, "Prodigy: AdamW-style decoupled weight decay (true) or an L2 penalty on the gradient (false).",
+        parse=boolean,
+    )  # fmt: skip
+    prodigy_use_bias_correction: bool = flag(True, "Prodigy: Adam's bias correction (true/false).", parse=boolean)
+    prodigy_safeguard_warmup: bool = flag(
+        True,
+        "Prodigy: leave the LR out of the denominator of its step-size estimate, against problems during a warmup "
+        "(true/false).",
+        parse=boolean,
+    )
     max_grad_norm: float = flag(1.0, "Max gradient norm (clipping; 0 turns it off).")
     mixed_precision: str | None = flag(
         None,
@@ -434,11 +528,13 @@ class ValidationConfig:
         "A prompt to render validation images of; repeatable. The embedded default also renders them before training "
         "(step 0). Default: none (no validation), or two captions of the bundled set for the demo.",
         repeat=True,
-        derive=lambda raw: DEMO_PROMPTS if _is_demo(raw) else None,
+        derive=lambda raw: _demo(raw).prompts if _demo(raw) else None,
     )
     validation_image: str | None = flag(
         None,
-        "FLUX.1 Kontext: the reference image every --validation_prompt edits (FluxKontextPipeline). Default: none.",
+        "FLUX.1 Kontext: the reference image every --validation_prompt edits (FluxKontextPipeline). Default: none, "
+        "or a reference of the bundled pairs for the Kontext demo.",
+        derive=lambda raw: str(_demo(raw).validation_image) if _demo(raw) and _demo(raw).validation_image else None,
     )
     validation_steps: int | None = flag(
         None, "Render validation images every X optimizer steps. Default: only at the end of training."
@@ -521,6 +617,16 @@ class Config:
     hub: HubConfig = field(default_factory=HubConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
 
+    # How parse_config resolved the flags (not flags, so not fields): the demo whose settings this run got, and with
+    # the embedded default, the flags given that turned a demo's settings off. A Config built otherwise has neither.
+    @property
+    def demo(self) -> Demo | None:
+        return self.__dict__.get("_demo")
+
+    @property
+    def demo_off(self) -> tuple[str, ...]:
+        return self.__dict__.get("_demo_off", ())
+
     def check(self) -> None:
         """Every check that needs only the flags; the first failure is a UsageError naming the flag."""
         check_ranges(self.flat())
@@ -528,6 +634,10 @@ class Config:
             check = getattr(getattr(self, f.name), "check", None)
             if check is not None:
                 check()
+        if not self.plan.plan:  # the planner loads nothing and runs on any machine
+            from .optim import check_optimizer
+
+            check_optimizer(self.train)
         if self.hub.hub_token and self.validation.report_to in ("wandb", "all"):
             # as diffusers' examples: wandb records the command line, and the token with it
             raise UsageError(
@@ -543,6 +653,28 @@ class Config:
             for f in dataclasses.fields(section)
             if not f.metadata["secret"]
         }
+
+    def demo_lines(self) -> list[str]:
+        """What the log says about the demo settings: the ones this run got, or which flags turned them off (with
+        the embedded default only; a named model never had them)."""
+        demo, train = self.demo, self.train
+        if demo is not None:
+            images = f"validation images of {len(self.validation.validation_prompt or ())} prompts"
+            if self.validation.validation_image:
+                images += f" editing {os.path.relpath(self.validation.validation_image)}"
+            return [
+                f"{demo.name}'s settings: {train.max_train_steps} steps at learning rate {train.learning_rate:g}, "
+                f"{train.train_batch_size} samples per step, {images} before and after training (given flags win; "
+                f"{', '.join('--' + f for f in DEMO_OFF_FLAGS[:2])} or another --dataset_name turn them off)"
+            ]
+        if self.demo_off:
+            given = ", ".join("--" + f for f in self.demo_off)
+            n = train.train_batch_size
+            lr = f"learning rate {train.learning_rate:g}, {n} sample{'s' if n > 1 else ''} per step"
+            epochs = train.num_train_epochs
+            steps = f"{train.max_train_steps} steps" if train.max_train_steps else f"{epochs} epoch{'s' * (epochs > 1)}"
+            return [f"the demo's settings are off ({given} given): {steps}, {lr}, as for real runs"]
+        return []
 
 
 # Argument-group titles of --help, in the order sections appear there.
@@ -637,7 +769,7 @@ def build_parser() -> argparse.ArgumentParser:
         for f in dataclasses.fields(section):
             m, kind = f.metadata, _scalar_type(hints[f.name])
             kw: dict[str, Any] = {"help": m["help"]}
-            if kind is bool:
+            if kind is bool and not m["parse"]:  # a switch; a boolean with `parse` takes a value (true/false)
                 if f.default is not False:  # a switch turns something on; name it for that (e.g. --no_cache)
                     raise TypeError(f"{section.__name__}.{f.name}: boolean flags must default to False")
                 kw["action"] = "store_true"
@@ -661,9 +793,8 @@ def parse_config(argv: list[str] | None = None) -> Config:
     """Parse the flags once, resolve derived defaults, check them; the Config the whole run uses."""
     parser = build_parser()
     raw = dict(vars(parser.parse_args(argv)))
-    # The demo: the embedded default with no data set and no step count (the README's first command).
-    raw[_DEMO] = _is_embedded(raw) and raw["dataset_name"] is None and raw["max_train_steps"] is None
-    raw[_DEMO] = raw[_DEMO] and raw["num_train_epochs"] is None
+    off = tuple(f for f in DEMO_OFF_FLAGS if raw[f] is not None)  # given: none of them has a default before derive
+    raw[_DEMO] = _demo_of(raw)  # the embedded default on a bundled data set with no step count (the README's demos)
     sections = {}
     for name, section in _sections():
         values = {}
@@ -675,12 +806,35 @@ def parse_config(argv: list[str] | None = None) -> Config:
                 value = tuple(value)
             values[f.name] = value
         sections[name] = section(**values)
+    off = off if _is_embedded(raw) and raw[_DEMO] is None else ()
     config = Config(**sections)
+    object.__setattr__(config, "_demo", raw[_DEMO])  # frozen: set once, here
+    object.__setattr__(config, "_demo_off", off)
     config.check()
     if os.environ.get("RANK", "0") == "0":
-        for warning in unused_flags(given_flags(parser, sys.argv[1:] if argv is None else argv), config.flat()):
+        given = given_flags(parser, sys.argv[1:] if argv is None else argv)
+        for warning in unused_flags(given, config.flat()) + _setting_warnings(config, given):
             print(f"warning: {warning}", file=sys.stderr)
     return config
+
+
+def _setting_warnings(config: Config, given: set[str]) -> list[str]:
+    """Settings that run, but probably not as meant: the deprecated use of --cache_dir, and Prodigy's learning rate
+    (as diffusers' examples warn)."""
+    out = []
+    data, train = config.data, config.train
+    if "cache_dir" in given and "encodings_dir" not in given and not data.no_cache:
+        out.append(
+            f"--cache_dir {config.model.cache_dir} now holds downloaded models and hub data sets (as in diffusers' "
+            "examples); the encodings also go there, as before, for this release only: pass --encodings_dir "
+            f"{config.model.cache_dir} to keep them there (or name another folder)"
+        )
+    if train.optimizer == "prodigy" and train.learning_rate <= 0.1:
+        out.append(
+            f"--learning_rate {train.learning_rate:g} is low for --optimizer prodigy: its learning rate is a factor on "
+            "the step size it estimates itself, and around 1.0 is usual"
+        )
+    return out
 
 
 # A hub data set id: `name` or `owner/name` (letters, digits, '-', '_', '.'); anything else is a local path.

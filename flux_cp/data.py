@@ -169,10 +169,12 @@ class ImageSource:
 
 
 def cache_folder(data: DataConfig) -> Path | None:
-    """The encoding cache's folder (None with --no_cache): `--cache_dir`, default ~/.cache/flux_cp/encodings."""
+    """The encoding cache's folder (None with --no_cache): `--encodings_dir`, default ~/.cache/flux_cp/encodings."""
+    from .config import DEFAULT_ENCODINGS_DIR
+
     if data.no_cache:
         return None
-    return Path(data.cache_dir) if data.cache_dir else Path.home() / ".cache" / "flux_cp" / "encodings"
+    return Path(os.path.expanduser(data.encodings_dir or DEFAULT_ENCODINGS_DIR))
 
 
 def _local_folder(
@@ -243,11 +245,11 @@ def _local_pairs(
     return samples
 
 
-def _hub_dataset(data: DataConfig) -> ImageSource:
+def _hub_dataset(data: DataConfig, cache_dir: str | None) -> ImageSource:
     import datasets
 
     try:
-        ds = datasets.load_dataset(data.dataset_name, data.dataset_config_name, split="train")
+        ds = datasets.load_dataset(data.dataset_name, data.dataset_config_name, split="train", cache_dir=cache_dir)
     except Exception as e:  # noqa: BLE001 - every loading failure becomes one clear line
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UsageError(
@@ -302,17 +304,18 @@ def _check_no_missing_references(ds, column: str, name: str) -> None:
         )
 
 
-def open_source(data: DataConfig, meta: Metadata | None = None) -> ImageSource:
+def open_source(data: DataConfig, meta: Metadata | None = None, cache_dir: str | None = None) -> ImageSource:
     """The data set named by the flags (bundled default, local folder, or hub id); never empty. Every rank
     reads the same listing, so its errors are the same on every rank (printed once). `meta`: a local folder's
-    metadata.jsonl already read (`local_metadata`; read here when None)."""
+    metadata.jsonl already read (`local_metadata`; read here when None). `cache_dir`: where a hub data set is
+    downloaded (--cache_dir)."""
     try:
-        return _open_source(data, meta)
+        return _open_source(data, meta, cache_dir)
     except UsageError as e:
         raise UsageError(str(e), agreed=True) from None
 
 
-def _open_source(data: DataConfig, meta: Metadata | None) -> ImageSource:
+def _open_source(data: DataConfig, meta: Metadata | None, cache_dir: str | None) -> ImageSource:
     name = data.dataset_name
     cache = cache_folder(data)
     exclude = (cache,) if cache is not None else ()
@@ -327,7 +330,7 @@ def _open_source(data: DataConfig, meta: Metadata | None) -> ImageSource:
             samples = _local_folder(folder, data.caption_column, data.instance_prompt, exclude, meta)
         source = ImageSource(samples, str(folder), root=folder)
     else:
-        source = _hub_dataset(data)
+        source = _hub_dataset(data, cache_dir)
     if len(source) == 0:
         raise UsageError(f"the data set {source.name} is empty")
     return source

@@ -12,6 +12,7 @@ Tests pretend the output disk is small with FLUX_CP_DISK_BYTES=N: the disk then 
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 from dataclasses import dataclass
@@ -26,6 +27,11 @@ CHECKPOINT_TENSOR_BYTES = 2048  # torch.save record of one tensor in a DCP shard
 CHECKPOINT_OPTIMIZER_TENSOR_BYTES = 8192  # the same with AdamW's two moments, its step and the param-group entries
 CHECKPOINT_FIXED_BYTES = 64 * 1024  # .metadata, meta.json, train.pt
 SAFETENSORS_TENSOR_BYTES = 512  # one header entry
+# The optimizer's state (flux_cp.optim): (bytes per trainable parameter, bytes per trainable tensor beyond AdamW's
+# records). AdamW: two fp32 moments. Prodigy: two moments, its running sum and the initial weights, fp32 each, and two
+# more records. 8-bit AdamW: two uint8 moments with an fp32 scale per 256 values each; per tensor two 256-entry fp32
+# maps, four more records, and up to 24 KiB more where a tensor under 4096 values keeps fp32 moments instead.
+OPTIMIZER_STATE = {"adamw": (8, 0), "prodigy": (16, 4096), "adamw8bit": (2 + 2 * 4 / 256, 2048 + 8192 + 24576)}
 MODEL_FIXED_BYTES = 1024 * 1024  # a transformer folder's config.json and shard index
 LORA_FIXED_BYTES = 64 * 1024
 
@@ -63,24 +69,36 @@ def count(config: dict, lora_rank: int | None, lora_layers: list[str]) -> Counts
 class Sizes:
     checkpoint: int
     checkpoint_weights: int  # of which the fp32 trainable weights
-    checkpoint_optimizer: int  # of which AdamW's state (0: checkpoints without it)
+    checkpoint_optimizer: int  # of which the optimizer's state (0: checkpoints without it)
     model: int
     model_name: str  # what the final model is: a LoRA file or a transformer folder
+    optimizer_label: str = "AdamW"
 
     def describe(self) -> str:
         parts = f"fp32 weights {gib(self.checkpoint_weights)}" + (
-            f" + AdamW state {gib(self.checkpoint_optimizer)}" if self.checkpoint_optimizer else ", no optimizer state"
+            f" + {self.optimizer_label} state {gib(self.checkpoint_optimizer)}"
+            if self.checkpoint_optimizer
+            else ", no optimizer state"
         )
         return f"one checkpoint {gib(self.checkpoint)} ({parts}), the final {self.model_name} {gib(self.model)}"
 
 
-def sizes(counts: Counts, full_finetune: bool, optimizer_state: bool, model_dtype: torch.dtype, world: int) -> Sizes:
-    """Bytes of one checkpoint (trainable weights in fp32, AdamW's exp_avg, exp_avg_sq and step when kept) and of
-    the final model (a fp32 LoRA file, or the transformer in the training dtype)."""
+def sizes(
+    counts: Counts,
+    full_finetune: bool,
+    optimizer_state: bool,
+    model_dtype: torch.dtype,
+    world: int,
+    optimizer: str = "adamw",
+) -> Sizes:
+    """Bytes of one checkpoint (trainable weights in fp32, the optimizer's state when kept: AdamW's exp_avg,
+    exp_avg_sq and step, or `optimizer`'s, flux_cp.optim.optimizer_name) and of the final model (a fp32 LoRA file, or
+    the transformer in the training dtype)."""
     n, tensors = counts.trainable, counts.trainable_tensors
+    per_param, per_tensor = OPTIMIZER_STATE[optimizer]
     weights = n * 4 + tensors * CHECKPOINT_TENSOR_BYTES * world
-    optimizer = (n * 8 + tensors * 4 + tensors * (CHECKPOINT_OPTIMIZER_TENSOR_BYTES - CHECKPOINT_TENSOR_BYTES) * world
-                 if optimizer_state else 0)  # fmt: skip
+    records = CHECKPOINT_OPTIMIZER_TENSOR_BYTES - CHECKPOINT_TENSOR_BYTES + per_tensor
+    optimizer_bytes = math.ceil(n * per_param) + tensors * 4 + tensors * records * world if optimizer_state else 0
     fixed = CHECKPOINT_FIXED_BYTES + 16 * 1024 * world
     if full_finetune:
         size = torch.empty((), dtype=model_dtype).element_size()
@@ -89,7 +107,8 @@ def sizes(counts: Counts, full_finetune: bool, optimizer_state: bool, model_dtyp
     else:
         model = n * 4 + tensors * SAFETENSORS_TENSOR_BYTES + LORA_FIXED_BYTES
         name = "LoRA"
-    return Sizes(weights + optimizer + fixed, weights + fixed, optimizer, model, name)
+    label = {"adamw": "AdamW", "prodigy": "Prodigy", "adamw8bit": "8-bit AdamW"}[optimizer]
+    return Sizes(weights + optimizer_bytes + fixed, weights + fixed, optimizer_bytes, model, name, label)
 
 
 def gib(n: float) -> str:

@@ -268,8 +268,8 @@ def encode_dataset(
     except OSError as e:
         where = f" ({e.filename})" if e.filename else ""
         errors.append(
-            f"cannot write the encoding cache under --cache_dir {cache_dir}{where}: {e.strerror or e}. Free space "
-            "there, choose another --cache_dir, or pass --no_cache"
+            f"cannot write the encoding cache under --encodings_dir {cache_dir}{where}: {e.strerror or e}. Free space "
+            "there, choose another --encodings_dir, or pass --no_cache"
         )
     more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
     distributed.check_all_ranks(not errors, "; ".join(errors[:5]) + more)

@@ -21,18 +21,20 @@ if TYPE_CHECKING:
 Tensor = torch.Tensor
 
 
-def pipeline_class(path: str, revision: str | None) -> str | None:
+def pipeline_class(path: str, revision: str | None, cache_dir: str | None = None) -> str | None:
     """The pipeline class a model folder or hub id declares in model_index.json (e.g. FluxKontextPipeline);
-    None when there is none to read (a bare transformer folder, no network)."""
+    None when there is none to read (a bare transformer folder, no network). `cache_dir`: the download cache."""
     from diffusers import DiffusionPipeline
 
     try:
-        return DiffusionPipeline.load_config(path, revision=revision).get("_class_name")
+        return DiffusionPipeline.load_config(path, revision=revision, cache_dir=cache_dir).get("_class_name")
     except (OSError, ValueError):
         return None
 
 
 def load_component(cls, path: str, subfolder: str, revision: str | None, **kwargs):
+    """`cls.from_pretrained` of one component (subfolder) of the model at `path`; kwargs go to it (`cache_dir`: the
+    download cache, --cache_dir). A failure is one UsageError line."""
     try:
         return cls.from_pretrained(path, subfolder=subfolder, revision=revision, **kwargs)
     except (OSError, ValueError) as e:
@@ -46,7 +48,7 @@ def load_transformer(model: ModelConfig, path: str, cls: type, dtype: torch.dtyp
     config and `seed`."""
     if model.transformer_init == "random":
         try:
-            config = cls.load_config(path, subfolder="transformer", revision=model.revision)
+            config = cls.load_config(path, subfolder="transformer", revision=model.revision, cache_dir=model.cache_dir)
         except (OSError, ValueError) as e:
             raise UsageError(f"cannot read transformer/config.json under {path}: {str(e).splitlines()[0]}") from None
         # Built directly on the device and in the target dtype: a 12B model initialises in seconds on a GPU,
@@ -61,13 +63,15 @@ def load_transformer(model: ModelConfig, path: str, cls: type, dtype: torch.dtyp
                 torch.set_default_dtype(default)
         return transformer.to(dtype)
     kw = {"variant": model.variant} if model.variant else {}
-    return load_component(cls, path, "transformer", model.revision, torch_dtype=dtype, **kw).to(device)
+    return load_component(
+        cls, path, "transformer", model.revision, torch_dtype=dtype, cache_dir=model.cache_dir, **kw
+    ).to(device)
 
 
 def load_scheduler(model: ModelConfig, path: str):
     from diffusers import FlowMatchEulerDiscreteScheduler
 
-    return load_component(FlowMatchEulerDiscreteScheduler, path, "scheduler", model.revision)
+    return load_component(FlowMatchEulerDiscreteScheduler, path, "scheduler", model.revision, cache_dir=model.cache_dir)
 
 
 def trainable_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:

@@ -1,35 +1,126 @@
-"""The optimizer side of a step: AdamW and the LR schedule from the flags, the gradient norm (clipped), and
-what a step does with a non-finite loss or gradient norm (`--on_nonfinite`)."""
+"""The optimizer side of a step: the optimizer (AdamW, 8-bit AdamW or Prodigy, as diffusers' examples name them)
+and the LR schedule from the flags, the gradient norm (clipped), and what a step does with a non-finite loss or
+gradient norm (`--on_nonfinite`)."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+import io
 import logging
 import math
+import sys
 from typing import TYPE_CHECKING
 
 import torch
 
-from .errors import NonFiniteError
+from .errors import NonFiniteError, UsageError
 
 if TYPE_CHECKING:
     from .config import TrainConfig
 
 logger = logging.getLogger("flux_cp")
 
+# The optional packages behind --optimizer prodigy and --use_8bit_adam (pyproject's `optim` extra).
+PACKAGES = {"prodigy": "prodigyopt", "adamw8bit": "bitsandbytes"}
+INSTALL = "pip install -e .[optim]"
+
+
+def optimizer_name(train: TrainConfig) -> str:
+    """'adamw', 'adamw8bit' or 'prodigy': which optimizer the flags make (a checkpoint's optimizer state is that
+    optimizer's, so it is part of what a resumed run must match)."""
+    if train.optimizer == "adamw" and train.use_8bit_adam:
+        return "adamw8bit"
+    return train.optimizer
+
+
+def _installed(module: str) -> bool:
+    if module in sys.modules:  # imported already, or blocked (None)
+        return sys.modules[module] is not None
+    return importlib.util.find_spec(module) is not None
+
+
+def check_optimizer(train: TrainConfig, device: str | None = None, sharded: bool = False) -> None:
+    """One line when the chosen optimizer cannot run here, before anything loads: 8-bit AdamW off a CUDA GPU, a
+    missing package, or either optional optimizer with FSDP. `device`: the training device's type once known (None:
+    whether torch sees a CUDA GPU); `sharded`: the weights are sharded (FSDP2). Every rank decides alike (agreed)."""
+    name = optimizer_name(train)
+    if name == "adamw":
+        return
+    flag = "--use_8bit_adam" if name == "adamw8bit" else "--optimizer prodigy"
+    on = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "adamw8bit" and on != "cuda":
+        where = "the CPU" if on == "cpu" else on
+        raise UsageError(f"--use_8bit_adam needs a CUDA GPU (bitsandbytes' 8-bit AdamW); this run trains on {where}: "
+                         "drop --use_8bit_adam", agreed=True)  # fmt: skip
+    if not _installed(PACKAGES[name]):
+        raise UsageError(
+            f"{flag} needs the {PACKAGES[name]} package: {INSTALL} (or pip install {PACKAGES[name]})", agreed=True
+        )
+    if sharded:
+        # Prodigy estimates its step size from dot products over whole parameters and bitsandbytes' kernels take
+        # plain tensors; FSDP2 hands both DTensor shards. Neither is tested with them.
+        raise UsageError(
+            f"{flag} is not supported with FSDP (sharded weights): use a DDP config (ddp_*.yaml, LoRA) or AdamW",
+            agreed=True,
+        )
+
 
 def make_optimizer(train: TrainConfig, params: list[torch.nn.Parameter], global_batch: int) -> torch.optim.Optimizer:
-    """AdamW over `params`; `--scale_lr` multiplies the LR by the samples per optimizer step.
+    """The optimizer of `--optimizer` / `--use_8bit_adam` over `params`; `--scale_lr` multiplies the LR by the
+    samples per optimizer step.
 
-    The fused implementation: a LoRA has hundreds of small tensors, and the default (foreach) AdamW spends
-    milliseconds of host time per step issuing its dozen list operations over them (docs/design.md, "The step's
-    host time"). The fused one updates them in a few kernels, the same update to rounding, and takes the
-    `found_inf` flag that lets `apply_update` drop a non-finite step on the device."""
-    scale = global_batch * train.gradient_accumulation_steps if train.scale_lr else 1
+    AdamW is torch's fused implementation: a LoRA has hundreds of small tensors, and the default (foreach) AdamW
+    spends milliseconds of host time per step issuing its dozen list operations over them (docs/design.md, "The
+    step's host time"). The fused one updates them in a few kernels, the same update to rounding, and takes the
+    `found_inf` flag that lets `apply_update` drop a non-finite step on the device. 8-bit AdamW (bitsandbytes) and
+    Prodigy (prodigyopt) are built as diffusers' examples build them; `apply_update` reads their step's flag first."""
+    lr = train.learning_rate * (global_batch * train.gradient_accumulation_steps if train.scale_lr else 1)
+    betas, name = (train.adam_beta1, train.adam_beta2), optimizer_name(train)
+    if name == "prodigy":
+        from prodigyopt import Prodigy
+
+        with _without_line("Using decoupled weight decay"):  # printed by every rank's constructor
+            return Prodigy(
+                params, lr=lr, betas=betas, beta3=train.prodigy_beta3, weight_decay=train.adam_weight_decay,
+                eps=train.adam_epsilon, decouple=train.prodigy_decouple,
+                use_bias_correction=train.prodigy_use_bias_correction, safeguard_warmup=train.prodigy_safeguard_warmup,
+            )  # fmt: skip
+    if name == "adamw8bit":
+        import bitsandbytes as bnb
+
+        return bnb.optim.AdamW8bit(params, lr=lr, betas=betas, weight_decay=train.adam_weight_decay,
+                                   eps=train.adam_epsilon)  # fmt: skip
     fused = all(p.device.type in ("cuda", "cpu") and p.is_floating_point() for p in params)
     return torch.optim.AdamW(
-        params, lr=train.learning_rate * scale, betas=(train.adam_beta1, train.adam_beta2),
-        weight_decay=train.adam_weight_decay, eps=train.adam_epsilon, fused=fused or None,
-    )  # fmt: skip
+        params, lr=lr, betas=betas, weight_decay=train.adam_weight_decay, eps=train.adam_epsilon, fused=fused or None
+    )
+
+
+@contextlib.contextmanager
+def _without_line(line: str):
+    """Drop one exact line a library prints on stdout; everything else it prints still shows."""
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(captured):
+            yield
+    finally:
+        rest = [t for t in captured.getvalue().splitlines(keepends=True) if t.rstrip("\n") != line]
+        sys.stdout.write("".join(rest))
+
+
+def describe(train: TrainConfig) -> str:
+    """The optimizer and its settings, for people (the model card)."""
+    common = f"betas {train.adam_beta1:g}, {train.adam_beta2:g}; weight decay {train.adam_weight_decay:g}; eps "
+    common += f"{train.adam_epsilon:g}"
+    name = optimizer_name(train)
+    if name == "prodigy":
+        beta3 = "sqrt(beta2)" if train.prodigy_beta3 is None else f"{train.prodigy_beta3:g}"
+        switches = [f"{k} {'on' if v else 'off'}" for k, v in (("decoupled decay", train.prodigy_decouple),
+                    ("bias correction", train.prodigy_use_bias_correction),
+                    ("safeguard warmup", train.prodigy_safeguard_warmup))]  # fmt: skip
+        return f"Prodigy ({common}; beta3 {beta3}; {', '.join(switches)})"
+    return f"{'8-bit AdamW (bitsandbytes)' if name == 'adamw8bit' else 'AdamW'} ({common})"
 
 
 def make_lr_scheduler(train: TrainConfig, optimizer: torch.optim.Optimizer, max_steps: int):

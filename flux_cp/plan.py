@@ -238,7 +238,10 @@ def print_disk(cfg: Config, config: dict, world: int) -> None:
     lora = None if cfg.lora.full_finetune else cfg.lora.rank
     counts = diskspace.count(config, lora, list(cfg.lora.lora_layers))
     dtype = torch.float32 if cfg.train.mixed_precision == "no" else torch.bfloat16
-    s = diskspace.sizes(counts, cfg.lora.full_finetune, not cfg.checkpoints.checkpoint_weights_only, dtype, world)
+    from .optim import optimizer_name
+
+    s = diskspace.sizes(counts, cfg.lora.full_finetune, not cfg.checkpoints.checkpoint_weights_only, dtype, world,
+                        optimizer_name(cfg.train))  # fmt: skip
     limit = cfg.checkpoints.checkpoints_total_limit
     print(
         f"disk: {s.describe()}; keep at least {diskspace.gib(s.checkpoint + s.model)} free in --output_dir"
@@ -252,11 +255,11 @@ def _hub_offline() -> bool:
     return bool(constants.HF_HUB_OFFLINE) or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
 
 
-def transformer_config(path: str, revision: str | None = None) -> tuple[dict, str]:
+def transformer_config(path: str, revision: str | None = None, cache_dir: str | None = None) -> tuple[dict, str]:
     """(transformer config, where it came from) of a model folder or hub id, without waiting on the network: a
-    folder's own file; a hub id's from the local HF cache, else built in for the known FLUX.1 ids
-    (flux_cp.known_models), else from the Hub in one short attempt (not when HF_HUB_OFFLINE is set). Whatever
-    fails is one UsageError line."""
+    folder's own file; a hub id's from the local HF cache (`cache_dir`: --cache_dir's, else the default), else built
+    in for the known FLUX.1 ids (flux_cp.known_models), else from the Hub in one short attempt (not when
+    HF_HUB_OFFLINE is set). Whatever fails is one UsageError line."""
     from .errors import UsageError
     from .known_models import KNOWN, known_model
 
@@ -273,7 +276,7 @@ def transformer_config(path: str, revision: str | None = None) -> tuple[dict, st
     from huggingface_hub.errors import HFValidationError
 
     try:
-        cached = huggingface_hub.try_to_load_from_cache(path, file, revision=revision)
+        cached = huggingface_hub.try_to_load_from_cache(path, file, cache_dir=cache_dir, revision=revision)
     except HFValidationError:
         raise UsageError(f"{flag}: no such folder (and not a hub id like owner/name)") from None
     if isinstance(cached, str):
@@ -294,7 +297,7 @@ def transformer_config(path: str, revision: str | None = None) -> tuple[dict, st
     try:  # one attempt with a short timeout (hf_hub_download alone retries for ~30 s when the hub is unreachable)
         url = huggingface_hub.hf_hub_url(path, file, revision=revision)
         huggingface_hub.get_hf_file_metadata(url, timeout=10)
-        local = huggingface_hub.hf_hub_download(path, file, revision=revision)
+        local = huggingface_hub.hf_hub_download(path, file, revision=revision, cache_dir=cache_dir)
     except (HfHubHTTPError, httpx.HTTPError, OSError, ValueError) as e:
         why = " ".join(str(e).split())[:200] or type(e).__name__
         raise UsageError(
@@ -320,7 +323,8 @@ def print_plan(cfg: Config) -> None:
         family, path = model_of(cfg.model, pairs)
         config = dict(family.transformer_class().load_config(path, subfolder="transformer"))
     else:
-        config, path = transformer_config(cfg.model.pretrained_model_name_or_path, cfg.model.revision)
+        model = cfg.model
+        config, path = transformer_config(model.pretrained_model_name_or_path, model.revision, model.cache_dir)
         family = for_transformer(config)
     cfg = resolved(cfg, family, pairs, config)  # the family's default --lora_layers
     if family.name != "flux1":  # its counts and activation units are FluxTransformer2DModel's

@@ -103,7 +103,9 @@ def model_of(model: ModelConfig, pairs: bool) -> tuple[Family, str]:
     FLUX.1 (its Kontext variant for `pairs`), built here on first use."""
     if model.embedded_default:
         return FLUX1, FLUX1.embedded_default(pairs)
-    return detect(model.pretrained_model_name_or_path, model.revision), model.pretrained_model_name_or_path
+    return detect(
+        model.pretrained_model_name_or_path, model.revision, model.cache_dir
+    ), model.pretrained_model_name_or_path
 
 
 def build_shape(cfg: Config, world: int) -> RunShape:

@@ -21,11 +21,11 @@ import torch
 
 import cp
 
-from . import checkpoint, diskspace, distributed, faults, files, fp8, manifest, outdir, parallel, validation
+from . import checkpoint, diskspace, distributed, faults, files, fp8, manifest, outdir, parallel, quiet, validation
 from .batches import Batches
 from .blocks import attention_recomputed, prepare_blocks, step_begins, uses_cuda_graphs
-from .config import Config
-from .data import BUNDLED_DATA, BatchSchedule, ImageSource, check_pair_flags, open_source
+from .config import DEFAULT_ENCODINGS_DIR, Config
+from .data import BUNDLED_DATA, BatchSchedule, ImageSource, cache_folder, check_pair_flags, open_source
 from .encode import Geometry, LiveData, TrainingData, encode_dataset, encoder_fingerprints
 from .errors import UsageError
 from .lora import lora_origin, save_lora
@@ -41,7 +41,15 @@ from .model import (
     save_full,
     trainable_parameters,
 )
-from .optim import apply_update, check_finite, clip_grad_norm, make_lr_scheduler, make_optimizer
+from .optim import (
+    apply_update,
+    check_finite,
+    check_optimizer,
+    clip_grad_norm,
+    make_lr_scheduler,
+    make_optimizer,
+    optimizer_name,
+)
 from .parallel import Layout, choose_cp_mode, cp_advice, make_accelerator
 from .plan import GIB, Checkpointing, checkpointing_for_run
 from .profiling import profiled
@@ -105,6 +113,8 @@ class Trainer:
     bar: Any
     peak: float | None  # bf16 FLOP/s that MFU and HFU are measured against (None: not on a GPU)
     fault: faults.Fault
+    # finish
+    hub_repo_id: str | None  # the Hub repository the outputs were pushed to (rank 0)
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -120,7 +130,7 @@ class Trainer:
                                     self.cfg.cp_tuning.tuning())  # fmt: skip
 
     def open_source(self) -> ImageSource:
-        return open_source(self.cfg.data, self.shape.metadata)
+        return open_source(self.cfg.data, self.shape.metadata, self.cfg.model.cache_dir)
 
     def encode_share(self) -> tuple[int, int]:
         """(this process's index, number of processes) among those that share the encoding of the data set."""
@@ -144,12 +154,14 @@ class Trainer:
         """Flag checks that need the launch size and the model folder, then accelerate, the dp x cp layout,
         logging and precision, and the output folder."""
         cfg = self.cfg
+        quiet.install()  # third-party messages that say nothing to a user (flux_cp/quiet.py)
         # Everything that needs only the flags, the launch size and the model's config fails here, before any
         # process group. transformers' save_pretrained writes weights only on rank 0 once torch.distributed is up,
         # so the tiny default is built (by whichever process locks first) here too.
         self.shape = shape = build_shape(cfg, self.launched_world_size())
         self.cfg = cfg = resolved(cfg, shape.family, shape.pairs, self.read_transformer_config())
         shape.family.check(cfg)
+        check_optimizer(cfg.train, sharded=shape.sharded)
         check_tokens(shape, cfg.data, cfg.validation)
         check_pair_flags(cfg.data, cfg.validation, shape.pairs)
         self.accelerator = make_accelerator(cfg.parallel, cfg.train, cfg.validation, shape.world)
@@ -161,6 +173,8 @@ class Trainer:
                 f"trained on {cfg.data.dataset_name or 'the bundled data set (data/tiny_shapes)'}; pass "
                 "--pretrained_model_name_or_path and --dataset_name for real runs"
             )
+        for line in cfg.demo_lines():
+            logger.info(f"flux-cp: {line}")
         logger.info(
             f"flux-cp: {layout.describe()}, {self.accelerator.distributed_type}, device {self.accelerator.device}"
         )
@@ -170,6 +184,7 @@ class Trainer:
         if cfg.train.allow_tf32 and torch.cuda.is_available():
             torch.backends.cuda.matmul.allow_tf32 = True
         self.device = self.accelerator.device
+        check_optimizer(cfg.train, self.device.type, shape.sharded)  # 8-bit AdamW: a CUDA device, not only a GPU seen
         self.weight_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
             self.accelerator.mixed_precision, torch.float32
         )
@@ -200,7 +215,7 @@ class Trainer:
                            "--dataset_name": cfg.data.dataset_name or str(BUNDLED_DATA)},
                 )  # fmt: skip
                 if not cfg.data.no_cache:
-                    outdir.check_writable(Path(self.cache_dir), "--cache_dir")
+                    outdir.check_writable(Path(self.encodings_dir), "--encodings_dir")
             except UsageError as e:
                 problem = str(e)
         distributed.check_all_ranks(problem is None, problem or "")
@@ -210,8 +225,8 @@ class Trainer:
             logger.info(note)
 
     @property
-    def cache_dir(self) -> str:
-        return self.cfg.data.cache_dir or str(Path.home() / ".cache" / "flux_cp" / "encodings")
+    def encodings_dir(self) -> str:
+        return str(cache_folder(self.cfg.data) or os.path.expanduser(DEFAULT_ENCODINGS_DIR))
 
     def output_sizes(self) -> diskspace.Sizes:
         """Bytes of one checkpoint and of the final model, from the transformer's config (nothing loaded)."""
@@ -221,12 +236,15 @@ class Trainer:
         check_export(config, cfg.lora)  # a kohya file diffusers could not read back is refused now, not at the end
         counts = shape.family.count_parameters(config, lora, list(cfg.lora.lora_layers))
         with_optimizer = not cfg.checkpoints.checkpoint_weights_only
-        return diskspace.sizes(counts, cfg.lora.full_finetune, with_optimizer, self.weight_dtype, self.layout.world)
+        return diskspace.sizes(counts, cfg.lora.full_finetune, with_optimizer, self.weight_dtype, self.layout.world,
+                               optimizer_name(cfg.train))  # fmt: skip
 
     def read_transformer_config(self) -> dict:
         path, cls = self.shape.model_path, self.shape.family.transformer_class()
         try:
-            return dict(cls.load_config(path, subfolder="transformer", revision=self.cfg.model.revision))
+            model = self.cfg.model
+            return dict(cls.load_config(path, subfolder="transformer", revision=model.revision,
+                                        cache_dir=model.cache_dir))  # fmt: skip
         except (OSError, ValueError) as e:
             first = str(e).splitlines()[0]
             raise UsageError(f"cannot load transformer from --pretrained_model_name_or_path {path}: {first}") from None
@@ -238,7 +256,9 @@ class Trainer:
         if source.pairs:
             label = shape.family.pairs_label
             logger.info(f"{label} pairs: {len(source)} targets with their reference images, loss on the targets")
-            warning = shape.family.pairs_warning(shape.model_path, pipeline_class(shape.model_path, cfg.model.revision))
+            warning = shape.family.pairs_warning(
+                shape.model_path, pipeline_class(shape.model_path, cfg.model.revision, cfg.model.cache_dir)
+            )
             if warning:
                 logger.warning(warning)
         self.encoders = encoders = shape.family.load_encoders(
@@ -257,7 +277,7 @@ class Trainer:
         if cfg.data.no_cache:
             self.samples = LiveData(source, encoders, geometry, cfg.data, cfg.train.seed)
         else:
-            cache = Path(self.cache_dir)
+            cache = Path(self.encodings_dir)
             fingerprints = encoder_fingerprints(encoders, shape.model_path, cfg.model.revision)
             self.samples = encode_dataset(
                 source, encoders, geometry, cfg.data, cfg.train.seed, cache, fingerprints, *self.encode_share()
@@ -548,17 +568,37 @@ class Trainer:
 
             manifest.record(output_dir, "loss_curve.png")
             plot_loss_curve(Path(output_dir) / "metrics.jsonl", Path(output_dir) / "loss_curve.png")
-        self.publish()
+        hub_url = self.publish()
+        if layout.is_main:
+            self.summarize(hub_url)
         self.accelerator.wait_for_everyone()
 
-    def publish(self) -> None:
+    def summarize(self, hub_url: str | None) -> None:
+        """The run's last lines (rank 0): every output written, the loss's change, and how to load the weights."""
+        from .summary import summary
+
+        cfg, family = self.cfg, self.shape.family
+        urls = []
+        if cfg.validation.report_to in ("wandb", "all"):
+            try:  # the run's page; none when wandb runs offline
+                urls = [u for u in [self.accelerator.get_tracker("wandb").run.url] if u]
+            except Exception:  # noqa: BLE001 - a missing link must not fail a finished run
+                urls = []
+        text = summary(
+            cfg, steps=self.max_steps, pipeline=family.pipeline_class_name(self.shape.pairs), kontext=self.shape.pairs,
+            hub_url=hub_url, repo_id=self.hub_repo_id, tracker_urls=tuple(urls),
+        )  # fmt: skip
+        logger.info(text)
+
+    def publish(self) -> str | None:
         """The model card (README.md in the output folder, as diffusers' examples write it) and, with --push_to_hub,
         the upload of the output folder (checkpoints and logs stay local). A failed upload is one line; the
-        outputs stay in the folder."""
+        outputs stay in the folder. Returns the repository's URL when pushed (rank 0)."""
         from . import hub
         from .card import write_model_card
 
-        cfg, problem = self.cfg, None
+        cfg, problem, url = self.cfg, None, None
+        self.hub_repo_id = None
         if self.layout.is_main:
             output_dir = cfg.train.output_dir
             theirs = os.path.lexists(Path(output_dir) / "README.md") and "README.md" not in (
@@ -570,12 +610,14 @@ class Trainer:
                 )
 
             def card(repo_id: str | None = None) -> Path | None:
+                self.hub_repo_id = repo_id
                 if theirs:
                     return None
                 manifest.record(output_dir, "README.md")
                 return write_model_card(
                     cfg.train.output_dir, cfg, kontext=self.shape.pairs, steps=self.max_steps,
                     layout=self.layout.describe(), cp_mode=self.cp_mode, repo_id=repo_id,
+                    pipeline=self.shape.family.pipeline_class_name(self.shape.pairs),
                 )  # fmt: skip
 
             try:
@@ -590,6 +632,7 @@ class Trainer:
             except UsageError as e:
                 problem = str(e)
         distributed.check_all_ranks(problem is None, problem or "")
+        return url
 
     def close(self) -> None:
         """Free what holds the process group while it is up, then end accelerate's trackers. The wrapped model's

@@ -66,7 +66,7 @@ def in_process(argv: list[str]) -> tuple[int, str]:
 
 def run_args(tmp: Path, name: str, steps: int, *extra: str, cache: bool = True) -> list[str]:
     """Flags every test run shares: its own output folder, the test's encoding cache, no trackers."""
-    cache_flags = ["--cache_dir", str(tmp / "cache")] if cache else []
+    cache_flags = ["--encodings_dir", str(tmp / "cache")] if cache else []
     return ["--output_dir", str(tmp / name), *cache_flags, "--report_to", "none", "--max_train_steps", str(steps),
             *extra]  # fmt: skip
 

@@ -31,7 +31,7 @@ def test_bad_input_gets_a_clear_message(case, tmp_path, monkeypatch, record_prop
     base = [
         "--output_dir",
         str(tmp_path / "out"),
-        "--cache_dir",
+        "--encodings_dir",
         str(tmp_path / "cache"),
         "--report_to",
         "none",

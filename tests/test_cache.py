@@ -70,8 +70,11 @@ def test_a_cache_that_cannot_be_written_is_one_line(tmp_path, monkeypatch):
     with pytest.raises(UsageError) as e:
         _encode(tmp_path, _Encoders())
     message = str(e.value)
-    assert message.startswith(f"cannot write the encoding cache under --cache_dir {tmp_path} (") and "\n" not in message
-    assert message.endswith("No space left on device. Free space there, choose another --cache_dir, or pass --no_cache")
+    assert message.startswith(f"cannot write the encoding cache under --encodings_dir {tmp_path} (")
+    assert "\n" not in message
+    assert message.endswith(
+        "No space left on device. Free space there, choose another --encodings_dir, or pass --no_cache"
+    )
 
 
 def test_an_entry_of_the_right_names_but_another_shape_is_recomputed(tmp_path, caplog):

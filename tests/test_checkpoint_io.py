@@ -312,3 +312,112 @@ def test_a_changed_data_set_is_named_file_by_file(tmp_path):
     old = {"run": {**saved["run"], "data": "legacy"}}
     del old["run"]["data_legacy"]
     checkpoint.check_compatible(old, checkpoint.run_identity(cfg, 1, identity(after), None), ckpt)
+
+
+# --- Prodigy and 8-bit AdamW: their state through DCP ------------------------------------------------------------
+
+
+def _with(name: str, steps: int, **flags):
+    """The tiny LoRA trained `steps` steps by the trainer's optimizer `name` (a quadratic pull of every weight to 1)."""
+    from flux_cp.config import TrainConfig
+    from flux_cp.optim import make_optimizer
+
+    if name == "adamw8bit":
+        pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed (pip install -e .[optim])")
+    model = tiny_transformer()
+    prepare_trainable(model, LoraConfig(rank=4, lora_alpha=4, lora_layers=DEFAULT_TARGETS), seed=0)
+    params = [p for _, p in trainable_parameters(model)]
+    train = TrainConfig(optimizer="adamw" if name == "adamw8bit" else name, use_8bit_adam=name == "adamw8bit",
+                        learning_rate=1.0 if name == "prodigy" else 1e-2, **flags)  # fmt: skip
+    opt = make_optimizer(train, params, global_batch=1)
+    sched = get_scheduler("constant", optimizer=opt)
+    _pull(params, opt, sched, steps)
+    return model, opt, sched
+
+
+def _pull(params, opt, sched, steps: int) -> None:
+    for _ in range(steps):
+        sum(((p.float() - 1.0) ** 2).sum() for p in params).backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("name", ["prodigy", "adamw8bit"])
+def test_prodigy_and_8bit_adamw_resume_exactly(tmp_path, name):
+    """Their state goes through torch.distributed.checkpoint's get/set_state_dict whole: Prodigy's step-size
+    estimate (d, d_max, d_numerator, k: in its param groups) and its per-weight state, 8-bit AdamW's uint8 moments
+    with their scales and maps. Resumed, they continue to the last bit as if never stopped; without the optimizer
+    state they would not (the control)."""
+    flags = {"prodigy_safeguard_warmup": False} if name == "prodigy" else {}  # so that d grows within 5 steps
+    model, opt, sched = _with(name, 5, **flags)
+    if name == "prodigy":
+        assert opt.param_groups[0]["d"] > opt.param_groups[0]["d0"]  # the estimate moved: restoring it matters
+    ckpt = _save(tmp_path, 5, model, opt, sched)
+    params = [p for _, p in trainable_parameters(model)]
+    _pull(params, opt, sched, 3)
+    for with_state in (True, False):
+        model2, opt2, sched2 = _with(name, 0, **flags)
+        checkpoint.load(ckpt, model2, opt2, sched2, optimizer_state=with_state)
+        _pull([p for _, p in trainable_parameters(model2)], opt2, sched2, 3)
+        same = all(
+            torch.equal(a, b) for (_, a), (_, b) in zip(trainable_parameters(model), trainable_parameters(model2))
+        )
+        assert same is with_state, f"optimizer state restored: {with_state}"
+
+
+def test_changed_prodigy_settings_are_applied_on_resume(tmp_path):
+    model, opt, sched = _with("prodigy", 2)
+    ckpt = _save(tmp_path, 2, model, opt, sched)
+    model2, opt2, sched2 = _with("prodigy", 0, prodigy_beta3=0.9, prodigy_decouple=False)
+    changes = checkpoint.load(ckpt, model2, opt2, sched2)
+    assert changes == ["Prodigy beta3 None -> 0.9", "Prodigy decouple True -> False"]
+    group, saved = opt2.param_groups[0], opt.param_groups[0]
+    assert (group["beta3"], group["decouple"]) == (0.9, False)
+    assert (group["k"], group["d_numerator"]) == (saved["k"], saved["d_numerator"]) == (2, saved["d_numerator"])
+
+
+@pytest.mark.parametrize("name", ["prodigy", "adamw8bit"])
+def test_checkpoint_sizes_of_prodigy_and_8bit_adamw_are_known_in_advance(tmp_path, name):
+    model, opt, sched = _with(name, 2)
+    counts = diskspace.count(TRANSFORMER_CONFIG, 4, list(DEFAULT_TARGETS))
+    s = diskspace.sizes(counts, False, True, torch.bfloat16, world=1, optimizer=name)
+    written = _tree(_save(tmp_path, 2, model, opt, sched))
+    assert written <= s.checkpoint, (written, s)
+    if name == "prodigy":  # 8-bit AdamW: an upper bound here, every tensor of the tiny LoRA is too small for 8 bits
+        assert s.checkpoint <= written * 1.1 + 256 * 1024, (written, s)
+    label = {"prodigy": "Prodigy", "adamw8bit": "8-bit AdamW"}[name]
+    assert f"+ {label} state" in s.describe()
+
+
+def test_8bit_adamw_state_of_flux1_dev_is_a_quarter_of_adamws():
+    """At FLUX.1-dev size (full fine-tuning) the estimate is the state bitsandbytes keeps, per tensor: two uint8
+    moments with an fp32 scale per 256 values (fp32 moments under 4096 values) and two 256-entry maps."""
+    from flux_cp.tiny import FLUX1_DEV_TRANSFORMER
+
+    with torch.device("meta"):
+        from diffusers import FluxTransformer2DModel
+
+        sizes = [p.numel() for p in FluxTransformer2DModel.from_config(FLUX1_DEV_TRANSFORMER).parameters()]
+    exact = sum(2 * v + 2 * 4 * -(-v // 256) + 2 * 256 * 4 if v >= 4096 else 8 * v for v in sizes)
+    counts = diskspace.count(FLUX1_DEV_TRANSFORMER, None, [])
+    eight, adamw = (diskspace.sizes(counts, True, True, torch.bfloat16, 2, optimizer=o) for o in ("adamw8bit", "adamw"))
+    assert exact <= eight.checkpoint_optimizer <= exact * 1.001 + len(sizes) * 64 * 1024
+    assert 0.25 < eight.checkpoint_optimizer / adamw.checkpoint_optimizer < 0.26
+
+
+def test_the_optimizer_is_part_of_a_runs_identity(tmp_path):
+    from flux_cp.config import parse_config
+    from flux_cp.families import FLUX1
+    from flux_cp.shape import resolved
+
+    adamw = checkpoint.run_identity(resolved(parse_config([]), FLUX1, False, None), 4, "data", None)
+    prodigy = checkpoint.run_identity(resolved(parse_config(["--optimizer", "prodigy"]), FLUX1, False, None), 4,
+                                      "data", None)  # fmt: skip
+    assert (adamw["optimizer"], prodigy["optimizer"]) == ("adamw", "prodigy")
+    with pytest.raises(UsageError, match=r"incompatible run \(optimizer: checkpoint 'adamw', now 'prodigy'\)"):
+        checkpoint.check_compatible({"run": adamw}, prodigy, tmp_path)
+    before = {k: v for k, v in adamw.items() if k != "optimizer"}  # written before the optimizer was recorded
+    checkpoint.check_compatible({"run": before}, adamw, tmp_path)
+    with pytest.raises(UsageError, match=r"optimizer: checkpoint 'adamw', now 'prodigy'"):
+        checkpoint.check_compatible({"run": before}, prodigy, tmp_path)

@@ -31,7 +31,7 @@ def _computed(result) -> int:
 def test_second_run_reads_the_cache_and_a_changed_caption_recomputes_only_itself(tmp_path):
     data = tmp_path / "data"
     shutil.copytree(BUNDLED_DATA, data)
-    cache = ["--cache_dir", str(tmp_path / "cache"), "--dataset_name", str(data)]
+    cache = ["--encodings_dir", str(tmp_path / "cache"), "--dataset_name", str(data)]
     first = ok(train(2, *_common(tmp_path, "a", 4, "--cp_size", "2", *cache)))
     assert _computed(first) > 24  # every latent and every distinct caption
     second = ok(train(2, *_common(tmp_path, "b", 4, "--cp_size", "2", *cache)))
@@ -88,7 +88,7 @@ def test_aspect_buckets_train_the_same_with_and_without_cp(tmp_path):
         "128",
         "--train_batch_size",
         "2",
-        "--cache_dir",
+        "--encodings_dir",
         str(tmp_path / "cache"),
     ]
     ok(train(1, *_common(tmp_path, "one", 10, *args)))
@@ -122,7 +122,7 @@ def test_validation_images_with_cp_equal_those_without_and_trackers_log(tmp_path
         "96",
         "--learning_rate",
         "1e-12",  # (0 is refused: a run that cannot learn); the weights stay as they are, so images compare
-        "--cache_dir",
+        "--encodings_dir",
         str(tmp_path / "cache"),
     ]
     ok(train(1, *_common(tmp_path, "one", 1, *val)))
@@ -182,7 +182,9 @@ def test_hub_data_sets_are_read_through_datasets(monkeypatch):
     ds = datasets.Dataset.from_dict({"img": images, "caption": [f"shape {i}" for i in range(4)]})
     ds = ds.cast_column("img", datasets.Image())
     calls = []
-    monkeypatch.setattr(datasets, "load_dataset", lambda name, config, split: calls.append((name, split)) or ds)
+    monkeypatch.setattr(
+        datasets, "load_dataset", lambda name, config, split, cache_dir: calls.append((name, split, cache_dir)) or ds
+    )
 
     def args(**kw):
         base = dict(
@@ -195,7 +197,9 @@ def test_hub_data_sets_are_read_through_datasets(monkeypatch):
         return DataConfig(**{**base, **kw})
 
     source = open_source(args())
-    assert calls == [("someone/shapes", "train")] and len(source) == 4
+    assert calls == [("someone/shapes", "train", None)] and len(source) == 4
+    open_source(args(), cache_dir="/downloads")  # --cache_dir: where diffusers' examples download data sets too
+    assert calls[-1] == ("someone/shapes", "train", "/downloads")
     assert source.samples[2].caption == "shape 2"
     assert source.load(1).size == Image.open(sorted(BUNDLED_DATA.glob("*.png"))[1]).size
     assert open_source(args(instance_prompt="sks shape")).samples[0].caption == "sks shape"

@@ -184,3 +184,32 @@ def test_cp_tuning_flags_are_typed_recorded_and_become_the_cp_tuning():
     assert cfg.flat()["cp_kernels"] == "flash,math"
     assert cfg.cp_tuning.tuning() == cp.Tuning(("flash", "math"), "none", True, 2)
     assert "advanced: CP tuning" in build_parser().format_help()
+
+
+# --- --cache_dir: the download cache, as in diffusers' examples; --encodings_dir: ours -------------------------
+
+
+def test_cache_dir_is_the_download_cache_and_still_holds_the_encodings_for_now(capsys, tmp_path):
+    """A given --cache_dir is where models and hub data sets download (diffusers' meaning). Without --encodings_dir
+    the encodings still go there, as before this release, and a warning says how to keep them there for good."""
+    cache = str(tmp_path / "hf")
+    cfg = parse_config(["--cache_dir", cache])
+    assert (cfg.model.cache_dir, cfg.data.encodings_dir) == (cache, cache)
+    assert capsys.readouterr().err == (
+        f"warning: --cache_dir {cache} now holds downloaded models and hub data sets (as in diffusers' examples); the "
+        f"encodings also go there, as before, for this release only: pass --encodings_dir {cache} to keep them there "
+        "(or name another folder)\n"
+    )
+    cfg = parse_config(["--cache_dir", cache, "--encodings_dir", str(tmp_path / "enc")])
+    assert (cfg.model.cache_dir, cfg.data.encodings_dir) == (cache, str(tmp_path / "enc"))
+    parse_config(["--cache_dir", cache, "--no_cache"])  # nothing is encoded to a folder: nothing to say
+    assert capsys.readouterr().err == ""
+    cfg = parse_config(["--encodings_dir", str(tmp_path / "enc"), "--no_cache"])
+    assert cfg.model.cache_dir is None
+    assert capsys.readouterr().err == "warning: --encodings_dir has no effect with --no_cache\n"
+    assert parse_config([]).data.encodings_dir is None  # the trainer's default: DEFAULT_ENCODINGS_DIR
+    lines = _help_lines()
+    assert "downloaded models and hub data sets" in lines["--cache_dir"]
+    assert (
+        "Default: ~/.cache/flux_cp/encodings (--cache_dir when that is given: deprecated)" in lines["--encodings_dir"]
+    )

@@ -157,6 +157,6 @@ def test_the_encoding_cache_inside_the_data_folder_is_not_listed(tmp_path):
     d = _folder(tmp_path)
     (d / "cache" / "previews").mkdir(parents=True)
     Image.new("RGB", (8, 8)).save(d / "cache" / "previews" / "x.png")
-    source = open_source(DataConfig(dataset_name=str(d), cache_dir=str(d / "cache"), instance_prompt="x"))
+    source = open_source(DataConfig(dataset_name=str(d), encodings_dir=str(d / "cache"), instance_prompt="x"))
     assert [p.replace(str(d) + "/", "") for p in (s.ref for s in source.samples)] == ["a.png", "b.png"]
     assert len(open_source(DataConfig(dataset_name=str(d), no_cache=True, instance_prompt="x"))) == 3

@@ -22,7 +22,7 @@ def _png(colour) -> dict:
 
 def _hub(monkeypatch, images, captions):
     ds = datasets.Dataset.from_dict({"image": images, "text": captions}).cast_column("image", datasets.Image())
-    monkeypatch.setattr(datasets, "load_dataset", lambda name, config, split: ds)
+    monkeypatch.setattr(datasets, "load_dataset", lambda name, config, split, cache_dir: ds)
     return DataConfig(dataset_name="someone/shapes")
 
 
@@ -36,7 +36,7 @@ def test_every_row_needs_a_string_caption_and_an_image(monkeypatch):
 
 
 def test_a_hub_id_that_cannot_be_loaded_is_one_line(monkeypatch):
-    def offline(name, config, split):
+    def offline(name, config, split, cache_dir):
         raise ConnectionError("Couldn't reach 'someone/shapes' on the Hub (LocalEntryNotFoundError)\nmore detail")
 
     monkeypatch.setattr(datasets, "load_dataset", offline)

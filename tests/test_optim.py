@@ -3,24 +3,28 @@
 from __future__ import annotations
 
 import math
+import sys
+import types
 
 import pytest
 import torch
 
-from flux_cp.errors import NonFiniteError
+from flux_cp.errors import NonFiniteError, UsageError
 from flux_cp.optim import apply_update, check_finite
 from tests.fakes import step_fused_and_reference
+
+OPTIMIZER = {"fused_adamw": "adamw", "prodigy": "prodigy"}
 
 
 def _setup(kind: str = "sgd"):
     p = torch.nn.Parameter(torch.ones(3))
     if kind == "sgd":  # not fused: apply_update reads the flag on the host
         optimizer = torch.optim.SGD([p], lr=0.1)
-    else:  # the trainer's AdamW, fused: the flag stays on the device
+    else:  # the trainer's optimizers: AdamW is fused (the flag stays on the device), Prodigy reads it on the host
         from flux_cp.config import TrainConfig
         from flux_cp.optim import make_optimizer
 
-        optimizer = make_optimizer(TrainConfig(learning_rate=0.1), [p], global_batch=1)
+        optimizer = make_optimizer(TrainConfig(learning_rate=0.1, optimizer=OPTIMIZER[kind]), [p], global_batch=1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 / (1 + s))
     p.grad = torch.ones(3)
     return p, optimizer, scheduler
@@ -38,7 +42,7 @@ def test_a_finite_step_updates():
 
 
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before:UserWarning")  # skipped
-@pytest.mark.parametrize("kind", ["sgd", "fused_adamw"])
+@pytest.mark.parametrize("kind", ["sgd", "fused_adamw", "prodigy"])
 @pytest.mark.parametrize("loss, grad_norm", [(math.nan, 1.0), (0.5, math.inf), (0.5, math.nan)])
 def test_a_non_finite_loss_or_gradient_norm_alone_skips_the_update(kind, loss, grad_norm, caplog):
     """A finite loss with a non-finite gradient norm is skipped too, and reported as skipped."""
@@ -85,3 +89,165 @@ def test_a_dropped_fused_step_leaves_no_trace_in_adamw_and_reads_nothing_on_the_
 def test_the_trainers_adamw_is_fused_and_steps_like_the_reference_adamw():
     """make_optimizer uses the fused AdamW (fewer host-side launches); it must update as torch's default AdamW."""
     step_fused_and_reference("cpu", [(16, 4), (4, 16), (7,), (3, 3, 2)])
+
+
+# --- the optimizers diffusers' examples offer: Prodigy and 8-bit AdamW --------------------------------------------
+
+
+def _bnb_or_skip() -> None:
+    pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed (pip install -e .[optim])")
+
+
+def _trainer_optimizer(name: str, params: list, lr: float = 0.1):
+    from flux_cp.config import TrainConfig
+    from flux_cp.optim import make_optimizer
+
+    if name == "adamw8bit":
+        _bnb_or_skip()
+    train = TrainConfig(learning_rate=lr, optimizer="adamw" if name == "adamw8bit" else name,
+                        use_8bit_adam=name == "adamw8bit")  # fmt: skip
+    return make_optimizer(train, params, global_batch=1)
+
+
+def _same(a, b) -> bool:
+    """Optimizer state dicts (or parts of them) equal to the last bit."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before:UserWarning")
+@pytest.mark.parametrize("name", ["prodigy", "adamw8bit"])
+def test_a_dropped_step_leaves_prodigy_and_8bit_adamw_as_they_were(name):
+    """Neither takes fused AdamW's found_inf flag: apply_update reads the step's flag first and does not step them.
+    Weights and every piece of state (Prodigy's step-size estimate in its param groups, 8-bit AdamW's quantised
+    moments) stay as they were, and the next step equals that of an optimizer that never saw the bad one."""
+    import copy
+
+    from flux_cp.optim import skips_on_device
+
+    torch.manual_seed(0)
+    init = torch.randn(64, 128)  # 8-bit moments need 4096 values or more (bitsandbytes' min_8bit_size)
+    p, q = torch.nn.Parameter(init.clone()), torch.nn.Parameter(init.clone())
+    opt, ref = _trainer_optimizer(name, [p]), _trainer_optimizer(name, [q])
+    assert not skips_on_device(opt)
+    sched, ref_sched = (torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0) for o in (opt, ref))
+    grads = [torch.randn(64, 128) for _ in range(4)]
+    for g in grads[:2]:
+        p.grad, q.grad = g.clone(), g.clone()
+        apply_update(opt, sched, _t(0.5), _t(1.0))
+        apply_update(ref, ref_sched, _t(0.5), _t(1.0))
+    before, weights = copy.deepcopy(opt.state_dict()), p.detach().clone()
+    p.grad = grads[2].clone()
+    assert apply_update(opt, sched, _t(math.nan), _t(1.0)).item() is True
+    assert torch.equal(p.detach(), weights) and _same(opt.state_dict(), before)
+    ref_sched.step()
+    p.grad, q.grad = grads[3].clone(), grads[3].clone()
+    apply_update(opt, sched, _t(0.5), _t(1.0))
+    apply_update(ref, ref_sched, _t(0.5), _t(1.0))
+    assert not torch.equal(p.detach(), weights)  # it moved: the comparison means something
+    assert torch.equal(p.detach(), q.detach()) and _same(opt.state_dict(), ref.state_dict())
+
+
+def test_prodigy_is_built_as_diffusers_builds_it_and_says_nothing(capsys):
+    """diffusers' examples pass --adam_beta1/2, --adam_weight_decay, --adam_epsilon and the four --prodigy_* flags;
+    prodigyopt's own "Using decoupled weight decay" line (every rank, every run) is left out, nothing else."""
+    from prodigyopt import Prodigy
+
+    from flux_cp.config import parse_config
+    from flux_cp.optim import describe, make_optimizer
+
+    cfg = parse_config(["--optimizer", "prodigy", "--adam_beta1", "0.8", "--prodigy_beta3", "0.95",
+                        "--prodigy_decouple", "false", "--prodigy_safeguard_warmup", "False"])  # fmt: skip
+    capsys.readouterr()
+    opt = make_optimizer(cfg.train, [torch.nn.Parameter(torch.ones(3))], global_batch=1)
+    assert isinstance(opt, Prodigy) and capsys.readouterr().out == ""
+    group = opt.param_groups[0]
+    expected = {"lr": 1.0, "betas": (0.8, 0.999), "beta3": 0.95, "weight_decay": 1e-4, "eps": 1e-8,
+                "decouple": False, "use_bias_correction": True, "safeguard_warmup": False}  # fmt: skip
+    assert {k: group[k] for k in expected} == expected
+    assert describe(cfg.train) == (
+        "Prodigy (betas 0.8, 0.999; weight decay 0.0001; eps 1e-08; beta3 0.95; decoupled decay off, bias correction "
+        "on, safeguard warmup off)"
+    )
+    make_optimizer(parse_config(["--optimizer", "prodigy"]).train, [torch.nn.Parameter(torch.ones(3))], 1)
+    assert "decoupled" not in capsys.readouterr().out  # decoupled with weight decay: the case that prints
+
+
+def test_the_line_filter_keeps_every_other_line(capsys):
+    from flux_cp.optim import _without_line
+
+    with _without_line("Using decoupled weight decay"):
+        print("Using decoupled weight decay")
+        print("something else")
+        print("Using decoupled weight decay, and more")
+    assert capsys.readouterr().out == "something else\nUsing decoupled weight decay, and more\n"
+
+
+def test_optimizer_flags_take_diffusers_names_and_values():
+    from flux_cp.config import parse_config
+
+    train = parse_config([]).train
+    assert (train.optimizer, train.use_8bit_adam, train.prodigy_beta3) == ("adamw", False, None)
+    assert train.prodigy_decouple and train.prodigy_use_bias_correction and train.prodigy_safeguard_warmup
+    train = parse_config(["--optimizer", "Prodigy", "--prodigy_use_bias_correction", "0",
+                          "--learning_rate", "0.5"]).train  # fmt: skip
+    assert (train.optimizer, train.prodigy_use_bias_correction, train.learning_rate) == ("prodigy", False, 0.5)
+    assert parse_config(["--optimizer", "prodigy", "--max_train_steps", "2"]).train.learning_rate == 1.0
+    with pytest.raises(UsageError, match=r"^argument --prodigy_decouple: 'maybe' is not true or false"):
+        parse_config(["--prodigy_decouple", "maybe"])
+    with pytest.raises(UsageError, match=r"--optimizer: invalid choice: 'adam'.*did you mean adamw\?"):
+        parse_config(["--optimizer", "adam"])
+    with pytest.raises(UsageError, match=r"--prodigy_beta3 1 is out of range"):
+        parse_config(["--optimizer", "prodigy", "--prodigy_beta3", "1"])
+
+
+def test_prodigy_warnings_as_diffusers_gives_them(capsys):
+    from flux_cp.config import parse_config
+
+    parse_config(["--optimizer", "prodigy", "--learning_rate", "1e-4"])
+    assert "warning: --learning_rate 0.0001 is low for --optimizer prodigy" in capsys.readouterr().err
+    parse_config(["--optimizer", "prodigy"])  # its own default LR: nothing to say
+    parse_config(["--prodigy_decouple", "false", "--use_8bit_adam", "--plan"])
+    parse_config(["--optimizer", "prodigy", "--use_8bit_adam"])
+    err = capsys.readouterr().err
+    assert "is low" not in err and "warning: --prodigy_decouple has no effect without --optimizer prodigy" in err
+    assert "warning: --use_8bit_adam has no effect with --optimizer prodigy" in err
+
+
+def test_a_missing_optimizer_package_is_one_line_before_anything_loads(monkeypatch):
+    from flux_cp.config import parse_config
+
+    monkeypatch.setitem(sys.modules, "prodigyopt", None)  # as if not installed
+    with pytest.raises(UsageError) as e:
+        parse_config(["--optimizer", "prodigy"])
+    assert str(e.value) == (
+        "--optimizer prodigy needs the prodigyopt package: pip install -e .[optim] (or pip install prodigyopt)"
+    )
+    assert parse_config(["--optimizer", "prodigy", "--plan"]).plan.plan  # the planner loads no optimizer
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)
+    with pytest.raises(UsageError, match=r"^--use_8bit_adam needs the bitsandbytes package: pip install -e .\[optim\]"):
+        parse_config(["--use_8bit_adam"])
+
+
+def test_8bit_adamw_needs_a_cuda_device_and_neither_optional_optimizer_takes_fsdp(monkeypatch):
+    from flux_cp.config import TrainConfig, parse_config
+    from flux_cp.optim import check_optimizer
+
+    if not torch.cuda.is_available():  # this machine: refused while the flags are read
+        with pytest.raises(UsageError, match=r"^--use_8bit_adam needs a CUDA GPU .* trains on the CPU: drop"):
+            parse_config(["--use_8bit_adam"])
+    monkeypatch.setitem(sys.modules, "bitsandbytes", sys.modules.get("bitsandbytes") or types.ModuleType("bnb"))
+    eight_bit = TrainConfig(use_8bit_adam=True)
+    with pytest.raises(UsageError, match="trains on the CPU"):  # a GPU machine, accelerate told to use the CPU
+        check_optimizer(eight_bit, "cpu")
+    check_optimizer(eight_bit, "cuda")
+    for train, flag in ((eight_bit, "--use_8bit_adam"), (TrainConfig(optimizer="prodigy"), "--optimizer prodigy")):
+        with pytest.raises(UsageError, match=f"^{flag} is not supported with FSDP"):
+            check_optimizer(train, "cuda", sharded=True)
+    check_optimizer(TrainConfig(), "cuda", sharded=True)  # AdamW: any layout

@@ -196,6 +196,27 @@ def test_a_cached_config_comes_first_and_an_unknown_id_offline_is_one_line(tmp_p
     ) and "\n" not in str(e.value)
 
 
+def test_the_plan_reads_a_hub_config_from_the_download_cache_that_cache_dir_names(tmp_path, monkeypatch):
+    """--cache_dir is where a diffusers user's models are: --plan looks there, offline too."""
+    from flux_cp.config import parse_config
+    from flux_cp.errors import UsageError
+
+    _offline(monkeypatch, tmp_path)
+    repo = tmp_path / "downloads" / "models--someone--flux-finetune"
+    (repo / "snapshots" / "abc123" / "transformer").mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    config = {**FLUX1_DEV_TRANSFORMER, "num_layers": 3}
+    (repo / "snapshots" / "abc123" / "transformer" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UsageError, match="is not in the local HF cache"):  # not in the default cache
+        plan.transformer_config("someone/flux-finetune")
+    got, _ = plan.transformer_config("someone/flux-finetune", cache_dir=str(tmp_path / "downloads"))
+    assert got["num_layers"] == 3
+    cfg = parse_config(["--plan", "--pretrained_model_name_or_path", "someone/flux-finetune", "--cache_dir",
+                        str(tmp_path / "downloads")])  # fmt: skip
+    plan.print_plan(cfg)  # reads the config from there (else: the one-line error above)
+
+
 def test_an_unreachable_hub_is_one_line_after_one_attempt(tmp_path, monkeypatch):
     """Not offline, but nothing listens at the endpoint: one attempt, no retries (hf_hub_download alone retries for
     about 30 s), and one line."""

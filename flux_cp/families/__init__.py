@@ -18,11 +18,11 @@ from .flux2 import FLUX2, FLUX2_KLEIN
 FAMILIES: tuple[Family, ...] = (FLUX1, FLUX2, FLUX2_KLEIN)
 
 
-def detect(path: str, revision: str | None = None) -> Family:
+def detect(path: str, revision: str | None = None, cache_dir: str | None = None) -> Family:
     """The family of the model folder or hub id `path`: its pipeline class decides where a family names it (FLUX.2
     [dev] and [klein] share the transformer class), else its transformer class (a UsageError naming the classes if
-    no family trains them)."""
-    return base.detect(path, revision, FAMILIES)
+    no family trains them). `cache_dir`: the download cache."""
+    return base.detect(path, revision, FAMILIES, cache_dir)
 
 
 def for_transformer(config: dict) -> Family:

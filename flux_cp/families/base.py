@@ -82,6 +82,11 @@ class Family(ABC):
         noise is drawn in. The same by default."""
         return tuple(vae_shape)
 
+    def pipeline_class_name(self, pairs: bool) -> str:
+        """diffusers' pipeline class that loads this family's trained weights for inference (the model card's and
+        the run summary's snippets). `pairs`: trained on image-editing pairs."""
+        return self.pipeline_class_names[0]
+
     @abstractmethod
     def default_vae_encode_mode(self, pairs: bool) -> str:
         """`--vae_encode_mode` when not given: "sample" (a draw from the VAE's posterior) or "mode" (its mean), as
@@ -198,9 +203,10 @@ def _count(family: Family, config: str, lora_rank: int | None, lora_layers: tupl
     return counts
 
 
-def declared_classes(path: str, revision: str | None) -> tuple[str | None, str | None]:
+def declared_classes(path: str, revision: str | None, cache_dir: str | None = None) -> tuple[str | None, str | None]:
     """(pipeline class of model_index.json, transformer class of transformer/config.json) that a model folder or
-    hub id declares, None for what cannot be read; a UsageError when neither can be read."""
+    hub id declares, None for what cannot be read; a UsageError when neither can be read. `cache_dir`: the download
+    cache."""
     from diffusers import ConfigMixin, DiffusionPipeline
 
     class AnyModelConfig(ConfigMixin):  # reads a model's config.json without knowing its class
@@ -208,8 +214,8 @@ def declared_classes(path: str, revision: str | None) -> tuple[str | None, str |
 
     first, names = None, []
     for read in (
-        lambda: DiffusionPipeline.load_config(path, revision=revision),
-        lambda: AnyModelConfig.load_config(path, subfolder="transformer", revision=revision),
+        lambda: DiffusionPipeline.load_config(path, revision=revision, cache_dir=cache_dir),
+        lambda: AnyModelConfig.load_config(path, subfolder="transformer", revision=revision, cache_dir=cache_dir),
     ):
         try:
             names.append(read().get("_class_name"))
@@ -233,11 +239,11 @@ def transformer_class_name(path: str, revision: str | None) -> str:
     return transformer or pipeline or ""
 
 
-def detect(path: str, revision: str | None, families: tuple[Family, ...]) -> Family:
+def detect(path: str, revision: str | None, families: tuple[Family, ...], cache_dir: str | None = None) -> Family:
     """The family of the model at `path` (a folder or hub id): the one whose pipelines include the pipeline class
     of its model_index.json, else the first whose transformer class its transformer/config.json names; a UsageError
     naming the classes and the supported ones when no family claims them."""
-    pipeline, transformer = declared_classes(path, revision)
+    pipeline, transformer = declared_classes(path, revision, cache_dir)
     for family in families:
         if pipeline in family.pipeline_class_names:
             return family

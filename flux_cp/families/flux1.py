@@ -86,10 +86,11 @@ class Flux1(Family):
 
         from ..model import load_component
 
-        rev, kw = model.revision, ({"variant": model.variant} if model.variant else {})
+        rev, cache = model.revision, model.cache_dir
+        kw = {"variant": model.variant} if model.variant else {}
 
         def load(cls, subfolder: str):
-            return load_component(cls, path, subfolder, rev, torch_dtype=dtype, **kw).to(device).eval()
+            return load_component(cls, path, subfolder, rev, torch_dtype=dtype, cache_dir=cache, **kw).to(device).eval()
 
         vae, clip, t5 = (
             load(AutoencoderKL, "vae"),
@@ -99,8 +100,8 @@ class Flux1(Family):
         for m in (vae, clip, t5):
             m.requires_grad_(False)
         tokenizer, tokenizer_2 = (
-            load_component(CLIPTokenizer, path, "tokenizer", rev),
-            load_component(T5TokenizerFast, path, "tokenizer_2", rev),
+            load_component(CLIPTokenizer, path, "tokenizer", rev, cache_dir=cache),
+            load_component(T5TokenizerFast, path, "tokenizer_2", rev, cache_dir=cache),
         )
         return Flux1Encoders(vae, clip, tokenizer, t5, tokenizer_2, device, dtype)
 
@@ -119,6 +120,9 @@ class Flux1(Family):
     def default_vae_encode_mode(self, pairs: bool) -> str:
         # diffusers' FLUX.1 LoRA example samples the posterior; its Kontext example takes the mode by default
         return "mode" if pairs else "sample"
+
+    def pipeline_class_name(self, pairs: bool) -> str:
+        return "FluxKontextPipeline" if pairs else "FluxPipeline"
 
     def validation_pipeline(self, pairs: bool, scheduler, encoders: Encoders, transformer):
         from diffusers import FluxKontextPipeline, FluxPipeline

@@ -66,7 +66,7 @@ class Flux2Encoders(Encoders):
         return {"prompt_embeds": (max_sequence_length, len(self.layers) * hidden)}
 
 
-def load_tokenizer(path: str, revision: str | None):
+def load_tokenizer(path: str, revision: str | None, cache_dir: str | None = None):
     """The `tokenizer` component of a FLUX.2 folder as a plain tokenizer (AutoTokenizer), with its chat template.
 
     FLUX.2 [dev] ships a PixtralProcessor there, which transformers loads only with torchvision (not a dependency
@@ -80,11 +80,11 @@ def load_tokenizer(path: str, revision: str | None):
 
     from ..model import load_component
 
-    tokenizer = load_component(AutoTokenizer, path, "tokenizer", revision)
+    tokenizer = load_component(AutoTokenizer, path, "tokenizer", revision, cache_dir=cache_dir)
     if tokenizer.chat_template:
         return tokenizer
     for name in ("chat_template.jinja", "chat_template.json"):
-        found = cached_file(path, name, subfolder="tokenizer", revision=revision,
+        found = cached_file(path, name, subfolder="tokenizer", revision=revision, cache_dir=cache_dir,
                             _raise_exceptions_for_missing_entries=False,
                             _raise_exceptions_for_connection_errors=False)  # fmt: skip
         if found:
@@ -150,7 +150,10 @@ class Flux2(Family):
 
         from ..model import load_component
 
-        rev, kw = model.revision, ({"variant": model.variant} if model.variant else {})
+        rev, kw = (
+            model.revision,
+            {"cache_dir": model.cache_dir, **({"variant": model.variant} if model.variant else {})},
+        )
         # The batch-norm statistics that normalise the latents stay in fp32 (the examples read them from the VAE
         # as loaded, before casting it); nothing else uses the batch-norm layer.
         vae = load_component(AutoencoderKLFlux2, path, "vae", rev, torch_dtype=torch.float32, **kw).eval()
@@ -162,8 +165,10 @@ class Flux2(Family):
             m.requires_grad_(False)
         is_distilled = False
         if self.klein:  # step-distilled [klein] checkpoints run without classifier-free guidance
-            is_distilled = bool(DiffusionPipeline.load_config(path, revision=rev).get("is_distilled", False))
-        return Flux2Encoders(vae, text_encoder, load_tokenizer(path, rev), self.klein, is_distilled, device, dtype)
+            config = DiffusionPipeline.load_config(path, revision=rev, cache_dir=model.cache_dir)
+            is_distilled = bool(config.get("is_distilled", False))
+        tokenizer = load_tokenizer(path, rev, model.cache_dir)
+        return Flux2Encoders(vae, text_encoder, tokenizer, self.klein, is_distilled, device, dtype)
 
     def check(self, cfg: Config) -> None:
         lora = cfg.lora

@@ -92,7 +92,7 @@ def test_bf16_cp_attention_is_as_exact_as_one_gpu_and_compiled_equals_eager(seq)
 def _launch(config: str, out: Path, *args: str, timeout: float = 400) -> subprocess.CompletedProcess:
     config_file = str(ROOT / "accelerate_configs" / config)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config_file,
-           str(ROOT / "train_flux_cp.py"), "--report_to", "none", "--output_dir", str(out), "--cache_dir",
+           str(ROOT / "train_flux_cp.py"), "--report_to", "none", "--output_dir", str(out), "--encodings_dir",
            str(out.parent / "cache"), *args]  # fmt: skip
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", NCCL_NVLS_ENABLE="0")
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)

@@ -1,0 +1,100 @@
+"""The lines a run ends with: every output it wrote (what is in its output folder, and where it was pushed), how
+the loss moved, and the diffusers lines that load the trained weights."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .card import LORA_FILE, snippet
+
+if TYPE_CHECKING:
+    from .config import Config
+
+LISTED_GRIDS = 4  # validation grids named one by one; more are counted
+
+
+def loss_change(metrics: Path) -> tuple[float, float, int] | None:
+    """(mean loss of the first n steps, of the last n steps, n) from metrics.jsonl, n a fifth of the steps (the
+    README's demo figures); None with fewer than 2 finite losses."""
+    try:
+        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    except (OSError, ValueError):
+        return None
+    losses = [r["loss"] for r in rows if isinstance(r.get("loss"), (int, float)) and math.isfinite(r["loss"])]
+    if len(losses) < 2:
+        return None
+    n = max(1, len(losses) // 5)
+    return sum(losses[:n]) / n, sum(losses[-n:]) / n, n
+
+
+def _grids(folder: Path) -> str:
+    names = [p.name for p in sorted(folder.glob("step-*.png"))]
+    if len(names) <= LISTED_GRIDS:
+        return ", ".join(names)
+    return f"{len(names)} grids, {names[0]} ... {names[-1]}"
+
+
+def outputs(cfg: Config, hub_url: str | None = None, tracker_urls: tuple[str, ...] = ()) -> list[tuple[str, str]]:
+    """(name, what it is) of every output of the run that exists in its output folder, then where it went."""
+    from .checkpoint import list_checkpoints
+
+    out = Path(cfg.train.output_dir)
+    found: list[tuple[str, str]] = []
+    if (out / LORA_FILE).is_file():
+        found.append((LORA_FILE, f"the LoRA ({cfg.lora.lora_format} format)"))
+    if (out / "transformer").is_dir():
+        found.append(("transformer/", "the fine-tuned transformer (diffusers' format)"))
+    for name, what in (("README.md", "model card"), ("run_config.json", "every setting of the run"),
+                       ("metrics.jsonl", "one row per step: loss, lr, speed, memory"),
+                       ("loss_curve.png", "the loss curve")):  # fmt: skip
+        if (out / name).is_file():
+            found.append((name, what))
+    if (out / "validation").is_dir() and any((out / "validation").glob("step-*.png")):
+        found.append(("validation/", f"validation images: {_grids(out / 'validation')}"))
+    kept = [path.name for _, path in list_checkpoints(out)]
+    if kept:
+        found.append((f"{kept[-1]}/", "resumable: --resume_from_checkpoint latest"))
+        if len(kept) > 1:
+            found[-1] = (", ".join(f"{k}/" for k in kept), "resumable: --resume_from_checkpoint latest or one of them")
+    logs = out / cfg.validation.logging_dir
+    if cfg.validation.report_to in ("tensorboard", "all") and logs.is_dir():
+        found.append((f"{cfg.validation.logging_dir}/", f"tensorboard --logdir {logs}"))
+    if (out / "profile").is_dir():
+        found.append(("profile/", "the profiled step's traces and summary"))
+    found += [(url, "the run in wandb") for url in tracker_urls]
+    if hub_url:
+        found.append((hub_url, "pushed: the model, its card, validation images and metrics"))
+    return found
+
+
+def summary(
+    cfg: Config,
+    *,
+    steps: int,
+    pipeline: str,
+    kontext: bool,
+    hub_url: str | None = None,
+    repo_id: str | None = None,
+    tracker_urls: tuple[str, ...] = (),
+) -> str:
+    """The closing summary of a finished run of `steps` optimizer steps. `pipeline`: diffusers' class that loads its
+    weights (the family's); `kontext`: trained on image-editing pairs; `repo_id`: where they were pushed."""
+    out = Path(cfg.train.output_dir)
+    change = loss_change(out / "metrics.jsonl")
+    head = f"done: {steps} step{'s' * (steps != 1)}"
+    if change:
+        first, last, n = change
+        which = "the first step against the last" if n == 1 else f"means of the first and last {n} steps"
+        head += f", loss {first:.3f} -> {last:.3f} ({(last - first) / first:+.0%}, {which})"
+    found = outputs(cfg, hub_url, tracker_urls)
+    width = max((len(name) for name, _ in found if len(name) <= 40), default=0)
+    lines = [f"{head}. Outputs in {out}:"]
+    lines += [f"  {name.ljust(width)}  {what}" for name, what in found]
+    what = "transformer" if cfg.lora.full_finetune else "LoRA"
+    code = snippet(cfg, kontext, repo_id or str(out), cfg.model.pretrained_model_name_or_path, pipeline)
+    lines.append(f"Load the {what} with diffusers (also in README.md):")
+    lines += [f"    {line}" if line else "" for line in code.splitlines()]
+    return "\n".join(lines)
