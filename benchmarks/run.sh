@@ -13,6 +13,8 @@
 #   kontext    FLUX.1 Kontext-shaped pairs (data/tiny_pairs: target + reference), LoRA on the attention, --compile
 #   host       one GPU is enough: the 2048 px one-GPU step against cp=2's rank 0 with loopback peers (each exchange
 #              one local copy, benchmarks/fake_peers.py): what a CP rank spends besides communication
+#   flux2      FLUX.2 [dev] shapes (32B), LoRA r16, --compile_mode reduce-overhead, --gradient_checkpointing auto: one
+#              GPU at 1024 and 2048 px, and at 2048 px a cp=2 rank with loopback peers (benchmarks/fake_peers.py)
 #   attention  benchmarks/bench_attention.py: cp.attention's modes against one-GPU cuDNN SDPA, forward + backward,
 #              16,896 and 66,048 tokens, eager and compiled
 #   memory     one GPU is enough: --gradient_checkpointing auto under GPU memory capped to 24, 48, 80 GiB and the whole
@@ -30,7 +32,7 @@
 # `python -m benchmarks.render RESULTS_DIR` writes RESULTS_DIR/results.md (docs/benchmarks.md, how to measure).
 set -euo pipefail
 if [ $# -lt 2 ]; then
-  sed -n '2,31p' "$0"
+  sed -n '2,32p' "$0"
   exit 2
 fi
 OUT=$1; shift
@@ -109,6 +111,14 @@ for SET in "$@"; do
       trainer 500 trainer_host.json "--fake_peers" \
         "cp1_2048_ro:1:gpu1.yaml:--resolution 2048 $RO" \
         "fake2_2048_ro:1:gpu1.yaml:--cp_size 2 --resolution 2048 $RO" ;;
+    flux2)  # FLUX.2 [dev] shapes (32B, random weights, tiny encoders): one GPU and a CP=2 rank with loopback peers
+      MODEL=${FLUX2_MODEL:-$(mktemp -d)/flux2-dev-shapes}
+      [ -n "$DRY" ] || python3 -m flux_cp.tiny --preset flux2-dev-shapes --out "$MODEL" > /dev/null
+      if [ -n "$DRY" ]; then echo "+ (the model: python3 -m flux_cp.tiny --preset flux2-dev-shapes --out $MODEL)"; fi
+      trainer 600 trainer_flux2.json "--model $MODEL --fake_peers --steps 6" \
+        "flux2_1024:1:gpu1.yaml:--resolution 1024 $RO" \
+        "flux2_2048:1:gpu1.yaml:--resolution 2048 $RO" \
+        "flux2_fake2_2048:1:gpu1.yaml:--cp_size 2 --resolution 2048 $RO" ;;
     attention)
       run 300 torchrun --nproc_per_node 2 -m benchmarks.bench_attention --tokens 16896 66048 \
         --out "$OUT/attention.json"
@@ -145,7 +155,7 @@ for SET in "$@"; do
       run 400 python3 -m pytest -q -x tests/gpu
       run 300 torchrun --nproc_per_node "$N" -m benchmarks.check_gpu --out "$OUT/check_gpu.json" ;;
     *)
-      echo "error: unknown set $SET (lora, lora_ro, diffusers, lora4096, full, kontext, host, memory, fp8, fp8_tensorwise, fp8_quality, attention,
+      echo "error: unknown set $SET (lora, lora_ro, diffusers, lora4096, full, kontext, host, flux2, memory, fp8, fp8_tensorwise, fp8_quality, attention,
       check)"
       exit 2 ;;
   esac

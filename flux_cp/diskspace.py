@@ -17,10 +17,15 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from .errors import UsageError
+
+if TYPE_CHECKING:
+    from .config import Config
+    from .families import Family, ParameterCounts
 
 GIB = 2**30
 CHECKPOINT_TENSOR_BYTES = 2048  # torch.save record of one tensor in a DCP shard file, per writing rank
@@ -34,35 +39,6 @@ SAFETENSORS_TENSOR_BYTES = 512  # one header entry
 OPTIMIZER_STATE = {"adamw": (8, 0), "prodigy": (16, 4096), "adamw8bit": (2 + 2 * 4 / 256, 2048 + 8192 + 24576)}
 MODEL_FIXED_BYTES = 1024 * 1024  # a transformer folder's config.json and shard index
 LORA_FIXED_BYTES = 64 * 1024
-
-
-@dataclass(frozen=True)
-class Counts:
-    """Parameters of the transformer (`base`) and of what trains (LoRA adapters, or all of it), with tensor counts."""
-
-    base: int
-    base_tensors: int
-    trainable: int
-    trainable_tensors: int
-
-
-def count(config: dict, lora_rank: int | None, lora_layers: list[str]) -> Counts:
-    """Exact counts from the transformer's config, on the meta device (nothing is allocated or loaded)."""
-    from diffusers import FluxTransformer2DModel
-
-    with torch.device("meta"):
-        model = FluxTransformer2DModel.from_config(config)
-        base = [p.numel() for p in model.parameters()]
-        if lora_rank is None:
-            return Counts(sum(base), len(base), sum(base), len(base))
-        from peft import LoraConfig
-
-        from .lora import check_targets
-
-        check_targets(model, lora_layers)
-        model.add_adapter(LoraConfig(r=lora_rank, lora_alpha=lora_rank, target_modules=lora_layers))
-        lora = [p.numel() for n, p in model.named_parameters() if "lora_" in n]
-    return Counts(sum(base), len(base), sum(lora), len(lora))
 
 
 @dataclass(frozen=True)
@@ -83,8 +59,19 @@ class Sizes:
         return f"one checkpoint {gib(self.checkpoint)} ({parts}), the final {self.model_name} {gib(self.model)}"
 
 
+def run_sizes(cfg: Config, family: Family, config: dict, model_dtype: torch.dtype, world: int) -> Sizes:
+    """`sizes` of a run with these flags, of a transformer of `config` of the model `family`: the trainer's disk
+    checks and `--plan` alike."""
+    from .optim import optimizer_name
+
+    lora = None if cfg.lora.full_finetune else cfg.lora.rank
+    counts = family.count_parameters(config, lora, list(cfg.lora.lora_layers))
+    return sizes(counts, cfg.lora.full_finetune, not cfg.checkpoints.checkpoint_weights_only, model_dtype, world,
+                 optimizer_name(cfg.train))  # fmt: skip
+
+
 def sizes(
-    counts: Counts,
+    counts: ParameterCounts,
     full_finetune: bool,
     optimizer_state: bool,
     model_dtype: torch.dtype,

@@ -231,17 +231,12 @@ def sharded_weights(full_finetune: bool) -> bool:
     return full_finetune
 
 
-def print_disk(cfg: Config, config: dict, world: int) -> None:
+def print_disk(cfg: Config, family: Family, config: dict, world: int) -> None:
     """The disk a run needs in --output_dir: one checkpoint and the final model (flux_cp.diskspace)."""
     from . import diskspace
 
-    lora = None if cfg.lora.full_finetune else cfg.lora.rank
-    counts = diskspace.count(config, lora, list(cfg.lora.lora_layers))
     dtype = torch.float32 if cfg.train.mixed_precision == "no" else torch.bfloat16
-    from .optim import optimizer_name
-
-    s = diskspace.sizes(counts, cfg.lora.full_finetune, not cfg.checkpoints.checkpoint_weights_only, dtype, world,
-                        optimizer_name(cfg.train))  # fmt: skip
+    s = diskspace.run_sizes(cfg, family, config, dtype, world)
     limit = cfg.checkpoints.checkpoints_total_limit
     print(
         f"disk: {s.describe()}; keep at least {diskspace.gib(s.checkpoint + s.model)} free in --output_dir"
@@ -313,7 +308,6 @@ def print_plan(cfg: Config) -> None:
     if int(os.environ.get("RANK", "0")) != 0:
         return
     from .data import reference_column
-    from .errors import UsageError
     from .families import for_transformer
     from .parallel import auto_mode, launched_world_size
     from .shape import model_of, resolved
@@ -327,8 +321,6 @@ def print_plan(cfg: Config) -> None:
         config, path = transformer_config(model.pretrained_model_name_or_path, model.revision, model.cache_dir)
         family = for_transformer(config)
     cfg = resolved(cfg, family, pairs, config)  # the family's default --lora_layers
-    if family.name != "flux1":  # its counts and activation units are FluxTransformer2DModel's
-        raise UsageError(f"--plan estimates FLUX.1 and FLUX.1 Kontext runs only so far, not {family.label}")
     world = launched_world_size()
     resolution, batch, cp_size = cfg.data.resolution, cfg.train.train_batch_size, cfg.parallel.cp_size
     tokens = (2 if pairs else 1) * (resolution // 16) ** 2 + cfg.data.max_sequence_length
@@ -348,7 +340,7 @@ def print_plan(cfg: Config) -> None:
         + ("weights sharded over all GPUs (FSDP2)" if fsdp else "weights whole on every GPU (DDP)")
         + (", blocks compiled" if compiled else ", blocks eager")
     )
-    print_disk(cfg, config, max(world, cp_size))
+    print_disk(cfg, family, config, max(world, cp_size))
     print(
         f"{'cp':>3} {'world':>5} {'weights':>8} {'grads':>7} {'adam':>7} {'act.ckpt':>9} {'act.full':>9} "
         f"{'total(ckpt)':>12} {'total(no ckpt)':>15} {'ckpt ' + value:>12} {'total':>7}  fits"

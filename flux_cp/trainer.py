@@ -48,7 +48,6 @@ from .optim import (
     clip_grad_norm,
     make_lr_scheduler,
     make_optimizer,
-    optimizer_name,
 )
 from .parallel import Layout, choose_cp_mode, cp_advice, make_accelerator
 from .plan import GIB, Checkpointing, checkpointing_for_run
@@ -232,12 +231,8 @@ class Trainer:
         """Bytes of one checkpoint and of the final model, from the transformer's config (nothing loaded)."""
         cfg, shape = self.cfg, self.shape
         config = self.read_transformer_config()
-        lora = None if cfg.lora.full_finetune else cfg.lora.rank
         check_export(config, cfg.lora)  # a kohya file diffusers could not read back is refused now, not at the end
-        counts = shape.family.count_parameters(config, lora, list(cfg.lora.lora_layers))
-        with_optimizer = not cfg.checkpoints.checkpoint_weights_only
-        return diskspace.sizes(counts, cfg.lora.full_finetune, with_optimizer, self.weight_dtype, self.layout.world,
-                               optimizer_name(cfg.train))  # fmt: skip
+        return diskspace.run_sizes(cfg, shape.family, config, self.weight_dtype, self.layout.world)
 
     def read_transformer_config(self) -> dict:
         path, cls = self.shape.model_path, self.shape.family.transformer_class()
@@ -353,7 +348,8 @@ class Trainer:
             gpu = torch.cuda.get_device_properties(self.device).total_memory / GIB
         ckpt = checkpointing_for_run(cfg, shape.family, config, shape.largest_sequence, layout.world, layout.cp,
                                      mode, shape.sharded, gpu)  # fmt: skip
-        logger.info(ckpt.describe(cfg.train.gradient_checkpointing))
+        if cfg.train.gradient_checkpointing != "none":  # asked for: say what it resolved to
+            logger.info(ckpt.describe(cfg.train.gradient_checkpointing))
         if not ckpt.fits:
             logger.warning(
                 f"warning: the planned peak ({ckpt.planned_gib:.1f} GiB) exceeds 90% of {ckpt.gpu_gib:.1f} GiB even "

@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from flux_cp import checkpoint, diskspace, manifest, outdir
+from flux_cp.families import FLUX1
 from flux_cp.metrics import read_metrics
 from tests.launch import ROOT, env, free_port, launch_cmd, losses, max_rel_weights, ok, run_args, train
 
@@ -98,7 +99,10 @@ def test_resume_on_other_layouts_continues_the_same_trajectory(tmp_path):
                          *sched),
             )
         )  # fmt: skip
+        # A fork into a new folder starts its metrics.jsonl with the source's rows up to the checkpoint.
         rows = read_metrics(tmp_path / name / "metrics.jsonl")
+        assert [r["step"] for r in rows[:4]] == [1, 2, 3, 4]
+        rows = [r for r in rows if r["step"] > 4]
         assert [r["step"] for r in rows] == [r["step"] for r in written] == [5, 6, 7, 8]
         assert [r["lr"] for r in rows] == [r["lr"] for r in written], name
         worst = max(abs(r["loss"] - w["loss"]) / abs(w["loss"]) for r, w in zip(rows, written))
@@ -244,7 +248,8 @@ def test_an_output_folder_belongs_to_one_run(tmp_path):
     latent = sorted((cache / "latents").glob("*.safetensors"))[0]
     latent.write_bytes(latent.read_bytes()[:40])  # a truncated cache entry
     r = ok(train(1, *_common(tmp_path, "run", 2, "--overwrite_output_dir")))
-    assert "removed the earlier run's outputs (checkpoint-2, " in r.stderr
+    removed = next(line for line in r.stderr.splitlines() if "removed the earlier run's outputs (" in line)
+    assert "checkpoint-2, " in removed and "pytorch_lora_weights.safetensors" in removed, removed
     assert f"cache entry {latent} cannot be read" in r.stderr and "1 newly computed" in r.stderr
     load_file(latent)
 
@@ -267,7 +272,7 @@ def test_a_disk_that_fills_up_stops_the_run_at_the_save_that_no_longer_fits(tmp_
     from flux_cp.lora import DEFAULT_TARGETS
     from flux_cp.tiny import TRANSFORMER_CONFIG
 
-    counts = diskspace.count(TRANSFORMER_CONFIG, 16, list(DEFAULT_TARGETS))
+    counts = FLUX1.count_parameters(TRANSFORMER_CONFIG, 16, list(DEFAULT_TARGETS))
     s = diskspace.sizes(counts, False, True, torch.float32, world=1)
     disk = s.checkpoint + s.model + 64 * 1024  # one checkpoint and the final LoRA fit, not two checkpoints
     r = train(1, *_common(tmp_path, "d", 6, "--checkpointing_steps", "2"), extra_env={"FLUX_CP_DISK_BYTES": str(disk)})

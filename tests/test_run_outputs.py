@@ -89,7 +89,7 @@ def test_prodigy_resumes_exactly(runs):
     tmp, _, resumed = runs
     assert f"resumed from {tmp / 'run' / 'checkpoint-2'} at step 2" in resumed.stderr
     straight = [r for r in _rows(tmp / "run") if r["step"] > 2]
-    again = _rows(tmp / "resumed")
+    again = [r for r in _rows(tmp / "resumed") if r["step"] > 2]  # after the source's rows of a fork
     assert [r["step"] for r in again] == [3, 4] and [r["loss"] for r in again] == [r["loss"] for r in straight]
     assert len({r["loss"] for r in _rows(tmp / "run")}) > 1
     a, b = (load_file(tmp / name / "pytorch_lora_weights.safetensors") for name in ("run", "resumed"))

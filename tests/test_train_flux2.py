@@ -95,7 +95,7 @@ def test_dev_with_cp_trains_like_one_process_with_the_recipes_defaults(runs):
 
 def test_a_resume_on_another_layout_continues_the_run(runs):
     tmp = runs["tmp"]
-    cp2, resumed = losses(tmp / "dev_cp2"), losses(tmp / "dev_resumed")
+    cp2, resumed = losses(tmp / "dev_cp2"), losses(tmp / "dev_resumed")[5:]  # after the source's rows of a fork
     assert len(resumed) == 5
     worst = max(abs(a - b) / abs(b) for a, b in zip(cp2[5:], resumed))
     assert worst < 1e-5, (cp2[5:], resumed)
