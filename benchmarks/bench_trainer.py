@@ -87,12 +87,25 @@ def command(run: dict, model: str, work: str, steps: int, port: int | None = Non
             "--encodings_dir", f"{work}/cache_{run['name']}", *run["extra"]]  # fmt: skip
 
 
+_RUNNING: list[subprocess.Popen] = []  # the trainers started and not yet stopped
+
+
+def _stop_all(signum, _frame) -> None:
+    """Stopped from outside (`timeout`, Ctrl-C): end every running trainer's process group too. Each runs in a session
+    of its own, so a signal to this process alone would leave it holding its GPU's memory."""
+    for proc in _RUNNING:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    raise SystemExit(128 + signum)
+
+
 def start(run: dict, model: str, work: Path, steps: int, gpus: list[int], log_dir: Path) -> dict:
     env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(map(str, gpus)))
     log_path = log_dir / f"{run['name']}.log"
     log = open(log_path, "w")
     cmd = command(run, model, str(work), steps, port=29500 + gpus[0])
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    _RUNNING.append(proc)
     return {**run, "proc": proc, "log": log, "log_path": log_path, "t0": time.time()}
 
 
@@ -218,6 +231,8 @@ def main(argv: list[str] | None = None) -> None:
     }
     command_line = schema.command_line(argv, module="benchmarks.bench_trainer")
     n_gpus = torch.cuda.device_count()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, _stop_all)
     results: list[dict] = []
     pending = list(a.runs)
     while pending:

@@ -20,10 +20,6 @@
 #   memory     one GPU is enough: --gradient_checkpointing auto under GPU memory capped to 24, 48, 80 GiB and the whole
 #              GPU, one GPU and a cp=2 rank with loopback peers, 1024 and 2048 px: the planner's picks, their measured
 #              peaks and step times, and the fastest setting that runs (benchmarks/bench_memory.py; ~7 min of an H200)
-#   fp8        one GPU: --fp8 rowwise against bf16, --compile_mode reduce-overhead, checkpointing auto, 1024 and
-#              2048 px (~4.5 min of an H200); fp8_tensorwise: the same with --fp8 tensorwise (~2 min)
-#   fp8_quality  one GPU: 200 steps at 512 px, bf16 and --fp8 rowwise, same seed, data and noise (~3 min), then the
-#              mean relative loss difference, the LoRA update cosine and both loss curves (benchmarks/fp8_quality.py)
 #   check      the GPU tests (pytest tests/gpu) and benchmarks/check_gpu.py (bf16 attention and a 4-block Flux model
 #              with CP against fp32 and bf16 without CP, every CP size the machine has)
 # EXTRA_FLAGS="..." is added to every trainer run of the sets (e.g. EXTRA_FLAGS="--cp_overlap passes" or
@@ -32,7 +28,7 @@
 # `python -m benchmarks.render RESULTS_DIR` writes RESULTS_DIR/results.md (docs/benchmarks.md, how to measure).
 set -euo pipefail
 if [ $# -lt 2 ]; then
-  sed -n '2,32p' "$0"
+  sed -n '2,28p' "$0"
   exit 2
 fi
 OUT=$1; shift
@@ -127,35 +123,11 @@ for SET in "$@"; do
     memory)
       if [ -n "$DRY" ]; then python3 -m benchmarks.bench_memory --out "$OUT/memory.json" --dry_run; continue; fi
       run 560 python3 -m benchmarks.bench_memory --out "$OUT/memory.json" --budget 420 ;;
-    fp8)
-      trainer 420 trainer_fp8.json "--steps 6" \
-        "bf16_1024:1:gpu1.yaml:--resolution 1024 $RO" \
-        "fp8_rowwise_1024:1:gpu1.yaml:--resolution 1024 $RO --fp8 rowwise" \
-        "bf16_2048:1:gpu1.yaml:--resolution 2048 $RO" \
-        "fp8_rowwise_2048:1:gpu1.yaml:--resolution 2048 $RO --fp8 rowwise" ;;
-    fp8_tensorwise)
-      trainer 240 trainer_fp8_tensorwise.json "--steps 6" \
-        "fp8_tensorwise_1024:1:gpu1.yaml:--resolution 1024 $RO --fp8 tensorwise" \
-        "fp8_tensorwise_2048:1:gpu1.yaml:--resolution 2048 $RO --fp8 tensorwise" ;;
-    fp8_quality)  # the trainer itself, to the end: metrics.jsonl and the LoRA file of each run
-      MODEL=${FP8_MODEL:-$(mktemp -d)/flux1-dev-shapes}
-      [ -n "$DRY" ] || python3 -m flux_cp.tiny --preset flux1-dev-shapes --out "$MODEL" > /dev/null
-      Q="--pretrained_model_name_or_path $MODEL --transformer_init random --mixed_precision bf16 --rank 16 \
-        --resolution 512 $RO --gradient_checkpointing --max_train_steps 200 --checkpointing_steps 100000 \
-        --report_to none --seed 0"
-      for V in bf16 fp8_rowwise; do
-        F=""; [ "$V" = bf16 ] || F="--fp8 rowwise"
-        # shellcheck disable=SC2086 # Q and F are lists of flags
-        run 300 accelerate launch --config_file accelerate_configs/gpu1.yaml train_flux_cp.py $Q $F \
-          --output_dir "$OUT/fp8_quality/$V" --encodings_dir "$OUT/fp8_quality/cache"
-      done
-      run 60 python3 -m benchmarks.fp8_quality "$OUT/fp8_quality/bf16" "$OUT/fp8_quality/fp8_rowwise" \
-        --out "$OUT/fp8_quality.json" --plot "$OUT/fp8_quality.png" ;;
     check)
       run 400 python3 -m pytest -q -x tests/gpu
       run 300 torchrun --nproc_per_node "$N" -m benchmarks.check_gpu --out "$OUT/check_gpu.json" ;;
     *)
-      echo "error: unknown set $SET (lora, lora_ro, diffusers, lora4096, full, kontext, host, flux2, memory, fp8, fp8_tensorwise, fp8_quality, attention,
+      echo "error: unknown set $SET (lora, lora_ro, diffusers, lora4096, full, kontext, host, flux2, memory, attention,
       check)"
       exit 2 ;;
   esac

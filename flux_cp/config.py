@@ -401,13 +401,6 @@ class TrainConfig:
         "instead of keeping its outputs. Saves memory (--plan shows how much) at the cost of a second attention "
         "forward per block.",
     )
-    fp8: str = flag(
-        "off",
-        "LoRA: run the frozen base linears of the transformer blocks in FP8 (torchao float8 training, rowwise or "
-        "tensorwise scaling; the adapters, norms, modulation, embedders and attention stay bf16). Needs --compile, a "
-        "GPU with FP8 tensor cores (compute capability 8.9+, rowwise 9.0+) and torchao (pip install torchao==0.16.0).",
-        choices=("off", "rowwise", "tensorwise"),
-    )
     compile_mode: str | None = flag(
         None,
         "torch.compile mode of the blocks (implies --compile); reduce-overhead replays each block's forward and "

@@ -21,7 +21,7 @@ import torch
 
 import cp
 
-from . import checkpoint, diskspace, distributed, faults, files, fp8, manifest, outdir, parallel, quiet, validation
+from . import checkpoint, diskspace, distributed, faults, files, manifest, outdir, parallel, quiet, validation
 from .batches import Batches
 from .blocks import attention_recomputed, prepare_blocks, step_begins, uses_cuda_graphs
 from .config import DEFAULT_ENCODINGS_DIR, Config
@@ -187,7 +187,6 @@ class Trainer:
         self.weight_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
             self.accelerator.mixed_precision, torch.float32
         )
-        fp8.check(cfg, self.weight_dtype)  # --fp8 where it cannot run: one line, before the output folder and models
         self.claim_output_dir()
         self.sizes = self.output_sizes()
         problem = None
@@ -308,8 +307,6 @@ class Trainer:
             advice = cp_advice(tokens, layout.cp, uses_cuda_graphs(train.compile_mode))
             if advice and self.device.type == "cuda":  # measured on GPUs; the CPU demo's tiny sequences are for tests
                 logger.warning(advice)
-        if train.fp8 != "off":
-            logger.info(fp8.convert(transformer, train.fp8))
         self.checkpointing = self.plan_checkpointing(config, mode)
         prepare_blocks(transformer, checkpointed=self.checkpointing.blocks,
                        recompute_attention=train.recompute_attention, compile=bool(train.compile or train.compile_mode),
