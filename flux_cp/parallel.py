@@ -24,6 +24,7 @@ from .errors import UsageError
 
 if TYPE_CHECKING:
     from .config import ParallelConfig, TrainConfig, ValidationConfig
+    from .shape import RunShape
 
 
 @dataclass
@@ -68,20 +69,26 @@ def check_layout(world: int, cp_size: int) -> int:
     return world // cp_size
 
 
+def launched_with_fsdp() -> bool | None:
+    """Whether `accelerate launch`'s config asks for FSDP (it sets ACCELERATE_USE_FSDP); None when accelerate did
+    not launch this process (a plain `python train_flux_cp.py`, e.g. for --plan)."""
+    if "ACCELERATE_MIXED_PRECISION" not in os.environ and "ACCELERATE_USE_FSDP" not in os.environ:
+        return None
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+
+
 def uses_fsdp() -> bool:
-    """accelerate sets ACCELERATE_USE_FSDP from the launch config; FSDP2 needs CUDA here."""
-    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and torch.cuda.is_available()
+    """FSDP2 shards this run's weights: the launch config asks for it, and there is CUDA (FSDP2 needs it here)."""
+    return bool(launched_with_fsdp()) and torch.cuda.is_available()
 
 
-def make_accelerator(parallel: ParallelConfig, train: TrainConfig, validation: ValidationConfig, world: int):
-    """The Accelerator for a run of `world` processes, with the collective timeout and, under FSDP2, the dp x cp
-    mesh."""
-    dp = check_layout(world, parallel.cp_size)
+def make_accelerator(parallel: ParallelConfig, train: TrainConfig, validation: ValidationConfig, shape: RunShape):
+    """The Accelerator for a run of this shape, with the collective timeout and, under FSDP2, the dp x cp mesh."""
     kwargs = {}
-    if uses_fsdp() and parallel.cp_size > 1:
+    if shape.sharded and shape.cp > 1:
         from accelerate.parallelism_config import ParallelismConfig
 
-        kwargs["parallelism_config"] = ParallelismConfig(dp_shard_size=dp, cp_size=parallel.cp_size)
+        kwargs["parallelism_config"] = ParallelismConfig(dp_shard_size=shape.dp, cp_size=shape.cp)
     accelerator = _accelerator(parallel, train, validation, kwargs)
     if accelerator.is_fsdp2 and accelerator.mixed_precision in ("bf16", "fp16"):
         # accelerate's default FSDP2 policy reduces gradients in bf16; reduce them in fp32 instead. And do not
@@ -122,7 +129,7 @@ def make_layout(accelerator, cp_size: int, timeout_s: float, tuning: cp.Tuning |
     """This rank's layout and its CP context: the CP group (the mesh's 'cp' dimension under FSDP2, else made here),
     with `timeout_s` for the sub-groups its modes create and the CP `tuning`."""
     world, rank = accelerator.num_processes, accelerator.process_index
-    dp = check_layout(world, cp_size)
+    dp = world // cp_size  # the run shape checked that it divides
     group = None
     if cp_size > 1:
         mesh = getattr(accelerator, "torch_device_mesh", None)

@@ -226,9 +226,10 @@ def saved_attention_units(train, mode: str, cp: int) -> float:
 def sharded_weights(full_finetune: bool) -> bool:
     """FSDP2 (sharded) or DDP (replicated) for the plan: the launch config's choice when accelerate launched us,
     else the README's advice (DDP for LoRA, FSDP2 for full fine-tuning)."""
-    if "ACCELERATE_MIXED_PRECISION" in os.environ or "ACCELERATE_USE_FSDP" in os.environ:  # set by accelerate launch
-        return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
-    return full_finetune
+    from .parallel import launched_with_fsdp
+
+    launched = launched_with_fsdp()
+    return full_finetune if launched is None else launched
 
 
 def print_disk(cfg: Config, family: Family, config: dict, world: int) -> None:

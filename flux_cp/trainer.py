@@ -163,7 +163,7 @@ class Trainer:
         check_optimizer(cfg.train, sharded=shape.sharded)
         check_tokens(shape, cfg.data, cfg.validation)
         check_pair_flags(cfg.data, cfg.validation, shape.pairs)
-        self.accelerator = make_accelerator(cfg.parallel, cfg.train, cfg.validation, shape.world)
+        self.accelerator = make_accelerator(cfg.parallel, cfg.train, cfg.validation, shape)
         self.layout = layout = self.make_layout(self.accelerator)
         logging.basicConfig(level=logging.INFO if layout.is_main else logging.WARNING, format="%(message)s")
         if cfg.model.embedded_default:

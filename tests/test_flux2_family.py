@@ -295,8 +295,12 @@ def test_lora_files_flux2_pipelines_cannot_load_are_refused_before_anything_load
     assert not (tmp_path / "out").exists()
 
 
-def test_the_memory_plan_says_it_does_not_count_flux2_yet(folders):
+def test_the_memory_plan_counts_flux2_with_its_own_blocks(folders, capsys):
+    """--plan of a FLUX.2 folder: the family's parameter counts and blocks (the tiny [dev] has 2 + 2), and a
+    suggestion."""
     from flux_cp.plan import print_plan
 
-    with pytest.raises(UsageError, match=r"^--plan estimates FLUX.1 and FLUX.1 Kontext runs only so far, not FLUX.2"):
-        print_plan(parse_config(["--plan", "--pretrained_model_name_or_path", str(folders[False])]))
+    print_plan(parse_config(["--plan", "--pretrained_model_name_or_path", str(folders[False]), "--gpu_memory_gib", "80",
+                             "--gradient_checkpointing"]))  # fmt: skip
+    out = capsys.readouterr().out
+    assert "/4 " in out and "suggestion: --cp_size 1" in out, out
