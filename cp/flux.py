@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from diffusers.models.transformers.transformer_flux import FluxAttention, FluxAttnProcessor, _get_qkv_projections
 
-from .processor import CPAttnProcessor, joint, projected, register
+from .processor import CPAttnProcessor, joint_qkv, register
 
 Tensor = torch.Tensor
 
@@ -36,16 +36,8 @@ class FluxCPAttnProcessor(CPAttnProcessor):
             return FluxAttnProcessor.__call__(
                 self, attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb
             )
-        text = encoder_hidden_states if attn.added_kv_proj_dim is not None else None
-        if attn.fused_projections:
-            q, k, v, eq, ek, ev = _get_qkv_projections(attn, hidden_states, encoder_hidden_states)
-            query, key, value = (
-                joint(attn, w, x, e if text is not None else None, image_rotary_emb)
-                for w, x, e in zip("qkv", (q, k, v), (eq, ek, ev))
-            )
-        else:
-            query, key, value = (projected(attn, w, hidden_states, text, image_rotary_emb) for w in "qkv")
-        hidden_states = self._attend(query, key, value)
+        qkv = joint_qkv(attn, hidden_states, encoder_hidden_states, image_rotary_emb, _get_qkv_projections)
+        hidden_states = self._attend(*qkv)
 
         if encoder_hidden_states is None:
             return hidden_states

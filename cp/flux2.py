@@ -24,7 +24,7 @@ from diffusers.models.transformers.transformer_flux2 import (
     _get_qkv_projections,
 )
 
-from .processor import CPAttnProcessor, joint, projected, register, register_call_check
+from .processor import CPAttnProcessor, joint, joint_qkv, register, register_call_check
 
 Tensor = torch.Tensor
 
@@ -49,17 +49,8 @@ class Flux2CPAttnProcessor(CPAttnProcessor):
             return Flux2AttnProcessor.__call__(
                 self, attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb
             )
-        # Flux2AttnProcessor joins the text stream whenever the module has text projections (added_kv_proj_dim).
-        text = encoder_hidden_states if attn.added_kv_proj_dim is not None else None
-        if attn.fused_projections:
-            q, k, v, eq, ek, ev = _get_qkv_projections(attn, hidden_states, encoder_hidden_states)
-            query, key, value = (
-                joint(attn, w, x, e if text is not None else None, image_rotary_emb)
-                for w, x, e in zip("qkv", (q, k, v), (eq, ek, ev))
-            )
-        else:
-            query, key, value = (projected(attn, w, hidden_states, text, image_rotary_emb) for w in "qkv")
-        hidden_states = self._attend(query, key, value)
+        qkv = joint_qkv(attn, hidden_states, encoder_hidden_states, image_rotary_emb, _get_qkv_projections)
+        hidden_states = self._attend(*qkv)
 
         if encoder_hidden_states is not None:
             text_len = encoder_hidden_states.shape[1]

@@ -176,6 +176,18 @@ def joint(attn: torch.nn.Module, which: str, x: Tensor, e: Tensor | None, rope: 
     return x
 
 
+def joint_qkv(attn: torch.nn.Module, hidden: Tensor, text: Tensor | None, rope, fused_projections) -> tuple:
+    """q, k, v `[B, S, H, D]` of a joint text + image attention as diffusers' Flux processors compute them (text
+    joins when the module has text projections); `fused_projections(attn, hidden, text)`: the model's
+    `_get_qkv_projections`, for modules whose projections are fused."""
+    text = text if attn.added_kv_proj_dim is not None else None
+    if attn.fused_projections:
+        q, k, v, eq, ek, ev = fused_projections(attn, hidden, text)
+        texts = (eq, ek, ev) if text is not None else (None, None, None)
+        return tuple(joint(attn, w, x, e, rope) for w, x, e in zip("qkv", (q, k, v), texts))
+    return tuple(projected(attn, w, hidden, text, rope) for w in "qkv")
+
+
 def projected(attn: torch.nn.Module, which: str, hidden: Tensor, text: Tensor | None, rope) -> Tensor:
     """`joint` of the separate (unfused) projections: one tensor at a time, each finished (projections, norm, text
     + image, RoPE) before the next is projected, so that, compiled, the exchange of q runs while k and v are

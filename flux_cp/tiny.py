@@ -13,6 +13,7 @@ import os
 import shutil
 import string
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -178,22 +179,22 @@ def build_tiny_pipeline(
     )
 
 
+def home() -> Path:
+    """Where the tiny models are built: FLUX_CP_HOME, else ~/.cache/flux_cp."""
+    return Path(os.environ.get("FLUX_CP_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "flux_cp"))
+
+
 def default_cache_dir(kontext: bool = False) -> Path:
-    root = os.environ.get("FLUX_CP_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "flux_cp")
-    return Path(root) / f"tiny-flux{'-kontext' if kontext else ''}-v{TINY_VERSION}"
+    return home() / f"tiny-flux{'-kontext' if kontext else ''}-v{TINY_VERSION}"
 
 
-def ensure_tiny_pipeline(path: str | os.PathLike | None = None, kontext: bool = False) -> Path:
-    """Return a folder holding the tiny pipeline (or its Kontext variant) in diffusers layout, building it once.
-
-    Safe when several processes call it at once (a file lock; the folder appears by atomic rename).
-    """
-    path = Path(path) if path else default_cache_dir(kontext)
+def build_once(path: Path, write: Callable[[Path], None]) -> Path:
+    """The model folder `path`, written by `write(folder)` unless it is there already. Safe when several processes
+    call it at once (every rank of a launch does): one builds under a file lock while the others wait and then find
+    the finished folder, and the folder appears by atomic rename, so a crash mid-build leaves no half-written one."""
     if (path / "model_index.json").is_file():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    # One builder at a time (every rank of a launch calls this); the others wait on the lock and then
-    # find the finished folder. The rename keeps a crash mid-build from leaving a half-written folder.
     # Opened without following a link (a link named like the lock must not redirect the open) and not truncated.
     lock_path = path.parent / f".{path.name}.lock"
     try:
@@ -210,12 +211,18 @@ def ensure_tiny_pipeline(path: str | os.PathLike | None = None, kontext: bool = 
             return path
         tmp = Path(tempfile.mkdtemp(prefix=path.name + ".tmp", dir=path.parent))
         try:
-            build_tiny_pipeline(kontext=kontext).save_pretrained(tmp)
+            write(tmp)
             shutil.rmtree(path, ignore_errors=True)
             os.rename(tmp, path)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return path
+
+
+def ensure_tiny_pipeline(path: str | os.PathLike | None = None, kontext: bool = False) -> Path:
+    """Return a folder holding the tiny pipeline (or its Kontext variant) in diffusers layout, building it once."""
+    path = Path(path) if path else default_cache_dir(kontext)
+    return build_once(path, lambda tmp: build_tiny_pipeline(kontext=kontext).save_pretrained(tmp))
 
 
 def write_flux1_dev_shapes(path: str | os.PathLike, kontext: bool = False) -> Path:

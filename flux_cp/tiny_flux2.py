@@ -14,16 +14,13 @@ same arguments.
 
 from __future__ import annotations
 
-import fcntl
 import os
-import shutil
-import tempfile
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from .flux2_recipe import DEV_TEXT_LAYERS, KLEIN_TEXT_LAYERS
+from .tiny import build_once, home
 
 # Bump when the recipe below changes, so cached copies are rebuilt.
 TINY_FLUX2_VERSION = 1
@@ -299,35 +296,14 @@ def build_tiny_flux2_pipeline(
 
 
 def default_flux2_cache_dir(klein: bool = False) -> Path:
-    root = os.environ.get("FLUX_CP_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "flux_cp")
-    return Path(root) / f"tiny-flux2{'-klein' if klein else ''}-v{TINY_FLUX2_VERSION}"
-
-
-def _build_once(path: Path, write: Callable[[Path], None]) -> Path:
-    """Build the folder `path` with `write(tmp)` unless it is there; safe when several processes call it at once
-    (a file lock; the folder appears by atomic rename, so a crash mid-build leaves no half-written folder)."""
-    if (path / "model_index.json").is_file():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.parent / f".{path.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if (path / "model_index.json").is_file():
-            return path
-        tmp = Path(tempfile.mkdtemp(prefix=path.name + ".tmp", dir=path.parent))
-        try:
-            write(tmp)
-            shutil.rmtree(path, ignore_errors=True)
-            os.rename(tmp, path)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return path
+    return home() / f"tiny-flux2{'-klein' if klein else ''}-v{TINY_FLUX2_VERSION}"
 
 
 def ensure_tiny_flux2_pipeline(path: str | os.PathLike | None = None, klein: bool = False) -> Path:
     """Return a folder holding the tiny FLUX.2 [dev] pipeline (or [klein]) in diffusers layout, building it once
     (under FLUX_CP_HOME, or ~/.cache/flux_cp, when no path is given)."""
     path = Path(path) if path else default_flux2_cache_dir(klein)
-    return _build_once(path, lambda tmp: build_tiny_flux2_pipeline(klein=klein).save_pretrained(tmp))
+    return build_once(path, lambda tmp: build_tiny_flux2_pipeline(klein=klein).save_pretrained(tmp))
 
 
 def write_flux2_shapes(path: str | os.PathLike, klein: bool = False) -> Path:
