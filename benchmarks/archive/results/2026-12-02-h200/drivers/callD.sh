@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # FP8 (torchao float8, rowwise) against bf16: the fp8 set's runs (bf16 at 2048 px is auto.json's cp1_2048_ro of the
-# same lease), then the fp8_quality pair: 200 steps at 512 px, bf16 and fp8 from the same seed, data and noise.
+# same sitting), then the fp8_quality pair: 200 steps at 512 px, bf16 and fp8 from the same seed, data and noise.
 . "$(dirname "$0")/common.sh"
 MODEL=/tmp/flux1-dev-shapes; [ -d $MODEL ] || python3 -m flux_cp.tiny --preset flux1-dev-shapes --out $MODEL > /dev/null
 RO="--compile_mode reduce-overhead"
