@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Parity: the step time of this code against the code at the start of this round, FLUX.1-dev shapes, one H200,
+# Parity: the step time of this code against the code before the restructuring (ff7068d), FLUX.1-dev shapes, one H200,
 # 2048 px, CUDA graphs, every block checkpointed (the old default of --gradient_checkpointing), 8 steps (3 warm-up).
 . "$(dirname "$0")/common.sh"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/r/gpu.txt"
