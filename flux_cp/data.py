@@ -433,7 +433,7 @@ class BatchSchedule:
             largest = max(len(v) for v in self.by_bucket.values())
             raise UsageError(
                 f"no global batch can be formed: the global batch is {global_batch} samples (--train_batch_size x "
-                f"data-parallel size) but the data set has {len(buckets)} images"
+                f"data-parallel size) but an epoch has {len(buckets)} samples"
                 + (f" and the largest aspect bucket holds {largest}" if len(self.by_bucket) > 1 else "")
                 + "; lower --train_batch_size, use fewer data-parallel ranks, or add images"
             )
