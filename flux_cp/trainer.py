@@ -213,7 +213,9 @@ class Trainer:
                     logging_dir=cfg.validation.logging_dir if trackers else None,
                     max_train_steps=cfg.train.max_train_steps,
                     apart={"--pretrained_model_name_or_path": self.shape.model_path,
-                           "--dataset_name": cfg.data.dataset_name or str(BUNDLED_DATA)},
+                           "--instance_data_dir" if cfg.data.instance_data_dir else "--dataset_name":
+                               cfg.data.dataset_name or str(BUNDLED_DATA),
+                           "--class_data_dir": cfg.data.class_data_dir if cfg.data.with_prior_preservation else None},
                 )  # fmt: skip
                 if not cfg.data.no_cache:
                     outdir.check_writable(Path(self.encodings_dir), "--encodings_dir")
@@ -435,7 +437,8 @@ class Trainer:
             manifest.record(cfg.train.output_dir, "run_config.json")
             files.write_json(Path(cfg.train.output_dir) / "run_config.json", {**cfg.flat(), **chosen})
         if self.accelerator.log_with:
-            hparams = {k: v for k, v in cfg.flat().items() if isinstance(v, (int, float, str, bool))}
+            flat = {**cfg.flat(), "resolution": ",".join(map(str, cfg.data.resolution))}  # trackers take scalars
+            hparams = {k: v for k, v in flat.items() if isinstance(v, (int, float, str, bool))}
             self.accelerator.init_trackers("flux-cp", config=hparams)
         self.metrics = MetricsLog(cfg.train.output_dir, start_step, layout.is_main)
         if device.type == "cuda":  # peak memory of training, not of loading and initialisation

@@ -648,6 +648,19 @@ CASES = [
         "pair data (a reference image per target) has no class images to pair them with",
     ),
     Case(
+        "class_data_dir_inside_output_dir",
+        "--class_data_dir inside --output_dir",
+        1,
+        lambda t: [
+            "--with_prior_preservation",
+            "--class_data_dir",
+            str(_images(t / "out" / "class")),
+            "--class_prompt",
+            "a shape",
+        ],  # fmt: skip
+        "holds --class_data_dir",
+    ),
+    Case(
         "disk_full_while_saving",
         "the disk fills up while a checkpoint is written (ENOSPC injected)",
         2,
