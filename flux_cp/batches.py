@@ -1,5 +1,9 @@
 """Micro-batches for the flow-matching step: which samples this rank holds at global micro-step m, their
-noisy latents, timesteps and targets, split into this rank's sequence chunk."""
+noisy latents, timesteps and targets, split into this rank's sequence chunk.
+
+With prior preservation a global batch of G slots is followed by G class slots (slot G + s holds the class image
+paired with slot s), so a rank holding slots s..s+b-1 also holds class slots G+s..G+s+b-1: which samples are class
+samples, and their noise, do not depend on the layout."""
 
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ if TYPE_CHECKING:
     from .config import DataConfig, TrainConfig
     from .families import Family
     from .parallel import Layout
+    from .prior import ClassSamples
 
 Tensor = torch.Tensor
 
@@ -34,15 +39,24 @@ class MicroBatch:
     text_tokens: int
     pair: PairSplit | None = None  # pairs: how the [target; reference] tokens are split over the CP group
     cp_rank: int = 0
+    prior: int = 0  # prior preservation: the last `prior` samples are class samples
+    prior_loss_weight: float = 1.0
 
     def loss(self, pred: Tensor) -> Tensor:
         """Weighted MSE, mean over this rank's tokens (gradients are then averaged over all dp x cp ranks,
         which with equal chunks is the full-sequence mean; docs/design.md, data flow). Pairs: over the
-        target tokens only, weighted so that the same averaging gives the full mean (docs/design.md, Kontext)."""
+        target tokens only, weighted so that the same averaging gives the full mean (docs/design.md, Kontext).
+        Prior preservation, as diffusers' DreamBooth examples: the mean over the training samples plus
+        `prior_loss_weight` times the mean over the class samples (equal halves on every rank, so the same
+        averaging over ranks gives the global batch's)."""
         if self.pair is not None:
             return target_loss(pred, self.target, self.weighting, self.pair, self.cp_rank)
         err = self.weighting * (pred.float() - self.target.float()) ** 2
-        return err.reshape(err.shape[0], -1).mean(1).mean()
+        per_sample = err.reshape(err.shape[0], -1).mean(1)
+        if self.prior:
+            own = per_sample.shape[0] - self.prior
+            return per_sample[:own].mean() + self.prior_loss_weight * per_sample[own:].mean()
+        return per_sample.mean()
 
 
 class Batches:
@@ -50,9 +64,11 @@ class Batches:
 
     def __init__(self, data: TrainingData, schedule: BatchSchedule, layout: Layout, data_config: DataConfig,
                  train: TrainConfig, noise_scheduler, family: Family, normalize, guidance: bool, device: torch.device,
-                 input_dtype: torch.dtype = torch.float32):  # fmt: skip
+                 input_dtype: torch.dtype = torch.float32, classes: ClassSamples | None = None):  # fmt: skip
         self.data, self.schedule, self.layout = data, schedule, layout
         self.random_flip, self.train = data_config.random_flip, train
+        self.caption_dropout = data_config.caption_dropout
+        self.classes, self.prior_loss_weight = classes, data_config.prior_loss_weight  # prior preservation
         self.vae_encode_mode = data_config.vae_encode_mode  # None: the family's default for the data
         self.noise_scheduler = noise_scheduler
         self.family, self.normalize = family, normalize  # the model's tokens; VAE latents -> the model's latents
@@ -69,6 +85,25 @@ class Batches:
         gen = generator(Stream.FLIP, self.train.seed, epoch, i)
         flip = self.random_flip and bool(torch.rand(1, generator=gen) < 0.5)
         return self.data.load(i, flip, epoch)
+
+    def dropped(self, m: int, slot: int) -> bool:
+        """--caption_dropout: whether global slot `slot` of micro-step m trains on the empty caption."""
+        p = self.caption_dropout
+        return p > 0 and bool(torch.rand(1, generator=generator(Stream.CAPTION_DROPOUT, self.train.seed, m, slot)) < p)
+
+    def _samples(self, m: int, epoch: int, batch: list[int]) -> tuple[list[dict], list[int]]:
+        """This rank's samples of micro-step m (its class samples after them) and their global slots."""
+        slots = list(self.slots())
+        samples = [self._load(batch[s], epoch) for s in slots]
+        for k, s in enumerate(slots):
+            if self.dropped(m, s):  # the empty caption's entries in place of the caption's
+                samples[k].update(self.data.text(""))
+        if self.classes is None:
+            return samples, slots
+        g, bucket = self.schedule.global_batch, self.data.buckets[batch[0]]
+        chosen = self.schedule.class_images(m, self.classes.count)
+        samples += [self.classes.load(chosen[s], bucket, epoch) for s in slots]  # never flipped, as diffusers'
+        return samples, slots + [g + s for s in slots]
 
     def micro(self, m: int) -> MicroBatch:
         """Global micro-step m's batch, as `prefetch` built it if it was asked for m."""
@@ -93,8 +128,7 @@ class Batches:
     def _build(self, m: int) -> MicroBatch:
         a, dev, group = self.train, self.device, self.layout.cp_group
         epoch, batch = self.schedule.batch(m)
-        slots = self.slots()
-        samples = [self._load(batch[s], epoch) for s in slots]
+        samples, slots = self._samples(m, epoch, batch)
         stack = {k: self._to_device(torch.stack([s[k] for s in samples])) for k in samples[0]}
         mean, std = stack["latent_mean"], stack["latent_std"]
         family, pairs = self.family, "reference_latent" in stack
@@ -134,4 +168,6 @@ class Batches:
             text_tokens=embeds.shape[1],
             pair=pair,
             cp_rank=self.layout.cp_rank,
+            prior=0 if self.classes is None else len(slots) // 2,
+            prior_loss_weight=self.prior_loss_weight,
         )

@@ -178,7 +178,8 @@ def write_model_card(
     rows = [
         ("base model", base or "embedded tiny Flux"),
         ("data", (cfg.data.dataset_name or "the bundled data set") + (" (FLUX.1 Kontext pairs)" if kontext else "")),
-        ("resolution", f"{cfg.data.resolution} px" + (" (aspect buckets)" if cfg.data.aspect_buckets else "")),
+        ("resolution", f"{', '.join(map(str, cfg.data.resolution))} px"
+                       + (" (aspect buckets)" if cfg.data.aspect_buckets else "")),
         ("optimizer steps", steps if steps is not None else "not recorded"),
         ("batch", f"{cfg.train.train_batch_size} per data-parallel rank, gradient accumulation "
                   f"{cfg.train.gradient_accumulation_steps}"),
@@ -191,6 +192,14 @@ def write_model_card(
         ("context parallelism", cp + (f"; {layout}" if layout else "")),
         ("seed", cfg.train.seed),
     ]  # fmt: skip
+    options = cfg.data
+    if options.repeats > 1:
+        rows.append(("repeats", f"{options.repeats} (each image per epoch)"))
+    if options.caption_dropout:
+        rows.append(("caption dropout", f"{options.caption_dropout:g}"))
+    if options.with_prior_preservation:
+        prior = f"class prompt '{options.class_prompt}', {options.num_class_images} class images"
+        rows.append(("prior preservation", f"{prior}, prior loss weight {options.prior_loss_weight:g}"))
     if not full:
         rows.append(("LoRA file", f"`{LORA_FILE}`, {cfg.lora.lora_format} format"))
     body += [f"| {_cell(k)} | {_cell(v)} |" for k, v in rows] + [""]

@@ -112,7 +112,7 @@ RESUMABLE_CHANGES = (
     "weighting_scheme", "logit_mean", "logit_std", "mode_scale", "guidance_scale", "lora_dropout", "mixed_precision",
     "center_crop", "random_flip", "cp_kernels", "cp_overlap", "cp_exchange_first", "cp_ulysses_chunks",
     "gradient_checkpointing", "prodigy_beta3", "prodigy_decouple", "prodigy_use_bias_correction",
-    "prodigy_safeguard_warmup",
+    "prodigy_safeguard_warmup", "prior_loss_weight",
 )  # fmt: skip
 
 # Entries of the run identity compared through "data" (the fingerprint of the data set's names, contents and
@@ -122,22 +122,30 @@ _DATA_DETAIL = ("data_files", "data_legacy")
 
 
 def run_identity(
-    cfg: Config, samples_per_step: int, data: DataIdentity | str, buckets: list[tuple[int, int]] | None
+    cfg: Config,
+    samples_per_step: int,
+    data: DataIdentity | str,
+    buckets: list[tuple[int, int]] | None,
+    classes: DataIdentity | None = None,
 ) -> dict:
     """What a checkpoint must share with the run that resumes it: the model and trainable weights, the data and
-    what it sees (global batch per optimizer step, resolution, buckets, seed). The layout may differ. Keys
-    are stored in every checkpoint's meta.json (`rank` is the LoRA rank), so values are JSON's types (lists).
-    `data`: the data set's identity (flux_cp.data.DataIdentity: relative names, contents and captions)."""
+    what it sees (global batch per optimizer step, resolutions, buckets, repeats, caption dropout, the class images
+    of prior preservation, seed). The layout may differ. Keys are stored in every checkpoint's meta.json (`rank` is
+    the LoRA rank), so values are JSON's types (lists). `data`, `classes`: the identity of the data set and of the
+    class images (flux_cp.data.DataIdentity: relative names, contents and captions)."""
     from .optim import optimizer_name
 
     lora = None if cfg.lora.full_finetune else cfg.lora
+    resolution = cfg.data.resolution  # one resolution: its number, as checkpoints have always recorded it
     identity = {
         "model": str(cfg.model.pretrained_model_name_or_path or "embedded-tiny"),
         "transformer_init": cfg.model.transformer_init, "full_finetune": cfg.lora.full_finetune,
         "rank": lora and lora.rank, "lora_alpha": lora and lora.lora_alpha,
         "lora_layers": lora and ",".join(lora.lora_layers),
         "global_batch": samples_per_step, "data": data if isinstance(data, str) else data.fingerprint,
-        "resolution": cfg.data.resolution,
+        "resolution": resolution[0] if len(resolution) == 1 else list(resolution),
+        "repeats": cfg.data.repeats, "caption_dropout": cfg.data.caption_dropout,
+        "prior": classes.fingerprint if classes is not None else None,
         "seed": cfg.train.seed, "aspect_buckets": [list(b) for b in buckets] if buckets is not None else False,
         "max_sequence_length": cfg.data.max_sequence_length, "vae_encode_mode": cfg.data.vae_encode_mode,
         "optimizer": optimizer_name(cfg.train),
@@ -177,7 +185,7 @@ def _saved_data_files(path: Path) -> list | None:
 
 
 # Keys added to the run identity later, with the value every checkpoint written before them had.
-_IDENTITY_BEFORE = {"optimizer": "adamw"}
+_IDENTITY_BEFORE = {"optimizer": "adamw", "repeats": 1, "caption_dropout": 0.0, "prior": None}
 
 
 def check_compatible(meta: dict, run: dict, path: Path) -> None:

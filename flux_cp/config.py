@@ -98,7 +98,7 @@ KONTEXT_DEMO = Demo(
 DEMOS = (DEMO, KONTEXT_DEMO)
 DEMO_STEPS, DEMO_LEARNING_RATE, DEMO_BATCH, DEMO_PROMPTS = DEMO.steps, DEMO.learning_rate, DEMO.batch, DEMO.prompts
 # Flags that turn a demo's settings off when given (with the embedded default): a step count, or other data.
-DEMO_OFF_FLAGS = ("max_train_steps", "num_train_epochs", "dataset_name")
+DEMO_OFF_FLAGS = ("max_train_steps", "num_train_epochs", "dataset_name", "instance_data_dir")
 _DEMO = "_demo"  # key in the raw flag values: decided on the flags as given, before any default is derived
 
 
@@ -131,6 +131,22 @@ def boolean(text: str) -> bool:
 
 def _comma_list(text: str) -> tuple[str, ...]:
     return tuple(t.strip() for t in text.split(",") if t.strip())
+
+
+def _resolutions(text: str) -> tuple[int, ...]:
+    """--resolution's value: one size or several, comma-separated ("1024,2048"), kept in ascending order (the same
+    set trains the same in any order)."""
+    parts = _comma_list(text)
+    try:
+        values = [int(p) for p in parts]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give sizes in pixels, e.g. 1024 or 1024,2048") from None
+    if not values:
+        raise argparse.ArgumentTypeError(f"{text!r}: give sizes in pixels, e.g. 1024 or 1024,2048")
+    twice = sorted({v for v in values if values.count(v) > 1})
+    if twice:
+        raise argparse.ArgumentTypeError(f"{text!r} names {', '.join(map(str, twice))} more than once")
+    return tuple(sorted(values))
 
 
 def _checkpointing(text: str) -> str:
@@ -218,7 +234,12 @@ class DataConfig:
     dataset_name: str | None = flag(
         None,
         "Hub data set id, or a local folder of images with metadata.jsonl or a .txt caption beside each image. "
-        "Default: the bundled data set.",
+        "Default: the bundled data set (or --instance_data_dir).",
+    )
+    instance_data_dir: str | None = flag(
+        None,
+        "A local folder of training images, as diffusers' DreamBooth examples name it: the same as --dataset_name "
+        "with a folder (give one of the two). Default: none.",
     )
     dataset_config_name: str | None = flag(
         None, "The config of the hub data set. Default: its only config (leave unset when it has one)."
@@ -233,11 +254,39 @@ class DataConfig:
     instance_prompt: str | None = flag(
         None, "DreamBooth-style: use this prompt for every image (captions are ignored). Default: the captions."
     )
-    resolution: int = flag(
-        1024,
-        "Training resolution in pixels (multiple of 16). Default: 1024, or 64 for the tiny default.",
-        derive=lambda raw: 64 if _is_embedded(raw) else 1024,
+    resolution: tuple[int, ...] = flag(
+        (1024,),
+        "Training resolution in pixels (multiple of 16), or several, comma-separated (1024,2048): every image then "
+        "trains at each of them every epoch, each global batch at one. Default: 1024, or 64 for the tiny default.",
+        derive=lambda raw: (64,) if _is_embedded(raw) else (1024,),
+        parse=_resolutions,
     )
+    repeats: int = flag(1, "How many times each image appears per epoch (the data set is repeated).")
+    caption_dropout: float = flag(
+        0.0,
+        "Probability that a training image's caption is replaced by the empty caption in a step (it then trains "
+        "unconditionally, for classifier-free guidance), as diffusers' FLUX.2 [klein] example; class images of "
+        "--with_prior_preservation keep theirs.",
+    )
+    with_prior_preservation: bool = flag(
+        False,
+        "DreamBooth prior preservation: each step also trains on as many class images (--class_data_dir, captioned "
+        "--class_prompt) as training images, adding --prior_loss_weight times their loss.",
+    )
+    class_data_dir: str | None = flag(
+        None,
+        "The folder of class images for --with_prior_preservation; missing ones (up to --num_class_images) are "
+        "generated there with the base model. Default: none.",
+    )
+    class_prompt: str | None = flag(
+        None, "The prompt of the class images (--with_prior_preservation), e.g. 'a photo of a dog'. Default: none."
+    )
+    num_class_images: int = flag(
+        100,
+        "Class images for prior preservation: when --class_data_dir holds fewer, the rest are generated with "
+        "--class_prompt.",
+    )
+    prior_loss_weight: float = flag(1.0, "The weight of the prior preservation loss.")
     center_crop: bool = flag(False, "Center crop the images to the resolution. Default: off (a random crop).")
     random_flip: bool = flag(False, "Randomly flip images horizontally.")
     aspect_buckets: bool = flag(
@@ -265,9 +314,31 @@ class DataConfig:
         False, "Encode every batch on the fly (keeps VAE and text encoders loaded; per-epoch random crops)."
     )
 
+    @property
+    def largest_resolution(self) -> int:
+        return max(self.resolution)
+
+    @property
+    def samples_per_slot(self) -> int:
+        """Samples each slot of a batch trains: its own, and with prior preservation a class image beside it."""
+        return 2 if self.with_prior_preservation else 1
+
     def check(self) -> None:
-        if self.resolution % 16:
-            raise UsageError(f"--resolution {self.resolution} must be a multiple of 16 (8x VAE, 2x2 patches)")
+        for res in self.resolution:
+            if res % 16:
+                raise UsageError(f"--resolution {res} must be a multiple of 16 (8x VAE, 2x2 patches)")
+        if self.instance_data_dir is not None and not os.path.isdir(self.instance_data_dir):
+            raise UsageError(
+                f"--instance_data_dir {self.instance_data_dir}: no such folder (a hub data set goes to --dataset_name)"
+            )
+        if self.with_prior_preservation:
+            needed = (("class_data_dir", self.class_data_dir, "the folder of class images"),
+                      ("class_prompt", self.class_prompt, "the prompt of the class images"))  # fmt: skip
+            for name, value, what in needed:
+                if value is None:
+                    raise UsageError(f"--with_prior_preservation needs --{name} ({what})")
+            if os.path.exists(self.class_data_dir) and not os.path.isdir(self.class_data_dir):
+                raise UsageError(f"--class_data_dir {self.class_data_dir} is a file, not a folder")
         name = self.dataset_name
         if name and not os.path.exists(name) and not is_hub_id(name):
             raise UsageError(f"--dataset_name {name}: no such folder (and not a hub id like owner/name)")
@@ -534,7 +605,9 @@ class ValidationConfig:
     )
     num_validation_images: int = flag(2, "Number of images generated per --validation_prompt.")
     validation_resolution: int = flag(
-        1024, "Size of the validation images in pixels. Default: --resolution.", derive=lambda raw: raw["resolution"]
+        1024,
+        "Size of the validation images in pixels. Default: --resolution (the largest).",
+        derive=lambda raw: max(raw["resolution"]),
     )
     validation_inference_steps: int = flag(28, "Denoising steps of each validation image.")
     report_to: str = flag(
@@ -770,8 +843,8 @@ def build_parser() -> argparse.ArgumentParser:
                 # argparse also passes a string default through `type`: a parsed field shows its default as text.
                 kw["type"] = m["parse"] or kind
                 kw["default"] = None if m["derive"] else f.default
-                if m["parse"] and isinstance(f.default, tuple):
-                    kw["default"] = ",".join(f.default)
+                if m["parse"] and isinstance(f.default, tuple) and not m["derive"]:
+                    kw["default"] = ",".join(map(str, f.default))
                 if m["choices"]:
                     kw["choices"] = m["choices"]
                 if m["const"] is not None:
@@ -787,6 +860,10 @@ def parse_config(argv: list[str] | None = None) -> Config:
     parser = build_parser()
     raw = dict(vars(parser.parse_args(argv)))
     off = tuple(f for f in DEMO_OFF_FLAGS if raw[f] is not None)  # given: none of them has a default before derive
+    if raw["instance_data_dir"] is not None:  # diffusers' DreamBooth name of a local --dataset_name
+        if raw["dataset_name"] is not None:
+            raise UsageError("--dataset_name and --instance_data_dir both name the training data: give one of them")
+        raw["dataset_name"] = raw["instance_data_dir"]
     raw[_DEMO] = _demo_of(raw)  # the embedded default on a bundled data set with no step count (the README's demos)
     sections = {}
     for name, section in _sections():

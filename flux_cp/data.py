@@ -210,7 +210,13 @@ def reference_column(data: DataConfig, meta: Metadata | None = None) -> str | No
 
 
 def check_pair_flags(data: DataConfig, validation: ValidationConfig, pairs: bool) -> None:
-    """Flags that only make sense with FLUX.1 Kontext pairs (checked before anything loads)."""
+    """Flags that only make sense with FLUX.1 Kontext pairs, or only without them (checked before anything
+    loads)."""
+    if data.with_prior_preservation and pairs:
+        raise UsageError(
+            "--with_prior_preservation adds class images of --class_prompt to text-to-image training; pair data "
+            "(a reference image per target) has no class images to pair them with: drop --with_prior_preservation"
+        )
     if validation.validation_image is not None and not pairs:
         raise UsageError(
             "--validation_image is the reference image FLUX.1 Kontext validation edits: it needs pair data "
@@ -318,7 +324,8 @@ def open_source(data: DataConfig, meta: Metadata | None = None, cache_dir: str |
 def _open_source(data: DataConfig, meta: Metadata | None, cache_dir: str | None) -> ImageSource:
     name = data.dataset_name
     cache = cache_folder(data)
-    exclude = (cache,) if cache is not None else ()
+    # the encoding cache and the class images (prior preservation) are no training images, even inside the folder
+    exclude = tuple(Path(p) for p in (cache, data.class_data_dir if data.with_prior_preservation else None) if p)
     if name is None:
         samples = _local_folder(BUNDLED_DATA, "text", data.instance_prompt, exclude, None)
         source = ImageSource(samples, "bundled:tiny_shapes", root=BUNDLED_DATA)
@@ -412,7 +419,8 @@ def to_pixels(img: Image.Image, target: tuple[int, int], resized: tuple[int, int
 
 
 class BatchSchedule:
-    """Global batches of one bucket each, reshuffled every epoch; a pure function of (seed, epoch)."""
+    """Global batches of one bucket each, reshuffled every epoch; a pure function of (seed, epoch). With prior
+    preservation, the class image of each slot too (`class_images`)."""
 
     def __init__(self, buckets: list[int], global_batch: int, seed: int):
         self.global_batch = global_batch
@@ -425,7 +433,7 @@ class BatchSchedule:
             largest = max(len(v) for v in self.by_bucket.values())
             raise UsageError(
                 f"no global batch can be formed: the global batch is {global_batch} samples (--train_batch_size x "
-                f"data-parallel size) but the data set has {len(buckets)} images"
+                f"data-parallel size) but an epoch has {len(buckets)} samples"
                 + (f" and the largest aspect bucket holds {largest}" if len(self.by_bucket) > 1 else "")
                 + "; lower --train_batch_size, use fewer data-parallel ranks, or add images"
             )
@@ -450,3 +458,21 @@ class BatchSchedule:
         """(epoch, global batch) of global micro-step `micro_step`."""
         epoch, k = divmod(micro_step, self.batches_per_epoch)
         return epoch, self.epoch(epoch)[k]
+
+    def class_images(self, micro_step: int, count: int) -> list[int]:
+        """The class image (of `count`) that each slot of global batch `micro_step` trains beside its own sample
+        (prior preservation). The run's slots, in order, take the class images in turn, each round through all of
+        them in an order of its own (keyed by the seed and the round): every class image is used equally often,
+        and which one a slot gets depends on neither the layout nor the length of an epoch."""
+        out = []
+        for s in range(self.global_batch):
+            round_, k = divmod(micro_step * self.global_batch + s, count)
+            out.append(self._class_order(round_, count)[k])
+        return out
+
+    def _class_order(self, round_: int, count: int) -> list[int]:
+        cached = self.__dict__.get("_class_cache")
+        if cached is None or cached[:2] != (round_, count):
+            order = torch.randperm(count, generator=generator(Stream.CLASS_ORDER, self.seed, round_)).tolist()
+            self._class_cache = cached = (round_, count, order)
+        return cached[2]

@@ -104,6 +104,23 @@ def encoder_fingerprints(encoders: Encoders, path: str, revision: str | None) ->
     return vae, text + encoders.text_recipe
 
 
+def run_buckets(
+    resolutions: tuple[int, ...], cp_size: int, aspect_buckets: bool
+) -> tuple[list[tuple[int, int]], list[list[int]]]:
+    """Every training bucket of a run and, per resolution, the indices of its own (`training_buckets` of each;
+    a size two resolutions share is one bucket)."""
+    buckets: list[tuple[int, int]] = []
+    per_resolution = []
+    for resolution in resolutions:
+        ids = []
+        for size in training_buckets(resolution, cp_size, aspect_buckets):
+            if size not in buckets:
+                buckets.append(size)
+            ids.append(buckets.index(size))
+        per_resolution.append(ids)
+    return buckets, per_resolution
+
+
 def training_buckets(resolution: int, cp_size: int, aspect_buckets: bool) -> list[tuple[int, int]]:
     """(width, height) of every training bucket: one square of `resolution`, or aspect buckets whose token count
     divides by the CP size."""
@@ -118,13 +135,37 @@ def training_buckets(resolution: int, cp_size: int, aspect_buckets: bool) -> lis
 
 
 class Geometry:
-    """Target size of each image: the bucket nearest its aspect ratio (`training_buckets`)."""
+    """Where each image trains: at each of its placements (one per --resolution), in the bucket of that
+    resolution nearest its aspect ratio (`run_buckets`), cropped where its crop draw says. An encoded sample is
+    (image, placement): index `placement * images + image`."""
 
-    def __init__(self, buckets: list[tuple[int, int]]):
+    def __init__(self, buckets: list[tuple[int, int]], placements: list[list[int]] | None = None):
         self.buckets = list(buckets)
+        self.placements = placements or [list(range(len(self.buckets)))]  # bucket indices, per placement
 
-    def bucket_of(self, size: tuple[int, int]) -> int:
-        return nearest_bucket(size[0], size[1], self.buckets) if len(self.buckets) > 1 else 0
+    def bucket_of(self, size: tuple[int, int], placement: int = 0) -> int:
+        ids = self.placements[placement]
+        if len(ids) == 1:
+            return ids[0]
+        return ids[nearest_bucket(size[0], size[1], [self.buckets[b] for b in ids])]
+
+    def crop_generator(self, seed: int, image: int, placement: int, epoch: int | None = None) -> torch.Generator:
+        """The random crop of `image` at `placement`: drawn once per image for the cache, per epoch live (`epoch`).
+        The first placement has the keys a run of one resolution has always had."""
+        keys = (image,) if epoch is None else (image, epoch)
+        return generator(Stream.CROP, seed, *keys, *((placement,) if placement else ()))
+
+
+class ClassGeometry(Geometry):
+    """Class images of prior preservation: each joins batches of every bucket the training images use, so it is
+    placed in each of them (`used`: bucket indices), its crop drawn per class image and bucket."""
+
+    def __init__(self, buckets: list[tuple[int, int]], used: list[int]):
+        super().__init__(buckets, [[b] for b in used])
+
+    def crop_generator(self, seed: int, image: int, placement: int, epoch: int | None = None) -> torch.Generator:
+        keys = (image, self.placements[placement][0]) + (() if epoch is None else (epoch,))
+        return generator(Stream.CLASS_CROP, seed, *keys)
 
 
 LATENT_KEYS = ("latent_mean", "latent_std")
@@ -168,25 +209,47 @@ def _sha(*parts) -> str:
 
 
 class TrainingData(Protocol):
-    """What the batch builder reads, cached or live: the aspect bucket of every sample, and one sample's
-    encodings (`latent_mean`, `latent_std` `[C, H, W]`, the text entries of the family's `Encoders.prompts`, e.g.
+    """What the batch builder reads, cached or live: the bucket of every sample, and one sample's encodings
+    (`latent_mean`, `latent_std` `[C, H, W]`, the text entries of the family's `Encoders.prompts`, e.g.
     `prompt_embeds` `[L, D]`; for pairs also `reference_latent` `[C, H, W]`, the mean latent of the reference
-    with the target's crop and flip), given whether it is flipped and the epoch (for crops drawn per epoch)."""
+    with the target's crop and flip), given whether it is flipped and the epoch (for crops drawn per epoch); and the
+    text entries of a caption encoded up front (the empty caption of --caption_dropout)."""
 
     buckets: list[int]
 
     def load(self, index: int, flip: bool, epoch: int) -> dict[str, Tensor]: ...
+
+    def text(self, caption: str) -> dict[str, Tensor]: ...
+
+
+class Repeated:
+    """--repeats: `data` with every sample `repeats` times per epoch (sample t is `data`'s t mod its length). The
+    copies share their encodings (and so their crop); each has its own flip, noise and timestep."""
+
+    def __init__(self, data: TrainingData, repeats: int):
+        self.data, self.size = data, len(data.buckets)
+        self.buckets = list(data.buckets) * repeats
+
+    def load(self, index: int, flip: bool, epoch: int) -> dict[str, Tensor]:
+        return self.data.load(index % self.size, flip, epoch)
+
+    def text(self, caption: str) -> dict[str, Tensor]:
+        return self.data.text(caption)
 
 
 class EncodedData:
     """The cache's table: per-sample cache keys and buckets for the whole data set (identical on every rank).
     Its crops were drawn once, at encoding time, so `load` does not depend on the epoch."""
 
-    def __init__(self, cache_dir: Path, entries: list[dict], computed: int = 0):
+    def __init__(self, cache_dir: Path, entries: list[dict], computed: int = 0, texts: dict[str, str] | None = None):
         self.cache_dir = cache_dir
         self.entries = entries
         self.buckets = [e["bucket"] for e in entries]
         self.computed = computed  # encodings computed by this run (the rest came from the cache)
+        self.texts = texts or {}  # caption -> cache key of the captions encoded up front
+
+    def text(self, caption: str) -> dict[str, Tensor]:
+        return _load(self.cache_dir / "text" / f"{self.texts[caption]}.safetensors")
 
     def load(self, index: int, flip: bool, epoch: int) -> dict[str, Tensor]:
         e = self.entries[index]
@@ -219,18 +282,27 @@ def encode_dataset(
     fingerprints: tuple[str, str],
     rank: int,
     world: int,
+    captions: tuple[str, ...] = (),
+    flips: bool | None = None,
 ) -> EncodedData:
-    """Encode what is not cached yet (rank r takes samples r, r+world, ...), then share the table."""
+    """Encode what is not cached yet (rank r takes images r, r+world, ...), then share the table: one entry per image
+    and placement of `geometry` (index `placement * len(source) + image`). `captions`: encoded too, for
+    `EncodedData.text`. `flips`: whether flipped latents are encoded (default: --random_flip)."""
     vae_fp, text_fp = fingerprints
-    variants = (False, True) if data.random_flip else (False,)
-    mine = list(range(rank, len(source), world))
+    variants = (False, True) if (data.random_flip if flips is None else flips) else (False,)
+    n = len(source)
+    mine = list(range(rank, n, world))
     entries: dict[int, dict] = {}
     errors: list[str] = []
     pending_text: dict[str, str] = {}
+    texts = {c: _sha(c, data.max_sequence_length, text_fp) for c in captions}
     computed = 0
     text_shapes = encoders.text_shapes(data.max_sequence_length)
     bar = tqdm(mine, desc="encoding (this rank's share)", disable=rank != 0, dynamic_ncols=True)
     try:  # a cache that cannot be written (full disk, permissions) ends as one line, on every rank alike
+        for caption, tkey in texts.items() if rank == 0 else ():
+            if not _usable(cache_dir / "text" / f"{tkey}.safetensors", text_shapes):
+                pending_text[tkey] = caption
         for i in bar:
             try:
                 img, img_hash = _decode(source, i)
@@ -241,27 +313,29 @@ def encode_dataset(
             except UsageError as e:
                 errors.append(str(e))
                 continue
-            bucket = geometry.bucket_of(img.size)
-            target = geometry.buckets[bucket]
-            resized, offset = crop_box(img.size, target, data.center_crop, generator(Stream.CROP, seed, i))
-            entry: dict = {"bucket": bucket}
-            latent = encoders.latent_shape(target)
-            for name, image, digest in images:
-                entry[name] = []
-                entry[f"{name}_sha"] = digest  # the file's content, for the data set's identity (resume)
-                for flip in variants:
-                    key = _sha(digest, target, resized, offset, flip, vae_fp, DECODER_VERSION)
-                    path = cache_dir / "latents" / f"{key}.safetensors"
-                    if not _usable(path, dict.fromkeys(LATENT_KEYS, latent)):
-                        mean, std = encoders.latents(to_pixels(image, target, resized, offset, flip)[None])
-                        files.write_safetensors(path, {"latent_mean": mean[0], "latent_std": std[0]})
-                        computed += 1
-                    entry[name].append(key)
             caption = source.samples[i].caption
             tkey = _sha(caption, data.max_sequence_length, text_fp)
-            if not _usable(cache_dir / "text" / f"{tkey}.safetensors", text_shapes):
+            if tkey not in pending_text and not _usable(cache_dir / "text" / f"{tkey}.safetensors", text_shapes):
                 pending_text[tkey] = caption
-            entries[i] = {**entry, "text": tkey}
+            for placement in range(len(geometry.placements)):
+                bucket = geometry.bucket_of(img.size, placement)
+                target = geometry.buckets[bucket]
+                crop = geometry.crop_generator(seed, i, placement)
+                resized, offset = crop_box(img.size, target, data.center_crop, crop)
+                entry: dict = {"bucket": bucket}
+                latent = encoders.latent_shape(target)
+                for name, image, digest in images:
+                    entry[name] = []
+                    entry[f"{name}_sha"] = digest  # the file's content, for the data set's identity (resume)
+                    for flip in variants:
+                        key = _sha(digest, target, resized, offset, flip, vae_fp, DECODER_VERSION)
+                        path = cache_dir / "latents" / f"{key}.safetensors"
+                        if not _usable(path, dict.fromkeys(LATENT_KEYS, latent)):
+                            mean, std = encoders.latents(to_pixels(image, target, resized, offset, flip)[None])
+                            files.write_safetensors(path, {"latent_mean": mean[0], "latent_std": std[0]})
+                            computed += 1
+                        entry[name].append(key)
+                entries[placement * n + i] = {**entry, "text": tkey}
             if len(pending_text) >= 16:
                 computed += _encode_texts(encoders, pending_text, data.max_sequence_length, cache_dir)
         computed += _encode_texts(encoders, pending_text, data.max_sequence_length, cache_dir)
@@ -277,12 +351,13 @@ def encode_dataset(
     merged: dict[int, dict] = {}
     for table in distributed.all_gather(entries):
         merged.update(table)
-    for i, e in merged.items():
-        source.note_digest(i, e.pop("latents_sha"))
+    for index, e in merged.items():
+        source.note_digest(index % n, e.pop("latents_sha"))
         if "reference_sha" in e:
-            source.note_digest(i, e.pop("reference_sha"), reference=True)
+            source.note_digest(index % n, e.pop("reference_sha"), reference=True)
     computed_everywhere = sum(distributed.all_gather(computed))
-    return EncodedData(cache_dir, [merged[i] for i in range(len(source))], computed_everywhere)
+    table = [merged[index] for index in range(n * len(geometry.placements))]
+    return EncodedData(cache_dir, table, computed_everywhere, texts)
 
 
 def _encode_texts(encoders: Encoders, pending: dict[str, str], max_len: int, cache_dir: Path) -> int:
@@ -297,7 +372,8 @@ def _encode_texts(encoders: Encoders, pending: dict[str, str], max_len: int, cac
 
 
 class LiveData:
-    """`--no_cache`: decode, crop (per epoch) and encode each sample when its batch comes up."""
+    """`--no_cache`: decode, crop (per epoch) and encode each sample when its batch comes up; samples are (image,
+    placement) as in the cache's table."""
 
     def __init__(self, source: ImageSource, encoders: Encoders, geometry: Geometry, data: DataConfig, seed: int):
         self.source, self.encoders, self.geometry, self.config, self.seed = source, encoders, geometry, data, seed
@@ -307,13 +383,20 @@ class LiveData:
             source.note_digest(i, digest)  # the data set's identity (resume) reads no file a second time
             self.sizes.append(img.size)
             img.close()
-        self.buckets = [geometry.bucket_of(s) for s in self.sizes]
+        self.buckets = [geometry.bucket_of(s, p) for p in range(len(geometry.placements)) for s in self.sizes]
+        self._texts: dict[str, dict[str, Tensor]] = {}
+
+    def text(self, caption: str) -> dict[str, Tensor]:
+        if caption not in self._texts:  # encoded once
+            embeds = self.encoders.prompts([caption], self.config.max_sequence_length)
+            self._texts[caption] = {n: t[0] for n, t in embeds.items()}
+        return dict(self._texts[caption])
 
     def load(self, index: int, flip: bool, epoch: int) -> dict[str, Tensor]:
-        i = index
+        placement, i = divmod(index, len(self.source))
         img = self.source.load(i)
-        target = self.geometry.buckets[self.buckets[i]]
-        gen = generator(Stream.CROP, self.seed, i, epoch)
+        target = self.geometry.buckets[self.buckets[index]]
+        gen = self.geometry.crop_generator(self.seed, i, placement, epoch)
         resized, offset = crop_box(img.size, target, self.config.center_crop, gen)
         mean, std = self.encoders.latents(to_pixels(img, target, resized, offset, flip)[None])
         embeds = self.encoders.prompts([self.source.samples[i].caption], self.config.max_sequence_length)

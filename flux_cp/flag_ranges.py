@@ -47,6 +47,15 @@ class Rule:
 
 RULES = (
     Rule("resolution", 16, why="the smallest image is one 2x2 patch of 8x VAE latents"),
+    Rule("repeats", 1, why="each image appears this many times per epoch"),
+    Rule("caption_dropout", 0, 1, why="a probability"),
+    Rule("num_class_images", 1, why="prior preservation trains on class images"),
+    Rule(
+        "prior_loss_weight",
+        0,
+        low_open=True,
+        why="at 0 the class images cost a second batch and change nothing; drop --with_prior_preservation instead",
+    ),
     Rule("validation_resolution", 16, why="the smallest image is one 2x2 patch of 8x VAE latents"),
     Rule("max_sequence_length", 1, 512, why="T5's prompt length in FLUX.1"),
     Rule("seed", 0, SEED_MAX, why="seeds are 32-bit"),
@@ -96,12 +105,13 @@ def check_ranges(values: Mapping[str, object], rules: Iterable[Rule] = RULES) ->
     """A UsageError naming the first flag outside its range. Unset optional flags (None) and flags this run
     does not have are skipped."""
     for rule in rules:
-        v = values.get(rule.flag)
-        if v is None or isinstance(v, bool):
+        value = values.get(rule.flag)
+        if value is None or isinstance(value, bool):
             continue
-        if not rule.ok(v):
-            why = f" ({rule.why})" if rule.why else ""
-            raise UsageError(f"--{rule.flag} {v:g} is out of range: it must be {rule.bounds()}{why}")
+        for v in value if isinstance(value, tuple) else (value,):  # a list flag (--resolution 1024,2048): each
+            if not rule.ok(v):
+                why = f" ({rule.why})" if rule.why else ""
+                raise UsageError(f"--{rule.flag} {v:g} is out of range: it must be {rule.bounds()}{why}")
     lr, decay = values.get("learning_rate"), values.get("adam_weight_decay")
     if lr is not None and decay is not None and lr * decay >= 1:
         raise UsageError(
@@ -132,6 +142,8 @@ _USED_ONLY = (
      lambda v: v.get("optimizer") == "prodigy", "without --optimizer prodigy"),
     (("use_8bit_adam",), lambda v: v.get("optimizer") == "adamw", "with --optimizer prodigy (it is 8-bit AdamW)"),
     (("caption_column",), lambda v: v.get("instance_prompt") is None, "with --instance_prompt (one prompt for all)"),
+    (("class_data_dir", "class_prompt", "num_class_images", "prior_loss_weight"),
+     lambda v: bool(v.get("with_prior_preservation")), "without --with_prior_preservation"),
     (("gpu_memory_gib",), lambda v: bool(v.get("plan")) or v.get("gradient_checkpointing") == "auto",
      "without --plan or --gradient_checkpointing auto"),
     (("hub_model_id", "hub_token"), lambda v: bool(v.get("push_to_hub")), "without --push_to_hub"),

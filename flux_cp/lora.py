@@ -78,6 +78,6 @@ def save_lora(
 
 def lora_origin(cfg: Config, kontext: bool) -> Origin:
     """The `origin` of a run's LoRA file: its base model (--pretrained_model_name_or_path), the run's name (its
-    output folder's), the training resolution, and whether it trained on FLUX.1 Kontext pairs."""
+    output folder's), the (largest) training resolution, and whether it trained on FLUX.1 Kontext pairs."""
     name = Path(cfg.train.output_dir).resolve().name
-    return Origin(cfg.model.pretrained_model_name_or_path, name, cfg.data.resolution, kontext)
+    return Origin(cfg.model.pretrained_model_name_or_path, name, cfg.data.largest_resolution, kontext)

@@ -195,7 +195,7 @@ def checkpointing_for_run(cfg: Config, family: Family, config: dict, tokens: int
     lora = None if cfg.lora.full_finetune else cfg.lora.rank
 
     def estimate_with(n: int | None) -> Estimate:
-        return estimate(config, tokens=tokens, batch=train.train_batch_size, lora_rank=lora,
+        return estimate(config, tokens=tokens, batch=train.train_batch_size * cfg.data.samples_per_slot, lora_rank=lora,
                         lora_layers=list(cfg.lora.lora_layers), world=world, cp=cp, checkpointed=n,
                         compiled=bool(train.compile or train.compile_mode),
                         weight_bytes=4 if train.mixed_precision == "no" else 2, fsdp=fsdp,
@@ -323,7 +323,8 @@ def print_plan(cfg: Config) -> None:
         family = for_transformer(config)
     cfg = resolved(cfg, family, pairs, config)  # the family's default --lora_layers
     world = launched_world_size()
-    resolution, batch, cp_size = cfg.data.resolution, cfg.train.train_batch_size, cfg.parallel.cp_size
+    resolution, cp_size = cfg.data.largest_resolution, cfg.parallel.cp_size
+    batch = cfg.train.train_batch_size * cfg.data.samples_per_slot  # prior preservation: a class image per sample
     tokens = (2 if pairs else 1) * (resolution // 16) ** 2 + cfg.data.max_sequence_length
     lora = None if cfg.lora.full_finetune else cfg.lora.rank
     layers = list(cfg.lora.lora_layers)

@@ -1,7 +1,7 @@
-"""Named random streams. Every random draw of the data path (sample order, crops, flips, noise and
-timesteps) comes from a generator keyed by the seed, the draw's own keys (epoch, sample, micro-step, global
-batch slot) and its stream, never from a global RNG state: all ranks of a CP group draw the same values,
-and what a run sees does not depend on its layout or on where it resumed."""
+"""Named random streams. Every random draw of the data path (sample order, crops, flips, noise and timesteps,
+caption dropout, class images) comes from a generator keyed by the seed, the draw's own keys (epoch, sample,
+micro-step, global batch slot) and its stream, never from a global RNG state: all ranks of a CP group draw the same
+values, and what a run sees does not depend on its layout or on where it resumed."""
 
 from __future__ import annotations
 
@@ -19,6 +19,10 @@ class Stream(IntEnum):
     CROP = 3  # random crop offset of a sample (once for cached encodings, per epoch for --no_cache)
     FLIP = 4  # whether a sample is flipped (--random_flip), per epoch
     NOISE = 7  # latent sampling noise, flow-matching noise and timestep of one global batch slot
+    CAPTION_DROPOUT = 8  # whether a global batch slot's caption is replaced by the empty one (--caption_dropout)
+    CLASS_ORDER = 9  # the order in which the run's batch slots take the class images (prior preservation)
+    CLASS_CROP = 10  # random crop of a class image in one bucket
+    CLASS_IMAGE = 11  # the starting noise of a generated class image
 
 
 def seeded_generator(*keys: int) -> torch.Generator:

@@ -24,6 +24,7 @@ class RunShape:
     reference_column: str | None  # the data's reference-image column (pairs), None for single images
     metadata: Metadata | None  # a local data folder's metadata.jsonl, read and checked once
     buckets: tuple[tuple[int, int], ...]  # (width, height) of every training bucket, in pixels
+    placements: tuple[tuple[int, ...], ...]  # per --resolution, the indices of its buckets
     text_tokens: int  # per sample
     world: int
     dp: int
@@ -70,7 +71,7 @@ def check_tokens(shape: RunShape, data: DataConfig, validation: ValidationConfig
         )
     # A pair's reference has its target's size and the two are split as one segment: twice the tokens (validation
     # too when it edits a --validation_image). Aspect buckets are chosen with token counts that divide.
-    checks = [] if data.aspect_buckets else [("--resolution", data.resolution, shape.images_per_sample)]
+    checks = [] if data.aspect_buckets else [("--resolution", r, shape.images_per_sample) for r in data.resolution]
     if validation.validation_prompt:  # no prompt, no validation images
         images = 2 if shape.pairs and validation.validation_image else 1
         checks.append(("--validation_resolution", validation.validation_resolution, images))
@@ -113,14 +114,15 @@ def build_shape(cfg: Config, world: int) -> RunShape:
     does not divide and a model folder of no known family; builds the embedded default's tiny model when no
     model is named (before any process group: every rank of a launch calls this, one builds, the others wait)."""
     from .data import local_metadata, reference_column
-    from .encode import training_buckets
+    from .encode import run_buckets
 
     dp = check_layout(world, cfg.parallel.cp_size)
     metadata = local_metadata(cfg.data)
     column = reference_column(cfg.data, metadata)
     family, path = model_of(cfg.model, column is not None)
-    buckets = training_buckets(cfg.data.resolution, cfg.parallel.cp_size, cfg.data.aspect_buckets)
+    buckets, placements = run_buckets(cfg.data.resolution, cfg.parallel.cp_size, cfg.data.aspect_buckets)
     return RunShape(
         family=family, model_path=path, reference_column=column, metadata=metadata, buckets=tuple(buckets),
+        placements=tuple(tuple(p) for p in placements),
         text_tokens=cfg.data.max_sequence_length, world=world, dp=dp, cp=cfg.parallel.cp_size, sharded=uses_fsdp(),
     )  # fmt: skip

@@ -26,7 +26,7 @@ from .batches import Batches
 from .blocks import attention_recomputed, prepare_blocks, step_begins, uses_cuda_graphs
 from .config import DEFAULT_ENCODINGS_DIR, Config
 from .data import BUNDLED_DATA, BatchSchedule, ImageSource, cache_folder, check_pair_flags, open_source
-from .encode import Geometry, LiveData, TrainingData, encode_dataset, encoder_fingerprints
+from .encode import ClassGeometry, Geometry, LiveData, Repeated, TrainingData, encode_dataset, encoder_fingerprints
 from .errors import UsageError
 from .lora import lora_origin, save_lora
 from .lora_format import check_export
@@ -51,6 +51,7 @@ from .optim import (
 )
 from .parallel import Layout, choose_cp_mode, cp_advice, make_accelerator
 from .plan import GIB, Checkpointing, checkpointing_for_run
+from .prior import ClassSamples, class_source, generate_class_images
 from .profiling import profiled
 from .resume import check_steps as check_resume_steps
 from .shape import RunShape, build_shape, check_tokens, resolved
@@ -90,8 +91,10 @@ class Trainer:
     noise_scheduler: Any
     source: ImageSource
     samples: TrainingData
+    class_source: ImageSource | None  # prior preservation: the class images
+    classes: ClassSamples | None  # ... and their encodings
     schedule: BatchSchedule
-    global_batch: int  # samples per micro-step over all data-parallel ranks
+    global_batch: int  # samples per micro-step over all data-parallel ranks (their class images not counted)
     validation_embeds: dict[str, torch.Tensor] | None
     validation_reference: dict | None  # pairs: the pipeline's arguments for the --validation_image the prompts edit
     # build_model: the wrapped model and its optimizer, ready to step
@@ -210,7 +213,9 @@ class Trainer:
                     logging_dir=cfg.validation.logging_dir if trackers else None,
                     max_train_steps=cfg.train.max_train_steps,
                     apart={"--pretrained_model_name_or_path": self.shape.model_path,
-                           "--dataset_name": cfg.data.dataset_name or str(BUNDLED_DATA)},
+                           "--instance_data_dir" if cfg.data.instance_data_dir else "--dataset_name":
+                               cfg.data.dataset_name or str(BUNDLED_DATA),
+                           "--class_data_dir": cfg.data.class_data_dir if cfg.data.with_prior_preservation else None},
                 )  # fmt: skip
                 if not cfg.data.no_cache:
                     outdir.check_writable(Path(self.encodings_dir), "--encodings_dir")
@@ -259,7 +264,7 @@ class Trainer:
             cfg.model, shape.model_path, self.weight_dtype, self.device
         )
         self.noise_scheduler = load_scheduler(cfg.model, shape.model_path)
-        geometry = Geometry(shape.buckets)
+        geometry = Geometry(list(shape.buckets), [list(p) for p in shape.placements])
         self.validation_embeds = self.validation_reference = None
         if cfg.validation.validation_prompt:
             prompts = list(cfg.validation.validation_prompt)
@@ -268,18 +273,46 @@ class Trainer:
                 image = validation.reference_image(cfg.validation.validation_image,
                                                    cfg.validation.validation_resolution)  # fmt: skip
                 self.validation_reference = shape.family.reference_inputs(image, encoders, self.device)
+        self.class_source = self.classes = None
+        if cfg.data.with_prior_preservation:  # the class images, generated with the base model where missing
+            self.generate_class_images()
+            self.class_source = class_source(Path(cfg.data.class_data_dir), cfg.data.class_prompt,
+                                             cfg.data.num_class_images)  # fmt: skip
+            logger.info(f"prior preservation: {len(self.class_source)} class images of '{cfg.data.class_prompt}'")
+        captions = ("",) if cfg.data.caption_dropout > 0 else ()  # the empty caption, encoded once
         if cfg.data.no_cache:
-            self.samples = LiveData(source, encoders, geometry, cfg.data, cfg.train.seed)
+            samples = LiveData(source, encoders, geometry, cfg.data, cfg.train.seed)
+            if self.class_source is not None:
+                used = sorted(set(samples.buckets))
+                live = LiveData(self.class_source, encoders, ClassGeometry(geometry.buckets, used), cfg.data,
+                                cfg.train.seed)  # fmt: skip
+                self.classes = ClassSamples(live, len(self.class_source), used)
         else:
             cache = Path(self.encodings_dir)
             fingerprints = encoder_fingerprints(encoders, shape.model_path, cfg.model.revision)
-            self.samples = encode_dataset(
-                source, encoders, geometry, cfg.data, cfg.train.seed, cache, fingerprints, *self.encode_share()
-            )
-            logger.info(f"encodings: {len(source)} samples, {self.samples.computed} newly computed, cache {cache}")
+            samples = encode_dataset(source, encoders, geometry, cfg.data, cfg.train.seed, cache, fingerprints,
+                                     *self.encode_share(), captions=captions)  # fmt: skip
+            computed = samples.computed
+            if self.class_source is not None:  # in every bucket the training images use (a batch is one bucket)
+                used = sorted(set(samples.buckets))
+                encoded = encode_dataset(self.class_source, encoders, ClassGeometry(geometry.buckets, used), cfg.data,
+                                         cfg.train.seed, cache, fingerprints, *self.encode_share(),
+                                         flips=False)  # fmt: skip
+                self.classes = ClassSamples(encoded, len(self.class_source), used)
+                computed += encoded.computed
+            logger.info(f"encodings: {len(source)} samples, {computed} newly computed, cache {cache}")
             encoders.free_text_encoders()
+        self.samples = Repeated(samples, cfg.data.repeats) if cfg.data.repeats > 1 else samples
         self.global_batch = cfg.train.train_batch_size * layout.dp
         self.schedule = BatchSchedule(self.samples.buckets, self.global_batch, cfg.train.seed)
+
+    def generate_class_images(self) -> None:
+        """Prior preservation: the class images `--class_data_dir` lacks, rendered with the base model under CP
+        before the training data is encoded (flux_cp.prior)."""
+        made = generate_class_images(self.cfg, self.shape, self.layout, self.encoders, self.noise_scheduler.config,
+                                     self.weight_dtype, self.device, self.accelerator.autocast)  # fmt: skip
+        if made:
+            logger.info(f"generated {made} class images in {self.cfg.data.class_data_dir}")
 
     def build_model(self) -> None:
         """Transformer, LoRA or full, seed checkpoint, CP attention, compile, optimizer, then FSDP/DDP."""
@@ -326,7 +359,8 @@ class Trainer:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         samples_per_step = self.global_batch * train.gradient_accumulation_steps
         buckets = list(shape.buckets) if cfg.data.aspect_buckets else None
-        self.run_identity = checkpoint.run_identity(cfg, samples_per_step, self.source.identity(), buckets)
+        classes = self.class_source.identity() if self.class_source is not None else None
+        self.run_identity = checkpoint.run_identity(cfg, samples_per_step, self.source.identity(), buckets, classes)
         every = cfg.checkpoints.checkpointing_steps
         if layout.is_main:
             saves = max_steps // every + (1 if max_steps % every else 0)
@@ -403,7 +437,8 @@ class Trainer:
             manifest.record(cfg.train.output_dir, "run_config.json")
             files.write_json(Path(cfg.train.output_dir) / "run_config.json", {**cfg.flat(), **chosen})
         if self.accelerator.log_with:
-            hparams = {k: v for k, v in cfg.flat().items() if isinstance(v, (int, float, str, bool))}
+            flat = {**cfg.flat(), "resolution": ",".join(map(str, cfg.data.resolution))}  # trackers take scalars
+            hparams = {k: v for k, v in flat.items() if isinstance(v, (int, float, str, bool))}
             self.accelerator.init_trackers("flux-cp", config=hparams)
         self.metrics = MetricsLog(cfg.train.output_dir, start_step, layout.is_main)
         if device.type == "cuda":  # peak memory of training, not of loading and initialisation
@@ -415,7 +450,7 @@ class Trainer:
         guidance = bool(self.transformer_config.get("guidance_embeds"))
         self.batches = Batches(self.samples, self.schedule, layout, cfg.data, cfg.train, self.noise_scheduler,
                                shape.family, shape.family.normalizer(self.encoders.vae), guidance, device,
-                               self.weight_dtype)  # fmt: skip
+                               self.weight_dtype, self.classes)  # fmt: skip
         peak = peak_flops(device)
         self.peak = peak and peak[0]
         if peak:
@@ -435,10 +470,11 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
         tokens, flops = 0, NO_FLOPS
         recomputed = len(self.checkpointing.blocks) / self.checkpointing.total  # share of the blocks
+        samples = self.global_batch * cfg.data.samples_per_slot  # with their class images (prior preservation)
         for micro in range(accum):
             mb = self.batches.micro((step - 1) * accum + micro)
-            tokens += self.global_batch * (mb.image_tokens + mb.text_tokens)
-            flops += family.step_flops(self.transformer_config, mb.image_tokens, mb.text_tokens, self.global_batch,
+            tokens += samples * (mb.image_tokens + mb.text_tokens)
+            flops += family.step_flops(self.transformer_config, mb.image_tokens, mb.text_tokens, samples,
                                        not cfg.lora.full_finetune, recomputed,
                                        recomputed if attention_recomputed(cfg.train) else 0.0)  # fmt: skip
             step_begins(cfg.train.compile_mode)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -45,6 +45,49 @@ def reference_image(path: str, resolution: int) -> Image.Image:
 
 
 @torch.no_grad()
+def render(
+    transformer,
+    encoders: Encoders,
+    scheduler_config: dict,
+    embeds: dict[str, torch.Tensor],
+    layout: Layout,
+    family: Family,
+    autocast,
+    jobs: list[tuple[int, torch.Generator]],
+    resolution: int,
+    reference: dict | None = None,
+    **call: Any,
+) -> dict[int, np.ndarray]:
+    """Images of `jobs` (row of `embeds`, the generator of its starting noise), split over the data-parallel ranks:
+    each CP group renders its share with CP across the group; every rank of a group gets its group's images,
+    {job index: HxWx3 uint8}. Every rank makes the same number of pipeline calls (a short share repeats its last
+    job), so every forward has all ranks. `call`: more arguments of the pipeline (steps, guidance)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    scheduler = FlowMatchEulerDiscreteScheduler.from_config(scheduler_config)
+    pipe = family.validation_pipeline(reference is not None, scheduler, encoders, transformer)
+    pipe.set_progress_bar_config(disable=True)
+    calls = math.ceil(len(jobs) / layout.dp)
+    mine = list(range(len(jobs)))[layout.dp_rank :: layout.dp]
+    padded = mine + [mine[-1] if mine else 0] * (calls - len(mine))  # equal call counts on every rank
+    was_training = transformer.training
+    transformer.eval()
+    out = {}
+    try:
+        with cp.full_sequence_io(transformer, layout.cp_group), autocast():
+            for j, job in enumerate(padded):
+                row, gen = jobs[job]
+                image = pipe(
+                    **{name: e[row : row + 1] for name, e in embeds.items()}, height=resolution, width=resolution,
+                    **(reference or {}), generator=gen, output_type="np", **call,
+                ).images[0]  # fmt: skip
+                if j < len(mine):
+                    out[job] = (np.clip(image, 0, 1) * 255).round().astype(np.uint8)
+    finally:
+        transformer.train(was_training)
+    return out
+
+
 def generate(
     transformer,
     encoders: Encoders,
@@ -62,35 +105,16 @@ def generate(
     freed); `embeds`: the validation prompts' encodings, one row per prompt, named as the pipeline's arguments
     (`Family.validation_embeds`). `reference`: pairs, the pipeline's arguments for the image every prompt edits
     (`Family.reference_inputs`)."""
-    from diffusers import FlowMatchEulerDiscreteScheduler
-
-    scheduler = FlowMatchEulerDiscreteScheduler.from_config(scheduler_config)
-    pipe = family.validation_pipeline(reference is not None, scheduler, encoders, transformer)
-    v, res = validation, validation.validation_resolution
-    extra = reference or {}
-    pipe.set_progress_bar_config(disable=True)
+    v = validation
     items = [(p, k) for p in range(len(v.validation_prompt)) for k in range(v.num_validation_images)]
-    calls = math.ceil(len(items) / layout.dp)
-    mine = items[layout.dp_rank :: layout.dp]
-    mine += [mine[-1] if mine else items[0]] * (calls - len(mine))  # equal call counts on every rank
-    was_training = transformer.training
-    transformer.eval()
-    out = {}
-    try:
-        with cp.full_sequence_io(transformer, layout.cp_group), autocast():
-            for j, (p, k) in enumerate(mine):
-                image = pipe(
-                    **{name: e[p : p + 1] for name, e in embeds.items()}, height=res, width=res, **extra,
-                    num_inference_steps=v.validation_inference_steps, guidance_scale=guidance_scale,
-                    generator=torch.Generator("cpu").manual_seed(seed * 1000 + p * 100 + k), output_type="np",
-                ).images[0]  # fmt: skip
-                if j < len(items[layout.dp_rank :: layout.dp]):
-                    out[(p, k)] = (np.clip(image, 0, 1) * 255).round().astype(np.uint8)
-    finally:
-        transformer.train(was_training)
+    jobs = [(p, torch.Generator("cpu").manual_seed(seed * 1000 + p * 100 + k)) for p, k in items]
+    out = render(transformer, encoders, scheduler_config, embeds, layout, family, autocast, jobs,
+                 v.validation_resolution, reference, num_inference_steps=v.validation_inference_steps,
+                 guidance_scale=guidance_scale)  # fmt: skip
+    merged = {}
     for part in distributed.all_gather(out if layout.cp_rank == 0 else {}):
-        out.update(part)
-    return [out[i] for i in items]
+        merged.update(part)
+    return [merged[j] for j in range(len(items))]
 
 
 def save_and_log(

@@ -37,14 +37,16 @@ class FakeData:
         return {k: (v.flip(-1) if flip and k.startswith("latent") else v) for k, v in s.items()}
 
 
-def make_batches(data, dp: int, dp_rank: int, cp_size: int = 1, cp_rank: int = 0, group=None, per_rank: int = 1):
+def make_batches(data, dp: int, dp_rank: int, cp_size: int = 1, cp_rank: int = 0, group=None, per_rank: int = 1,
+                 data_config: DataConfig | None = None, classes=None):  # fmt: skip
     train = TrainConfig(train_batch_size=per_rank, seed=4, weighting_scheme="logit_normal")
     world = dp * cp_size
     layout = Layout(world, dp_rank * cp_size + cp_rank, cp_size, dp, dp_rank, cp_rank, group)
     schedule = BatchSchedule(data.buckets, per_rank * dp, seed=4)
     vae = SimpleNamespace(config=SimpleNamespace(shift_factor=0.1, scaling_factor=0.5))
-    return Batches(data, schedule, layout, DataConfig(random_flip=True), train, FlowMatchEulerDiscreteScheduler(),
-                   FLUX1, FLUX1.normalizer(vae), True, torch.device("cpu"))  # fmt: skip
+    return Batches(data, schedule, layout, data_config or DataConfig(random_flip=True), train,
+                   FlowMatchEulerDiscreteScheduler(), FLUX1, FLUX1.normalizer(vae), True, torch.device("cpu"),
+                   classes=classes)  # fmt: skip
 
 
 def step_fused_and_reference(device: str, shapes: list[tuple], steps: int = 5, rtol: float = 1e-6, atol: float = 1e-7):

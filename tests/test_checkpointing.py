@@ -127,7 +127,7 @@ def _auto_memory_for_a_partial_pick(tmp_path) -> tuple[float, int]:
 
     config = dict(FLUX1.transformer_class().load_config(ensure_tiny_pipeline(), subfolder="transformer"))
     cfg = _resolved(run_args(tmp_path, "probe", 10, "--gradient_checkpointing"))
-    tokens = (cfg.data.resolution // 16) ** 2 + cfg.data.max_sequence_length
+    tokens = (cfg.data.largest_resolution // 16) ** 2 + cfg.data.max_sequence_length
 
     def pick(gib: float) -> int:
         return len(plan.checkpointing_for_run(cfg, FLUX1, config, tokens, 1, 1, "ring", False, gib).blocks)

@@ -21,7 +21,7 @@ def test_every_field_is_its_flag_and_every_flag_a_field():
 def test_embedded_default_resolves_the_tiny_model_defaults():
     cfg = parse_config([])
     assert cfg.model.embedded_default
-    assert (cfg.data.resolution, cfg.data.max_sequence_length) == (64, 32)
+    assert (cfg.data.resolution, cfg.data.max_sequence_length) == ((64,), 32)
     assert cfg.validation.validation_resolution == 64
     assert (cfg.lora.rank, cfg.lora.lora_alpha) == (16, 16)
     assert cfg.lora.lora_layers is None  # the model family's, once the model is known (flux_cp.shape.resolved)
@@ -30,7 +30,7 @@ def test_embedded_default_resolves_the_tiny_model_defaults():
 def test_a_named_model_gets_flux_defaults_and_derived_values_follow_their_flags():
     cfg = parse_config(["--pretrained_model_name_or_path", "some/model", "--rank", "8", "--resolution", "512"])
     assert not cfg.model.embedded_default
-    assert (cfg.data.resolution, cfg.data.max_sequence_length) == (512, 512)
+    assert (cfg.data.resolution, cfg.data.max_sequence_length) == ((512,), 512)
     assert cfg.validation.validation_resolution == 512
     assert (cfg.lora.rank, cfg.lora.lora_alpha) == (8, 8)
     given = parse_config(["--rank", "8", "--lora_alpha", "4", "--validation_resolution", "96"])
@@ -49,7 +49,7 @@ def test_list_flags_become_tuples_and_sections_are_frozen():
 
 
 def test_sections_built_in_code_have_the_flag_defaults():
-    assert DataConfig().resolution == 1024 and LoraConfig().lora_layers is None
+    assert DataConfig().resolution == (1024,) and LoraConfig().lora_layers is None
     assert DataConfig(dataset_name="x").image_column == "image"
 
 

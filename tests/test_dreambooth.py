@@ -1,0 +1,304 @@
+"""The DreamBooth data options on one process: --instance_data_dir, --repeats, --caption_dropout, prior preservation
+and several --resolution values. What a slot trains on (its sample, caption, class image, noise) does not depend on
+the layout, CP chunks of a prior-preservation batch average to diffusers' loss, every image appears at every
+resolution, and the flags' mistakes are one line. (The trainer end to end, CP against one process:
+tests/test_train_dreambooth.py.)"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from flux_cp.config import DataConfig, parse_config
+from flux_cp.data import BUNDLED_DATA, BatchSchedule, bucket_divisor, open_source
+from flux_cp.encode import ClassGeometry, Geometry, LiveData, Repeated, encode_dataset, run_buckets
+from flux_cp.errors import UsageError
+from flux_cp.flag_ranges import unused_flags
+from flux_cp.prior import ClassSamples, class_source, generated_name, missing_count
+from flux_cp.shape import check_tokens
+from tests.fakes import D, FakeData, L, make_batches
+
+EMPTY = {"prompt_embeds": torch.full((L, D), 7.0), "pooled_prompt_embeds": torch.full((D,), 7.0)}
+
+
+class CaptionedData(FakeData):
+    """FakeData whose empty caption encodes to sevens (no sample's embedding is constant)."""
+
+    def text(self, caption: str) -> dict:
+        assert caption == "", caption
+        return {k: v.clone() for k, v in EMPTY.items()}
+
+
+def _dropped(batch) -> list[bool]:
+    """Which samples of a micro-batch carry the empty caption."""
+    return [bool((e == 7.0).all()) for e in batch.inputs["encoder_hidden_states"]]
+
+
+def _config(**kw) -> DataConfig:
+    return DataConfig(random_flip=True, **kw)
+
+
+# --- flags -----------------------------------------------------------------------------------------------------
+
+
+def test_instance_data_dir_is_a_local_dataset_name_and_not_given_beside_it(tmp_path):
+    pairs = str(BUNDLED_DATA.parent / "tiny_pairs")
+    cfg = parse_config(["--instance_data_dir", pairs])
+    assert cfg.data.dataset_name == cfg.data.instance_data_dir == pairs
+    assert cfg.demo.name == "the FLUX.1 Kontext demo"  # as --dataset_name of the bundled pairs selects it
+    cfg = parse_config(["--instance_data_dir", str(tmp_path)])
+    assert cfg.data.dataset_name == str(tmp_path) and cfg.demo_off == ("instance_data_dir",)
+    with pytest.raises(UsageError, match="^--dataset_name and --instance_data_dir both name the training data"):
+        parse_config(["--instance_data_dir", str(tmp_path), "--dataset_name", str(tmp_path)])
+    with pytest.raises(UsageError, match="^--instance_data_dir owner/name: no such folder"):
+        parse_config(["--instance_data_dir", "owner/name"])
+
+
+def test_resolutions_are_a_sorted_list_and_each_is_checked():
+    cfg = parse_config(["--resolution", "128, 64"])
+    assert cfg.data.resolution == (64, 128) and cfg.data.largest_resolution == 128
+    assert cfg.validation.validation_resolution == 128
+    for argv, message in [
+        (["--resolution", "64,64"], "'64,64' names 64 more than once"),
+        (["--resolution", "64,100"], "--resolution 100 must be a multiple of 16"),
+        (["--resolution", "64,0"], "--resolution 0 is out of range"),
+        (["--resolution", "64,big"], "'64,big': give sizes in pixels"),
+    ]:
+        with pytest.raises(UsageError, match=message):
+            parse_config(argv)
+
+
+def test_prior_preservation_flags_are_checked_and_unused_ones_named(tmp_path):
+    with pytest.raises(UsageError, match=r"^--with_prior_preservation needs --class_data_dir \(the folder"):
+        parse_config(["--with_prior_preservation", "--class_prompt", "a dog"])
+    with pytest.raises(UsageError, match=r"^--with_prior_preservation needs --class_prompt \(the prompt"):
+        parse_config(["--with_prior_preservation", "--class_data_dir", str(tmp_path)])
+    (tmp_path / "file").write_text("")
+    with pytest.raises(UsageError, match="is a file, not a folder"):
+        parse_config(["--with_prior_preservation", "--class_data_dir", str(tmp_path / "file"), "--class_prompt", "x"])
+    flat = parse_config([]).flat()
+    assert unused_flags({"class_prompt", "prior_loss_weight"}, flat) == [
+        "--class_prompt has no effect without --with_prior_preservation",
+        "--prior_loss_weight has no effect without --with_prior_preservation",
+    ]
+
+
+# --- several resolutions ---------------------------------------------------------------------------------------
+
+
+def test_buckets_of_several_resolutions_divide_by_the_cp_size_at_each():
+    buckets, per_resolution = run_buckets((64, 128, 256), 2, True)
+    assert len(per_resolution) == 3 and all(per_resolution)
+    for resolution, ids in zip((64, 128, 256), per_resolution):
+        for w, h in (buckets[b] for b in ids):
+            assert (w // 16) * (h // 16) % bucket_divisor(2) == 0
+            assert abs(w * h - resolution**2) <= 0.25 * resolution**2  # each resolution's buckets are its own size
+    square, ids = run_buckets((32, 64), 2, False)
+    assert square == [(32, 32), (64, 64)] and ids == [[0], [1]]
+
+
+def test_a_resolution_of_several_that_does_not_split_over_the_cp_group_is_refused():
+    from flux_cp.config import ValidationConfig
+    from flux_cp.families import FLUX1
+    from flux_cp.shape import RunShape
+
+    shape = RunShape(FLUX1, "m", None, None, ((32, 32), (48, 48)), ((0,), (1,)), 32, 2, 1, 2, False)
+    with pytest.raises(UsageError, match="^--resolution 48 gives 9 image tokens, not divisible by --cp_size 2"):
+        check_tokens(shape, DataConfig(resolution=(32, 48), max_sequence_length=32), ValidationConfig())
+
+
+class _Encoders:
+    """The VAE's latents are the pixels subsampled 8x, prompts zeros: enough for the cache's bookkeeping."""
+
+    def latents(self, pixels):
+        return pixels[:, :, ::8, ::8].float(), torch.ones_like(pixels[:, :, ::8, ::8]).float()
+
+    def prompts(self, captions, max_len):
+        return {"prompt_embeds": torch.zeros(len(captions), max_len, 4) + len(captions[0])}
+
+    def latent_shape(self, size):
+        return (3, size[1] // 8, size[0] // 8)
+
+    def text_shapes(self, max_len):
+        return {"prompt_embeds": (max_len, 4)}
+
+
+@pytest.mark.parametrize("cached", [True, False])
+def test_every_image_trains_at_every_resolution_each_epoch_and_repeats_repeat_it(tmp_path, cached):
+    data = DataConfig(resolution=(64, 128), max_sequence_length=4, aspect_buckets=True, random_flip=True)
+    source = open_source(data)
+    buckets, per_resolution = run_buckets(data.resolution, 2, True)
+    geometry = Geometry(buckets, per_resolution)
+    if cached:
+        encoded = encode_dataset(source, _Encoders(), geometry, data, 0, tmp_path, ("v", "t"), 0, 1, captions=("",))
+    else:
+        encoded = LiveData(source, _Encoders(), geometry, data, 0)
+    n = len(source)
+    assert len(encoded.buckets) == 2 * n
+    for placement, ids in enumerate(per_resolution):
+        for i in range(n):
+            index = placement * n + i
+            assert encoded.buckets[index] in ids  # a bucket of that resolution
+            w, h = buckets[encoded.buckets[index]]
+            assert encoded.load(index, False, 0)["latent_mean"].shape == (3, h // 8, w // 8)
+    assert encoded.text("")["prompt_embeds"].shape == (4, 4)
+    repeated = Repeated(encoded, 3)
+    schedule = BatchSchedule(repeated.buckets, 1, seed=0)
+    epoch = [b[0] for b in schedule.epoch(0)]
+    assert Counter(i % n for i in epoch) == dict.fromkeys(range(n), 6)  # 2 resolutions x 3 repeats
+    assert Counter(i % (2 * n) // n for i in epoch) == {0: 3 * n, 1: 3 * n}
+    assert all(len({repeated.buckets[i] for i in b}) == 1 for b in BatchSchedule(repeated.buckets, 2, 0).epoch(0))
+    assert torch.equal(repeated.load(2 * n + 5, False, 0)["latent_mean"], encoded.load(5, False, 0)["latent_mean"])
+
+
+def test_one_resolution_keeps_the_crops_of_earlier_versions():
+    """The first resolution's crop draw has the keys a run of one resolution always had (its cache, its data)."""
+    from flux_cp.rng import Stream, generator
+
+    geometry = Geometry([(64, 64)])
+    assert torch.equal(torch.rand(3, generator=geometry.crop_generator(5, 7, 0)),
+                       torch.rand(3, generator=generator(Stream.CROP, 5, 7)))  # fmt: skip
+    assert torch.equal(torch.rand(3, generator=geometry.crop_generator(5, 7, 0, epoch=2)),
+                       torch.rand(3, generator=generator(Stream.CROP, 5, 7, 2)))  # fmt: skip
+    assert not torch.equal(torch.rand(3, generator=geometry.crop_generator(5, 7, 1)),
+                           torch.rand(3, generator=geometry.crop_generator(5, 7, 0)))  # fmt: skip
+
+
+# --- caption dropout ---------------------------------------------------------------------------------------------
+
+
+def test_caption_dropout_is_a_slot_s_draw_the_same_on_every_layout():
+    data = CaptionedData(8)
+    config = _config(caption_dropout=0.5)
+    whole = make_batches(data, dp=1, dp_rank=0, per_rank=2, data_config=config)
+    halves = [make_batches(data, dp=2, dp_rank=r, data_config=config) for r in (0, 1)]
+    seen = []
+    for m in range(40):
+        a = whole.micro(m)
+        parts = [h.micro(m) for h in halves]
+        for key in ("encoder_hidden_states", "pooled_projections", "hidden_states"):
+            assert torch.equal(a.inputs[key], torch.cat([p.inputs[key] for p in parts])), (m, key)
+        seen += _dropped(a)
+    assert 25 <= sum(seen) <= 55, sum(seen)  # about half of 80
+    # a dropped slot has the empty caption's encodings in full (T5 and CLIP), the others their own
+    plain = make_batches(data, dp=1, dp_rank=0, per_rank=2, data_config=_config())
+    for m in range(6):
+        got, own = whole.micro(m), plain.micro(m)
+        for k, dropped in enumerate(_dropped(got)):
+            want = EMPTY["pooled_prompt_embeds"] if dropped else own.inputs["pooled_projections"][k]
+            assert torch.equal(got.inputs["pooled_projections"][k], want)
+            assert torch.equal(got.inputs["hidden_states"][k], own.inputs["hidden_states"][k])  # the same image
+
+
+# --- prior preservation ----------------------------------------------------------------------------------------
+
+
+class FakeClasses:
+    """Class images: sample c's encodings of FakeData, offset so that they differ from any training sample's."""
+
+    def __init__(self, count: int):
+        self.data, self.count, self.calls = FakeData(count), count, []
+
+    def load(self, image: int, bucket: int, epoch: int) -> dict:
+        self.calls.append((image, bucket))
+        s = self.data.load(image, False, epoch)
+        return {k: v + 100.0 if k.startswith("latent") else v for k, v in s.items()}
+
+
+def test_class_images_take_the_slots_after_the_batch_and_do_not_depend_on_the_layout():
+    data, classes = CaptionedData(8), FakeClasses(3)
+    config = _config(with_prior_preservation=True, caption_dropout=0.5, class_data_dir="c", class_prompt="p")
+    whole = make_batches(data, dp=1, dp_rank=0, per_rank=2, data_config=config, classes=classes)
+    halves = [make_batches(data, dp=2, dp_rank=r, data_config=config, classes=classes) for r in (0, 1)]
+    for m in range(12):
+        a, parts = whole.micro(m), [h.micro(m) for h in halves]
+        assert a.prior == 2 and all(p.prior == 1 for p in parts)
+        for key in ("hidden_states", "encoder_hidden_states", "timestep", "guidance"):
+            # the whole batch is [own 0, own 1, class 0, class 1]; dp rank r holds [own r, class r]
+            reordered = torch.cat([parts[0].inputs[key][:1], parts[1].inputs[key][:1], parts[0].inputs[key][1:],
+                                   parts[1].inputs[key][1:]])  # fmt: skip
+            assert torch.equal(a.inputs[key], reordered), (m, key)
+        assert not any(_dropped(a)[2:]), "a class image's caption is never dropped"
+        # a class slot draws its own noise and timestep, not its training sample's
+        assert not torch.equal(a.inputs["timestep"][:2], a.inputs["timestep"][2:])
+    assert {bucket for _, bucket in classes.calls} == {0}  # loaded in the batch's bucket
+
+
+def test_every_class_image_is_used_equally_and_a_slot_s_choice_is_fixed():
+    schedule = BatchSchedule([0] * 10, 4, seed=1)
+    chosen = [c for m in range(15) for c in schedule.class_images(m, 6)]  # 60 slots: 10 rounds of 6
+    assert Counter(chosen) == dict.fromkeys(range(6), 10)
+    assert chosen[:6] != chosen[6:12]  # each round in an order of its own
+    again = BatchSchedule([0] * 10, 4, seed=1)
+    assert [again.class_images(m, 6) for m in (14, 3)] == [chosen[56:60], chosen[12:16]]
+
+
+def test_prior_loss_is_diffusers_and_cp_chunks_average_to_it(fake_cp_group):
+    group, state = fake_cp_group
+    data, classes = CaptionedData(4), FakeClasses(2)
+    config = _config(with_prior_preservation=True, prior_loss_weight=0.7, class_data_dir="c", class_prompt="p")
+    whole = make_batches(data, dp=1, dp_rank=0, per_rank=2, data_config=config, classes=classes).micro(1)
+    g = torch.Generator().manual_seed(0)
+    pred = torch.randn(whole.target.shape, generator=g, dtype=torch.float64)
+    # diffusers' train_dreambooth_lora_flux.py: chunk prediction, target and weighting into halves, per-sample
+    # means of the weighted squared error, the instance mean plus prior_loss_weight times the prior mean
+    model_pred, model_pred_prior = torch.chunk(pred, 2, dim=0)
+    target, target_prior = torch.chunk(whole.target, 2, dim=0)
+    weighting, weighting_prior = torch.chunk(whole.weighting, 2, dim=0)
+    prior_loss = torch.mean((weighting_prior.float() * (model_pred_prior.float() - target_prior.float()) ** 2)
+                            .reshape(target_prior.shape[0], -1), 1).mean()  # fmt: skip
+    loss = torch.mean((weighting.float() * (model_pred.float() - target.float()) ** 2).reshape(target.shape[0], -1),
+                      1).mean()  # fmt: skip
+    reference = loss + 0.7 * prior_loss
+    assert torch.allclose(whole.loss(pred), reference, rtol=1e-6)
+    assert not torch.allclose(whole.loss(pred), (whole.weighting * (pred - whole.target) ** 2).mean().float())
+    chunks = []
+    for r in (0, 1):
+        state["rank"] = r
+        mb = make_batches(data, dp=1, dp_rank=0, cp_size=2, cp_rank=r, group=group, per_rank=2, data_config=config,
+                          classes=classes).micro(1)  # fmt: skip
+        n = mb.target.shape[1]
+        chunks.append(mb.loss(pred[:, r * n : (r + 1) * n]))
+    assert torch.allclose((chunks[0] + chunks[1]) / 2, reference, rtol=1e-6)
+
+
+def test_class_images_are_the_folder_s_first_ones_and_generated_ones_sort_by_index(tmp_path):
+    for k in (10, 2, 0):
+        img = Image.new("RGB", (8, 8), (k, 0, 0))
+        img.save(tmp_path / generated_name(k, img))
+    (tmp_path / "notes.txt").write_text("not an image")
+    source = class_source(tmp_path, "a dog", 2)
+    assert [Path(s.ref).name[:5] for s in source.samples] == ["00000", "00002"]
+    assert {s.caption for s in source.samples} == {"a dog"}
+    assert missing_count(tmp_path, 5, True) == (3, 2) and missing_count(tmp_path / "none", 4, True) == (0, 4)
+
+
+def test_class_images_are_encoded_in_every_bucket_the_training_images_use(tmp_path):
+    for k in range(2):
+        Image.new("RGB", (40 + 8 * k, 32), (60 * k, 0, 0)).save(tmp_path / f"{k}.png")
+    data = DataConfig(resolution=(32, 64), max_sequence_length=4)
+    buckets, _ = run_buckets(data.resolution, 1, False)
+    classes = class_source(tmp_path, "a shape", 2)
+    encoded = encode_dataset(classes, _Encoders(), ClassGeometry(buckets, [1, 0]), data, 0, tmp_path / "cache",
+                             ("v", "t"), 0, 1, flips=False)  # fmt: skip
+    samples = ClassSamples(encoded, 2, [1, 0])
+    for bucket, (w, h) in enumerate(buckets):
+        for image in range(2):
+            assert samples.load(image, bucket, 0)["latent_mean"].shape == (3, h // 8, w // 8)
+    assert all(len(e["latents"]) == 1 for e in encoded.entries)  # never flipped
+
+
+def test_prior_preservation_excludes_its_class_folder_from_the_training_images(tmp_path):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    for src in sorted(BUNDLED_DATA.glob("*.png"))[:3]:
+        (folder / src.name).write_bytes(src.read_bytes())
+    (folder / "class").mkdir()
+    Image.new("RGB", (16, 16)).save(folder / "class" / "00000-x.png")
+    data = DataConfig(dataset_name=str(folder), instance_prompt="sks", with_prior_preservation=True,
+                      class_data_dir=str(folder / "class"), class_prompt="a shape")  # fmt: skip
+    assert len(open_source(data)) == 3
