@@ -156,15 +156,15 @@ def run_identity(
 
 
 def _data_differences(saved: list, now: list) -> str:
-    """Which files differ between a checkpoint's data set and this run's (rows: name, content, caption,
-    reference name, reference content)."""
+    """Which files differ between a checkpoint's data set and this run's (rows: name, content, caption, then each
+    reference's name and content)."""
     old, new = {r[0]: r for r in saved}, {r[0]: r for r in now}
     kinds = (
         ("added", [n for n in new if n not in old]),
         ("removed", [n for n in old if n not in new]),
         ("changed content", [n for n in new if n in old and new[n][1] != old[n][1]]),
         ("changed caption", [n for n in new if n in old and new[n][2] != old[n][2]]),
-        ("changed reference image", [n for n in new if n in old and list(new[n][3:]) != list(old[n][3:])]),
+        ("changed reference image", [r for n in new if n in old for r in _changed_references(n, old[n], new[n])]),
     )
     parts = [
         f"{kind}: {', '.join(names[:3])}" + (f" and {len(names) - 3} more" if len(names) > 3 else "")
@@ -172,6 +172,20 @@ def _data_differences(saved: list, now: list) -> str:
         if names
     ]
     return "; ".join(parts) or "the same files and captions in another order"
+
+
+def _changed_references(name: str, old: list, new: list) -> list[str]:
+    """The references of sample `name` that differ (by name or content), each named by its file, and with its
+    place among several: `b.png (reference 2 of t.png)`."""
+    pairs = [list(old[k : k + 2]) for k in range(3, len(old), 2)], [list(new[k : k + 2]) for k in range(3, len(new), 2)]
+    count = max(len(pairs[0]), len(pairs[1]))
+    out = []
+    for j in range(count):
+        was, now = (p[j] if j < len(p) else None for p in pairs)
+        if was != now:
+            ref = (now or was)[0]
+            out.append(ref if count == 1 else f"{ref} (reference {j + 1} of {name})")
+    return out
 
 
 def _saved_data_files(path: Path) -> list | None:

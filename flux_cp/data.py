@@ -36,19 +36,25 @@ BUNDLED_DATA = Path(__file__).resolve().parent.parent / "data" / "tiny_shapes"
 
 @dataclass
 class Sample:
-    """One training image: `ref` is a file path (local folder) or a row index (HF data set). `reference`: the
-    reference image of a FLUX.1 Kontext pair (same kinds of value), None for plain FLUX.1 data."""
+    """One training image: `ref` is a file path (local folder) or a row index (HF data set). `references`: the
+    reference images of an editing sample, in order (same kinds of value; a hub row's index once per image of its
+    list), empty for text-to-image data. FLUX.1 Kontext takes one, FLUX.2 one or more."""
 
     ref: str | int
     caption: str
-    reference: str | int | None = None
+    references: tuple[str | int, ...] = ()
+
+    @property
+    def reference(self) -> str | int | None:
+        """The first reference image (FLUX.1 Kontext's only one); None for text-to-image data."""
+        return self.references[0] if self.references else None
 
 
 @dataclass(frozen=True)
 class DataIdentity:
     """What a resumed run must share with its checkpoint about the data: one row per sample, in order (its name
-    relative to the data set, the hash of its file's content and of its caption, the reference image's name and
-    content hash for FLUX.1 Kontext pairs), and their fingerprint. `legacy`: the fingerprint versions before
+    relative to the data set, the hash of its file's content and of its caption, then each reference image's name
+    and content hash for editing samples), and their fingerprint. `legacy`: the fingerprint versions before
     content hashing computed (the data set's path and the captions), to compare with their checkpoints."""
 
     fingerprint: str
@@ -57,8 +63,9 @@ class DataIdentity:
 
 
 class ImageSource:
-    """A list of (image, caption) samples, or (target, reference, caption) pairs, with up-front checks and a
-    content hash per image."""
+    """A list of (image, caption) samples, or (target, references, caption) editing samples, with up-front checks
+    and a content hash per image. An image is named by its sample `i` and, for a reference, `reference=True` and its
+    position `ref_index` in the sample's references."""
 
     def __init__(
         self,
@@ -68,6 +75,7 @@ class ImageSource:
         image_column: str | None = None,
         reference_column: str | None = None,
         root: Path | None = None,
+        reference_list: bool = False,
     ):
         self.samples = samples
         self.name = name
@@ -75,67 +83,89 @@ class ImageSource:
         self._hf = hf_dataset
         self._image_column = image_column
         self._reference_column = reference_column
-        self._digests: dict[tuple[int, bool], str] = {}
+        self._reference_list = reference_list  # a hub column holding a list of images per row
+        self._digests: dict[tuple[int, bool, int], str] = {}
 
     def __len__(self) -> int:
         return len(self.samples)
 
     @property
     def pairs(self) -> bool:
-        """FLUX.1 Kontext data: every sample has a reference image (a source never mixes)."""
-        return bool(self.samples) and self.samples[0].reference is not None
+        """Editing data: every sample has one or more reference images (a source never mixes)."""
+        return bool(self.samples) and bool(self.samples[0].references)
 
-    def raw_bytes(self, i: int, reference: bool = False) -> bytes:
-        ref = self.samples[i].reference if reference else self.samples[i].ref
+    def reference_count(self, i: int) -> int:
+        return len(self.samples[i].references)
+
+    def reference_counts(self) -> dict[int, int]:
+        """{number of references: the first sample with that many}, in ascending order of the number."""
+        first: dict[int, int] = {}
+        for i, s in enumerate(self.samples):
+            first.setdefault(len(s.references), i)
+        return dict(sorted(first.items()))
+
+    def _ref(self, i: int, reference: bool, ref_index: int) -> str | int:
+        return self.samples[i].references[ref_index] if reference else self.samples[i].ref
+
+    def raw_bytes(self, i: int, reference: bool = False, ref_index: int = 0) -> bytes:
+        ref = self._ref(i, reference, ref_index)
         if self._hf is None:
             with open(ref, "rb") as f:
                 return f.read()
         column = self._reference_column if reference else self._image_column
         item = self._hf[int(ref)][column]
+        if reference and self._reference_list:
+            item = item[ref_index] if item and ref_index < len(item) else None
         if not item or (item.get("bytes") is None and not item.get("path")):
-            raise UsageError(f"{self.where(i)} has no image in column '{column}'")
+            where = self.where(i, reference, ref_index)
+            raise UsageError(f"{where} has no image" + ("" if reference else f" in column '{column}'"))
         if item.get("bytes") is not None:
             return item["bytes"]
         with open(item["path"], "rb") as f:
             return f.read()
 
-    def where(self, i: int, reference: bool = False) -> str:
-        ref = self.samples[i].reference if reference else self.samples[i].ref
+    def where(self, i: int, reference: bool = False, ref_index: int = 0) -> str:
+        ref = self._ref(i, reference, ref_index)
         if self._hf is None:
             return str(ref)
-        return f"{self.name} row {ref}" + (f" column '{self._reference_column}'" if reference else "")
+        if not reference:
+            return f"{self.name} row {ref}"
+        item = f" item {ref_index + 1}" if self._reference_list else ""
+        return f"{self.name} row {ref} column '{self._reference_column}'{item}"
 
-    def load(self, i: int, data: bytes | None = None, reference: bool = False) -> Image.Image:
-        """Image i (its reference image with `reference`) as the RGB picture a viewer shows (flux_cp.images); a
-        UsageError naming the file if it cannot be read."""
-
-        what = f"{'reference ' if reference else ''}image {self.where(i, reference)}"
+    def load(self, i: int, data: bytes | None = None, reference: bool = False, ref_index: int = 0) -> Image.Image:
+        """Image i (its reference image `ref_index` with `reference`) as the RGB picture a viewer shows
+        (flux_cp.images); a UsageError naming the file if it cannot be read."""
+        where = self.where(i, reference, ref_index)
+        what = f"{'reference ' if reference else ''}image {where}"
         try:
-            data = self.raw_bytes(i, reference) if data is None else data
+            data = self.raw_bytes(i, reference, ref_index) if data is None else data
         except OSError as e:
             raise UsageError(f"cannot read {what}: {e.strerror or e}") from None
-        return decode(data, self.where(i, reference), what)
+        return decode(data, where, what)
 
-    def note_digest(self, i: int, digest: str, reference: bool = False) -> None:
+    def note_digest(self, i: int, digest: str, reference: bool = False, ref_index: int = 0) -> None:
         """The SHA-256 of image i's bytes, as whoever read them computed it (the encoding pass reads every file)."""
-        self._digests[(i, reference)] = digest
+        self._digests[(i, reference, ref_index if reference else 0)] = digest
 
-    def digest(self, i: int, reference: bool = False) -> str:
+    def digest(self, i: int, reference: bool = False, ref_index: int = 0) -> str:
         """The SHA-256 of image i's bytes (read now unless noted)."""
-        key = (i, reference)
+        key = (i, reference, ref_index if reference else 0)
         if key not in self._digests:
             try:
-                self._digests[key] = hashlib.sha256(self.raw_bytes(i, reference)).hexdigest()
+                self._digests[key] = hashlib.sha256(self.raw_bytes(i, reference, ref_index)).hexdigest()
             except OSError as e:
                 what = "reference image" if reference else "image"
-                raise UsageError(f"cannot read {what} {self.where(i, reference)}: {e.strerror or e}") from None
+                where = self.where(i, reference, ref_index)
+                raise UsageError(f"cannot read {what} {where}: {e.strerror or e}") from None
         return self._digests[key]
 
-    def sample_name(self, i: int, reference: bool = False) -> str:
+    def sample_name(self, i: int, reference: bool = False, ref_index: int = 0) -> str:
         """Sample i's image (or reference) named as the data set names it: relative to a local folder, or a row."""
-        ref = self.samples[i].reference if reference else self.samples[i].ref
+        ref = self._ref(i, reference, ref_index)
         if self._hf is not None:
-            return f"row {ref}" + (f" {self._reference_column}" if reference else "")
+            item = f"[{ref_index}]" if self._reference_list else ""
+            return f"row {ref}" + (f" {self._reference_column}{item}" if reference else "")
         if self.root is not None:
             try:
                 return Path(ref).relative_to(self.root).as_posix()
@@ -149,8 +179,8 @@ class ImageSource:
         for i, s in enumerate(self.samples):
             caption = hashlib.sha256(s.caption.encode()).hexdigest()[:16]
             row = [self.sample_name(i), self.digest(i)[:16], caption]
-            if s.reference is not None:
-                row += [self.sample_name(i, reference=True), self.digest(i, reference=True)[:16]]
+            for j in range(len(s.references)):
+                row += [self.sample_name(i, True, j), self.digest(i, True, j)[:16]]
             rows.append(row)
         fingerprint = hashlib.sha256(json.dumps(rows).encode()).hexdigest()[:16]
         return DataIdentity(fingerprint, rows, self.legacy_fingerprint())
@@ -163,8 +193,8 @@ class ImageSource:
         h = hashlib.sha256(self.name.encode())
         for s in self.samples:
             h.update(f"{s.ref}\0{s.caption}\0".encode())
-            if s.reference is not None:
-                h.update(f"{s.reference}\0".encode())
+            for r in s.references:
+                h.update(f"{r}\0".encode())
         return h.hexdigest()[:16]
 
 
@@ -224,12 +254,42 @@ def check_pair_flags(data: DataConfig, validation: ValidationConfig, pairs: bool
         )
 
 
+def check_reference_limit(limit: int | None, label: str, validation: ValidationConfig, meta: Metadata | None = None,
+                          column: str | None = None, source: ImageSource | None = None) -> None:  # fmt: skip
+    """Several reference images per target for a model family that takes fewer (`limit`; FLUX.1 Kontext: one):
+    refused naming the first row that has more (from a local folder's metadata.jsonl `meta`, or from the opened
+    `source`), or the repeated --validation_image. None: any number (FLUX.2)."""
+    if limit is None:
+        return
+    one = "one" if limit == 1 else f"at most {limit}"
+    hint = "(FLUX.2 [dev] and [klein] take several)"
+    images = validation.validation_image or ()
+    if len(images) > limit:
+        raise UsageError(
+            f"--validation_image is given {len(images)} times, but {label} edits {one} reference image: give {one} "
+            + hint
+        )
+    found = None
+    if source is not None:
+        found = next(((source.where(i), n) for n, i in source.reference_counts().items() if n > limit), None)
+    elif meta is not None and column is not None:
+        key = f"{column}_file_name"
+        rows = ((row, row.files.get(key)) for row in meta.rows)
+        found = next(((f"{meta.where(row)} ({key})", len(f)) for row, f in rows
+                      if isinstance(f, tuple) and len(f) > limit), None)  # fmt: skip
+    if found:
+        raise UsageError(
+            f"{found[0]} names {found[1]} reference images, but {label} takes {one} per target: keep {one} per row "
+            + hint
+        )
+
+
 def _local_pairs(
     folder: Path, column: str, caption_column: str, instance_prompt: str | None, meta: Metadata | None
 ) -> list[Sample]:
-    """FLUX.1 Kontext pairs of a local folder: one metadata.jsonl row per target, naming its reference image
-    in `<column>_file_name` (both checked like every path of metadata.jsonl: flux_cp.folders). Images no row names
-    as a target (the references) are not trained on alone."""
+    """Editing samples of a local folder: one metadata.jsonl row per target, naming its reference image in
+    `<column>_file_name`, or several as a list of names (FLUX.2); every path checked like every path of
+    metadata.jsonl (flux_cp.folders). Images no row names as a target (the references) are not trained on alone."""
     key = f"{column}_file_name"
     if meta is None:
         raise UsageError(
@@ -247,8 +307,20 @@ def _local_pairs(
                 "FLUX.1 Kontext data set needs its reference"
             )
         caption = instance_prompt if instance_prompt is not None else caption_of(meta, row, caption_column)
-        samples.append(Sample(str(folder / row.files[FILE_NAME]), caption, str(folder / row.files[key])))
+        refs = row.files[key]
+        refs = refs if isinstance(refs, tuple) else (refs,)
+        samples.append(Sample(str(folder / row.files[FILE_NAME]), caption, tuple(str(folder / r) for r in refs)))
     return samples
+
+
+def reference_counts(meta: Metadata | None, column: str | None) -> tuple[int, ...] | None:
+    """The numbers of reference images that the rows of a local folder's metadata.jsonl name in `column`, ascending
+    (read without any image); None when they are not known before the data set is opened (a hub data set)."""
+    if meta is None or column is None:
+        return None
+    key = f"{column}_file_name"
+    counts = {len(f) if isinstance(f, tuple) else 1 for row in meta.rows if (f := row.files.get(key)) is not None}
+    return tuple(sorted(counts)) or None
 
 
 def _hub_dataset(data: DataConfig, cache_dir: str | None) -> ImageSource:
@@ -282,8 +354,17 @@ def _hub_dataset(data: DataConfig, cache_dir: str | None) -> ImageSource:
     if column is not None:
         if column not in columns:
             raise UsageError(f"--cond_image_column '{column}' is not in {data.dataset_name} (columns: {columns})")
-        ds = ds.cast_column(column, datasets.Image(decode=False))
-        _check_no_missing_references(ds, column, data.dataset_name)
+        # A column of one image per row, or of a list of images per row (FLUX.2's several references).
+        listed = isinstance(ds.features[column], (datasets.List, datasets.LargeList, list))
+        try:
+            ds = ds.cast_column(column, datasets.List(datasets.Image(decode=False)) if listed else
+                                datasets.Image(decode=False))  # fmt: skip
+        except (TypeError, ValueError) as e:
+            raise UsageError(
+                f"--cond_image_column '{column}' of {data.dataset_name} does not hold images or lists of images "
+                f"({e}); choose the column of reference images"
+            ) from None
+        counts = _reference_counts(ds, column, data.dataset_name, listed)
     captions = [data.instance_prompt] * len(ds) if data.instance_prompt is not None else ds[data.caption_column]
     for i, c in enumerate(captions):
         if not isinstance(c, str):
@@ -291,14 +372,15 @@ def _hub_dataset(data: DataConfig, cache_dir: str | None) -> ImageSource:
                 f"{data.dataset_name} row {i}: '{data.caption_column}' is {c!r}, not a string: give every image a "
                 "caption, or use --instance_prompt"
             )
-    samples = [Sample(i, c, i if column is not None else None) for i, c in enumerate(captions)]
-    return ImageSource(
-        samples, data.dataset_name, hf_dataset=ds, image_column=data.image_column, reference_column=column
-    )
+    refs = [(i,) * counts[i] for i in range(len(captions))] if column is not None else [()] * len(captions)
+    samples = [Sample(i, c, r) for i, (c, r) in enumerate(zip(captions, refs))]
+    return ImageSource(samples, data.dataset_name, hf_dataset=ds, image_column=data.image_column,
+                       reference_column=column, reference_list=column is not None and listed)  # fmt: skip
 
 
-def _check_no_missing_references(ds, column: str, name: str) -> None:
-    """Every row of a FLUX.1 Kontext data set has its reference image (read from the Arrow nulls, no decoding)."""
+def _reference_counts(ds, column: str, name: str, listed: bool) -> list[int]:
+    """The number of reference images of every row (1, or the length of a row's list): from the Arrow column, no
+    image decoded. Every row needs one: a null or an empty list is refused."""
     import pyarrow.compute as pc
 
     values = ds.data.column(column)
@@ -308,6 +390,17 @@ def _check_no_missing_references(ds, column: str, name: str) -> None:
             f"{name} row {row} has no reference image in --cond_image_column '{column}' ({values.null_count} rows "
             "lack one): every target of a FLUX.1 Kontext data set needs its reference"
         )
+    if not listed:
+        return [1] * len(values)
+    counts = pc.list_value_length(values)
+    empty = pc.sum(pc.equal(counts, 0)).as_py() or 0
+    if empty:
+        row = pc.index(pc.equal(counts, 0), True).as_py()
+        raise UsageError(
+            f"{name} row {row} has an empty list in --cond_image_column '{column}' ({empty} rows have one): give "
+            "every target one or more reference images"
+        )
+    return counts.to_pylist()
 
 
 def open_source(data: DataConfig, meta: Metadata | None = None, cache_dir: str | None = None) -> ImageSource:
@@ -418,6 +511,17 @@ def to_pixels(img: Image.Image, target: tuple[int, int], resized: tuple[int, int
 # --- which samples make up each batch ------------------------------------------------------------------
 
 
+def batch_groups(buckets: list[int], counts: list[int]) -> list[int]:
+    """What each global batch holds one kind of (BatchSchedule's groups): the bucket, and where samples have
+    different numbers of reference images also that number, so that a batch is one sequence length with one set of
+    position ids (Flux2Transformer2DModel reads the ids of the first sample for all). The bucket alone when every
+    sample has as many references: the grouping, and so the data order, of runs of one reference count."""
+    if len(set(counts)) <= 1:
+        return list(buckets)
+    stride = max(buckets) + 1
+    return [b + stride * c for b, c in zip(buckets, counts)]
+
+
 class BatchSchedule:
     """Global batches of one bucket each, reshuffled every epoch; a pure function of (seed, epoch). With prior
     preservation, the class image of each slot too (`class_images`)."""
@@ -438,6 +542,10 @@ class BatchSchedule:
                 + "; lower --train_batch_size, use fewer data-parallel ranks, or add images"
             )
         self._epoch_cache: tuple[int, list[list[int]]] | None = None
+
+    def unfilled(self) -> dict[int, int]:
+        """{group: its samples} of the groups too small for one global batch: their samples are never trained on."""
+        return {b: len(v) for b, v in sorted(self.by_bucket.items()) if len(v) < self.global_batch}
 
     def epoch(self, epoch: int) -> list[list[int]]:
         if self._epoch_cache and self._epoch_cache[0] == epoch:

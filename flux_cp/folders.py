@@ -9,8 +9,9 @@ metadata.jsonl is read once, by `read_metadata_file`, and every line checked bef
 (captions, FLUX.1 Kontext pairs and their reference column): a line that is not a JSON object, or names a file
 outside the folder, a file that does not exist or is no image, or the same image twice, is refused with its line
 number, because a silently ignored line trains on a different data set than the one written down. Every path column
-(`file_name` and each `<column>_file_name`) gets the same checks. Lines end at "\\n" only: JSON strings may hold
-U+2028, U+2029 and U+0085, which `str.splitlines` would take for line ends.
+(`file_name` and each `<column>_file_name`) gets the same checks; a `<column>_file_name` may also hold a list of
+paths (FLUX.2's several reference images of one target), each checked so, none named twice. Lines end at "\\n" only:
+JSON strings may hold U+2028, U+2029 and U+0085, which `str.splitlines` would take for line ends.
 
 Containment applies to the name written in the folder, not to where a symbolic link leads: images linked into a
 blob store (the hub cache, git-annex, DVC) are read through their links, and a link that leads nowhere is named.
@@ -77,11 +78,12 @@ def metadata_text(path: Path) -> str:
 @dataclass(frozen=True)
 class Row:
     """One line of metadata.jsonl: its number, the JSON object as written, and the files it names (path column ->
-    the name relative to the folder, normalised: `./a.png` -> `a.png`)."""
+    the name relative to the folder, normalised: `./a.png` -> `a.png`; a column holding a list of paths -> a tuple of
+    them, in order)."""
 
     line: int
     values: dict
-    files: dict[str, str]
+    files: dict[str, str | tuple[str, ...]]
 
 
 @dataclass(frozen=True)
@@ -118,6 +120,21 @@ def _relative_name(where: str, key: str, name: str, folder: Path) -> str:
     return rel
 
 
+def _relative_names(where: str, key: str, names: list, folder: Path) -> tuple[str, ...]:
+    """A list of paths in one column (several reference images): each checked as `_relative_name`, none twice."""
+    if not names:
+        raise UsageError(f"{where}: {key} is an empty list: name one or more images, as paths relative to {folder}")
+    out: list[str] = []
+    for j, name in enumerate(names):
+        if not isinstance(name, str):
+            raise UsageError(f"{where}: {key}[{j}] is {json.dumps(name)}, not a path relative to {folder}")
+        rel = _relative_name(where, f"{key}[{j}]", name, folder)
+        if rel in out:
+            raise UsageError(f"{where}: {key} names {name!r} twice: list each image once")
+        out.append(rel)
+    return tuple(out)
+
+
 def read_metadata_file(folder: Path) -> Metadata | None:
     """The folder's metadata.jsonl, every line checked (see the module's text); None when the folder has none.
     Captions are checked by their users (`captions`, FLUX.1 Kontext pairs), which know the caption column."""
@@ -151,6 +168,9 @@ def read_metadata_file(folder: Path) -> Metadata | None:
             columns.add(key[: -len(_PATH_SUFFIX)])
             if value is None or value == "":
                 continue  # a row without this image: its user says whether that is allowed
+            if isinstance(value, list):
+                files[key] = _relative_names(where, key, value, folder)
+                continue
             if not isinstance(value, str):
                 raise UsageError(f"{where}: {key} is {json.dumps(value)}, not a path relative to {folder}")
             files[key] = _relative_name(where, key, value, folder)
