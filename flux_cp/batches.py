@@ -15,9 +15,9 @@ import torch
 import cp
 
 from .data import BatchSchedule
-from .encode import TrainingData
+from .encode import TrainingData, reference_count, reference_key
 from .flow import loss_weighting, per_sample_draws
-from .kontext import PairSplit, pair_sequence, target_loss
+from .kontext import PairSplit, image_segment, target_loss
 from .rng import Stream, generator
 
 if TYPE_CHECKING:
@@ -35,9 +35,9 @@ class MicroBatch:
     target: Tensor  # this rank's chunk of (noise - latents), packed; the whole of it for pairs
     weighting: Tensor  # [B, 1, 1] per-sample loss weights
     epoch: int
-    image_tokens: int  # per sample, whole sequence (target and reference for pairs)
+    image_tokens: int  # per sample, whole sequence (target and references for pairs)
     text_tokens: int
-    pair: PairSplit | None = None  # pairs: how the [target; reference] tokens are split over the CP group
+    pair: PairSplit | None = None  # pairs: how the [target; references] tokens are split over the CP group
     cp_rank: int = 0
     prior: int = 0  # prior preservation: the last `prior` samples are class samples
     prior_loss_weight: float = 1.0
@@ -131,7 +131,8 @@ class Batches:
         samples, slots = self._samples(m, epoch, batch)
         stack = {k: self._to_device(torch.stack([s[k] for s in samples])) for k in samples[0]}
         mean, std = stack["latent_mean"], stack["latent_std"]
-        family, pairs = self.family, "reference_latent" in stack
+        refs = [stack.pop(reference_key(j)) for j in range(reference_count(stack))]  # one count per batch
+        family, pairs = self.family, bool(refs)
         # Noise and timesteps per *global* slot: the same for every layout and every rank of a CP group. The
         # flow-matching noise is drawn in the model's latent space, as diffusers' examples draw it.
         shape = tuple(mean.shape[1:])
@@ -148,11 +149,12 @@ class Batches:
         embeds = stack["prompt_embeds"]
         dt = self.input_dtype
         target, hidden, ids, pair = family.pack(noise - latents), family.pack(noisy), family.image_ids(h, w, dev), None
-        if pairs:  # the clean reference tokens follow the noisy target tokens
-            reference = self.normalize(stack["reference_latent"])
-            hidden, ids = pair_sequence(hidden, family.pack(reference), (h, w), tuple(reference.shape[-2:]), family)
+        if pairs:  # the clean tokens of each reference, in order, follow the noisy target tokens
+            refs = [self.normalize(r) for r in refs]
+            hidden, ids = image_segment(hidden, [family.pack(r) for r in refs], (h, w),
+                                        [tuple(r.shape[-2:]) for r in refs], family)  # fmt: skip
             pair = PairSplit(target.shape[1], hidden.shape[1] - target.shape[1], self.layout.cp)
-        text = {k: v.to(dt) for k, v in stack.items() if k not in ("latent_mean", "latent_std", "reference_latent")}
+        text = {k: v.to(dt) for k, v in stack.items() if k not in ("latent_mean", "latent_std")}
         text["prompt_embeds"] = cp.shard(text["prompt_embeds"], 1, group)
         inputs = family.transformer_inputs(
             hidden=cp.shard(hidden, 1, group).to(dt), img_ids=cp.shard(ids, 0, group), text=text,

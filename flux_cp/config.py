@@ -248,8 +248,9 @@ class DataConfig:
     caption_column: str = flag("text", "The column of the data set holding each image's caption.")
     cond_image_column: str | None = flag(
         None,
-        "FLUX.1 Kontext: the column of each target's reference image (a local folder's metadata.jsonl names it in "
-        "'<column>_file_name'; found there without this flag when it is the only one). Default: none (FLUX.1 data).",
+        "Pair data (FLUX.1 Kontext, FLUX.2 editing): the column of each target's reference image, or for FLUX.2 of a "
+        "list of them (a local folder's metadata.jsonl names it in '<column>_file_name'; found there without this "
+        "flag when it is the only one). Default: none (text-to-image data).",
     )
     instance_prompt: str | None = flag(
         None, "DreamBooth-style: use this prompt for every image (captions are ignored). Default: the captions."
@@ -594,11 +595,13 @@ class ValidationConfig:
         repeat=True,
         derive=lambda raw: _demo(raw).prompts if _demo(raw) else None,
     )
-    validation_image: str | None = flag(
+    validation_image: tuple[str, ...] | None = flag(
         None,
-        "FLUX.1 Kontext: the reference image every --validation_prompt edits (FluxKontextPipeline). Default: none, "
-        "or a reference of the bundled pairs for the Kontext demo.",
-        derive=lambda raw: str(_demo(raw).validation_image) if _demo(raw) and _demo(raw).validation_image else None,
+        "Pair data: the reference image every --validation_prompt edits (FluxKontextPipeline, Flux2Pipeline, "
+        "Flux2KleinPipeline); repeatable for FLUX.2, whose pipelines take several references (image=[...]). "
+        "Default: none, or a reference of the bundled pairs for the Kontext demo.",
+        repeat=True,
+        derive=lambda raw: (str(_demo(raw).validation_image),) if _demo(raw) and _demo(raw).validation_image else None,
     )
     validation_steps: int | None = flag(
         None, "Render validation images every X optimizer steps. Default: only at the end of training."
@@ -618,8 +621,9 @@ class ValidationConfig:
     def check(self) -> None:
         if self.validation_resolution % 16:
             raise UsageError(f"--validation_resolution {self.validation_resolution} must be a multiple of 16")
-        if self.validation_image is not None and not os.path.isfile(self.validation_image):
-            raise UsageError(f"--validation_image {self.validation_image}: no such file")
+        for image in self.validation_image or ():
+            if not os.path.isfile(image):
+                raise UsageError(f"--validation_image {image}: no such file")
         if self.report_to == "wandb":
             import importlib.util
 
@@ -727,7 +731,7 @@ class Config:
         if demo is not None:
             images = f"validation images of {len(self.validation.validation_prompt or ())} prompts"
             if self.validation.validation_image:
-                images += f" editing {os.path.relpath(self.validation.validation_image)}"
+                images += f" editing {', '.join(os.path.relpath(p) for p in self.validation.validation_image)}"
             return [
                 f"{demo.name}'s settings: {train.max_train_steps} steps at learning rate {train.learning_rate:g}, "
                 f"{train.train_batch_size} samples per step, {images} before and after training (given flags win; "

@@ -208,12 +208,26 @@ def _sha(*parts) -> str:
     return hashlib.sha256("\0".join(str(p) for p in parts).encode()).hexdigest()[:32]
 
 
+def reference_key(j: int) -> str:
+    """The key of reference image j's latent in a sample's encodings: `reference_latent` for the first (the one
+    reference of a FLUX.1 Kontext pair), `reference_latent_2`, `reference_latent_3`, ... for FLUX.2's further ones."""
+    return "reference_latent" if j == 0 else f"reference_latent_{j + 1}"
+
+
+def reference_count(sample: dict) -> int:
+    """How many reference latents a sample's encodings hold (`reference_key` 0, 1, ... in turn)."""
+    j = 0
+    while reference_key(j) in sample:
+        j += 1
+    return j
+
+
 class TrainingData(Protocol):
     """What the batch builder reads, cached or live: the bucket of every sample, and one sample's encodings
     (`latent_mean`, `latent_std` `[C, H, W]`, the text entries of the family's `Encoders.prompts`, e.g.
-    `prompt_embeds` `[L, D]`; for pairs also `reference_latent` `[C, H, W]`, the mean latent of the reference
-    with the target's crop and flip), given whether it is flipped and the epoch (for crops drawn per epoch); and the
-    text entries of a caption encoded up front (the empty caption of --caption_dropout)."""
+    `prompt_embeds` `[L, D]`; for editing samples also each reference's mean latent `[C, H, W]` with the target's
+    crop and flip, under `reference_key(j)`), given whether it is flipped and the epoch (for crops drawn per epoch);
+    and the text entries of a caption encoded up front (the empty caption of --caption_dropout)."""
 
     buckets: list[int]
 
@@ -255,21 +269,21 @@ class EncodedData:
         e = self.entries[index]
         lat = _load(self.cache_dir / "latents" / f"{e['latents'][int(flip) % len(e['latents'])]}.safetensors")
         txt = _load(self.cache_dir / "text" / f"{e['text']}.safetensors")
-        if "reference" in e:  # a Kontext pair: the reference's latent is its distribution's mean (no sampling)
-            ref = e["reference"][int(flip) % len(e["reference"])]
-            txt["reference_latent"] = _load(self.cache_dir / "latents" / f"{ref}.safetensors")["latent_mean"]
+        for j, keys in enumerate(e.get("references", ())):  # a reference's latent is its distribution's mean
+            ref = keys[int(flip) % len(keys)]
+            txt[reference_key(j)] = _load(self.cache_dir / "latents" / f"{ref}.safetensors")["latent_mean"]
         return {**lat, **txt}
 
 
-def _decode(source: ImageSource, i: int, reference: bool = False) -> tuple[Image.Image, str]:
-    """Sample i's image (or its Kontext reference), decoded, and the hash of its bytes (the cache key's part);
+def _decode(source: ImageSource, i: int, reference: bool = False, ref_index: int = 0) -> tuple[Image.Image, str]:
+    """Sample i's image (or its reference `ref_index`), decoded, and the hash of its bytes (the cache key's part);
     a UsageError naming the file when it cannot be read or decoded."""
     try:
-        raw = source.raw_bytes(i, reference=reference)
+        raw = source.raw_bytes(i, reference, ref_index)
     except OSError as e:
         what = "reference image" if reference else "image"
-        raise UsageError(f"cannot read {what} {source.where(i, reference=reference)}: {e.strerror or e}") from None
-    return source.load(i, raw, reference=reference), hashlib.sha256(raw).hexdigest()
+        raise UsageError(f"cannot read {what} {source.where(i, reference, ref_index)}: {e.strerror or e}") from None
+    return source.load(i, raw, reference, ref_index), hashlib.sha256(raw).hexdigest()
 
 
 def encode_dataset(
@@ -306,10 +320,10 @@ def encode_dataset(
         for i in bar:
             try:
                 img, img_hash = _decode(source, i)
-                # A Kontext pair's reference gets the target's resize, crop and flip, so the two stay aligned.
+                # Every reference gets the target's resize, crop and flip, so they stay aligned with it (and each
+                # has the target's token count).
                 images = [("latents", img, img_hash)]
-                if source.pairs:
-                    images.append(("reference", *_decode(source, i, reference=True)))
+                images += [(j, *_decode(source, i, True, j)) for j in range(source.reference_count(i))]
             except UsageError as e:
                 errors.append(str(e))
                 continue
@@ -325,8 +339,7 @@ def encode_dataset(
                 entry: dict = {"bucket": bucket}
                 latent = encoders.latent_shape(target)
                 for name, image, digest in images:
-                    entry[name] = []
-                    entry[f"{name}_sha"] = digest  # the file's content, for the data set's identity (resume)
+                    keys = []
                     for flip in variants:
                         key = _sha(digest, target, resized, offset, flip, vae_fp, DECODER_VERSION)
                         path = cache_dir / "latents" / f"{key}.safetensors"
@@ -334,7 +347,13 @@ def encode_dataset(
                             mean, std = encoders.latents(to_pixels(image, target, resized, offset, flip)[None])
                             files.write_safetensors(path, {"latent_mean": mean[0], "latent_std": std[0]})
                             computed += 1
-                        entry[name].append(key)
+                        keys.append(key)
+                    # the file's content goes into the data set's identity (resume)
+                    if name == "latents":
+                        entry["latents"], entry["latents_sha"] = keys, digest
+                    else:  # reference `name`, in order
+                        entry.setdefault("references", []).append(keys)
+                        entry.setdefault("reference_sha", []).append(digest)
                 entries[placement * n + i] = {**entry, "text": tkey}
             if len(pending_text) >= 16:
                 computed += _encode_texts(encoders, pending_text, data.max_sequence_length, cache_dir)
@@ -353,8 +372,8 @@ def encode_dataset(
         merged.update(table)
     for index, e in merged.items():
         source.note_digest(index % n, e.pop("latents_sha"))
-        if "reference_sha" in e:
-            source.note_digest(index % n, e.pop("reference_sha"), reference=True)
+        for j, digest in enumerate(e.pop("reference_sha", ())):
+            source.note_digest(index % n, digest, True, j)
     computed_everywhere = sum(distributed.all_gather(computed))
     table = [merged[index] for index in range(n * len(geometry.placements))]
     return EncodedData(cache_dir, table, computed_everywhere, texts)
@@ -401,7 +420,7 @@ class LiveData:
         mean, std = self.encoders.latents(to_pixels(img, target, resized, offset, flip)[None])
         embeds = self.encoders.prompts([self.source.samples[i].caption], self.config.max_sequence_length)
         out = {"latent_mean": mean[0], "latent_std": std[0], **{n: t[0] for n, t in embeds.items()}}
-        if self.source.pairs:  # the reference with the target's resize, crop and flip; its mean latent
-            pixels = to_pixels(self.source.load(i, reference=True), target, resized, offset, flip)
-            out["reference_latent"] = self.encoders.latents(pixels[None])[0][0]
+        for j in range(self.source.reference_count(i)):  # with the target's resize, crop and flip; the mean latent
+            pixels = to_pixels(self.source.load(i, reference=True, ref_index=j), target, resized, offset, flip)
+            out[reference_key(j)] = self.encoders.latents(pixels[None])[0][0]
         return out

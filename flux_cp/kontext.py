@@ -1,18 +1,20 @@
-"""Pair sequences (FLUX.1 Kontext, FLUX.2 with a reference image): the target image's noisy latent tokens followed
-by the reference image's clean latent tokens, with the family's reference position ids (FLUX.1 Kontext: first
-coordinate 1, as diffusers' `FluxKontextPipeline`; FLUX.2: time coordinate 10, as `Flux2Pipeline`); how a CP group
-splits that image segment; and the flow-matching loss over the target tokens only.
+"""Pair sequences (FLUX.1 Kontext, FLUX.2 with one or more reference images): the target image's noisy latent tokens
+followed by each reference image's clean latent tokens, with the family's reference position ids (FLUX.1 Kontext:
+first coordinate 1, as diffusers' `FluxKontextPipeline`; FLUX.2: time coordinate 10, 20, 30, ... for references 1,
+2, 3, ..., as `Flux2Pipeline`); how a CP group splits that image segment; and the flow-matching loss over the
+target tokens only.
 
 The split: text tokens are cut into `cp` equal chunks as for FLUX.1, and the image segment `[target;
-reference]` is cut into `cp` equal contiguous chunks *as one sequence* (exactly what `cp.full_sequence_io`
-does to the pipeline's inputs at inference). A chunk may hold target tokens, reference tokens or both. Only
-`target + reference` must divide by the CP size, not each part, and the loss on rank r is
+reference_1; ...; reference_k]` is cut into `cp` equal contiguous chunks *as one sequence* (exactly what
+`cp.full_sequence_io` does to the pipeline's inputs at inference). A chunk may hold target tokens, reference tokens
+or both. Only `target + all references` must divide by the CP size, not each part, and the loss on rank r is
 `cp * sum(squared errors of r's target tokens) / (target tokens * channels)`, so the mean over the group is
 the full-sequence mean however the target/reference boundary falls (docs/design.md, Kontext).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -46,22 +48,38 @@ def pair_sequence(
     reference_hw: tuple[int, int],
     family: Family | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """The full image segment: packed target tokens `[B, T, C]` then packed reference tokens `[B, R, C]`,
-    with their ids `[T + R, k]` (`family`'s `image_ids` and `reference_ids`; default FLUX.1). `*_hw` are the
-    model latents' (not the tokens') heights and widths."""
+    """The full image segment of one reference: packed target tokens `[B, T, C]` then packed reference tokens
+    `[B, R, C]`, with their ids `[T + R, k]` (`family`'s `image_ids` and `reference_ids`; default FLUX.1). `*_hw` are
+    the model latents' (not the tokens') heights and widths."""
+    return image_segment(target, [reference], target_hw, [reference_hw], family)
+
+
+def image_segment(
+    target: Tensor,
+    references: Sequence[Tensor],
+    target_hw: tuple[int, int],
+    reference_hws: Sequence[tuple[int, int]],
+    family: Family | None = None,
+) -> tuple[Tensor, Tensor]:
+    """The full image segment: packed target tokens `[B, T, C]`, then each reference's packed tokens `[B, R_j, C]`
+    in order, with their ids `[T + sum R_j, k]` (`family`'s `image_ids`, and `reference_ids` of reference j;
+    default FLUX.1). `*_hw(s)` are the model latents' (not the tokens') heights and widths."""
     if family is None:
         from .families import FLUX1 as family
-    if target.shape[0] != reference.shape[0] or target.shape[2] != reference.shape[2]:
-        raise ValueError(
-            f"target tokens {tuple(target.shape)} and reference tokens {tuple(reference.shape)} differ in batch "
-            "size or channels"
-        )
+    for reference in references:
+        if target.shape[0] != reference.shape[0] or target.shape[2] != reference.shape[2]:
+            raise ValueError(
+                f"target tokens {tuple(target.shape)} and reference tokens {tuple(reference.shape)} differ in batch "
+                "size or channels"
+            )
     dev = target.device
-    ids = [family.image_ids(*target_hw, device=dev), family.reference_ids(*reference_hw, device=dev)]
-    for name, t, part, (h, w) in zip(("target", "reference"), (target, reference), ids, (target_hw, reference_hw)):
+    ids = [family.image_ids(*target_hw, device=dev)]
+    ids += [family.reference_ids(*hw, device=dev, index=j) for j, hw in enumerate(reference_hws)]
+    names = ["target"] + [f"reference {j + 1}" if len(references) > 1 else "reference" for j in range(len(references))]
+    for name, t, part, (h, w) in zip(names, [target, *references], ids, [target_hw, *reference_hws]):
         if t.shape[1] != part.shape[0]:
             raise ValueError(f"{name} has {t.shape[1]} tokens, but a {h}x{w} latent packs to {part.shape[0]}")
-    return torch.cat([target, reference], dim=1), torch.cat(ids, dim=0)
+    return torch.cat([target, *references], dim=1), torch.cat(ids, dim=0)
 
 
 def check_pair_tokens(text_tokens: int, target_tokens: int, reference_tokens: int, cp_size: int) -> None:
@@ -82,8 +100,8 @@ def check_pair_tokens(text_tokens: int, target_tokens: int, reference_tokens: in
 
 @dataclass(frozen=True)
 class PairSplit:
-    """Which image tokens of `[target; reference]` each of `cp_size` ranks holds: a contiguous chunk of
-    `(target_tokens + reference_tokens) / cp_size` tokens."""
+    """Which image tokens of `[target; references]` each of `cp_size` ranks holds: a contiguous chunk of
+    `(target_tokens + reference_tokens) / cp_size` tokens (`reference_tokens`: of all references together)."""
 
     target_tokens: int
     reference_tokens: int

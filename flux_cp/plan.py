@@ -308,12 +308,16 @@ def print_plan(cfg: Config) -> None:
     """The plan, printed once: under `accelerate launch` every rank runs this, and all but rank 0 return at once."""
     if int(os.environ.get("RANK", "0")) != 0:
         return
-    from .data import reference_column
+    from .data import local_metadata, reference_column, reference_counts
     from .families import for_transformer
     from .parallel import auto_mode, launched_world_size
     from .shape import model_of, resolved
 
-    pairs = reference_column(cfg.data) is not None  # FLUX.1 Kontext: the reference has its target's size
+    meta = local_metadata(cfg.data)
+    column = reference_column(cfg.data, meta)
+    pairs = column is not None  # every reference has its target's size
+    # the most references a local folder's rows name (a hub data set's are not read here: one)
+    references = max(reference_counts(meta, column) or (1,)) if pairs else 0
     if cfg.model.embedded_default:
         family, path = model_of(cfg.model, pairs)
         config = dict(family.transformer_class().load_config(path, subfolder="transformer"))
@@ -325,7 +329,7 @@ def print_plan(cfg: Config) -> None:
     world = launched_world_size()
     resolution, cp_size = cfg.data.largest_resolution, cfg.parallel.cp_size
     batch = cfg.train.train_batch_size * cfg.data.samples_per_slot  # prior preservation: a class image per sample
-    tokens = (2 if pairs else 1) * (resolution // 16) ** 2 + cfg.data.max_sequence_length
+    tokens = (1 + references) * (resolution // 16) ** 2 + cfg.data.max_sequence_length
     lora = None if cfg.lora.full_finetune else cfg.lora.rank
     layers = list(cfg.lora.lora_layers)
     gpu = cfg.plan.gpu_memory_gib or (
@@ -336,7 +340,8 @@ def print_plan(cfg: Config) -> None:
     compiled = bool(cfg.train.compile or cfg.train.compile_mode)
     value = cfg.train.gradient_checkpointing
     print(
-        f"plan: {path}, {resolution} px{' Kontext pairs' if pairs else ''} ({tokens} tokens/sample), "
+        f"plan: {path}, {resolution} px{' Kontext pairs' if references == 1 else ''}"
+        f"{f' with {references} references' if references > 1 else ''} ({tokens} tokens/sample), "
         f"batch {batch}/rank, "
         f"{'full fine-tuning' if lora is None else f'LoRA r{lora}'}, {world} process(es), GPU {gpu:.0f} GiB, "
         + ("weights sharded over all GPUs (FSDP2)" if fsdp else "weights whole on every GPU (DDP)")

@@ -1,6 +1,6 @@
 """The run shape: what kind of run this is, worked out once in setup from the flags, the launch and the model
-folder, and read everywhere else: the model family, single images or pairs (a reference image per target), the
-training buckets and their token counts, the dp x cp layout and whether the weights are sharded."""
+folder, and read everywhere else: the model family, single images or pairs (one or more reference images per
+target), the training buckets and their token counts, the dp x cp layout and whether the weights are sharded."""
 
 from __future__ import annotations
 
@@ -30,18 +30,31 @@ class RunShape:
     dp: int
     cp: int
     sharded: bool  # FSDP2 shards the weights over all ranks (else DDP keeps them whole on every rank)
+    # pairs: the numbers of reference images the samples have, ascending (None until known: a hub data set's are
+    # read when it is opened, `with_reference_counts`)
+    reference_counts: tuple[int, ...] | None = None
 
     @property
     def pairs(self) -> bool:
-        """Each sample is a target with a reference image (FLUX.1 Kontext, FLUX.2 editing)."""
+        """Each sample is a target with one or more reference images (FLUX.1 Kontext, FLUX.2 editing)."""
         return self.reference_column is not None
 
     @property
     def images_per_sample(self) -> int:
-        return 2 if self.pairs else 1
+        """Images in the longest sample: the target and its references (one reference until their counts are known)."""
+        return 1 + max(self.reference_counts or (1,)) if self.pairs else 1
+
+    def images_per_sample_options(self) -> tuple[int, ...]:
+        """Every number of images a sample has (target and references); () for pairs whose counts are not known yet."""
+        if not self.pairs:
+            return (1,)
+        return tuple(1 + k for k in self.reference_counts or ())
+
+    def with_reference_counts(self, counts: tuple[int, ...]) -> RunShape:
+        return dataclasses.replace(self, reference_counts=tuple(counts))
 
     def image_tokens(self, bucket: int = 0) -> int:
-        """Image tokens of one sample in `bucket` (target and reference for pairs)."""
+        """Image tokens of the longest sample in `bucket` (target and references for pairs)."""
         width, height = self.buckets[bucket]
         return self.images_per_sample * self.family.image_tokens(width, height)
 
@@ -69,11 +82,13 @@ def check_tokens(shape: RunShape, data: DataConfig, validation: ValidationConfig
             f"--max_sequence_length {data.max_sequence_length} (text tokens) is not divisible by --cp_size {n}: "
             f"use {data.max_sequence_length // n * n or n} or another CP size"
         )
-    # A pair's reference has its target's size and the two are split as one segment: twice the tokens (validation
-    # too when it edits a --validation_image). Aspect buckets are chosen with token counts that divide.
-    checks = [] if data.aspect_buckets else [("--resolution", r, shape.images_per_sample) for r in data.resolution]
+    # Each reference has its target's size and they are split as one segment: (1 + references) times the target's
+    # tokens (validation too, with one reference per --validation_image). Aspect buckets are chosen with token counts
+    # that divide. Pairs whose reference counts are not known yet (a hub data set) are checked once it is opened.
+    counts = () if data.aspect_buckets else shape.images_per_sample_options()
+    checks = [("--resolution", r, images) for r in data.resolution for images in counts]
     if validation.validation_prompt:  # no prompt, no validation images
-        images = 2 if shape.pairs and validation.validation_image else 1
+        images = 1 + len(validation.validation_image or ()) if shape.pairs else 1
         checks.append(("--validation_resolution", validation.validation_resolution, images))
     for flag, res, images in checks:
         tokens = images * shape.family.image_tokens(res, res)
@@ -81,9 +96,10 @@ def check_tokens(shape: RunShape, data: DataConfig, validation: ValidationConfig
             ok = [r for r in range(16, res + 33 * 16, 16) if (images * shape.family.image_tokens(r, r)) % n == 0]
             below, above = [r for r in ok if r < res], [r for r in ok if r > res]
             options = " or ".join(str(r) for r in (below[-1:] + above[:1]))
+            per = {1: "", 2: " per pair"}.get(images, f" per target with {images - 1} references")
             raise UsageError(
-                f"{flag} {res} gives {tokens} image tokens{' per pair' if images == 2 else ''}, not divisible by "
-                f"--cp_size {n}: use {options}, or another CP size"
+                f"{flag} {res} gives {tokens} image tokens{per}, not divisible by --cp_size {n}: use {options}, or "
+                "another CP size"
             )
 
 
@@ -113,7 +129,7 @@ def build_shape(cfg: Config, world: int) -> RunShape:
     """The run shape of these flags for `world` launched processes. Refuses (UsageError) a layout the CP size
     does not divide and a model folder of no known family; builds the embedded default's tiny model when no
     model is named (before any process group: every rank of a launch calls this, one builds, the others wait)."""
-    from .data import local_metadata, reference_column
+    from .data import local_metadata, reference_column, reference_counts
     from .encode import run_buckets
 
     dp = check_layout(world, cfg.parallel.cp_size)
@@ -125,4 +141,5 @@ def build_shape(cfg: Config, world: int) -> RunShape:
         family=family, model_path=path, reference_column=column, metadata=metadata, buckets=tuple(buckets),
         placements=tuple(tuple(p) for p in placements),
         text_tokens=cfg.data.max_sequence_length, world=world, dp=dp, cp=cfg.parallel.cp_size, sharded=uses_fsdp(),
+        reference_counts=reference_counts(metadata, column),
     )  # fmt: skip

@@ -25,7 +25,16 @@ from . import checkpoint, diskspace, distributed, faults, files, manifest, outdi
 from .batches import Batches
 from .blocks import attention_recomputed, prepare_blocks, step_begins, uses_cuda_graphs
 from .config import DEFAULT_ENCODINGS_DIR, Config
-from .data import BUNDLED_DATA, BatchSchedule, ImageSource, cache_folder, check_pair_flags, open_source
+from .data import (
+    BUNDLED_DATA,
+    BatchSchedule,
+    ImageSource,
+    batch_groups,
+    cache_folder,
+    check_pair_flags,
+    check_reference_limit,
+    open_source,
+)
 from .encode import ClassGeometry, Geometry, LiveData, Repeated, TrainingData, encode_dataset, encoder_fingerprints
 from .errors import UsageError
 from .lora import lora_origin, save_lora
@@ -164,6 +173,8 @@ class Trainer:
         self.cfg = cfg = resolved(cfg, shape.family, shape.pairs, self.read_transformer_config())
         shape.family.check(cfg)
         check_optimizer(cfg.train, sharded=shape.sharded)
+        check_reference_limit(shape.family.max_references, shape.family.pairs_label, cfg.validation, shape.metadata,
+                              shape.reference_column)  # fmt: skip
         check_tokens(shape, cfg.data, cfg.validation)
         check_pair_flags(cfg.data, cfg.validation, shape.pairs)
         self.accelerator = make_accelerator(cfg.parallel, cfg.train, cfg.validation, shape)
@@ -253,8 +264,12 @@ class Trainer:
         cfg, layout, shape = self.cfg, self.layout, self.shape
         self.source = source = self.open_source()  # listing errors (captions, pairs) before any model loads
         if source.pairs:
+            self.shape = shape = self.count_references(source)
             label = shape.family.pairs_label
-            logger.info(f"{label} pairs: {len(source)} targets with their reference images, loss on the targets")
+            k = shape.reference_counts
+            refs = ("their reference images" if k == (1,) else f"{k[0]} reference images each" if len(k) == 1
+                    else f"{k[0]} to {k[-1]} reference images (a batch holds one count)")  # fmt: skip
+            logger.info(f"{label} pairs: {len(source)} targets with {refs}, loss on the targets")
             warning = shape.family.pairs_warning(
                 shape.model_path, pipeline_class(shape.model_path, cfg.model.revision, cfg.model.cache_dir)
             )
@@ -269,9 +284,10 @@ class Trainer:
         if cfg.validation.validation_prompt:
             prompts = list(cfg.validation.validation_prompt)
             self.validation_embeds = shape.family.validation_embeds(encoders, prompts, shape.text_tokens)
-            if cfg.validation.validation_image:
-                image = validation.reference_image(cfg.validation.validation_image,
-                                                   cfg.validation.validation_resolution)  # fmt: skip
+            if cfg.validation.validation_image:  # one image as it always was, several as a list (FLUX.2)
+                images = [validation.reference_image(p, cfg.validation.validation_resolution)
+                          for p in cfg.validation.validation_image]  # fmt: skip
+                image = images[0] if len(images) == 1 else images
                 self.validation_reference = shape.family.reference_inputs(image, encoders, self.device)
         self.class_source = self.classes = None
         if cfg.data.with_prior_preservation:  # the class images, generated with the base model where missing
@@ -304,7 +320,27 @@ class Trainer:
             encoders.free_text_encoders()
         self.samples = Repeated(samples, cfg.data.repeats) if cfg.data.repeats > 1 else samples
         self.global_batch = cfg.train.train_batch_size * layout.dp
-        self.schedule = BatchSchedule(self.samples.buckets, self.global_batch, cfg.train.seed)
+        counts = [source.reference_count(t % len(source)) for t in range(len(self.samples.buckets))]
+        self.schedule = BatchSchedule(batch_groups(self.samples.buckets, counts), self.global_batch, cfg.train.seed)
+        if len(set(counts)) > 1 and (unfilled := self.schedule.unfilled()):
+            logger.warning(
+                f"{sum(unfilled.values())} samples never train: a global batch holds one aspect bucket and one number "
+                f"of reference images, and {len(unfilled)} such groups have fewer samples than a global batch "
+                f"({self.global_batch}); lower --train_batch_size or give those rows as many references as others"
+            )
+
+    def count_references(self, source: ImageSource) -> RunShape:
+        """The run shape with the reference counts of the opened data set (a hub data set's are known only now), its
+        limit and token counts checked again (the same on every rank)."""
+        cfg, shape = self.cfg, self.shape
+        try:
+            family = shape.family
+            check_reference_limit(family.max_references, family.pairs_label, cfg.validation, source=source)
+            shape = shape.with_reference_counts(tuple(source.reference_counts()))
+            check_tokens(shape, cfg.data, cfg.validation)
+        except UsageError as e:
+            raise UsageError(str(e), agreed=True) from None
+        return shape
 
     def generate_class_images(self) -> None:
         """Prior preservation: the class images `--class_data_dir` lacks, rendered with the base model under CP

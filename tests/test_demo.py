@@ -62,7 +62,7 @@ def test_the_kontext_demo_on_the_bundled_pairs_learns_and_validates_before_and_a
             KONTEXT_DEMO.steps, KONTEXT_DEMO.learning_rate, KONTEXT_DEMO.batch,
         )  # fmt: skip
         assert cfg.validation.validation_prompt == KONTEXT_DEMO.prompts
-        assert Path(cfg.validation.validation_image) == pairs / "00_blue_circle.png"
+        assert [Path(p) for p in cfg.validation.validation_image] == [pairs / "00_blue_circle.png"]
     captions = {json.loads(line)["text"] for line in (pairs / "metadata.jsonl").read_text().splitlines()}
     assert set(KONTEXT_DEMO.prompts) <= captions  # what it learns, from the reference every prompt edits
     cfg = parse_config(["--dataset_name", str(pairs), "--max_train_steps", "3"])

@@ -42,6 +42,7 @@ class Family(ABC):
     name: str = ""  # short id, e.g. "flux1"
     label: str = ""  # for people, e.g. "FLUX.1"
     pairs_label: str = ""  # what trains on (target, reference) pairs, e.g. "FLUX.1 Kontext"
+    max_references: int | None = None  # reference images per target it takes (None: any number, as FLUX.2)
     transformer_class_name: str = ""  # diffusers' class in transformer/config.json
     # model_index.json classes of this family's pipelines; they decide the family when they name one (FLUX.2
     # [dev] and [klein] share the transformer class)
@@ -105,9 +106,11 @@ class Family(ABC):
         text encoders left out). `pairs`: it edits a reference image."""
 
     @abstractmethod
-    def reference_inputs(self, image: Image.Image, encoders: Encoders, device: torch.device) -> dict:
+    def reference_inputs(self, image: Image.Image | list[Image.Image], encoders: Encoders, device: torch.device
+                         ) -> dict:  # fmt: skip
         """The validation pipeline's keyword arguments for editing `image` (the `--validation_image`, already cut to
-        `--validation_resolution`^2 by `flux_cp.validation.reference_image`)."""
+        `--validation_resolution`^2 by `flux_cp.validation.reference_image`; a list of them when it is given several
+        times, for a family that takes several references)."""
 
     # --- context parallelism (the calls into cp/ for this family's transformer) --------------------------------
 
@@ -126,9 +129,9 @@ class Family(ABC):
         """Position ids of the tokens of a `height x width` model latent."""
 
     @abstractmethod
-    def reference_ids(self, height: int, width: int, device=None) -> Tensor:
-        """Position ids of the tokens of a reference image's `height x width` model latent (pairs: it follows the
-        target's tokens)."""
+    def reference_ids(self, height: int, width: int, device=None, index: int = 0) -> Tensor:
+        """Position ids of the tokens of reference image `index`'s `height x width` model latent (pairs: the
+        references follow the target's tokens, in order)."""
 
     @abstractmethod
     def text_ids(self, length: int, device=None) -> Tensor:

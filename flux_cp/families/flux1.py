@@ -66,6 +66,7 @@ class Flux1(Family):
     name = "flux1"
     label = "FLUX.1"
     pairs_label = "FLUX.1 Kontext"
+    max_references = 1  # FluxKontextPipeline edits one image
     transformer_class_name = "FluxTransformer2DModel"
     pipeline_class_names = ("FluxPipeline", "FluxKontextPipeline", "FluxImg2ImgPipeline", "FluxInpaintPipeline",
                             "FluxFillPipeline", "FluxControlPipeline")  # fmt: skip
@@ -133,12 +134,15 @@ class Flux1(Family):
         )  # fmt: skip
 
     @torch.no_grad()
-    def reference_inputs(self, image: Image.Image, encoders: Encoders, device: torch.device) -> dict:
+    def reference_inputs(self, image: Image.Image | list[Image.Image], encoders: Encoders, device: torch.device
+                         ) -> dict:  # fmt: skip
         # FluxKontextPipeline takes the reference as ready latents (the VAE's mean, normalised), so its own
         # resizing to preferred resolutions does not apply; it appends their tokens after the target's
         # (cp.full_sequence_io splits the two as one segment, as in training); max_area keeps the requested size.
         from ..data import to_pixels
 
+        if isinstance(image, list):  # refused with the flags (check_reference_limit)
+            raise ValueError("FLUX.1 Kontext validation edits one reference image")
         vae = encoders.vae
         pixels = to_pixels(image, image.size, image.size, (0, 0), False)[None].to(device, vae.dtype)
         latents = self.normalizer(vae)(vae.encode(pixels).latent_dist.mean)
@@ -150,9 +154,11 @@ class Flux1(Family):
     def image_ids(self, height: int, width: int, device=None) -> Tensor:
         return flow.image_ids(height, width, device=device)
 
-    def reference_ids(self, height: int, width: int, device=None) -> Tensor:
+    def reference_ids(self, height: int, width: int, device=None, index: int = 0) -> Tensor:
         from ..kontext import reference_ids
 
+        if index:
+            raise ValueError("FLUX.1 Kontext takes one reference image per target")
         return reference_ids(height, width, device=device)
 
     def text_ids(self, length: int, device=None) -> Tensor:

@@ -1,13 +1,14 @@
 """FLUX.2 [dev] and FLUX.2 [klein]: `Flux2Transformer2DModel` (the same class for both; [klein] has no guidance
 embedding), the 32-channel `AutoencoderKLFlux2` whose latents are normalised with its batch-norm statistics, and one
 causal language model as text encoder ([dev]: Mistral 3, `Flux2Pipeline`; [klein]: Qwen3, `Flux2KleinPipeline`).
-The model folder's pipeline class tells the two apart. Pairs (a reference image per target) train the same model
-on `[target; reference]`, as diffusers' img2img examples and the pipelines' `image=` argument.
+The model folder's pipeline class tells the two apart. Editing samples (one or more reference images per target)
+train the same model on `[target; reference_1; ...; reference_k]`, as diffusers' img2img examples (one reference)
+and the pipelines' `image=[...]` argument (any number).
 
 The recipe is diffusers' FLUX.2 LoRA examples', as the pure functions of `flux_cp.flux2_recipe` (each citing the
 example's lines): latents are the posterior's mode, 2x2-patchified to 128 channels and normalised with the VAE's
 batch-norm statistics; tokens are the patchified latent's pixels in row-major order; ids have four axes (t, row,
-column, text position), the reference's t = 10; the prompt embedding stacks three hidden layers of the text
+column, text position), reference j's t = 10 + 10 j; the prompt embedding stacks three hidden layers of the text
 encoder; guidance only where the transformer embeds it. Where this differs from the examples: docs/design.md.
 """
 
@@ -219,10 +220,12 @@ class Flux2(Family):
             return Flux2KleinPipeline(**parts, is_distilled=encoders.is_distilled)
         return Flux2Pipeline(**parts)
 
-    def reference_inputs(self, image: Image.Image, encoders: Encoders, device: torch.device) -> dict:
-        # The pipelines take references as images only (no latents): they encode them as training does (mode,
-        # patchify, batch-norm statistics); an image of at most 1024^2 pixels and sides of multiples of 16 keeps
-        # its size. Its tokens follow the target's (full_sequence_io splits them as one segment, as in training).
+    def reference_inputs(self, image: Image.Image | list[Image.Image], encoders: Encoders, device: torch.device
+                         ) -> dict:  # fmt: skip
+        # The pipelines take references as images only (no latents), one or a list: they encode them as training
+        # does (mode, patchify, batch-norm statistics, reference j at time id 10 + 10 j); an image of at most 1024^2
+        # pixels and sides of multiples of 16 keeps its size. Their tokens follow the target's (full_sequence_io
+        # splits them as one segment, as in training).
         return {"image": image}
 
     # --- context parallelism --------------------------------------------------------------------------------
@@ -235,8 +238,8 @@ class Flux2(Family):
     def image_ids(self, height: int, width: int, device=None) -> Tensor:
         return recipe.image_ids(height, width, device=device)
 
-    def reference_ids(self, height: int, width: int, device=None) -> Tensor:
-        return recipe.reference_ids([(height, width)], device=device)
+    def reference_ids(self, height: int, width: int, device=None, index: int = 0) -> Tensor:
+        return recipe.image_ids(height, width, t=recipe.REFERENCE_T_SCALE * (index + 1), device=device)
 
     def text_ids(self, length: int, device=None) -> Tensor:
         return recipe.text_ids(length, device=device)
