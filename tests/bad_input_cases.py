@@ -216,6 +216,22 @@ def _reference_outside(t: Path) -> list[str]:
     return ["--dataset_name", str(folder)]
 
 
+def _reference_list(t: Path, *extra) -> list[str]:
+    """Pairs whose second row lists its reference and then `extra` as its references (FLUX.2's layout)."""
+
+    def listed(rows: list[dict]) -> None:
+        rows[1]["reference_file_name"] = [rows[1]["reference_file_name"], *extra]
+
+    return ["--dataset_name", str(_pairs(t / "pairs", listed))]
+
+
+def _two_validation_images(t: Path) -> list[str]:
+    folder = _pairs(t / "pairs")
+    images = [str(folder / name) for name in ("00_blue_circle.png", "01_green_square.png")]
+    return ["--dataset_name", str(folder), "--validation_prompt", "red", "--validation_image", images[0],
+            "--validation_image", images[1]]  # fmt: skip
+
+
 CASES = [
     Case(
         "cp_size_not_dividing_world",
@@ -548,6 +564,41 @@ CASES = [
         1,
         _reference_outside,
         "line 2: reference_file_name '../",
+    ),
+    Case(
+        "reference_list_empty",
+        "pairs: a metadata.jsonl row whose reference list is empty",
+        1,
+        lambda t: ["--dataset_name", str(_pairs(t / "pairs", lambda rows: rows[1].update(reference_file_name=[])))],
+        "line 2: reference_file_name is an empty list: name one or more images",
+    ),
+    Case(
+        "reference_list_not_a_string",
+        "pairs: a reference list holding a number",
+        1,
+        lambda t: _reference_list(t, 3),
+        "line 2: reference_file_name[1] is 3, not a path relative to",
+    ),
+    Case(
+        "reference_list_outside_the_folder",
+        "pairs: a reference list naming an image outside the folder (../)",
+        1,
+        lambda t: _reference_list(t, "../01_green_square.png"),
+        "line 2: reference_file_name[1] '../01_green_square.png' must be a path inside",
+    ),
+    Case(
+        "kontext_several_references",
+        "FLUX.1 Kontext pairs: a row listing two reference images (FLUX.2 takes several)",
+        1,
+        lambda t: _reference_list(t, "02_white_triangle.png"),
+        "line 2 (reference_file_name) names 2 reference images, but FLUX.1 Kontext takes one per target",
+    ),
+    Case(
+        "kontext_several_validation_images",
+        "FLUX.1 Kontext: --validation_image given twice",
+        1,
+        _two_validation_images,
+        "--validation_image is given 2 times, but FLUX.1 Kontext edits one reference image",
     ),
     Case(
         "wandb_without_login",
