@@ -28,32 +28,9 @@ from flux_cp.folders import read_metadata_file
 from flux_cp.parallel import Layout
 from flux_cp.rng import Stream, generator
 from flux_cp.shape import build_shape, check_tokens
+from tests.reference_folders import PAIRS, references_folder, rows_of_pairs
 
-PAIRS = Path(__file__).resolve().parent.parent / "data" / "tiny_pairs"
 CPU = torch.device("cpu")
-
-
-def _rows(n: int) -> list[dict]:
-    return [json.loads(line) for line in (PAIRS / "metadata.jsonl").read_text().splitlines()[:n]]
-
-
-def references_folder(folder: Path, n: int = 4, counts: list[int] | None = None) -> Path:
-    """`n` targets of the bundled pairs, target r with `counts[r]` references (default 2): its own, then images of
-    its own name `second_r.png`, `third_r.png` (copies of other rows' references), in that order."""
-    folder.mkdir(parents=True, exist_ok=True)
-    rows = _rows(16)
-    out = []
-    for r, row in enumerate(rows[:n]):
-        k = counts[r] if counts else 2
-        refs = [row["reference_file_name"]]
-        for j, name in enumerate(("second", "third")[: k - 1]):
-            refs.append(f"{name}_{r}.png")
-            shutil.copy(PAIRS / rows[(r + 5 + 3 * j) % 16]["reference_file_name"], folder / refs[-1])
-        for name in (row["file_name"], row["reference_file_name"]):
-            shutil.copy(PAIRS / name, folder / name)
-        out.append({"file_name": row["file_name"], "reference_file_name": refs, "text": row["text"]})
-    (folder / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in out))
-    return folder
 
 
 # --- listing ------------------------------------------------------------------------------------------------------
@@ -63,7 +40,7 @@ def test_a_metadata_list_names_each_targets_references_in_order_and_each_enters_
     folder = references_folder(tmp_path / "d", n=3)
     source = open_source(DataConfig(dataset_name=str(folder)))
     assert source.pairs and source.reference_counts() == {2: 0}
-    rows = _rows(3)
+    rows = rows_of_pairs(3)
     for i, s in enumerate(source.samples):
         assert s.references == (str(folder / rows[i]["reference_file_name"]), str(folder / f"second_{i}.png"))
         assert s.reference == s.references[0]
@@ -80,8 +57,8 @@ def test_a_metadata_list_names_each_targets_references_in_order_and_each_enters_
     ))  # fmt: skip
     listed = tmp_path / "listed"
     shutil.copytree(single, listed)
-    (listed / "metadata.jsonl").write_text((single / "metadata.jsonl").read_text().replace(
-        '"reference_file_name": "', '"reference_file_name": ["').replace('.png", "text"', '.png"], "text"'))  # fmt: skip
+    text = (single / "metadata.jsonl").read_text().replace('"reference_file_name": "', '"reference_file_name": ["')
+    (listed / "metadata.jsonl").write_text(text.replace('.png", "text"', '.png"], "text"'))
     one = [open_source(DataConfig(dataset_name=str(f))) for f in (single, listed)]
     assert [len(o.samples[0].references) for o in one] == [1, 1]
     assert one[0].identity().files == one[1].identity().files
@@ -137,18 +114,19 @@ def test_flux1_kontext_refuses_several_references_and_flux2_takes_them(tmp_path)
     folder = references_folder(tmp_path / "d", n=2, counts=[1, 2])
     meta = read_metadata_file(folder)
     validation = ValidationConfig(validation_prompt=("red",), validation_image=("a.png", "b.png"))
-    for family in (FLUX1, FLUX2):
-        check = lambda **kw: check_reference_limit(family.max_references, family.pairs_label, **kw)  # noqa: E731
-        if family is FLUX2:
-            check(validation=validation, meta=meta, column="reference")
-            continue
-        with pytest.raises(UsageError, match=r"^--validation_image is given 2 times, but FLUX.1 Kontext edits one"):
-            check(validation=validation)
-        with pytest.raises(UsageError, match=r"line 2 \(reference_file_name\) names 2 reference images, but FLUX.1"):
-            check(validation=ValidationConfig(), meta=meta, column="reference")
-        source = open_source(DataConfig(dataset_name=str(folder)))
-        with pytest.raises(UsageError, match=r"01_yellow_square_edited.png names 2 reference images, but FLUX.1 Kon"):
-            check(validation=ValidationConfig(), source=source)
+    source = open_source(DataConfig(dataset_name=str(folder)))
+    check_reference_limit(FLUX2.max_references, FLUX2.pairs_label, validation, meta, "reference")
+    check_reference_limit(FLUX2.max_references, FLUX2.pairs_label, validation, source=source)
+
+    def kontext(**kw) -> None:
+        check_reference_limit(FLUX1.max_references, FLUX1.pairs_label, **kw)
+
+    with pytest.raises(UsageError, match=r"^--validation_image is given 2 times, but FLUX.1 Kontext edits one"):
+        kontext(validation=validation)
+    with pytest.raises(UsageError, match=r"line 2 \(reference_file_name\) names 2 reference images, but FLUX.1"):
+        kontext(validation=ValidationConfig(), meta=meta, column="reference")
+    with pytest.raises(UsageError, match=r"01_yellow_square_edited.png names 2 reference images, but FLUX.1 Kontext"):
+        kontext(validation=ValidationConfig(), source=source)
 
 
 # --- batches and token counts -----------------------------------------------------------------------------------
@@ -253,9 +231,8 @@ def test_each_reference_is_cached_with_its_targets_crop_and_a_changed_second_ref
     meta = {"run": {"data": before.fingerprint, "data_legacy": before.legacy}}
     with pytest.raises(UsageError) as e:
         checkpoint.check_compatible(meta, {"data": after.fingerprint, "data_files": after.files}, ckpt)
-    assert "data set differs (changed reference image: second_1.png (reference 2 of 01_yellow_square_edited.png))" in str(
-        e.value
-    )
+    changed = "changed reference image: second_1.png (reference 2 of 01_yellow_square_edited.png)"
+    assert f"data set differs ({changed})" in str(e.value)
 
 
 def test_live_encodings_hold_every_reference_with_the_targets_crop(tmp_path):
@@ -382,3 +359,14 @@ def test_the_loss_covers_the_target_tokens_only_and_cp_chunks_keep_it(dev, monke
     size = pred.shape[1] // cp_size
     mean_of_chunks = sum(c.loss(pred.detach()[:, r * size : (r + 1) * size]) for r, c in enumerate(chunks)) / cp_size
     torch.testing.assert_close(mean_of_chunks, loss.detach(), rtol=1e-6, atol=0)
+
+
+def test_the_plan_counts_every_reference(dev, tmp_path, capsys):
+    from flux_cp.plan import print_plan
+
+    folder = references_folder(tmp_path / "d", n=2, counts=[1, 3])
+    model = str(FLUX2.embedded_default(pairs=False))
+    print_plan(parse_config(["--plan", "--pretrained_model_name_or_path", model, "--dataset_name", str(folder),
+                             "--resolution", "1024", "--gpu_memory_gib", "80"]))  # fmt: skip
+    # the longest sample: the target and 3 references of 4,096 tokens each, and 512 text tokens
+    assert "1024 px with 3 references (16896 tokens/sample)" in capsys.readouterr().out

@@ -1,0 +1,105 @@
+"""FLUX.2 editing with two reference images per target, end to end on CPU on the tiny FLUX.2 [klein]: CP over 2 and
+3 ranks (the second encoding live, --no_cache) gives one process's loss rows and weights, validation with two
+--validation_image renders under CP what one process renders, the LoRA loaded into Flux2KleinPipeline with
+image=[reference 1, reference 2] renders the trained model's image, and a resume refuses a data set whose second
+reference changed, naming the file. Three trainer launches, shared by the tests."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from tests.launch import assert_same_trajectory, in_process, ok, run_args, train
+from tests.reference_folders import references_folder
+
+pytestmark = pytest.mark.e2e  # every test here launches train_flux_cp.py
+
+SEED = 3
+EDIT = "make the circle red"
+TEXT_TOKENS = 66  # divisible by 2 and 3; [klein]'s chat template takes ~20 of the tiny tokenizer's
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    from flux_cp.tiny_flux2 import ensure_tiny_flux2_pipeline
+
+    tmp = tmp_path_factory.mktemp("flux2_references")
+    model = ensure_tiny_flux2_pipeline(klein=True)  # under the session's FLUX_CP_HOME, shared with other tests
+    data = references_folder(tmp / "data", n=8)
+    # 64 px: 16 target + 2 x 16 reference tokens, divisible by 2 and 3; --center_crop makes the live encodings of
+    # --no_cache the cached ones (random crops are drawn per epoch there)
+    images = [str(data / "00_blue_circle.png"), str(data / "second_0.png")]
+    validation = ["--validation_prompt", EDIT, "--num_validation_images", "1", "--validation_inference_steps", "2",
+                  "--validation_image", images[0], "--validation_image", images[1]]  # fmt: skip
+
+    def flags(name: str, *extra: str) -> list[str]:
+        return run_args(tmp, name, 10, "--pretrained_model_name_or_path", str(model), "--dataset_name", str(data),
+                        "--resolution", "64", "--max_sequence_length", str(TEXT_TOKENS), "--seed", str(SEED),
+                        "--rank", "4", "--learning_rate", "1e-2", "--adam_epsilon", "1e-6", "--random_flip",
+                        "--center_crop", "--train_batch_size", "2", "--checkpointing_steps", "5", *validation,
+                        *extra)  # fmt: skip
+
+    out = ok(train(1, *flags("one")))
+    (tmp / "one" / "log.txt").write_text(out.stdout + out.stderr)
+    ok(train(2, *flags("cp2", "--cp_size", "2")))
+    ok(train(3, *flags("cp3", "--cp_size", "3", "--no_cache")))
+    return {"tmp": tmp, "model": model, "data": data, "images": images, "flags": flags}
+
+
+def _png(run: Path, step: int = 10) -> np.ndarray:
+    return np.asarray(Image.open(run / "validation" / f"step-{step:06d}.png")).astype(int)
+
+
+def test_cp_over_2_and_3_ranks_trains_two_reference_samples_like_one_process(runs):
+    tmp = runs["tmp"]
+    assert "FLUX.2 [klein] pairs: 8 targets with 2 reference images each" in (tmp / "one" / "log.txt").read_text()
+    assert_same_trajectory(tmp / "one", tmp / "cp2")
+    assert_same_trajectory(tmp / "one", tmp / "cp3")
+    for run in ("cp2", "cp3"):  # validation with both references, under CP, draws one process's image
+        one, other = _png(tmp / "one"), _png(tmp / run)
+        assert one.shape == (64, 64, 3) and np.abs(one - other).max() <= 1, (run, np.abs(one - other).max())
+    config = json.loads((tmp / "one" / "run_config.json").read_text())
+    assert config["validation_image"] == runs["images"]
+
+
+def test_the_lora_edits_with_both_references_in_flux2_klein_pipeline_as_the_trained_model(runs):
+    from diffusers import Flux2KleinPipeline
+
+    from flux_cp.validation import reference_image
+
+    pipe = Flux2KleinPipeline.from_pretrained(runs["model"])
+    pipe.set_progress_bar_config(disable=True)
+    images = [reference_image(p, 64) for p in runs["images"]]
+
+    def render(image) -> np.ndarray:
+        out = pipe(prompt=EDIT, image=image, height=64, width=64, num_inference_steps=2, guidance_scale=3.5,
+                   max_sequence_length=TEXT_TOKENS, generator=torch.Generator("cpu").manual_seed(SEED * 1000),
+                   output_type="np").images[0]  # fmt: skip
+        return (np.clip(out, 0, 1) * 255).round().astype(int)
+
+    pipe.load_lora_weights(str(runs["tmp"] / "cp2"))
+    trained = _png(runs["tmp"] / "cp2")
+    both = render(images)
+    assert np.abs(both - trained).max() <= 1, np.abs(both - trained).max()
+    assert np.abs(render(images[0]) - trained).max() > 3  # the second reference is part of what it rendered
+
+
+def test_a_resume_refuses_a_data_set_whose_second_reference_changed_naming_the_file(runs):
+    tmp = runs["tmp"]
+    changed = tmp / "changed"
+    shutil.copytree(runs["data"], changed)
+    (changed / "second_3.png").write_bytes((runs["data"] / "second_5.png").read_bytes())
+    flags = runs["flags"]("resumed", "--resume_from_checkpoint", str(tmp / "one" / "checkpoint-5"))
+    flags[flags.index(str(runs["data"]))] = str(changed)
+    code, stderr = in_process(flags)
+    assert code != 0
+    line = next(ln for ln in stderr.splitlines() if ln.startswith("error:"))
+    assert "comes from an incompatible run (data set differs (changed reference image: second_3.png (reference 2 " \
+           "of 03_red_circle_edited.png))" in line, line  # fmt: skip
+    assert not (tmp / "resumed" / "checkpoint-10").exists()
