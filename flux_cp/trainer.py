@@ -323,10 +323,11 @@ class Trainer:
         counts = [source.reference_count(t % len(source)) for t in range(len(self.samples.buckets))]
         self.schedule = BatchSchedule(batch_groups(self.samples.buckets, counts), self.global_batch, cfg.train.seed)
         if len(set(counts)) > 1 and (unfilled := self.schedule.unfilled()):
+            n = sum(unfilled.values())
             logger.warning(
-                f"{sum(unfilled.values())} samples never train: a global batch holds one aspect bucket and one number "
-                f"of reference images, and {len(unfilled)} such groups have fewer samples than a global batch "
-                f"({self.global_batch}); lower --train_batch_size or give those rows as many references as others"
+                f"{n} of {len(counts)} samples {'is' if n == 1 else 'are'} never trained on: a global batch holds one "
+                f"aspect bucket and one number of reference images, and theirs have fewer samples than a global batch "
+                f"({self.global_batch}); lower --train_batch_size, or give those rows as many references as others"
             )
 
     def count_references(self, source: ImageSource) -> RunShape:

@@ -2,7 +2,8 @@
 3 ranks (the second encoding live, --no_cache) gives one process's loss rows and weights, validation with two
 --validation_image renders under CP what one process renders, the LoRA loaded into Flux2KleinPipeline with
 image=[reference 1, reference 2] renders the trained model's image, and a resume refuses a data set whose second
-reference changed, naming the file. Three trainer launches, shared by the tests."""
+reference changed, naming the file; rows of 1, 2 and 3 references train in batches of one count, with CP as without.
+Five trainer launches, shared by the tests."""
 
 from __future__ import annotations
 
@@ -38,17 +39,22 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     validation = ["--validation_prompt", EDIT, "--num_validation_images", "1", "--validation_inference_steps", "2",
                   "--validation_image", images[0], "--validation_image", images[1]]  # fmt: skip
 
-    def flags(name: str, *extra: str) -> list[str]:
-        return run_args(tmp, name, 10, "--pretrained_model_name_or_path", str(model), "--dataset_name", str(data),
+    def flags(name: str, *extra: str, dataset: Path = data, validate: bool = True) -> list[str]:
+        return run_args(tmp, name, 10, "--pretrained_model_name_or_path", str(model), "--dataset_name", str(dataset),
                         "--resolution", "64", "--max_sequence_length", str(TEXT_TOKENS), "--seed", str(SEED),
                         "--rank", "4", "--learning_rate", "1e-2", "--adam_epsilon", "1e-6", "--random_flip",
-                        "--center_crop", "--train_batch_size", "2", "--checkpointing_steps", "5", *validation,
-                        *extra)  # fmt: skip
+                        "--center_crop", "--train_batch_size", "2", "--checkpointing_steps", "5",
+                        *(validation if validate else ()), *extra)  # fmt: skip
 
     out = ok(train(1, *flags("one")))
     (tmp / "one" / "log.txt").write_text(out.stdout + out.stderr)
     ok(train(2, *flags("cp2", "--cp_size", "2")))
     ok(train(3, *flags("cp3", "--cp_size", "3", "--no_cache")))
+    # rows of 1, 2 and 3 references: a batch holds one count; the one row of 3 never fills a batch of 2
+    mixed = references_folder(tmp / "mixed", n=8, counts=[1, 2, 1, 2, 2, 1, 2, 3])
+    out = ok(train(1, *flags("mixed_one", dataset=mixed, validate=False)))
+    (tmp / "mixed_one" / "log.txt").write_text(out.stdout + out.stderr)
+    ok(train(2, *flags("mixed_cp2", "--cp_size", "2", dataset=mixed, validate=False)))
     return {"tmp": tmp, "model": model, "data": data, "images": images, "flags": flags}
 
 
@@ -66,6 +72,17 @@ def test_cp_over_2_and_3_ranks_trains_two_reference_samples_like_one_process(run
         assert one.shape == (64, 64, 3) and np.abs(one - other).max() <= 1, (run, np.abs(one - other).max())
     config = json.loads((tmp / "one" / "run_config.json").read_text())
     assert config["validation_image"] == runs["images"]
+
+
+def test_rows_of_several_reference_counts_train_in_batches_of_one_count_with_cp_as_without(runs):
+    tmp = runs["tmp"]
+    log = (tmp / "mixed_one" / "log.txt").read_text()
+    assert "8 targets with 1 to 3 reference images (a batch holds one count)" in log
+    assert "1 of 8 samples is never trained on: a global batch holds one aspect bucket and one number of" in log
+    assert_same_trajectory(tmp / "mixed_one", tmp / "mixed_cp2")
+    rows = [json.loads(line) for line in (tmp / "mixed_cp2" / "metrics.jsonl").read_text().splitlines()]
+    per_step = {round(r["tokens_per_s"] * r["s_per_step"]) for r in rows}
+    assert per_step == {2 * (2 * 16 + TEXT_TOKENS), 2 * (3 * 16 + TEXT_TOKENS)}, per_step  # 1 and 2 references
 
 
 def test_the_lora_edits_with_both_references_in_flux2_klein_pipeline_as_the_trained_model(runs):
