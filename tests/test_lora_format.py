@@ -13,7 +13,14 @@ from safetensors.torch import load_file, save_file
 from flux_cp.lora import DEFAULT_TARGETS
 from flux_cp.lora_format import convert, to_kohya, with_alphas
 from flux_cp.tiny import TRANSFORMER_CONFIG, build_tiny_pipeline, tiny_transformer
-from tests.launch import comfy_lora_prefixes, comfy_not_loaded
+from tests.launch import (
+    comfy_apply,
+    comfy_convert_lora_leaves,
+    comfy_flux2_key_map,
+    comfy_flux2_weights,
+    comfy_lora_prefixes,
+    comfy_not_loaded,
+)
 
 # ComfyUI's key rules (comfy_lora_prefixes, comfy_not_loaded) are in tests/launch.py.
 
@@ -349,3 +356,109 @@ def test_check_export_refuses_at_start_in_one_line():
             None,
         ).lora,
     )
+
+
+# --- FLUX.2 under ComfyUI's rules -----------------------------------------------------------------------------
+
+
+def _flux2_config(klein: bool) -> dict:
+    from flux_cp.tiny_flux2 import TRANSFORMER_CONFIG as FLUX2_TINY
+
+    return {**FLUX2_TINY, "guidance_embeds": not klein}  # [klein] has no guidance embedding
+
+
+def _bfl_flux2(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random weights of ComfyUI's FLUX.2 model of `config`, by its (BFL) names."""
+    g = torch.Generator().manual_seed(seed)
+    return {k: torch.randn(shape, generator=g) * 0.1 for k, shape in comfy_flux2_weights(config).items()}
+
+
+def _from_bfl(config: dict, bfl: dict[str, torch.Tensor]):
+    """The Flux2Transformer2DModel holding BFL-named weights, through diffusers' own FLUX.2 checkpoint converter
+    (`from_single_file`'s), loaded strictly: the names and shapes of `comfy_flux2_weights` must be a BFL
+    checkpoint's, every one of them."""
+    from diffusers import Flux2Transformer2DModel
+    from diffusers.loaders.single_file_utils import convert_flux2_transformer_checkpoint_to_diffusers
+
+    model = Flux2Transformer2DModel(**config)
+    model.load_state_dict(convert_flux2_transformer_checkpoint_to_diffusers(dict(bfl)), strict=True)
+    return model
+
+
+def _flux2_saved(tmp_path, klein: bool, argv: list[str]):
+    """A FLUX.2 transformer on random BFL weights, its LoRA for the flags `argv` (the family's default targets, B
+    non-zero) and the file `save_lora` writes: (config, BFL weights, transformer, path)."""
+    from flux_cp.config import parse_config
+    from flux_cp.families import FLUX2, FLUX2_KLEIN
+    from flux_cp.lora import add_lora, save_lora
+    from flux_cp.shape import resolved
+
+    config = _flux2_config(klein)
+    bfl = _bfl_flux2(config)
+    model = _from_bfl(config, bfl)
+    cfg = resolved(parse_config(argv), FLUX2_KLEIN if klein else FLUX2, False, config)
+    add_lora(model, cfg.lora, seed=0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.1)
+    state = {k: v for k, v in model.state_dict().items() if "lora_" in k}
+    return config, bfl, model, save_lora(model, state, str(tmp_path), cfg.lora)
+
+
+def _merged(model) -> dict[str, torch.Tensor]:
+    """The transformer's weights with its LoRA merged in by peft (the trained function), diffusers' names."""
+    import copy
+
+    from peft.tuners.lora import LoraLayer
+
+    model = copy.deepcopy(model)
+    for m in model.modules():
+        if isinstance(m, LoraLayer):
+            m.merge()
+    return {k.replace(".base_layer", ""): v for k, v in model.state_dict().items() if "lora_" not in k}
+
+
+@pytest.mark.parametrize("rank, alpha", [(4, 4), (4, 8)], ids=["alpha=rank", "alpha=2rank"])
+@pytest.mark.parametrize("klein", [False, True], ids=["dev", "klein"])
+def test_flux2_lora_file_loads_completely_under_comfyui_rules_as_the_trained_weights(tmp_path, klein, rank, alpha):
+    """ComfyUI's loader (comfy_apply, tests/launch.py) applies every key of the default FLUX.2 LoRA file to a
+    weight ComfyUI's FLUX.2 model has (q/k/v as slices of the fused qkv), and the weights it computes, converted to
+    diffusers' names by diffusers' own FLUX.2 checkpoint converter, are the trained transformer's with its LoRA
+    merged by peft: right modules, slices and scale."""
+    config, bfl, model, path = _flux2_saved(tmp_path, klein, ["--rank", str(rank), "--lora_alpha", str(alpha)])
+    sd = load_file(path)
+    modules = {k.rsplit(".lora_", 1)[0] for k in sd if ".lora_" in k}
+    # the default targets: the double blocks' image q/k/v/out, the single blocks' fused input and output
+    assert len(modules) == 4 * config["num_layers"] + 2 * config["num_single_layers"]
+    assert comfy_convert_lora_leaves(sd)
+    not_loaded, unreached, patched = comfy_apply(sd, comfy_flux2_key_map(config), bfl)
+    assert not_loaded == set() and unreached == set()
+    comfy, trained = _from_bfl(config, patched).state_dict(), _merged(model)
+    assert comfy.keys() == trained.keys()
+    worst = max((comfy[k] - trained[k]).abs().max().item() for k in trained)
+    assert worst < 1e-5, worst
+    # not blind: exactly the weights the LoRA targets changed, q, k and v each in its third of the fused qkv
+    changed = {k for k in bfl if not torch.equal(patched[k], bfl[k])}
+    assert changed == {k for k in bfl if k.endswith(("img_attn.qkv.weight", "img_attn.proj.weight", "linear1.weight",
+                                                     "linear2.weight"))}  # fmt: skip
+    for k in changed:
+        assert all((part != 0).any() for part in (patched[k] - bfl[k]).chunk(3 if "qkv" in k else 1)), k
+
+
+def test_the_comfyui_check_sees_a_dropped_a_renamed_and_a_flux1_named_key(tmp_path):
+    """What comfy_apply reports when a file's key is missing, misnamed, or named as FLUX.1's diffusers layer of
+    the same place (`proj_out` of a single block: ComfyUI maps it, the weight update is the same)."""
+    config, bfl, _, path = _flux2_saved(tmp_path, False, [])
+    sd, key_map = load_file(path), comfy_flux2_key_map(config)
+    a = "transformer.single_transformer_blocks.1.attn.to_out.lora_A.weight"
+    b = a.replace("lora_A", "lora_B")
+    _, _, whole = comfy_apply(sd, key_map, bfl)
+
+    dropped = {k: v for k, v in sd.items() if k != b}
+    assert comfy_apply(dropped, key_map, bfl)[0] == {a}
+    renamed = {k.replace(".attn.to_out.", ".attn.to_out.0.") if "single" in k else k: v for k, v in sd.items()}
+    assert comfy_apply(renamed, key_map, bfl)[0] == {k for k in renamed if "single" in k and ".to_out.0." in k}
+    flux1 = {k.replace(".attn.to_out.", ".proj_out.") if "single" in k else k: v for k, v in sd.items()}
+    not_loaded, unreached, patched = comfy_apply(flux1, key_map, bfl)
+    assert not_loaded == unreached == set() and all(torch.equal(patched[k], whole[k]) for k in bfl)
