@@ -462,3 +462,54 @@ def test_the_comfyui_check_sees_a_dropped_a_renamed_and_a_flux1_named_key(tmp_pa
     flux1 = {k.replace(".attn.to_out.", ".proj_out.") if "single" in k else k: v for k, v in sd.items()}
     not_loaded, unreached, patched = comfy_apply(flux1, key_map, bfl)
     assert not_loaded == unreached == set() and all(torch.equal(patched[k], whole[k]) for k in bfl)
+
+
+@pytest.mark.parametrize("klein", [False, True], ids=["dev", "klein"])
+def test_a_flux2_lora_with_alpha_other_than_rank_renders_the_trained_models_output_in_flux2_pipelines(tmp_path, klein):
+    """FLUX.2's LoRA loader refuses alpha keys: the file carries alpha / rank in lora_B, with adapter metadata of
+    alpha = rank, and `Flux2Pipeline` / `Flux2KleinPipeline.load_lora_weights` give the output of the pipeline that
+    holds the trained peft LoRA (rank 4, alpha 8)."""
+    import json
+
+    from flux_cp.config import parse_config
+    from flux_cp.families import FLUX2, FLUX2_KLEIN
+    from flux_cp.lora import add_lora, save_lora
+    from flux_cp.shape import resolved
+    from flux_cp.tiny_flux2 import build_tiny_flux2_pipeline
+
+    def pipeline():
+        pipe = build_tiny_flux2_pipeline(klein=klein)
+        for m in pipe.components.values():
+            if isinstance(m, torch.nn.Module):
+                m.eval()
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    def sample(pipe) -> torch.Tensor:
+        out = pipe(
+            prompt="a red circle", height=64, width=64, num_inference_steps=2, guidance_scale=3.5,
+            max_sequence_length=64 if klein else 256, generator=torch.Generator().manual_seed(0), output_type="latent",
+        )  # fmt: skip
+        return out.images
+
+    trained = pipeline()
+    config = dict(trained.transformer.config)
+    cfg = resolved(parse_config(["--rank", "4", "--lora_alpha", "8"]), FLUX2_KLEIN if klein else FLUX2, False, config)
+    add_lora(trained.transformer, cfg.lora, seed=0)
+    with torch.no_grad():
+        for name, p in trained.transformer.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.1)
+    state = {k: v for k, v in trained.transformer.state_dict().items() if "lora_" in k}
+    path = save_lora(trained.transformer, state, str(tmp_path), cfg.lora)
+    assert not any(k.endswith(".alpha") for k in load_file(path))
+    packed = json.loads(_header(path)["lora_adapter_metadata"])
+    assert (packed["transformer.r"], packed["transformer.lora_alpha"]) == (4, 4)
+    with torch.no_grad():
+        expected, base = sample(trained), sample(pipeline())
+        loaded = pipeline()
+        loaded.load_lora_weights(str(tmp_path))
+        got = sample(loaded)
+    scale = expected.abs().max()
+    assert (base - expected).abs().max() / scale > 1e-3, "the LoRA should change the output"
+    assert (got - expected).abs().max() / scale < 1e-5
