@@ -187,6 +187,23 @@ def convert(state: dict[str, Tensor], fmt: str, rank: int, alpha: float, alpha_k
     raise ValueError(f"unknown LoRA format {fmt!r}; choose one of {', '.join(FORMATS)}")
 
 
+# --- what ComfyUI skips in FLUX.2 files ---------------------------------------------------------------------------
+
+# FLUX.2 layers whose diffusers names ComfyUI's Flux LoRA mapping (comfy/utils.py `flux_to_diffusers`, which ComfyUI
+# applies to FLUX.2 too) does not list: it logs their LoRAs "lora key not loaded" and leaves them out. Every other
+# linear layer of Flux2Transformer2DModel it maps (tests/test_lora_format.py checks this list against its rules).
+FLUX2_COMFYUI_UNMAPPED = (
+    "time_guidance_embed.timestep_embedder.linear_1", "time_guidance_embed.timestep_embedder.linear_2",
+    "time_guidance_embed.guidance_embedder.linear_1", "time_guidance_embed.guidance_embedder.linear_2",
+    "double_stream_modulation_img.linear", "double_stream_modulation_txt.linear", "single_stream_modulation.linear",
+)  # fmt: skip
+
+
+def comfyui_skips(targets: list[str] | tuple[str, ...]) -> list[str]:
+    """The layers of FLUX2_COMFYUI_UNMAPPED that the LoRA targets `targets` (peft's suffix rule) put LoRAs on."""
+    return [n for n in FLUX2_COMFYUI_UNMAPPED if any(n == t or n.endswith("." + t) for t in targets)]
+
+
 # --- what diffusers' kohya loader reads back -------------------------------------------------------------------
 
 # diffusers' `_convert_kohya_flux_lora_to_diffusers` (0.42.1) walks FLUX.1's 19 double and 38 single blocks and

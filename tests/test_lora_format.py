@@ -11,7 +11,7 @@ from peft.utils import get_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 
 from flux_cp.lora import DEFAULT_TARGETS
-from flux_cp.lora_format import convert, to_kohya, with_alphas
+from flux_cp.lora_format import FLUX2_COMFYUI_UNMAPPED, comfyui_skips, convert, to_kohya, with_alphas
 from flux_cp.tiny import TRANSFORMER_CONFIG, build_tiny_pipeline, tiny_transformer
 from tests.launch import (
     comfy_apply,
@@ -444,6 +444,36 @@ def test_flux2_lora_file_loads_completely_under_comfyui_rules_as_the_trained_wei
                                                      "linear2.weight"))}  # fmt: skip
     for k in changed:
         assert all((part != 0).any() for part in (patched[k] - bfl[k]).chunk(3 if "qkv" in k else 1)), k
+
+
+@pytest.mark.parametrize("klein", [False, True], ids=["dev", "klein"])
+def test_comfyui_applies_a_flux2_lora_on_every_layer_but_those_it_names_no_diffusers_name_for(tmp_path, klein):
+    """A LoRA on every linear layer of FLUX.2 (alpha 8, rank 4): ComfyUI applies each to its weight (both streams'
+    q/k/v, the MLPs, the embedders, norm_out with BFL's shift/scale order) as the trained weights, and skips exactly
+    the layers `FLUX2_COMFYUI_UNMAPPED` lists, which `comfyui_skips` names for the targets."""
+    from diffusers import Flux2Transformer2DModel
+
+    config = _flux2_config(klein)
+    with torch.device("meta"):
+        linear = [n for n, m in Flux2Transformer2DModel(**config).named_modules() if isinstance(m, torch.nn.Linear)]
+    argv = ["--rank", "4", "--lora_alpha", "8", "--lora_layers", ",".join(linear)]
+    config, bfl, model, path = _flux2_saved(tmp_path, klein, argv)
+    sd = load_file(path)
+    not_loaded = comfy_apply(sd, comfy_flux2_key_map(config), bfl)[0]
+    skipped = {k.rsplit(".lora_", 1)[0].removeprefix("transformer.") for k in not_loaded}
+    assert skipped == set(comfyui_skips(linear)) == {n for n in FLUX2_COMFYUI_UNMAPPED if n in linear}
+    assert ("time_guidance_embed.guidance_embedder.linear_1" in skipped) != klein
+    # what it applies is the trained weights (the skipped layers' LoRAs left out of both)
+    applied = {k: v for k, v in sd.items() if not k.startswith(tuple(f"transformer.{n}." for n in skipped))}
+    not_loaded, unreached, patched = comfy_apply(applied, comfy_flux2_key_map(config), bfl)
+    assert not_loaded == unreached == set()
+    trained = _merged(model)
+    base = {k.replace(".base_layer", ""): v for k, v in model.state_dict().items() if "lora_" not in k}
+    for n in skipped:
+        trained[f"{n}.weight"] = base[f"{n}.weight"]
+    comfy = _from_bfl(config, patched).state_dict()
+    assert max((comfy[k] - trained[k]).abs().max().item() for k in trained) < 1e-5
+    assert all(not torch.equal(trained[f"{n}.weight"], base[f"{n}.weight"]) for n in linear if n not in skipped)
 
 
 def test_the_comfyui_check_sees_a_dropped_a_renamed_and_a_flux1_named_key(tmp_path):
