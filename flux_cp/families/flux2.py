@@ -175,7 +175,7 @@ class Flux2(Family):
         if lora.lora_format != "diffusers":
             raise UsageError(
                 f"--lora_format {lora.lora_format} maps FLUX.1's module names; for {self.label} keep "
-                "--lora_format diffusers (the layout Flux2Pipeline.load_lora_weights reads)"
+                "--lora_format diffusers (the default: Flux2Pipeline.load_lora_weights reads it and ComfyUI loads it)"
             )
 
     # --- latents ----------------------------------------------------------------------------------------------
