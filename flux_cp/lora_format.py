@@ -24,9 +24,9 @@ alpha, targets) instead of guessing them from the keys, and the base model. diff
 adapter metadata and alpha keys ("Both `network_alphas` and `metadata` cannot be specified"), and ComfyUI reads
 alphas only from the keys: a LoRA whose alpha differs from its rank keeps its alpha keys and goes without the
 adapter metadata (diffusers then derives rank, alpha and targets from the keys); a FLUX.2 one has the scale in
-its weights and keeps the metadata. The kohya file carries the
-fields kohya's sd-scripts writes for FLUX.1 LoRAs and kohya-format readers show (`ss_network_module`,
-`ss_network_dim`, `ss_network_alpha`, `ss_base_model_version`, `ss_sd_model_name`, `modelspec.*`).
+its weights and keeps the metadata. The kohya file carries the fields kohya's sd-scripts writes for FLUX.1 LoRAs
+and kohya-format readers show (`ss_network_module`, `ss_network_dim`, `ss_network_alpha`,
+`ss_base_model_version`, `ss_sd_model_name`, `modelspec.*`).
 """
 
 from __future__ import annotations
@@ -187,7 +187,7 @@ def convert(state: dict[str, Tensor], fmt: str, rank: int, alpha: float, alpha_k
     raise ValueError(f"unknown LoRA format {fmt!r}; choose one of {', '.join(FORMATS)}")
 
 
-# --- what ComfyUI skips in FLUX.2 files ---------------------------------------------------------------------------
+# --- what ComfyUI skips in FLUX.2 files ------------------------------------------------------------------------
 
 # FLUX.2 layers whose diffusers names ComfyUI's Flux LoRA mapping (comfy/utils.py `flux_to_diffusers`, which ComfyUI
 # applies to FLUX.2 too) does not list: it logs their LoRAs "lora key not loaded" and leaves them out. Every other
