@@ -201,8 +201,9 @@ def comfy_not_loaded(sd: dict, prefixes: set[str]) -> set[str]:
 
 
 def comfy_flux2_weights(config: dict) -> dict[str, tuple[int, ...]]:
-    """{weight name: shape} of ComfyUI's FLUX.2 model (BFL names, `diffusion_model.` left off) for a diffusers
-    `Flux2Transformer2DModel` config: the linear weights and the q/k norm scales."""
+    """{weight name: shape} of a FLUX.2 checkpoint in BFL's layout, the one ComfyUI's FLUX.2 model loads as it is
+    (its names without `diffusion_model.`), for a diffusers `Flux2Transformer2DModel` config: the linear weights,
+    and the q/k norm scales (no LoRA goes there; diffusers' checkpoint converter wants them)."""
     h = config["num_attention_heads"] * config["attention_head_dim"]
     m, d = int(h * config["mlp_ratio"]), config["attention_head_dim"]
     io = config["in_channels"] * config.get("patch_size", 1) ** 2
