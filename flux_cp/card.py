@@ -83,8 +83,16 @@ def snippet(cfg: Config, kontext: bool, source: str, base: str | None, pipeline:
     return "\n".join(lines)
 
 
-def _comfyui(cfg: Config, kontext: bool, base_name: str) -> str:
+def _comfyui(cfg: Config, kontext: bool, base_name: str, flux2: bool = False) -> str:
+    from .lora_format import comfyui_skips
+
     if cfg.lora.full_finetune:
+        if flux2:  # comfy/model_detection.py convert_diffusers_mmdit reads Flux's x_embedder.bias, which FLUX.2 lacks
+            return (
+                "`transformer/` is in diffusers' layout, in shards of at most 10 GB. ComfyUI's *Load Diffusion Model* "
+                "node converts diffusers' key names for FLUX.1 only: convert the transformer to BFL's layout for "
+                "FLUX.2 first (not tested here)."
+            )
         return (
             "`transformer/` is in diffusers' layout, in shards of at most 10 GB. ComfyUI's *Load Diffusion Model* node "
             "reads one `.safetensors` file from `ComfyUI/models/diffusion_models/` and converts diffusers' key names "
@@ -94,12 +102,20 @@ def _comfyui(cfg: Config, kontext: bool, base_name: str) -> str:
         "kohya's / BFL's key names (`lora_unet_...`)"
         if cfg.lora.lora_format == "kohya"
         else "diffusers' key names (`transformer.<layer>.lora_A/lora_B`), which ComfyUI maps for Flux"
+        + (" (FLUX.2 included)" if flux2 else "")
     )
-    return (
+    text = (
         f"Copy `{LORA_FILE}` (rename it as you like) into `ComfyUI/models/loras/` and apply it with a "
         f"*LoraLoaderModelOnly* node to the {base_name} model. The file holds LoRAs of the transformer only (none for "
         f"the text encoders), in {layout}."
     )
+    skipped = comfyui_skips(cfg.lora.lora_layers or ()) if flux2 else []
+    if skipped:
+        text += (
+            f' ComfyUI maps no diffusers name for {", ".join(skipped)}: it leaves their LoRAs out ("lora key not '
+            'loaded").'
+        )
+    return text
 
 
 def write_model_card(
@@ -226,7 +242,7 @@ def write_model_card(
         "",
         "## Use it in ComfyUI",
         "",
-        _comfyui(cfg, kontext, base_name),
+        _comfyui(cfg, kontext, base_name, flux2=bool(pipeline and pipeline.startswith("Flux2"))),
         "",
     ]
     if known is not None:

@@ -175,15 +175,7 @@ class Flux2(Family):
         if lora.lora_format != "diffusers":
             raise UsageError(
                 f"--lora_format {lora.lora_format} maps FLUX.1's module names; for {self.label} keep "
-                "--lora_format diffusers (the layout Flux2Pipeline.load_lora_weights reads)"
-            )
-        if not lora.full_finetune and lora.lora_alpha != lora.rank:
-            # The file's `<module>.alpha` keys (how the scale travels for FLUX.1) make Flux2Pipeline.load_lora_weights
-            # refuse it ("Invalid adapter checkpoint").
-            raise UsageError(
-                f"--lora_alpha {lora.lora_alpha} with --rank {lora.rank}: a {self.label} LoRA file cannot carry "
-                "its scale alpha / rank in a form Flux2Pipeline.load_lora_weights reads; use --lora_alpha equal to "
-                "--rank (scale 1) and tune --learning_rate instead"
+                "--lora_format diffusers (the default: Flux2Pipeline.load_lora_weights reads it and ComfyUI loads it)"
             )
 
     # --- latents ----------------------------------------------------------------------------------------------
