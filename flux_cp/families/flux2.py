@@ -178,6 +178,18 @@ class Flux2(Family):
                 "--lora_format diffusers (the default: Flux2Pipeline.load_lora_weights reads it and ComfyUI loads it)"
             )
 
+    def output_warnings(self, cfg: Config) -> list[str]:
+        from ..lora_format import comfyui_skips
+
+        skipped = [] if cfg.lora.full_finetune else comfyui_skips(cfg.lora.lora_layers or ())
+        if not skipped:
+            return []
+        return [
+            f"warning: ComfyUI maps no name for {', '.join(skipped)} of {self.label}: it will leave their LoRAs out "
+            "('lora key not loaded'); diffusers loads them all. Drop them from --lora_layers for files ComfyUI "
+            "applies whole"
+        ]
+
     # --- latents ----------------------------------------------------------------------------------------------
 
     def normalizer(self, vae):
