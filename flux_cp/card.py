@@ -19,6 +19,7 @@ from .known_models import known_model
 
 if TYPE_CHECKING:
     from .config import Config
+    from .families import Family
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
 
@@ -48,15 +49,19 @@ def _steps(output_dir: Path) -> int | None:
     return None
 
 
-def snippet(cfg: Config, kontext: bool, source: str, base: str | None, pipeline: str | None = None) -> str:
+def snippet(
+    cfg: Config, kontext: bool, source: str, base: str | None, pipeline: str | None = None,
+    transformer_class: str = "FluxTransformer2DModel",
+) -> str:  # fmt: skip
     """Python that loads the trained weights (from `source`: the output folder or its Hub repository) into diffusers'
-    `pipeline` for `base` (None: the embedded default's tiny model) and renders an image."""
+    `pipeline` for `base` (None: the embedded default's tiny model) and renders an image. `kontext`: the pipeline
+    takes a reference image. `transformer_class`: the class a full fine-tune's `transformer/` loads with."""
     pipeline = pipeline or ("FluxKontextPipeline" if kontext else "FluxPipeline")
     prompt = (cfg.validation.validation_prompt or (cfg.data.instance_prompt,))[0] or "a photo"
     load_base = f'"{base}"' if base else f"ensure_tiny_pipeline({'kontext=True' if kontext else ''})"
     lines = ["import torch"]
     if cfg.lora.full_finetune:
-        lines.append(f"from diffusers import {pipeline}, FluxTransformer2DModel")
+        lines.append(f"from diffusers import {pipeline}, {transformer_class}")
     else:
         lines.append(f"from diffusers import {pipeline}")
     if kontext:
@@ -66,7 +71,7 @@ def snippet(cfg: Config, kontext: bool, source: str, base: str | None, pipeline:
     lines.append("")
     if cfg.lora.full_finetune:
         lines.append(
-            f'transformer = FluxTransformer2DModel.from_pretrained("{source}", subfolder="transformer", '
+            f'transformer = {transformer_class}.from_pretrained("{source}", subfolder="transformer", '
             "dtype=torch.bfloat16)"
         )
         lines.append(f"pipe = {pipeline}.from_pretrained({load_base}, transformer=transformer, dtype=torch.bfloat16)")
@@ -83,8 +88,16 @@ def snippet(cfg: Config, kontext: bool, source: str, base: str | None, pipeline:
     return "\n".join(lines)
 
 
-def _comfyui(cfg: Config, kontext: bool, base_name: str) -> str:
+def _comfyui(cfg: Config, kontext: bool, base_name: str, flux2: bool = False) -> str:
+    from .lora_format import comfyui_skips
+
     if cfg.lora.full_finetune:
+        if flux2:  # comfy/model_detection.py convert_diffusers_mmdit reads Flux's x_embedder.bias, which FLUX.2 lacks
+            return (
+                "`transformer/` is in diffusers' layout, in shards of at most 10 GB. ComfyUI's *Load Diffusion Model* "
+                "node converts diffusers' key names for FLUX.1 only: convert the transformer to BFL's layout for "
+                "FLUX.2 first (not tested here)."
+            )
         return (
             "`transformer/` is in diffusers' layout, in shards of at most 10 GB. ComfyUI's *Load Diffusion Model* node "
             "reads one `.safetensors` file from `ComfyUI/models/diffusion_models/` and converts diffusers' key names "
@@ -94,12 +107,20 @@ def _comfyui(cfg: Config, kontext: bool, base_name: str) -> str:
         "kohya's / BFL's key names (`lora_unet_...`)"
         if cfg.lora.lora_format == "kohya"
         else "diffusers' key names (`transformer.<layer>.lora_A/lora_B`), which ComfyUI maps for Flux"
+        + (" (FLUX.2 included)" if flux2 else "")
     )
-    return (
+    text = (
         f"Copy `{LORA_FILE}` (rename it as you like) into `ComfyUI/models/loras/` and apply it with a "
         f"*LoraLoaderModelOnly* node to the {base_name} model. The file holds LoRAs of the transformer only (none for "
         f"the text encoders), in {layout}."
     )
+    skipped = comfyui_skips(cfg.lora.lora_layers or ()) if flux2 else []
+    if skipped:
+        text += (
+            f' ComfyUI maps no diffusers name for {", ".join(skipped)}: it leaves their LoRAs out ("lora key not '
+            'loaded").'
+        )
+    return text
 
 
 def write_model_card(
@@ -112,21 +133,27 @@ def write_model_card(
     cp_mode: str | None = None,
     repo_id: str | None = None,
     pipeline: str | None = None,
+    family: Family | None = None,
 ) -> Path:
     """Write `<output_dir>/README.md` for the run `cfg` and return its path. `kontext`: trained on FLUX.1 Kontext
     pairs. `steps`: optimizer steps trained (default: the last step of metrics.jsonl). `layout`, `cp_mode`: the
     process layout and the CP mode the run used (Layout.describe(), the chosen mode). `repo_id`: the Hub
     repository the folder goes to (the snippet loads from it; default: the output folder). `pipeline`: diffusers'
-    pipeline class of the snippet (the family's; default: FluxKontextPipeline for `kontext`, else FluxPipeline)."""
+    pipeline class of the snippet (the family's; default: FluxKontextPipeline for `kontext`, else FluxPipeline).
+    `family`: the model family trained (default FLUX.1); `kontext` then means its reference-image pairs."""
     from huggingface_hub import ModelCardData
 
+    from .families import FLUX1
     from .optim import describe as describe_optimizer
 
     out = Path(output_dir)
     base = cfg.model.pretrained_model_name_or_path
     known = known_model(base)
     hub_base = base if _is_hub_id(base) else None
-    base_name = known.model_id.split("/")[-1] if known else (base or "FLUX.1")
+    family = family or FLUX1
+    flux2 = family is not FLUX1
+    label = family.pairs_label if kontext else family.label
+    base_name = known.model_id.split("/")[-1] if known else (base or family.label)
     full = cfg.lora.full_finetune
     kind = "full fine-tune" if full else "LoRA"
     name = repo_id or out.resolve().name
@@ -139,8 +166,9 @@ def write_model_card(
     if grids:
         caption = "; ".join(prompts) if prompts else " "
         widget.append({"text": caption, "output": {"url": grids[-1].relative_to(out).as_posix()}})
+    family_tags = ["flux2", "flux2-diffusers"] if flux2 else ["flux", *(["flux-kontext"] if kontext else [])]
     tags = ["text-to-image", "diffusers-training", "diffusers", *(["lora", "template:sd-lora"] if not full else []),
-            "flux", *(["flux-kontext"] if kontext else []), "flux-cp"]  # fmt: skip
+            *family_tags, "flux-cp"]  # fmt: skip
     data = ModelCardData(
         base_model=hub_base,
         library_name="diffusers",
@@ -159,14 +187,15 @@ def write_model_card(
     lora = cfg.lora
     what = "a transformer fine-tuned from" if full else f"LoRA weights (rank {lora.rank}, alpha {lora.lora_alpha}) for"
     body = [
-        f"# {'FLUX.1 Kontext' if kontext else 'FLUX.1'} {kind} - {name}",
+        f"# {label} {kind} - {name}",
         "",
         "<Gallery />",
         "",
         "## Model description",
         "",
-        f"These are {name} {what} {base_text}, trained with flux-cp (diffusers' FLUX.1 training recipe with context "
-        "parallelism: each sample's tokens split over GPUs, with the loss and gradients of training without it).",
+        f"These are {name} {what} {base_text}, trained with flux-cp (diffusers' {family.label} training recipe with "
+        "context parallelism: each sample's tokens split over GPUs, with the loss and gradients of training without "
+        "it).",
         "",
     ]
     if cfg.data.instance_prompt:
@@ -177,7 +206,8 @@ def write_model_card(
     cp = cp if cfg.parallel.cp_size > 1 else "off (--cp_size 1)"
     rows = [
         ("base model", base or "embedded tiny Flux"),
-        ("data", (cfg.data.dataset_name or "the bundled data set") + (" (FLUX.1 Kontext pairs)" if kontext else "")),
+        ("data", (cfg.data.dataset_name or "the bundled data set")
+                 + (f" ({family.pairs_label} pairs)" if kontext else "")),
         ("resolution", f"{', '.join(map(str, cfg.data.resolution))} px"
                        + (" (aspect buckets)" if cfg.data.aspect_buckets else "")),
         ("optimizer steps", steps if steps is not None else "not recorded"),
@@ -216,7 +246,7 @@ def write_model_card(
         "## Use it with the [🧨 diffusers library](https://github.com/huggingface/diffusers)",
         "",
         "```py",
-        snippet(cfg, kontext, source, base, pipeline),
+        snippet(cfg, kontext, source, base, pipeline, family.transformer_class_name),
         "```",
         "",
         "For more details, including weighting, merging and fusing LoRAs, check the [documentation on loading LoRAs "
@@ -226,7 +256,7 @@ def write_model_card(
         "",
         "## Use it in ComfyUI",
         "",
-        _comfyui(cfg, kontext, base_name),
+        _comfyui(cfg, kontext, base_name, flux2=flux2),
         "",
     ]
     if known is not None:

@@ -65,15 +65,22 @@ def save_lora(
 
     weights = get_peft_model_state_dict(transformer, state_dict=state)
     weights = {f"transformer.{k}": v.detach().contiguous().cpu() for k, v in weights.items()}
-    weights = convert(weights, lora.lora_format, lora.rank, lora.lora_alpha)
+    alpha_keys = not _is_flux2(transformer)  # FLUX.2's LoRA loader refuses alpha keys (lora_format's doc)
+    weights = convert(weights, lora.lora_format, lora.rank, lora.lora_alpha, alpha_keys)
     peft_config = getattr(transformer, "peft_config", {}).get("default")
     adapter = adapter_metadata(peft_config.to_dict(), origin and origin.base_model) if peft_config else None
     guidance = bool(dict(getattr(transformer, "config", {})).get("guidance_embeds"))
     header = metadata(lora.lora_format, rank=lora.rank, alpha=lora.lora_alpha, adapter=adapter, origin=origin,
-                      guidance=guidance)  # fmt: skip
+                      guidance=guidance, alpha_keys=alpha_keys)  # fmt: skip
     path = Path(output_dir) / "pytorch_lora_weights.safetensors"
     files.write_with(path, lambda tmp: save_file(weights, tmp, metadata=header))
     return path
+
+
+def _is_flux2(transformer: torch.nn.Module) -> bool:
+    from diffusers import Flux2Transformer2DModel
+
+    return isinstance(transformer, Flux2Transformer2DModel)
 
 
 def lora_origin(cfg: Config, kontext: bool) -> Origin:

@@ -3,7 +3,9 @@
 - `diffusers` (default): `transformer.<module>.lora_A/lora_B.weight`, as `FluxPipeline.save_lora_weights`
   writes, plus `transformer.<module>.alpha` when `--lora_alpha` differs from `--rank`. diffusers and ComfyUI
   both read these keys (ComfyUI maps `transformer.<diffusers module>` for Flux and applies `alpha / rank`);
-  without the alpha keys both would apply the LoRA at scale 1.
+  without the alpha keys both would apply the LoRA at scale 1. FLUX.2's LoRA loader (`Flux2Pipeline`) refuses
+  alpha keys, and ComfyUI reads no other alpha: a FLUX.2 file carries `alpha / rank` multiplied into lora_B
+  (`alpha_keys=False`), the same weight update at scale 1, with adapter metadata of `lora_alpha` = rank.
 - `kohya`: `lora_unet_<BFL module>.lora_down/lora_up.weight` + `.alpha`, the layout of kohya's sd-scripts and
   of the original FLUX.1 checkpoints, which ComfyUI, Forge and most LoRA tools load, and diffusers converts.
   BFL fuses q/k/v (double blocks) and q/k/v/mlp (single blocks) into one linear: our separate LoRAs become
@@ -21,9 +23,10 @@ writes it given `transformer_lora_adapter_metadata`), from which `load_lora_weig
 alpha, targets) instead of guessing them from the keys, and the base model. diffusers refuses a file with both
 adapter metadata and alpha keys ("Both `network_alphas` and `metadata` cannot be specified"), and ComfyUI reads
 alphas only from the keys: a LoRA whose alpha differs from its rank keeps its alpha keys and goes without the
-adapter metadata (diffusers then derives rank, alpha and targets from the keys). The kohya file carries the
-fields kohya's sd-scripts writes for FLUX.1 LoRAs and kohya-format readers show (`ss_network_module`,
-`ss_network_dim`, `ss_network_alpha`, `ss_base_model_version`, `ss_sd_model_name`, `modelspec.*`).
+adapter metadata (diffusers then derives rank, alpha and targets from the keys); a FLUX.2 one has the scale in
+its weights and keeps the metadata. The kohya file carries the fields kohya's sd-scripts writes for FLUX.1 LoRAs
+and kohya-format readers show (`ss_network_module`, `ss_network_dim`, `ss_network_alpha`,
+`ss_base_model_version`, `ss_sd_model_name`, `modelspec.*`).
 """
 
 from __future__ import annotations
@@ -96,6 +99,15 @@ def with_alphas(state: dict[str, Tensor], rank: int, alpha: float) -> dict[str, 
     return out
 
 
+def with_scale(state: dict[str, Tensor], rank: int, alpha: float) -> dict[str, Tensor]:
+    """The diffusers-format state dict with the scale `alpha / rank` multiplied into every lora_B, for loaders that
+    take no alpha keys (FLUX.2: see the module doc): the same weight update at scale 1."""
+    if alpha == rank:
+        return dict(state)
+    scale = alpha / rank
+    return {k: v * scale if k.endswith(".lora_B.weight") else v for k, v in state.items()}
+
+
 def _swap_scale_shift(up: Tensor) -> Tensor:
     # diffusers' norm_out.linear emits [scale, shift]; BFL's final adaLN emits [shift, scale].
     scale, shift = up.chunk(2, dim=0)
@@ -165,13 +177,31 @@ def to_kohya(state: dict[str, Tensor], rank: int, alpha: float) -> dict[str, Ten
     return out
 
 
-def convert(state: dict[str, Tensor], fmt: str, rank: int, alpha: float) -> dict[str, Tensor]:
-    """A diffusers-format Flux LoRA state dict (keys `transformer.<module>.lora_A/B.weight`) in format `fmt`."""
+def convert(state: dict[str, Tensor], fmt: str, rank: int, alpha: float, alpha_keys: bool = True) -> dict[str, Tensor]:
+    """A diffusers-format Flux LoRA state dict (keys `transformer.<module>.lora_A/B.weight`) in format `fmt`.
+    `alpha_keys=False` (FLUX.2): the diffusers format carries `alpha / rank` in lora_B instead of alpha keys."""
     if fmt == "diffusers":
-        return with_alphas(state, rank, alpha)
+        return with_alphas(state, rank, alpha) if alpha_keys else with_scale(state, rank, alpha)
     if fmt == "kohya":
         return to_kohya(state, rank, alpha)
     raise ValueError(f"unknown LoRA format {fmt!r}; choose one of {', '.join(FORMATS)}")
+
+
+# --- what ComfyUI skips in FLUX.2 files ------------------------------------------------------------------------
+
+# FLUX.2 layers whose diffusers names ComfyUI's Flux LoRA mapping (comfy/utils.py `flux_to_diffusers`, which ComfyUI
+# applies to FLUX.2 too) does not list: it logs their LoRAs "lora key not loaded" and leaves them out. Every other
+# linear layer of Flux2Transformer2DModel it maps (tests/test_lora_format.py checks this list against its rules).
+FLUX2_COMFYUI_UNMAPPED = (
+    "time_guidance_embed.timestep_embedder.linear_1", "time_guidance_embed.timestep_embedder.linear_2",
+    "time_guidance_embed.guidance_embedder.linear_1", "time_guidance_embed.guidance_embedder.linear_2",
+    "double_stream_modulation_img.linear", "double_stream_modulation_txt.linear", "single_stream_modulation.linear",
+)  # fmt: skip
+
+
+def comfyui_skips(targets: list[str] | tuple[str, ...]) -> list[str]:
+    """The layers of FLUX2_COMFYUI_UNMAPPED that the LoRA targets `targets` (peft's suffix rule) put LoRAs on."""
+    return [n for n in FLUX2_COMFYUI_UNMAPPED if any(n == t or n.endswith("." + t) for t in targets)]
 
 
 # --- what diffusers' kohya loader reads back -------------------------------------------------------------------
@@ -291,13 +321,23 @@ def _model_name(base_model: str) -> str:
 
 
 def metadata(
-    fmt: str, *, rank: int, alpha: float, adapter: dict | None, origin: Origin | None, guidance: bool
+    fmt: str,
+    *,
+    rank: int,
+    alpha: float,
+    adapter: dict | None,
+    origin: Origin | None,
+    guidance: bool,
+    alpha_keys: bool = True,
 ) -> dict[str, str]:
     """The safetensors header metadata of a LoRA file in format `fmt` (see the module doc). `adapter`: diffusers'
-    adapter metadata (`adapter_metadata`); `guidance`: the transformer has a guidance embedding (FLUX.1 [dev])."""
+    adapter metadata (`adapter_metadata`); `guidance`: the transformer has a guidance embedding (FLUX.1 [dev]);
+    `alpha_keys`: as `convert`'s (False: the scale is in lora_B, and the adapter's alpha is its rank)."""
     out = {"format": "pt"}  # what diffusers' save_lora_weights writes
     if fmt == "diffusers":
-        if adapter is not None and alpha == rank:  # (alpha keys otherwise: see the module doc)
+        if adapter is not None and not alpha_keys:
+            adapter = {**adapter, "lora_alpha": rank}
+        if adapter is not None and (alpha == rank or not alpha_keys):  # (alpha keys otherwise: see the module doc)
             packed = {f"transformer.{k}": v for k, v in adapter.items()}
             out[LORA_ADAPTER_METADATA_KEY] = json.dumps(packed, indent=2, sort_keys=True)
         if origin is not None and origin.base_model:

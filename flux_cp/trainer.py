@@ -188,6 +188,8 @@ class Trainer:
             )
         for line in cfg.demo_lines():
             logger.info(f"flux-cp: {line}")
+        for warning in shape.family.output_warnings(cfg) if layout.is_main else ():
+            logger.warning(warning)
         logger.info(
             f"flux-cp: {layout.describe()}, {self.accelerator.distributed_type}, device {self.accelerator.device}"
         )
@@ -683,7 +685,7 @@ class Trainer:
                 return write_model_card(
                     cfg.train.output_dir, cfg, kontext=self.shape.pairs, steps=self.max_steps,
                     layout=self.layout.describe(), cp_mode=self.cp_mode, repo_id=repo_id,
-                    pipeline=self.shape.family.pipeline_class_name(self.shape.pairs),
+                    pipeline=self.shape.family.pipeline_class_name(self.shape.pairs), family=self.shape.family,
                 )  # fmt: skip
 
             try:

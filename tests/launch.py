@@ -176,3 +176,166 @@ def comfy_not_loaded(sd: dict, prefixes: set[str]) -> set[str]:
                 loaded |= {f"{x}.{up}.weight", f"{x}.{down}.weight"}
                 break
     return set(sd) - loaded
+
+
+# --- ComfyUI's rules for FLUX.2 ---------------------------------------------------------------------------------
+# Read at ComfyUI's (Comfy-Org/ComfyUI) comfy/lora.py 17358c8f, comfy/utils.py 09708eae, comfy/model_detection.py
+# 0b61ce5b, comfy/model_base.py 26adb81a, comfy/weight_adapter/lora.py 6f98b150, comfy/lora_convert.py 2bffe2f4:
+# - comfy/model_base.py: `class Flux2(Flux)`, so model_lora_keys_unet's Flux branch maps FLUX.2 too, through the
+#   same comfy/utils.py `flux_to_diffusers`, which lists FLUX.2's diffusers names beside FLUX.1's (`ff.linear_in`,
+#   `attn.to_qkv_mlp_proj`, `attn.to_out`, ...) and nothing for FLUX.2's shared modulations or its
+#   `time_guidance_embed`; q/k/v are slices of the fused qkv (`hidden_size` rows each, from the checkpoint's img_in).
+# - comfy/model_detection.py (flux2: `double_stream_modulation_img.lin.weight` present) and the Flux model of
+#   comfy/ldm/flux: global modulation (`double_stream_modulation_img/txt.lin`, `single_stream_modulation.lin`, none
+#   per block), gated-SiLU MLPs (`img_mlp.0` is 2 x mlp wide), no biases: the BFL names `comfy_flux2_weights` lists.
+# - comfy/lora.py `model_lora_keys_unet`: every model weight `diffusion_model.<name>.weight` is reachable as
+#   `lora_unet_<name, . as _>` and `diffusion_model.<name>`; every flux_to_diffusers name `<module>.weight` as
+#   `transformer.<module>`, `lycoris_<module, . as _>`, `lora_transformer_<...>` and `<module>`; every
+#   `<...>.linear1.weight` also as `<...>.linear1_qkv` (its first 3 x hidden rows).
+# - comfy/lora.py `load_lora` + weight_adapter/lora.py `LoRAAdapter`: for each such prefix x, `x.alpha`, then
+#   `x.lora_up/lora_down.weight` or `x.lora_B/lora_A.weight`; the patch adds (alpha / rank if alpha else 1) * up @
+#   down to the target (its slice), reshaped to the target's shape (an error otherwise). Every other key: "lora key
+#   not loaded". comfy/sd.py `load_lora_for_models`: a patch whose target the model lacks: "NOT LOADED".
+# - comfy/lora_convert.py `convert_lora` rewrites only files it recognises by keys ours never have (BFL control
+#   LoRAs, Wan Fun, USO, Krea2's fused `attn.to_qkv`): `comfy_convert_lora_leaves` checks that.
+
+
+def comfy_flux2_weights(config: dict) -> dict[str, tuple[int, ...]]:
+    """{weight name: shape} of a FLUX.2 checkpoint in BFL's layout, the one ComfyUI's FLUX.2 model loads as it is
+    (its names without `diffusion_model.`), for a diffusers `Flux2Transformer2DModel` config: the linear weights,
+    and the q/k norm scales (no LoRA goes there; diffusers' checkpoint converter wants them)."""
+    h = config["num_attention_heads"] * config["attention_head_dim"]
+    m, d = int(h * config["mlp_ratio"]), config["attention_head_dim"]
+    io = config["in_channels"] * config.get("patch_size", 1) ** 2
+    out = {"img_in.weight": (h, io), "txt_in.weight": (h, config["joint_attention_dim"])}
+    embedders = ["time_in"] + (["guidance_in"] if config.get("guidance_embeds", True) else [])
+    for e in embedders:
+        out[f"{e}.in_layer.weight"] = (h, config.get("timestep_guidance_channels", 256))
+        out[f"{e}.out_layer.weight"] = (h, h)
+    out["double_stream_modulation_img.lin.weight"] = out["double_stream_modulation_txt.lin.weight"] = (6 * h, h)
+    out["single_stream_modulation.lin.weight"] = (3 * h, h)
+    for i in range(config["num_layers"]):
+        for s in ("img", "txt"):
+            b = f"double_blocks.{i}.{s}"
+            out.update({f"{b}_attn.qkv.weight": (3 * h, h), f"{b}_attn.proj.weight": (h, h),
+                        f"{b}_attn.norm.query_norm.scale": (d,), f"{b}_attn.norm.key_norm.scale": (d,),
+                        f"{b}_mlp.0.weight": (2 * m, h), f"{b}_mlp.2.weight": (h, m)})  # fmt: skip
+    for i in range(config["num_single_layers"]):
+        b = f"single_blocks.{i}"
+        out.update({f"{b}.linear1.weight": (3 * h + 2 * m, h), f"{b}.linear2.weight": (h, h + m),
+                    f"{b}.norm.query_norm.scale": (d,), f"{b}.norm.key_norm.scale": (d,)})  # fmt: skip
+    out["final_layer.linear.weight"] = (config.get("out_channels") or config["in_channels"], h)
+    out["final_layer.adaLN_modulation.1.weight"] = (2 * h, h)
+    return out
+
+
+Target = tuple  # (model weight, (start, length) of its rows or None, "swap_scale_shift" or None)
+
+
+def comfy_flux_to_diffusers_targets(depth: int, depth_single: int, hidden: int) -> dict[str, Target]:
+    """{diffusers weight name: target} as comfy/utils.py `flux_to_diffusers` lists them, FLUX.1's and FLUX.2's
+    names alike (`.weight` entries of linear layers; biases and norm scales left out)."""
+    out: dict[str, Target] = {}
+
+    def qkv(d: str, names: tuple[str, ...], fused: str) -> None:
+        for n, name in enumerate(names):
+            out[f"{d}.{name}.weight"] = (fused, (n * hidden, hidden), None)
+
+    for i in range(depth):
+        d, b = f"transformer_blocks.{i}", f"double_blocks.{i}"
+        qkv(d, ("attn.to_q", "attn.to_k", "attn.to_v"), f"{b}.img_attn.qkv.weight")
+        qkv(d, ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"), f"{b}.txt_attn.qkv.weight")
+        block_map = {
+            "attn.to_out.0": "img_attn.proj", "norm1.linear": "img_mod.lin", "norm1_context.linear": "txt_mod.lin",
+            "attn.to_add_out": "txt_attn.proj", "ff.net.0.proj": "img_mlp.0", "ff.net.2": "img_mlp.2",
+            "ff_context.net.0.proj": "txt_mlp.0", "ff_context.net.2": "txt_mlp.2", "ff.linear_in": "img_mlp.0",
+            "ff.linear_out": "img_mlp.2", "ff_context.linear_in": "txt_mlp.0", "ff_context.linear_out": "txt_mlp.2",
+        }  # fmt: skip
+        out.update({f"{d}.{k}.weight": (f"{b}.{v}.weight", None, None) for k, v in block_map.items()})
+    for i in range(depth_single):
+        d, b = f"single_transformer_blocks.{i}", f"single_blocks.{i}"
+        qkv(d, ("attn.to_q", "attn.to_k", "attn.to_v"), f"{b}.linear1.weight")
+        out[f"{d}.proj_mlp.weight"] = (f"{b}.linear1.weight", (3 * hidden, 4 * hidden), None)
+        block_map = {"norm.linear": "modulation.lin", "proj_out": "linear2", "attn.to_qkv_mlp_proj": "linear1",
+                     "attn.to_out": "linear2"}  # fmt: skip
+        out.update({f"{d}.{k}.weight": (f"{b}.{v}.weight", None, None) for k, v in block_map.items()})
+    basic = {
+        "proj_out": "final_layer.linear", "x_embedder": "img_in", "context_embedder": "txt_in",
+        "time_text_embed.timestep_embedder.linear_1": "time_in.in_layer",
+        "time_text_embed.timestep_embedder.linear_2": "time_in.out_layer",
+        "time_text_embed.text_embedder.linear_1": "vector_in.in_layer",
+        "time_text_embed.text_embedder.linear_2": "vector_in.out_layer",
+        "time_text_embed.guidance_embedder.linear_1": "guidance_in.in_layer",
+        "time_text_embed.guidance_embedder.linear_2": "guidance_in.out_layer",
+        "controlnet_x_embedder": "pos_embed_input",
+    }  # fmt: skip
+    out.update({f"{k}.weight": (f"{v}.weight", None, None) for k, v in basic.items()})
+    out["norm_out.linear.weight"] = ("final_layer.adaLN_modulation.1.weight", None, "swap_scale_shift")
+    return out
+
+
+def comfy_flux2_key_map(config: dict) -> dict[str, Target]:
+    """{LoRA key prefix: target} of comfy/lora.py `model_lora_keys_unet` for ComfyUI's FLUX.2 model of `config`
+    (targets without the `diffusion_model.` prefix)."""
+    weights = comfy_flux2_weights(config)
+    hidden = config["num_attention_heads"] * config["attention_head_dim"]
+    key_map: dict[str, Target] = {}
+    for k in weights:
+        if k.endswith(".weight"):
+            key_map["lora_unet_" + k[: -len(".weight")].replace(".", "_")] = (k, None, None)
+            key_map["diffusion_model." + k[: -len(".weight")]] = (k, None, None)
+    for k, target in comfy_flux_to_diffusers_targets(config["num_layers"], config["num_single_layers"], hidden).items():
+        base = k[: -len(".weight")]
+        for prefix in (f"transformer.{base}", "lycoris_" + base.replace(".", "_"),
+                       "lora_transformer_" + base.replace(".", "_"), base):  # fmt: skip
+            key_map[prefix] = target
+    for k in weights:
+        if k.endswith(".linear1.weight"):
+            key_map["diffusion_model." + k.replace(".linear1.weight", ".linear1_qkv")] = (k, (0, 3 * hidden), None)
+    return key_map
+
+
+def comfy_convert_lora_leaves(sd: dict) -> bool:
+    """comfy/lora_convert.py `convert_lora` returns the file's keys as they are (it recognises none of its
+    formats in them)."""
+    import re
+
+    keys = set(sd)
+    bfl_control = "img_in.lora_A.weight" in keys and "single_blocks.0.norm.key_norm.scale" in keys
+    wan_fun = "lora_unet__blocks_0_cross_attn_k.lora_down.weight" in keys
+    uso = "single_blocks.37.processor.qkv_lora.up.weight" in keys
+    fused = re.compile(r"(.*attn[._]to_)qkv(?=\.|$)")
+    krea2 = any(fused.search(k) and ("text_fusion" in k or "transformer_blocks" in k) for k in keys)
+    return not (bfl_control or wan_fun or uso or krea2)
+
+
+def comfy_apply(sd: dict, key_map: dict[str, Target], model: dict) -> tuple[set[str], set[str], dict]:
+    """What ComfyUI's LoRA loader does with the LoRA state dict `sd` on a model whose weights are `model` ({name:
+    tensor}, BFL names): (keys it does not load, patches whose target the model lacks, the patched weights).
+    A patch whose up @ down cannot take its target's shape raises, where ComfyUI logs an error and skips it."""
+    import torch
+
+    loaded, patches = set(), {}
+    for x, target in key_map.items():
+        alpha = sd.get(f"{x}.alpha")
+        if alpha is not None:
+            loaded.add(f"{x}.alpha")
+        for up, down in (("lora_up", "lora_down"), ("lora_B", "lora_A")):
+            if f"{x}.{up}.weight" in sd:
+                loaded |= {f"{x}.{up}.weight", f"{x}.{down}.weight"}
+                patches[target] = (sd[f"{x}.{up}.weight"], sd[f"{x}.{down}.weight"], alpha)
+                break
+    out = {k: v.clone() for k, v in model.items()}
+    missing = set()
+    for (name, rows, function), (up, down, alpha) in patches.items():
+        if name not in out:
+            missing.add(name)
+            continue
+        weight = out[name] if rows is None else out[name].narrow(0, *rows)
+        scale = alpha.item() / down.shape[0] if alpha is not None else 1.0
+        diff = (up.double() @ down.double()).reshape(weight.shape) * scale
+        if function == "swap_scale_shift":
+            shift, scale_ = diff.chunk(2, dim=0)
+            diff = torch.cat([scale_, shift], dim=0)
+        weight += diff.to(weight.dtype)
+    return set(sd) - loaded, missing, out

@@ -139,3 +139,45 @@ def test_the_demo_card_s_snippet_loads_the_trained_lora(tmp_path):
         exec(setup.replace("torch.bfloat16", "torch.float32"), scope)  # noqa: S102 - our own snippet
     assert any("lora_A" in n for n, _ in scope["pipe"].transformer.named_parameters())
     assert isinstance(scope["torch"], type(torch))
+
+
+def test_the_comfyui_note_of_a_flux2_card(tmp_path):
+    """A FLUX.2 card's ComfyUI note: the diffusers-keyed LoRA goes in as for FLUX.1, the layers ComfyUI maps no name
+    for are named when the run trained LoRAs on them, and a full fine-tune is not said to convert."""
+    from flux_cp.families import FLUX2
+
+    out = _run_folder(tmp_path, steps=())
+
+    def note(argv: list[str]) -> str:
+        cfg = resolved(parse_config(["--output_dir", str(out), *argv]), FLUX2, False, None)
+        body = _parts(write_model_card(out, cfg, pipeline="Flux2Pipeline", family=FLUX2))[1]
+        return body.split("## Use it in ComfyUI", 1)[1].split("##", 1)[0]
+
+    default = note([])
+    assert "LoraLoaderModelOnly" in default and "which ComfyUI maps for Flux (FLUX.2 included)." in default
+    assert "lora key not loaded" not in default
+    modulation = note(["--lora_layers", "to_q,double_stream_modulation_img.linear"])
+    assert (
+        'no diffusers name for double_stream_modulation_img.linear: it leaves their LoRAs out ("lora key' in modulation
+    )
+    full = note(["--full_finetune"])
+    assert "for FLUX.1 only: convert the transformer to BFL's layout for FLUX.2 first" in full
+    flux1 = _parts(write_model_card(out, _resolved(["--output_dir", str(out)])))[1]
+    assert "FLUX.2" not in flux1.split("## Use it in ComfyUI", 1)[1]
+
+
+def test_a_flux2_card_names_its_family_and_loads_its_transformer_class(tmp_path):
+    """A FLUX.2 card is not a FLUX.1 card: its title, recipe, tags and a full fine-tune's loading class are FLUX.2's."""
+    from flux_cp.families import FLUX2
+
+    out = _run_folder(tmp_path, steps=())
+    lora = resolved(parse_config(["--output_dir", str(out)]), FLUX2, False, None)
+    front, body = _parts(write_model_card(out, lora, pipeline="Flux2Pipeline", family=FLUX2))
+    assert body.lstrip().startswith("# FLUX.2 [dev] LoRA - ") and "diffusers' FLUX.2 [dev] training recipe" in body
+    assert "flux2" in front["tags"] and "flux-kontext" not in front["tags"] and "FLUX.1" not in body
+    full = resolved(parse_config(["--output_dir", str(out), "--full_finetune"]), FLUX2, False, None)
+    code = _code(_parts(write_model_card(out, full, pipeline="Flux2Pipeline", family=FLUX2))[1])
+    assert "Flux2Transformer2DModel.from_pretrained(" in code and "FluxTransformer2DModel" not in code
+    pairs = _parts(write_model_card(out, lora, kontext=True, pipeline="Flux2Pipeline", family=FLUX2))[1]
+    assert pairs.lstrip().startswith("# FLUX.2 [dev] LoRA") and "(FLUX.2 [dev] pairs)" in pairs
+    assert "load_image(" in pairs

@@ -286,13 +286,35 @@ def test_lora_files_flux2_pipelines_cannot_load_are_refused_before_anything_load
 
     cfg = parse_config(["--pretrained_model_name_or_path", str(folders[True]), "--lora_format", "kohya",
                         "--output_dir", str(tmp_path / "out")])  # fmt: skip
-    with pytest.raises(UsageError, match=r"^--lora_format kohya maps FLUX.1's module names; for FLUX.2 \[klein\]"):
-        Trainer(cfg).setup()
-    cfg = parse_config(["--pretrained_model_name_or_path", str(folders[False]), "--rank", "4", "--lora_alpha", "8",
-                        "--output_dir", str(tmp_path / "out")])  # fmt: skip
-    with pytest.raises(UsageError, match=r"^--lora_alpha 8 with --rank 4: a FLUX.2 \[dev\] LoRA file cannot carry"):
+    with pytest.raises(UsageError, match=r"^--lora_format kohya maps FLUX.1's module names; for FLUX.2 \[klein\] "
+                       r"keep --lora_format diffusers \(the default: .* ComfyUI loads it\)$"):  # fmt: skip
         Trainer(cfg).setup()
     assert not (tmp_path / "out").exists()
+    # --lora_alpha other than --rank is fine: the file carries the scale in lora_B (tests/test_lora_format.py)
+    FLUX2.check(parse_config(["--pretrained_model_name_or_path", str(folders[False]), "--rank", "4", "--lora_alpha",
+                              "8"]))  # fmt: skip
+
+
+def test_lora_layers_comfyui_skips_are_warned_about_at_start(folders, tmp_path, caplog):
+    """A LoRA on a layer ComfyUI maps no name for is said at the start of the run, not only in the model card."""
+    from flux_cp.trainer import Trainer
+
+    def warnings(*argv: str) -> list[str]:
+        out = tmp_path / f"out{len(list(tmp_path.iterdir()))}"
+        cfg = parse_config(["--pretrained_model_name_or_path", str(folders[False]), "--output_dir", str(out),
+                            *argv])  # fmt: skip
+        trainer = Trainer(cfg)
+        caplog.clear()
+        try:
+            trainer.setup()
+        finally:
+            trainer.close()
+        return [r.getMessage() for r in caplog.records if "ComfyUI maps no name" in r.getMessage()]
+
+    assert warnings() == []  # the default layers all load in ComfyUI
+    (line,) = warnings("--lora_layers", "to_q,double_stream_modulation_img.linear")
+    assert line.startswith("warning: ComfyUI maps no name for double_stream_modulation_img.linear of FLUX.2 [dev]")
+    assert warnings("--full_finetune") == []
 
 
 def test_the_memory_plan_counts_flux2_with_its_own_blocks(folders, capsys):

@@ -11,9 +11,16 @@ from peft.utils import get_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 
 from flux_cp.lora import DEFAULT_TARGETS
-from flux_cp.lora_format import convert, to_kohya, with_alphas
+from flux_cp.lora_format import FLUX2_COMFYUI_UNMAPPED, comfyui_skips, convert, to_kohya, with_alphas
 from flux_cp.tiny import TRANSFORMER_CONFIG, build_tiny_pipeline, tiny_transformer
-from tests.launch import comfy_lora_prefixes, comfy_not_loaded
+from tests.launch import (
+    comfy_apply,
+    comfy_convert_lora_leaves,
+    comfy_flux2_key_map,
+    comfy_flux2_weights,
+    comfy_lora_prefixes,
+    comfy_not_loaded,
+)
 
 # ComfyUI's key rules (comfy_lora_prefixes, comfy_not_loaded) are in tests/launch.py.
 
@@ -349,3 +356,190 @@ def test_check_export_refuses_at_start_in_one_line():
             None,
         ).lora,
     )
+
+
+# --- FLUX.2 under ComfyUI's rules -----------------------------------------------------------------------------
+
+
+def _flux2_config(klein: bool) -> dict:
+    from flux_cp.tiny_flux2 import TRANSFORMER_CONFIG as FLUX2_TINY
+
+    return {**FLUX2_TINY, "guidance_embeds": not klein}  # [klein] has no guidance embedding
+
+
+def _bfl_flux2(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random weights of ComfyUI's FLUX.2 model of `config`, by its (BFL) names."""
+    g = torch.Generator().manual_seed(seed)
+    return {k: torch.randn(shape, generator=g) * 0.1 for k, shape in comfy_flux2_weights(config).items()}
+
+
+def _from_bfl(config: dict, bfl: dict[str, torch.Tensor]):
+    """The Flux2Transformer2DModel holding BFL-named weights, through diffusers' own FLUX.2 checkpoint converter
+    (`from_single_file`'s), loaded strictly: the names and shapes of `comfy_flux2_weights` must be a BFL
+    checkpoint's, every one of them."""
+    from diffusers import Flux2Transformer2DModel
+    from diffusers.loaders.single_file_utils import convert_flux2_transformer_checkpoint_to_diffusers
+
+    model = Flux2Transformer2DModel(**config)
+    model.load_state_dict(convert_flux2_transformer_checkpoint_to_diffusers(dict(bfl)), strict=True)
+    return model
+
+
+def _flux2_saved(tmp_path, klein: bool, argv: list[str]):
+    """A FLUX.2 transformer on random BFL weights, its LoRA for the flags `argv` (the family's default targets, B
+    non-zero) and the file `save_lora` writes: (config, BFL weights, transformer, path)."""
+    from flux_cp.config import parse_config
+    from flux_cp.families import FLUX2, FLUX2_KLEIN
+    from flux_cp.lora import add_lora, save_lora
+    from flux_cp.shape import resolved
+
+    config = _flux2_config(klein)
+    bfl = _bfl_flux2(config)
+    model = _from_bfl(config, bfl)
+    cfg = resolved(parse_config(argv), FLUX2_KLEIN if klein else FLUX2, False, config)
+    add_lora(model, cfg.lora, seed=0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.1)
+    state = {k: v for k, v in model.state_dict().items() if "lora_" in k}
+    return config, bfl, model, save_lora(model, state, str(tmp_path), cfg.lora)
+
+
+def _merged(model) -> dict[str, torch.Tensor]:
+    """The transformer's weights with its LoRA merged in by peft (the trained function), diffusers' names."""
+    import copy
+
+    from peft.tuners.lora import LoraLayer
+
+    model = copy.deepcopy(model)
+    for m in model.modules():
+        if isinstance(m, LoraLayer):
+            m.merge()
+    return {k.replace(".base_layer", ""): v for k, v in model.state_dict().items() if "lora_" not in k}
+
+
+@pytest.mark.parametrize("rank, alpha", [(4, 4), (4, 8)], ids=["alpha=rank", "alpha=2rank"])
+@pytest.mark.parametrize("klein", [False, True], ids=["dev", "klein"])
+def test_flux2_lora_file_loads_completely_under_comfyui_rules_as_the_trained_weights(tmp_path, klein, rank, alpha):
+    """ComfyUI's loader (comfy_apply, tests/launch.py) applies every key of the default FLUX.2 LoRA file to a
+    weight ComfyUI's FLUX.2 model has (q/k/v as slices of the fused qkv), and the weights it computes, converted to
+    diffusers' names by diffusers' own FLUX.2 checkpoint converter, are the trained transformer's with its LoRA
+    merged by peft: right modules, slices and scale."""
+    config, bfl, model, path = _flux2_saved(tmp_path, klein, ["--rank", str(rank), "--lora_alpha", str(alpha)])
+    sd = load_file(path)
+    modules = {k.rsplit(".lora_", 1)[0] for k in sd if ".lora_" in k}
+    # the default targets: the double blocks' image q/k/v/out, the single blocks' fused input and output
+    assert len(modules) == 4 * config["num_layers"] + 2 * config["num_single_layers"]
+    assert comfy_convert_lora_leaves(sd)
+    not_loaded, unreached, patched = comfy_apply(sd, comfy_flux2_key_map(config), bfl)
+    assert not_loaded == set() and unreached == set()
+    comfy, trained = _from_bfl(config, patched).state_dict(), _merged(model)
+    assert comfy.keys() == trained.keys()
+    worst = max((comfy[k] - trained[k]).abs().max().item() for k in trained)
+    assert worst < 1e-5, worst
+    # not blind: exactly the weights the LoRA targets changed, q, k and v each in its third of the fused qkv
+    changed = {k for k in bfl if not torch.equal(patched[k], bfl[k])}
+    assert changed == {k for k in bfl if k.endswith(("img_attn.qkv.weight", "img_attn.proj.weight", "linear1.weight",
+                                                     "linear2.weight"))}  # fmt: skip
+    for k in changed:
+        assert all((part != 0).any() for part in (patched[k] - bfl[k]).chunk(3 if "qkv" in k else 1)), k
+
+
+@pytest.mark.parametrize("klein", [False, True], ids=["dev", "klein"])
+def test_comfyui_applies_a_flux2_lora_on_every_layer_but_those_it_names_no_diffusers_name_for(tmp_path, klein):
+    """A LoRA on every linear layer of FLUX.2 (alpha 8, rank 4): ComfyUI applies each to its weight (both streams'
+    q/k/v, the MLPs, the embedders, norm_out with BFL's shift/scale order) as the trained weights, and skips exactly
+    the layers `FLUX2_COMFYUI_UNMAPPED` lists, which `comfyui_skips` names for the targets."""
+    from diffusers import Flux2Transformer2DModel
+
+    config = _flux2_config(klein)
+    with torch.device("meta"):
+        linear = [n for n, m in Flux2Transformer2DModel(**config).named_modules() if isinstance(m, torch.nn.Linear)]
+    argv = ["--rank", "4", "--lora_alpha", "8", "--lora_layers", ",".join(linear)]
+    config, bfl, model, path = _flux2_saved(tmp_path, klein, argv)
+    sd = load_file(path)
+    not_loaded = comfy_apply(sd, comfy_flux2_key_map(config), bfl)[0]
+    skipped = {k.rsplit(".lora_", 1)[0].removeprefix("transformer.") for k in not_loaded}
+    assert skipped == set(comfyui_skips(linear)) == {n for n in FLUX2_COMFYUI_UNMAPPED if n in linear}
+    assert ("time_guidance_embed.guidance_embedder.linear_1" in skipped) != klein
+    # what it applies is the trained weights (the skipped layers' LoRAs left out of both)
+    applied = {k: v for k, v in sd.items() if not k.startswith(tuple(f"transformer.{n}." for n in skipped))}
+    not_loaded, unreached, patched = comfy_apply(applied, comfy_flux2_key_map(config), bfl)
+    assert not_loaded == unreached == set()
+    trained = _merged(model)
+    base = {k.replace(".base_layer", ""): v for k, v in model.state_dict().items() if "lora_" not in k}
+    for n in skipped:
+        trained[f"{n}.weight"] = base[f"{n}.weight"]
+    comfy = _from_bfl(config, patched).state_dict()
+    assert max((comfy[k] - trained[k]).abs().max().item() for k in trained) < 1e-5
+    assert all(not torch.equal(trained[f"{n}.weight"], base[f"{n}.weight"]) for n in linear if n not in skipped)
+
+
+def test_the_comfyui_check_sees_a_dropped_a_renamed_and_a_flux1_named_key(tmp_path):
+    """What comfy_apply reports when a file's key is missing, misnamed, or named as FLUX.1's diffusers layer of
+    the same place (`proj_out` of a single block: ComfyUI maps it, the weight update is the same)."""
+    config, bfl, _, path = _flux2_saved(tmp_path, False, [])
+    sd, key_map = load_file(path), comfy_flux2_key_map(config)
+    a = "transformer.single_transformer_blocks.1.attn.to_out.lora_A.weight"
+    b = a.replace("lora_A", "lora_B")
+    _, _, whole = comfy_apply(sd, key_map, bfl)
+
+    dropped = {k: v for k, v in sd.items() if k != b}
+    assert comfy_apply(dropped, key_map, bfl)[0] == {a}
+    renamed = {k.replace(".attn.to_out.", ".attn.to_out.0.") if "single" in k else k: v for k, v in sd.items()}
+    assert comfy_apply(renamed, key_map, bfl)[0] == {k for k in renamed if "single" in k and ".to_out.0." in k}
+    flux1 = {k.replace(".attn.to_out.", ".proj_out.") if "single" in k else k: v for k, v in sd.items()}
+    not_loaded, unreached, patched = comfy_apply(flux1, key_map, bfl)
+    assert not_loaded == unreached == set() and all(torch.equal(patched[k], whole[k]) for k in bfl)
+
+
+@pytest.mark.parametrize("klein", [False, True], ids=["dev", "klein"])
+def test_a_flux2_lora_with_alpha_other_than_rank_renders_the_trained_models_output_in_flux2_pipelines(tmp_path, klein):
+    """FLUX.2's LoRA loader refuses alpha keys: the file carries alpha / rank in lora_B, with adapter metadata of
+    alpha = rank, and `Flux2Pipeline` / `Flux2KleinPipeline.load_lora_weights` give the output of the pipeline that
+    holds the trained peft LoRA (rank 4, alpha 8)."""
+    import json
+
+    from flux_cp.config import parse_config
+    from flux_cp.families import FLUX2, FLUX2_KLEIN
+    from flux_cp.lora import add_lora, save_lora
+    from flux_cp.shape import resolved
+    from flux_cp.tiny_flux2 import build_tiny_flux2_pipeline
+
+    def pipeline():
+        pipe = build_tiny_flux2_pipeline(klein=klein)
+        for m in pipe.components.values():
+            if isinstance(m, torch.nn.Module):
+                m.eval()
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    def sample(pipe) -> torch.Tensor:
+        out = pipe(
+            prompt="a red circle", height=64, width=64, num_inference_steps=2, guidance_scale=3.5,
+            max_sequence_length=64 if klein else 256, generator=torch.Generator().manual_seed(0), output_type="latent",
+        )  # fmt: skip
+        return out.images
+
+    trained = pipeline()
+    config = dict(trained.transformer.config)
+    cfg = resolved(parse_config(["--rank", "4", "--lora_alpha", "8"]), FLUX2_KLEIN if klein else FLUX2, False, config)
+    add_lora(trained.transformer, cfg.lora, seed=0)
+    with torch.no_grad():
+        for name, p in trained.transformer.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.1)
+    state = {k: v for k, v in trained.transformer.state_dict().items() if "lora_" in k}
+    path = save_lora(trained.transformer, state, str(tmp_path), cfg.lora)
+    assert not any(k.endswith(".alpha") for k in load_file(path))
+    packed = json.loads(_header(path)["lora_adapter_metadata"])
+    assert (packed["transformer.r"], packed["transformer.lora_alpha"]) == (4, 4)
+    with torch.no_grad():
+        expected, base = sample(trained), sample(pipeline())
+        loaded = pipeline()
+        loaded.load_lora_weights(str(tmp_path))
+        got = sample(loaded)
+    scale = expected.abs().max()
+    assert (base - expected).abs().max() / scale > 1e-3, "the LoRA should change the output"
+    assert (got - expected).abs().max() / scale < 1e-5

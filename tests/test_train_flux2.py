@@ -43,7 +43,8 @@ def runs(tmp_path_factory) -> dict[str, Path]:
         # --adam_epsilon 1e-6: some LoRA gradient elements of the tiny [dev] are of the order of AdamW's default
         # epsilon (1e-8), where the size of a step depends on the order of fp32 sums (one process against CP: 5e-6
         # apart after one step at 1e-3, 1.5e-5 relative after ten); above them, the comparison measures CP.
-        lora = [] if "--full_finetune" in extra else ["--rank", "4"]
+        # [dev] with --lora_alpha 8: its LoRA file carries the scale 2 in lora_B ([klein]: alpha = rank, scale 1)
+        lora = [] if "--full_finetune" in extra else ["--rank", "4", *(["--lora_alpha", "8"] if model == "dev" else [])]
         return run_args(tmp, name, steps, "--pretrained_model_name_or_path", str(models[model]), "--resolution", "64",
                         "--max_sequence_length", str(TEXT_TOKENS[model]), "--seed", str(SEED), *lora, "--learning_rate",
                         "1e-2", "--adam_epsilon", "1e-6", "--random_flip", *extra)  # fmt: skip
@@ -88,7 +89,7 @@ def test_dev_with_cp_trains_like_one_process_with_the_recipes_defaults(runs):
     one, two = _png(tmp / "dev_one"), _png(tmp / "dev_cp2")
     assert one.shape == (64, 64, 3) and np.abs(one - two).max() <= 1, np.abs(one - two).max()
     config = json.loads((tmp / "dev_cp2" / "run_config.json").read_text())
-    assert config["vae_encode_mode"] == "mode"
+    assert config["vae_encode_mode"] == "mode" and (config["rank"], config["lora_alpha"]) == (4, 8)
     single = [f"single_transformer_blocks.{i}.attn.to_out" for i in range(2)]
     assert config["lora_layers"] == ["to_k", "to_q", "to_v", "to_out.0", "to_qkv_mlp_proj", *single]
 

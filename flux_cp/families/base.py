@@ -67,6 +67,10 @@ class Family(ABC):
     def check(self, cfg: Config) -> None:  # noqa: B027 - most families honour every flag
         """Flags this family cannot honour: a UsageError naming the flag (before anything loads)."""
 
+    def output_warnings(self, cfg: Config) -> list[str]:
+        """What the run's outputs will lack where users load them (e.g. LoRA layers a tool skips); logged at start."""
+        return []
+
     def pairs_warning(self, path: str, pipeline_class: str | None) -> str | None:
         """A warning when pair data trains a model whose folder declares `pipeline_class` (None: nothing to say)."""
         return None

@@ -176,16 +176,20 @@ class Flux2(Family):
         if lora.lora_format != "diffusers":
             raise UsageError(
                 f"--lora_format {lora.lora_format} maps FLUX.1's module names; for {self.label} keep "
-                "--lora_format diffusers (the layout Flux2Pipeline.load_lora_weights reads)"
+                "--lora_format diffusers (the default: Flux2Pipeline.load_lora_weights reads it and ComfyUI loads it)"
             )
-        if not lora.full_finetune and lora.lora_alpha != lora.rank:
-            # The file's `<module>.alpha` keys (how the scale travels for FLUX.1) make Flux2Pipeline.load_lora_weights
-            # refuse it ("Invalid adapter checkpoint").
-            raise UsageError(
-                f"--lora_alpha {lora.lora_alpha} with --rank {lora.rank}: a {self.label} LoRA file cannot carry "
-                "its scale alpha / rank in a form Flux2Pipeline.load_lora_weights reads; use --lora_alpha equal to "
-                "--rank (scale 1) and tune --learning_rate instead"
-            )
+
+    def output_warnings(self, cfg: Config) -> list[str]:
+        from ..lora_format import comfyui_skips
+
+        skipped = [] if cfg.lora.full_finetune else comfyui_skips(cfg.lora.lora_layers or ())
+        if not skipped:
+            return []
+        return [
+            f"warning: ComfyUI maps no name for {', '.join(skipped)} of {self.label}: it will leave their LoRAs out "
+            "('lora key not loaded'); diffusers loads them all. Drop them from --lora_layers for files ComfyUI "
+            "applies whole"
+        ]
 
     # --- latents ----------------------------------------------------------------------------------------------
 
