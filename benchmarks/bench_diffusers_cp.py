@@ -3,8 +3,10 @@ comparison of docs/benchmarks.md.
 
     torchrun --nproc_per_node 2 -m benchmarks.bench_diffusers_cp --out diffusers_cp.json --resolution 1024 2048
 
-A FLUX.1-dev-shaped FluxTransformer2DModel (seeded random weights, bf16), LoRA r16 on --lora_layers (default: the
-attention projections of both streams, the trainer's attention-only `--lora_layers`; trainable weights in fp32),
+A FLUX.1-dev-shaped FluxTransformer2DModel (--family flux1) or a FLUX.2 [dev]-shaped Flux2Transformer2DModel
+(--family flux2), seeded random weights, bf16, LoRA r16 on --lora_layers (default for FLUX.1: the attention
+projections of both streams, the trainer's attention-only `--lora_layers`; for FLUX.2: the trainer's default FLUX.2
+targets, those of diffusers' FLUX.2 LoRA example; trainable weights in fp32),
 gradient checkpointing, each transformer block compiled (`block.compile()`, the regional compilation diffusers
 documents), diffusers' attention backend --backend. One sample of the resolution's image tokens and 512 text tokens;
 a step is the forward, an MSE loss, the backward and an AdamW step; the median of --steps timed steps after
@@ -27,13 +29,24 @@ import torch.nn.functional as F
 
 from benchmarks import schema
 from benchmarks.common import init, max_over_ranks
-from flux_cp.flow import image_ids, text_ids
+from flux_cp import flow, flux2_recipe
+from flux_cp.families.flux2 import FLUX2
 from flux_cp.lora import ATTENTION_TARGETS
 from flux_cp.tiny import FLUX1_DEV_TRANSFORMER
+from flux_cp.tiny_flux2 import FLUX2_DEV_TRANSFORMER
 
-SMOKE_TRANSFORMER = dict(FLUX1_DEV_TRANSFORMER, num_layers=1, num_single_layers=1, attention_head_dim=16,
-                         num_attention_heads=4, joint_attention_dim=32, pooled_projection_dim=16,
-                         axes_dims_rope=(4, 6, 6))  # fmt: skip
+SMOKE_TRANSFORMER = {
+    "flux1": dict(FLUX1_DEV_TRANSFORMER, num_layers=1, num_single_layers=1, attention_head_dim=16,
+                  num_attention_heads=4, joint_attention_dim=32, pooled_projection_dim=16, axes_dims_rope=(4, 6, 6)),
+    "flux2": dict(FLUX2_DEV_TRANSFORMER, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
+                  num_attention_heads=4, joint_attention_dim=48, timestep_guidance_channels=32,
+                  axes_dims_rope=(4, 4, 4, 4)),
+}  # fmt: skip
+FULL_TRANSFORMER = {"flux1": FLUX1_DEV_TRANSFORMER, "flux2": FLUX2_DEV_TRANSFORMER}
+MODEL_NAME = {
+    "flux1": "FLUX.1-dev-shaped FluxTransformer2DModel",
+    "flux2": "FLUX.2 [dev]-shaped Flux2Transformer2DModel",
+}
 COLUMNS = {
     "name": "run",
     "mode": "CP",
@@ -46,13 +59,21 @@ COLUMNS = {
 }
 
 
+def default_lora_layers(family: str, config: dict) -> str:
+    """The adapters ours are compared with: FLUX.1's attention projections of both streams (the `diffusers` set of
+    run.sh passes the trainer the same), FLUX.2's default targets (the trainer's default too)."""
+    targets = ATTENTION_TARGETS if family == "flux1" else FLUX2.lora_targets(pairs=False, config=config)
+    return ",".join(targets)
+
+
 def build(config: dict, args: argparse.Namespace, world: int, device: torch.device) -> torch.nn.Module:
-    from diffusers import FluxTransformer2DModel
+    from diffusers import Flux2Transformer2DModel, FluxTransformer2DModel
     from peft import LoraConfig
 
+    cls = FluxTransformer2DModel if args.family == "flux1" else Flux2Transformer2DModel
     torch.manual_seed(0)
     with torch.device(device):
-        model = FluxTransformer2DModel(**config).to(torch.bfloat16)
+        model = cls(**config).to(torch.bfloat16)
     model.requires_grad_(False)
     targets = args.lora_layers.split(",")
     model.add_adapter(LoraConfig(r=16, lora_alpha=16, init_lora_weights="gaussian", target_modules=targets))
@@ -87,18 +108,26 @@ def measure(model, config: dict, resolution: int, args, device: torch.device) ->
     bf16 = dict(device=device, dtype=torch.bfloat16)
     hidden = torch.randn(1, n, config["in_channels"], generator=g).to(**bf16)
     text = torch.randn(1, args.text_tokens, config["joint_attention_dim"], generator=g).to(**bf16)
-    pooled = torch.randn(1, config["pooled_projection_dim"], generator=g).to(**bf16)
+    pooled = torch.randn(1, config.get("pooled_projection_dim", 1), generator=g).to(**bf16)
     target = torch.randn(1, n, config["in_channels"], generator=g).to(**bf16)
     inputs = dict(
         hidden_states=hidden,
         encoder_hidden_states=text,
-        pooled_projections=pooled,
         timestep=torch.full((1,), 0.5, device=device),
         guidance=torch.full((1,), 3.5, device=device),
-        img_ids=image_ids(2 * side, 2 * side, device=device),
-        txt_ids=text_ids(args.text_tokens, device=device),
         return_dict=False,
     )
+    if args.family == "flux1":  # [S, 3] ids and a pooled CLIP embedding
+        inputs.update(
+            pooled_projections=pooled,
+            img_ids=flow.image_ids(2 * side, 2 * side, device=device),
+            txt_ids=flow.text_ids(args.text_tokens, device=device),
+        )
+    else:  # [B, S, 4] ids as Flux2Pipeline passes them (its CP plan splits them on dim 1)
+        inputs.update(
+            img_ids=flux2_recipe.image_ids(side, side, device=device)[None],
+            txt_ids=flux2_recipe.text_ids(args.text_tokens, device=device)[None],
+        )
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
 
     def step() -> None:
@@ -126,20 +155,22 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="result file (JSON, benchmarks/schema.py)")
     p.add_argument("--resolution", type=int, nargs="+", default=[1024, 2048])
+    p.add_argument("--family", choices=["flux1", "flux2"], default="flux1", help="the transformer's shapes")
     p.add_argument("--mode", choices=["ulysses", "ring"], default="ulysses")
     p.add_argument("--backend", default="_native_cudnn", help="diffusers' attention backend ('' for its default)")
-    p.add_argument("--lora_layers", default=",".join(ATTENTION_TARGETS), help="comma-separated LoRA target modules")
+    p.add_argument("--lora_layers", help="comma-separated LoRA target modules (default: see above)")
     p.add_argument("--no_compile", dest="compile", action="store_false", help="leave the blocks eager")
     p.add_argument("--text_tokens", type=int, default=512)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--smoke", action="store_true", help="a tiny model on the CPU: checks the script only")
     args = p.parse_args()
-    config = dict(FLUX1_DEV_TRANSFORMER)
+    config = dict(FULL_TRANSFORMER[args.family])
     if args.smoke:
-        config = SMOKE_TRANSFORMER
+        config = SMOKE_TRANSFORMER[args.family]
         args.resolution, args.text_tokens, args.warmup, args.steps = [64], 16, 1, 2
         args.backend = args.backend if args.backend != "_native_cudnn" else ""
+    args.lora_layers = args.lora_layers or default_lora_layers(args.family, config)
     rank, world, device = init()
     if world > 1 and device.type != "cuda":  # diffusers 0.42 picks each rank's device from torch.accelerator
         raise SystemExit("error: diffusers' built-in CP needs GPUs; on the CPU run --smoke as one process")
@@ -148,7 +179,8 @@ def main() -> None:
     rows = []
     for res in args.resolution:
         mode = args.mode if world > 1 else None
-        row = {"name": f"diffusers_{mode or 'one_gpu'}_{res}", "mode": mode, "gpus": world, "resolution": res}
+        prefix = "diffusers" if args.family == "flux1" else "diffusers_flux2"
+        row = {"name": f"{prefix}_{mode or 'one_gpu'}_{res}", "mode": mode, "gpus": world, "resolution": res}
         row["tokens"] = (res // 16) ** 2 + args.text_tokens
         seconds, peak = float("inf"), None
         try:
@@ -166,7 +198,7 @@ def main() -> None:
             torch.cuda.empty_cache()
     if rank == 0:
         settings = {
-            "model": "FLUX.1-dev-shaped transformer, seeded random weights, bf16" if not args.smoke else "tiny",
+            "model": f"{MODEL_NAME[args.family]}, seeded random weights, bf16" if not args.smoke else "tiny",
             "lora": f"r16 on {args.lora_layers}",
             "attention_backend": args.backend or "diffusers' default",
             "compiled": "each transformer block (block.compile())" if args.compile else "no",

@@ -15,6 +15,9 @@
 #              one local copy, benchmarks/fake_peers.py): what a CP rank spends besides communication
 #   flux2      FLUX.2 [dev] shapes (32B), LoRA r16, --compile_mode reduce-overhead, --gradient_checkpointing auto: one
 #              GPU at 1024 and 2048 px, and at 2048 px a cp=2 rank with loopback peers (benchmarks/fake_peers.py)
+#   flux2_cp   FLUX.2 [dev] shapes on 2 GPUs, LoRA r16 on the default layers, --compile_mode reduce-overhead,
+#              --gradient_checkpointing auto: one GPU against cp=2 at 1024 and 2048 px, and diffusers' built-in CP
+#              (Ulysses, cuDNN, blocks compiled, the same adapters) on Flux2Transformer2DModel
 #   attention  benchmarks/bench_attention.py: cp.attention's modes against one-GPU cuDNN SDPA, forward + backward,
 #              16,896 and 66,048 tokens, eager and compiled
 #   memory     one GPU is enough: --gradient_checkpointing auto under GPU memory capped to 24, 48, 80 GiB and the whole
@@ -28,7 +31,7 @@
 # `python -m benchmarks.render RESULTS_DIR` writes RESULTS_DIR/results.md (docs/benchmarks.md, how to measure).
 set -euo pipefail
 if [ $# -lt 2 ]; then
-  sed -n '2,28p' "$0"
+  sed -n '2,31p' "$0"
   exit 2
 fi
 OUT=$1; shift
@@ -115,6 +118,17 @@ for SET in "$@"; do
         "flux2_1024:1:gpu1.yaml:--resolution 1024 $RO" \
         "flux2_2048:1:gpu1.yaml:--resolution 2048 $RO" \
         "flux2_fake2_2048:1:gpu1.yaml:--cp_size 2 --resolution 2048 $RO" ;;
+    flux2_cp)  # needs 2 GPUs of 141 GB: [dev]'s 64 GB of bf16 weights on each
+      MODEL=${FLUX2_MODEL:-$(mktemp -d)/flux2-dev-shapes}
+      [ -n "$DRY" ] || python3 -m flux_cp.tiny --preset flux2-dev-shapes --out "$MODEL" > /dev/null
+      if [ -n "$DRY" ]; then echo "+ (the model: python3 -m flux_cp.tiny --preset flux2-dev-shapes --out $MODEL)"; fi
+      trainer 900 trainer_flux2_cp.json "--model $MODEL --steps 6" \
+        "flux2_1024:1:gpu1.yaml:--resolution 1024 $RO" \
+        "flux2_2048:1:gpu1.yaml:--resolution 2048 $RO" \
+        "flux2_cp2_1024:2:ddp_cp2.yaml:--cp_size 2 --resolution 1024 $RO" \
+        "flux2_cp2_2048:2:ddp_cp2.yaml:--cp_size 2 --resolution 2048 $RO"
+      run 600 torchrun --nproc_per_node 2 -m benchmarks.bench_diffusers_cp --family flux2 \
+        --out "$OUT/diffusers_cp_flux2.json" --resolution 1024 2048 --mode ulysses ;;
     attention)
       run 300 torchrun --nproc_per_node 2 -m benchmarks.bench_attention --tokens 16896 66048 \
         --out "$OUT/attention.json"
@@ -127,8 +141,8 @@ for SET in "$@"; do
       run 400 python3 -m pytest -q -x tests/gpu
       run 300 torchrun --nproc_per_node "$N" -m benchmarks.check_gpu --out "$OUT/check_gpu.json" ;;
     *)
-      echo "error: unknown set $SET (lora, lora_ro, diffusers, lora4096, full, kontext, host, flux2, memory, attention,
-      check)"
+      echo "error: unknown set $SET (lora, lora_ro, diffusers, lora4096, full, kontext, host, flux2, flux2_cp, memory,
+      attention, check)"
       exit 2 ;;
   esac
 done

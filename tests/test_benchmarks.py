@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from benchmarks import render, schema
 from benchmarks.bench_trainer import command, parse_run, with_efficiency
@@ -86,3 +87,43 @@ def test_files_of_another_schema_are_refused_by_name(tmp_path):
         schema.load(path)
     with pytest.raises(SystemExit, match="no flux-cp-benchmark/1 result file"):
         render.render([str(tmp_path)])
+
+
+@pytest.mark.parametrize("family", ["flux1", "flux2"])
+def test_diffusers_cp_benchmark_runs_each_family_with_the_trainers_adapters(family, tmp_path):
+    """bench_diffusers_cp --smoke (one process, CPU) writes a timed row, and its default adapters sit on the modules
+    the trainer's do for the comparison the suite draws (FLUX.1: `--lora_layers` ATTENTION_TARGETS, as run.sh passes
+    it; FLUX.2: the trainer's default)."""
+    import argparse
+    import subprocess
+    import sys
+
+    from benchmarks import bench_diffusers_cp as bench
+    from flux_cp.config import LoraConfig
+    from flux_cp.families.flux2 import FLUX2
+    from flux_cp.lora import ATTENTION_TARGETS, add_lora
+
+    out = tmp_path / "d.json"
+    cmd = [sys.executable, "-m", "benchmarks.bench_diffusers_cp", "--smoke", "--no_compile", "--family", family]
+    subprocess.run([*cmd, "--out", str(out)], check=True, capture_output=True, timeout=300)
+    data = json.loads(out.read_text())
+    assert data["schema"] == schema.SCHEMA and data["benchmark"] == "diffusers_cp"
+    (row,) = data["rows"]
+    assert "error" not in row and row["s_per_step"] > 0 and row["gpus"] == 1, row
+
+    config = bench.SMOKE_TRANSFORMER[family]
+    layers = bench.default_lora_layers(family, config)
+    args = argparse.Namespace(family=family, lora_layers=layers, backend="", compile=False, mode="ulysses")
+    ours_targets = ATTENTION_TARGETS if family == "flux1" else FLUX2.lora_targets(pairs=False, config=config)
+    theirs = bench.build(config, args, world=1, device=torch.device("cpu"))
+    ours = type(theirs)(**config)
+    add_lora(ours, LoraConfig(lora_layers=tuple(ours_targets)), seed=0)
+
+    def adapted(model):
+        return sorted(
+            n.removesuffix(".lora_A.default") for n, _ in model.named_modules() if n.endswith("lora_A.default")
+        )
+
+    assert adapted(theirs) == adapted(ours) and adapted(ours)
+    if family == "flux2":  # every single block's fused output is among them
+        assert "single_transformer_blocks.0.attn.to_out" in adapted(theirs)
