@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import traceback
 from collections.abc import Callable
 
@@ -47,6 +48,19 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+# How long another rank waits for the main rank to print an error every rank raised (seconds; it is ended sooner).
+MAIN_RANK_GRACE_S = 60.0
+
+
+def _let_the_main_rank_speak() -> None:
+    """An error every rank raised is printed by the main rank alone. A launcher (torchrun, accelerate launch) stops
+    every rank as soon as one exits with an error, so a rank that got there first would cut the main rank off
+    before its line: wait instead. The launcher ends this process when the main rank exits; the wait is bounded in
+    case the main rank is stuck elsewhere."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        time.sleep(MAIN_RANK_GRACE_S)
+
+
 def run(main: Callable[[], int]) -> int:
     rank = _rank()
     try:
@@ -60,10 +74,14 @@ def run(main: Callable[[], int]) -> int:
             _say(f"error: {e}")
         elif not e.agreed and is_distributed():
             _say(f"error: [rank {rank}] {e}")
+        else:
+            _let_the_main_rank_speak()
         return EXIT_USAGE
-    except NonFiniteError as e:
+    except NonFiniteError as e:  # found by a collective check: every rank raises it
         if rank == 0:
             _say(f"error: {e}")
+        else:
+            _let_the_main_rank_speak()
         return EXIT_NONFINITE
     except KeyboardInterrupt:
         return 130

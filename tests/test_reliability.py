@@ -7,6 +7,7 @@ import os
 import shutil
 import stat
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -127,6 +128,41 @@ def test_a_rank_that_raises_stops_every_rank_with_its_name_and_cause(tmp_path):
     )
     assert r.returncode != 0 and time.monotonic() - t < 120
     assert "error: [rank 1] RuntimeError: injected fault at step 2" in r.stderr
+
+
+_AGREED_ERROR = """
+import os, sys, time
+from flux_cp.errors import UsageError
+from flux_cp.runner import run
+
+def main():
+    if os.environ["RANK"] == "0":
+        time.sleep(3)  # the main rank gets to the error last, as when it alone builds a model first
+    raise UsageError("--resolution 48 gives 9 image tokens", agreed=True)
+
+sys.exit(run(main))
+"""
+
+
+def test_an_error_every_rank_raises_is_printed_once_even_when_another_rank_gets_there_first(tmp_path):
+    """Launchers stop every rank as soon as one exits: the main rank's line must not be cut off by another rank
+    that raised the same error sooner, and the other rank must not outlive the main one."""
+    script = tmp_path / "agreed.py"
+    script.write_text(_AGREED_ERROR)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        str(script),
+    ]
+    t = time.monotonic()
+    r = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=50)
+    assert r.returncode != 0 and time.monotonic() - t < 40
+    assert r.stderr.count("error: --resolution 48 gives 9 image tokens") == 1, r.stderr[-2000:]
 
 
 def test_a_hung_rank_makes_the_others_exit_within_the_collective_timeout(tmp_path):
