@@ -49,19 +49,18 @@ def test_single_process_matches_cp2(accumulated):
 
 def test_compiled_blocks_train_like_eager_with_cp(tmp_path, accumulated):
     """--compile (README's advice for GPUs): every block compiled as one graph, CP attention included (no graph
-    break), non-reentrant checkpointing; the same trajectory as eager (the shared cp=2 run) up to Inductor's fp32
+    break), the first block checkpointed inside its graph and the others plain; the same trajectory as eager with
+    every block checkpointed (the shared cp=2 run: checkpointing recomputes exactly) up to Inductor's fp32
     reassociation."""
+    flags = [*CP2, *ACCUMULATED, "--compile", "--gradient_checkpointing", "1"]
     compiled = ok(
-        train(
-            2,
-            *_common(tmp_path, "compiled", 10, *CP2, *ACCUMULATED, "--compile"),
-            extra_env={"TORCH_LOGS": "graph_breaks,graph_code"},
-        )
+        train(2, *_common(tmp_path, "compiled", 10, *flags), extra_env={"TORCH_LOGS": "graph_breaks,graph_code"})
     )
     breaks = re.findall(r"Graph break in user code at (\S+)", compiled.stderr)
     assert not breaks, breaks
     # the graphs dynamo produced hold the CP attention: its exchange and its attention op
     assert "ops.cp.ring_attention" in compiled.stderr and "all_to_all_single" in compiled.stderr
+    assert json.loads((tmp_path / "compiled" / "run_config.json").read_text())["checkpointed_blocks"] == 1
     assert_same_trajectory(accumulated / "cp2", tmp_path / "compiled")
 
 
