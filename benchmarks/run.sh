@@ -64,6 +64,12 @@ trainer() {  # trainer SECONDS FILE "BENCH_TRAINER_OPTIONS" RUN...: each RUN as 
   run "$t" python3 -m benchmarks.bench_trainer --out "$OUT/$file" --logs "$OUT/logs" --parallel $opts "${runs[@]}"
 }
 
+flux2_model() {  # sets MODEL: a FLUX.2 [dev]-shaped folder (config and tiny encoders; weights drawn at start)
+  MODEL=${FLUX2_MODEL:-$(mktemp -d)/flux2-dev-shapes}
+  if [ -n "$DRY" ]; then echo "+ (the model: python3 -m flux_cp.tiny --preset flux2-dev-shapes --out $MODEL)"; return; fi
+  python3 -m flux_cp.tiny --preset flux2-dev-shapes --out "$MODEL" > /dev/null
+}
+
 ATTN=attn.to_k,attn.to_q,attn.to_v,attn.to_out.0,attn.add_k_proj,attn.add_q_proj,attn.add_v_proj,attn.to_add_out
 RO="--compile_mode reduce-overhead"
 for SET in "$@"; do
@@ -111,17 +117,13 @@ for SET in "$@"; do
         "cp1_2048_ro:1:gpu1.yaml:--resolution 2048 $RO" \
         "fake2_2048_ro:1:gpu1.yaml:--cp_size 2 --resolution 2048 $RO" ;;
     flux2)  # FLUX.2 [dev] shapes (32B, random weights, tiny encoders): one GPU and a CP=2 rank with loopback peers
-      MODEL=${FLUX2_MODEL:-$(mktemp -d)/flux2-dev-shapes}
-      [ -n "$DRY" ] || python3 -m flux_cp.tiny --preset flux2-dev-shapes --out "$MODEL" > /dev/null
-      if [ -n "$DRY" ]; then echo "+ (the model: python3 -m flux_cp.tiny --preset flux2-dev-shapes --out $MODEL)"; fi
+      flux2_model
       trainer 600 trainer_flux2.json "--model $MODEL --fake_peers --steps 6" \
         "flux2_1024:1:gpu1.yaml:--resolution 1024 $RO" \
         "flux2_2048:1:gpu1.yaml:--resolution 2048 $RO" \
         "flux2_fake2_2048:1:gpu1.yaml:--cp_size 2 --resolution 2048 $RO" ;;
     flux2_cp)  # needs 2 GPUs of 141 GB: [dev]'s 64 GB of bf16 weights on each
-      MODEL=${FLUX2_MODEL:-$(mktemp -d)/flux2-dev-shapes}
-      [ -n "$DRY" ] || python3 -m flux_cp.tiny --preset flux2-dev-shapes --out "$MODEL" > /dev/null
-      if [ -n "$DRY" ]; then echo "+ (the model: python3 -m flux_cp.tiny --preset flux2-dev-shapes --out $MODEL)"; fi
+      flux2_model
       trainer 900 trainer_flux2_cp.json "--model $MODEL --steps 6" \
         "flux2_1024:1:gpu1.yaml:--resolution 1024 $RO" \
         "flux2_2048:1:gpu1.yaml:--resolution 2048 $RO" \
