@@ -116,6 +116,20 @@ def assert_same_trajectory(a: Path, b: Path, tol: float = 1e-5) -> None:
 # or `x.lora_B.weight` + `x.lora_A.weight`; every other key is logged as "lora key not loaded" and ignored.
 
 
+# flux_to_diffusers' top-level layers (diffusers name -> BFL name), common to both of its readings below.
+_COMFY_FLUX_TOP_LEVEL = {
+    "proj_out": "final_layer.linear",
+    "x_embedder": "img_in",
+    "context_embedder": "txt_in",
+    "time_text_embed.timestep_embedder.linear_1": "time_in.in_layer",
+    "time_text_embed.timestep_embedder.linear_2": "time_in.out_layer",
+    "time_text_embed.text_embedder.linear_1": "vector_in.in_layer",
+    "time_text_embed.text_embedder.linear_2": "vector_in.out_layer",
+    "time_text_embed.guidance_embedder.linear_1": "guidance_in.in_layer",
+    "time_text_embed.guidance_embedder.linear_2": "guidance_in.out_layer",
+}
+
+
 def comfy_flux_to_diffusers(depth: int, depth_single: int) -> dict[str, str]:
     """{diffusers weight name: BFL weight name} as comfy/utils.py `flux_to_diffusers` lists them (LoRA-relevant
     `.weight` entries; biases and norm scales left out)."""
@@ -143,18 +157,7 @@ def comfy_flux_to_diffusers(depth: int, depth_single: int) -> dict[str, str]:
             out[f"{d}.{q}.weight"] = f"{b}.linear1.weight"
         out[f"{d}.norm.linear.weight"] = f"{b}.modulation.lin.weight"
         out[f"{d}.proj_out.weight"] = f"{b}.linear2.weight"
-    basic = {
-        "proj_out": "final_layer.linear",
-        "x_embedder": "img_in",
-        "context_embedder": "txt_in",
-        "time_text_embed.timestep_embedder.linear_1": "time_in.in_layer",
-        "time_text_embed.timestep_embedder.linear_2": "time_in.out_layer",
-        "time_text_embed.text_embedder.linear_1": "vector_in.in_layer",
-        "time_text_embed.text_embedder.linear_2": "vector_in.out_layer",
-        "time_text_embed.guidance_embedder.linear_1": "guidance_in.in_layer",
-        "time_text_embed.guidance_embedder.linear_2": "guidance_in.out_layer",
-        "norm_out.linear": "final_layer.adaLN_modulation.1",
-    }
+    basic = {**_COMFY_FLUX_TOP_LEVEL, "norm_out.linear": "final_layer.adaLN_modulation.1"}
     out.update({f"{k}.weight": f"{v}.weight" for k, v in basic.items()})
     return out
 
@@ -259,16 +262,7 @@ def comfy_flux_to_diffusers_targets(depth: int, depth_single: int, hidden: int) 
         block_map = {"norm.linear": "modulation.lin", "proj_out": "linear2", "attn.to_qkv_mlp_proj": "linear1",
                      "attn.to_out": "linear2"}  # fmt: skip
         out.update({f"{d}.{k}.weight": (f"{b}.{v}.weight", None, None) for k, v in block_map.items()})
-    basic = {
-        "proj_out": "final_layer.linear", "x_embedder": "img_in", "context_embedder": "txt_in",
-        "time_text_embed.timestep_embedder.linear_1": "time_in.in_layer",
-        "time_text_embed.timestep_embedder.linear_2": "time_in.out_layer",
-        "time_text_embed.text_embedder.linear_1": "vector_in.in_layer",
-        "time_text_embed.text_embedder.linear_2": "vector_in.out_layer",
-        "time_text_embed.guidance_embedder.linear_1": "guidance_in.in_layer",
-        "time_text_embed.guidance_embedder.linear_2": "guidance_in.out_layer",
-        "controlnet_x_embedder": "pos_embed_input",
-    }  # fmt: skip
+    basic = {**_COMFY_FLUX_TOP_LEVEL, "controlnet_x_embedder": "pos_embed_input"}
     out.update({f"{k}.weight": (f"{v}.weight", None, None) for k, v in basic.items()})
     out["norm_out.linear.weight"] = ("final_layer.adaLN_modulation.1.weight", None, "swap_scale_shift")
     return out

@@ -188,22 +188,28 @@ def test_with_alphas_and_unknown_formats():
 # --- metadata ------------------------------------------------------------------------------------------------
 
 
-def _saved(tmp_path, argv: list[str], origin=None):
-    """A LoRA file written by `save_lora` for the flags `argv` (the tiny transformer, B non-zero)."""
-    from flux_cp.config import parse_config
-    from flux_cp.families import FLUX1
+def _save_trained_lora(model, cfg, tmp_path, origin=None):
+    """Adapters for `cfg.lora` on `model`, lora_B drawn non-zero (as after training), written by `save_lora`."""
     from flux_cp.lora import add_lora, save_lora
-    from flux_cp.shape import resolved
 
-    cfg = resolved(parse_config(argv), FLUX1, False, None)
-    model = tiny_transformer(seed=0)
     add_lora(model, cfg.lora, seed=0)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_(std=0.1)
     state = {k: v for k, v in model.state_dict().items() if "lora_" in k}
-    return cfg, model, save_lora(model, state, str(tmp_path), cfg.lora, origin)
+    return save_lora(model, state, str(tmp_path), cfg.lora, origin)
+
+
+def _saved(tmp_path, argv: list[str], origin=None):
+    """A LoRA file written by `save_lora` for the flags `argv` (the tiny transformer, B non-zero)."""
+    from flux_cp.config import parse_config
+    from flux_cp.families import FLUX1
+    from flux_cp.shape import resolved
+
+    cfg = resolved(parse_config(argv), FLUX1, False, None)
+    model = tiny_transformer(seed=0)
+    return cfg, model, _save_trained_lora(model, cfg, tmp_path, origin)
 
 
 def _header(path) -> dict[str, str]:
@@ -390,20 +396,13 @@ def _flux2_saved(tmp_path, klein: bool, argv: list[str]):
     non-zero) and the file `save_lora` writes: (config, BFL weights, transformer, path)."""
     from flux_cp.config import parse_config
     from flux_cp.families import FLUX2, FLUX2_KLEIN
-    from flux_cp.lora import add_lora, save_lora
     from flux_cp.shape import resolved
 
     config = _flux2_config(klein)
     bfl = _bfl_flux2(config)
     model = _from_bfl(config, bfl)
     cfg = resolved(parse_config(argv), FLUX2_KLEIN if klein else FLUX2, False, config)
-    add_lora(model, cfg.lora, seed=0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(std=0.1)
-    state = {k: v for k, v in model.state_dict().items() if "lora_" in k}
-    return config, bfl, model, save_lora(model, state, str(tmp_path), cfg.lora)
+    return config, bfl, model, _save_trained_lora(model, cfg, tmp_path)
 
 
 def _merged(model) -> dict[str, torch.Tensor]:
