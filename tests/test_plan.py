@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -174,17 +175,22 @@ def test_the_known_configs_are_flux1_dev_s_and_schnell_s_lacks_only_the_guidance
     assert counts[0] - counts[1] == sum(p.numel() for p in embedder.parameters()) > 0
 
 
+def _cache_transformer_config(cache: Path, num_layers: int) -> None:
+    """someone/flux-finetune's transformer/config.json in huggingface_hub's cache layout under `cache`:
+    models--owner--name/{refs/main, snapshots/<commit>/...}."""
+    repo = cache / "models--someone--flux-finetune"
+    (repo / "snapshots" / "abc123" / "transformer").mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    config = {**FLUX1_DEV_TRANSFORMER, "num_layers": num_layers}
+    (repo / "snapshots" / "abc123" / "transformer" / "config.json").write_text(json.dumps(config))
+
+
 def test_a_cached_config_comes_first_and_an_unknown_id_offline_is_one_line(tmp_path, monkeypatch):
     from flux_cp.errors import UsageError
 
     _offline(monkeypatch, tmp_path)
-    # the layout huggingface_hub's cache has: models--owner--name/{refs/main, snapshots/<commit>/...}
-    repo = tmp_path / "hf-cache" / "models--someone--flux-finetune"
-    (repo / "snapshots" / "abc123" / "transformer").mkdir(parents=True)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text("abc123")
-    config = {**FLUX1_DEV_TRANSFORMER, "num_layers": 5}
-    (repo / "snapshots" / "abc123" / "transformer" / "config.json").write_text(json.dumps(config))
+    _cache_transformer_config(tmp_path / "hf-cache", num_layers=5)
     got, source = plan.transformer_config("someone/flux-finetune")
     assert got["num_layers"] == 5 and source == "someone/flux-finetune (local HF cache)"
     with pytest.raises(UsageError) as e:
@@ -202,12 +208,7 @@ def test_the_plan_reads_a_hub_config_from_the_download_cache_that_cache_dir_name
     from flux_cp.errors import UsageError
 
     _offline(monkeypatch, tmp_path)
-    repo = tmp_path / "downloads" / "models--someone--flux-finetune"
-    (repo / "snapshots" / "abc123" / "transformer").mkdir(parents=True)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text("abc123")
-    config = {**FLUX1_DEV_TRANSFORMER, "num_layers": 3}
-    (repo / "snapshots" / "abc123" / "transformer" / "config.json").write_text(json.dumps(config))
+    _cache_transformer_config(tmp_path / "downloads", num_layers=3)
     with pytest.raises(UsageError, match="is not in the local HF cache"):  # not in the default cache
         plan.transformer_config("someone/flux-finetune")
     got, _ = plan.transformer_config("someone/flux-finetune", cache_dir=str(tmp_path / "downloads"))
