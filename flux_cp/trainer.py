@@ -660,8 +660,9 @@ class Trainer:
 
     def publish(self) -> str | None:
         """The model card (README.md in the output folder, as diffusers' examples write it) and, with --push_to_hub,
-        the upload of the output folder (checkpoints and logs stay local). A failed upload is one line; the
-        outputs stay in the folder. Returns the repository's URL when pushed (rank 0)."""
+        the upload of the run's final outputs (flux_cp.hub.PUBLISHED: checkpoints, logs and the rest stay local). A
+        failed upload is one line; the outputs stay in the folder. Returns the repository's URL when pushed (rank
+        0)."""
         from . import hub
         from .card import write_model_card
 
@@ -690,10 +691,8 @@ class Trainer:
 
             try:
                 if cfg.hub.push_to_hub:
-                    url = hub.push_to_hub(
-                        cfg.train.output_dir, cfg.hub.hub_model_id, hub.token(cfg.hub.hub_token),
-                        ignore=hub.ignore_patterns(cfg.validation.logging_dir), on_repo=card,
-                    )  # fmt: skip
+                    url = hub.push_to_hub(cfg.train.output_dir, cfg.hub.hub_model_id, hub.token(cfg.hub.hub_token),
+                                          on_repo=card)  # fmt: skip
                     logger.info(f"pushed {cfg.train.output_dir} to {url}")
                 else:
                     card()
