@@ -36,7 +36,7 @@ from .data import (
     open_source,
 )
 from .encode import ClassGeometry, Geometry, LiveData, Repeated, TrainingData, encode_dataset, encoder_fingerprints
-from .errors import UsageError
+from .errors import NonFiniteError, UsageError
 from .lora import lora_origin, save_lora
 from .lora_format import check_export
 from .metrics import NO_FLOPS, MetricsLog, StepFlops, StepTimer, peak_flops, peak_memory_gib
@@ -51,6 +51,7 @@ from .model import (
     trainable_parameters,
 )
 from .optim import (
+    Progress,
     apply_update,
     check_finite,
     check_optimizer,
@@ -124,6 +125,7 @@ class Trainer:
     bar: Any
     peak: float | None  # bf16 FLOP/s that MFU and HFU are measured against (None: not on a GPU)
     fault: faults.Fault
+    progress: Progress  # which steps since the start applied their update (--on_nonfinite skip)
     # finish
     hub_repo_id: str | None  # the Hub repository the outputs were pushed to (rank 0)
 
@@ -480,6 +482,7 @@ class Trainer:
             hparams = {k: v for k, v in flat.items() if isinstance(v, (int, float, str, bool))}
             self.accelerator.init_trackers("flux-cp", config=hparams)
         self.metrics = MetricsLog(cfg.train.output_dir, start_step, layout.is_main)
+        self.progress = Progress(start_step)
         if device.type == "cuda":  # peak memory of training, not of loading and initialisation
             torch.cuda.reset_peak_memory_stats(device)
         from tqdm.auto import tqdm
@@ -552,6 +555,7 @@ class Trainer:
                                                 result.skipped.double()]).tolist()  # fmt: skip
         dt = self.timer.seconds(result.end)
         check_finite(loss, grad_norm, cfg.train.on_nonfinite, step)
+        self.progress.note(step, bool(skipped))
         row = {
             "step": step, "epoch": result.epoch, "loss": loss, "lr": result.lr, "grad_norm": grad_norm,
             "s_per_step": dt, "tokens_per_s": result.tokens / dt,
@@ -573,7 +577,9 @@ class Trainer:
             validating, saving = self.due_after(step)
             if validating:
                 self.validate(step)
-            if saving:
+            if saving and skipped:  # the weights of a skipped step gave a non-finite loss: no checkpoint of them
+                logger.warning(f"step {step} was skipped: no checkpoint of it (the last one is kept)")
+            elif saving:
                 self.save_checkpoint(step)
             if self.uses_model_after(step):  # keep what ran here out of the next step's time
                 self.timer.restart()
@@ -607,7 +613,19 @@ class Trainer:
         cfg, output_dir, layout, step = self.cfg, self.cfg.train.output_dir, self.layout, self.max_steps
         self.bar.close()
         self.metrics.close()
+        # A run that did not train (its last steps skipped) keeps the folder's earlier outputs: every rank decides
+        # alike from the reduced losses; the main rank names the checkpoints in its message.
+        found = [s for s, _ in checkpoint.list_checkpoints(output_dir)] if layout.is_main else []
+        failure = self.progress.failure(found, output_dir)
+        if failure:
+            raise NonFiniteError(failure)
         state = full_state_dict(self.model, trainable_only=not cfg.lora.full_finetune)  # every rank: FSDP gathers
+        bad = layout.is_main and any(not torch.isfinite(v).all() for v in state.values())
+        if distributed.any_rank(bad):
+            raise NonFiniteError(
+                f"the trained weights hold NaN or inf: no final model or checkpoint was written, and {output_dir} "
+                "keeps its earlier outputs. Resume from the last checkpoint with a lower --learning_rate"
+            )
         problem = None
         if layout.is_main:
             inner = self.accelerator.unwrap_model(self.model)
