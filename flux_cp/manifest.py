@@ -173,7 +173,7 @@ def _json(path: Path) -> object:
         return None
 
 
-def _marked(folder: Path) -> bool:
+def is_run_folder(folder: Path) -> bool:
     """A flux-cp output folder: its run_config.json or a checkpoint's meta.json says so (a model folder never is)."""
     if (folder / "model_index.json").exists():
         return False
@@ -191,7 +191,7 @@ def legacy_outputs(folder: str | os.PathLike, tracker_dir: str | None) -> list[s
     """Entries of a folder written before the manifest that are recognisably flux-cp's (see the module's text).
     `tracker_dir`: the tracker folder relative to `folder` when it is inside it."""
     folder = Path(folder)
-    if not folder.is_dir() or not _marked(folder):
+    if not folder.is_dir() or not is_run_folder(folder):
         return []
     found = []
     for p in folder.iterdir():

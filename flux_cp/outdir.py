@@ -199,10 +199,12 @@ def claim(
     logging_dir: str | None = None,
     apart: dict[str, str | os.PathLike | None] | None = None,
     max_train_steps: int | None = None,
+    accept: Callable[[resume.Decision], None] | None = None,
 ) -> Claim:
     """Make `output_dir` this run's (main process only), before anything loads: see the module's text.
     `logging_dir`: the tracker folder as given (relative to the output folder), None when no tracker writes one;
-    `apart`: flag -> folder the output folder must stay apart from (the model, the data set)."""
+    `apart`: flag -> folder the output folder must stay apart from (the model, the data set); `accept(decision)`:
+    raises a UsageError to refuse how the run would start, before anything in the folder changes."""
     folder = Path(output_dir)
     check_apart(folder, apart or {})
     check_writable(folder, "--output_dir")
@@ -211,6 +213,8 @@ def claim(
     tracker = tracker_folder(folder, logging_dir)
     earlier, owned = earlier_outputs(folder, tracker)
     decision = resume.decide(folder, resume_from, overwrite, max_train_steps, earlier)
+    if accept is not None:
+        accept(decision)
     removed: list[str] = []
     if decision.kind in ("new", "fork") and earlier:  # with --overwrite_output_dir (else decide refused)
         foreign = [n for n in earlier if n not in owned]

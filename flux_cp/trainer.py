@@ -21,7 +21,7 @@ import torch
 
 import cp
 
-from . import checkpoint, diskspace, distributed, faults, files, manifest, outdir, parallel, quiet, validation
+from . import checkpoint, diskspace, distributed, faults, files, manifest, outdir, parallel, quiet, roles, validation
 from .batches import Batches
 from .blocks import attention_recomputed, prepare_blocks, step_begins, uses_cuda_graphs
 from .config import DEFAULT_ENCODINGS_DIR, Config
@@ -61,7 +61,8 @@ from .optim import (
 )
 from .parallel import Layout, choose_cp_mode, cp_advice, make_accelerator
 from .plan import GIB, Checkpointing, checkpointing_for_run
-from .prior import ClassSamples, class_source, generate_class_images
+from .prior import ClassSamples, class_source, generate_class_images, generated_folder
+from .prior import check_resume as check_prior_resume
 from .profiling import profiled
 from .resume import check_steps as check_resume_steps
 from .shape import RunShape, build_shape, check_tokens, resolved
@@ -223,14 +224,24 @@ class Trainer:
         if self.layout.is_main:
             try:
                 trackers = cfg.validation.report_to in ("tensorboard", "all")  # the ones writing into --logging_dir
+                logs = cfg.validation.logging_dir if trackers else None
+                classes = cfg.data.class_data_dir if cfg.data.with_prior_preservation else None
+                data_flag = ("--instance_data_dir" if cfg.data.instance_data_dir else "--dataset_name"
+                             if cfg.data.dataset_name else "the bundled data set")  # fmt: skip
+                roles.check(cfg.train.output_dir, model=self.shape.model_path, data=cfg.data.dataset_name or
+                            str(BUNDLED_DATA), data_flag=data_flag, bundled=BUNDLED_DATA.parent, class_dir=classes,
+                            encodings=None if cfg.data.no_cache else self.encodings_dir, logs=logs)  # fmt: skip
+
+                def accept(decision) -> None:  # a resume needing other class images: refused before generating
+                    if decision.checkpoint is not None:
+                        check_prior_resume(checkpoint.read_meta(decision.checkpoint), cfg.data, decision.checkpoint)
+
                 claimed = outdir.claim(
                     cfg.train.output_dir, cfg.checkpoints.resume_from_checkpoint, cfg.train.overwrite_output_dir,
-                    logging_dir=cfg.validation.logging_dir if trackers else None,
-                    max_train_steps=cfg.train.max_train_steps,
+                    logging_dir=logs, max_train_steps=cfg.train.max_train_steps, accept=accept,
                     apart={"--pretrained_model_name_or_path": self.shape.model_path,
-                           "--instance_data_dir" if cfg.data.instance_data_dir else "--dataset_name":
-                               cfg.data.dataset_name or str(BUNDLED_DATA),
-                           "--class_data_dir": cfg.data.class_data_dir if cfg.data.with_prior_preservation else None},
+                           data_flag: cfg.data.dataset_name or str(BUNDLED_DATA),
+                           "--class_data_dir": classes},
                 )  # fmt: skip
                 if not cfg.data.no_cache:
                     outdir.check_writable(Path(self.encodings_dir), "--encodings_dir")
@@ -353,7 +364,7 @@ class Trainer:
         made = generate_class_images(self.cfg, self.shape, self.layout, self.encoders, self.noise_scheduler.config,
                                      self.weight_dtype, self.device, self.accelerator.autocast)  # fmt: skip
         if made:
-            logger.info(f"generated {made} class images in {self.cfg.data.class_data_dir}")
+            logger.info(f"generated {made} class images in {generated_folder(Path(self.cfg.data.class_data_dir))}")
 
     def build_model(self) -> None:
         """Transformer, LoRA or full, seed checkpoint, CP attention, compile, optimizer, then FSDP/DDP."""

@@ -292,3 +292,85 @@ def test_a_second_live_run_is_kept_out_until_the_first_ends(tmp_path):
     outdir.release(folder)
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+# --- folders of other roles --------------------------------------------------------------------------------------
+
+
+def _roles(tmp_path: Path, **kw) -> None:
+    from flux_cp import roles
+
+    for name in ("model", "data", "bundled"):
+        (tmp_path / name).mkdir(exist_ok=True)
+    args = {"model": str(tmp_path / "model"), "data": str(tmp_path / "data"), "bundled": tmp_path / "bundled", **kw}
+    roles.check(str(tmp_path / "out"), **args)
+
+
+@pytest.mark.parametrize(
+    "logs, message",
+    [(name, f"names {name}, one of the run's own outputs") for name in
+     ("run_config.json", "metrics.jsonl", "README.md", "checkpoint-2", "pytorch_lora_weights.safetensors",
+      "transformer", "validation", "loss_curve.png", "profile", ".flux_cp_manifest.json", "abandoned-20250101-120000",
+      ".checkpoint-4.partial", ".transformer.partial")]
+    + [("checkpoint-2/tb", "is in checkpoint-2, one of the run's own outputs"),
+       (".", "is the output folder itself"), ("a/..", "is the output folder itself")],
+)  # fmt: skip
+def test_a_logging_dir_naming_one_of_the_run_s_outputs_is_refused(tmp_path, logs, message):
+    with pytest.raises(UsageError, match=f"^--logging_dir {logs} {message}"):
+        _roles(tmp_path, logs=logs)
+
+
+def test_the_folders_of_other_roles_are_refused_one_line_each(tmp_path):
+    _roles(tmp_path, class_dir=str(tmp_path / "class"), encodings=str(tmp_path / "cache"), logs="logs")
+    _roles(tmp_path, encodings=str(tmp_path / "data" / ".cache"))  # a cache of its own inside the data: excluded there
+    _roles(tmp_path, encodings=str(tmp_path / "out" / "cache"), logs="tb")  # inside the output folder, no output's
+    _roles(tmp_path, encodings=str(tmp_path / "cache"), logs="..")  # a tracker folder outside: never removed
+    refused = [
+        (dict(class_dir=str(tmp_path / "data")), "--class_data_dir {t}/data is --dataset_name {t}/data"),
+        (dict(class_dir=str(tmp_path / "data" / "class")), "is inside --dataset_name"),
+        (dict(class_dir=str(tmp_path)), "holds --pretrained_model_name_or_path"),
+        (dict(class_dir=str(tmp_path / "bundled" / "x")), "is inside the bundled data"),
+        (dict(class_dir=str(tmp_path / "model")), "is --pretrained_model_name_or_path"),
+        (dict(class_dir=str(tmp_path / "cache"), encodings=str(tmp_path / "cache")), "is --encodings_dir"),
+        (dict(class_dir=str(tmp_path / "out" / "logs" / "c"), logs="logs"), "is inside --logging_dir"),
+        (dict(logs=str(tmp_path / "data" / "tb")), "--logging_dir {t}/data/tb is inside --dataset_name"),
+        (dict(logs="logs", encodings=str(tmp_path / "out" / "logs" / "x")), "--logging_dir logs holds --encodings_dir"),
+        (
+            dict(logs="logs/c", encodings=str(tmp_path / "out" / "logs")),
+            "--logging_dir logs/c is inside --encodings_dir",
+        ),
+        (dict(logs=str(tmp_path / "cache"), encodings=str(tmp_path / "cache")), "is --encodings_dir"),
+        (dict(logs="logs", encodings=str(tmp_path / "out" / "logs")), "--logging_dir logs is --encodings_dir"),
+        (dict(encodings=str(tmp_path / "out")), "--encodings_dir {t}/out is the output folder"),
+        (dict(encodings=str(tmp_path / "out" / "checkpoint-2")), "is in checkpoint-2, one of the run's own outputs"),
+        (dict(encodings=str(tmp_path / "model" / "cache")), "is inside --pretrained_model_name_or_path"),
+        (dict(encodings=str(tmp_path / "data")), "--encodings_dir {t}/data is --dataset_name"),
+    ]
+    for kw, message in refused:
+        with pytest.raises(UsageError) as e:
+            _roles(tmp_path, **kw)
+        assert message.format(t=tmp_path) in str(e.value) and "\n" not in str(e.value), (kw, str(e.value))
+
+
+def test_another_run_s_output_folder_is_no_class_folder(tmp_path):
+    run = tmp_path / "runs" / "earlier"
+    run.mkdir(parents=True)
+    (run / manifest.NAME).write_text("{}")
+    for class_dir, how in ((run, "is the output folder of another run:"),
+                           (run / "validation", f"is inside the output folder of another run ({run})"),
+                           (tmp_path / "runs", f"holds the output folder of another run ({run})")):  # fmt: skip
+        with pytest.raises(
+            UsageError, match=f"^--class_data_dir {class_dir} {how}".replace("(", r"\(").replace(")", r"\)")
+        ):
+            _roles(tmp_path, class_dir=str(class_dir))
+    legacy = tmp_path / "legacy"  # a run of a version before the manifest: its run_config.json says so
+    legacy.mkdir()
+    (legacy / "run_config.json").write_text(
+        json.dumps({"output_dir": "x", "cp_size": 1, "resume_from_checkpoint": None})
+    )
+    with pytest.raises(UsageError, match="is the output folder of another run"):
+        _roles(tmp_path, class_dir=str(legacy))
+    # this run's own output folder is outdir's to refuse ("--output_dir ... holds --class_data_dir")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / manifest.NAME).write_text("{}")
+    _roles(tmp_path, class_dir=str(tmp_path / "out" / "class"))
