@@ -699,24 +699,23 @@ class Trainer:
         self.hub_repo_id = None
         if self.layout.is_main:
             output_dir = cfg.train.output_dir
-            theirs = os.path.lexists(Path(output_dir) / "README.md") and "README.md" not in (
-                manifest.read(output_dir) or []
-            )
-            if theirs:
-                logger.warning(
-                    f"warning: {output_dir}/README.md was not written by flux-cp: kept, no model card written"
-                )
+            name, note = outdir.card_name(output_dir)  # a card the user wrote or edited is kept
+            if note:
+                logger.warning(f"warning: {note}")
 
             def card(repo_id: str | None = None) -> Path | None:
                 self.hub_repo_id = repo_id
-                if theirs:
+                if name is None:
                     return None
-                manifest.record(output_dir, "README.md")
-                return write_model_card(
+                manifest.record(output_dir, name)
+                path = write_model_card(
                     cfg.train.output_dir, cfg, kontext=self.shape.pairs, steps=self.max_steps,
                     layout=self.layout.describe(), cp_mode=self.cp_mode, repo_id=repo_id,
                     pipeline=self.shape.family.pipeline_class_name(self.shape.pairs), family=self.shape.family,
+                    filename=name,
                 )  # fmt: skip
+                manifest.note_written(output_dir, name)
+                return path
 
             try:
                 if cfg.hub.push_to_hub:

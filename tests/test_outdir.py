@@ -82,7 +82,6 @@ def test_overwrite_removes_only_what_the_manifest_lists(tmp_path):
     manifest.record(folder, "validation")
     (folder / "validation").mkdir()
     (folder / "validation" / "step-000002.png").write_bytes(b"x")
-    (folder / "validation" / "mine.txt").write_text("inside a folder the run created: removed with it")
     (folder / "my_transformer").mkdir()
     (folder / "keep.txt").write_text("mine")
     removed = outdir.claim(folder, None, True).removed
@@ -99,6 +98,66 @@ def test_overwrite_removes_only_what_the_manifest_lists(tmp_path):
     with pytest.raises(UsageError, match=r"holds transformer, which flux-cp did not write .* removes nothing"):
         outdir.claim(folder, None, True)
     assert (folder / "metrics.jsonl").exists() and (folder / "transformer" / "model.bin").exists()
+    outdir.release(folder)
+
+
+def test_overwrite_removes_only_flux_cp_s_files_from_the_folders_a_user_may_add_to(tmp_path):
+    """validation/, profile/ and the tracker folder: the run wrote files into them, a user may add theirs (notes,
+    an encoding cache put inside the logs); only flux-cp's files go, and the folders stay listed. Folders written
+    whole (checkpoints, transformer/) go whole."""
+    folder = tmp_path / "out"
+    outdir.claim(folder, logging_dir="tb")
+    written = ["validation/step-000002.png", "profile/rank0.json", "profile/rank0_summary.json",
+               "tb/flux-cp/events.out.tfevents.1.host", "tb/flux-cp/1700000000.1/events.out.tfevents.2.host",
+               "tb/flux-cp/1700000000.1/hparams.yml", "checkpoint-2/meta.json", "checkpoint-2/notes.txt",
+               "transformer/config.json"]  # fmt: skip
+    theirs = ["validation/my_notes.txt", "tb/cache/latents/0.safetensors", "profile/readme.md"]
+    for rel in written + theirs:
+        manifest.record(folder, rel.split("/")[0])
+        (folder / rel).parent.mkdir(parents=True, exist_ok=True)
+        (folder / rel).write_text(rel)
+    (folder / "validation" / "link.png").symlink_to(tmp_path / "elsewhere.png")
+    (tmp_path / "elsewhere.png").write_text("not the run's")
+    claimed = outdir.claim(folder, None, True, logging_dir="tb")
+    assert sorted(claimed.removed) == ["checkpoint-2", "profile", "tb", "transformer", "validation"]
+    left = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() or p.is_symlink())
+    assert left == sorted([manifest.NAME, outdir.LOCK_NAME, *theirs, "validation/link.png"])
+    assert (tmp_path / "elsewhere.png").read_text() == "not the run's"
+    assert claimed.notes == ["--overwrite_output_dir: kept profile/readme.md, tb/cache/latents/0.safetensors, "
+                             "validation/link.png, validation/my_notes.txt, which flux-cp did not write"]  # fmt: skip
+    assert sorted(manifest.read(folder)) == ["profile", "tb", "validation"]  # the run writes into them again
+    outdir.release(folder)
+
+
+def test_a_model_card_the_user_wrote_or_edited_is_kept_and_the_card_goes_beside_it(tmp_path):
+    folder = tmp_path / "out"
+    outdir.claim(folder)
+    assert outdir.card_name(folder) == ("README.md", None)
+    manifest.record(folder, "README.md")
+    (folder / "README.md").write_text("card")
+    manifest.note_written(folder, "README.md")
+    assert outdir.card_name(folder) == ("README.md", None)  # flux-cp's, as it wrote it: replaced
+    (folder / "README.md").write_text("card, and my notes")
+    name, note = outdir.card_name(folder)
+    assert name == "README.flux-cp.md"
+    assert (
+        note
+        == f"{folder}/README.md was edited since flux-cp wrote it: kept; this run's model card is README.flux-cp.md"
+    )
+    (folder / "README.flux-cp.md").write_text("mine too")  # not flux-cp's either: no card at all
+    name, note = outdir.card_name(folder)
+    assert name is None and note.endswith("kept, and README.flux-cp.md is not flux-cp's either: no model card written")
+    (folder / "README.flux-cp.md").unlink()
+    manifest.record(folder, "README.flux-cp.md")
+    (folder / "README.flux-cp.md").write_text("card")
+    manifest.note_written(folder, "README.flux-cp.md")
+    claimed = outdir.claim(folder, None, True)  # the edited card is the user's now: kept; the unedited one goes
+    assert claimed.removed == ["README.flux-cp.md"] and (folder / "README.md").read_text() == "card, and my notes"
+    assert claimed.notes == ["--overwrite_output_dir: kept README.md, edited since flux-cp wrote it (or with no "
+                             "record to tell)"]  # fmt: skip
+    assert manifest.edited(folder, "README.md") == "was not written by flux-cp"
+    manifest.record(folder, "README.md")  # listed, no hash recorded (an earlier version): an edit cannot be told
+    assert "kept no record to tell your edits by" in manifest.edited(folder, "README.md")
     outdir.release(folder)
 
 

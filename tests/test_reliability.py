@@ -349,15 +349,22 @@ def test_resume_applies_a_changed_learning_rate_and_says_what_a_weights_only_che
 def test_a_resume_from_an_earlier_checkpoint_branches_and_overwrite_removes_only_the_runs_files(tmp_path):
     """A finished run resumed from its checkpoint-2 with another learning rate: the later branch's checkpoints, final
     LoRA, loss curve and metrics are set aside (renamed, not deleted), metrics.jsonl holds one trajectory, the limit
-    never prunes the live branch's newest checkpoint, and `latest` picks it. --overwrite_output_dir then removes what
-    the two runs wrote (their manifest) and nothing else."""
+    never prunes the live branch's newest checkpoint, and `latest` picks it; the model card the user edited in between
+    is kept, the new one written beside it. --overwrite_output_dir then removes what the two runs wrote (their
+    manifest) and nothing else."""
     run = tmp_path / "run"
     ok(train(1, *_common(tmp_path, "run", 6, "--checkpointing_steps", "2")))
     first = read_metrics(run / "metrics.jsonl")
+    edited = (run / "README.md").read_text() + "\nMy notes on this LoRA.\n"
+    (run / "README.md").write_text(edited)
     branch = ["--checkpoints_total_limit", "1", "--resume_from_checkpoint", str(run / "checkpoint-2"),
               "--learning_rate", "5e-4"]  # fmt: skip
     r = ok(train(1, *_common(tmp_path, "run", 6, "--checkpointing_steps", "2", *branch)))
     assert "resuming checkpoint-2 while later checkpoints exist: a new branch from step 2" in r.stderr, r.stderr[-3000:]
+    assert f"warning: {run}/README.md was edited since flux-cp wrote it: kept; this run's model card is " in r.stderr
+    assert (run / "README.md").read_text() == edited and "learning rate | 0.0005" in (
+        run / "README.flux-cp.md"
+    ).read_text()
     aside = list(run.glob("abandoned-*"))
     moved = ["checkpoint-4", "checkpoint-6", "loss_curve.png", "metrics.jsonl", "pytorch_lora_weights.safetensors"]
     assert len(aside) == 1 and sorted(p.name for p in aside[0].iterdir()) == moved
@@ -373,5 +380,6 @@ def test_a_resume_from_an_earlier_checkpoint_branches_and_overwrite_removes_only
     removed = outdir.claim(run, None, True).removed
     assert aside[0].name in removed and "checkpoint-6" in removed
     assert sorted(p.name for p in run.iterdir()) == sorted([outdir.LOCK_NAME, manifest.NAME, "my_validation",
-                                                            "notes.txt"])  # fmt: skip
+                                                            "notes.txt", "README.md"])  # fmt: skip
+    assert (run / "README.md").read_text() == edited  # the user's card: edited, so theirs
     outdir.release(run)
