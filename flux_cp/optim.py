@@ -214,7 +214,9 @@ class Progress:
         checkpoint-k give step k+1 its loss)."""
         if not self.skipped:
             return None
-        kept = f"no final model or checkpoint was written, and {output_dir} keeps its earlier outputs"
+        kept = "no final model or checkpoint was written" + (
+            f", and {output_dir} keeps its earlier outputs" if self.start or checkpoints else ""
+        )
         steps = _steps(self.skipped)
         if not self.applied:
             after = f"the resume at step {self.start}" if self.start else "the start"
@@ -223,12 +225,14 @@ class Progress:
                 f"norm and {'were' if len(self.skipped) > 1 else 'was'} skipped (--on_nonfinite skip): {kept}. "
                 "Check the data and the settings (a lower --learning_rate)"
             )
+        many = len(self.skipped) > 1
+        them, were = ("them", "were") if many else ("it", "was")
         good = [k for k in checkpoints if k <= self.skipped[0] - 2]
-        then = (f"checkpoint-{good[-1]} is the newest checkpoint before them: resume from it with a lower "
+        then = (f"checkpoint-{good[-1]} is the newest checkpoint before {them}: resume from it with a lower "
                 "--learning_rate" if good else
-                "no checkpoint was written before them: run again with a lower --learning_rate")  # fmt: skip
-        last = f"the last {len(self.skipped)} of the run" if len(self.skipped) > 1 else "the last of the run"
+                f"no checkpoint was written before {them}: run again with a lower --learning_rate")  # fmt: skip
+        last = f"the last {len(self.skipped)} of the run" if many else "the last of the run"
         return (
-            f"{steps}, {last}, had a non-finite loss or gradient norm and {'were' if len(self.skipped) > 1 else 'was'} "
-            f"skipped (--on_nonfinite skip): the weights before them give non-finite losses, so {kept}. {then}"
+            f"{steps}, {last}, had a non-finite loss or gradient norm and {were} skipped (--on_nonfinite skip): the "
+            f"weights before {them} give non-finite losses, so {kept}. {then}"
         )
