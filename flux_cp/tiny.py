@@ -245,11 +245,12 @@ def _check_target(path: Path, recipe: Recipe) -> bool:
     if not names:
         return False
     marker = _json(path / MARKER)
-    built = (f"a model built with another recipe ({marker.get('recipe')})" if isinstance(marker, dict) and
-             (path / "model_index.json").is_file() else "files this builder did not write")  # fmt: skip
+    if isinstance(marker, dict) and (path / "model_index.json").is_file():
+        raise UsageError(f"--out {path} holds the model of another recipe ({marker.get('recipe')}, not "
+                         f"{recipe.name}): choose another --out")  # fmt: skip
     shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-    raise UsageError(f"--out {path} holds {built} ({shown}): it writes only into a new or empty folder, or one it "
-                     "built before; choose another --out")  # fmt: skip
+    raise UsageError(f"--out {path} holds files this builder did not write ({shown}): it writes only into a new or "
+                     "empty folder, or one it built before; choose another --out")  # fmt: skip
 
 
 def build_once(path: Path, write: Callable[[Path], None], recipe: Recipe) -> Path:

@@ -70,7 +70,7 @@ def test_any_other_folder_is_refused_and_left_as_it_was(tmp_path, what):
     if what == "notes":
         assert "holds files this builder did not write (notes.txt)" in str(e.value)
     if what == "other_recipe":
-        assert "a model built with another recipe (tiny-flux2-v1)" in str(e.value)
+        assert "holds the model of another recipe (tiny-flux2-v1, not test-v1): choose another --out" in str(e.value)
 
 
 @pytest.mark.parametrize(
