@@ -134,13 +134,15 @@ def write_model_card(
     repo_id: str | None = None,
     pipeline: str | None = None,
     family: Family | None = None,
+    filename: str = "README.md",
 ) -> Path:
     """Write `<output_dir>/README.md` for the run `cfg` and return its path. `kontext`: trained on FLUX.1 Kontext
     pairs. `steps`: optimizer steps trained (default: the last step of metrics.jsonl). `layout`, `cp_mode`: the
     process layout and the CP mode the run used (Layout.describe(), the chosen mode). `repo_id`: the Hub
     repository the folder goes to (the snippet loads from it; default: the output folder). `pipeline`: diffusers'
     pipeline class of the snippet (the family's; default: FluxKontextPipeline for `kontext`, else FluxPipeline).
-    `family`: the model family trained (default FLUX.1); `kontext` then means its reference-image pairs."""
+    `family`: the model family trained (default FLUX.1); `kontext` then means its reference-image pairs. `filename`:
+    the card's name, when README.md is the user's (flux_cp.outdir.card_name)."""
     from huggingface_hub import ModelCardData
 
     from .families import FLUX1
@@ -264,6 +266,6 @@ def write_model_card(
         body += ["## License", "", f"Please adhere to the licensing terms of the base model, {known.model_id}: "
                  f"[{known.license_name or known.license}]({link}).", ""]  # fmt: skip
     text = f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(body).replace("\n\n\n", "\n\n")
-    path = out / "README.md"
+    path = out / filename
     files.write_text(path, text)
     return path

@@ -118,7 +118,7 @@ RESUMABLE_CHANGES = (
 # Entries of the run identity compared through "data" (the fingerprint of the data set's names, contents and
 # captions): the rows behind it (kept in the checkpoint's data.json, read to say which files differ) and the
 # fingerprint of versions that identified the data by its path, to compare with their checkpoints.
-_DATA_DETAIL = ("data_files", "data_legacy")
+_DATA_DETAIL = ("data_files", "data_legacy", "prior_files")
 
 
 def run_identity(
@@ -152,6 +152,8 @@ def run_identity(
     }  # fmt: skip
     if not isinstance(data, str):
         identity.update(data_files=data.files, data_legacy=data.legacy)
+    if classes is not None:  # kept in meta.json (a few rows): a resume with other class images names them
+        identity["prior_files"] = classes.files
     return identity
 
 
@@ -215,6 +217,8 @@ def check_compatible(meta: dict, run: dict, path: Path) -> None:
                 diffs.append(f"data: checkpoint {saved.get('data')!r}, now {run['data_legacy']!r}")
         elif k == "data" and saved.get("data") != v and (rows := _saved_data_files(path)) is not None:
             diffs.append(f"data set differs ({_data_differences(rows, run.get('data_files', []))})")
+        elif k == "prior" and saved.get(k) and v and saved[k] != v and isinstance(saved.get("prior_files"), list):
+            diffs.append(f"class images differ ({_data_differences(saved['prior_files'], run.get('prior_files', []))})")
         elif saved.get(k) != v:
             diffs.append(f"{k}: checkpoint {saved.get(k)!r}, now {v!r}")
     if diffs:

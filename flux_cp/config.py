@@ -276,8 +276,8 @@ class DataConfig:
     )
     class_data_dir: str | None = flag(
         None,
-        "The folder of class images for --with_prior_preservation; missing ones (up to --num_class_images) are "
-        "generated there with the base model. Default: none.",
+        "The folder of class images for --with_prior_preservation (read, never written); missing ones (up to "
+        "--num_class_images) are generated with the base model into its subfolder generated/. Default: none.",
     )
     class_prompt: str | None = flag(
         None, "The prompt of the class images (--with_prior_preservation), e.g. 'a photo of a dog'. Default: none."

@@ -1,5 +1,5 @@
-"""Uploading a run's output folder to the Hugging Face Hub (`--push_to_hub`), as diffusers' training examples do:
-create the model repository (or reuse it) and upload the folder, leaving out the checkpoints and logs. Failures
+"""Uploading a run's final outputs to the Hugging Face Hub (`--push_to_hub`), as diffusers' training examples do:
+create the model repository (or reuse it) and upload the output folder's published files (`PUBLISHED`). Failures
 the user can fix (no token, a refused token, no network, offline mode) are one UsageError line; the calls that
 tell first (`whoami`, `create_repo`) make one attempt, so an unreachable hub fails in well under a second
 instead of after huggingface_hub's retries.
@@ -15,12 +15,16 @@ from pathlib import Path
 
 from .errors import UsageError
 
-# What stays local, relative to the output folder (fnmatch patterns, as huggingface_hub's upload_folder takes
-# them): resumable checkpoints (large, and only this trainer reads them), partial writes, the run lock, tracker
-# logs, profiler traces and wandb's folder. The model, its card, validation images, metrics and the loss curve go.
-DEFAULT_IGNORE = (
-    "checkpoint-*", "checkpoint-*/**", ".checkpoint-*", ".checkpoint-*/**", ".*.partial", ".*.partial/**", ".*.old",
-    ".*.old/**", "*.tmp", ".flux_cp.lock", "logs/**", "profile/**", "wandb/**",
+# What a push uploads, relative to the output folder (fnmatch patterns, as huggingface_hub's upload_folder takes
+# them): an allow-list of the run's final outputs, what a user publishes - the trained weights (LoRA file, or a full
+# fine-tune's transformer/ files), the model card, the validation images, the metrics and the loss curve. Anything
+# else a run's folder holds stays local, whatever its name: checkpoints (weights, optimizer state, and data.json
+# listing every training file's name and caption), branches set aside (abandoned-*), the manifest, the lock, partial
+# writes, tracker logs, profiles, run_config.json (the run's local paths), and the user's own files.
+PUBLISHED = (
+    "pytorch_lora_weights.safetensors", "README.md", "transformer/config.json",
+    "transformer/diffusion_pytorch_model*.safetensors", "transformer/diffusion_pytorch_model.safetensors.index.json",
+    "validation/step-*.png", "metrics.jsonl", "loss_curve.png",
 )  # fmt: skip
 
 LOGIN_HINT = "log in with `hf auth login` (or set HF_TOKEN)"
@@ -39,14 +43,6 @@ def check_token(hub_token: str | None) -> None:
     """At start: a UsageError when `--push_to_hub` could not get any token (nothing is sent anywhere)."""
     if token(hub_token) is None:
         raise UsageError(f"--push_to_hub needs a Hugging Face token: {LOGIN_HINT}, or pass --hub_token")
-
-
-def ignore_patterns(logging_dir: str | None = "logs") -> list[str]:
-    """DEFAULT_IGNORE, with the tracker folder (`--logging_dir`, relative to the output folder) instead of `logs`."""
-    patterns = [p for p in DEFAULT_IGNORE if p != "logs/**"]
-    if logging_dir and not Path(logging_dir).is_absolute():
-        patterns.append(f"{Path(logging_dir).as_posix().strip('/')}/**")
-    return patterns
 
 
 def _network_errors() -> tuple[type[BaseException], ...]:
@@ -75,13 +71,12 @@ def push_to_hub(
     hub_model_id: str | None,
     token: str | None,
     private: bool = False,
-    ignore: list[str] | tuple[str, ...] | None = None,
     commit_message: str = "End of training",
     on_repo: Callable[[str], None] | None = None,
 ) -> str:
     """Upload `output_dir` to the model repository `hub_model_id` (`name` or `owner/name`; None: the output folder's
     name, in the token owner's namespace, as diffusers' examples do), creating it when missing. `token`: None uses
-    huggingface_hub's own (HF_TOKEN, the stored login). `ignore`: fnmatch patterns left local (DEFAULT_IGNORE).
+    huggingface_hub's own (HF_TOKEN, the stored login). Only the files `PUBLISHED` names are sent.
     `on_repo(repo_id)`: called with the repository's full id (`owner/name`) once it exists, before the upload (to
     write the model card naming it: flux_cp.card). Call it on one process. Returns the repository's URL. A hub
     that cannot be reached or refuses the token is a one-line UsageError."""
@@ -105,7 +100,7 @@ def push_to_hub(
             repo_id=repo.repo_id,
             folder_path=str(folder),
             commit_message=commit_message,
-            ignore_patterns=list(DEFAULT_IGNORE if ignore is None else ignore),
+            allow_patterns=list(PUBLISHED),
         )
     except HfHubHTTPError as e:
         status = getattr(e.response, "status_code", None)

@@ -1,12 +1,17 @@
 """Which entries of an output folder a flux-cp run wrote: the manifest `.flux_cp_manifest.json`.
 
 `--overwrite_output_dir` deletes the entries listed here and nothing else, so a folder (or file) flux-cp did not
-create is never deleted, whatever its name. Each writer records its entry just before creating it (checkpoints,
-the final model, metrics.jsonl, run_config.json, the loss curve, validation/, profile/, the tracker folder when it
-is inside the output folder); the file is rewritten atomically, by the main process only (the output folder's lock
-keeps other runs out). Entries are paths relative to the output folder, checked when read: an entry that is
-absolute, climbs out with `..` or passes through a symbolic link is refused, so a damaged or hostile manifest cannot
-make the trainer delete anything outside the folder.
+create is never deleted, whatever its name. Folders written whole (checkpoints, the final `transformer/`, a branch
+set aside) are removed whole; from the folders a run writes files into and a user may add to (validation/, profile/,
+the tracker folder) only the files flux-cp writes there are removed (`remove`). The manifest also records the hash
+of a file a user may edit (the model card) when the run wrote it, so that an edit is seen and kept (`edited`).
+
+Each writer records its entry just before creating it (checkpoints, the final model, metrics.jsonl, run_config.json,
+the loss curve, the model card, validation/, profile/, the tracker folder when it is inside the output folder); the
+file is rewritten atomically, by the main process only (the output folder's lock keeps other runs out). Entries are
+paths relative to the output folder, checked when read: an entry that is absolute, climbs out with `..` or passes
+through a symbolic link is refused, so a damaged or hostile manifest cannot make the trainer delete anything outside
+the folder.
 
 Folders written by versions before the manifest are recognised by their content (`legacy_outputs`): only entries
 that hold nothing but what flux-cp writes there count, and only in a folder marked as a flux-cp run by its
@@ -15,6 +20,7 @@ run_config.json or a checkpoint's meta.json.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -30,12 +36,14 @@ FORMAT = 1
 # Files and folders a run writes at the top of its output folder, besides checkpoints and its tracker folder.
 RUN_OUTPUTS = ("run_config.json", "metrics.jsonl", "pytorch_lora_weights.safetensors", "transformer",
                "loss_curve.png", "validation", "profile")  # fmt: skip
+# Files a run writes that a user may edit (the model card): kept, not replaced or removed, once edited (`edited`).
+EDITABLE = ("README.md", "README.flux-cp.md")
 CHECKPOINT = re.compile(r"^(checkpoint-\d+|\.checkpoint-\d+\.partial)$")
 ABANDONED = re.compile(r"^abandoned-\d{8}-\d{6}(-\d+)?$")
 
 
-def read(folder: str | os.PathLike) -> list[str] | None:
-    """The entries of `folder`'s manifest (None: there is none); a UsageError if it is damaged."""
+def _load(folder: str | os.PathLike) -> dict | None:
+    """The manifest of `folder`, its entries checked (None: there is none); a UsageError if it is damaged."""
     path = Path(folder) / NAME
     if not os.path.lexists(path):
         return None
@@ -54,7 +62,14 @@ def read(folder: str | os.PathLike) -> list[str] | None:
         raise UsageError(f"{where} is not a flux-cp manifest (format {FORMAT} with a list of 'entries'): remove it")
     for entry in entries:
         check_entry(entry, where)
-    return entries
+    digests = data.get("digests")
+    return {"entries": entries, "digests": digests if isinstance(digests, dict) else {}}
+
+
+def read(folder: str | os.PathLike) -> list[str] | None:
+    """The entries of `folder`'s manifest (None: there is none); a UsageError if it is damaged."""
+    data = _load(folder)
+    return None if data is None else data["entries"]
 
 
 def check_entry(entry: object, where: str = "manifest") -> str:
@@ -67,8 +82,42 @@ def check_entry(entry: object, where: str = "manifest") -> str:
     return entry
 
 
-def _write(folder: Path, entries: list[str]) -> None:
-    files.write_json(folder / NAME, {"format": FORMAT, "written_by": "flux-cp", "entries": sorted(set(entries))})
+def _write(folder: Path, entries: list[str], digests: dict | None = None) -> None:
+    """Rewrite the manifest with `entries`, keeping the recorded digests of those still listed (`digests`: all)."""
+    if digests is None:
+        digests = (_load(folder) or {}).get("digests", {}) if os.path.lexists(folder / NAME) else {}
+    kept = {k: v for k, v in digests.items() if k in entries}
+    data = {"format": FORMAT, "written_by": "flux-cp", "entries": sorted(set(entries))}
+    files.write_json(folder / NAME, {**data, **({"digests": kept} if kept else {})})
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def note_written(folder: str | os.PathLike, name: str) -> None:
+    """Record the hash of `name` (a listed file) as this run just wrote it, to tell a user's later edits by."""
+    folder = Path(folder)
+    data = _load(folder)
+    if data is None or name not in data["entries"]:
+        return
+    _write(folder, data["entries"], {**data["digests"], name: _digest(folder / name)})
+
+
+def edited(folder: str | os.PathLike, name: str) -> str | None:
+    """Why the file `name` of `folder` is the user's (None: it is absent, or flux-cp wrote it as it is now): not
+    written by flux-cp, or changed since (or written when no hash was recorded, so an edit cannot be told)."""
+    folder = Path(folder)
+    path = folder / name
+    if not os.path.lexists(path):
+        return None
+    data = _load(folder)
+    if data is None or name not in data["entries"] or path.is_symlink() or not path.is_file():
+        return "was not written by flux-cp"
+    recorded = data["digests"].get(name)
+    if recorded is None:
+        return "was written by an earlier version of flux-cp, which kept no record to tell your edits by"
+    return None if recorded == _digest(path) else "was edited since flux-cp wrote it"
 
 
 def start(folder: str | os.PathLike, entries: list[str]) -> None:
@@ -114,9 +163,24 @@ def _under_listed(name: str, entries: list[str]) -> bool:
     return any(PurePosixPath(*parts[:i]).as_posix() in entries for i in range(1, len(parts)))
 
 
-def remove(folder: Path, entry: str) -> None:
-    """Delete one entry of `folder`: a link or file is unlinked (a link is never followed), a folder removed with
-    what is in it. An entry below a link (`logs` -> elsewhere, then `logs/x`) is refused."""
+# Folder entries flux-cp writes whole (by renaming a complete folder into place): removed whole.
+def _whole(entry: str) -> bool:
+    name = PurePosixPath(entry).parts[0]
+    return bool(CHECKPOINT.match(name) or ABANDONED.match(name) or name == "transformer" or
+                re.match(r"^\..+\.(partial|old)$", name))  # fmt: skip
+
+
+def _ours(entry: str) -> re.Pattern:
+    """The files flux-cp writes into the folder entry `entry`, one a user may add files to: the validation images,
+    the profiler's traces, or (any other folder entry: the tracker folder) TensorBoard's event files."""
+    return {"validation": _VALIDATION_FILE, "profile": _PROFILE_FILE}.get(entry, _TRACKER_FILE)
+
+
+def remove(folder: Path, entry: str) -> list[str]:
+    """Delete one entry of `folder`: a link or file is unlinked (a link is never followed), a folder written whole
+    removed with what is in it; from a folder the run wrote files into only flux-cp's files are removed (then the
+    folders left empty). Returns the files kept (paths relative to `folder`). An entry below a link (`logs` ->
+    elsewhere, then `logs/x`) is refused."""
     check_entry(entry)
     path = folder / entry
     parent = folder
@@ -126,8 +190,27 @@ def remove(folder: Path, entry: str) -> None:
             raise UsageError(f"--output_dir {folder}: {entry} lies behind the link {parent}: not removing it")
     if path.is_symlink() or (path.exists() and not path.is_dir()):
         path.unlink()
-    elif path.is_dir():
+    elif path.is_dir() and _whole(entry):
         shutil.rmtree(path)
+    elif path.is_dir():
+        ours, kept = _ours(entry), []
+        for root, dirs, names in os.walk(path, topdown=False):  # links are not followed: listed as names, kept
+            for name in names:
+                p = Path(root) / name
+                if ours.match(name) and not p.is_symlink():
+                    p.unlink()
+                else:
+                    kept.append(p.relative_to(folder).as_posix())
+            for name in dirs:
+                d = Path(root) / name
+                if d.is_symlink():
+                    kept.append(d.relative_to(folder).as_posix())
+                elif not any(d.iterdir()):
+                    d.rmdir()
+        if not any(path.iterdir()):
+            path.rmdir()
+        return sorted(kept)
+    return []
 
 
 # --- folders of versions before the manifest --------------------------------------------------------------
@@ -173,7 +256,7 @@ def _json(path: Path) -> object:
         return None
 
 
-def _marked(folder: Path) -> bool:
+def is_run_folder(folder: Path) -> bool:
     """A flux-cp output folder: its run_config.json or a checkpoint's meta.json says so (a model folder never is)."""
     if (folder / "model_index.json").exists():
         return False
@@ -191,7 +274,7 @@ def legacy_outputs(folder: str | os.PathLike, tracker_dir: str | None) -> list[s
     """Entries of a folder written before the manifest that are recognisably flux-cp's (see the module's text).
     `tracker_dir`: the tracker folder relative to `folder` when it is inside it."""
     folder = Path(folder)
-    if not folder.is_dir() or not _marked(folder):
+    if not folder.is_dir() or not is_run_folder(folder):
         return []
     found = []
     for p in folder.iterdir():

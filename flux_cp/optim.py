@@ -10,6 +10,7 @@ import io
 import logging
 import math
 import sys
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -184,3 +185,54 @@ def check_finite(loss: float, grad_norm: float, on_nonfinite: str, step: int) ->
             f"pass --on_nonfinite skip to skip such steps"
         )
     logger.warning(f"step {step}: non-finite loss or gradient norm, update skipped (--on_nonfinite skip)")
+
+
+def _steps(steps: list[int]) -> str:
+    return f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
+
+
+@dataclass
+class Progress:
+    """Which steps of a run that started (or resumed) after step `start` had their update applied, as `after_step`
+    reads them (with --on_nonfinite skip a non-finite step's update is dropped). A run whose every step was skipped
+    did not train; one whose last steps were skipped ends with weights that gave non-finite losses. Neither may
+    write its final model: `failure` says why."""
+
+    start: int
+    applied: int = 0
+    skipped: list[int] = field(default_factory=list)  # the trailing run of skipped steps
+
+    def note(self, step: int, skipped: bool) -> None:
+        if skipped:
+            self.skipped.append(step)
+        else:
+            self.applied, self.skipped = self.applied + 1, []
+
+    def failure(self, checkpoints: list[int], output_dir: str) -> str | None:
+        """Why the run's end must not be written as its final model (None: it may). `checkpoints`: the steps of the
+        output folder's checkpoints, to name the newest one whose weights gave a finite loss (the weights of
+        checkpoint-k give step k+1 its loss)."""
+        if not self.skipped:
+            return None
+        kept = "no final model or checkpoint was written" + (
+            f", and {output_dir} keeps its earlier outputs" if self.start or checkpoints else ""
+        )
+        steps = _steps(self.skipped)
+        if not self.applied:
+            after = f"the resume at step {self.start}" if self.start else "the start"
+            return (
+                f"the run did not train: {steps}, every step after {after}, had a non-finite loss or gradient "
+                f"norm and {'were' if len(self.skipped) > 1 else 'was'} skipped (--on_nonfinite skip): {kept}. "
+                "Check the data and the settings (a lower --learning_rate)"
+            )
+        many = len(self.skipped) > 1
+        them, were = ("them", "were") if many else ("it", "was")
+        good = [k for k in checkpoints if k <= self.skipped[0] - 2]
+        then = (f"checkpoint-{good[-1]} is the newest checkpoint before {them}: resume from it with a lower "
+                "--learning_rate" if good else
+                f"no checkpoint was written before {them}: run again with a lower --learning_rate")  # fmt: skip
+        last = f"the last {len(self.skipped)} of the run" if many else "the last of the run"
+        return (
+            f"{steps}, {last}, had a non-finite loss or gradient norm and {were} skipped (--on_nonfinite skip): the "
+            f"weights before {them} give non-finite losses, so {kept}. {then}"
+        )

@@ -199,10 +199,12 @@ def claim(
     logging_dir: str | None = None,
     apart: dict[str, str | os.PathLike | None] | None = None,
     max_train_steps: int | None = None,
+    accept: Callable[[resume.Decision], None] | None = None,
 ) -> Claim:
     """Make `output_dir` this run's (main process only), before anything loads: see the module's text.
     `logging_dir`: the tracker folder as given (relative to the output folder), None when no tracker writes one;
-    `apart`: flag -> folder the output folder must stay apart from (the model, the data set)."""
+    `apart`: flag -> folder the output folder must stay apart from (the model, the data set); `accept(decision)`:
+    raises a UsageError to refuse how the run would start, before anything in the folder changes."""
     folder = Path(output_dir)
     check_apart(folder, apart or {})
     check_writable(folder, "--output_dir")
@@ -211,7 +213,10 @@ def claim(
     tracker = tracker_folder(folder, logging_dir)
     earlier, owned = earlier_outputs(folder, tracker)
     decision = resume.decide(folder, resume_from, overwrite, max_train_steps, earlier)
+    if accept is not None:
+        accept(decision)
     removed: list[str] = []
+    notes: list[str] = []
     if decision.kind in ("new", "fork") and earlier:  # with --overwrite_output_dir (else decide refused)
         foreign = [n for n in earlier if n not in owned]
         if foreign:
@@ -220,9 +225,16 @@ def claim(
                 "write (no manifest lists them and they do not look like its outputs), so it removes nothing: move "
                 "them away, or choose another folder"
             )
-        for name in owned:
-            manifest.remove(folder, name)
-        removed, owned = owned, []
+        edited = [n for n in owned if n in manifest.EDITABLE and manifest.edited(folder, n)]  # the user's now
+        owned = [n for n in owned if n not in edited]
+        kept = [path for name in owned for path in manifest.remove(folder, name)]
+        removed, owned = owned, [n for n in owned if os.path.lexists(folder / n)]  # holding the user's files
+        if kept:
+            shown = ", ".join(kept[:5]) + (f" and {len(kept) - 5} more" if len(kept) > 5 else "")
+            notes.append(f"--overwrite_output_dir: kept {shown}, which flux-cp did not write")
+        if edited:
+            notes.append(f"--overwrite_output_dir: kept {', '.join(edited)}, edited since flux-cp wrote it (or with "
+                         "no record to tell)")  # fmt: skip
     if tracker and not os.path.lexists(folder / tracker):  # created by this run, so removed with it
         parts = Path(tracker).parts
         created = next(
@@ -232,7 +244,23 @@ def claim(
         if not any(Path(o) in (created, *created.parents) for o in owned):
             owned.append(created.as_posix())
     manifest.start(folder, owned)
-    return Claim(removed, decision, resume.apply(decision, folder))
+    return Claim(removed, decision, notes + resume.apply(decision, folder))
+
+
+CARD = "README.md"
+CARD_BESIDE = "README.flux-cp.md"  # the model card's name when README.md is the user's
+
+
+def card_name(output_dir: str | os.PathLike) -> tuple[str | None, str | None]:
+    """Where the model card goes, and a line to log when not README.md: README.md unless the user wrote it or edited
+    it since flux-cp wrote it (flux_cp.manifest.edited); then it is kept and the card goes beside it, to
+    README.flux-cp.md, unless that one is theirs too (no card is written)."""
+    why = manifest.edited(output_dir, CARD)
+    if why is None:
+        return CARD, None
+    if manifest.edited(output_dir, CARD_BESIDE) is None:
+        return CARD_BESIDE, f"{output_dir}/{CARD} {why}: kept; this run's model card is {CARD_BESIDE}"
+    return None, f"{output_dir}/{CARD} {why}: kept, and {CARD_BESIDE} is not flux-cp's either: no model card written"
 
 
 def write_final(output_dir: str | os.PathLike, name: str, write: Callable[[Path], Path]) -> Path:

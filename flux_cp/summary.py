@@ -47,7 +47,8 @@ def outputs(cfg: Config, hub_url: str | None = None, tracker_urls: tuple[str, ..
         found.append((LORA_FILE, f"the LoRA ({cfg.lora.lora_format} format)"))
     if (out / "transformer").is_dir():
         found.append(("transformer/", "the fine-tuned transformer (diffusers' format)"))
-    for name, what in (("README.md", "model card"), ("run_config.json", "every setting of the run"),
+    for name, what in (("README.md", "model card"), ("README.flux-cp.md", "this run's model card (README.md is yours)"),
+                       ("run_config.json", "every setting of the run"),
                        ("metrics.jsonl", "one row per step: loss, lr, speed, memory"),
                        ("loss_curve.png", "the loss curve")):  # fmt: skip
         if (out / name).is_file():

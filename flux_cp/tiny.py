@@ -9,11 +9,14 @@ architecture, fed reference-image tokens after the target's).
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import shutil
 import string
+import sys
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -188,11 +191,76 @@ def default_cache_dir(kontext: bool = False) -> Path:
     return home() / f"tiny-flux{'-kontext' if kontext else ''}-v{TINY_VERSION}"
 
 
-def build_once(path: Path, write: Callable[[Path], None]) -> Path:
-    """The model folder `path`, written by `write(folder)` unless it is there already. Safe when several processes
-    call it at once (every rank of a launch does): one builds under a file lock while the others wait and then find
-    the finished folder, and the folder appears by atomic rename, so a crash mid-build leaves no half-written one."""
-    if (path / "model_index.json").is_file():
+# Written into every folder build_once makes: which recipe built it. A folder holding it is one this module built
+# (reused when the recipe matches); a folder without it is the user's and is never written.
+MARKER = ".flux_cp_tiny.json"
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What a built folder holds: the recipe's `name` (with its version), the pipeline class model_index.json
+    names and the transformer config it carries (to recognise a copy built before the marker existed)."""
+
+    name: str
+    pipeline: str
+    transformer: dict
+
+
+def _json(path: Path) -> object:
+    try:
+        return json.loads(path.read_text()) if path.is_file() and not path.is_symlink() else None
+    except (OSError, ValueError):
+        return None
+
+
+def _plain(value: object) -> object:
+    return list(value) if isinstance(value, tuple) else value
+
+
+def _is_built(path: Path, recipe: Recipe) -> bool:
+    """`path` holds the model `recipe` builds: written by build_once (its marker), or by a version before the
+    marker (model_index.json and the transformer's config are the recipe's)."""
+    if not (path / "model_index.json").is_file():
+        return False
+    marker = _json(path / MARKER)
+    if marker is not None:
+        return isinstance(marker, dict) and marker.get("recipe") == recipe.name
+    index, config = _json(path / "model_index.json"), _json(path / "transformer" / "config.json")
+    return (isinstance(index, dict) and index.get("_class_name") == recipe.pipeline and isinstance(config, dict)
+            and all(config.get(k) == _plain(v) for k, v in recipe.transformer.items()))  # fmt: skip
+
+
+def _check_target(path: Path, recipe: Recipe) -> bool:
+    """Whether `path` holds the model already (True), or is new or empty (False, to build); any other folder is
+    refused with a UsageError: the builder writes only into a new or empty folder, or one it built before."""
+    from .errors import UsageError
+
+    if _is_built(path, recipe):
+        return True
+    if not os.path.lexists(path):
+        return False
+    if path.is_symlink() or not path.is_dir():
+        raise UsageError(f"--out {path} is {'a link' if path.is_symlink() else 'a file'}: choose a new or empty folder")
+    names = sorted(p.name for p in path.iterdir())
+    if not names:
+        return False
+    marker = _json(path / MARKER)
+    if isinstance(marker, dict) and (path / "model_index.json").is_file():
+        raise UsageError(f"--out {path} holds the model of another recipe ({marker.get('recipe')}, not "
+                         f"{recipe.name}): choose another --out")  # fmt: skip
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    raise UsageError(f"--out {path} holds files this builder did not write ({shown}): it writes only into a new or "
+                     "empty folder, or one it built before; choose another --out")  # fmt: skip
+
+
+def build_once(path: Path, write: Callable[[Path], None], recipe: Recipe) -> Path:
+    """The model folder `path`, written by `write(folder)` unless it holds the model of `recipe` already. Only a
+    new or empty folder is written (any other is refused: `_check_target`). Safe when several processes call it at
+    once (every rank of a launch does): one builds under a file lock while the others wait and then find the
+    finished folder. The build goes to a temporary sibling, which is renamed into place once complete (with the
+    marker naming the recipe), so a crash mid-build leaves no half-written folder."""
+    path = Path(path)
+    if _check_target(path, recipe):
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     # Opened without following a link (a link named like the lock must not redirect the open) and not truncated.
@@ -207,13 +275,16 @@ def build_once(path: Path, write: Callable[[Path], None]) -> Path:
         ) from None
     with open(fd, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if (path / "model_index.json").is_file():
+        if _check_target(path, recipe):
             return path
-        tmp = Path(tempfile.mkdtemp(prefix=path.name + ".tmp", dir=path.parent))
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
         try:
             write(tmp)
-            shutil.rmtree(path, ignore_errors=True)
-            os.rename(tmp, path)
+            (tmp / MARKER).write_text(json.dumps({"written_by": "flux_cp.tiny", "recipe": recipe.name}) + "\n")
+            from .files import apply_umask
+
+            apply_umask(tmp)
+            os.rename(tmp, path)  # replaces an empty folder; a folder filled meanwhile makes it fail
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return path
@@ -222,7 +293,9 @@ def build_once(path: Path, write: Callable[[Path], None]) -> Path:
 def ensure_tiny_pipeline(path: str | os.PathLike | None = None, kontext: bool = False) -> Path:
     """Return a folder holding the tiny pipeline (or its Kontext variant) in diffusers layout, building it once."""
     path = Path(path) if path else default_cache_dir(kontext)
-    return build_once(path, lambda tmp: build_tiny_pipeline(kontext=kontext).save_pretrained(tmp))
+    recipe = Recipe(f"tiny-flux1{'-kontext' if kontext else ''}-v{TINY_VERSION}",
+                    "FluxKontextPipeline" if kontext else "FluxPipeline", TRANSFORMER_CONFIG)  # fmt: skip
+    return build_once(path, lambda tmp: build_tiny_pipeline(kontext=kontext).save_pretrained(tmp), recipe)
 
 
 def write_flux1_dev_shapes(path: str | os.PathLike, kontext: bool = False) -> Path:
@@ -230,12 +303,17 @@ def write_flux1_dev_shapes(path: str | os.PathLike, kontext: bool = False) -> Pa
     `--transformer_init random`), with tiny VAE and text encoders of the matching output sizes (16 latent
     channels, CLIP 768, T5 4096). For benchmarks and equivalence runs at FLUX.1 size without downloads.
     `kontext`: the same folder as a FluxKontextPipeline (FLUX.1 Kontext [dev] has FLUX.1-dev's transformer
-    config)."""
+    config). Written like the tiny folder (`build_once`): only into a new or empty folder, or one built before."""
+    recipe = Recipe(f"flux1-dev-shapes{'-kontext' if kontext else ''}-v{TINY_VERSION}",
+                    "FluxKontextPipeline" if kontext else "FluxPipeline", FLUX1_DEV_TRANSFORMER)  # fmt: skip
+    return build_once(Path(path), lambda tmp: _write_flux1_dev_shapes(tmp, kontext), recipe)
+
+
+def _write_flux1_dev_shapes(path: Path, kontext: bool) -> None:
     from diffusers import FluxTransformer2DModel
 
     from .files import write_json
 
-    path = Path(path)
     pipe = build_tiny_pipeline(clip_dim=768, t5_dim=4096, latent_channels=16, transformer=False)
     for name in ("vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "scheduler"):
         getattr(pipe, name).save_pretrained(path / name)
@@ -258,7 +336,6 @@ def write_flux1_dev_shapes(path: str | os.PathLike, kontext: bool = False) -> Pa
         lib = "diffusers" if type(obj).__module__.startswith("diffusers") else "transformers"
         index[name] = [lib, type(obj).__name__]
     write_json(path / "model_index.json", index)
-    return path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -277,6 +354,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--kontext", action="store_true", help="Save it as a FluxKontextPipeline (FLUX.1 Kontext).")
     a = p.parse_args(argv)
+    from .errors import UsageError
+
+    try:
+        print(_build(p, a))
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _build(p, a) -> Path:
     family = a.family or ("flux1-kontext" if a.kontext else "flux1")
     if a.kontext and family != "flux1-kontext":
         p.error(f"--kontext is --family flux1-kontext; it does not combine with --family {family}")
@@ -288,19 +376,17 @@ def main(argv: list[str] | None = None) -> int:
             )
         from .tiny_flux2 import write_flux2_shapes
 
-        print(write_flux2_shapes(a.out, klein=implied == "flux2-klein"))
-    elif family.startswith("flux2"):
+        return write_flux2_shapes(a.out, klein=implied == "flux2-klein")
+    if family.startswith("flux2"):
         if a.preset != "tiny":
             shapes = {"flux2": "flux2-dev-shapes", "flux2-klein": "flux2-klein-shapes"}[family]
             p.error(f"--preset {a.preset} is FLUX.1's; for --family {family} use --preset {shapes}")
         from .tiny_flux2 import ensure_tiny_flux2_pipeline
 
-        print(ensure_tiny_flux2_pipeline(a.out, klein=family == "flux2-klein"))
-    elif a.preset == "tiny":
-        print(ensure_tiny_pipeline(a.out, kontext=family == "flux1-kontext"))
-    else:
-        print(write_flux1_dev_shapes(a.out, kontext=family == "flux1-kontext"))
-    return 0
+        return ensure_tiny_flux2_pipeline(a.out, klein=family == "flux2-klein")
+    if a.preset == "tiny":
+        return ensure_tiny_pipeline(a.out, kontext=family == "flux1-kontext")
+    return write_flux1_dev_shapes(a.out, kontext=family == "flux1-kontext")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from .flux2_recipe import DEV_TEXT_LAYERS, KLEIN_TEXT_LAYERS
-from .tiny import build_once, home
+from .tiny import Recipe, build_once, home
 
 # Bump when the recipe below changes, so cached copies are rebuilt.
 TINY_FLUX2_VERSION = 1
@@ -303,19 +303,29 @@ def ensure_tiny_flux2_pipeline(path: str | os.PathLike | None = None, klein: boo
     """Return a folder holding the tiny FLUX.2 [dev] pipeline (or [klein]) in diffusers layout, building it once
     (under FLUX_CP_HOME, or ~/.cache/flux_cp, when no path is given)."""
     path = Path(path) if path else default_flux2_cache_dir(klein)
-    return build_once(path, lambda tmp: build_tiny_flux2_pipeline(klein=klein).save_pretrained(tmp))
+    recipe = Recipe(f"tiny-flux2{'-klein' if klein else ''}-v{TINY_FLUX2_VERSION}",
+                    "Flux2KleinPipeline" if klein else "Flux2Pipeline",
+                    {**TRANSFORMER_CONFIG, "guidance_embeds": not klein})  # fmt: skip
+    return build_once(path, lambda tmp: build_tiny_flux2_pipeline(klein=klein).save_pretrained(tmp), recipe)
 
 
 def write_flux2_shapes(path: str | os.PathLike, klein: bool = False) -> Path:
     """A pipeline folder whose transformer/config.json is FLUX.2 [dev]'s (or [klein] 4B's), without transformer
     weights (train with `--transformer_init random`), with a tiny VAE of FLUX.2's 32 latent channels and a tiny text
     encoder whose stacked hidden layers give the transformer's joint_attention_dim (Mistral Small 3.x: 5120 x 3 =
-    15360; Qwen3-4B: 2560 x 3 = 7680). For benchmarks at FLUX.2 size without downloads."""
+    15360; Qwen3-4B: 2560 x 3 = 7680). For benchmarks at FLUX.2 size without downloads. Written like the tiny
+    folder (`flux_cp.tiny.build_once`): only into a new or empty folder, or one built before."""
+    config = FLUX2_KLEIN_4B_TRANSFORMER if klein else FLUX2_DEV_TRANSFORMER
+    recipe = Recipe(f"flux2-{'klein' if klein else 'dev'}-shapes-v{TINY_FLUX2_VERSION}",
+                    "Flux2KleinPipeline" if klein else "Flux2Pipeline", config)  # fmt: skip
+    return build_once(Path(path), lambda tmp: _write_flux2_shapes(tmp, klein), recipe)
+
+
+def _write_flux2_shapes(path: Path, klein: bool) -> None:
     from diffusers import Flux2Transformer2DModel
 
     from .files import write_json
 
-    path = Path(path)
     config = FLUX2_KLEIN_4B_TRANSFORMER if klein else FLUX2_DEV_TRANSFORMER
     pipe = build_tiny_flux2_pipeline(
         klein=klein,
@@ -340,4 +350,3 @@ def write_flux2_shapes(path: str | os.PathLike, klein: bool = False) -> Path:
         index[name] = [lib, type(obj).__name__]
     index["transformer"] = ["diffusers", type(meta).__name__]
     write_json(path / "model_index.json", index)
-    return path

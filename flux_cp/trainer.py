@@ -21,7 +21,7 @@ import torch
 
 import cp
 
-from . import checkpoint, diskspace, distributed, faults, files, manifest, outdir, parallel, quiet, validation
+from . import checkpoint, diskspace, distributed, faults, files, manifest, outdir, parallel, quiet, roles, validation
 from .batches import Batches
 from .blocks import attention_recomputed, prepare_blocks, step_begins, uses_cuda_graphs
 from .config import DEFAULT_ENCODINGS_DIR, Config
@@ -36,7 +36,7 @@ from .data import (
     open_source,
 )
 from .encode import ClassGeometry, Geometry, LiveData, Repeated, TrainingData, encode_dataset, encoder_fingerprints
-from .errors import UsageError
+from .errors import NonFiniteError, UsageError
 from .lora import lora_origin, save_lora
 from .lora_format import check_export
 from .metrics import NO_FLOPS, MetricsLog, StepFlops, StepTimer, peak_flops, peak_memory_gib
@@ -51,6 +51,7 @@ from .model import (
     trainable_parameters,
 )
 from .optim import (
+    Progress,
     apply_update,
     check_finite,
     check_optimizer,
@@ -60,7 +61,8 @@ from .optim import (
 )
 from .parallel import Layout, choose_cp_mode, cp_advice, make_accelerator
 from .plan import GIB, Checkpointing, checkpointing_for_run
-from .prior import ClassSamples, class_source, generate_class_images
+from .prior import ClassSamples, class_source, generate_class_images, generated_folder
+from .prior import check_resume as check_prior_resume
 from .profiling import profiled
 from .resume import check_steps as check_resume_steps
 from .shape import RunShape, build_shape, check_tokens, resolved
@@ -124,6 +126,7 @@ class Trainer:
     bar: Any
     peak: float | None  # bf16 FLOP/s that MFU and HFU are measured against (None: not on a GPU)
     fault: faults.Fault
+    progress: Progress  # which steps since the start applied their update (--on_nonfinite skip)
     # finish
     hub_repo_id: str | None  # the Hub repository the outputs were pushed to (rank 0)
 
@@ -221,14 +224,24 @@ class Trainer:
         if self.layout.is_main:
             try:
                 trackers = cfg.validation.report_to in ("tensorboard", "all")  # the ones writing into --logging_dir
+                logs = cfg.validation.logging_dir if trackers else None
+                classes = cfg.data.class_data_dir if cfg.data.with_prior_preservation else None
+                data_flag = ("--instance_data_dir" if cfg.data.instance_data_dir else "--dataset_name"
+                             if cfg.data.dataset_name else "the bundled data set")  # fmt: skip
+                roles.check(cfg.train.output_dir, model=self.shape.model_path, data=cfg.data.dataset_name or
+                            str(BUNDLED_DATA), data_flag=data_flag, bundled=BUNDLED_DATA.parent, class_dir=classes,
+                            encodings=None if cfg.data.no_cache else self.encodings_dir, logs=logs)  # fmt: skip
+
+                def accept(decision) -> None:  # a resume needing other class images: refused before generating
+                    if decision.checkpoint is not None:
+                        check_prior_resume(checkpoint.read_meta(decision.checkpoint), cfg.data, decision.checkpoint)
+
                 claimed = outdir.claim(
                     cfg.train.output_dir, cfg.checkpoints.resume_from_checkpoint, cfg.train.overwrite_output_dir,
-                    logging_dir=cfg.validation.logging_dir if trackers else None,
-                    max_train_steps=cfg.train.max_train_steps,
+                    logging_dir=logs, max_train_steps=cfg.train.max_train_steps, accept=accept,
                     apart={"--pretrained_model_name_or_path": self.shape.model_path,
-                           "--instance_data_dir" if cfg.data.instance_data_dir else "--dataset_name":
-                               cfg.data.dataset_name or str(BUNDLED_DATA),
-                           "--class_data_dir": cfg.data.class_data_dir if cfg.data.with_prior_preservation else None},
+                           data_flag: cfg.data.dataset_name or str(BUNDLED_DATA),
+                           "--class_data_dir": classes},
                 )  # fmt: skip
                 if not cfg.data.no_cache:
                     outdir.check_writable(Path(self.encodings_dir), "--encodings_dir")
@@ -351,7 +364,7 @@ class Trainer:
         made = generate_class_images(self.cfg, self.shape, self.layout, self.encoders, self.noise_scheduler.config,
                                      self.weight_dtype, self.device, self.accelerator.autocast)  # fmt: skip
         if made:
-            logger.info(f"generated {made} class images in {self.cfg.data.class_data_dir}")
+            logger.info(f"generated {made} class images in {generated_folder(Path(self.cfg.data.class_data_dir))}")
 
     def build_model(self) -> None:
         """Transformer, LoRA or full, seed checkpoint, CP attention, compile, optimizer, then FSDP/DDP."""
@@ -480,6 +493,7 @@ class Trainer:
             hparams = {k: v for k, v in flat.items() if isinstance(v, (int, float, str, bool))}
             self.accelerator.init_trackers("flux-cp", config=hparams)
         self.metrics = MetricsLog(cfg.train.output_dir, start_step, layout.is_main)
+        self.progress = Progress(start_step)
         if device.type == "cuda":  # peak memory of training, not of loading and initialisation
             torch.cuda.reset_peak_memory_stats(device)
         from tqdm.auto import tqdm
@@ -552,6 +566,7 @@ class Trainer:
                                                 result.skipped.double()]).tolist()  # fmt: skip
         dt = self.timer.seconds(result.end)
         check_finite(loss, grad_norm, cfg.train.on_nonfinite, step)
+        self.progress.note(step, bool(skipped))
         row = {
             "step": step, "epoch": result.epoch, "loss": loss, "lr": result.lr, "grad_norm": grad_norm,
             "s_per_step": dt, "tokens_per_s": result.tokens / dt,
@@ -573,7 +588,9 @@ class Trainer:
             validating, saving = self.due_after(step)
             if validating:
                 self.validate(step)
-            if saving:
+            if saving and skipped:  # the weights of a skipped step gave a non-finite loss: no checkpoint of them
+                logger.warning(f"step {step} was skipped: no checkpoint of it (the last one is kept)")
+            elif saving:
                 self.save_checkpoint(step)
             if self.uses_model_after(step):  # keep what ran here out of the next step's time
                 self.timer.restart()
@@ -607,7 +624,19 @@ class Trainer:
         cfg, output_dir, layout, step = self.cfg, self.cfg.train.output_dir, self.layout, self.max_steps
         self.bar.close()
         self.metrics.close()
+        # A run that did not train (its last steps skipped) keeps the folder's earlier outputs: every rank decides
+        # alike from the reduced losses; the main rank names the checkpoints in its message.
+        found = [s for s, _ in checkpoint.list_checkpoints(output_dir)] if layout.is_main else []
+        failure = self.progress.failure(found, output_dir)
+        if failure:
+            raise NonFiniteError(failure)
         state = full_state_dict(self.model, trainable_only=not cfg.lora.full_finetune)  # every rank: FSDP gathers
+        bad = layout.is_main and any(not torch.isfinite(v).all() for v in state.values())
+        if distributed.any_rank(bad):
+            raise NonFiniteError(
+                f"the trained weights hold NaN or inf: no final model or checkpoint was written, and {output_dir} "
+                "keeps its earlier outputs. Resume from the last checkpoint with a lower --learning_rate"
+            )
         problem = None
         if layout.is_main:
             inner = self.accelerator.unwrap_model(self.model)
@@ -660,8 +689,9 @@ class Trainer:
 
     def publish(self) -> str | None:
         """The model card (README.md in the output folder, as diffusers' examples write it) and, with --push_to_hub,
-        the upload of the output folder (checkpoints and logs stay local). A failed upload is one line; the
-        outputs stay in the folder. Returns the repository's URL when pushed (rank 0)."""
+        the upload of the run's final outputs (flux_cp.hub.PUBLISHED: checkpoints, logs and the rest stay local). A
+        failed upload is one line; the outputs stay in the folder. Returns the repository's URL when pushed (rank
+        0)."""
         from . import hub
         from .card import write_model_card
 
@@ -669,31 +699,28 @@ class Trainer:
         self.hub_repo_id = None
         if self.layout.is_main:
             output_dir = cfg.train.output_dir
-            theirs = os.path.lexists(Path(output_dir) / "README.md") and "README.md" not in (
-                manifest.read(output_dir) or []
-            )
-            if theirs:
-                logger.warning(
-                    f"warning: {output_dir}/README.md was not written by flux-cp: kept, no model card written"
-                )
+            name, note = outdir.card_name(output_dir)  # a card the user wrote or edited is kept
+            if note:
+                logger.warning(f"warning: {note}")
 
             def card(repo_id: str | None = None) -> Path | None:
                 self.hub_repo_id = repo_id
-                if theirs:
+                if name is None:
                     return None
-                manifest.record(output_dir, "README.md")
-                return write_model_card(
+                manifest.record(output_dir, name)
+                path = write_model_card(
                     cfg.train.output_dir, cfg, kontext=self.shape.pairs, steps=self.max_steps,
                     layout=self.layout.describe(), cp_mode=self.cp_mode, repo_id=repo_id,
                     pipeline=self.shape.family.pipeline_class_name(self.shape.pairs), family=self.shape.family,
+                    filename=name,
                 )  # fmt: skip
+                manifest.note_written(output_dir, name)
+                return path
 
             try:
                 if cfg.hub.push_to_hub:
-                    url = hub.push_to_hub(
-                        cfg.train.output_dir, cfg.hub.hub_model_id, hub.token(cfg.hub.hub_token),
-                        ignore=hub.ignore_patterns(cfg.validation.logging_dir), on_repo=card,
-                    )  # fmt: skip
+                    url = hub.push_to_hub(cfg.train.output_dir, cfg.hub.hub_model_id, hub.token(cfg.hub.hub_token),
+                                          on_repo=card)  # fmt: skip
                     logger.info(f"pushed {cfg.train.output_dir} to {url}")
                 else:
                     card()

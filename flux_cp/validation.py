@@ -6,6 +6,7 @@ every rank takes part in every forward, so all ranks make the same number of pip
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -56,12 +57,14 @@ def render(
     jobs: list[tuple[int, torch.Generator]],
     resolution: int,
     reference: dict | None = None,
+    on_image: Callable[[int, np.ndarray], None] | None = None,
     **call: Any,
 ) -> dict[int, np.ndarray]:
     """Images of `jobs` (row of `embeds`, the generator of its starting noise), split over the data-parallel ranks:
     each CP group renders its share with CP across the group; every rank of a group gets its group's images,
     {job index: HxWx3 uint8}. Every rank makes the same number of pipeline calls (a short share repeats its last
-    job), so every forward has all ranks. `call`: more arguments of the pipeline (steps, guidance)."""
+    job), so every forward has all ranks. `on_image(job, image)`: called on every rank of the group as soon as an
+    image is rendered. `call`: more arguments of the pipeline (steps, guidance)."""
     from diffusers import FlowMatchEulerDiscreteScheduler
 
     scheduler = FlowMatchEulerDiscreteScheduler.from_config(scheduler_config)
@@ -83,6 +86,8 @@ def render(
                 ).images[0]  # fmt: skip
                 if j < len(mine):
                     out[job] = (np.clip(image, 0, 1) * 255).round().astype(np.uint8)
+                    if on_image is not None:
+                        on_image(job, out[job])
     finally:
         transformer.train(was_training)
     return out

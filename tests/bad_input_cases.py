@@ -67,6 +67,26 @@ def _garbage_reference(t: Path) -> list[str]:
     return ["--dataset_name", str(folder)]
 
 
+def _other_run(folder: Path) -> Path:
+    """An output folder of an earlier run: its manifest, metrics and loss curve."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / ".flux_cp_manifest.json").write_text(json.dumps({"format": 1, "entries": ["loss_curve.png"]}))
+    (folder / "metrics.jsonl").write_text("")
+    (folder / "loss_curve.png").write_bytes((BUNDLED_DATA / "01_black_square.png").read_bytes())
+    return folder
+
+
+def _more_class_images(t: Path) -> list[str]:
+    """A checkpoint of a run with 3 class images, resumed with 5."""
+    ckpt = t / "out" / "checkpoint-2"
+    ckpt.mkdir(parents=True)
+    rows = [[f"generated/0000{k}-x.png", "d", "c"] for k in range(3)]
+    meta = {"format": 1, "step": 2, "layout": "world 1", "args": {}, "run": {"prior": "abc", "prior_files": rows}}
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+    return ["--resume_from_checkpoint", "latest", "--with_prior_preservation", "--class_data_dir", str(t / "class"),
+            "--class_prompt", "a shape", "--num_class_images", "5"]  # fmt: skip
+
+
 def _corrupt_seed(t: Path) -> list[str]:
     t.mkdir(parents=True, exist_ok=True)
     (t / "seed.safetensors").write_bytes(b"\x00" * 64)
@@ -710,6 +730,69 @@ CASES = [
             "a shape",
         ],  # fmt: skip
         "holds --class_data_dir",
+    ),
+    Case(
+        "class_data_dir_is_instance_data_dir",
+        "--class_data_dir naming the training images' folder",
+        1,
+        lambda t: [
+            "--instance_data_dir",
+            str(_images(t / "dog")),
+            "--with_prior_preservation",
+            "--class_data_dir",
+            str(t / "dog"),
+            "--class_prompt",
+            "a dog",
+        ],  # fmt: skip
+        "is --instance_data_dir",
+    ),
+    Case(
+        "class_data_dir_is_the_bundled_data",
+        "--class_data_dir naming the bundled data set (generated images would go into it)",
+        1,
+        lambda t: ["--with_prior_preservation", "--class_data_dir", str(BUNDLED_DATA), "--class_prompt", "a shape"],
+        "is the bundled data set",
+    ),
+    Case(
+        "class_data_dir_is_another_runs_output",
+        "--class_data_dir naming another run's output folder",
+        1,
+        lambda t: [
+            "--with_prior_preservation",
+            "--class_data_dir",
+            str(_other_run(t / "earlier")),
+            "--class_prompt",
+            "a shape",
+        ],  # fmt: skip
+        "is the output folder of another run",
+    ),
+    Case(
+        "resume_with_more_class_images",
+        "a resume asking for more class images than its checkpoint trained with",
+        1,
+        _more_class_images,
+        "was trained with 3 class images, and this run asks for --num_class_images 5: resume with --num_class_images 3",
+    ),
+    Case(
+        "logging_dir_names_a_run_output",
+        "--logging_dir naming one of the run's own outputs (run_config.json)",
+        1,
+        lambda t: ["--report_to", "tensorboard", "--logging_dir", "run_config.json"],
+        "--logging_dir run_config.json names run_config.json, one of the run's own outputs",
+    ),
+    Case(
+        "logging_dir_is_encodings_dir",
+        "--logging_dir naming the encoding cache",
+        1,
+        lambda t: ["--report_to", "tensorboard", "--logging_dir", str(t / "cache")],
+        "is --encodings_dir",
+    ),
+    Case(
+        "encodings_dir_inside_logging_dir",
+        "--encodings_dir inside the tracker folder (removed with it)",
+        1,
+        lambda t: ["--report_to", "tensorboard", "--encodings_dir", str(t / "out" / "logs" / "cache")],
+        "--logging_dir logs holds --encodings_dir",
     ),
     Case(
         "disk_full_while_saving",

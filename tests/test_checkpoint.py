@@ -107,6 +107,24 @@ def test_incompatible_runs_and_formats_are_refused_with_what_differs(tmp_path):
         checkpoint.read_meta(tmp_path)
 
 
+def test_other_class_images_are_named_file_by_file(tmp_path):
+    """Prior preservation: the class images' rows are in the run identity (meta.json), so a resume with others says
+    which files differ, not only two fingerprints."""
+    from flux_cp.config import parse_config
+    from flux_cp.data import DataIdentity
+    from flux_cp.families import FLUX1
+    from flux_cp.shape import resolved
+
+    flags = ["--with_prior_preservation", "--class_data_dir", str(tmp_path), "--class_prompt", "a dog"]
+    cfg = resolved(parse_config(flags), FLUX1, False, None)  # as the trainer holds the flags
+    before = DataIdentity("fp1", [["dog1.png", "c1", "t"], ["generated/00000-a.png", "c2", "t"]], "l")
+    after = DataIdentity("fp2", [["dog1.png", "c9", "t"], ["generated/00000-a.png", "c2", "t"]], "l")
+    meta = json.loads(json.dumps({"run": checkpoint.run_identity(cfg, 2, "abc", None, before)}))
+    checkpoint.check_compatible(meta, checkpoint.run_identity(cfg, 2, "abc", None, before), tmp_path)
+    with pytest.raises(UsageError, match=r"incompatible run \(class images differ \(changed content: dog1.png\)\)"):
+        checkpoint.check_compatible(meta, checkpoint.run_identity(cfg, 2, "abc", None, after), tmp_path)
+
+
 def test_the_total_limit_never_prunes_the_checkpoint_just_written(tmp_path):
     """With checkpoints of later steps in the folder (another branch, had it not been set aside by flux_cp.resume),
     the limit prunes older checkpoints only: the checkpoint just written always stays."""

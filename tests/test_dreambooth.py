@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -18,7 +19,19 @@ from flux_cp.data import BUNDLED_DATA, BatchSchedule, bucket_divisor, open_sourc
 from flux_cp.encode import ClassGeometry, Geometry, LiveData, Repeated, encode_dataset, run_buckets
 from flux_cp.errors import UsageError
 from flux_cp.flag_ranges import unused_flags
-from flux_cp.prior import ClassSamples, class_source, generated_name, missing_count
+from flux_cp.prior import (
+    MARKER,
+    ClassSamples,
+    check_generated_folder,
+    class_images,
+    class_source,
+    generated_folder,
+    generated_name,
+    missing,
+    missing_count,
+)
+from flux_cp.prior import check_resume as check_prior_resume
+from flux_cp.rng import Stream, generator
 from flux_cp.shape import check_tokens
 from tests.fakes import D, FakeData, L, make_batches
 
@@ -266,15 +279,108 @@ def test_prior_loss_is_diffusers_and_cp_chunks_average_to_it(fake_cp_group):
     assert torch.allclose((chunks[0] + chunks[1]) / 2, reference, rtol=1e-6)
 
 
-def test_class_images_are_the_folder_s_first_ones_and_generated_ones_sort_by_index(tmp_path):
-    for k in (10, 2, 0):
+def _generated(folder: Path, *indices: int) -> Path:
+    """flux-cp's generated/ subfolder of `folder`, with its marker and the generated images of `indices`."""
+    target = generated_folder(folder)
+    target.mkdir(parents=True, exist_ok=True)
+    (target / MARKER).write_text("{}")
+    for k in indices:
         img = Image.new("RGB", (8, 8), (k, 0, 0))
-        img.save(tmp_path / generated_name(k, img))
+        img.save(target / generated_name(k, img))
+    return target
+
+
+def test_the_user_s_class_images_come_first_and_generated_ones_follow_by_index(tmp_path):
+    for name in ("zebra.png", "aardvark.png"):  # one sorts after generated/, one before
+        Image.new("RGB", (8, 8)).save(tmp_path / name)
     (tmp_path / "notes.txt").write_text("not an image")
-    source = class_source(tmp_path, "a dog", 2)
-    assert [Path(s.ref).name[:5] for s in source.samples] == ["00000", "00002"]
+    _generated(tmp_path, 10, 2, 0)
+    source = class_source(tmp_path, "a dog", 4)
+    assert [Path(s.ref).relative_to(tmp_path).as_posix()[:15] for s in source.samples] == [
+        "aardvark.png", "zebra.png", "generated/00000", "generated/00002"]  # fmt: skip
     assert {s.caption for s in source.samples} == {"a dog"}
-    assert missing_count(tmp_path, 5, True) == (3, 2) and missing_count(tmp_path / "none", 4, True) == (0, 4)
+    # place 2 + k is generated image k: with 2 of the user's, 5 class images need generated 0, 1 and 2
+    assert missing(tmp_path, 5) == (4, [1]) and missing(tmp_path, 2) == (2, [])
+    assert missing_count(tmp_path / "none", 3, True) == (0, [0, 1, 2])
+
+
+def test_a_generated_folder_without_the_marker_is_the_user_s_and_never_written(tmp_path):
+    (tmp_path / "generated").mkdir()
+    Image.new("RGB", (8, 8)).save(tmp_path / "generated" / "mine.png")
+    assert [p.name for p in class_images(tmp_path)] == ["mine.png"] and missing(tmp_path, 3) == (1, [0, 1])
+    with pytest.raises(UsageError, match=r"generated/ holds files flux-cp did not write \(no \.flux_cp_class_images"):
+        check_generated_folder(tmp_path)
+    check_generated_folder(tmp_path / "new")  # new, or flux-cp's: fine
+    check_generated_folder(_generated(tmp_path / "ours").parent)
+
+
+def test_a_resume_needing_other_class_images_is_refused_naming_the_counts(tmp_path):
+    data = DataConfig(with_prior_preservation=True, class_data_dir="c", class_prompt="p", num_class_images=5)
+    rows = [[f"generated/0000{k}-x.png", "d", "c"] for k in range(3)]
+    meta = {"run": {"prior": "abc", "prior_files": rows}, "args": {"num_class_images": 3}}
+    with pytest.raises(UsageError) as e:
+        check_prior_resume(meta, data, tmp_path / "checkpoint-2")
+    assert str(e.value) == (
+        f"--resume_from_checkpoint {tmp_path / 'checkpoint-2'} was trained with 3 class images, and this run asks "
+        "for --num_class_images 5: resume with --num_class_images 3 (nothing is generated), or start a new "
+        "--output_dir"
+    )
+    del meta["run"]["prior_files"]  # a checkpoint of a version that kept no rows: the flag it ran with
+    with pytest.raises(UsageError, match="was trained with 3 class images"):
+        check_prior_resume(meta, data, tmp_path)
+    with pytest.raises(UsageError, match="was trained without --with_prior_preservation"):
+        check_prior_resume({"run": {"prior": None}, "args": {}}, data, tmp_path)
+    check_prior_resume({"run": {"prior": "abc", "prior_files": rows * 2, "args": {}}}, DataConfig(), tmp_path)
+    check_prior_resume({"run": {"prior": "abc"}, "args": {"num_class_images": 5}}, data, tmp_path)
+
+
+def test_generated_class_images_are_written_as_rendered_so_an_interrupted_generation_resumes(tmp_path, monkeypatch):
+    """Ctrl-C after two of four class images keeps those two (written one by one, atomically); the next run renders
+    only the other two, from the same noise keys (the seed and the image's index)."""
+    import types
+
+    import cp as cp_module
+    from flux_cp import model, validation
+    from flux_cp.config import parse_config
+    from flux_cp.families import FLUX1
+    from flux_cp.prior import generate_class_images
+
+    folder = tmp_path / "class"
+    folder.mkdir()
+    Image.new("RGB", (8, 8)).save(folder / "mine.png")
+    cfg = parse_config(["--with_prior_preservation", "--class_data_dir", str(folder), "--class_prompt", "a dog",
+                        "--num_class_images", "5", "--resolution", "32", "--seed", "7"])  # fmt: skip
+    rendered = []
+
+    def render(transformer, encoders, scheduler_config, embeds, layout, family, autocast, jobs, resolution,
+               on_image=None, **call):  # fmt: skip
+        for job, (_, gen) in enumerate(jobs):
+            if len(rendered) == 2:
+                raise KeyboardInterrupt
+            rendered.append(torch.randint(0, 255, (1,), generator=gen).item())
+            on_image(job, np.full((8, 8, 3), rendered[-1], dtype=np.uint8))
+        return {}
+
+    transformer = types.SimpleNamespace(requires_grad_=lambda on: None, config={"num_attention_heads": 4})
+    monkeypatch.setattr(validation, "render", render)
+    monkeypatch.setattr(model, "load_transformer", lambda *a: transformer)
+    monkeypatch.setattr(cp_module, "apply_context_parallel", lambda *a, **k: None)
+    family = types.SimpleNamespace(
+        image_tokens=FLUX1.image_tokens, validation_embeds=lambda *a: {}, transformer_class=lambda: None
+    )
+    shape = types.SimpleNamespace(family=family, text_tokens=8, model_path="m")
+    layout = types.SimpleNamespace(is_main=True, cp=1, cp_rank=0, cp_context=None)
+    args = (cfg, shape, layout, None, {}, torch.float32, torch.device("cpu"), None)
+    with pytest.raises(KeyboardInterrupt):
+        generate_class_images(*args)
+    assert sorted(p.name[:5] for p in class_images(folder)) == ["00000", "00001", "mine."]
+    assert (generated_folder(folder) / MARKER).is_file() and not list(generated_folder(folder).glob(".*.tmp"))
+    first = list(rendered)
+    rendered.clear()
+    assert generate_class_images(*args) == 2
+    again = [torch.randint(0, 255, (1,), generator=generator(Stream.CLASS_IMAGE, 7, k)).item() for k in range(4)]
+    assert first + rendered == again  # images 2 and 3, each from its own noise key
+    assert [p.name[:5] for p in class_images(folder)] == ["mine.", "00000", "00001", "00002", "00003"]
 
 
 def test_class_images_are_encoded_in_every_bucket_the_training_images_use(tmp_path):

@@ -3,7 +3,6 @@ fast, when the hub refuses the token or cannot be reached."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -21,15 +20,26 @@ from flux_cp.errors import UsageError
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# What a push sends: the run's final outputs, and nothing else a folder of a run holds.
+PUBLISHED = {"pytorch_lora_weights.safetensors", "README.md", "metrics.jsonl", "loss_curve.png",
+             "validation/step-000000.png", "validation/step-000200.png"}  # fmt: skip
+
+
 def _run_folder(root: Path) -> Path:
-    """An output folder as a LoRA run leaves it (files empty: only their names matter here)."""
+    """An output folder as a LoRA run leaves it, after a branch resume, with the user's own files (files empty:
+    only their names matter here)."""
     out = root / "dog-lora"
-    for rel in ("pytorch_lora_weights.safetensors", "README.md", "run_config.json", "metrics.jsonl", "loss_curve.png",
-                "validation/step-000000.png", "validation/step-000200.png",
-                "checkpoint-100/meta.json", "checkpoint-200/model/__0_0.distcp", ".checkpoint-300.partial/meta.json",
-                ".flux_cp.lock", ".pytorch_lora_weights.safetensors.partial/x.safetensors",
-                ".run_config.json.ab12.tmp", "logs/flux-cp/events.out.tfevents.1", "profile/rank0.json",
-                "wandb/run-1/files/config.yaml"):  # fmt: skip
+    for rel in (*PUBLISHED, "run_config.json", "checkpoint-100/meta.json", "checkpoint-100/data.json",
+                "checkpoint-200/state/__0_0.distcp", "checkpoint-200/train.pt", ".checkpoint-300.partial/meta.json",
+                ".flux_cp.lock", ".flux_cp_manifest.json", ".pytorch_lora_weights.safetensors.partial/x.safetensors",
+                ".run_config.json.ab12.tmp", "logs/flux-cp/events.out.tfevents.1", "tb/events.out.tfevents.2",
+                "profile/rank0.json", "wandb/run-1/files/config.yaml",
+                "abandoned-20250101-120000/checkpoint-300/meta.json",
+                "abandoned-20250101-120000/checkpoint-300/data.json",
+                "abandoned-20250101-120000/pytorch_lora_weights.safetensors",
+                "abandoned-20250101-120000/validation/step-000300.png", "abandoned-20250101-120000/metrics.jsonl",
+                "README.flux-cp.md", "notes.txt", "validation/my_notes.txt", "cache/latents/0.safetensors",
+                "transformer.bak/config.json"):  # fmt: skip
         (out / rel).parent.mkdir(parents=True, exist_ok=True)
         (out / rel).write_bytes(b"")
     return out
@@ -62,13 +72,17 @@ class _Hub:
         return kw
 
 
-def _uploaded(folder: Path, ignore: list[str]) -> set[str]:
-    """The files huggingface_hub's upload_folder sends with these ignore patterns (its own filter)."""
+def _uploaded(folder: Path, allow: list[str]) -> set[str]:
+    """The files huggingface_hub's upload_folder sends with these allow patterns (its own filter)."""
     files = [p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()]
-    return set(filter_repo_objects(files, ignore_patterns=ignore))
+    return set(filter_repo_objects(files, allow_patterns=allow))
 
 
-def test_push_uploads_the_folder_without_checkpoints_and_logs(tmp_path, monkeypatch):
+def test_push_uploads_the_run_s_final_outputs_only(tmp_path, monkeypatch):
+    """An allow-list: the weights, the card, the validation images, the metrics and loss curve. Never checkpoints
+    (weights, optimizer state, data.json listing every file name and caption), abandoned branches, the manifest,
+    the lock, partial writes, logs, profiles, run_config.json (local paths), the encoding cache or the user's
+    files."""
     out = _run_folder(tmp_path)
     fake = _Hub(monkeypatch)
     url = hub.push_to_hub(str(out), "me/dog-lora", "hf_token", private=True)
@@ -78,25 +92,31 @@ def test_push_uploads_the_folder_without_checkpoints_and_logs(tmp_path, monkeypa
     assert fake.call("create_repo") == {"repo_id": "me/dog-lora", "private": True, "exist_ok": True}
     upload = fake.call("upload_folder")
     assert upload["repo_id"] == "me/dog-lora" and upload["folder_path"] == str(out)
-    assert _uploaded(out, upload["ignore_patterns"]) == {
-        "pytorch_lora_weights.safetensors", "README.md", "run_config.json", "metrics.jsonl", "loss_curve.png",
-        "validation/step-000000.png", "validation/step-000200.png",
-    }  # fmt: skip
+    assert "ignore_patterns" not in upload
+    assert _uploaded(out, upload["allow_patterns"]) == PUBLISHED
 
 
-def test_the_repository_defaults_to_the_folder_name_and_the_tracker_folder_follows_logging_dir(tmp_path, monkeypatch):
+def test_a_full_fine_tune_uploads_its_transformer_folder(tmp_path, monkeypatch):
+    out = tmp_path / "full"
+    model = ["transformer/config.json", "transformer/diffusion_pytorch_model-00001-of-00002.safetensors",
+             "transformer/diffusion_pytorch_model-00002-of-00002.safetensors",
+             "transformer/diffusion_pytorch_model.safetensors.index.json"]  # fmt: skip
+    for rel in (*model, "README.md", "transformer/notes.txt", "abandoned-20250101-120000/transformer/config.json"):
+        (out / rel).parent.mkdir(parents=True, exist_ok=True)
+        (out / rel).write_bytes(b"")
+    fake = _Hub(monkeypatch)
+    hub.push_to_hub(str(out), "me/full", "hf_token")
+    assert _uploaded(out, fake.call("upload_folder")["allow_patterns"]) == {*model, "README.md"}
+
+
+def test_the_repository_defaults_to_the_folder_name(tmp_path, monkeypatch):
     out = _run_folder(tmp_path)
-    (out / "tb" / "events").parent.mkdir()
-    (out / "tb" / "events").write_bytes(b"")
     fake = _Hub(monkeypatch)
     named = []
-    hub.push_to_hub(str(out), None, None, ignore=hub.ignore_patterns("tb"),
-                    on_repo=lambda repo_id: named.append((repo_id, [n for n, _ in fake.calls])))  # fmt: skip
+    hub.push_to_hub(str(out), None, None, on_repo=lambda repo_id: named.append((repo_id, [n for n, _ in fake.calls])))
     assert fake.call("create_repo")["repo_id"] == "dog-lora"  # in the token owner's namespace, as diffusers does
     assert fake.call("upload_folder")["repo_id"] == "me/dog-lora"
     assert named == [("me/dog-lora", ["whoami", "create_repo"])]  # the full id, before the upload (the card)
-    sent = _uploaded(out, fake.call("upload_folder")["ignore_patterns"])
-    assert "tb/events" not in sent and "logs/flux-cp/events.out.tfevents.1" in sent
 
 
 def _http_error(status: int) -> HfHubHTTPError:
@@ -166,7 +186,6 @@ def test_token_comes_from_the_flag_then_huggingface_hub(monkeypatch, tmp_path):
     assert hub.token(None) is None
     with pytest.raises(UsageError, match="needs a Hugging Face token"):
         hub.check_token(None)
-    assert json.dumps(hub.ignore_patterns("logs")).count("logs/**") == 1
 
 
 @pytest.mark.e2e

@@ -251,3 +251,43 @@ def test_8bit_adamw_needs_a_cuda_device_and_neither_optional_optimizer_takes_fsd
         with pytest.raises(UsageError, match=f"^{flag} is not supported with FSDP"):
             check_optimizer(train, "cuda", sharded=True)
     check_optimizer(TrainConfig(), "cuda", sharded=True)  # AdamW: any layout
+
+
+# --- a run that did not train says so -----------------------------------------------------------------------------
+
+
+def _progress(start: int, skipped: list[bool]):
+    from flux_cp.optim import Progress
+
+    progress = Progress(start)
+    for step, s in enumerate(skipped, start + 1):
+        progress.note(step, s)
+    return progress
+
+
+def test_a_run_that_ends_on_a_finite_step_trained():
+    assert _progress(2, [False, True, False]).failure([2], "out") is None
+    assert _progress(0, [True, False]).failure([], "out") is None
+
+
+def test_a_run_whose_every_step_was_skipped_did_not_train():
+    message = _progress(2, [True, True, True, True]).failure([2], "out/rb")
+    assert message.startswith(
+        "the run did not train: steps 3-6, every step after the resume at step 2, had a "
+        "non-finite loss or gradient norm and were skipped (--on_nonfinite skip)"
+    ), message
+    assert "no final model or checkpoint was written, and out/rb keeps its earlier outputs" in message
+    assert "\n" not in message
+    assert _progress(0, [True]).failure([], "o").startswith("the run did not train: step 1, every step after the start")
+
+
+def test_a_run_that_ends_on_skipped_steps_writes_no_final_weights_and_names_the_checkpoint_before_them():
+    # step 3 applied an update whose weights give non-finite losses at steps 4-6: checkpoint-3 holds them
+    message = _progress(2, [False, True, True, True]).failure([2, 3], "out/rb")
+    assert message.startswith(
+        "steps 4-6, the last 3 of the run, had a non-finite loss or gradient norm and were "
+        "skipped (--on_nonfinite skip): the weights before them give non-finite losses"
+    ), message
+    assert "checkpoint-2 is the newest checkpoint before them: resume from it with a lower --learning_rate" in message
+    message = _progress(0, [False, True]).failure([], "o")
+    assert message.startswith("step 2, the last of the run, had a non-finite loss") and "no checkpoint" in message

@@ -82,7 +82,6 @@ def test_overwrite_removes_only_what_the_manifest_lists(tmp_path):
     manifest.record(folder, "validation")
     (folder / "validation").mkdir()
     (folder / "validation" / "step-000002.png").write_bytes(b"x")
-    (folder / "validation" / "mine.txt").write_text("inside a folder the run created: removed with it")
     (folder / "my_transformer").mkdir()
     (folder / "keep.txt").write_text("mine")
     removed = outdir.claim(folder, None, True).removed
@@ -99,6 +98,66 @@ def test_overwrite_removes_only_what_the_manifest_lists(tmp_path):
     with pytest.raises(UsageError, match=r"holds transformer, which flux-cp did not write .* removes nothing"):
         outdir.claim(folder, None, True)
     assert (folder / "metrics.jsonl").exists() and (folder / "transformer" / "model.bin").exists()
+    outdir.release(folder)
+
+
+def test_overwrite_removes_only_flux_cp_s_files_from_the_folders_a_user_may_add_to(tmp_path):
+    """validation/, profile/ and the tracker folder: the run wrote files into them, a user may add theirs (notes,
+    an encoding cache put inside the logs); only flux-cp's files go, and the folders stay listed. Folders written
+    whole (checkpoints, transformer/) go whole."""
+    folder = tmp_path / "out"
+    outdir.claim(folder, logging_dir="tb")
+    written = ["validation/step-000002.png", "profile/rank0.json", "profile/rank0_summary.json",
+               "tb/flux-cp/events.out.tfevents.1.host", "tb/flux-cp/1700000000.1/events.out.tfevents.2.host",
+               "tb/flux-cp/1700000000.1/hparams.yml", "checkpoint-2/meta.json", "checkpoint-2/notes.txt",
+               "transformer/config.json"]  # fmt: skip
+    theirs = ["validation/my_notes.txt", "tb/cache/latents/0.safetensors", "profile/readme.md"]
+    for rel in written + theirs:
+        manifest.record(folder, rel.split("/")[0])
+        (folder / rel).parent.mkdir(parents=True, exist_ok=True)
+        (folder / rel).write_text(rel)
+    (folder / "validation" / "link.png").symlink_to(tmp_path / "elsewhere.png")
+    (tmp_path / "elsewhere.png").write_text("not the run's")
+    claimed = outdir.claim(folder, None, True, logging_dir="tb")
+    assert sorted(claimed.removed) == ["checkpoint-2", "profile", "tb", "transformer", "validation"]
+    left = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() or p.is_symlink())
+    assert left == sorted([manifest.NAME, outdir.LOCK_NAME, *theirs, "validation/link.png"])
+    assert (tmp_path / "elsewhere.png").read_text() == "not the run's"
+    assert claimed.notes == ["--overwrite_output_dir: kept profile/readme.md, tb/cache/latents/0.safetensors, "
+                             "validation/link.png, validation/my_notes.txt, which flux-cp did not write"]  # fmt: skip
+    assert sorted(manifest.read(folder)) == ["profile", "tb", "validation"]  # the run writes into them again
+    outdir.release(folder)
+
+
+def test_a_model_card_the_user_wrote_or_edited_is_kept_and_the_card_goes_beside_it(tmp_path):
+    folder = tmp_path / "out"
+    outdir.claim(folder)
+    assert outdir.card_name(folder) == ("README.md", None)
+    manifest.record(folder, "README.md")
+    (folder / "README.md").write_text("card")
+    manifest.note_written(folder, "README.md")
+    assert outdir.card_name(folder) == ("README.md", None)  # flux-cp's, as it wrote it: replaced
+    (folder / "README.md").write_text("card, and my notes")
+    name, note = outdir.card_name(folder)
+    assert name == "README.flux-cp.md"
+    assert (
+        note
+        == f"{folder}/README.md was edited since flux-cp wrote it: kept; this run's model card is README.flux-cp.md"
+    )
+    (folder / "README.flux-cp.md").write_text("mine too")  # not flux-cp's either: no card at all
+    name, note = outdir.card_name(folder)
+    assert name is None and note.endswith("kept, and README.flux-cp.md is not flux-cp's either: no model card written")
+    (folder / "README.flux-cp.md").unlink()
+    manifest.record(folder, "README.flux-cp.md")
+    (folder / "README.flux-cp.md").write_text("card")
+    manifest.note_written(folder, "README.flux-cp.md")
+    claimed = outdir.claim(folder, None, True)  # the edited card is the user's now: kept; the unedited one goes
+    assert claimed.removed == ["README.flux-cp.md"] and (folder / "README.md").read_text() == "card, and my notes"
+    assert claimed.notes == ["--overwrite_output_dir: kept README.md, edited since flux-cp wrote it (or with no "
+                             "record to tell)"]  # fmt: skip
+    assert manifest.edited(folder, "README.md") == "was not written by flux-cp"
+    manifest.record(folder, "README.md")  # listed, no hash recorded (an earlier version): an edit cannot be told
+    assert "kept no record to tell your edits by" in manifest.edited(folder, "README.md")
     outdir.release(folder)
 
 
@@ -292,3 +351,85 @@ def test_a_second_live_run_is_kept_out_until_the_first_ends(tmp_path):
     outdir.release(folder)
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+# --- folders of other roles --------------------------------------------------------------------------------------
+
+
+def _roles(tmp_path: Path, **kw) -> None:
+    from flux_cp import roles
+
+    for name in ("model", "data", "bundled"):
+        (tmp_path / name).mkdir(exist_ok=True)
+    args = {"model": str(tmp_path / "model"), "data": str(tmp_path / "data"), "bundled": tmp_path / "bundled", **kw}
+    roles.check(str(tmp_path / "out"), **args)
+
+
+@pytest.mark.parametrize(
+    "logs, message",
+    [(name, f"names {name}, one of the run's own outputs") for name in
+     ("run_config.json", "metrics.jsonl", "README.md", "checkpoint-2", "pytorch_lora_weights.safetensors",
+      "transformer", "validation", "loss_curve.png", "profile", ".flux_cp_manifest.json", "abandoned-20250101-120000",
+      ".checkpoint-4.partial", ".transformer.partial")]
+    + [("checkpoint-2/tb", "is in checkpoint-2, one of the run's own outputs"),
+       (".", "is the output folder itself"), ("a/..", "is the output folder itself")],
+)  # fmt: skip
+def test_a_logging_dir_naming_one_of_the_run_s_outputs_is_refused(tmp_path, logs, message):
+    with pytest.raises(UsageError, match=f"^--logging_dir {logs} {message}"):
+        _roles(tmp_path, logs=logs)
+
+
+def test_the_folders_of_other_roles_are_refused_one_line_each(tmp_path):
+    _roles(tmp_path, class_dir=str(tmp_path / "class"), encodings=str(tmp_path / "cache"), logs="logs")
+    _roles(tmp_path, encodings=str(tmp_path / "data" / ".cache"))  # a cache of its own inside the data: excluded there
+    _roles(tmp_path, encodings=str(tmp_path / "out" / "cache"), logs="tb")  # inside the output folder, no output's
+    _roles(tmp_path, encodings=str(tmp_path / "cache"), logs="..")  # a tracker folder outside: never removed
+    refused = [
+        (dict(class_dir=str(tmp_path / "data")), "--class_data_dir {t}/data is --dataset_name {t}/data"),
+        (dict(class_dir=str(tmp_path / "data" / "class")), "is inside --dataset_name"),
+        (dict(class_dir=str(tmp_path)), "holds --pretrained_model_name_or_path"),
+        (dict(class_dir=str(tmp_path / "bundled" / "x")), "is inside the bundled data"),
+        (dict(class_dir=str(tmp_path / "model")), "is --pretrained_model_name_or_path"),
+        (dict(class_dir=str(tmp_path / "cache"), encodings=str(tmp_path / "cache")), "is --encodings_dir"),
+        (dict(class_dir=str(tmp_path / "out" / "logs" / "c"), logs="logs"), "is inside --logging_dir"),
+        (dict(logs=str(tmp_path / "data" / "tb")), "--logging_dir {t}/data/tb is inside --dataset_name"),
+        (dict(logs="logs", encodings=str(tmp_path / "out" / "logs" / "x")), "--logging_dir logs holds --encodings_dir"),
+        (
+            dict(logs="logs/c", encodings=str(tmp_path / "out" / "logs")),
+            "--logging_dir logs/c is inside --encodings_dir",
+        ),
+        (dict(logs=str(tmp_path / "cache"), encodings=str(tmp_path / "cache")), "is --encodings_dir"),
+        (dict(logs="logs", encodings=str(tmp_path / "out" / "logs")), "--logging_dir logs is --encodings_dir"),
+        (dict(encodings=str(tmp_path / "out")), "--encodings_dir {t}/out is the output folder"),
+        (dict(encodings=str(tmp_path / "out" / "checkpoint-2")), "is in checkpoint-2, one of the run's own outputs"),
+        (dict(encodings=str(tmp_path / "model" / "cache")), "is inside --pretrained_model_name_or_path"),
+        (dict(encodings=str(tmp_path / "data")), "--encodings_dir {t}/data is --dataset_name"),
+    ]
+    for kw, message in refused:
+        with pytest.raises(UsageError) as e:
+            _roles(tmp_path, **kw)
+        assert message.format(t=tmp_path) in str(e.value) and "\n" not in str(e.value), (kw, str(e.value))
+
+
+def test_another_run_s_output_folder_is_no_class_folder(tmp_path):
+    run = tmp_path / "runs" / "earlier"
+    run.mkdir(parents=True)
+    (run / manifest.NAME).write_text("{}")
+    for class_dir, how in ((run, "is the output folder of another run:"),
+                           (run / "validation", f"is inside the output folder of another run ({run})"),
+                           (tmp_path / "runs", f"holds the output folder of another run ({run})")):  # fmt: skip
+        with pytest.raises(
+            UsageError, match=f"^--class_data_dir {class_dir} {how}".replace("(", r"\(").replace(")", r"\)")
+        ):
+            _roles(tmp_path, class_dir=str(class_dir))
+    legacy = tmp_path / "legacy"  # a run of a version before the manifest: its run_config.json says so
+    legacy.mkdir()
+    (legacy / "run_config.json").write_text(
+        json.dumps({"output_dir": "x", "cp_size": 1, "resume_from_checkpoint": None})
+    )
+    with pytest.raises(UsageError, match="is the output folder of another run"):
+        _roles(tmp_path, class_dir=str(legacy))
+    # this run's own output folder is outdir's to refuse ("--output_dir ... holds --class_data_dir")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / manifest.NAME).write_text("{}")
+    _roles(tmp_path, class_dir=str(tmp_path / "out" / "class"))

@@ -321,6 +321,9 @@ def test_a_disk_that_fills_up_stops_the_run_at_the_save_that_no_longer_fits(tmp_
 
 
 def test_resume_applies_a_changed_learning_rate_and_says_what_a_weights_only_checkpoint_lacks(tmp_path):
+    """Then a resume with a learning rate that diverges (--on_nonfinite skip): the step after it applies an update
+    whose weights give non-finite losses from then on. The run did not train: it exits non-zero, writes no
+    checkpoint of a skipped step and no final model, and the folder keeps the earlier run's LoRA and card."""
     ok(train(1, *_common(tmp_path, "r", 2, "--checkpointing_steps", "2", "--checkpoint_weights_only")))
     r = ok(train(1, *_common(tmp_path, "r", 4, "--checkpointing_steps", "2", "--checkpoint_weights_only",
                              "--resume_from_checkpoint", "latest", "--learning_rate", "5e-4")))  # fmt: skip
@@ -328,19 +331,40 @@ def test_resume_applies_a_changed_learning_rate_and_says_what_a_weights_only_che
     assert "has no optimizer state (--checkpoint_weights_only): AdamW's moments start from zero" in r.stderr
     assert [row["lr"] for row in read_metrics(tmp_path / "r" / "metrics.jsonl")] == [1e-3, 1e-3, 5e-4, 5e-4]
 
+    run = tmp_path / "r"
+    kept = {name: (run / name).read_bytes() for name in ("pytorch_lora_weights.safetensors", "README.md")}
+    r = train(1, *_common(tmp_path, "r", 7, "--checkpointing_steps", "2", "--resume_from_checkpoint", "latest",
+                          "--learning_rate", "1e10", "--adam_weight_decay", "0", "--on_nonfinite", "skip"))  # fmt: skip
+    assert r.returncode == 3, r.stderr[-3000:]
+    assert (
+        "error: steps 6-7, the last 2 of the run, had a non-finite loss or gradient norm and were skipped" in r.stderr
+    )
+    assert f"no final model or checkpoint was written, and {run} keeps its earlier outputs. checkpoint-4 is the " in (
+        r.stderr
+    )
+    assert "step 6 was skipped: no checkpoint of it" in r.stderr and "done:" not in r.stderr
+    assert _complete(run) == [2, 4] and {name: (run / name).read_bytes() for name in kept} == kept
+
 
 def test_a_resume_from_an_earlier_checkpoint_branches_and_overwrite_removes_only_the_runs_files(tmp_path):
     """A finished run resumed from its checkpoint-2 with another learning rate: the later branch's checkpoints, final
     LoRA, loss curve and metrics are set aside (renamed, not deleted), metrics.jsonl holds one trajectory, the limit
-    never prunes the live branch's newest checkpoint, and `latest` picks it. --overwrite_output_dir then removes what
-    the two runs wrote (their manifest) and nothing else."""
+    never prunes the live branch's newest checkpoint, and `latest` picks it; the model card the user edited in between
+    is kept, the new one written beside it. --overwrite_output_dir then removes what the two runs wrote (their
+    manifest) and nothing else."""
     run = tmp_path / "run"
     ok(train(1, *_common(tmp_path, "run", 6, "--checkpointing_steps", "2")))
     first = read_metrics(run / "metrics.jsonl")
+    edited = (run / "README.md").read_text() + "\nMy notes on this LoRA.\n"
+    (run / "README.md").write_text(edited)
     branch = ["--checkpoints_total_limit", "1", "--resume_from_checkpoint", str(run / "checkpoint-2"),
               "--learning_rate", "5e-4"]  # fmt: skip
     r = ok(train(1, *_common(tmp_path, "run", 6, "--checkpointing_steps", "2", *branch)))
     assert "resuming checkpoint-2 while later checkpoints exist: a new branch from step 2" in r.stderr, r.stderr[-3000:]
+    assert f"warning: {run}/README.md was edited since flux-cp wrote it: kept; this run's model card is " in r.stderr
+    assert (run / "README.md").read_text() == edited and "learning rate | 0.0005" in (
+        run / "README.flux-cp.md"
+    ).read_text()
     aside = list(run.glob("abandoned-*"))
     moved = ["checkpoint-4", "checkpoint-6", "loss_curve.png", "metrics.jsonl", "pytorch_lora_weights.safetensors"]
     assert len(aside) == 1 and sorted(p.name for p in aside[0].iterdir()) == moved
@@ -356,5 +380,6 @@ def test_a_resume_from_an_earlier_checkpoint_branches_and_overwrite_removes_only
     removed = outdir.claim(run, None, True).removed
     assert aside[0].name in removed and "checkpoint-6" in removed
     assert sorted(p.name for p in run.iterdir()) == sorted([outdir.LOCK_NAME, manifest.NAME, "my_validation",
-                                                            "notes.txt"])  # fmt: skip
+                                                            "notes.txt", "README.md"])  # fmt: skip
+    assert (run / "README.md").read_text() == edited  # the user's card: edited, so theirs
     outdir.release(run)
