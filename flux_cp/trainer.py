@@ -670,6 +670,7 @@ class Trainer:
         text = summary(
             cfg, steps=self.max_steps, pipeline=family.pipeline_class_name(self.shape.pairs), kontext=self.shape.pairs,
             hub_url=hub_url, repo_id=self.hub_repo_id, tracker_urls=tuple(urls),
+            transformer_class=family.transformer_class_name,
         )  # fmt: skip
         logger.info(text)
 

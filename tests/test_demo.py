@@ -95,8 +95,10 @@ def test_every_copy_of_the_config_keeps_what_the_log_says_about_the_demo():
         cfg = parse_config(argv)
         copy = resolved(cfg, FLUX1, "--dataset_name" in argv, None)
         assert copy.lora.lora_layers and copy.demo_lines() == cfg.demo_lines() != [], argv
-        assert copy.flat() == {**cfg.flat(), **{k: v for k, v in copy.flat().items() if k in ("lora_layers",
-                                                                                              "vae_encode_mode")}}
+        assert copy.flat() == {
+            **cfg.flat(),
+            **{k: v for k, v in copy.flat().items() if k in ("lora_layers", "vae_encode_mode")},
+        }
 
 
 def _checkpoint(out: Path, step: int, args: dict, **meta) -> Path:
@@ -137,8 +139,8 @@ def test_a_resumed_run_that_was_not_the_demo_keeps_the_usual_defaults(tmp_path):
     assert cfg.demo is None and cfg.demo_off == ("max_train_steps",) and cfg.train.train_batch_size == 1
     for damaged in ("{", "[]"):  # the resume itself says what is wrong with it
         (out / "checkpoint-4" / "meta.json").write_text(damaged)
-        resumed = parse_config(["--output_dir", str(out), "--resume_from_checkpoint", "latest", "--max_train_steps", "8"])
-        assert resumed.demo is None
+        extend = ["--output_dir", str(out), "--resume_from_checkpoint", "latest", "--max_train_steps", "8"]
+        assert parse_config(extend).demo is None
 
 
 def test_a_finished_run_is_known_from_its_last_checkpoint_and_outputs(tmp_path):
