@@ -211,7 +211,7 @@ class ModelConfig:
     transformer_init: str = flag(
         "pretrained",
         "'random': build the transformer from its config with seeded random weights (benchmarks and "
-        "equivalence runs of FLUX.1-sized models without downloading them).",
+        "equivalence runs of full-sized models without downloading them: python -m flux_cp.tiny --preset ...).",
         choices=("pretrained", "random"),
     )
     cache_dir: str | None = flag(
@@ -247,8 +247,8 @@ class LoraConfig:
     )
     lora_format: str = flag(
         "diffusers",
-        "Layout of pytorch_lora_weights.safetensors: 'diffusers' (FluxPipeline.load_lora_weights, ComfyUI) or "
-        "'kohya' (kohya / BFL names: ComfyUI, Forge, kohya's tools).",
+        "Layout of pytorch_lora_weights.safetensors: 'diffusers' (the pipeline's load_lora_weights, ComfyUI) or "
+        "'kohya' (kohya / BFL names: ComfyUI, Forge, kohya's tools; FLUX.1 only).",
         choices=LORA_FORMATS,
     )
 
@@ -486,7 +486,8 @@ class TrainConfig:
     mode_scale: float = flag(1.29, "Scale of the 'mode' weighting scheme.")
     guidance_scale: float = flag(
         3.5,
-        "Guidance embedding value for guidance-distilled checkpoints (FLUX.1-dev); also used for validation images.",
+        "Guidance embedding value for guidance-distilled checkpoints (FLUX.1 [dev], FLUX.2 [dev]), in training and in "
+        "validation images; FLUX.2 [klein] base models use it as classifier-free guidance in validation images.",
     )
     deterministic: bool = flag(False, "Deterministic kernels (slower).")
     profile_step: int | None = flag(
