@@ -75,7 +75,8 @@ BUNDLED = Path(__file__).resolve().parent.parent / "data"  # the bundled data se
 class Demo:
     """The settings of a demo: the embedded default (no model named) on one of the bundled data sets with no step
     count given, trained so that its loss curve visibly falls within a minute on 2 CPU cores, with validation
-    images before and after (measured in the README). Flags given still win; real runs keep diffusers' defaults."""
+    images before and after (the README's figures, checked by tests/test_readme_demos.py). Flags given still win;
+    other runs get the usual defaults (docs/design.md lists those that differ from diffusers' examples)."""
 
     name: str
     data: Path | None  # the --dataset_name that selects it (None: none given, the bundled data/tiny_shapes)
