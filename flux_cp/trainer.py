@@ -436,7 +436,7 @@ class Trainer:
         """The step to start after: a compatible checkpoint's, restored on any layout, or 0. A run already finished
         (its last checkpoint at the last step, its outputs written) sets `done_before` and loads nothing."""
         ckpt, output_dir = self.cfg.checkpoints, self.cfg.train.output_dir
-        self.done_before = finished(ckpt.resume_from_checkpoint, output_dir, self.max_steps)
+        self.done_before = finished(ckpt.resume_from_checkpoint, output_dir, self.max_steps, claimed=True)
         if self.done_before is not None:
             logger.info(f"flux-cp: {finished_line(self.done_before, self.max_steps)}")
             return self.max_steps

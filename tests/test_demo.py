@@ -157,3 +157,11 @@ def test_a_finished_run_is_known_from_its_last_checkpoint_and_outputs(tmp_path):
     assert finished("latest", out, 200) == last and finished(str(last), out, 200) == last
     assert finished("latest", out, 220) is None and finished(None, out, 200) is None  # extended; not a resume
     assert finished(str(out / "checkpoint-100"), out, 200) is None  # an earlier checkpoint: a branch
+    from flux_cp import outdir
+
+    outdir.claim(out, "latest")  # a live run in the folder: its start says the folder is in use, not this
+    try:
+        assert finished("latest", out, 200) is None
+    finally:
+        outdir.release(out)
+    assert finished("latest", out, 200) == last
