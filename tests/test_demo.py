@@ -165,3 +165,24 @@ def test_a_finished_run_is_known_from_its_last_checkpoint_and_outputs(tmp_path):
     finally:
         outdir.release(out)
     assert finished("latest", out, 200) == last
+
+
+def test_a_refused_resume_is_printed_once_under_a_launcher(tmp_path, capfd, monkeypatch):
+    """Every rank reads the same checkpoint and holds the same run identity, so the refusal is agreed: the main rank
+    prints it, the others nothing (it was printed once per rank)."""
+    from flux_cp import runner
+    from flux_cp.trainer import Trainer
+
+    out = tmp_path / "tiny"
+    _checkpoint(out, 4, {}, run={"global_batch": 4})
+    trainer = Trainer(parse_config(["--output_dir", str(out), "--resume_from_checkpoint", "latest",
+                                    "--max_train_steps", "8"]))  # fmt: skip
+    trainer.max_steps, trainer.run_identity = 8, {"global_batch": 1}
+    monkeypatch.setattr(runner, "MAIN_RANK_GRACE_S", 0.0)
+    monkeypatch.setattr(runner, "is_distributed", lambda: True)  # the process group is up by the resume
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for rank, lines in (("0", 1), ("1", 0)):
+        monkeypatch.setenv("RANK", rank)
+        assert runner.run(trainer.resume) == 2
+        err = capfd.readouterr().err
+        assert len([ln for ln in err.splitlines() if "global_batch: checkpoint 4, now 1" in ln]) == lines, err
