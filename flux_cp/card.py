@@ -90,6 +90,8 @@ def snippet(
     args = f"{prompt!r}, height={size}, width={size}, num_inference_steps={cfg.validation.validation_inference_steps}"
     args += f", guidance_scale={cfg.train.guidance_scale:g}"
     if kontext:
+        if pipeline == "FluxKontextPipeline":  # it renders max_area pixels (default 1024^2), whatever height and width
+            args += f", max_area={size * size}"
         lines.append(f'image = pipe(image=load_image("reference.png"), prompt={args}).images[0]')
     else:
         lines.append(f"image = pipe({args}).images[0]")

@@ -98,6 +98,7 @@ def test_kontext_and_full_fine_tuning_cards(tmp_path):
     code = _code(body)
     compile(code, "snippet", "exec")
     assert "FluxKontextPipeline.from_pretrained" in code and 'image=load_image("reference.png")' in code
+    assert "height=1024, width=1024, num_inference_steps=28, guidance_scale=3.5, max_area=1048576)" in code
     assert f"load_lora_weights({str(out)!r}" in code  # no repository: the output folder
     assert "kohya's / BFL's key names" in body and "FLUX.1-Kontext-dev model" in body
 
