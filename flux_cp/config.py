@@ -785,7 +785,8 @@ class Config:
             n = train.train_batch_size
             lr = f"learning rate {train.learning_rate:g}, {n} sample{'s' if n > 1 else ''} per step"
             epochs = train.num_train_epochs
-            steps = f"{train.max_train_steps} steps" if train.max_train_steps else f"{epochs} epoch{'s' * (epochs > 1)}"
+            steps = train.max_train_steps
+            steps = f"{steps} step{'s' * (steps > 1)}" if steps else f"{epochs} epoch{'s' * (epochs > 1)}"
             return [f"the demo's settings are off ({given} given): {steps}, {lr}, as for real runs"]
         return []
 
