@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -31,7 +32,8 @@ def _is_hub_id(name: str | None) -> bool:
 
 
 def _cell(value: object) -> str:
-    return str(value).replace("|", "\\|").replace("\n", " ")
+    """A table cell: one line, its pipes escaped (those `markdown` escaped already stay as they are)."""
+    return re.sub(r"(?<!\\)\|", r"\\|", str(value).replace("\n", " "))
 
 
 def _steps(output_dir: Path) -> int | None:
@@ -54,11 +56,13 @@ def snippet(
     transformer_class: str = "FluxTransformer2DModel",
 ) -> str:  # fmt: skip
     """Python that loads the trained weights (from `source`: the output folder or its Hub repository) into diffusers'
-    `pipeline` for `base` (None: the embedded default's tiny model) and renders an image. `kontext`: the pipeline
-    takes a reference image. `transformer_class`: the class a full fine-tune's `transformer/` loads with."""
+    `pipeline` for `base` (None: the embedded default's tiny model) and renders an image at the trained size, on the
+    GPU when there is one, else on the CPU. `kontext`: the pipeline takes a reference image. `transformer_class`: the
+    class a full fine-tune's `transformer/` loads with. Every value from the run (paths, hub ids, the prompt) is a
+    Python literal (repr), so no folder or prompt can add code to it."""
     pipeline = pipeline or ("FluxKontextPipeline" if kontext else "FluxPipeline")
     prompt = (cfg.validation.validation_prompt or (cfg.data.instance_prompt,))[0] or "a photo"
-    load_base = f'"{base}"' if base else f"ensure_tiny_pipeline({'kontext=True' if kontext else ''})"
+    load_base = repr(base) if base else f"ensure_tiny_pipeline({'kontext=True' if kontext else ''})"
     lines = ["import torch"]
     if cfg.lora.full_finetune:
         lines.append(f"from diffusers import {pipeline}, {transformer_class}")
@@ -68,24 +72,50 @@ def snippet(
         lines.append("from diffusers.utils import load_image")
     if not base:
         lines.append("from flux_cp.tiny import ensure_tiny_pipeline  # the tiny Flux this demo trained")
-    lines.append("")
+    lines += [
+        "",
+        'device = "cuda" if torch.cuda.is_available() else "cpu"',
+        'dtype = torch.bfloat16 if device == "cuda" else torch.float32',
+    ]
     if cfg.lora.full_finetune:
         lines.append(
-            f'transformer = {transformer_class}.from_pretrained("{source}", subfolder="transformer", '
-            "dtype=torch.bfloat16)"
+            f'transformer = {transformer_class}.from_pretrained({source!r}, subfolder="transformer", dtype=dtype)'
         )
-        lines.append(f"pipe = {pipeline}.from_pretrained({load_base}, transformer=transformer, dtype=torch.bfloat16)")
+        lines.append(f"pipe = {pipeline}.from_pretrained({load_base}, transformer=transformer, dtype=dtype)")
     else:
-        lines.append(f"pipe = {pipeline}.from_pretrained({load_base}, dtype=torch.bfloat16)")
-        lines.append(f'pipe.load_lora_weights("{source}", weight_name="{LORA_FILE}")')
-    lines.append('pipe.to("cuda")')
-    args = f"{json.dumps(prompt)}, num_inference_steps={cfg.validation.validation_inference_steps}"
+        lines.append(f"pipe = {pipeline}.from_pretrained({load_base}, dtype=dtype)")
+        lines.append(f"pipe.load_lora_weights({source!r}, weight_name={LORA_FILE!r})")
+    lines.append("pipe.to(device)")
+    size = cfg.data.largest_resolution  # the size it was trained at (the pipelines' own default is 1024)
+    args = f"{prompt!r}, height={size}, width={size}, num_inference_steps={cfg.validation.validation_inference_steps}"
     args += f", guidance_scale={cfg.train.guidance_scale:g}"
     if kontext:
+        if pipeline == "FluxKontextPipeline":  # it renders max_area pixels (default 1024^2), whatever height and width
+            args += f", max_area={size * size}"
         lines.append(f'image = pipe(image=load_image("reference.png"), prompt={args}).images[0]')
     else:
         lines.append(f"image = pipe({args}).images[0]")
+    lines.append('image.save("image.png")')
     return "\n".join(lines)
+
+
+def markdown(text: object) -> str:
+    """`text` as literal Markdown text on one line, for a value from the run's flags and files (folder names, prompts,
+    data set names) put inside a sentence or a table cell: every character that inline Markdown or HTML reads as
+    markup is escaped."""
+    out = " ".join(str(text).splitlines())
+    return "".join("\\" + c if c in _MARKUP else c for c in out)
+
+
+_MARKUP = set("\\`*_[]<>|&~$")  # inline markup: emphasis, code, links and images, HTML and entities, tables
+
+
+def code_span(text: object) -> str:
+    """`text` as an inline code span, whatever backticks it holds (Markdown shows code spans literally)."""
+    out = " ".join(str(text).splitlines())
+    fence = "`" * (max((len(r) for r in re.findall(r"`+", out)), default=0) + 1)
+    pad = " " if out.startswith("`") or out.endswith("`") or not out.strip() else ""
+    return f"{fence}{pad}{out}{pad}{fence}"
 
 
 def _comfyui(cfg: Config, kontext: bool, base_name: str, flux2: bool = False) -> str:
@@ -155,7 +185,7 @@ def write_model_card(
     family = family or FLUX1
     flux2 = family is not FLUX1
     label = family.pairs_label if kontext else family.label
-    base_name = known.model_id.split("/")[-1] if known else (base or family.label)
+    base_name = known.model_id.split("/")[-1] if known else markdown(base or family.label)
     full = cfg.lora.full_finetune
     kind = "full fine-tune" if full else "LoRA"
     name = repo_id or out.resolve().name
@@ -183,32 +213,32 @@ def write_model_card(
     )
 
     base_text = (
-        f"[{base}](https://huggingface.co/{base})" if hub_base else (f"`{base}`" if base else "a tiny Flux built "
-        "locally (flux-cp's embedded default, for the demo)")
+        f"[{markdown(base)}](https://huggingface.co/{base})" if hub_base else (code_span(base) if base else "a tiny "
+        "Flux built locally (flux-cp's embedded default, for the demo)")
     )  # fmt: skip
     lora = cfg.lora
     what = "a transformer fine-tuned from" if full else f"LoRA weights (rank {lora.rank}, alpha {lora.lora_alpha}) for"
     body = [
-        f"# {label} {kind} - {name}",
+        f"# {label} {kind} - {markdown(name)}",
         "",
         "<Gallery />",
         "",
         "## Model description",
         "",
-        f"These are {name} {what} {base_text}, trained with flux-cp (diffusers' {family.label} training recipe with "
-        "context parallelism: each sample's tokens split over GPUs, with the loss and gradients of training without "
-        "it).",
+        f"These are {markdown(name)} {what} {base_text}, trained with flux-cp (diffusers' {family.label} training "
+        "recipe with context parallelism: each sample's tokens split over GPUs, with the loss and gradients of "
+        "training without it).",
         "",
     ]
     if cfg.data.instance_prompt:
-        trigger = f"You should use `{cfg.data.instance_prompt}` to trigger the image generation."
+        trigger = f"You should use {code_span(cfg.data.instance_prompt)} to trigger the image generation."
         body += ["## Trigger words", "", trigger, ""]
     body += ["## Training settings", "", "| setting | value |", "|---|---|"]
     cp = f"--cp_size {cfg.parallel.cp_size}, mode {cp_mode or cfg.parallel.cp_mode}"
     cp = cp if cfg.parallel.cp_size > 1 else "off (--cp_size 1)"
     rows = [
-        ("base model", base or "embedded tiny Flux"),
-        ("data", (cfg.data.dataset_name or "the bundled data set")
+        ("base model", markdown(base) if base else "embedded tiny Flux"),
+        ("data", (markdown(cfg.data.dataset_name) if cfg.data.dataset_name else "the bundled data set")
                  + (f" ({family.pairs_label} pairs)" if kontext else "")),
         ("resolution", f"{', '.join(map(str, cfg.data.resolution))} px"
                        + (" (aspect buckets)" if cfg.data.aspect_buckets else "")),
@@ -219,7 +249,7 @@ def write_model_card(
                           "steps)"),
         ("optimizer", describe_optimizer(cfg.train)),
         ("training", "full fine-tuning" if full else f"LoRA rank {cfg.lora.rank}, alpha {cfg.lora.lora_alpha}, "
-                     f"dropout {cfg.lora.lora_dropout:g}, layers {', '.join(cfg.lora.lora_layers)}"),
+                     f"dropout {cfg.lora.lora_dropout:g}, layers {markdown(', '.join(cfg.lora.lora_layers))}"),
         ("mixed precision", cfg.train.mixed_precision or "accelerate's config"),
         ("context parallelism", cp + (f"; {layout}" if layout else "")),
         ("seed", cfg.train.seed),
@@ -230,7 +260,7 @@ def write_model_card(
     if options.caption_dropout:
         rows.append(("caption dropout", f"{options.caption_dropout:g}"))
     if options.with_prior_preservation:
-        prior = f"class prompt '{options.class_prompt}', {options.num_class_images} class images"
+        prior = f"class prompt '{markdown(options.class_prompt)}', {options.num_class_images} class images"
         rows.append(("prior preservation", f"{prior}, prior loss weight {options.prior_loss_weight:g}"))
     if not full:
         rows.append(("LoRA file", f"`{LORA_FILE}`, {cfg.lora.lora_format} format"))
@@ -238,7 +268,7 @@ def write_model_card(
     if grids:
         body += ["## Validation images", ""]
         if prompts:
-            rows_text = "; ".join(f"{i + 1}. {p}" for i, p in enumerate(prompts))
+            rows_text = "; ".join(f"{i + 1}. {markdown(p)}" for i, p in enumerate(prompts))
             body += [f"One row per prompt ({cfg.validation.num_validation_images} images each): {rows_text}", ""]
         for grid in grids:
             step = int(grid.stem.split("-")[-1])

@@ -75,7 +75,8 @@ BUNDLED = Path(__file__).resolve().parent.parent / "data"  # the bundled data se
 class Demo:
     """The settings of a demo: the embedded default (no model named) on one of the bundled data sets with no step
     count given, trained so that its loss curve visibly falls within a minute on 2 CPU cores, with validation
-    images before and after (measured in the README). Flags given still win; real runs keep diffusers' defaults."""
+    images before and after (the README's figures, checked by tests/test_readme_demos.py). Flags given still win;
+    other runs get the usual defaults (docs/design.md lists those that differ from diffusers' examples)."""
 
     name: str
     data: Path | None  # the --dataset_name that selects it (None: none given, the bundled data/tiny_shapes)
@@ -117,6 +118,37 @@ def _demo_of(raw: dict) -> Demo | None:
 
 def _demo(raw: dict) -> Demo | None:
     return raw[_DEMO]
+
+
+# The flags a demo sets (when not given): what a resumed demo run takes from its checkpoint instead.
+DEMO_FLAGS = ("max_train_steps", "learning_rate", "train_batch_size", "validation_prompt", "validation_image")
+
+
+def _resumed_demo(raw: dict) -> tuple[Demo, str, dict] | None:
+    """When these flags resume a run of a demo (the embedded default on its data set, as its checkpoint records
+    them): (the demo, the checkpoint, {flag: the checkpoint's value} of the flags the demo sets and these flags do
+    not give). A step count given to extend it then keeps the demo's batch, learning rate and validation images, as
+    the run had them. Reads the checkpoint's meta.json only; None for anything else."""
+    if not _is_embedded(raw) or raw["resume_from_checkpoint"] is None:
+        return None
+    demo = next((d for d in DEMOS if _same_folder(raw["dataset_name"], d.data)), None)
+    if demo is None:
+        return None
+    from .resume import saved_run
+
+    saved = saved_run(raw["resume_from_checkpoint"], raw["output_dir"])
+    if saved is None:
+        return None
+    path, meta = saved
+    args = meta.get("args") or {}
+    # Checkpoints name their demo; older ones are recognised by the demo's batch and validation prompts.
+    was = meta.get("demo", demo.name if (args.get("train_batch_size"), tuple(args.get("validation_prompt") or ())) ==
+                   (demo.batch, demo.prompts) else None)  # fmt: skip
+    if was != demo.name or args.get("pretrained_model_name_or_path") is not None:
+        return None
+    kept = {f: tuple(args[f]) if isinstance(args[f], list) else args[f]
+            for f in DEMO_FLAGS if raw[f] is None and f in args}  # fmt: skip
+    return demo, str(path), kept
 
 
 def boolean(text: str) -> bool:
@@ -164,10 +196,12 @@ def _checkpointing(text: str) -> str:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Which FLUX.1 to load (flux_cp.model)."""
+    """Which FLUX model to load (flux_cp.model; the family is read from the model folder)."""
 
     pretrained_model_name_or_path: str | None = flag(
-        None, "Diffusers-layout folder or hub id of FLUX.1. Default: a tiny Flux built locally."
+        None,
+        "Diffusers-layout folder or hub id of a FLUX.1, FLUX.1 Kontext or FLUX.2 ([dev], [klein]) model; its "
+        "model_index.json says which. Default: a tiny FLUX.1 built locally.",
     )
     revision: str | None = flag(
         None, "Revision of pretrained model identifier from huggingface.co/models. Default: the main branch."
@@ -178,7 +212,7 @@ class ModelConfig:
     transformer_init: str = flag(
         "pretrained",
         "'random': build the transformer from its config with seeded random weights (benchmarks and "
-        "equivalence runs of FLUX.1-sized models without downloading them).",
+        "equivalence runs of full-sized models without downloading them: python -m flux_cp.tiny --preset ...).",
         choices=("pretrained", "random"),
     )
     cache_dir: str | None = flag(
@@ -214,8 +248,8 @@ class LoraConfig:
     )
     lora_format: str = flag(
         "diffusers",
-        "Layout of pytorch_lora_weights.safetensors: 'diffusers' (FluxPipeline.load_lora_weights, ComfyUI) or "
-        "'kohya' (kohya / BFL names: ComfyUI, Forge, kohya's tools).",
+        "Layout of pytorch_lora_weights.safetensors: 'diffusers' (the pipeline's load_lora_weights, ComfyUI) or "
+        "'kohya' (kohya / BFL names: ComfyUI, Forge, kohya's tools; FLUX.1 only).",
         choices=LORA_FORMATS,
     )
 
@@ -295,7 +329,8 @@ class DataConfig:
     )
     max_sequence_length: int = flag(
         512,
-        "T5 tokens per prompt (<= 512). Default: 512, or 32 for the tiny default.",
+        "Text-encoder tokens per prompt (<= 512; T5's for FLUX.1, Mistral's or Qwen3's for FLUX.2). Default: 512, or "
+        "32 for the tiny default.",
         derive=lambda raw: 32 if _is_embedded(raw) else 512,
     )
     vae_encode_mode: str | None = flag(
@@ -452,7 +487,8 @@ class TrainConfig:
     mode_scale: float = flag(1.29, "Scale of the 'mode' weighting scheme.")
     guidance_scale: float = flag(
         3.5,
-        "Guidance embedding value for guidance-distilled checkpoints (FLUX.1-dev); also used for validation images.",
+        "Guidance embedding value for guidance-distilled checkpoints (FLUX.1 [dev], FLUX.2 [dev]), in training and in "
+        "validation images; FLUX.2 [klein] base models use it as classifier-free guidance in validation images.",
     )
     deterministic: bool = flag(False, "Deterministic kernels (slower).")
     profile_step: int | None = flag(
@@ -686,22 +722,22 @@ class Config:
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     hub: HubConfig = field(default_factory=HubConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
+    # How parse_config resolved the flags (not flags): the demo whose settings this run got; with the embedded
+    # default, the flags given that turned a demo's settings off; and the checkpoint whose run's demo settings a
+    # resume keeps. Fields, so that every copy (dataclasses.replace) keeps them.
+    demo: Demo | None = field(default=None, metadata={"resolution": True})
+    demo_off: tuple[str, ...] = field(default=(), metadata={"resolution": True})
+    demo_from: str | None = field(default=None, metadata={"resolution": True})
 
-    # How parse_config resolved the flags (not flags, so not fields): the demo whose settings this run got, and with
-    # the embedded default, the flags given that turned a demo's settings off. A Config built otherwise has neither.
-    @property
-    def demo(self) -> Demo | None:
-        return self.__dict__.get("_demo")
-
-    @property
-    def demo_off(self) -> tuple[str, ...]:
-        return self.__dict__.get("_demo_off", ())
+    def sections(self) -> list[Any]:
+        """The flag sections (model, lora, data, ...), in field order."""
+        return [getattr(self, f.name) for f in dataclasses.fields(self) if not f.metadata.get("resolution")]
 
     def check(self) -> None:
         """Every check that needs only the flags; the first failure is a UsageError naming the flag."""
         check_ranges(self.flat())
-        for f in dataclasses.fields(self):
-            check = getattr(getattr(self, f.name), "check", None)
+        for section in self.sections():
+            check = getattr(section, "check", None)
             if check is not None:
                 check()
         if not self.plan.plan:  # the planner loads nothing and runs on any machine
@@ -719,7 +755,7 @@ class Config:
         """{flag name: value} of every flag but the secret ones (run_config.json, checkpoints' meta, trackers)."""
         return {
             f.name: getattr(section, f.name)
-            for section in (getattr(self, s.name) for s in dataclasses.fields(self))
+            for section in self.sections()
             for f in dataclasses.fields(section)
             if not f.metadata["secret"]
         }
@@ -732,9 +768,16 @@ class Config:
             images = f"validation images of {len(self.validation.validation_prompt or ())} prompts"
             if self.validation.validation_image:
                 images += f" editing {', '.join(os.path.relpath(p) for p in self.validation.validation_image)}"
+            settings = (
+                f"{train.max_train_steps} steps at learning rate {train.learning_rate:g}, {train.train_batch_size} "
+                f"samples per step, {images} before and after training"
+            )
+            if self.demo_from is not None:
+                return [
+                    f"{demo.name}'s settings, as the run of {self.demo_from} had them: {settings} (given flags win)"
+                ]
             return [
-                f"{demo.name}'s settings: {train.max_train_steps} steps at learning rate {train.learning_rate:g}, "
-                f"{train.train_batch_size} samples per step, {images} before and after training (given flags win; "
+                f"{demo.name}'s settings: {settings} (given flags win; "
                 f"{', '.join('--' + f for f in DEMO_OFF_FLAGS[:2])} or another --dataset_name turn them off)"
             ]
         if self.demo_off:
@@ -742,7 +785,8 @@ class Config:
             n = train.train_batch_size
             lr = f"learning rate {train.learning_rate:g}, {n} sample{'s' if n > 1 else ''} per step"
             epochs = train.num_train_epochs
-            steps = f"{train.max_train_steps} steps" if train.max_train_steps else f"{epochs} epoch{'s' * (epochs > 1)}"
+            steps = train.max_train_steps
+            steps = f"{steps} step{'s' * (steps > 1)}" if steps else f"{epochs} epoch{'s' * (epochs > 1)}"
             return [f"the demo's settings are off ({given} given): {steps}, {lr}, as for real runs"]
         return []
 
@@ -829,8 +873,10 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="train_flux_cp.py",
-        description="Fine-tune FLUX.1 (LoRA or full) with context parallelism. With no model and no data flags it "
-        "trains a tiny Flux built locally on the bundled data set (the embedded default).",
+        description="Fine-tune FLUX.1, FLUX.1 Kontext and FLUX.2 ([dev], [klein]) models (LoRA or full) with context "
+        "parallelism. With no model and no data flags it trains a tiny FLUX.1 built locally on the bundled data set "
+        "(the embedded default).",
+        allow_abbrev=False,  # a misspelt flag is named (did you mean ...?), never taken for the flag it begins
         formatter_class=_HelpFormatter,
     )
     for name, section in _sections():
@@ -869,6 +915,12 @@ def parse_config(argv: list[str] | None = None) -> Config:
             raise UsageError("--dataset_name and --instance_data_dir both name the training data: give one of them")
         raw["dataset_name"] = raw["instance_data_dir"]
     raw[_DEMO] = _demo_of(raw)  # the embedded default on a bundled data set with no step count (the README's demos)
+    resumed = _resumed_demo(raw)  # ... or a resume of such a run, which keeps its settings (a step count extends it)
+    if resumed is not None:
+        raw[_DEMO], demo_from, kept = resumed
+        raw.update(kept)
+    else:
+        demo_from = None
     sections = {}
     for name, section in _sections():
         values = {}
@@ -881,9 +933,7 @@ def parse_config(argv: list[str] | None = None) -> Config:
             values[f.name] = value
         sections[name] = section(**values)
     off = off if _is_embedded(raw) and raw[_DEMO] is None else ()
-    config = Config(**sections)
-    object.__setattr__(config, "_demo", raw[_DEMO])  # frozen: set once, here
-    object.__setattr__(config, "_demo_off", off)
+    config = Config(**sections, demo=raw[_DEMO], demo_off=off, demo_from=demo_from)
     config.check()
     if os.environ.get("RANK", "0") == "0":
         given = given_flags(parser, sys.argv[1:] if argv is None else argv)

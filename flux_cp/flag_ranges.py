@@ -57,7 +57,7 @@ RULES = (
         why="at 0 the class images cost a second batch and change nothing; drop --with_prior_preservation instead",
     ),
     Rule("validation_resolution", 16, why="the smallest image is one 2x2 patch of 8x VAE latents"),
-    Rule("max_sequence_length", 1, 512, why="T5's prompt length in FLUX.1"),
+    Rule("max_sequence_length", 1, 512, why="FLUX.1's pipelines refuse longer prompts (T5's limit)"),
     Rule("seed", 0, SEED_MAX, why="seeds are 32-bit"),
     Rule("train_batch_size", 1),
     Rule("max_train_steps", 1),

@@ -281,11 +281,15 @@ def transformer_config(path: str, revision: str | None = None, cache_dir: str | 
     known = known_model(path)
     if known is not None:
         return dict(known.transformer), f"{known.model_id} (built-in config)"
-    offline_ids = ", ".join(m.model_id for m in KNOWN.values())
+    offline_ids = (
+        f"a FLUX.1 model known offline ({', '.join(m.model_id for m in KNOWN.values())}), or a folder with a model's "
+        "shapes built without downloads: python -m flux_cp.tiny --preset flux2-dev-shapes --out DIR (FLUX.2 [dev]; "
+        "flux2-klein-shapes: [klein] 4B; flux1-dev-shapes: FLUX.1)"
+    )
     if _hub_offline():
         raise UsageError(
             f"{flag}: not a local folder, and its {file} is not in the local HF cache (HF_HUB_OFFLINE is set): "
-            f"pass the model's folder, or a model known offline ({offline_ids})"
+            f"pass the model's folder, {offline_ids}"
         )
     import httpx
     from huggingface_hub.errors import HfHubHTTPError
@@ -298,7 +302,7 @@ def transformer_config(path: str, revision: str | None = None, cache_dir: str | 
         why = " ".join(str(e).split())[:200] or type(e).__name__
         raise UsageError(
             f"{flag}: not a local folder or in the local HF cache, and {file} could not be read from the Hugging Face "
-            f"Hub ({why}): pass the model's folder, or a model known offline ({offline_ids})"
+            f"Hub ({why}): pass the model's folder, {offline_ids}"
         ) from None
     with open(local) as f:
         return json.load(f), path

@@ -81,6 +81,70 @@ def check_steps(step: int, max_steps: int | None, path: Path, source: str = "--m
         )
 
 
+def saved_run(resume: str | None, output_dir: str | os.PathLike) -> tuple[Path, dict] | None:
+    """(the checkpoint `--resume_from_checkpoint resume` names, its meta.json) when it can be read, else None (no
+    resume, no checkpoint yet, or a damaged one: the resume itself then says what is wrong). Reads only."""
+    if resume is None:
+        return None
+    try:
+        path = checkpoint.resolve(resume, str(output_dir))
+        return (path, checkpoint.read_meta(path)) if path is not None else None
+    except UsageError:
+        return None
+
+
+def finished(
+    resume: str | None, output_dir: str | os.PathLike, steps: int | None, *, claimed: bool = False
+) -> Path | None:
+    """The checkpoint of a run that is already done, when `--resume_from_checkpoint resume` resumes one: its own
+    folder's newest checkpoint, at the run's last step (`steps`), with the final weights and the model card written
+    after it (a run stopped on its way out, before those, is finished by resuming it), and no live run in the folder
+    (`claimed`: this process holds the folder, flux_cp.outdir). Else None. Reads only."""
+    from .outdir import FINAL_OUTPUTS
+
+    folder = Path(output_dir)
+    found = checkpoint.list_checkpoints(folder)
+    if resume is None or steps is None or not found:
+        return None
+    path = found[-1][1]
+    if resume != "latest" and Path(resume).resolve() != path.resolve():
+        return None  # an earlier checkpoint (a branch) or another folder's (a fork)
+    if found[-1][0] != steps or not (folder / "README.md").is_file():
+        return None
+    if not any(os.path.lexists(folder / name) for name in FINAL_OUTPUTS) or (not claimed and _in_use(folder)):
+        return None  # a live run there: the resume says so (flux_cp.outdir) rather than this
+    return path
+
+
+def _in_use(folder: Path) -> bool:
+    """Whether a live run holds the folder's lock (flux_cp.outdir's), probed without writing anything."""
+    import fcntl
+
+    from .outdir import LOCK_NAME
+
+    try:
+        fd = os.open(folder / LOCK_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True  # a lock that cannot be opened: the run's own start names the problem
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except OSError:
+        return True
+    finally:
+        os.close(fd)  # drops the probe's shared lock with it
+
+
+def finished_line(path: Path, steps: int) -> str:
+    return (
+        f"{path.parent} already finished: {path.name} is its last step ({steps} steps) and its weights and model card "
+        "are written, so there is nothing to do and nothing was changed. To train further, pass a larger "
+        "--max_train_steps with --resume_from_checkpoint latest"
+    )
+
+
 def decide(
     output_dir: str | os.PathLike,
     resume: str | None,

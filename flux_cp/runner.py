@@ -3,6 +3,7 @@ anything the user can fix; a named rank and cause when a peer fails."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -61,6 +62,24 @@ def _let_the_main_rank_speak() -> None:
         time.sleep(MAIN_RANK_GRACE_S)
 
 
+def _tell_the_launcher(line: str) -> None:
+    """Give torchrun's agent (accelerate launch) the main rank's error line for its failure report, which ends with
+    the root cause's message: our line instead of a link to torch's documentation, last on the screen too."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump({"message": line, "timestamp": int(time.time())}, f)
+    except OSError:  # the report keeps its link; our line is printed already
+        pass
+
+
+def _main_rank_says(line: str) -> None:
+    _say(line)
+    _tell_the_launcher(line)
+
+
 def run(main: Callable[[], int]) -> int:
     rank = _rank()
     try:
@@ -71,7 +90,7 @@ def run(main: Callable[[], int]) -> int:
         # Agreed errors (and those raised before the process group exists, which every rank raises alike)
         # are printed once; an error of one rank alone is printed by that rank, named.
         if rank == 0:
-            _say(f"error: {e}")
+            _main_rank_says(f"error: {e}")
         elif not e.agreed and is_distributed():
             _say(f"error: [rank {rank}] {e}")
         else:
@@ -79,7 +98,7 @@ def run(main: Callable[[], int]) -> int:
         return EXIT_USAGE
     except NonFiniteError as e:  # found by a collective check: every rank raises it
         if rank == 0:
-            _say(f"error: {e}")
+            _main_rank_says(f"error: {e}")
         else:
             _let_the_main_rank_speak()
         return EXIT_NONFINITE

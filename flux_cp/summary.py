@@ -8,7 +8,9 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from . import manifest
 from .card import LORA_FILE, snippet
+from .errors import UsageError
 
 if TYPE_CHECKING:
     from .config import Config
@@ -71,6 +73,14 @@ def outputs(cfg: Config, hub_url: str | None = None, tracker_urls: tuple[str, ..
     return found
 
 
+def _card_written(out: Path) -> bool:
+    """Whether `out/README.md` is the model card this run wrote (not a README of the user's, which it keeps)."""
+    try:
+        return (out / "README.md").is_file() and "README.md" in (manifest.read(out) or [])
+    except UsageError:  # a damaged manifest: the run already said so
+        return False
+
+
 def summary(
     cfg: Config,
     *,
@@ -80,9 +90,11 @@ def summary(
     hub_url: str | None = None,
     repo_id: str | None = None,
     tracker_urls: tuple[str, ...] = (),
+    transformer_class: str = "FluxTransformer2DModel",
 ) -> str:
     """The closing summary of a finished run of `steps` optimizer steps. `pipeline`: diffusers' class that loads its
-    weights (the family's); `kontext`: trained on image-editing pairs; `repo_id`: where they were pushed."""
+    weights (the family's); `kontext`: trained on image-editing pairs; `repo_id`: where they were pushed;
+    `transformer_class`: the family's transformer class (a full fine-tune's `transformer/` loads with it)."""
     out = Path(cfg.train.output_dir)
     change = loss_change(out / "metrics.jsonl")
     head = f"done: {steps} step{'s' * (steps != 1)}"
@@ -95,7 +107,9 @@ def summary(
     lines = [f"{head}. Outputs in {out}:"]
     lines += [f"  {name.ljust(width)}  {what}" for name, what in found]
     what = "transformer" if cfg.lora.full_finetune else "LoRA"
-    code = snippet(cfg, kontext, repo_id or str(out), cfg.model.pretrained_model_name_or_path, pipeline)
-    lines.append(f"Load the {what} with diffusers (also in README.md):")
+    code = snippet(cfg, kontext, repo_id or str(out), cfg.model.pretrained_model_name_or_path, pipeline,
+                   transformer_class)  # fmt: skip
+    card = f" (also in the model card, {out / 'README.md'})" if _card_written(out) else ""
+    lines.append(f"Load the {what} with diffusers{card}:")
     lines += [f"    {line}" if line else "" for line in code.splitlines()]
     return "\n".join(lines)

@@ -65,6 +65,7 @@ from .prior import ClassSamples, class_source, generate_class_images, generated_
 from .prior import check_resume as check_prior_resume
 from .profiling import profiled
 from .resume import check_steps as check_resume_steps
+from .resume import finished, finished_line
 from .shape import RunShape, build_shape, check_tokens, resolved
 
 logger = logging.getLogger("flux_cp")
@@ -129,6 +130,7 @@ class Trainer:
     progress: Progress  # which steps since the start applied their update (--on_nonfinite skip)
     # finish
     hub_repo_id: str | None  # the Hub repository the outputs were pushed to (rank 0)
+    done_before: Path | None = None  # resume: the last checkpoint of a run that had already finished
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -160,8 +162,10 @@ class Trainer:
         self.setup()
         self.load_data()
         self.build_model()
-        self.train(self.resume())
-        self.finish()
+        start = self.resume()
+        if self.done_before is None:
+            self.train(start)
+            self.finish()
         self.close()
 
     def setup(self) -> None:
@@ -401,7 +405,8 @@ class Trainer:
         if steps_per_epoch == 0 and train.max_train_steps is None:
             raise UsageError(
                 f"one epoch has {self.schedule.batches_per_epoch} batches, fewer than "
-                f"--gradient_accumulation_steps {train.gradient_accumulation_steps}: set --max_train_steps"
+                f"--gradient_accumulation_steps {train.gradient_accumulation_steps}: set --max_train_steps",
+                agreed=True,  # every rank counts the same batches
             )
         self.max_steps = max_steps = train.max_train_steps or train.num_train_epochs * steps_per_epoch
         self.lr_scheduler = make_lr_scheduler(train, optimizer, max_steps)
@@ -441,16 +446,25 @@ class Trainer:
         return ckpt
 
     def resume(self) -> int:
-        """The step to start after: a compatible checkpoint's, restored on any layout, or 0."""
+        """The step to start after: a compatible checkpoint's, restored on any layout, or 0. A run already finished
+        (its last checkpoint at the last step, its outputs written) sets `done_before` and loads nothing."""
         ckpt, output_dir = self.cfg.checkpoints, self.cfg.train.output_dir
-        path = checkpoint.resolve(ckpt.resume_from_checkpoint, output_dir)
+        self.done_before = finished(ckpt.resume_from_checkpoint, output_dir, self.max_steps, claimed=True)
+        if self.done_before is not None:
+            logger.info(f"flux-cp: {finished_line(self.done_before, self.max_steps)}")
+            return self.max_steps
+        try:  # every rank reads the same checkpoint and holds the same run identity: one rank prints a refusal
+            path = checkpoint.resolve(ckpt.resume_from_checkpoint, output_dir)
+            meta = checkpoint.read_meta(path) if path is not None else None
+            if meta is not None:
+                checkpoint.check_compatible(meta, self.run_identity, path)
+                check_resume_steps(meta["step"], self.max_steps, path, "--max_train_steps, or --num_train_epochs")
+        except UsageError as e:
+            raise UsageError(str(e), agreed=True) from None
         if path is None:
             if ckpt.resume_from_checkpoint == "latest":
                 logger.info(f"no checkpoint in {output_dir} yet: starting from step 0")
             return 0
-        meta = checkpoint.read_meta(path)
-        checkpoint.check_compatible(meta, self.run_identity, path)
-        check_resume_steps(meta["step"], self.max_steps, path, "--max_train_steps, or --num_train_epochs")
         with_optimizer = meta.get("optimizer_state", True)
         applied = checkpoint.load(path, self.model, self.optimizer, self.lr_scheduler, with_optimizer)
         logger.info(f"resumed from {path} at step {meta['step']} (written with {meta['layout']})")
@@ -597,7 +611,8 @@ class Trainer:
 
     def save_checkpoint(self, step: int) -> None:
         cfg, layout = self.cfg, self.layout
-        meta = {"run": self.run_identity, "layout": layout.describe(), "args": cfg.flat()}
+        demo = cfg.demo.name if cfg.demo else None  # a resume of a demo run keeps its settings (flux_cp.config)
+        meta = {"run": self.run_identity, "layout": layout.describe(), "args": cfg.flat(), "demo": demo}
         saved = checkpoint.save(
             cfg.train.output_dir, step, self.model, self.optimizer, self.lr_scheduler, meta, layout.is_main,
             cfg.checkpoints.checkpoints_total_limit, self.fault,
@@ -684,6 +699,7 @@ class Trainer:
         text = summary(
             cfg, steps=self.max_steps, pipeline=family.pipeline_class_name(self.shape.pairs), kontext=self.shape.pairs,
             hub_url=hub_url, repo_id=self.hub_repo_id, tracker_urls=tuple(urls),
+            transformer_class=family.transformer_class_name,
         )  # fmt: skip
         logger.info(text)
 

@@ -269,7 +269,7 @@ CASES = [
     ),
     Case(
         "text_tokens_not_divisible",
-        "a T5 length that does not split over the CP group",
+        "a text length that does not split over the CP group",
         2,
         lambda t: ["--cp_size", "2", "--max_sequence_length", "31"],
         "--max_sequence_length 31 (text tokens) is not divisible by --cp_size 2: use 30",

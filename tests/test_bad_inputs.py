@@ -59,5 +59,10 @@ def test_bad_input_gets_a_clear_message(case, tmp_path, monkeypatch, record_prop
     assert "flux_cp/" not in stderr and 'train_flux_cp.py", line' not in stderr, stderr[-3000:]
     if case.nproc == 1:
         assert "Traceback" not in stderr
+    else:  # accelerate launch: our line first, once; the launcher's own failure report then ends with it again
+        lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+        ours = [ln for ln in lines if ln.startswith("error:")]
+        assert len(ours) == 1 and lines.index(ours[0]) < lines.index("Traceback (most recent call last):"), stderr
+        assert [ln for ln in lines if ln.startswith("traceback :")][-1] == f"traceback : {ours[0]}", stderr[-3000:]
     if case.name != "disk_full_while_saving":
         assert "steps:" not in stderr, "training started before the error"

@@ -4,6 +4,7 @@ settings, a diffusers snippet that loads the weights, and a ComfyUI note."""
 from __future__ import annotations
 
 import re
+import textwrap
 import warnings
 from pathlib import Path
 
@@ -81,8 +82,9 @@ def test_lora_card_for_flux1_dev(tmp_path):
     assert "You should use `a photo of sks dog` to trigger the image generation." in body
     code = _code(body)
     compile(code, "snippet", "exec")
-    assert 'FluxPipeline.from_pretrained("black-forest-labs/FLUX.1-dev"' in code
-    assert 'pipe.load_lora_weights("me/dog-lora", weight_name="pytorch_lora_weights.safetensors")' in code
+    assert "FluxPipeline.from_pretrained('black-forest-labs/FLUX.1-dev', dtype=dtype)" in code
+    assert "pipe.load_lora_weights('me/dog-lora', weight_name='pytorch_lora_weights.safetensors')" in code
+    assert "pipe('sks dog in a bucket', height=2048, width=2048, num_inference_steps=28, guidance_scale=3.5)" in code
     assert "`ComfyUI/models/loras/`" in body and "LoraLoaderModelOnly" in body
 
 
@@ -96,7 +98,8 @@ def test_kontext_and_full_fine_tuning_cards(tmp_path):
     code = _code(body)
     compile(code, "snippet", "exec")
     assert "FluxKontextPipeline.from_pretrained" in code and 'image=load_image("reference.png")' in code
-    assert f'load_lora_weights("{out}"' in code  # no repository: the output folder
+    assert "height=1024, width=1024, num_inference_steps=28, guidance_scale=3.5, max_area=1048576)" in code
+    assert f"load_lora_weights({str(out)!r}" in code  # no repository: the output folder
     assert "kohya's / BFL's key names" in body and "FLUX.1-Kontext-dev model" in body
 
     full = _resolved(["--pretrained_model_name_or_path", "black-forest-labs/FLUX.1-schnell", "--full_finetune"])
@@ -104,7 +107,7 @@ def test_kontext_and_full_fine_tuning_cards(tmp_path):
     assert front["license"] == "apache-2.0" and "lora" not in front["tags"] and TAGS <= set(front["tags"])
     code = _code(body)
     compile(code, "snippet", "exec")
-    assert f'FluxTransformer2DModel.from_pretrained("{out}", subfolder="transformer"' in code
+    assert f'FluxTransformer2DModel.from_pretrained({str(out)!r}, subfolder="transformer"' in code
     assert "transformer=transformer" in code and "load_lora_weights" not in code
     assert "| optimizer steps | 7 |" in body and "merge the shards" in body
 
@@ -119,26 +122,80 @@ def test_a_base_model_that_is_not_on_the_hub_is_not_named_as_one(tmp_path, base)
     compile(_code(body), "snippet", "exec")
 
 
-def test_the_demo_card_s_snippet_loads_the_trained_lora(tmp_path):
-    """The snippet of the embedded default's card, run up to the pipeline call: the base it names loads and the
-    LoRA file written by the trainer's save_lora goes into it."""
+def test_the_demo_card_s_snippet_renders_with_the_trained_lora_at_the_trained_size_on_the_cpu(tmp_path, monkeypatch):
+    """The snippet of the embedded default's card, run as it is on this CPU machine: the base it names loads, the LoRA
+    file written by the trainer's save_lora goes into it, and the image has the size the model was trained at."""
     from flux_cp.lora import add_lora, lora_origin, save_lora
     from flux_cp.tiny import tiny_transformer
 
     out = _run_folder(tmp_path, steps=())
-    cfg = _resolved(["--rank", "4", "--output_dir", str(out)])
+    cfg = _resolved(["--rank", "4", "--output_dir", str(out), "--validation_inference_steps", "2"])
     model = tiny_transformer()
     add_lora(model, cfg.lora, seed=0)
     state = {k: v for k, v in model.state_dict().items() if "lora_" in k}
     save_lora(model, state, str(out), cfg.lora, lora_origin(cfg, kontext=False))
     code = _code(_parts(write_model_card(out, cfg))[1])
-    setup = "\n".join(ln for ln in code.splitlines() if not ln.startswith(("pipe.to(", "image = ")))
+    assert "height=64, width=64" in code and 'device = "cuda" if torch.cuda.is_available() else "cpu"' in code
+    monkeypatch.chdir(tmp_path)
     scope: dict = {}
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)  # no deprecated diffusers API (torch_dtype) in the snippet
-        exec(setup.replace("torch.bfloat16", "torch.float32"), scope)  # noqa: S102 - our own snippet
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # as in a process of its own on a machine the test workers share
+        try:
+            exec(code, scope)  # noqa: S102 - our own snippet
+        finally:
+            torch.set_num_threads(threads)
     assert any("lora_A" in n for n, _ in scope["pipe"].transformer.named_parameters())
-    assert isinstance(scope["torch"], type(torch))
+    assert scope["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert scope["image"].size == (64, 64) and (tmp_path / "image.png").is_file()
+
+
+HOSTILE = 'q", weight_name="x") if 0 else None; import os; os.system("touch PWNED"); dict(x="'
+
+
+@pytest.mark.parametrize("full", [False, True], ids=["lora", "full"])
+def test_folder_and_model_names_cannot_add_code_or_markup_to_the_card(tmp_path, full):
+    """An output folder, base model folder, prompt or repository name made to break out of a string literal stays a
+    literal: the card's and the summary's snippets parse to exactly the intended calls with those values, and the
+    card's prose shows them as text."""
+    import ast
+
+    from flux_cp.summary import summary
+
+    out = tmp_path / f"output{HOSTILE}`<b>"
+    base = tmp_path / f"model'{HOSTILE}\\"
+    (out / "validation").mkdir(parents=True)
+    (out / "validation" / "step-000001.png").write_bytes(b"\x89PNG")  # the card then lists the prompts
+    prompt = f"a *dog* | [link](x) <img src=x> `{HOSTILE}"
+    argv = ["--output_dir", str(out), "--pretrained_model_name_or_path", str(base), "--validation_prompt", prompt,
+            "--instance_prompt", prompt, "--dataset_name", str(tmp_path),
+            *(["--full_finetune"] if full else [])]  # fmt: skip
+    cfg = _resolved(argv)
+    front, body = _parts(write_model_card(out, cfg))
+    text = summary(cfg, steps=1, pipeline="FluxPipeline", kontext=False)
+    for code in (_code(body), textwrap.dedent(text.split("with diffusers:\n", 1)[1])):
+        tree = ast.parse(code)
+        calls = [(ast.unparse(c.func), [ast.literal_eval(a) for a in c.args if isinstance(a, ast.Constant)])
+                 for c in ast.walk(tree) if isinstance(c, ast.Call)]  # fmt: skip
+        names = sorted(name for name, _ in calls)
+        expected = ["FluxPipeline.from_pretrained", "pipe", "pipe.to", "torch.cuda.is_available", "image.save"]
+        expected += ["FluxTransformer2DModel.from_pretrained"] if full else ["pipe.load_lora_weights"]
+        assert names == sorted(expected), names
+        args = dict(calls)
+        assert args["FluxPipeline.from_pretrained"] == [str(base)] and args["pipe"] == [prompt]
+        loads = args["FluxTransformer2DModel.from_pretrained" if full else "pipe.load_lora_weights"]
+        assert loads == [str(out)]
+        assert not [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) and
+                    any(a.name == "os" for a in n.names)]  # fmt: skip
+    assert front["instance_prompt"] == prompt  # YAML quotes it
+    prose = body.replace(_code(body), "")
+    span = r"(?<![`\\])(`+)(?!`)(.+?)(?<!`)\1(?!`)"  # a code span (not a backslash-escaped backtick): shown as it is
+    assert ("``", prompt) in re.findall(span, prose), re.findall(span, prose)
+    prose = re.sub(span, "", prose)
+    for raw in ("<b>", "<img", "*dog*", "[link](x)", "| [", HOSTILE):
+        assert not re.search(r"(?<!\\)" + re.escape(raw), prose), raw  # elsewhere escaped: text, never markup
+    assert r"a \*dog\* \| \[link\](x) \<img src=x\>" in prose
 
 
 def test_the_comfyui_note_of_a_flux2_card(tmp_path):

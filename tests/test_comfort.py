@@ -125,7 +125,8 @@ def test_validation_images_with_cp_equal_those_without_and_trackers_log(tmp_path
         "--encodings_dir",
         str(tmp_path / "cache"),
     ]
-    ok(train(1, *_common(tmp_path, "one", 1, *val)))
+    one = ok(train(1, *_common(tmp_path, "one", 1, *val)))
+    assert "flux-cp: the demo's settings are off (--max_train_steps given): 1 step, learning rate" in one.stderr
     ok(train(2, *[a if a != "none" else "tensorboard" for a in _common(tmp_path, "cp2", 1, "--cp_size", "2", *val)]))
     one = np.asarray(Image.open(tmp_path / "one" / "validation" / "step-000001.png")).astype(int)
     two = np.asarray(Image.open(tmp_path / "cp2" / "validation" / "step-000001.png")).astype(int)

@@ -11,8 +11,7 @@ from flux_cp.errors import UsageError
 
 
 def test_every_field_is_its_flag_and_every_flag_a_field():
-    sections = [getattr(Config(), s.name) for s in dataclasses.fields(Config)]
-    fields = {f.name for section in sections for f in dataclasses.fields(section)}
+    fields = {f.name for section in Config().sections() for f in dataclasses.fields(section)}
     dests = {a.dest for a in build_parser()._actions if a.dest != "help"}
     assert fields == dests
     assert set(parse_config([]).flat()) == dests - {"hub_token"}  # secrets stay out of the run's files
@@ -115,6 +114,9 @@ def test_every_flag_has_a_help_line_that_shows_its_default():
          "unknown flags --resolutoin: did you mean --resolution?; --gradeint_checkpointing: did you mean "
          "--gradient_checkpointing?"),
         (["--frobnicate", "3"], "unknown flag --frobnicate (train_flux_cp.py --help lists every flag)"),
+        # the start of a flag is not taken for it (argparse's prefix matching would train at --learning_rate)
+        (["--learning_rat", "1e-4"], "unknown flag --learning_rat: did you mean --learning_rate?"),
+        (["--output", "out"], "unknown flag --output: did you mean --output_dir?"),
         (["1e-4"], "unexpected argument '1e-4': every value follows its flag"),
         (["--lr_scheduler", "cosin"], "argument --lr_scheduler: invalid choice: 'cosin' (choose from"),
         (["--rank", "x"], "argument --rank: invalid int value: 'x' (train_flux_cp.py --help lists every flag)"),

@@ -194,12 +194,13 @@ def test_a_cached_config_comes_first_and_an_unknown_id_offline_is_one_line(tmp_p
     got, source = plan.transformer_config("someone/flux-finetune")
     assert got["num_layers"] == 5 and source == "someone/flux-finetune (local HF cache)"
     with pytest.raises(UsageError) as e:
-        plan.transformer_config("someone/not-cached")
+        plan.transformer_config("black-forest-labs/FLUX.2-dev")
     assert str(e.value).startswith(
-        "--pretrained_model_name_or_path someone/not-cached: not a local folder, and its transformer/config.json is "
-        "not in the local HF cache (HF_HUB_OFFLINE is set): pass the model's folder, or a model known offline "
-        "(black-forest-labs/FLUX.1-dev, "
+        "--pretrained_model_name_or_path black-forest-labs/FLUX.2-dev: not a local folder, and its "
+        "transformer/config.json is not in the local HF cache (HF_HUB_OFFLINE is set): pass the model's folder, a "
+        "FLUX.1 model known offline (black-forest-labs/FLUX.1-dev, "
     ) and "\n" not in str(e.value)
+    assert "python -m flux_cp.tiny --preset flux2-dev-shapes --out DIR (FLUX.2 [dev]; flux2-klein" in str(e.value)
 
 
 def test_the_plan_reads_a_hub_config_from_the_download_cache_that_cache_dir_names(tmp_path, monkeypatch):

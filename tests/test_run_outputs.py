@@ -72,8 +72,9 @@ def test_the_run_ends_with_a_summary_of_its_outputs_and_how_to_load_them(runs):
                  "loss_curve.png", "validation/", "checkpoint-2/, checkpoint-4/"):  # fmt: skip
         assert any(line.startswith(f"  {name} ") for line in tail), name
         assert (out / name.split(",")[0]).exists()
-    assert f'    pipe = FluxPipeline.from_pretrained("{HUB_ID}", dtype=torch.bfloat16)' in tail
-    assert f'    pipe.load_lora_weights("{out}", weight_name="pytorch_lora_weights.safetensors")' in tail
+    assert f"Load the LoRA with diffusers (also in the model card, {out / 'README.md'}):" in tail
+    assert f"    pipe = FluxPipeline.from_pretrained({HUB_ID!r}, dtype=dtype)" in tail
+    assert f"    pipe.load_lora_weights({str(out)!r}, weight_name='pytorch_lora_weights.safetensors')" in tail
 
 
 def test_third_party_noise_stays_out_of_the_output(runs):

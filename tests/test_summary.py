@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import textwrap
 import warnings
 from pathlib import Path
@@ -30,7 +31,7 @@ def _folder(out: Path, losses: list[float], grids: int, checkpoints: tuple[int, 
 
 
 def _code(text: str) -> str:
-    return textwrap.dedent(text.split("(also in README.md):\n", 1)[1])
+    return textwrap.dedent(re.split(r"Load the \w+ with diffusers[^\n]*:\n", text, maxsplit=1)[1])
 
 
 def test_the_summary_lists_every_output_the_loss_change_and_how_to_load_the_lora(tmp_path):
@@ -55,7 +56,7 @@ def test_the_summary_lists_every_output_the_loss_change_and_how_to_load_the_lora
     code = _code(text)
     compile(code, "snippet", "exec")
     assert "pipe = FluxKontextPipeline.from_pretrained(ensure_tiny_pipeline(kontext=True), " in code
-    assert 'pipe.load_lora_weights("me/k", weight_name="pytorch_lora_weights.safetensors")' in code
+    assert "pipe.load_lora_weights('me/k', weight_name='pytorch_lora_weights.safetensors')" in code
 
 
 def test_the_summary_names_only_what_exists_and_a_transformer_folder_when_fully_fine_tuned(tmp_path):
@@ -72,8 +73,8 @@ def test_the_summary_names_only_what_exists_and_a_transformer_folder_when_fully_
     ]
     code = _code(text)
     compile(code, "snippet", "exec")
-    assert f'FluxTransformer2DModel.from_pretrained("{out}", subfolder="transformer"' in code
-    assert 'FluxPipeline.from_pretrained("black-forest-labs/FLUX.1-dev", transformer=transformer' in code
+    assert f'FluxTransformer2DModel.from_pretrained({str(out)!r}, subfolder="transformer"' in code
+    assert "FluxPipeline.from_pretrained('black-forest-labs/FLUX.1-dev', transformer=transformer" in code
 
 
 def test_the_loss_change_compares_the_first_and_last_fifth(tmp_path):

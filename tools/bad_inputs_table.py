@@ -25,8 +25,8 @@ HEADER = [
     "one `error:` line and no traceback of ours. Cases refused while the flags are checked run the trainer's entry "
     "point in the test process; the others are launched as users do. Under `accelerate launch` (the cases with "
     "2-3 processes) the launcher exits 1 and then prints its own failure summary (a Python traceback of "
-    "`accelerate`/`torch.distributed.elastic`, not of this code); run one process with "
-    "`python train_flux_cp.py ...` to see only our line.",
+    "`accelerate`/`torch.distributed.elastic`, not of this code), which ends with our line again; run one process "
+    "with `python train_flux_cp.py ...` to see only our line.",
     "",
     "| bad input | processes | flags | message | exit code | seconds |",
     "|---|---:|---|---|---:|---:|",
