@@ -73,12 +73,14 @@ def outputs(cfg: Config, hub_url: str | None = None, tracker_urls: tuple[str, ..
     return found
 
 
-def _card_written(out: Path) -> bool:
-    """Whether `out/README.md` is the model card this run wrote (not a README of the user's, which it keeps)."""
+def _card_written(out: Path) -> Path | None:
+    """The model card this run wrote: `README.md`, or `README.flux-cp.md` beside a README of the user's (kept);
+    None when it wrote none."""
     try:
-        return (out / "README.md").is_file() and "README.md" in (manifest.read(out) or [])
+        written = manifest.read(out) or []
     except UsageError:  # a damaged manifest: the run already said so
-        return False
+        return None
+    return next((out / n for n in ("README.md", "README.flux-cp.md") if n in written and (out / n).is_file()), None)
 
 
 def summary(
@@ -109,7 +111,8 @@ def summary(
     what = "transformer" if cfg.lora.full_finetune else "LoRA"
     code = snippet(cfg, kontext, repo_id or str(out), cfg.model.pretrained_model_name_or_path, pipeline,
                    transformer_class)  # fmt: skip
-    card = f" (also in the model card, {out / 'README.md'})" if _card_written(out) else ""
+    written = _card_written(out)
+    card = f" (also in the model card, {written})" if written else ""
     lines.append(f"Load the {what} with diffusers{card}:")
     lines += [f"    {line}" if line else "" for line in code.splitlines()]
     return "\n".join(lines)
