@@ -524,7 +524,8 @@ def _host_buffer(nbytes: int, device: torch.device) -> Tensor:
     return buf
 
 
-def _unregister(pointers: list[int]) -> None:
+def _unregister(pointers: list[int], device: torch.device) -> None:
+    torch.cuda.synchronize(device)  # no copy still reads them
     for ptr in pointers:
         torch.cuda.cudart().cudaHostUnregister(ptr)
 
@@ -574,6 +575,9 @@ def offload_blocks(
         if key not in groups:
             groups[key] = _Group(leaves, min(slots, sum(kinds[j] == blk.kind for j in chosen)), device)
             off.groups.append(groups[key])
+            if off.stream is not None:  # freed with the model: not before the copies into them are done
+                for t in itertools.chain.from_iterable(groups[key].raw):
+                    t.record_stream(off.stream)
         g = blk.group = groups[key]
         blk.slot = len(g.members) % len(g.occupant)
         g.members.append(blk)
@@ -594,7 +598,7 @@ def offload_blocks(
         for (_, leaf), slot in zip(leaves, g.typed[blk.slot]):
             leaf.data = slot  # the parameter (or its inner tensor) is its slot's memory from now on
     if pointers:
-        weakref.finalize(off, _unregister, pointers)
+        weakref.finalize(off, _unregister, pointers, device)
     transformer.to(device)
     for g in off.groups:  # the first blocks of each kind start in their slots
         for blk in g.members[: len(g.occupant)]:
