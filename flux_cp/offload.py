@@ -29,8 +29,11 @@ slot holds its weights:
 - the last offloaded blocks of a forward are still in their slots when the backward starts with them, and the first
   ones when the next forward starts: per kind, SLOTS blocks fewer are copied each way (`OffloadPlan.moved_bytes`).
 
-A forward under no_grad (validation) is the forward alone; each forward of the transformer starts the schedule
-again, so gradient accumulation is a sequence of forward/backward pairs. Without CUDA (tests) there are no
+The hooks run outside compiled graphs (torch.compiler.disable): a compiled block, or its CUDA graph replayed, reads
+its slot after the compute stream waited for the copy. A forward under no_grad (validation) is the forward alone;
+each forward of the transformer starts the schedule again, so gradient accumulation is a sequence of forward/backward
+pairs. Other orders (two forwards before their backwards, a kept graph's second backward) stay exact: a block whose
+slot does not hold it when due is copied then, unprefetched. Without CUDA (tests) there are no
 streams: the copies run when issued, the earliest the schedule allows, and `debug` checks at every use that the slot
 holds its block's bytes.
 

@@ -255,18 +255,22 @@ def test_the_debug_check_sees_a_slot_holding_the_wrong_block():
         off.check()
 
 
-def test_a_second_backward_of_a_kept_graph_gets_the_weights_again():
-    """retain_graph: the same forward's backward twice; each time the blocks are copied in again."""
-    batch = {k: v for k, v in _batches("flux1", 1)[0].items() if k != "target"}
+def test_other_orders_of_forward_and_backward_stay_exact():
+    """A kept graph's second backward (retain_graph), and two forwards before the backward of their sum: the blocks
+    are copied in again when due."""
+    batches = [{k: v for k, v in b.items() if k != "target"} for b in _batches("flux1", 2)]
     grads = []
     for offloaded in (False, True):
         model = _model("flux1")
         if offloaded:
-            offload_blocks(model, 8, "cpu", slots=1, debug=True)
-        out = model(**batch).sample.square().mean()
+            offload_blocks(model, DOUBLE + SINGLE, "cpu", slots=1, debug=True)
+        out = model(**batches[0]).sample.square().mean()
         out.backward(retain_graph=True)
         out.backward()
-        grads.append([p.grad for p in model.parameters() if p.requires_grad])
+        first = [p.grad.clone() for p in model.parameters() if p.requires_grad]
+        model.zero_grad()
+        (model(**batches[0]).sample.square().mean() + model(**batches[1]).sample.abs().mean()).backward()
+        grads.append(first + [p.grad for p in model.parameters() if p.requires_grad])
     _assert_same(*grads)
 
 
