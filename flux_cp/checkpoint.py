@@ -111,7 +111,7 @@ RESUMABLE_CHANGES = (
     "adam_beta2", "adam_weight_decay", "adam_epsilon", "max_grad_norm", "max_train_steps", "num_train_epochs",
     "weighting_scheme", "logit_mean", "logit_std", "mode_scale", "guidance_scale", "lora_dropout", "mixed_precision",
     "center_crop", "random_flip", "cp_kernels", "cp_overlap", "cp_exchange_first", "cp_ulysses_chunks",
-    "gradient_checkpointing", "prodigy_beta3", "prodigy_decouple", "prodigy_use_bias_correction",
+    "gradient_checkpointing", "offload_blocks", "prodigy_beta3", "prodigy_decouple", "prodigy_use_bias_correction",
     "prodigy_safeguard_warmup", "prior_loss_weight",
 )  # fmt: skip
 

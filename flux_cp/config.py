@@ -191,6 +191,16 @@ def _checkpointing(text: str) -> str:
     raise argparse.ArgumentTypeError(f"{text!r}: give auto, all, none or a number of blocks")
 
 
+def _offload_blocks(text: str) -> str:
+    """--offload_blocks' value: auto, or a number of blocks (kept as text: "12"; none is "0")."""
+    value = text.strip().lower()
+    if value in ("auto", "none"):
+        return "0" if value == "none" else value
+    if value.isdigit():
+        return str(int(value))
+    raise argparse.ArgumentTypeError(f"{text!r}: give auto, none or a number of blocks")
+
+
 # --- the sections ------------------------------------------------------------------------------------------
 
 
@@ -419,6 +429,15 @@ class TrainConfig:
         "(--gpu_memory_gib, else the GPU's own; --plan shows the choice), 'all', 'none', or a number of blocks (the "
         "first ones that run).",
         parse=_checkpointing,
+        const="auto",
+    )
+    offload_blocks: str = flag(
+        "0",
+        "Keep the frozen weights of this many transformer blocks in pinned host memory and copy each to the GPU on a "
+        "side stream ahead of its use, forward and backward: the same results with less GPU memory, for LoRA with "
+        "DDP. 'auto' (the value of the flag given alone) offloads the fewest blocks that let the planned peak fit the "
+        "GPU's memory; 0 or none: no offload. docs/offload.md says what it costs.",
+        parse=_offload_blocks,
         const="auto",
     )
     learning_rate: float = flag(
@@ -740,6 +759,9 @@ class Config:
             check = getattr(section, "check", None)
             if check is not None:
                 check()
+        from .offload import check_offload
+
+        check_offload(self.train.offload_blocks, full_finetune=self.lora.full_finetune, sharded=False)
         if not self.plan.plan:  # the planner loads nothing and runs on any machine
             from .optim import check_optimizer
 

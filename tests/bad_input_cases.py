@@ -306,6 +306,22 @@ CASES = [
         flags_only=True,
     ),
     Case(
+        "offload_with_full_finetune",
+        "--offload_blocks with --full_finetune",
+        1,
+        lambda t: ["--full_finetune", "--offload_blocks", "4"],
+        "--offload_blocks moves frozen weights, and --full_finetune trains every weight: drop --offload_blocks",
+        flags_only=True,
+    ),
+    Case(
+        "offload_blocks_not_a_number",
+        "--offload_blocks half",
+        1,
+        lambda t: ["--offload_blocks", "half"],
+        "--offload_blocks: 'half': give auto, none or a number of blocks",
+        flags_only=True,
+    ),
+    Case(
         "ulysses_heads_not_divisible",
         "Ulysses over 3 ranks with a 4-head model",
         3,
