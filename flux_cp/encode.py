@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
 from . import distributed, files
-from .data import ImageSource, bucket_divisor, bucket_sizes, crop_box, nearest_bucket, to_pixels
+from .data import ImageSource, Repeats, bucket_divisor, bucket_sizes, crop_box, nearest_bucket, to_pixels
 from .errors import UsageError
 from .images import DECODER_VERSION
 from .rng import Stream, generator
@@ -242,7 +242,7 @@ class Repeated:
 
     def __init__(self, data: TrainingData, repeats: int):
         self.data, self.size = data, len(data.buckets)
-        self.buckets = list(data.buckets) * repeats
+        self.buckets = Repeats(data.buckets, repeats)  # not a list of every copy: an epoch may hold millions
 
     def load(self, index: int, flip: bool, epoch: int) -> dict[str, Tensor]:
         return self.data.load(index % self.size, flip, epoch)

@@ -29,8 +29,10 @@ from .data import (
     BUNDLED_DATA,
     BatchSchedule,
     ImageSource,
+    Repeats,
     batch_groups,
     cache_folder,
+    check_epoch_size,
     check_pair_flags,
     check_reference_limit,
     open_source,
@@ -265,6 +267,7 @@ class Trainer:
         """Encode the data set once (cached on disk, spread over all ranks), then free the text encoders."""
         cfg, layout, shape = self.cfg, self.layout, self.shape
         self.source = source = self.open_source()  # listing errors (captions, pairs) before any model loads
+        check_epoch_size(len(source), len(shape.placements), cfg.data.repeats)
         if source.pairs:
             self.shape = shape = self.count_references(source)
             label = shape.family.pairs_label
@@ -322,12 +325,13 @@ class Trainer:
             encoders.free_text_encoders()
         self.samples = Repeated(samples, cfg.data.repeats) if cfg.data.repeats > 1 else samples
         self.global_batch = cfg.train.train_batch_size * layout.dp
-        counts = [source.reference_count(t % len(source)) for t in range(len(self.samples.buckets))]
-        self.schedule = BatchSchedule(batch_groups(self.samples.buckets, counts), self.global_batch, cfg.train.seed)
+        counts = [source.reference_count(t % len(source)) for t in range(len(samples.buckets))]
+        groups = Repeats(batch_groups(samples.buckets, counts), cfg.data.repeats)  # each copy in its sample's group
+        self.schedule = BatchSchedule(groups, self.global_batch, cfg.train.seed)
         if len(set(counts)) > 1 and (unfilled := self.schedule.unfilled()):
             n = sum(unfilled.values())
             logger.warning(
-                f"{n} of {len(counts)} samples {'is' if n == 1 else 'are'} never trained on: a global batch holds one "
+                f"{n} of {len(groups)} samples {'is' if n == 1 else 'are'} never trained on: a global batch holds one "
                 f"aspect bucket and one number of reference images, and theirs have fewer samples than a global batch "
                 f"({self.global_batch}); lower --train_batch_size, or give those rows as many references as others"
             )
