@@ -164,6 +164,30 @@ def choose_cp_mode(parallel: ParallelConfig, heads: int, cp_size: int) -> tuple[
     return mode, u
 
 
+def ulysses_chunks(requested: int, heads: int, mode: str, ulysses_size: int | None) -> tuple[int, str | None]:
+    """--cp_ulysses_chunks as this model and CP mode use it, computed once at start: (chunks, a warning when that is
+    not the number asked for). More chunks than the model has heads is refused (a chunk holds at least one head)."""
+    if requested > heads:
+        raise UsageError(
+            f"--cp_ulysses_chunks {requested}: the model has {heads} attention heads and a chunk holds at least one; "
+            f"use at most {heads}",
+            agreed=True,
+        )
+    if requested == 1:
+        return 1, None
+    if ulysses_size is None:
+        return 1, f"--cp_ulysses_chunks {requested} has no effect with --cp_mode {mode} (no Ulysses exchange): 1 used"
+    from cp.ulysses import used_chunks
+
+    used = used_chunks(heads, ulysses_size, requested)
+    if used == requested:
+        return used, None
+    return used, (
+        f"--cp_ulysses_chunks {requested}: {used} used, the most up to {requested} whose chunks' heads divide over the "
+        f"Ulysses group of {ulysses_size} ({heads} heads)"
+    )
+
+
 def auto_mode(heads: int, cp_size: int) -> tuple[str, int | None]:
     """The CP mode, by the H200 measurements in benchmarks/archive/history.md (the same at every sequence length):
 

@@ -11,6 +11,7 @@ who encodes it), `make_timer` (the clock) and `save_checkpoint`. The details of 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -60,7 +61,7 @@ from .optim import (
     make_lr_scheduler,
     make_optimizer,
 )
-from .parallel import Layout, choose_cp_mode, cp_advice, make_accelerator
+from .parallel import Layout, choose_cp_mode, cp_advice, make_accelerator, ulysses_chunks
 from .plan import GIB, Checkpointing, checkpointing_for_run
 from .prior import ClassSamples, class_source, generate_class_images
 from .profiling import profiled
@@ -140,7 +141,11 @@ class Trainer:
     def make_layout(self, accelerator) -> Layout:
         parallel_cfg = self.cfg.parallel
         return parallel.make_layout(accelerator, parallel_cfg.cp_size, parallel_cfg.collective_timeout,
-                                    self.cfg.cp_tuning.tuning())  # fmt: skip
+                                    self.cp_tuning())  # fmt: skip
+
+    def cp_tuning(self) -> cp.Tuning:
+        """The CP tuning of the flags, with the Ulysses chunks this model uses (decided in `setup`)."""
+        return dataclasses.replace(self.cfg.cp_tuning.tuning(), ulysses_chunks=self.ulysses_chunks)
 
     def open_source(self) -> ImageSource:
         return open_source(self.cfg.data, self.shape.metadata, self.cfg.model.cache_dir)
@@ -172,7 +177,15 @@ class Trainer:
         # process group. transformers' save_pretrained writes weights only on rank 0 once torch.distributed is up,
         # so the tiny default is built (by whichever process locks first) here too.
         self.shape = shape = build_shape(cfg, self.launched_world_size())
-        self.cfg = cfg = resolved(cfg, shape.family, shape.pairs, self.read_transformer_config())
+        config = self.read_transformer_config()
+        self.cfg = cfg = resolved(cfg, shape.family, shape.pairs, config)
+        # The CP mode and the Ulysses chunks as this model's heads allow, decided once, before anything loads
+        self.cp_mode, self.ulysses_size = choose_cp_mode(cfg.parallel, config["num_attention_heads"], shape.cp)
+        self.ulysses_chunks, chunk_warning = 1, None
+        if shape.cp > 1:
+            self.ulysses_chunks, chunk_warning = ulysses_chunks(cfg.cp_tuning.cp_ulysses_chunks,
+                                                                config["num_attention_heads"], self.cp_mode,
+                                                                self.ulysses_size)  # fmt: skip
         shape.family.check(cfg)
         check_optimizer(cfg.train, sharded=shape.sharded)
         check_reference_limit(shape.family.max_references, shape.family.pairs_label, cfg.validation, shape.metadata,
@@ -192,6 +205,8 @@ class Trainer:
             logger.info(f"flux-cp: {line}")
         for warning in shape.family.output_warnings(cfg) if layout.is_main else ():
             logger.warning(warning)
+        if chunk_warning:
+            logger.warning(f"warning: {chunk_warning}")
         logger.info(
             f"flux-cp: {layout.describe()}, {self.accelerator.distributed_type}, device {self.accelerator.device}"
         )
@@ -367,9 +382,7 @@ class Trainer:
         if train.seed_checkpoint:
             how = apply_seed_checkpoint(transformer, train.seed_checkpoint, layout.is_main)
             logger.info(f"seed checkpoint {how}: {train.seed_checkpoint}")
-        self.cp_mode, self.ulysses_size = mode, ulysses_size = choose_cp_mode(
-            cfg.parallel, config["num_attention_heads"], layout.cp
-        )
+        mode, ulysses_size = self.cp_mode, self.ulysses_size  # chosen in setup
         # Installed at cp=1 too: its block kernels (cuDNN on Hopper) beat diffusers' default SDPA path.
         cp.apply_context_parallel(transformer, layout.cp_context, mode=mode, ulysses_size=ulysses_size)
         if layout.cp > 1:
@@ -475,7 +488,7 @@ class Trainer:
         cfg, layout, device, shape = self.cfg, self.layout, self.device, self.shape
         if layout.is_main:
             chosen = {"layout": layout.describe(), "cp_mode": self.cp_mode, "ulysses_size": self.ulysses_size,
-                      "checkpointed_blocks": len(self.checkpointing.blocks),
+                      "cp_ulysses_chunks": self.ulysses_chunks, "checkpointed_blocks": len(self.checkpointing.blocks),
                       "planned_peak_gib": round(self.checkpointing.planned_gib, 2)}  # fmt: skip
             manifest.record(cfg.train.output_dir, "run_config.json")
             files.write_json(Path(cfg.train.output_dir) / "run_config.json", {**cfg.flat(), **chosen})

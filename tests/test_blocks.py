@@ -134,3 +134,27 @@ def test_tuning_refuses_unknown_kernels_and_chunk_counts():
     for bad in (0, 1.5, True):
         with pytest.raises(ValueError, match="ulysses_chunks must be a whole number >= 1"):
             Tuning(ulysses_chunks=bad)
+
+
+def test_ulysses_chunks_are_decided_once_against_the_heads():
+    """The chunks a run uses are computed once at start from the model's heads and the Ulysses size: any count asked
+    for is checked in at most `heads` tries (a billion asked for once took a billion tries per attention call), more
+    than the heads is refused, and a count reduced or unused is said."""
+    from cp.ulysses import used_chunks
+    from flux_cp.errors import UsageError
+    from flux_cp.parallel import ulysses_chunks
+
+    assert [used_chunks(24, 2, c) for c in (1, 2, 3, 4, 5, 7, 12, 13, 10**9)] == [1, 2, 3, 4, 4, 6, 12, 12, 12]
+    assert used_chunks(4, 2, 10**18) == 2 and used_chunks(3, 2, 5) == 1  # at most heads tries, whatever is asked
+    assert ulysses_chunks(1, 4, "ulysses", 2) == (1, None)
+    assert ulysses_chunks(2, 4, "ulysses", 2) == (2, None)
+    assert ulysses_chunks(3, 4, "ulysses", 2) == (
+        2, "--cp_ulysses_chunks 3: 2 used, the most up to 3 whose chunks' heads divide over the Ulysses group of 2 "
+        "(4 heads)",
+    )  # fmt: skip
+    assert ulysses_chunks(2, 4, "ring", None) == (
+        1, "--cp_ulysses_chunks 2 has no effect with --cp_mode ring (no Ulysses exchange): 1 used"
+    )  # fmt: skip
+    with pytest.raises(UsageError, match=r"^--cp_ulysses_chunks 5: the model has 4 attention heads and a chunk holds "
+                       r"at least one; use at most 4$"):  # fmt: skip
+        ulysses_chunks(5, 4, "ulysses", 2)
