@@ -649,11 +649,6 @@ class HubConfig:
         secret=True,
     )
 
-    def check(self) -> None:
-        if self.push_to_hub:
-            from .hub import check_token
-
-            check_token(self.hub_token)
 
 
 @dataclass(frozen=True)
@@ -708,6 +703,10 @@ class Config:
             from .optim import check_optimizer
 
             check_optimizer(self.train)
+        if self.hub.push_to_hub:  # what would fail the upload at the end whatever the run does
+            from .hub import check_start
+
+            check_start(self.hub.hub_model_id, self.hub.hub_token, self.train.output_dir)
         if self.hub.hub_token and self.validation.report_to in ("wandb", "all"):
             # as diffusers' examples: wandb records the command line, and the token with it
             raise UsageError(

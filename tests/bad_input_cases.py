@@ -639,6 +639,15 @@ CASES = [
         flags_only=True,
     ),
     Case(
+        "push_to_hub_offline",
+        "--push_to_hub with HF_HUB_OFFLINE=1 (the upload at the end could not happen)",
+        1,
+        lambda t: ["--push_to_hub"],
+        "--push_to_hub with HF_HUB_OFFLINE set: the upload at the end could not reach the Hub",
+        env={"HF_HUB_OFFLINE": "1", "HF_TOKEN": "x"},
+        flags_only=True,
+    ),
+    Case(
         "flux_cp_home_is_a_file",
         "FLUX_CP_HOME naming a file",
         1,

@@ -140,9 +140,18 @@ def test_a_mistake_prints_one_line_once_under_a_launcher(capfd, monkeypatch):
         assert out == "" and [ln for ln in err.splitlines() if ln.strip()] == expected, err
 
 
+def _online(monkeypatch) -> None:
+    """huggingface_hub as if HF_HUB_OFFLINE were not set (the tests set it)."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+
+
 def test_the_hub_token_is_kept_out_of_the_run_s_records(monkeypatch):
     import json
 
+    _online(monkeypatch)
     monkeypatch.delenv("HF_TOKEN", raising=False)
     cfg = parse_config(["--push_to_hub", "--hub_token", "hf_secret123", "--hub_model_id", "me/dog"])
     assert cfg.hub.hub_token == "hf_secret123" and cfg.hub.hub_model_id == "me/dog"
@@ -155,6 +164,7 @@ def test_the_hub_token_is_kept_out_of_the_run_s_records(monkeypatch):
 def test_push_to_hub_without_any_token_is_refused_at_start(monkeypatch, tmp_path):
     import huggingface_hub.constants
 
+    _online(monkeypatch)
     monkeypatch.delenv("HF_TOKEN", raising=False)
     monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
     monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
