@@ -650,7 +650,6 @@ class HubConfig:
     )
 
 
-
 @dataclass(frozen=True)
 class PlanConfig:
     """`--plan`: the memory planner instead of training (flux_cp.plan)."""
