@@ -45,6 +45,7 @@ from .lora_format import check_export
 from .metrics import NO_FLOPS, MetricsLog, StepFlops, StepTimer, peak_flops, peak_memory_gib
 from .model import (
     apply_seed_checkpoint,
+    check_seed_checkpoint,
     full_state_dict,
     load_scheduler,
     load_transformer,
@@ -61,7 +62,7 @@ from .optim import (
     make_lr_scheduler,
     make_optimizer,
 )
-from .parallel import Layout, choose_cp_mode, cp_advice, make_accelerator, ulysses_chunks
+from .parallel import Layout, check_kernels, check_overlap, choose_cp_mode, cp_advice, make_accelerator, ulysses_chunks
 from .plan import GIB, Checkpointing, checkpointing_for_run
 from .prior import ClassSamples, class_source, generate_class_images
 from .profiling import profiled
@@ -181,12 +182,18 @@ class Trainer:
         self.cfg = cfg = resolved(cfg, shape.family, shape.pairs, config)
         # The CP mode and the Ulysses chunks as this model's heads allow, decided once, before anything loads
         self.cp_mode, self.ulysses_size = choose_cp_mode(cfg.parallel, config["num_attention_heads"], shape.cp)
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"  # accelerate's device (cpu=True without CUDA)
+        kernel_warning = check_kernels(cfg.cp_tuning.kernels, device_type)
+        compiled = bool(cfg.train.compile or cfg.train.compile_mode)
+        check_overlap(cfg.cp_tuning.cp_overlap, compiled, shape.cp, device_type)
         self.ulysses_chunks, chunk_warning = 1, None
         if shape.cp > 1:
             self.ulysses_chunks, chunk_warning = ulysses_chunks(cfg.cp_tuning.cp_ulysses_chunks,
                                                                 config["num_attention_heads"], self.cp_mode,
                                                                 self.ulysses_size)  # fmt: skip
         shape.family.check(cfg)
+        if cfg.train.seed_checkpoint is not None:
+            check_seed_checkpoint(cfg.train.seed_checkpoint)
         check_optimizer(cfg.train, sharded=shape.sharded)
         check_reference_limit(shape.family.max_references, shape.family.pairs_label, cfg.validation, shape.metadata,
                               shape.reference_column)  # fmt: skip
@@ -205,8 +212,9 @@ class Trainer:
             logger.info(f"flux-cp: {line}")
         for warning in shape.family.output_warnings(cfg) if layout.is_main else ():
             logger.warning(warning)
-        if chunk_warning:
-            logger.warning(f"warning: {chunk_warning}")
+        for warning in (chunk_warning, kernel_warning) if layout.is_main else ():
+            if warning:
+                logger.warning(f"warning: {warning}")
         logger.info(
             f"flux-cp: {layout.describe()}, {self.accelerator.distributed_type}, device {self.accelerator.device}"
         )
@@ -252,10 +260,20 @@ class Trainer:
             except UsageError as e:
                 problem = str(e)
         distributed.check_all_ranks(problem is None, problem or "")
+        self.verify_resume_checkpoint()
         if claimed and claimed.removed:
             logger.info(f"--overwrite_output_dir: removed the earlier run's outputs ({', '.join(claimed.removed)})")
         for note in claimed.notes if claimed else ():
             logger.info(note)
+
+    def verify_resume_checkpoint(self) -> None:
+        """The checkpoint this run resumes, checked against the checksums written with it, every rank a share of its
+        shards (before any model loads: a damaged checkpoint is refused naming the file)."""
+        ckpt = self.cfg.checkpoints
+        path = checkpoint.resolve(ckpt.resume_from_checkpoint, self.cfg.train.output_dir)
+        if path is not None:
+            problem = checkpoint.verify_shared(path, checkpoint.read_meta(path), self.layout.rank, self.layout.world)
+            distributed.check_all_ranks(problem is None, problem or "")
 
     @property
     def encodings_dir(self) -> str:
@@ -269,14 +287,19 @@ class Trainer:
         return diskspace.run_sizes(cfg, shape.family, config, self.weight_dtype, self.layout.world)
 
     def read_transformer_config(self) -> dict:
+        """The transformer's config.json, with the class's defaults for what it leaves out (as the model gets them)."""
+        import inspect
+
         path, cls = self.shape.model_path, self.shape.family.transformer_class()
         try:
             model = self.cfg.model
-            return dict(cls.load_config(path, subfolder="transformer", revision=model.revision,
-                                        cache_dir=model.cache_dir))  # fmt: skip
+            config = dict(cls.load_config(path, subfolder="transformer", revision=model.revision,
+                                          cache_dir=model.cache_dir))  # fmt: skip
         except (OSError, ValueError) as e:
             first = str(e).splitlines()[0]
             raise UsageError(f"cannot load transformer from --pretrained_model_name_or_path {path}: {first}") from None
+        parameters = inspect.signature(cls.__init__).parameters.values()
+        return {**{p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty}, **config}
 
     def load_data(self) -> None:
         """Encode the data set once (cached on disk, spread over all ranks), then free the text encoders."""

@@ -85,8 +85,7 @@ def _not_a_checkpoint(t: Path) -> list[str]:
 
 
 def _foreign_checkpoint(t: Path) -> list[str]:
-    ckpt = t / "checkpoint-2"
-    ckpt.mkdir(parents=True, exist_ok=True)
+    ckpt = _small_checkpoint(t, 2)
     meta = {"format": 1, "step": 2, "layout": "world 1 = dp 1 x cp 1", "run": {"rank": 4, "full_finetune": False}}
     (ckpt / "meta.json").write_text(json.dumps(meta))
     return ["--resume_from_checkpoint", str(ckpt), "--rank", "8"]
@@ -174,6 +173,29 @@ def _checkpoint(folder: Path, step: int) -> Path:
     meta = {"format": 1, "step": step, "layout": "world 1 = dp 1 x cp 1", "run": {}, "args": {}}
     (path / "meta.json").write_text(json.dumps(meta))
     return path
+
+
+def _small_checkpoint(folder: Path, step: int) -> Path:
+    """A real checkpoint-`step` of a small model (its DCP files and checksums) in `folder`."""
+    from diffusers.optimization import get_scheduler
+
+    from flux_cp import checkpoint
+
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    sched = get_scheduler("constant", optimizer=opt)
+    return checkpoint.save(str(folder), step, model, opt, sched, {"run": {}, "layout": "world 1 = dp 1 x cp 1"},
+                           True, None)  # fmt: skip
+
+
+def _truncated_metadata(t: Path) -> list[str]:
+    """A real checkpoint-2 in the output folder (refused before any model loads), whose DCP metadata lost its end."""
+    ckpt = _small_checkpoint(t / "out", 2)
+    metadata = ckpt / "state" / ".metadata"
+    metadata.write_bytes(metadata.read_bytes()[:40])
+    return ["--resume_from_checkpoint", "latest"]
 
 
 def _checkpoint_of_another_run(t: Path) -> list[str]:
@@ -316,6 +338,20 @@ CASES = [
         flags_only=True,
     ),
     Case(
+        "cp_kernels_of_another_device",
+        "--cp_kernels naming only kernels of another device (cudnn on a CPU; cpu_flash on a GPU)",
+        1,
+        lambda t: ["--cp_kernels", "cpu_flash" if torch.cuda.is_available() else "cudnn"],
+        "none of these attention kernels runs on",
+    ),
+    Case(
+        "overlap_scheduler_without_a_gpu",
+        "--compile --cp_overlap scheduler on CPUs (Inductor's overlap scheduler needs a CUDA GPU and triton)",
+        2,
+        lambda t: ["--cp_size", "2", "--compile", "--cp_overlap", "scheduler"],
+        "--cp_overlap scheduler is Inductor's overlap scheduler, which needs",
+    ),
+    Case(
         "resolution_not_multiple_of_16",
         "--resolution 100",
         1,
@@ -376,6 +412,13 @@ CASES = [
         "is not a complete checkpoint (no meta.json)",
     ),
     Case(
+        "resume_checkpoint_damaged",
+        "--resume_from_checkpoint latest whose state/.metadata was truncated",
+        1,
+        _truncated_metadata,
+        "checkpoint-2: state/.metadata is damaged (40 bytes, ",
+    ),
+    Case(
         "resume_incompatible_run",
         "resuming a checkpoint written with another LoRA rank",
         1,
@@ -388,6 +431,13 @@ CASES = [
         1,
         _corrupt_seed,
         "cannot be read",
+    ),
+    Case(
+        "seed_checkpoint_is_a_folder",
+        "--seed_checkpoint naming a folder",
+        1,
+        lambda t: (t / "seeds").mkdir(parents=True) or ["--seed_checkpoint", str(t / "seeds")],
+        "is a folder: name a file in it",
     ),
     Case(
         "foreign_seed_checkpoint",

@@ -158,3 +158,38 @@ def test_ulysses_chunks_are_decided_once_against_the_heads():
     with pytest.raises(UsageError, match=r"^--cp_ulysses_chunks 5: the model has 4 attention heads and a chunk holds "
                        r"at least one; use at most 4$"):  # fmt: skip
         ulysses_chunks(5, 4, "ulysses", 2)
+
+
+def test_cp_kernels_are_checked_against_the_device_at_start():
+    from flux_cp.errors import UsageError
+    from flux_cp.parallel import check_kernels
+
+    assert check_kernels((), "cpu") is None and check_kernels(("cudnn", "flash", "math"), "cuda") is None
+    assert check_kernels(("cudnn", "math"), "cpu") == (
+        "--cp_kernels cudnn,math: cudnn cannot run on the CPU; math serves every call"
+    )
+    with pytest.raises(
+        UsageError,
+        match=r"^--cp_kernels cudnn,flash: none of these attention kernels runs on the CPU "
+        r"\(cudnn needs cuda; flash needs cuda\): name one of cpu_flash, math, or drop --cp_kernels",
+    ):
+        check_kernels(("cudnn", "flash"), "cpu")
+    with pytest.raises(UsageError, match=r"runs on CUDA GPUs \(cpu_flash needs cpu\): name one of cudnn, efficient, "):
+        check_kernels(("cpu_flash",), "cuda")
+
+
+def test_the_overlap_scheduler_needs_a_gpu_with_triton_and_is_refused_at_start_without():
+    import importlib.util
+
+    from flux_cp.errors import UsageError
+    from flux_cp.parallel import check_overlap
+
+    check_overlap("scheduler", False, 2, "cpu")  # not compiled: no pass runs
+    check_overlap("scheduler", True, 1, "cpu")  # no CP exchange to order
+    check_overlap("compute", True, 2, "cpu")
+    with pytest.raises(UsageError, match=r"^--cp_overlap scheduler is Inductor's overlap scheduler, which needs a CUDA "
+                       r"GPU: choose --cp_overlap fill \(the default\), passes, compute or none$"):  # fmt: skip
+        check_overlap("scheduler", True, 2, "cpu")
+    if importlib.util.find_spec("triton") is None:
+        with pytest.raises(UsageError, match=r"which needs triton \(pip install triton\)"):
+            check_overlap("scheduler", True, 2, "cuda")
