@@ -71,11 +71,27 @@ class Encoders(ABC):
         factor = 2 ** (len(config.block_out_channels) - 1)
         return (config.latent_channels, size[1] // factor, size[0] // factor)
 
+    def truncation_warnings(self, captions: list[str], max_sequence_length: int) -> list[str]:
+        """One line per window of the prompt encoding that cuts captions, saying how many it cuts."""
+        return []
+
     def free_text_encoders(self) -> None:
         self.text_encoders.clear()
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def truncation_line(lengths: list[int], limit: int, window: str, remedy: str) -> str | None:
+    """`warning: N of M captions do not fit in <window> ...` for captions of `lengths` tokens in a window of `limit`
+    (None: every caption fits)."""
+    over = [n for n in lengths if n > limit]
+    if not over:
+        return None
+    return (
+        f"warning: {len(over)} of {len(lengths)} captions do not fit in {window} and are cut there (the longest needs "
+        f"{max(over)} tokens): {remedy}"
+    )
 
 
 def model_fingerprint(module: torch.nn.Module, name: str, revision: str | None) -> str:

@@ -192,6 +192,7 @@ class Trainer:
                                                                 config["num_attention_heads"], self.cp_mode,
                                                                 self.ulysses_size)  # fmt: skip
         shape.family.check(cfg)
+        shape.family.check_text(cfg, shape.model_path)
         if cfg.train.seed_checkpoint is not None:
             check_seed_checkpoint(cfg.train.seed_checkpoint)
         check_optimizer(cfg.train, sharded=shape.sharded)
@@ -322,6 +323,12 @@ class Trainer:
             cfg.model, shape.model_path, self.weight_dtype, self.device
         )
         self.noise_scheduler = load_scheduler(cfg.model, shape.model_path)
+        if layout.is_main:  # captions the prompt encoding cuts: said once, here
+            prompts = {s.caption for s in source.samples} | set(cfg.validation.validation_prompt or ())
+            if cfg.data.with_prior_preservation:
+                prompts.add(cfg.data.class_prompt)
+            for line in encoders.truncation_warnings(sorted(prompts), cfg.data.max_sequence_length):
+                logger.warning(line)
         geometry = Geometry(list(shape.buckets), [list(p) for p in shape.placements])
         self.validation_embeds = self.validation_reference = None
         if cfg.validation.validation_prompt:

@@ -175,6 +175,19 @@ def _checkpoint(folder: Path, step: int) -> Path:
     return path
 
 
+def _flux2(t: Path, template: str | None = None) -> list[str]:
+    """The tiny FLUX.2 [dev] folder (built once), or a copy of it whose tokenizer has `template` as chat template."""
+    import shutil
+
+    from flux_cp.families import FLUX2
+
+    folder = Path(FLUX2.embedded_default(pairs=False))
+    if template is not None:
+        folder = Path(shutil.copytree(folder, t / "crafted"))
+        (folder / "tokenizer" / "chat_template.jinja").write_text(template)
+    return ["--pretrained_model_name_or_path", str(folder), "--resolution", "64"]
+
+
 def _small_checkpoint(folder: Path, step: int) -> Path:
     """A real checkpoint-`step` of a small model (its DCP files and checksums) in `folder`."""
     from diffusers.optimization import get_scheduler
@@ -350,6 +363,20 @@ CASES = [
         2,
         lambda t: ["--cp_size", "2", "--compile", "--cp_overlap", "scheduler"],
         "--cp_overlap scheduler is Inductor's overlap scheduler, which needs",
+    ),
+    Case(
+        "flux2_window_the_template_fills",
+        "FLUX.2 [dev] with --max_sequence_length 128: its system message fills the window (captions all encode alike)",
+        1,
+        lambda t: _flux2(t) + ["--max_sequence_length", "128"],
+        "--max_sequence_length 128: FLUX.2 [dev]'s chat template takes 172 tokens before the caption",
+    ),
+    Case(
+        "flux2_crafted_chat_template",
+        "a FLUX.2 tokenizer whose chat template reaches for Python internals",
+        1,
+        lambda t: _flux2(t, "{{ ''.__class__.__mro__[1].__subclasses__() }}") + ["--max_sequence_length", "256"],
+        "chat_template.jinja) cannot be rendered (SecurityError: access to attribute '__class__'",
     ),
     Case(
         "resolution_not_multiple_of_16",

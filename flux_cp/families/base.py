@@ -67,6 +67,10 @@ class Family(ABC):
     def check(self, cfg: Config) -> None:  # noqa: B027 - most families honour every flag
         """Flags this family cannot honour: a UsageError naming the flag (before anything loads)."""
 
+    def check_text(self, cfg: Config, path: str) -> None:  # noqa: B027 - a family without a prompt template
+        """The prompt encoding's window against the model's tokenizer (a chat template's own tokens, its rendering):
+        a UsageError naming the flag or the file (before any model loads; loads the tokenizer at most)."""
+
     def output_warnings(self, cfg: Config) -> list[str]:
         """What the run's outputs will lack where users load them (e.g. LoRA layers a tool skips); logged at start."""
         return []
