@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from . import diskspace, distributed, files, manifest
-from .errors import UsageError
+from .errors import UsageError, printable
 
 if TYPE_CHECKING:
     from .config import Config
@@ -204,6 +204,7 @@ def run_identity(
     data: DataIdentity | str,
     buckets: list[tuple[int, int]] | None,
     classes: DataIdentity | None = None,
+    components: dict[str, str] | None = None,
 ) -> dict:
     """What a checkpoint must share with the run that resumes it: the model and trainable weights, the data and
     what it sees (global batch per optimizer step, resolutions, buckets, repeats, caption dropout, the class images
@@ -226,6 +227,8 @@ def run_identity(
         "seed": cfg.train.seed, "aspect_buckets": [list(b) for b in buckets] if buckets is not None else False,
         "max_sequence_length": cfg.data.max_sequence_length, "vae_encode_mode": cfg.data.vae_encode_mode,
         "optimizer": optimizer_name(cfg.train),
+        "revision": cfg.model.revision, "variant": cfg.model.variant,
+        "components": dict(sorted((components or {}).items())),
     }  # fmt: skip
     if not isinstance(data, str):
         identity.update(data_files=data.files, data_legacy=data.legacy)
@@ -277,6 +280,8 @@ def _saved_data_files(path: Path) -> list | None:
 
 # Keys added to the run identity later, with the value every checkpoint written before them had.
 _IDENTITY_BEFORE = {"optimizer": "adamw", "repeats": 1, "caption_dropout": 0.0, "prior": None}
+# Keys added later whose value earlier checkpoints did not know: compared only when the checkpoint has them.
+_IDENTITY_UNKNOWN_BEFORE = ("revision", "variant", "components")
 
 
 def check_compatible(meta: dict, run: dict, path: Path) -> None:
@@ -284,7 +289,14 @@ def check_compatible(meta: dict, run: dict, path: Path) -> None:
     saved = {**_IDENTITY_BEFORE, **meta["run"]}
     diffs = []
     for k, v in run.items():
-        if k in _DATA_DETAIL:
+        if k in _DATA_DETAIL or (k in _IDENTITY_UNKNOWN_BEFORE and k not in saved):
+            continue
+        if k == "components":  # by name: the components whose config or weights changed (or that came or went)
+            was = saved.get(k) if isinstance(saved.get(k), dict) else {}
+            changed = sorted(n for n in {*was, *v} if was.get(n) != v.get(n))
+            if changed:
+                diffs.append(f"the config or weights of {', '.join(printable(n) for n in changed)} differ from the "
+                             "checkpoint's model")  # fmt: skip
             continue
         if k == "data" and "data_legacy" not in saved and "data_legacy" in run:
             # Written before the data were identified by content: compare the fingerprint of that time.

@@ -38,7 +38,18 @@ from .data import (
     check_reference_limit,
     open_source,
 )
-from .encode import ClassGeometry, Geometry, LiveData, Repeated, TrainingData, encode_dataset, encoder_fingerprints
+from .encode import (
+    ClassGeometry,
+    Geometry,
+    LiveData,
+    Repeated,
+    TrainingData,
+    component_fingerprints,
+    component_folder,
+    encode_dataset,
+    encoder_fingerprints,
+    model_fingerprint,
+)
 from .errors import UsageError
 from .lora import lora_origin, save_lora
 from .lora_format import check_export
@@ -121,6 +132,7 @@ class Trainer:
     checkpointing: Checkpointing  # --gradient_checkpointing resolved: which blocks recompute
     max_steps: int
     run_identity: dict  # what a checkpoint must match to be resumed by this run
+    components: dict[str, str]  # {component: fingerprint of its config and weights' content}
     # train: per-step machinery
     batches: Batches
     metrics: MetricsLog
@@ -322,6 +334,8 @@ class Trainer:
         self.encoders = encoders = shape.family.load_encoders(
             cfg.model, shape.model_path, self.weight_dtype, self.device
         )
+        # What the encodings (their cache keys) and a resume (the run identity) know the components by: content
+        self.components = component_fingerprints(encoders, shape.model_path, cfg.model.revision, cfg.model.cache_dir)
         self.noise_scheduler = load_scheduler(cfg.model, shape.model_path)
         if layout.is_main:  # captions the prompt encoding cuts: said once, here
             prompts = {s.caption for s in source.samples} | set(cfg.validation.validation_prompt or ())
@@ -355,7 +369,7 @@ class Trainer:
                 self.classes = ClassSamples(live, len(self.class_source), used)
         else:
             cache = Path(self.encodings_dir)
-            fingerprints = encoder_fingerprints(encoders, shape.model_path, cfg.model.revision)
+            fingerprints = encoder_fingerprints(self.components, encoders)
             samples = encode_dataset(source, encoders, geometry, cfg.data, cfg.train.seed, cache, fingerprints,
                                      *self.encode_share(), captions=captions)  # fmt: skip
             computed = samples.computed
@@ -408,6 +422,9 @@ class Trainer:
         transformer = load_transformer(cfg.model, shape.model_path, shape.family.transformer_class(),
                                        self.weight_dtype, self.device, train.seed)  # fmt: skip
         self.transformer_config = config = dict(transformer.config)
+        pretrained = cfg.model.transformer_init == "pretrained"  # random weights: its config and the seed are all
+        folder = component_folder(shape.model_path, "transformer", cfg.model.revision, cfg.model.cache_dir)
+        self.components["transformer"] = model_fingerprint(transformer, folder if pretrained else None)
         prepare_trainable(transformer, cfg.lora, train.seed)
         if train.seed_checkpoint:
             how = apply_seed_checkpoint(transformer, train.seed_checkpoint, layout.is_main)
@@ -446,7 +463,8 @@ class Trainer:
         samples_per_step = self.global_batch * train.gradient_accumulation_steps
         buckets = list(shape.buckets) if cfg.data.aspect_buckets else None
         classes = self.class_source.identity() if self.class_source is not None else None
-        self.run_identity = checkpoint.run_identity(cfg, samples_per_step, self.source.identity(), buckets, classes)
+        self.run_identity = checkpoint.run_identity(cfg, samples_per_step, self.source.identity(), buckets, classes,
+                                                    self.components)  # fmt: skip
         every = cfg.checkpoints.checkpointing_steps
         if layout.is_main:
             saves = max_steps // every + (1 if max_steps % every else 0)
