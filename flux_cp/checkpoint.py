@@ -37,7 +37,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from . import diskspace, distributed, files, manifest
-from .errors import UsageError, printable
+from .errors import UsageError
+from .terminal import printable
 
 if TYPE_CHECKING:
     from .config import Config
@@ -651,4 +652,4 @@ def _apply_current(optimizer, lr_scheduler, current: list[dict], base_lrs: list[
 
 def changed_settings(saved: dict, now: dict, names: tuple[str, ...]) -> list[str]:
     """`--flag old -> new` for each of `names` whose value differs between a checkpoint's args and this run's."""
-    return [f"--{n} {saved[n]} -> {now.get(n)}" for n in names if n in saved and saved[n] != now.get(n)]
+    return [f"--{n} {printable(saved[n])} -> {now.get(n)}" for n in names if n in saved and saved[n] != now.get(n)]

@@ -25,9 +25,10 @@ from tqdm.auto import tqdm
 
 from . import distributed, files
 from .data import ImageSource, Repeats, bucket_divisor, bucket_sizes, crop_box, nearest_bucket, to_pixels
-from .errors import UsageError, printable
+from .errors import UsageError
 from .images import DECODER_VERSION
 from .rng import Stream, generator
+from .terminal import printable
 
 if TYPE_CHECKING:
     from PIL import Image

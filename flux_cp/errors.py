@@ -18,14 +18,6 @@ class NonFiniteError(Exception):
     """The loss or gradient norm became NaN/inf (every rank sees the same reduced values)."""
 
 
-def printable(text: object) -> str:
-    """`text` with every character a terminal would act on (control characters such as ESC that start ANSI
-    sequences, newlines, bidirectional overrides) written as its escape, as repr writes it; other text unchanged.
-    For values read from files (checkpoints, model folders, tokenizers) in messages and log lines."""
-    s = str(text)
-    return s if s.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in s)
-
-
 EXIT_USAGE = 2
 EXIT_NONFINITE = 3
 EXIT_PEER_FAILED = 4

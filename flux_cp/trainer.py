@@ -79,6 +79,7 @@ from .prior import ClassSamples, class_source, generate_class_images
 from .profiling import profiled
 from .resume import check_steps as check_resume_steps
 from .shape import RunShape, build_shape, check_tokens, resolved
+from .terminal import escape_logs, printable
 
 logger = logging.getLogger("flux_cp")
 
@@ -215,6 +216,7 @@ class Trainer:
         self.accelerator = make_accelerator(cfg.parallel, cfg.train, cfg.validation, shape)
         self.layout = layout = self.make_layout(self.accelerator)
         logging.basicConfig(level=logging.INFO if layout.is_main else logging.WARNING, format="%(message)s")
+        escape_logs(logger)  # values read from files (checkpoints, model folders, data) cannot act on the terminal
         if cfg.model.embedded_default:
             logger.info(
                 f"flux-cp: embedded default - a tiny {'FLUX.1 Kontext' if shape.pairs else 'Flux'} built locally, "
@@ -505,7 +507,7 @@ class Trainer:
         check_resume_steps(meta["step"], self.max_steps, path, "--max_train_steps, or --num_train_epochs")
         with_optimizer = meta.get("optimizer_state", True)
         applied = checkpoint.load(path, self.model, self.optimizer, self.lr_scheduler, with_optimizer)
-        logger.info(f"resumed from {path} at step {meta['step']} (written with {meta['layout']})")
+        logger.info(f"resumed from {path} at step {meta['step']} (written with {printable(meta['layout'])})")
         changed = checkpoint.changed_settings(meta.get("args", {}), self.cfg.flat(), checkpoint.RESUMABLE_CHANGES)
         for change in changed or applied:
             logger.info(f"resume: {change} (applied from step {meta['step'] + 1})")

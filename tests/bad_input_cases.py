@@ -140,6 +140,15 @@ def _model_folder(t: Path) -> Path:
     return t / "model"
 
 
+def _model_of_escaped_classes(t: Path) -> list[str]:
+    """A model folder whose model_index.json names a class holding terminal escapes (ESC [ 2 J clears a screen)."""
+    folder = t / "evil"
+    (folder / "transformer").mkdir(parents=True, exist_ok=True)
+    (folder / "transformer" / "config.json").write_text('{"_class_name": "OtherTransformer"}')
+    (folder / "model_index.json").write_text(json.dumps({"_class_name": "\x1b[2J\x1b[31mEvilPipeline"}))
+    return ["--pretrained_model_name_or_path", str(folder)]
+
+
 def _output_dir_is_the_model(t: Path) -> list[str]:
     model = str(_model_folder(t))
     return [
@@ -377,6 +386,13 @@ CASES = [
         1,
         lambda t: _flux2(t, "{{ ''.__class__.__mro__[1].__subclasses__() }}") + ["--max_sequence_length", "256"],
         "chat_template.jinja) cannot be rendered (SecurityError: access to attribute '__class__'",
+    ),
+    Case(
+        "model_class_with_terminal_escapes",
+        "a model_index.json whose class name holds terminal escape sequences",
+        1,
+        _model_of_escaped_classes,
+        "is a \\x1b[2J\\x1b[31mEvilPipeline with a OtherTransformer; flux-cp trains",
     ),
     Case(
         "resolution_not_multiple_of_16",

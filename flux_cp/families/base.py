@@ -13,6 +13,7 @@ import torch
 
 from ..errors import UsageError
 from ..metrics import StepFlops, step_flops
+from ..terminal import printable
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -261,7 +262,7 @@ def detect(path: str, revision: str | None, families: tuple[Family, ...], cache_
     for family in families:
         if transformer == family.transformer_class_name:
             return family
-    declared = " with a ".join(n for n in (pipeline, transformer) if n)
+    declared = " with a ".join(printable(n) for n in (pipeline, transformer) if n)
     supported = ", ".join(f"{f.label} ({', '.join(f.pipeline_class_names[:1] + (f.transformer_class_name,))})"
                           for f in families)  # fmt: skip
     raise UsageError(f"--pretrained_model_name_or_path {path} is a {declared}; flux-cp trains {supported}")

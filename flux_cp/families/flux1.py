@@ -15,6 +15,7 @@ import torch
 
 from .. import flow, lora, metrics
 from ..encode import Encoders, truncation_line
+from ..terminal import printable
 from .base import Family
 
 if TYPE_CHECKING:
@@ -122,8 +123,8 @@ class Flux1(Family):
         if pipeline_class in (None, "FluxKontextPipeline"):
             return None
         return (
-            f"the data has reference images but {path} is a {pipeline_class}: training it on pairs starts FLUX.1 "
-            "Kontext from scratch; for image editing fine-tune black-forest-labs/FLUX.1-Kontext-dev"
+            f"the data has reference images but {path} is a {printable(pipeline_class)}: training it on pairs starts "
+            "FLUX.1 Kontext from scratch; for image editing fine-tune black-forest-labs/FLUX.1-Kontext-dev"
         )
 
     def normalizer(self, vae):

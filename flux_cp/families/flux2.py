@@ -20,7 +20,8 @@ import torch
 
 from .. import flux2_recipe as recipe
 from ..encode import Encoders, truncation_line
-from ..errors import UsageError, printable
+from ..errors import UsageError
+from ..terminal import printable
 from .base import Family
 
 if TYPE_CHECKING:
