@@ -31,6 +31,7 @@ from .flag_ranges import check_ranges, given_flags, unused_flags
 from .flow import WEIGHTING_SCHEMES
 from .lora import DEFAULT_TARGETS
 from .lora_format import FORMATS as LORA_FORMATS
+from .path_flags import as_typed
 
 CP_MODES = ("auto", "ring", "ulysses", "hybrid")
 OPTIMIZERS = ("adamw", "prodigy")
@@ -879,7 +880,7 @@ def parse_config(argv: list[str] | None = None) -> Config:
             values[f.name] = value
         sections[name] = section(**values)
     off = off if _is_embedded(raw) and raw[_DEMO] is None else ()
-    config = Config(**sections)
+    config, notes = as_typed(Config(**sections))  # empty paths refused, '~' expanded (said below)
     object.__setattr__(config, "_demo", raw[_DEMO])  # frozen: set once, here
     object.__setattr__(config, "_demo_off", off)
     config.check()
@@ -887,6 +888,8 @@ def parse_config(argv: list[str] | None = None) -> Config:
         given = given_flags(parser, sys.argv[1:] if argv is None else argv)
         for warning in unused_flags(given, config.flat()) + _setting_warnings(config, given):
             print(f"warning: {warning}", file=sys.stderr)
+        for note in notes:
+            print(f"flux-cp: {note}", file=sys.stderr)
     return config
 
 

@@ -395,6 +395,14 @@ CASES = [
         "is a \\x1b[2J\\x1b[31mEvilPipeline with a OtherTransformer; flux-cp trains",
     ),
     Case(
+        "output_dir_empty",
+        "--output_dir \"\" (it was the current folder)",
+        1,
+        lambda t: ["--output_dir", ""],
+        "--output_dir is empty: give a path, or leave the flag out for its default",
+        flags_only=True,
+    ),
+    Case(
         "resolution_not_multiple_of_16",
         "--resolution 100",
         1,
