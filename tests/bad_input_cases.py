@@ -396,7 +396,7 @@ CASES = [
     ),
     Case(
         "output_dir_empty",
-        "--output_dir \"\" (it was the current folder)",
+        '--output_dir "" (it was the current folder)',
         1,
         lambda t: ["--output_dir", ""],
         "--output_dir is empty: give a path, or leave the flag out for its default",
