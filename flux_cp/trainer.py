@@ -24,7 +24,7 @@ import cp
 
 from . import checkpoint, diskspace, distributed, faults, files, manifest, outdir, parallel, quiet, validation
 from .batches import Batches
-from .blocks import attention_recomputed, prepare_blocks, step_begins, uses_cuda_graphs
+from .blocks import attention_recomputed, more_blocks_than_there_are, prepare_blocks, step_begins, uses_cuda_graphs
 from .config import DEFAULT_ENCODINGS_DIR, Config
 from .data import (
     BUNDLED_DATA,
@@ -485,8 +485,11 @@ class Trainer:
             gpu = torch.cuda.get_device_properties(self.device).total_memory / GIB
         ckpt = checkpointing_for_run(cfg, shape.family, config, shape.largest_sequence, layout.world, layout.cp,
                                      mode, shape.sharded, gpu)  # fmt: skip
-        if cfg.train.gradient_checkpointing != "none":  # asked for: say what it resolved to
-            logger.info(ckpt.describe(cfg.train.gradient_checkpointing))
+        value = cfg.train.gradient_checkpointing
+        if value != "none":  # asked for: say what it resolved to
+            logger.info(ckpt.describe(value))
+        if note := more_blocks_than_there_are(value, ckpt.total):
+            logger.warning(f"warning: {note}")
         if not ckpt.fits:
             logger.warning(
                 f"warning: the planned peak ({ckpt.planned_gib:.1f} GiB) exceeds 90% of {ckpt.gpu_gib:.1f} GiB even "

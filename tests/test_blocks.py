@@ -193,3 +193,13 @@ def test_the_overlap_scheduler_needs_a_gpu_with_triton_and_is_refused_at_start_w
     if importlib.util.find_spec("triton") is None:
         with pytest.raises(UsageError, match=r"which needs triton \(pip install triton\)"):
             check_overlap("scheduler", True, 2, "cuda")
+
+
+def test_a_checkpointing_count_above_the_blocks_is_all_of_them_and_said():
+    from flux_cp.blocks import checkpointed_blocks, more_blocks_than_there_are
+
+    assert checkpointed_blocks("100", 57) == 57
+    assert more_blocks_than_there_are("100", 57) == (
+        "--gradient_checkpointing 100: the transformer has 57 blocks, all checkpointed (as with 'all')"
+    )
+    assert [more_blocks_than_there_are(v, 57) for v in ("57", "3", "all", "auto", "none")] == [None] * 5
