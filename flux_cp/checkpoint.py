@@ -439,8 +439,8 @@ def save(
             run = dict(meta.get("run", {}))
             if "data_files" in run:  # one row per sample: its own file, so that meta.json stays small
                 files.write_json(partial / "data.json", {"data_files": run.pop("data_files")})
-        # Each rank its own shards (read back from the page cache), the main process the rest, all at once.
-        distributed.barrier()
+        # Each rank its own shards (read back from the page cache), the main process the rest, all at once. No
+        # collective before the one below: a rank that failed above goes straight to it.
         sums = _checksums(partial, [n for n in _files_of(partial) if _owner(n, world) == rank])
     except (KeyboardInterrupt, SystemExit):
         raise

@@ -193,21 +193,7 @@ class Trainer:
         self.shape = shape = build_shape(cfg, self.launched_world_size())
         config = self.read_transformer_config()
         self.cfg = cfg = resolved(cfg, shape.family, shape.pairs, config)
-        # The CP mode and the Ulysses chunks as this model's heads allow, decided once, before anything loads
-        self.cp_mode, self.ulysses_size = choose_cp_mode(cfg.parallel, config["num_attention_heads"], shape.cp)
-        device_type = "cuda" if torch.cuda.is_available() else "cpu"  # accelerate's device (cpu=True without CUDA)
-        kernel_warning = check_kernels(cfg.cp_tuning.kernels, device_type)
-        compiled = bool(cfg.train.compile or cfg.train.compile_mode)
-        check_overlap(cfg.cp_tuning.cp_overlap, compiled, shape.cp, device_type)
-        self.ulysses_chunks, chunk_warning = 1, None
-        if shape.cp > 1:
-            self.ulysses_chunks, chunk_warning = ulysses_chunks(cfg.cp_tuning.cp_ulysses_chunks,
-                                                                config["num_attention_heads"], self.cp_mode,
-                                                                self.ulysses_size)  # fmt: skip
-        shape.family.check(cfg)
-        shape.family.check_text(cfg, shape.model_path)
-        if cfg.train.seed_checkpoint is not None:
-            check_seed_checkpoint(cfg.train.seed_checkpoint)
+        start_warnings = self.decide_against_model(config)
         check_optimizer(cfg.train, sharded=shape.sharded)
         check_reference_limit(shape.family.max_references, shape.family.pairs_label, cfg.validation, shape.metadata,
                               shape.reference_column)  # fmt: skip
@@ -227,9 +213,8 @@ class Trainer:
             logger.info(f"flux-cp: {line}")
         for warning in shape.family.output_warnings(cfg) if layout.is_main else ():
             logger.warning(warning)
-        for warning in (chunk_warning, kernel_warning) if layout.is_main else ():
-            if warning:
-                logger.warning(f"warning: {warning}")
+        for warning in start_warnings if layout.is_main else ():
+            logger.warning(f"warning: {warning}")
         logger.info(
             f"flux-cp: {layout.describe()}, {self.accelerator.distributed_type}, device {self.accelerator.device}"
         )
@@ -252,6 +237,28 @@ class Trainer:
             except UsageError as e:
                 problem = str(e)
         distributed.check_all_ranks(problem is None, problem or "")
+
+    def decide_against_model(self, config: dict) -> list[str]:
+        """What depends on the model but needs none of it loaded, decided once before anything loads: the CP mode and
+        the Ulysses chunks its heads allow, the kernels and overlap this device runs, the prompt window against its
+        tokenizer, the seed checkpoint's file. Returns the warnings for what is used otherwise than given."""
+        cfg, shape = self.cfg, self.shape
+        heads = config["num_attention_heads"]
+        self.cp_mode, self.ulysses_size = choose_cp_mode(cfg.parallel, heads, shape.cp)
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"  # accelerate's device (cpu=True without CUDA)
+        warnings = [check_kernels(cfg.cp_tuning.kernels, device_type)]
+        check_overlap(cfg.cp_tuning.cp_overlap, bool(cfg.train.compile or cfg.train.compile_mode), shape.cp,
+                      device_type)  # fmt: skip
+        self.ulysses_chunks = 1
+        if shape.cp > 1:
+            self.ulysses_chunks, warning = ulysses_chunks(cfg.cp_tuning.cp_ulysses_chunks, heads, self.cp_mode,
+                                                          self.ulysses_size)  # fmt: skip
+            warnings.append(warning)
+        shape.family.check(cfg)
+        shape.family.check_text(cfg, shape.model_path)
+        if cfg.train.seed_checkpoint is not None:
+            check_seed_checkpoint(cfg.train.seed_checkpoint)
+        return [w for w in warnings if w]
 
     def claim_output_dir(self) -> None:
         """The output folder becomes this run's (flux_cp.outdir), and how the run starts is decided (flux_cp.resume:
