@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
             return n
 
         def make_layout(self, accelerator) -> Layout:
-            group, tuning = dist.group.WORLD, self.cfg.cp_tuning.tuning()
+            group, tuning = dist.group.WORLD, self.cp_tuning()
             context = cp.CPContext(group, tuning=tuning, timeout=timedelta(seconds=cfg.parallel.collective_timeout))
             return Layout(world=n, rank=0, cp=n, dp=1, dp_rank=0, cp_rank=0, cp_group=group, cp_context=context)
 

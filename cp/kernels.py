@@ -38,6 +38,7 @@ class Kernel:
     name: str
     forward: Callable[..., tuple[Tensor, Tensor, tuple]]
     backward: Callable[..., tuple[Tensor, Tensor, Tensor]]
+    devices: tuple[str, ...] = ("cuda", "cpu")  # device types it can run on at all (what else it serves is tried)
 
 
 # --- math: reference implementation, any device and dtype -----------------------------------------
@@ -182,10 +183,10 @@ def _efficient_backward(
 
 
 KERNELS: dict[str, Kernel] = {
-    "cudnn": Kernel("cudnn", _cudnn_forward, _cudnn_backward),
-    "flash": Kernel("flash", _flash_forward, _flash_backward),
-    "efficient": Kernel("efficient", _efficient_forward, _efficient_backward),
-    "cpu_flash": Kernel("cpu_flash", _cpu_flash_forward, _cpu_flash_backward),
+    "cudnn": Kernel("cudnn", _cudnn_forward, _cudnn_backward, ("cuda",)),
+    "flash": Kernel("flash", _flash_forward, _flash_backward, ("cuda",)),
+    "efficient": Kernel("efficient", _efficient_forward, _efficient_backward, ("cuda",)),
+    "cpu_flash": Kernel("cpu_flash", _cpu_flash_forward, _cpu_flash_backward, ("cpu",)),
     "math": Kernel("math", _math_forward, _math_backward),
 }
 

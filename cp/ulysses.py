@@ -87,16 +87,17 @@ def _wait(work, first: bool) -> None:
         head_start()
 
 
-def _chunks(heads: int, u: int, requested: int) -> int:
-    """Head chunks of the pipeline: `requested` (`Tuning.ulysses_chunks`), reduced until each chunk's heads divide
-    over the group. The default is 1: on H200s the eager pipeline's 2 chunks gained 2% at 16,896 tokens on 2 GPUs
-    and lost 2-15% elsewhere, and compiled chunks before `ulysses_traced` became a pipeline lost 1%
-    (docs/benchmarks.md); the pipeline is not measured on two GPUs yet (its kernels alone cost 0.7% more in 2 or 4
-    chunks at 16,896 tokens on one H200)."""
-    c = max(1, requested)
-    while c > 1 and (heads % c or (heads // c) % u):
-        c -= 1
-    return c
+def used_chunks(heads: int, u: int, requested: int) -> int:
+    """Head chunks of the pipeline: the largest count up to `requested` (`Tuning.ulysses_chunks`) whose chunks' heads
+    divide over the group of `u` (at most `heads` counts are tried, whatever is requested). The default is 1: on
+    H200s the eager pipeline's 2 chunks gained 2% at 16,896 tokens on 2 GPUs and lost 2-15% elsewhere, and compiled
+    chunks before `ulysses_traced` became a pipeline lost 1% (docs/benchmarks.md); the pipeline is not measured on
+    two GPUs yet (its kernels alone cost 0.7% more in 2 or 4 chunks at 16,896 tokens on one H200)."""
+    fits = [c for c in range(1, min(max(1, requested), heads) + 1) if heads % c == 0 and (heads // c) % u == 0]
+    return max(fits, default=1)
+
+
+_chunks = used_chunks
 
 
 class UlyssesAttention(torch.autograd.Function):

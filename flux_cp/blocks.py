@@ -95,6 +95,13 @@ def checkpointed_blocks(value: str, total: int) -> int | None:
     return min(int(value), total)
 
 
+def more_blocks_than_there_are(value: str, total: int) -> str | None:
+    """What to say when `--gradient_checkpointing` names more blocks than the transformer has (all are checkpointed)."""
+    if not value.isdigit() or int(value) <= total:
+        return None
+    return f"--gradient_checkpointing {value}: the transformer has {total} blocks, all checkpointed (as with 'all')"
+
+
 def attention_recomputed(train) -> bool:
     """Whether a checkpointed block of a run with these training flags (`TrainConfig`) computes its attention
     forward twice: eager blocks always do; compiled ones keep its outputs unless --recompute_attention."""

@@ -13,10 +13,18 @@ non-tensor entries with plain pickle, so here the metadata goes through an unpic
 record classes, every non-tensor entry must load with `torch.load(weights_only=True)`, and `train.pt` is read with
 `weights_only=True`. On resume the current flags' optimizer hyperparameters win over the checkpoint's (the caller
 logs what changed). Every failure of checkpoint I/O ends as one UsageError naming the folder.
+
+Every file of a checkpoint (but meta.json, which lists them) has its size and a checksum in meta.json's
+`checksums`, computed when it is written: each rank hashes the shard files it wrote (xxHash's XXH3-128, several GB/s
+per core, read back from the page cache). A resume checks sizes and the small files before any model loads
+(`verify_quick`) and every shard's checksum spread over the ranks (`verify_shared`), so a damaged checkpoint is
+refused naming the file. Checkpoints written before this have no checksums: their DCP metadata is still read at
+start. Loaded weights and optimizer moments that are not finite are refused by name (`check_finite_state`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -30,6 +38,7 @@ import torch
 
 from . import diskspace, distributed, files, manifest
 from .errors import UsageError
+from .terminal import printable
 
 if TYPE_CHECKING:
     from .config import Config
@@ -91,17 +100,86 @@ def read_meta(path: Path) -> dict:
         raise UsageError(f"--resume_from_checkpoint {path}: meta.json is a JSON {type(meta).__name__}, not an object")
     if meta.get("format") != FORMAT:
         raise UsageError(f"--resume_from_checkpoint {path}: format {meta.get('format')} is not {FORMAT}")
-    fields = (("step", int), ("run", dict), ("layout", str), ("args", dict), ("optimizer_state", bool))
+    fields = (("step", int), ("run", dict), ("layout", str), ("args", dict), ("optimizer_state", bool),
+              ("checksums", dict))  # fmt: skip
     for key, kind in fields:
         value = meta.get(key)
-        missing_ok = key in ("args", "optimizer_state")  # written since a later version; absent means the default
+        # written since a later version; absent means the default (no checksums: written before them)
+        missing_ok = key in ("args", "optimizer_state", "checksums")
         bad = (value is None and not missing_ok) or (value is not None and type(value) is not kind)
         if bad or (key == "step" and value < 0):
             raise UsageError(
                 f"--resume_from_checkpoint {path}: meta.json has no valid '{key}' (got {value!r}); the checkpoint is "
                 "damaged or was not written by train_flux_cp.py: resume from another checkpoint-N folder"
             )
+    if "checksums" in meta and _listed(meta) is None:
+        raise UsageError(
+            f"--resume_from_checkpoint {path}: meta.json's 'checksums' is not a list of files with their sizes and "
+            "checksums; the checkpoint is damaged or was not written by train_flux_cp.py: resume from another "
+            "checkpoint-N folder"
+        )
     return meta
+
+
+def _listed(meta: dict) -> dict[str, dict] | None:
+    """{relative name: {"bytes", "hash"}} of a checkpoint's meta.json (None: none, or malformed)."""
+    sums = meta.get("checksums")
+    if not isinstance(sums, dict) or sums.get("algorithm") not in ("xxh3_128", "sha256"):
+        return None
+    listed = sums.get("files")
+    ok = isinstance(listed, dict) and all(
+        isinstance(k, str) and isinstance(v, dict) and type(v.get("bytes")) is int and isinstance(v.get("hash"), str)
+        for k, v in listed.items()
+    )
+    return listed if ok else None
+
+
+def _damaged(path: Path, name: str, why: str) -> UsageError:
+    return UsageError(
+        f"--resume_from_checkpoint {path}: {name} is damaged ({why}): resume from another checkpoint-N folder, or copy "
+        "this one again from where it was written"
+    )
+
+
+def verify_quick(path: Path, meta: dict) -> None:
+    """Before any model loads (one process): every file meta.json lists is there with its size, the small ones
+    (DCP's .metadata, train.pt, data.json) with their checksum, and DCP's metadata reads. A UsageError names the
+    damaged file. Checkpoints written before checksums get the last check only."""
+    listed = _listed(meta) if "checksums" in meta else None
+    for name, info in (listed or {}).items():
+        file = path / name
+        try:
+            _check_inside(file, path)
+        except ValueError as e:
+            raise _damaged(path, name, str(e)) from None
+        if not file.is_file():
+            raise _damaged(path, name, "missing")
+        size = file.stat().st_size
+        if size != info["bytes"]:
+            raise _damaged(path, name, f"{size} bytes, {info['bytes']} when written")
+        if size <= _SMALL and file_checksum(file, meta["checksums"]["algorithm"]) != info["hash"]:
+            raise _damaged(path, name, "its bytes changed since it was written: the checksum differs")
+    if not (path / "state" / ".metadata").is_file():
+        raise _damaged(path, "state/.metadata", "missing")
+    try:
+        _safe_reader(path / "state").read_metadata()
+    except Exception as e:  # noqa: BLE001 - a truncated or foreign pickle raises any of several errors
+        raise _damaged(path, "state/.metadata", f"it cannot be read: {_cause(e)}") from None
+
+
+def verify_shared(path: Path, meta: dict, rank: int, world: int) -> str | None:
+    """The checksums of the large files (the shards), each rank a share of them (every rank calls it): the problem
+    this rank found, or None. Checkpoints without checksums: None."""
+    listed = _listed(meta) if "checksums" in meta else None
+    large = sorted(n for n, info in (listed or {}).items() if info["bytes"] > _SMALL)
+    for name in large[rank::world]:
+        try:
+            same = file_checksum(path / name, meta["checksums"]["algorithm"]) == listed[name]["hash"]
+        except OSError as e:
+            return str(_damaged(path, name, f"it cannot be read: {_cause(e)}"))
+        if not same:
+            return str(_damaged(path, name, "its bytes changed since it was written: the checksum differs"))
+    return None
 
 
 # Settings a resumed run may change: each is applied from the resumed step on (the rest are in the run identity,
@@ -127,6 +205,7 @@ def run_identity(
     data: DataIdentity | str,
     buckets: list[tuple[int, int]] | None,
     classes: DataIdentity | None = None,
+    components: dict[str, str] | None = None,
 ) -> dict:
     """What a checkpoint must share with the run that resumes it: the model and trainable weights, the data and
     what it sees (global batch per optimizer step, resolutions, buckets, repeats, caption dropout, the class images
@@ -149,6 +228,8 @@ def run_identity(
         "seed": cfg.train.seed, "aspect_buckets": [list(b) for b in buckets] if buckets is not None else False,
         "max_sequence_length": cfg.data.max_sequence_length, "vae_encode_mode": cfg.data.vae_encode_mode,
         "optimizer": optimizer_name(cfg.train),
+        "revision": cfg.model.revision, "variant": cfg.model.variant,
+        "components": dict(sorted((components or {}).items())),
     }  # fmt: skip
     if not isinstance(data, str):
         identity.update(data_files=data.files, data_legacy=data.legacy)
@@ -202,6 +283,8 @@ def _saved_data_files(path: Path) -> list | None:
 
 # Keys added to the run identity later, with the value every checkpoint written before them had.
 _IDENTITY_BEFORE = {"optimizer": "adamw", "repeats": 1, "caption_dropout": 0.0, "prior": None}
+# Keys added later whose value earlier checkpoints did not know: compared only when the checkpoint has them.
+_IDENTITY_UNKNOWN_BEFORE = ("revision", "variant", "components")
 
 
 def check_compatible(meta: dict, run: dict, path: Path) -> None:
@@ -209,7 +292,14 @@ def check_compatible(meta: dict, run: dict, path: Path) -> None:
     saved = {**_IDENTITY_BEFORE, **meta["run"]}
     diffs = []
     for k, v in run.items():
-        if k in _DATA_DETAIL:
+        if k in _DATA_DETAIL or (k in _IDENTITY_UNKNOWN_BEFORE and k not in saved):
+            continue
+        if k == "components":  # by name: the components whose config or weights changed (or that came or went)
+            was = saved.get(k) if isinstance(saved.get(k), dict) else {}
+            changed = sorted(n for n in {*was, *v} if was.get(n) != v.get(n))
+            if changed:
+                diffs.append(f"the config or weights of {', '.join(printable(n) for n in changed)} differ from the "
+                             "checkpoint's model")  # fmt: skip
             continue
         if k == "data" and "data_legacy" not in saved and "data_legacy" in run:
             # Written before the data were identified by content: compare the fingerprint of that time.
@@ -253,6 +343,56 @@ def _cause(e: BaseException) -> str:
     return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
 
 
+# Files up to this size are checksummed at start by the main process alone (DCP's .metadata, train.pt, data.json);
+# the shards, by every rank's share (`verify_shared`).
+_SMALL = 64 * 2**20
+_SHARD = re.compile(r"^__(\d+)_\d+")  # DCP's shard files: __<rank>_<n>.distcp, written by that rank
+
+
+def _algorithm() -> str:
+    """The checksum new checkpoints get: XXH3-128 (xxhash comes with `datasets`), else SHA-256."""
+    try:
+        import xxhash  # noqa: F401
+
+        return "xxh3_128"
+    except ImportError:  # pragma: no cover - datasets requires xxhash
+        return "sha256"
+
+
+def file_checksum(path: Path, algorithm: str) -> str:
+    """`algorithm`'s checksum (xxh3_128 or sha256) of a file's bytes, read in 16 MiB blocks."""
+    if algorithm == "xxh3_128":
+        import xxhash
+
+        h = xxhash.xxh3_128()
+    elif algorithm == "sha256":
+        h = hashlib.sha256()
+    else:
+        raise ValueError(f"unknown checksum {algorithm!r}")
+    buf = bytearray(16 * 2**20)
+    view = memoryview(buf)
+    with open(path, "rb") as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
+
+
+def _owner(relative: str, world: int) -> int:
+    """The rank that checksums a file when it is written: a shard's writer, the main process for the rest."""
+    m = _SHARD.match(Path(relative).name)
+    return int(m.group(1)) if m and int(m.group(1)) < world else 0
+
+
+def _checksums(folder: Path, names: list[str]) -> dict[str, dict]:
+    algorithm = _algorithm()
+    return {n: {"bytes": (folder / n).stat().st_size, "hash": file_checksum(folder / n, algorithm)} for n in names}
+
+
+def _files_of(folder: Path) -> list[str]:
+    """Every file of a checkpoint folder but meta.json, relative, sorted."""
+    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() and p.name != "meta.json")
+
+
 def save(
     output_dir: str,
     step: int,
@@ -290,7 +430,8 @@ def save(
         if distributed.any_rank(short is not None):
             raise UsageError(short or f"not enough disk space for checkpoint-{step}; {kept}", agreed=True)
     distributed.barrier()
-    error = None
+    error, sums = None, {}
+    rank, world = distributed.rank(), distributed.world_size()
     try:
         dcp.save(_state(model, optimizer, optimizer_state), checkpoint_id=str(partial / "state"))
         if fault is not None:
@@ -302,13 +443,25 @@ def save(
             run = dict(meta.get("run", {}))
             if "data_files" in run:  # one row per sample: its own file, so that meta.json stays small
                 files.write_json(partial / "data.json", {"data_files": run.pop("data_files")})
-            files.write_json(partial / "meta.json", {**meta, "run": run, "format": FORMAT, "step": step,
-                                                     "optimizer_state": optimizer_state})  # fmt: skip
-            _fsync_tree(partial)
+        # Each rank its own shards (read back from the page cache), the main process the rest, all at once. No
+        # collective before the one below: a rank that failed above goes straight to it.
+        sums = _checksums(partial, [n for n in _files_of(partial) if _owner(n, world) == rank])
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException; reported below
         error = _cause(e)
+    shares = distributed.all_gather((error, sums))  # every rank reaches it, failed or not
+    error = error or next((f"rank {r}: {e}" for r, (e, _) in enumerate(shares) if e), None)
+    if error is None and is_main:
+        try:
+            listed = {k: v for _, share in shares for k, v in share.items()}
+            checksums = {"algorithm": _algorithm(), "files": dict(sorted(listed.items()))}
+            files.write_json(partial / "meta.json", {**meta, "run": run, "format": FORMAT, "step": step,
+                                                     "optimizer_state": optimizer_state,
+                                                     "checksums": checksums})  # fmt: skip
+            _fsync_tree(partial)
+        except OSError as e:
+            error = _cause(e)
     failed = distributed.any_rank(error is not None)
     if failed:
         if is_main:
@@ -452,7 +605,30 @@ def load(path: Path, model, optimizer, lr_scheduler, optimizer_state: bool = Tru
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=opts)
     else:
         set_model_state_dict(model, state["model"], options=opts)
+    bad = nonfinite_state(model, optimizer)
+    more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+    distributed.check_all_ranks(not bad, (
+        f"--resume_from_checkpoint {path} holds values that are not finite (NaN or inf) in {', '.join(bad[:3])}{more}: "
+        "the run that wrote it had diverged, or the checkpoint was damaged after its checksums were written. Resume "
+        "from an earlier checkpoint-N folder"
+    ))  # fmt: skip
     return _apply_current(optimizer, lr_scheduler, current, base_lrs)
+
+
+def nonfinite_state(model, optimizer) -> list[str]:
+    """The trainable weights and optimizer moments (of this rank's shards) that hold a NaN or an inf, by name."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    names = {id(p): n for n, p in named}
+    tensors = [(n, p) for n, p in named]
+    for p, st in getattr(optimizer, "state", {}).items():
+        tensors += [(f"{names.get(id(p), '?')} ({k})", v) for k, v in st.items()
+                    if isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel() > 1]  # fmt: skip
+    local = [(n, t.to_local() if hasattr(t, "to_local") else t) for n, t in tensors]
+    local = [(n, t) for n, t in local if t.numel()]
+    if not local:
+        return []
+    finite = torch.stack([torch.isfinite(t.detach()).all() for _, t in local]).tolist()  # one read for all
+    return [n for (n, _), ok in zip(local, finite) if not ok]
 
 
 def _apply_current(optimizer, lr_scheduler, current: list[dict], base_lrs: list[float]) -> list[str]:
@@ -480,4 +656,4 @@ def _apply_current(optimizer, lr_scheduler, current: list[dict], base_lrs: list[
 
 def changed_settings(saved: dict, now: dict, names: tuple[str, ...]) -> list[str]:
     """`--flag old -> new` for each of `names` whose value differs between a checkpoint's args and this run's."""
-    return [f"--{n} {saved[n]} -> {now.get(n)}" for n in names if n in saved and saved[n] != now.get(n)]
+    return [f"--{n} {printable(saved[n])} -> {now.get(n)}" for n in names if n in saved and saved[n] != now.get(n)]

@@ -31,6 +31,7 @@ from .flag_ranges import check_ranges, given_flags, unused_flags
 from .flow import WEIGHTING_SCHEMES
 from .lora import DEFAULT_TARGETS
 from .lora_format import FORMATS as LORA_FORMATS
+from .path_flags import as_typed
 
 CP_MODES = ("auto", "ring", "ulysses", "hybrid")
 OPTIMIZERS = ("adamw", "prodigy")
@@ -704,12 +705,6 @@ class HubConfig:
         secret=True,
     )
 
-    def check(self) -> None:
-        if self.push_to_hub:
-            from .hub import check_token
-
-            check_token(self.hub_token)
-
 
 @dataclass(frozen=True)
 class PlanConfig:
@@ -766,6 +761,10 @@ class Config:
             from .optim import check_optimizer
 
             check_optimizer(self.train)
+        if self.hub.push_to_hub:  # what would fail the upload at the end whatever the run does
+            from .hub import check_start
+
+            check_start(self.hub.hub_model_id, self.hub.hub_token, self.train.output_dir)
         if self.hub.hub_token and self.validation.report_to in ("wandb", "all"):
             # as diffusers' examples: wandb records the command line, and the token with it
             raise UsageError(
@@ -955,12 +954,15 @@ def parse_config(argv: list[str] | None = None) -> Config:
             values[f.name] = value
         sections[name] = section(**values)
     off = off if _is_embedded(raw) and raw[_DEMO] is None else ()
-    config = Config(**sections, demo=raw[_DEMO], demo_off=off, demo_from=demo_from)
+    # empty paths refused, "~" expanded (said below)
+    config, notes = as_typed(Config(**sections, demo=raw[_DEMO], demo_off=off, demo_from=demo_from))
     config.check()
     if os.environ.get("RANK", "0") == "0":
         given = given_flags(parser, sys.argv[1:] if argv is None else argv)
         for warning in unused_flags(given, config.flat()) + _setting_warnings(config, given):
             print(f"warning: {warning}", file=sys.stderr)
+        for note in notes:
+            print(f"flux-cp: {note}", file=sys.stderr)
     return config
 
 

@@ -12,6 +12,7 @@ import hashlib
 import json
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -522,50 +523,95 @@ def batch_groups(buckets: list[int], counts: list[int]) -> list[int]:
     return [b + stride * c for b, c in zip(buckets, counts)]
 
 
+# Samples in one epoch (images x --resolution sizes x --repeats) at most: the schedule of an epoch holds a few
+# integers per sample (about 2 GB at this bound).
+EPOCH_SAMPLES_MAX = 50_000_000
+
+
+def check_epoch_size(images: int, resolutions: int, repeats: int) -> None:
+    """Refuse an epoch too long to schedule (before any model loads), naming the factors."""
+    samples = images * resolutions * repeats
+    if samples > EPOCH_SAMPLES_MAX:
+        parts = [f"{images} images"] + [f"{n} {what}" for n, what in ((resolutions, "--resolution sizes"),
+                                                                      (repeats, "--repeats")) if n > 1]  # fmt: skip
+        raise UsageError(
+            f"an epoch would hold {samples} samples ({' x '.join(parts)}), more than {EPOCH_SAMPLES_MAX}: lower "
+            "--repeats (a run's length is --max_train_steps or --num_train_epochs)",
+            agreed=True,  # every rank lists the same data
+        )
+
+
+class Repeats(Sequence):
+    """`base` `repeats` times over (item t is `base[t % len(base)]`), without a list of every copy: --repeats."""
+
+    def __init__(self, base: Sequence[int], repeats: int):
+        self.base, self.repeats = list(base), repeats
+
+    def __len__(self) -> int:
+        return len(self.base) * self.repeats
+
+    def __getitem__(self, index: int) -> int:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if not -len(self) <= index < len(self):
+            raise IndexError(index)
+        return self.base[index % len(self.base)]
+
+
 class BatchSchedule:
     """Global batches of one bucket each, reshuffled every epoch; a pure function of (seed, epoch). With prior
-    preservation, the class image of each slot too (`class_images`)."""
+    preservation, the class image of each slot too (`class_images`). `buckets`: each sample's group (a `Repeats`
+    for --repeats: the copies of a sample are never listed one by one, the epoch's order is held as tensors)."""
 
-    def __init__(self, buckets: list[int], global_batch: int, seed: int):
+    def __init__(self, buckets: Sequence[int], global_batch: int, seed: int):
         self.global_batch = global_batch
         self.seed = seed
-        self.by_bucket: dict[int, list[int]] = {}
-        for i, b in enumerate(buckets):
-            self.by_bucket.setdefault(b, []).append(i)
+        base, repeats = (buckets.base, buckets.repeats) if isinstance(buckets, Repeats) else (list(buckets), 1)
+        size = len(base)
+        groups = torch.as_tensor(base, dtype=torch.long)
+        copies = torch.arange(repeats, dtype=torch.long)[:, None] * size
+        # A group's samples in ascending order: sample i of the base in copy r is r * size + i.
+        self.by_bucket: dict[int, torch.Tensor] = {
+            b: (copies + torch.nonzero(groups == b).flatten()[None, :]).flatten() for b in sorted(set(base))
+        }
+        self.samples = size * repeats
         self.batches_per_epoch = sum(len(v) // global_batch for v in self.by_bucket.values())
         if self.batches_per_epoch == 0:
             largest = max(len(v) for v in self.by_bucket.values())
             raise UsageError(
                 f"no global batch can be formed: the global batch is {global_batch} samples (--train_batch_size x "
-                f"data-parallel size) but an epoch has {len(buckets)} samples"
+                f"data-parallel size) but an epoch has {self.samples} samples"
                 + (f" and the largest aspect bucket holds {largest}" if len(self.by_bucket) > 1 else "")
                 + "; lower --train_batch_size, use fewer data-parallel ranks, or add images"
             )
-        self._epoch_cache: tuple[int, list[list[int]]] | None = None
+        self._epoch_cache: tuple[int, torch.Tensor] | None = None
 
     def unfilled(self) -> dict[int, int]:
         """{group: its samples} of the groups too small for one global batch: their samples are never trained on."""
         return {b: len(v) for b, v in sorted(self.by_bucket.items()) if len(v) < self.global_batch}
 
-    def epoch(self, epoch: int) -> list[list[int]]:
+    def _epoch(self, epoch: int) -> torch.Tensor:
+        """The epoch's global batches `[batches, global_batch]` of sample indices, in training order."""
         if self._epoch_cache and self._epoch_cache[0] == epoch:
             return self._epoch_cache[1]
-        batches = []
+        g, batches = self.global_batch, []
         for b in sorted(self.by_bucket):
             idx = self.by_bucket[b]
-            perm = torch.randperm(len(idx), generator=generator(Stream.BUCKET_ORDER, self.seed, epoch, b)).tolist()
-            shuffled = [idx[p] for p in perm]
-            for k in range(len(shuffled) // self.global_batch):
-                batches.append(shuffled[k * self.global_batch : (k + 1) * self.global_batch])
-        order = torch.randperm(len(batches), generator=generator(Stream.BATCH_ORDER, self.seed, epoch)).tolist()
-        batches = [batches[o] for o in order]
-        self._epoch_cache = (epoch, batches)
-        return batches
+            shuffled = idx[torch.randperm(len(idx), generator=generator(Stream.BUCKET_ORDER, self.seed, epoch, b))]
+            n = len(shuffled) // g
+            batches.append(shuffled[: n * g].view(n, g))
+        batches = torch.cat(batches)
+        order = torch.randperm(len(batches), generator=generator(Stream.BATCH_ORDER, self.seed, epoch))
+        self._epoch_cache = (epoch, batches[order])
+        return self._epoch_cache[1]
+
+    def epoch(self, epoch: int) -> list[list[int]]:
+        return self._epoch(epoch).tolist()
 
     def batch(self, micro_step: int) -> tuple[int, list[int]]:
         """(epoch, global batch) of global micro-step `micro_step`."""
         epoch, k = divmod(micro_step, self.batches_per_epoch)
-        return epoch, self.epoch(epoch)[k]
+        return epoch, self._epoch(epoch)[k].tolist()
 
     def class_images(self, micro_step: int, count: int) -> list[int]:
         """The class image (of `count`) that each slot of global batch `micro_step` trains beside its own sample

@@ -17,6 +17,11 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def rank() -> int:
+    """This process's rank (0 without a process group)."""
+    return dist.get_rank() if is_distributed() else 0
+
+
 def world_size() -> int:
     return dist.get_world_size() if is_distributed() else 1
 

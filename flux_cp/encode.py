@@ -24,10 +24,11 @@ from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
 from . import distributed, files
-from .data import ImageSource, bucket_divisor, bucket_sizes, crop_box, nearest_bucket, to_pixels
+from .data import ImageSource, Repeats, bucket_divisor, bucket_sizes, crop_box, nearest_bucket, to_pixels
 from .errors import UsageError
 from .images import DECODER_VERSION
 from .rng import Stream, generator
+from .terminal import printable
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -71,6 +72,10 @@ class Encoders(ABC):
         factor = 2 ** (len(config.block_out_channels) - 1)
         return (config.latent_channels, size[1] // factor, size[0] // factor)
 
+    def truncation_warnings(self, captions: list[str], max_sequence_length: int) -> list[str]:
+        """One line per window of the prompt encoding that cuts captions, saying how many it cuts."""
+        return []
+
     def free_text_encoders(self) -> None:
         self.text_encoders.clear()
         gc.collect()
@@ -78,30 +83,94 @@ class Encoders(ABC):
             torch.cuda.empty_cache()
 
 
-def model_fingerprint(module: torch.nn.Module, name: str, revision: str | None) -> str:
-    """Identifies a component's weights: its source (a hub snapshot path names the commit), its config,
-    and the size and mtime of local weight files."""
-    h = hashlib.sha256(f"{name}\0{revision}\0".encode())
-    cfg = getattr(module, "config", None)
-    if cfg is not None:
-        d = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg)
-        path = d.pop("_name_or_path", "")
-        h.update(json.dumps(d, sort_keys=True, default=str).encode())
-        if path and os.path.isdir(path):
-            for f in sorted(os.listdir(path)):
-                if f.endswith((".safetensors", ".bin")):
-                    st = os.stat(os.path.join(path, f))
-                    h.update(f"{f}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
-        h.update(str(path).encode())
+def truncation_line(lengths: list[int], limit: int, window: str, remedy: str) -> str | None:
+    """`warning: N of M captions do not fit in <window> ...` for captions of `lengths` tokens in a window of `limit`
+    (None: every caption fits)."""
+    over = [n for n in lengths if n > limit]
+    if not over:
+        return None
+    return (
+        f"warning: {len(over)} of {len(lengths)} captions do not fit in {window} and are cut there (the longest needs "
+        f"{max(over)} tokens): {remedy}"
+    )
+
+
+# A component's weight files are identified by content: where the hub cache holds them, by their blob's name (the
+# content's SHA-256); elsewhere by their size, their safetensors header (names, shapes, dtypes, offsets) and
+# FINGERPRINT_BLOCKS blocks of FINGERPRINT_BLOCK bytes spread through each file: a copied folder keeps its identity,
+# weights saved again (any training changes them all) get another. Hashing every byte of tens of GB at each start
+# would cost tens of seconds.
+FINGERPRINT_BLOCKS = 64
+FINGERPRINT_BLOCK = 64 * 1024
+WEIGHT_SUFFIXES = (".safetensors", ".bin")
+
+
+def component_folder(path: str, subfolder: str, revision: str | None, cache_dir: str | None = None) -> Path | None:
+    """The local folder of a model component: `path/subfolder` of a model folder, or the hub cache's snapshot of a hub
+    id (no network: it was just loaded from there); None when there is none."""
+    if os.path.isdir(path):
+        folder = Path(path) / subfolder
+        return folder if folder.is_dir() else None
+    try:
+        from huggingface_hub import snapshot_download
+
+        root = snapshot_download(path, revision=revision, cache_dir=cache_dir, local_files_only=True,
+                                 allow_patterns=[f"{subfolder}/*"])  # fmt: skip
+    except Exception:  # noqa: BLE001 - not in the cache: the component is identified by its config alone
+        return None
+    folder = Path(root) / subfolder
+    return folder if folder.is_dir() else None
+
+
+def weights_fingerprint(folder: Path | None) -> str:
+    """The content identity of the weight files in `folder` ("" for none; see FINGERPRINT_BLOCKS)."""
+    if folder is None:
+        return ""
+    h = hashlib.sha256()
+    for file in sorted(p for p in folder.iterdir() if p.name.endswith(WEIGHT_SUFFIXES) and p.is_file()):
+        real = Path(os.path.realpath(file))
+        h.update(f"{file.name}\0".encode())
+        if real.parent.name == "blobs":  # huggingface_hub's cache: the blob is named by its content's hash
+            h.update(real.name.encode())
+            continue
+        size = real.stat().st_size
+        h.update(f"{size}\0".encode())
+        with open(real, "rb") as f:
+            if file.suffix == ".safetensors" and size >= 8:
+                n = min(int.from_bytes(f.read(8), "little"), size - 8, 64 * 2**20)
+                h.update(f.read(n))
+            for k in range(FINGERPRINT_BLOCKS):
+                f.seek(size * k // FINGERPRINT_BLOCKS)
+                h.update(f.read(FINGERPRINT_BLOCK))
     return h.hexdigest()[:16]
 
 
-def encoder_fingerprints(encoders: Encoders, path: str, revision: str | None) -> tuple[str, str]:
+def model_fingerprint(module: torch.nn.Module, folder: Path | None) -> str:
+    """Identifies a component: its config (what it computes) and the content of its weight files in `folder`
+    (`component_folder`; `weights_fingerprint`). Neither the path it was loaded from nor the files' times."""
+    h = hashlib.sha256()
+    cfg = getattr(module, "config", None)
+    if cfg is not None:
+        d = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg)
+        for key in ("_name_or_path", "_commit_hash", "transformers_version", "_diffusers_version"):
+            d.pop(key, None)
+        h.update(json.dumps(d, sort_keys=True, default=str).encode())
+    h.update(weights_fingerprint(folder).encode())
+    return h.hexdigest()[:16]
+
+
+def component_fingerprints(encoders: Encoders, path: str, revision: str | None, cache_dir: str | None = None
+                           ) -> dict[str, str]:  # fmt: skip
+    """{component: fingerprint} of the VAE and every text encoder (named as the model folder's subfolders)."""
+    parts = {"vae": encoders.vae, **encoders.text_encoders}
+    return {name: model_fingerprint(m, component_folder(path, name, revision, cache_dir)) for name, m in parts.items()}
+
+
+def encoder_fingerprints(components: dict[str, str], encoders: Encoders) -> tuple[str, str]:
     """(VAE, text encoders) fingerprints: the cache keys of latents and of prompt embeddings include them (every
-    text encoder's, in the family's order, and its `text_recipe`)."""
-    vae = model_fingerprint(encoders.vae, path, revision)
-    text = "".join(model_fingerprint(m, path, revision) for m in encoders.text_encoders.values())
-    return vae, text + encoders.text_recipe
+    text encoder's, in the family's order, and its `text_recipe`). `components`: `component_fingerprints`."""
+    text = "".join(components[name] for name in encoders.text_encoders)
+    return components["vae"], text + encoders.text_recipe
 
 
 def run_buckets(
@@ -171,25 +240,33 @@ class ClassGeometry(Geometry):
 LATENT_KEYS = ("latent_mean", "latent_std")
 
 
-def _usable(path: Path, shapes: dict[str, tuple[int, ...]]) -> bool:
-    """A cache entry that exists and is whole: its header reads, names the keys of `shapes` with those shapes, and
-    its file is as long as the header says (safetensors checks that on open). A damaged entry is removed, to be
-    recomputed (an entry of the right names but another shape would fail only at the first step)."""
+# safetensors' names of the dtypes cache entries hold
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
+
+
+def _usable(path: Path, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype | None = None) -> bool:
+    """A cache entry that exists and is whole: its header reads, names the keys of `shapes` with those shapes (and
+    `dtype`, when given), and its file is as long as the header says (safetensors checks that on open). Another
+    entry is removed with a line naming what differs, to be recomputed (an entry of the right names but another
+    shape or dtype would fail only at the first step, or train in another precision)."""
     if not path.is_file():
         return False
+    want = _SAFETENSORS_DTYPES.get(dtype) if dtype is not None else None
     try:
         with safe_open(str(path), "pt") as f:
             if not set(shapes) <= set(f.keys()):
                 problem = f"it holds {sorted(f.keys())}, not {list(shapes)}"
             else:
-                found = {k: tuple(f.get_slice(k).get_shape()) for k in shapes}
-                wrong = [f"{k} {list(found[k])} instead of {list(v)}" for k, v in shapes.items() if found[k] != v]
+                found = {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in shapes}
+                wrong = [f"shape {k} {list(found[k][0])} instead of {list(v)}" for k, v in shapes.items()
+                         if found[k][0] != v]  # fmt: skip
+                wrong += [f"dtype {k} {found[k][1]} instead of {want}" for k in shapes if want and found[k][1] != want]
                 if not wrong:
                     return True
-                problem = "shape " + ", ".join(wrong)
+                problem = "cannot be used (" + ", ".join(wrong)
     except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for every kind of damage
-        problem = f"{type(e).__name__}: {e}"
-    logger.warning(f"cache entry {path} cannot be read ({problem}): recomputing it")
+        problem = f"cannot be read ({type(e).__name__}: {e}"
+    logger.warning(f"cache entry {path} {printable(problem)}): recomputing it")
     path.unlink(missing_ok=True)
     return False
 
@@ -242,7 +319,7 @@ class Repeated:
 
     def __init__(self, data: TrainingData, repeats: int):
         self.data, self.size = data, len(data.buckets)
-        self.buckets = list(data.buckets) * repeats
+        self.buckets = Repeats(data.buckets, repeats)  # not a list of every copy: an epoch may hold millions
 
     def load(self, index: int, flip: bool, epoch: int) -> dict[str, Tensor]:
         return self.data.load(index % self.size, flip, epoch)
@@ -312,10 +389,11 @@ def encode_dataset(
     texts = {c: _sha(c, data.max_sequence_length, text_fp) for c in captions}
     computed = 0
     text_shapes = encoders.text_shapes(data.max_sequence_length)
+    text_dtype = getattr(encoders, "dtype", None)  # the prompt embeddings are cached in the encoders' dtype
     bar = tqdm(mine, desc="encoding (this rank's share)", disable=rank != 0, dynamic_ncols=True)
     try:  # a cache that cannot be written (full disk, permissions) ends as one line, on every rank alike
         for caption, tkey in texts.items() if rank == 0 else ():
-            if not _usable(cache_dir / "text" / f"{tkey}.safetensors", text_shapes):
+            if not _usable(cache_dir / "text" / f"{tkey}.safetensors", text_shapes, text_dtype):
                 pending_text[tkey] = caption
         for i in bar:
             try:
@@ -329,7 +407,8 @@ def encode_dataset(
                 continue
             caption = source.samples[i].caption
             tkey = _sha(caption, data.max_sequence_length, text_fp)
-            if tkey not in pending_text and not _usable(cache_dir / "text" / f"{tkey}.safetensors", text_shapes):
+            if tkey not in pending_text and not _usable(cache_dir / "text" / f"{tkey}.safetensors", text_shapes,
+                                                        text_dtype):  # fmt: skip
                 pending_text[tkey] = caption
             for placement in range(len(geometry.placements)):
                 bucket = geometry.bucket_of(img.size, placement)
@@ -343,7 +422,7 @@ def encode_dataset(
                     for flip in variants:
                         key = _sha(digest, target, resized, offset, flip, vae_fp, DECODER_VERSION)
                         path = cache_dir / "latents" / f"{key}.safetensors"
-                        if not _usable(path, dict.fromkeys(LATENT_KEYS, latent)):
+                        if not _usable(path, dict.fromkeys(LATENT_KEYS, latent), torch.float32):
                             mean, std = encoders.latents(to_pixels(image, target, resized, offset, flip)[None])
                             files.write_safetensors(path, {"latent_mean": mean[0], "latent_std": std[0]})
                             computed += 1

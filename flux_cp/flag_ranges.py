@@ -18,6 +18,21 @@ from .errors import UsageError
 # The SD3 paper's "mode" density is a valid distribution on [0, 1] only for -1 <= scale <= 2 / (pi - 2).
 MODE_SCALE_MAX = 2 / (math.pi - 2)
 SEED_MAX = 2**32 - 1  # numpy's and most samplers' limit; larger seeds are reduced differently by each library
+# Upper bounds of counts and sizes, so that an absurd value is refused at start instead of exhausting memory or time
+# after the models loaded. Each is far beyond what a run of FLUX uses.
+RESOLUTION_MAX = 16384  # (16384 / 16)^2 = 1M image tokens per sample; the VAE encodes a whole image at once
+_LARGEST = f"{RESOLUTION_MAX} px gives (16384 / 16)^2 = 1M image tokens"
+REPEATS_MAX = 100_000
+STEPS_MAX = 100_000_000  # optimizer steps (and intervals counted in them)
+PROMPTS_MAX = 100  # --validation_prompt given this many times at most: each renders its images at every validation
+RESOLUTIONS_MAX = 16  # sizes in one --resolution list: an epoch trains every image at each of them
+
+
+def number(v: float) -> str:
+    """A flag's value as the user would type it: whole numbers in full (4294967295, not 4.29497e+09)."""
+    if isinstance(v, int) or (isinstance(v, float) and v.is_integer() and abs(v) < 1e18):
+        return str(int(v))
+    return f"{v:g}"
 
 
 @dataclass(frozen=True)
@@ -32,9 +47,9 @@ class Rule:
     def bounds(self) -> str:
         parts = []
         if self.low is not None:
-            parts.append(f"{'>' if self.low_open else '>='} {self.low:g}")
+            parts.append(f"{'>' if self.low_open else '>='} {number(self.low)}")
         if self.high is not None:
-            parts.append(f"{'<' if self.high_open else '<='} {self.high:g}")
+            parts.append(f"{'<' if self.high_open else '<='} {number(self.high)}")
         return " and ".join(parts)
 
     def ok(self, v: float) -> bool:
@@ -46,27 +61,43 @@ class Rule:
 
 
 RULES = (
-    Rule("resolution", 16, why="the smallest image is one 2x2 patch of 8x VAE latents"),
-    Rule("repeats", 1, why="each image appears this many times per epoch"),
+    Rule("resolution", 16, RESOLUTION_MAX, why=f"the smallest image is one 2x2 patch of 8x VAE latents; {_LARGEST}"),
+    Rule(
+        "repeats",
+        1,
+        REPEATS_MAX,
+        why="each image appears this many times per epoch: for a longer run set "
+        "--max_train_steps or --num_train_epochs instead",
+    ),
     Rule("caption_dropout", 0, 1, why="a probability"),
-    Rule("num_class_images", 1, why="prior preservation trains on class images"),
+    Rule(
+        "num_class_images",
+        1,
+        10_000,
+        why="prior preservation trains on class images; each missing one is generated with the base model",
+    ),
     Rule(
         "prior_loss_weight",
         0,
         low_open=True,
         why="at 0 the class images cost a second batch and change nothing; drop --with_prior_preservation instead",
     ),
-    Rule("validation_resolution", 16, why="the smallest image is one 2x2 patch of 8x VAE latents"),
+    Rule(
+        "validation_resolution",
+        16,
+        RESOLUTION_MAX,
+        why=f"the smallest image is one 2x2 patch of 8x VAE latents; {_LARGEST}",
+    ),
     Rule("max_sequence_length", 1, 512, why="FLUX.1's pipelines refuse longer prompts (T5's limit)"),
     Rule("seed", 0, SEED_MAX, why="seeds are 32-bit"),
-    Rule("train_batch_size", 1),
-    Rule("max_train_steps", 1),
-    Rule("profile_step", 1),
-    Rule("num_train_epochs", 1),
-    Rule("gradient_accumulation_steps", 1),
+    Rule("train_batch_size", 1, 1024, why="samples of one rank that pass the transformer together"),
+    Rule("max_train_steps", 1, STEPS_MAX),
+    Rule("profile_step", 1, STEPS_MAX),
+    Rule("num_train_epochs", 1, 1_000_000),
+    Rule("gradient_accumulation_steps", 1, 10_000, why="micro-batches per optimizer step"),
     Rule("learning_rate", 0, low_open=True, why="at 0 or below the weights never improve"),
-    Rule("lr_warmup_steps", 0),
-    Rule("lr_num_cycles", 1, why="the number of cosine restarts"),
+    Rule("lr_warmup_steps", 0, STEPS_MAX),
+    Rule("lr_num_cycles", 1, STEPS_MAX, why="the number of cosine restarts"),
     Rule("lr_power", 0, low_open=True, why="0 keeps the LR constant and a negative power makes it grow"),
     Rule("adam_beta1", 0, 1, high_open=True, why="AdamW's moment decay"),
     Rule("adam_beta2", 0, 1, high_open=True, why="AdamW's moment decay"),
@@ -85,19 +116,30 @@ RULES = (
     Rule("logit_mean", -10, 10, why="beyond that every timestep lands at 0 or 1"),
     Rule("mode_scale", -1, MODE_SCALE_MAX, why="outside it the mode density leaves [0, 1]"),
     Rule("guidance_scale", 0, why="the guidance embedding of guidance-distilled models"),
-    Rule("rank", 1),
+    Rule(
+        "rank",
+        1,
+        6144,
+        why="the hidden size of FLUX.2 [dev], the widest layer LoRA adapts: a larger rank adds memory and nothing else",
+    ),
     Rule("lora_alpha", 0, low_open=True, why="LoRA's output is scaled by alpha / rank: 0 learns nothing"),
     Rule("lora_dropout", 0, 1, high_open=True, why="at 1 every LoRA input is dropped and nothing is learned"),
     Rule("cp_size", 1),
     Rule("ulysses_size", 1),
-    Rule("collective_timeout", 0, low_open=True, why="seconds before a stuck collective aborts the run"),
-    Rule("cp_ulysses_chunks", 1, why="the heads are split into this many chunks"),
-    Rule("checkpointing_steps", 1),
-    Rule("checkpoints_total_limit", 1, why="the number of checkpoints kept, the newest included"),
-    Rule("validation_steps", 1),
-    Rule("num_validation_images", 1),
-    Rule("validation_inference_steps", 1),
-    Rule("gpu_memory_gib", 0, low_open=True),
+    Rule(
+        "collective_timeout",
+        0,
+        30 * 86400,
+        low_open=True,
+        why="seconds before a stuck collective aborts the run (at most 30 days)",
+    ),
+    Rule("cp_ulysses_chunks", 1, 1024, why="the heads are split into this many chunks, at most one head each"),
+    Rule("checkpointing_steps", 1, STEPS_MAX),
+    Rule("checkpoints_total_limit", 1, STEPS_MAX, why="the number of checkpoints kept, the newest included"),
+    Rule("validation_steps", 1, STEPS_MAX),
+    Rule("num_validation_images", 1, 100, why="images rendered per --validation_prompt, each a full sampling"),
+    Rule("validation_inference_steps", 1, 1000, why="the scheduler has 1000 timesteps"),
+    Rule("gpu_memory_gib", 0, 4096, low_open=True, why="GiB per GPU"),
 )
 
 
@@ -111,7 +153,15 @@ def check_ranges(values: Mapping[str, object], rules: Iterable[Rule] = RULES) ->
         for v in value if isinstance(value, tuple) else (value,):  # a list flag (--resolution 1024,2048): each
             if not rule.ok(v):
                 why = f" ({rule.why})" if rule.why else ""
-                raise UsageError(f"--{rule.flag} {v:g} is out of range: it must be {rule.bounds()}{why}")
+                raise UsageError(f"--{rule.flag} {number(v)} is out of range: it must be {rule.bounds()}{why}")
+    counts = (
+        ("resolution", RESOLUTIONS_MAX, "sizes", "every image trains at each of them every epoch"),
+        ("validation_prompt", PROMPTS_MAX, "prompts", "each renders its images at every validation"),
+    )
+    for flag, most, what, why in counts:
+        given = values.get(flag)
+        if isinstance(given, tuple) and len(given) > most:
+            raise UsageError(f"--{flag} gives {len(given)} {what}: at most {most} ({why})")
     lr, decay = values.get("learning_rate"), values.get("adam_weight_decay")
     if lr is not None and decay is not None and lr * decay >= 1:
         raise UsageError(

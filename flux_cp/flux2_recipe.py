@@ -189,6 +189,36 @@ def flow_loss(pred: Tensor, target: Tensor, weighting: Tensor) -> Tensor:
     return err.reshape(err.shape[0], -1).mean(1).mean()
 
 
+def chat_text(tokenizer, caption: str, klein: bool) -> str:
+    """The text the pipeline's prompt encoding tokenizes for `caption`: its chat template rendered around it ([dev]:
+    the system message, then the caption as the user's, flux2.py's `format_input`; [klein]: the caption as the
+    user's and the assistant's turn opened without thinking)."""
+    if klein:
+        return tokenizer.apply_chat_template([{"role": "user", "content": caption}], tokenize=False,
+                                             add_generation_prompt=True, enable_thinking=False)  # fmt: skip
+    from diffusers.pipelines.flux2.pipeline_flux2 import SYSTEM_MESSAGE, format_input
+
+    return tokenizer.apply_chat_template(format_input([caption], SYSTEM_MESSAGE), add_generation_prompt=False,
+                                         tokenize=False)[0]  # fmt: skip
+
+
+def token_count(tokenizer, text: str, klein: bool) -> int:
+    """Tokens of `text` as the pipeline counts them: [dev]'s apply_chat_template adds no special tokens (its template
+    writes them), [klein]'s tokenizer call adds the tokenizer's own (Qwen's: none)."""
+    return len(tokenizer(text, add_special_tokens=klein)["input_ids"])
+
+
+def tokens_before_caption(tokenizer, klein: bool, render=chat_text) -> int:
+    """The template's tokens before the caption in the window of `max_sequence_length` tokens: what is left of the
+    window after them is the caption's (and the template's end, cut first when the window is short). `render`:
+    `chat_text`, or a bounded stand-in for it (flux_cp.families.flux2)."""
+    marker = "\u2063caption\u2063"  # invisible separators: no template writes them
+    text = render(tokenizer, marker, klein)
+    if marker not in text:
+        raise ValueError("the chat template leaves the caption out of what it renders")
+    return token_count(tokenizer, text[: text.index(marker)], klein)
+
+
 def encode_prompts(
     text_encoder,
     tokenizer,

@@ -45,22 +45,44 @@ def _dangling(path: Path) -> UsageError:
 
 def image_files(folder: Path, exclude: tuple[Path, ...] = ()) -> list[Path]:
     """Image files under `folder`, sorted, hidden files and anything inside hidden folders or inside `exclude`
-    (folders, e.g. the encoding cache) left out. Symbolic links to images are followed; a dangling one is refused."""
+    (folders, e.g. the encoding cache) left out. Symbolic links to images and to folders are followed (a linked folder
+    was skipped without a word, while metadata.jsonl could name images through it); a dangling link is refused, and
+    so is a link to a folder listed already (a loop, or the same images twice)."""
     root = os.path.realpath(folder)
     skip = []
     for other in exclude:
         rel = os.path.relpath(os.path.realpath(other), root)
         if rel not in (".", "..") and not rel.startswith(".." + os.sep):
             skip.append(Path(rel).parts)
-    found = []
-    for p in folder.rglob("*"):
-        rel = p.relative_to(folder)
-        if not is_image_file(p) or _hidden(rel) or any(rel.parts[: len(s)] == s for s in skip):
-            continue
-        if p.is_symlink() and not p.exists():
-            raise _dangling(p)
-        if p.is_file():
-            found.append(p)
+
+    def left_out(rel: Path) -> bool:
+        return _hidden(rel) or any(rel.parts[: len(s)] == s for s in skip)
+
+    found, listed = [], {root: folder}
+    for here, folders, names in os.walk(folder, followlinks=True):
+        base = Path(here)
+        keep = []
+        for name in sorted(folders):
+            path = base / name
+            if left_out(path.relative_to(folder)):
+                continue
+            real = os.path.realpath(path)
+            if real in listed:  # each real folder once: a link loop, or two names of one folder
+                raise UsageError(
+                    f"{path} and {listed[real]} are the same folder (through a symbolic link): its images would be "
+                    "listed twice, or without end; remove the link"
+                )
+            listed[real] = path
+            keep.append(name)
+        folders[:] = keep
+        for name in names:
+            path = base / name
+            if not is_image_file(path) or left_out(path.relative_to(folder)):
+                continue
+            if path.is_symlink() and not path.exists():
+                raise _dangling(path)
+            if path.is_file():
+                found.append(path)
     return sorted(found)
 
 

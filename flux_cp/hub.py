@@ -45,6 +45,44 @@ def check_token(hub_token: str | None) -> None:
         raise UsageError(f"--push_to_hub needs a Hugging Face token: {LOGIN_HINT}, or pass --hub_token")
 
 
+def offline() -> bool:
+    """Whether huggingface_hub runs offline (HF_HUB_OFFLINE, read when it was imported or set since)."""
+    import os
+
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE) or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+
+
+def repo_name(hub_model_id: str | None, output_dir: str) -> str:
+    """The repository a push goes to as given: --hub_model_id, else the output folder's name (diffusers' examples)."""
+    return hub_model_id or Path(output_dir).resolve().name
+
+
+def check_start(hub_model_id: str | None, hub_token: str | None, output_dir: str) -> None:
+    """At start, for `--push_to_hub`: what would make the upload at the end fail whatever the training does, as one
+    UsageError line (nothing is sent anywhere): offline mode, no token, a repository name the Hub refuses."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    if offline():
+        raise UsageError(
+            "--push_to_hub with HF_HUB_OFFLINE set: the upload at the end could not reach the Hub. Unset "
+            "HF_HUB_OFFLINE, or drop --push_to_hub and upload the output folder later with `hf upload`"
+        )
+    check_token(hub_token)
+    name = repo_name(hub_model_id, output_dir)
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        given = f"--hub_model_id {name!r}" if hub_model_id else f"the repository name {name!r} (--output_dir's folder)"
+        raise UsageError(
+            f"--push_to_hub: {given} is not a Hub repository name: use name or owner/name of letters, digits, '-', "
+            "'_' and '.' (not starting or ending with '-' or '.', no '--' or '..', at most 96 characters)"
+            + ("" if hub_model_id else ", or pass --hub_model_id")
+        ) from None
+
+
 def _network_errors() -> tuple[type[BaseException], ...]:
     """Exceptions meaning the hub could not be reached: huggingface_hub's offline mode, httpx's transport errors
     (huggingface_hub's HTTP client), requests' and the OS's connection errors."""
@@ -86,7 +124,7 @@ def push_to_hub(
     folder = Path(output_dir)
     if not folder.is_dir():
         raise UsageError(f"--push_to_hub: {folder} is not a folder")
-    repo_id = hub_model_id or folder.resolve().name
+    repo_id = repo_name(hub_model_id, str(folder))
     api = HfApi(token=token)
     step = "reach the Hugging Face Hub"
     try:

@@ -89,6 +89,34 @@ def prepare_trainable(transformer, lora: LoraConfig, seed: int) -> None:
         p.data = p.data.float()
 
 
+def check_seed_checkpoint(path: str) -> None:
+    """--seed_checkpoint at start, before any model loads: a path that names a folder or something else than a file
+    is refused, and an existing file must be a readable safetensors file (its header; the names and shapes are
+    checked against the model once it is built). A missing file is written there (its folder made)."""
+    if not path:
+        raise UsageError("--seed_checkpoint is empty: name a .safetensors file (written when absent, read if present)")
+    if os.path.isdir(path):
+        raise UsageError(
+            f"--seed_checkpoint {path} is a folder: name a file in it (e.g. {os.path.join(path, 'seed.safetensors')}), "
+            "written when absent and read when present"
+        )
+    if os.path.lexists(path) and not os.path.isfile(path):
+        raise UsageError(f"--seed_checkpoint {path} exists but is not a regular file: name a .safetensors file")
+    if os.path.isfile(path):
+        from safetensors import safe_open
+
+        try:
+            with safe_open(path, "pt") as f:
+                f.keys()
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for every kind of damage
+            raise UsageError(f"--seed_checkpoint {path} cannot be read: {_first_line(e)}") from None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
 def apply_seed_checkpoint(transformer, path: str, is_main: bool) -> str:
     """Read the initial trainable weights from `path` if it exists, else write them there (rank 0,
     atomically). Runs before sharding, on plain tensors. Returns 'read' or 'written'."""

@@ -164,6 +164,71 @@ def choose_cp_mode(parallel: ParallelConfig, heads: int, cp_size: int) -> tuple[
     return mode, u
 
 
+def check_kernels(names: tuple[str, ...], device_type: str) -> str | None:
+    """--cp_kernels against the device the run trains on, at start: refused when none of them runs there (the first
+    attention call would fail), a warning naming those that do not (skipped at every call)."""
+    from cp.kernels import KERNELS
+
+    where = {"cpu": "the CPU", "cuda": "CUDA GPUs"}.get(device_type, device_type)
+    off = [n for n in names if device_type not in KERNELS[n].devices]
+    if not off:
+        return None
+    runs = sorted(n for n, k in KERNELS.items() if device_type in k.devices)
+    if len(off) == len(names):
+        raise UsageError(
+            f"--cp_kernels {','.join(names)}: none of these attention kernels runs on {where} ("
+            + "; ".join(f"{n} needs {' or '.join(KERNELS[n].devices)}" for n in off)
+            + f"): name one of {', '.join(runs)}, or drop --cp_kernels for the default order",
+            agreed=True,
+        )
+    used = [n for n in names if n not in off]
+    serve = "serves" if len(used) == 1 else "serve"
+    given = ",".join(names)
+    return f"--cp_kernels {given}: {', '.join(off)} cannot run on {where}; {', '.join(used)} {serve} every call"
+
+
+def check_overlap(overlap: str, compiled: bool, cp_size: int, device_type: str) -> None:
+    """--cp_overlap scheduler is Inductor's overlap scheduler, which orders by its GPU runtime estimates: it needs a
+    CUDA device and triton (without them the first compiled step fails). Refused at start otherwise."""
+    import importlib.util
+
+    if overlap != "scheduler" or not compiled or cp_size == 1:
+        return
+    missing = "a CUDA GPU" if device_type != "cuda" else None
+    if missing is None and importlib.util.find_spec("triton") is None:
+        missing = "triton (pip install triton)"
+    if missing:
+        raise UsageError(
+            f"--cp_overlap scheduler is Inductor's overlap scheduler, which needs {missing}: choose --cp_overlap fill "
+            "(the default), passes, compute or none",
+            agreed=True,
+        )
+
+
+def ulysses_chunks(requested: int, heads: int, mode: str, ulysses_size: int | None) -> tuple[int, str | None]:
+    """--cp_ulysses_chunks as this model and CP mode use it, computed once at start: (chunks, a warning when that is
+    not the number asked for). More chunks than the model has heads is refused (a chunk holds at least one head)."""
+    if requested > heads:
+        raise UsageError(
+            f"--cp_ulysses_chunks {requested}: the model has {heads} attention heads and a chunk holds at least one; "
+            f"use at most {heads}",
+            agreed=True,
+        )
+    if requested == 1:
+        return 1, None
+    if ulysses_size is None:
+        return 1, f"--cp_ulysses_chunks {requested} has no effect with --cp_mode {mode} (no Ulysses exchange): 1 used"
+    from cp.ulysses import used_chunks
+
+    used = used_chunks(heads, ulysses_size, requested)
+    if used == requested:
+        return used, None
+    return used, (
+        f"--cp_ulysses_chunks {requested}: {used} used, the most up to {requested} whose chunks' heads divide over the "
+        f"Ulysses group of {ulysses_size} ({heads} heads)"
+    )
+
+
 def auto_mode(heads: int, cp_size: int) -> tuple[str, int | None]:
     """The CP mode, by the H200 measurements in benchmarks/archive/history.md (the same at every sequence length):
 

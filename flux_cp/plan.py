@@ -246,9 +246,9 @@ def print_disk(cfg: Config, family: Family, config: dict, world: int) -> None:
 
 
 def _hub_offline() -> bool:
-    from huggingface_hub import constants
+    from .hub import offline
 
-    return bool(constants.HF_HUB_OFFLINE) or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+    return offline()
 
 
 def transformer_config(path: str, revision: str | None = None, cache_dir: str | None = None) -> tuple[dict, str]:

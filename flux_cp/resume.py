@@ -182,6 +182,7 @@ def decide(
     check_steps(step, max_train_steps, path)
     if path.resolve().parent == folder.resolve():
         later = tuple(p for s, p in checkpoint.list_checkpoints(folder) if s > step)
+        checkpoint.verify_quick(path, meta)  # sizes, the small files' checksums: a damaged checkpoint named now
         return Decision("branch" if later else "continue", path, step, later)
     if earlier and not overwrite:
         if _inside(path, folder):
@@ -193,6 +194,7 @@ def decide(
             f"into a new or empty --output_dir (a fork; {path.parent} is only read), or continue its own run with "
             f"--output_dir {path.parent}"
         )
+    checkpoint.verify_quick(path, meta)
     return Decision("fork", path, step)
 
 

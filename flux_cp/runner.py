@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from .distributed import is_distributed
 from .errors import EXIT_NONFINITE, EXIT_PEER_FAILED, EXIT_USAGE, NonFiniteError, UsageError
+from .terminal import printable
 
 _PEER_SIGNS = (
     "timed out",
@@ -27,7 +28,9 @@ _PEER_SIGNS = (
 
 
 def _say(message: str) -> None:
-    """One line on stderr, clear of a progress bar that may be drawing there."""
+    """One line on stderr, clear of a progress bar that may be drawing there; what it quotes from files (a class name,
+    a meta.json field, a file name) cannot act on the terminal or break the line (flux_cp.terminal)."""
+    message = printable(message)
     try:
         from tqdm.auto import tqdm
 

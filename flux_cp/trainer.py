@@ -11,6 +11,7 @@ who encodes it), `make_timer` (the clock) and `save_checkpoint`. The details of 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -23,25 +24,39 @@ import cp
 
 from . import checkpoint, diskspace, distributed, faults, files, manifest, outdir, parallel, quiet, roles, validation
 from .batches import Batches
-from .blocks import attention_recomputed, prepare_blocks, step_begins, uses_cuda_graphs
+from .blocks import attention_recomputed, more_blocks_than_there_are, prepare_blocks, step_begins, uses_cuda_graphs
 from .config import DEFAULT_ENCODINGS_DIR, Config
 from .data import (
     BUNDLED_DATA,
     BatchSchedule,
     ImageSource,
+    Repeats,
     batch_groups,
     cache_folder,
+    check_epoch_size,
     check_pair_flags,
     check_reference_limit,
     open_source,
 )
-from .encode import ClassGeometry, Geometry, LiveData, Repeated, TrainingData, encode_dataset, encoder_fingerprints
+from .encode import (
+    ClassGeometry,
+    Geometry,
+    LiveData,
+    Repeated,
+    TrainingData,
+    component_fingerprints,
+    component_folder,
+    encode_dataset,
+    encoder_fingerprints,
+    model_fingerprint,
+)
 from .errors import NonFiniteError, UsageError
 from .lora import lora_origin, save_lora
 from .lora_format import check_export
 from .metrics import NO_FLOPS, MetricsLog, StepFlops, StepTimer, peak_flops, peak_memory_gib
 from .model import (
     apply_seed_checkpoint,
+    check_seed_checkpoint,
     full_state_dict,
     load_scheduler,
     load_transformer,
@@ -59,7 +74,7 @@ from .optim import (
     make_lr_scheduler,
     make_optimizer,
 )
-from .parallel import Layout, choose_cp_mode, cp_advice, make_accelerator
+from .parallel import Layout, check_kernels, check_overlap, choose_cp_mode, cp_advice, make_accelerator, ulysses_chunks
 from .plan import GIB, Checkpointing, checkpointing_for_run
 from .prior import ClassSamples, class_source, generate_class_images, generated_folder
 from .prior import check_resume as check_prior_resume
@@ -67,6 +82,7 @@ from .profiling import profiled
 from .resume import check_steps as check_resume_steps
 from .resume import finished, finished_line
 from .shape import RunShape, build_shape, check_tokens, resolved
+from .terminal import escape_logs, printable
 
 logger = logging.getLogger("flux_cp")
 
@@ -120,6 +136,7 @@ class Trainer:
     checkpointing: Checkpointing  # --gradient_checkpointing resolved: which blocks recompute
     max_steps: int
     run_identity: dict  # what a checkpoint must match to be resumed by this run
+    components: dict[str, str]  # {component: fingerprint of its config and weights' content}
     # train: per-step machinery
     batches: Batches
     metrics: MetricsLog
@@ -143,7 +160,11 @@ class Trainer:
     def make_layout(self, accelerator) -> Layout:
         parallel_cfg = self.cfg.parallel
         return parallel.make_layout(accelerator, parallel_cfg.cp_size, parallel_cfg.collective_timeout,
-                                    self.cfg.cp_tuning.tuning())  # fmt: skip
+                                    self.cp_tuning())  # fmt: skip
+
+    def cp_tuning(self) -> cp.Tuning:
+        """The CP tuning of the flags, with the Ulysses chunks this model uses (decided in `setup`)."""
+        return dataclasses.replace(self.cfg.cp_tuning.tuning(), ulysses_chunks=self.ulysses_chunks)
 
     def open_source(self) -> ImageSource:
         return open_source(self.cfg.data, self.shape.metadata, self.cfg.model.cache_dir)
@@ -177,8 +198,9 @@ class Trainer:
         # process group. transformers' save_pretrained writes weights only on rank 0 once torch.distributed is up,
         # so the tiny default is built (by whichever process locks first) here too.
         self.shape = shape = build_shape(cfg, self.launched_world_size())
-        self.cfg = cfg = resolved(cfg, shape.family, shape.pairs, self.read_transformer_config())
-        shape.family.check(cfg)
+        config = self.read_transformer_config()
+        self.cfg = cfg = resolved(cfg, shape.family, shape.pairs, config)
+        start_warnings = self.decide_against_model(config)
         check_optimizer(cfg.train, sharded=shape.sharded)
         check_reference_limit(shape.family.max_references, shape.family.pairs_label, cfg.validation, shape.metadata,
                               shape.reference_column)  # fmt: skip
@@ -187,6 +209,7 @@ class Trainer:
         self.accelerator = make_accelerator(cfg.parallel, cfg.train, cfg.validation, shape)
         self.layout = layout = self.make_layout(self.accelerator)
         logging.basicConfig(level=logging.INFO if layout.is_main else logging.WARNING, format="%(message)s")
+        escape_logs(logger)  # values read from files (checkpoints, model folders, data) cannot act on the terminal
         if cfg.model.embedded_default:
             logger.info(
                 f"flux-cp: embedded default - a tiny {'FLUX.1 Kontext' if shape.pairs else 'Flux'} built locally, "
@@ -197,6 +220,8 @@ class Trainer:
             logger.info(f"flux-cp: {line}")
         for warning in shape.family.output_warnings(cfg) if layout.is_main else ():
             logger.warning(warning)
+        for warning in start_warnings if layout.is_main else ():
+            logger.warning(f"warning: {warning}")
         logger.info(
             f"flux-cp: {layout.describe()}, {self.accelerator.distributed_type}, device {self.accelerator.device}"
         )
@@ -219,6 +244,28 @@ class Trainer:
             except UsageError as e:
                 problem = str(e)
         distributed.check_all_ranks(problem is None, problem or "")
+
+    def decide_against_model(self, config: dict) -> list[str]:
+        """What depends on the model but needs none of it loaded, decided once before anything loads: the CP mode and
+        the Ulysses chunks its heads allow, the kernels and overlap this device runs, the prompt window against its
+        tokenizer, the seed checkpoint's file. Returns the warnings for what is used otherwise than given."""
+        cfg, shape = self.cfg, self.shape
+        heads = config["num_attention_heads"]
+        self.cp_mode, self.ulysses_size = choose_cp_mode(cfg.parallel, heads, shape.cp)
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"  # accelerate's device (cpu=True without CUDA)
+        warnings = [check_kernels(cfg.cp_tuning.kernels, device_type)]
+        check_overlap(cfg.cp_tuning.cp_overlap, bool(cfg.train.compile or cfg.train.compile_mode), shape.cp,
+                      device_type)  # fmt: skip
+        self.ulysses_chunks = 1
+        if shape.cp > 1:
+            self.ulysses_chunks, warning = ulysses_chunks(cfg.cp_tuning.cp_ulysses_chunks, heads, self.cp_mode,
+                                                          self.ulysses_size)  # fmt: skip
+            warnings.append(warning)
+        shape.family.check(cfg)
+        shape.family.check_text(cfg, shape.model_path)
+        if cfg.train.seed_checkpoint is not None:
+            check_seed_checkpoint(cfg.train.seed_checkpoint)
+        return [w for w in warnings if w]
 
     def claim_output_dir(self) -> None:
         """The output folder becomes this run's (flux_cp.outdir), and how the run starts is decided (flux_cp.resume:
@@ -252,10 +299,20 @@ class Trainer:
             except UsageError as e:
                 problem = str(e)
         distributed.check_all_ranks(problem is None, problem or "")
+        self.verify_resume_checkpoint()
         if claimed and claimed.removed:
             logger.info(f"--overwrite_output_dir: removed the earlier run's outputs ({', '.join(claimed.removed)})")
         for note in claimed.notes if claimed else ():
             logger.info(note)
+
+    def verify_resume_checkpoint(self) -> None:
+        """The checkpoint this run resumes, checked against the checksums written with it, every rank a share of its
+        shards (before any model loads: a damaged checkpoint is refused naming the file)."""
+        ckpt = self.cfg.checkpoints
+        path = checkpoint.resolve(ckpt.resume_from_checkpoint, self.cfg.train.output_dir)
+        if path is not None:
+            problem = checkpoint.verify_shared(path, checkpoint.read_meta(path), self.layout.rank, self.layout.world)
+            distributed.check_all_ranks(problem is None, problem or "")
 
     @property
     def encodings_dir(self) -> str:
@@ -269,19 +326,25 @@ class Trainer:
         return diskspace.run_sizes(cfg, shape.family, config, self.weight_dtype, self.layout.world)
 
     def read_transformer_config(self) -> dict:
+        """The transformer's config.json, with the class's defaults for what it leaves out (as the model gets them)."""
+        import inspect
+
         path, cls = self.shape.model_path, self.shape.family.transformer_class()
         try:
             model = self.cfg.model
-            return dict(cls.load_config(path, subfolder="transformer", revision=model.revision,
-                                        cache_dir=model.cache_dir))  # fmt: skip
+            config = dict(cls.load_config(path, subfolder="transformer", revision=model.revision,
+                                          cache_dir=model.cache_dir))  # fmt: skip
         except (OSError, ValueError) as e:
             first = str(e).splitlines()[0]
             raise UsageError(f"cannot load transformer from --pretrained_model_name_or_path {path}: {first}") from None
+        parameters = inspect.signature(cls.__init__).parameters.values()
+        return {**{p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty}, **config}
 
     def load_data(self) -> None:
         """Encode the data set once (cached on disk, spread over all ranks), then free the text encoders."""
         cfg, layout, shape = self.cfg, self.layout, self.shape
         self.source = source = self.open_source()  # listing errors (captions, pairs) before any model loads
+        check_epoch_size(len(source), len(shape.placements), cfg.data.repeats)
         if source.pairs:
             self.shape = shape = self.count_references(source)
             label = shape.family.pairs_label
@@ -297,7 +360,15 @@ class Trainer:
         self.encoders = encoders = shape.family.load_encoders(
             cfg.model, shape.model_path, self.weight_dtype, self.device
         )
+        # What the encodings (their cache keys) and a resume (the run identity) know the components by: content
+        self.components = component_fingerprints(encoders, shape.model_path, cfg.model.revision, cfg.model.cache_dir)
         self.noise_scheduler = load_scheduler(cfg.model, shape.model_path)
+        if layout.is_main:  # captions the prompt encoding cuts: said once, here
+            prompts = {s.caption for s in source.samples} | set(cfg.validation.validation_prompt or ())
+            if cfg.data.with_prior_preservation:
+                prompts.add(cfg.data.class_prompt)
+            for line in encoders.truncation_warnings(sorted(prompts), cfg.data.max_sequence_length):
+                logger.warning(line)
         geometry = Geometry(list(shape.buckets), [list(p) for p in shape.placements])
         self.validation_embeds = self.validation_reference = None
         if cfg.validation.validation_prompt:
@@ -324,7 +395,7 @@ class Trainer:
                 self.classes = ClassSamples(live, len(self.class_source), used)
         else:
             cache = Path(self.encodings_dir)
-            fingerprints = encoder_fingerprints(encoders, shape.model_path, cfg.model.revision)
+            fingerprints = encoder_fingerprints(self.components, encoders)
             samples = encode_dataset(source, encoders, geometry, cfg.data, cfg.train.seed, cache, fingerprints,
                                      *self.encode_share(), captions=captions)  # fmt: skip
             computed = samples.computed
@@ -339,12 +410,13 @@ class Trainer:
             encoders.free_text_encoders()
         self.samples = Repeated(samples, cfg.data.repeats) if cfg.data.repeats > 1 else samples
         self.global_batch = cfg.train.train_batch_size * layout.dp
-        counts = [source.reference_count(t % len(source)) for t in range(len(self.samples.buckets))]
-        self.schedule = BatchSchedule(batch_groups(self.samples.buckets, counts), self.global_batch, cfg.train.seed)
+        counts = [source.reference_count(t % len(source)) for t in range(len(samples.buckets))]
+        groups = Repeats(batch_groups(samples.buckets, counts), cfg.data.repeats)  # each copy in its sample's group
+        self.schedule = BatchSchedule(groups, self.global_batch, cfg.train.seed)
         if len(set(counts)) > 1 and (unfilled := self.schedule.unfilled()):
             n = sum(unfilled.values())
             logger.warning(
-                f"{n} of {len(counts)} samples {'is' if n == 1 else 'are'} never trained on: a global batch holds one "
+                f"{n} of {len(groups)} samples {'is' if n == 1 else 'are'} never trained on: a global batch holds one "
                 f"aspect bucket and one number of reference images, and theirs have fewer samples than a global batch "
                 f"({self.global_batch}); lower --train_batch_size, or give those rows as many references as others"
             )
@@ -376,13 +448,14 @@ class Trainer:
         transformer = load_transformer(cfg.model, shape.model_path, shape.family.transformer_class(),
                                        self.weight_dtype, self.device, train.seed)  # fmt: skip
         self.transformer_config = config = dict(transformer.config)
+        pretrained = cfg.model.transformer_init == "pretrained"  # random weights: its config and the seed are all
+        folder = component_folder(shape.model_path, "transformer", cfg.model.revision, cfg.model.cache_dir)
+        self.components["transformer"] = model_fingerprint(transformer, folder if pretrained else None)
         prepare_trainable(transformer, cfg.lora, train.seed)
         if train.seed_checkpoint:
             how = apply_seed_checkpoint(transformer, train.seed_checkpoint, layout.is_main)
             logger.info(f"seed checkpoint {how}: {train.seed_checkpoint}")
-        self.cp_mode, self.ulysses_size = mode, ulysses_size = choose_cp_mode(
-            cfg.parallel, config["num_attention_heads"], layout.cp
-        )
+        mode, ulysses_size = self.cp_mode, self.ulysses_size  # chosen in setup
         # Installed at cp=1 too: its block kernels (cuDNN on Hopper) beat diffusers' default SDPA path.
         cp.apply_context_parallel(transformer, layout.cp_context, mode=mode, ulysses_size=ulysses_size)
         if layout.cp > 1:
@@ -417,7 +490,8 @@ class Trainer:
         samples_per_step = self.global_batch * train.gradient_accumulation_steps
         buckets = list(shape.buckets) if cfg.data.aspect_buckets else None
         classes = self.class_source.identity() if self.class_source is not None else None
-        self.run_identity = checkpoint.run_identity(cfg, samples_per_step, self.source.identity(), buckets, classes)
+        self.run_identity = checkpoint.run_identity(cfg, samples_per_step, self.source.identity(), buckets, classes,
+                                                    self.components)  # fmt: skip
         every = cfg.checkpoints.checkpointing_steps
         if layout.is_main:
             saves = max_steps // every + (1 if max_steps % every else 0)
@@ -436,8 +510,11 @@ class Trainer:
             gpu = torch.cuda.get_device_properties(self.device).total_memory / GIB
         ckpt = checkpointing_for_run(cfg, shape.family, config, shape.largest_sequence, layout.world, layout.cp,
                                      mode, shape.sharded, gpu)  # fmt: skip
-        if cfg.train.gradient_checkpointing != "none":  # asked for: say what it resolved to
-            logger.info(ckpt.describe(cfg.train.gradient_checkpointing))
+        value = cfg.train.gradient_checkpointing
+        if value != "none":  # asked for: say what it resolved to
+            logger.info(ckpt.describe(value))
+        if note := more_blocks_than_there_are(value, ckpt.total):
+            logger.warning(f"warning: {note}")
         if not ckpt.fits:
             logger.warning(
                 f"warning: the planned peak ({ckpt.planned_gib:.1f} GiB) exceeds 90% of {ckpt.gpu_gib:.1f} GiB even "
@@ -467,7 +544,7 @@ class Trainer:
             return 0
         with_optimizer = meta.get("optimizer_state", True)
         applied = checkpoint.load(path, self.model, self.optimizer, self.lr_scheduler, with_optimizer)
-        logger.info(f"resumed from {path} at step {meta['step']} (written with {meta['layout']})")
+        logger.info(f"resumed from {path} at step {meta['step']} (written with {printable(meta['layout'])})")
         changed = checkpoint.changed_settings(meta.get("args", {}), self.cfg.flat(), checkpoint.RESUMABLE_CHANGES)
         for change in changed or applied:
             logger.info(f"resume: {change} (applied from step {meta['step'] + 1})")
@@ -498,7 +575,7 @@ class Trainer:
         cfg, layout, device, shape = self.cfg, self.layout, self.device, self.shape
         if layout.is_main:
             chosen = {"layout": layout.describe(), "cp_mode": self.cp_mode, "ulysses_size": self.ulysses_size,
-                      "checkpointed_blocks": len(self.checkpointing.blocks),
+                      "cp_ulysses_chunks": self.ulysses_chunks, "checkpointed_blocks": len(self.checkpointing.blocks),
                       "planned_peak_gib": round(self.checkpointing.planned_gib, 2)}  # fmt: skip
             manifest.record(cfg.train.output_dir, "run_config.json")
             files.write_json(Path(cfg.train.output_dir) / "run_config.json", {**cfg.flat(), **chosen})

@@ -105,8 +105,7 @@ def _not_a_checkpoint(t: Path) -> list[str]:
 
 
 def _foreign_checkpoint(t: Path) -> list[str]:
-    ckpt = t / "checkpoint-2"
-    ckpt.mkdir(parents=True, exist_ok=True)
+    ckpt = _small_checkpoint(t, 2)
     meta = {"format": 1, "step": 2, "layout": "world 1 = dp 1 x cp 1", "run": {"rank": 4, "full_finetune": False}}
     (ckpt / "meta.json").write_text(json.dumps(meta))
     return ["--resume_from_checkpoint", str(ckpt), "--rank", "8"]
@@ -161,6 +160,15 @@ def _model_folder(t: Path) -> Path:
     return t / "model"
 
 
+def _model_of_escaped_classes(t: Path) -> list[str]:
+    """A model folder whose model_index.json names a class holding terminal escapes (ESC [ 2 J clears a screen)."""
+    folder = t / "evil"
+    (folder / "transformer").mkdir(parents=True, exist_ok=True)
+    (folder / "transformer" / "config.json").write_text('{"_class_name": "OtherTransformer"}')
+    (folder / "model_index.json").write_text(json.dumps({"_class_name": "\x1b[2J\x1b[31mEvilPipeline"}))
+    return ["--pretrained_model_name_or_path", str(folder)]
+
+
 def _output_dir_is_the_model(t: Path) -> list[str]:
     model = str(_model_folder(t))
     return [
@@ -194,6 +202,42 @@ def _checkpoint(folder: Path, step: int) -> Path:
     meta = {"format": 1, "step": step, "layout": "world 1 = dp 1 x cp 1", "run": {}, "args": {}}
     (path / "meta.json").write_text(json.dumps(meta))
     return path
+
+
+def _flux2(t: Path, template: str | None = None) -> list[str]:
+    """The tiny FLUX.2 [dev] folder (built once), or a copy of it whose tokenizer has `template` as chat template."""
+    import shutil
+
+    from flux_cp.families import FLUX2
+
+    folder = Path(FLUX2.embedded_default(pairs=False))
+    if template is not None:
+        folder = Path(shutil.copytree(folder, t / "crafted"))
+        (folder / "tokenizer" / "chat_template.jinja").write_text(template)
+    return ["--pretrained_model_name_or_path", str(folder), "--resolution", "64"]
+
+
+def _small_checkpoint(folder: Path, step: int) -> Path:
+    """A real checkpoint-`step` of a small model (its DCP files and checksums) in `folder`."""
+    from diffusers.optimization import get_scheduler
+
+    from flux_cp import checkpoint
+
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    sched = get_scheduler("constant", optimizer=opt)
+    return checkpoint.save(str(folder), step, model, opt, sched, {"run": {}, "layout": "world 1 = dp 1 x cp 1"},
+                           True, None)  # fmt: skip
+
+
+def _truncated_metadata(t: Path) -> list[str]:
+    """A real checkpoint-2 in the output folder (refused before any model loads), whose DCP metadata lost its end."""
+    ckpt = _small_checkpoint(t / "out", 2)
+    metadata = ckpt / "state" / ".metadata"
+    metadata.write_bytes(metadata.read_bytes()[:40])
+    return ["--resume_from_checkpoint", "latest"]
 
 
 def _checkpoint_of_another_run(t: Path) -> list[str]:
@@ -329,6 +373,72 @@ CASES = [
         "4 attention heads are not divisible by the Ulysses size 3",
     ),
     Case(
+        "ulysses_chunks_beyond_the_heads",
+        "--cp_ulysses_chunks larger than the model's attention heads",
+        2,
+        lambda t: ["--cp_size", "2", "--cp_ulysses_chunks", "8"],
+        "--cp_ulysses_chunks 8: the model has 4 attention heads and a chunk holds at least one; use at most 4",
+    ),
+    Case(
+        "ulysses_chunks_absurd",
+        "--cp_ulysses_chunks 1000000000 (each attention call once counted it down to what the heads allow)",
+        1,
+        lambda t: ["--cp_size", "1", "--cp_ulysses_chunks", "1000000000"],
+        "--cp_ulysses_chunks 1000000000 is out of range: it must be >= 1 and <= 1024",
+        flags_only=True,
+    ),
+    Case(
+        "repeats_absurd",
+        "--repeats 1000000000 (a list of every copy exhausted memory after encoding)",
+        1,
+        lambda t: ["--repeats", "1000000000"],
+        "--repeats 1000000000 is out of range: it must be >= 1 and <= 100000",
+        flags_only=True,
+    ),
+    Case(
+        "cp_kernels_of_another_device",
+        "--cp_kernels naming only kernels of another device (cudnn on a CPU; cpu_flash on a GPU)",
+        1,
+        lambda t: ["--cp_kernels", "cpu_flash" if torch.cuda.is_available() else "cudnn"],
+        "none of these attention kernels runs on",
+    ),
+    Case(
+        "overlap_scheduler_without_a_gpu",
+        "--compile --cp_overlap scheduler on CPUs (Inductor's overlap scheduler needs a CUDA GPU and triton)",
+        2,
+        lambda t: ["--cp_size", "2", "--compile", "--cp_overlap", "scheduler"],
+        "--cp_overlap scheduler is Inductor's overlap scheduler, which needs",
+    ),
+    Case(
+        "flux2_window_the_template_fills",
+        "FLUX.2 [dev] with --max_sequence_length 128: its system message fills the window (captions all encode alike)",
+        1,
+        lambda t: _flux2(t) + ["--max_sequence_length", "128"],
+        "--max_sequence_length 128: FLUX.2 [dev]'s chat template takes 172 tokens before the caption",
+    ),
+    Case(
+        "flux2_crafted_chat_template",
+        "a FLUX.2 tokenizer whose chat template reaches for Python internals",
+        1,
+        lambda t: _flux2(t, "{{ ''.__class__.__mro__[1].__subclasses__() }}") + ["--max_sequence_length", "256"],
+        "chat_template.jinja) cannot be rendered (SecurityError: access to attribute '__class__'",
+    ),
+    Case(
+        "model_class_with_terminal_escapes",
+        "a model_index.json whose class name holds terminal escape sequences",
+        1,
+        _model_of_escaped_classes,
+        "is a \\x1b[2J\\x1b[31mEvilPipeline with a OtherTransformer; flux-cp trains",
+    ),
+    Case(
+        "output_dir_empty",
+        '--output_dir "" (it was the current folder)',
+        1,
+        lambda t: ["--output_dir", ""],
+        "--output_dir is empty: give a path, or leave the flag out for its default",
+        flags_only=True,
+    ),
+    Case(
         "resolution_not_multiple_of_16",
         "--resolution 100",
         1,
@@ -389,6 +499,13 @@ CASES = [
         "is not a complete checkpoint (no meta.json)",
     ),
     Case(
+        "resume_checkpoint_damaged",
+        "--resume_from_checkpoint latest whose state/.metadata was truncated",
+        1,
+        _truncated_metadata,
+        "checkpoint-2: state/.metadata is damaged (40 bytes, ",
+    ),
+    Case(
         "resume_incompatible_run",
         "resuming a checkpoint written with another LoRA rank",
         1,
@@ -401,6 +518,13 @@ CASES = [
         1,
         _corrupt_seed,
         "cannot be read",
+    ),
+    Case(
+        "seed_checkpoint_is_a_folder",
+        "--seed_checkpoint naming a folder",
+        1,
+        lambda t: (t / "seeds").mkdir(parents=True) or ["--seed_checkpoint", str(t / "seeds")],
+        "is a folder: name a file in it",
     ),
     Case(
         "foreign_seed_checkpoint",
@@ -649,6 +773,15 @@ CASES = [
             "WANDB_CONFIG_DIR": "/nonexistent",
             "WANDB_DIR": "/nonexistent",
         },  # fmt: skip
+        flags_only=True,
+    ),
+    Case(
+        "push_to_hub_offline",
+        "--push_to_hub with HF_HUB_OFFLINE=1 (the upload at the end could not happen)",
+        1,
+        lambda t: ["--push_to_hub"],
+        "--push_to_hub with HF_HUB_OFFLINE set: the upload at the end could not reach the Hub",
+        env={"HF_HUB_OFFLINE": "1", "HF_TOKEN": "x"},
         flags_only=True,
     ),
     Case(

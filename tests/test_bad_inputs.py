@@ -55,6 +55,8 @@ def test_bad_input_gets_a_clear_message(case, tmp_path, monkeypatch, record_prop
         record_property(key, value)
     assert returncode != 0
     assert case.expect in stderr, stderr[-3000:]
+    # What the error quotes from files cannot act on the terminal (flux_cp.terminal)
+    assert "\x1b" not in first_error(stderr)
     # Ours: one line starting with "error:" (argparse: its usage line and "error:"). No frame of our code.
     assert "flux_cp/" not in stderr and 'train_flux_cp.py", line' not in stderr, stderr[-3000:]
     if case.nproc == 1:

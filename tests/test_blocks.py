@@ -134,3 +134,72 @@ def test_tuning_refuses_unknown_kernels_and_chunk_counts():
     for bad in (0, 1.5, True):
         with pytest.raises(ValueError, match="ulysses_chunks must be a whole number >= 1"):
             Tuning(ulysses_chunks=bad)
+
+
+def test_ulysses_chunks_are_decided_once_against_the_heads():
+    """The chunks a run uses are computed once at start from the model's heads and the Ulysses size: any count asked
+    for is checked in at most `heads` tries (a billion asked for once took a billion tries per attention call), more
+    than the heads is refused, and a count reduced or unused is said."""
+    from cp.ulysses import used_chunks
+    from flux_cp.errors import UsageError
+    from flux_cp.parallel import ulysses_chunks
+
+    assert [used_chunks(24, 2, c) for c in (1, 2, 3, 4, 5, 7, 12, 13, 10**9)] == [1, 2, 3, 4, 4, 6, 12, 12, 12]
+    assert used_chunks(4, 2, 10**18) == 2 and used_chunks(3, 2, 5) == 1  # at most heads tries, whatever is asked
+    assert ulysses_chunks(1, 4, "ulysses", 2) == (1, None)
+    assert ulysses_chunks(2, 4, "ulysses", 2) == (2, None)
+    assert ulysses_chunks(3, 4, "ulysses", 2) == (
+        2, "--cp_ulysses_chunks 3: 2 used, the most up to 3 whose chunks' heads divide over the Ulysses group of 2 "
+        "(4 heads)",
+    )  # fmt: skip
+    assert ulysses_chunks(2, 4, "ring", None) == (
+        1, "--cp_ulysses_chunks 2 has no effect with --cp_mode ring (no Ulysses exchange): 1 used"
+    )  # fmt: skip
+    with pytest.raises(UsageError, match=r"^--cp_ulysses_chunks 5: the model has 4 attention heads and a chunk holds "
+                       r"at least one; use at most 4$"):  # fmt: skip
+        ulysses_chunks(5, 4, "ulysses", 2)
+
+
+def test_cp_kernels_are_checked_against_the_device_at_start():
+    from flux_cp.errors import UsageError
+    from flux_cp.parallel import check_kernels
+
+    assert check_kernels((), "cpu") is None and check_kernels(("cudnn", "flash", "math"), "cuda") is None
+    assert check_kernels(("cudnn", "math"), "cpu") == (
+        "--cp_kernels cudnn,math: cudnn cannot run on the CPU; math serves every call"
+    )
+    with pytest.raises(
+        UsageError,
+        match=r"^--cp_kernels cudnn,flash: none of these attention kernels runs on the CPU "
+        r"\(cudnn needs cuda; flash needs cuda\): name one of cpu_flash, math, or drop --cp_kernels",
+    ):
+        check_kernels(("cudnn", "flash"), "cpu")
+    with pytest.raises(UsageError, match=r"runs on CUDA GPUs \(cpu_flash needs cpu\): name one of cudnn, efficient, "):
+        check_kernels(("cpu_flash",), "cuda")
+
+
+def test_the_overlap_scheduler_needs_a_gpu_with_triton_and_is_refused_at_start_without():
+    import importlib.util
+
+    from flux_cp.errors import UsageError
+    from flux_cp.parallel import check_overlap
+
+    check_overlap("scheduler", False, 2, "cpu")  # not compiled: no pass runs
+    check_overlap("scheduler", True, 1, "cpu")  # no CP exchange to order
+    check_overlap("compute", True, 2, "cpu")
+    with pytest.raises(UsageError, match=r"^--cp_overlap scheduler is Inductor's overlap scheduler, which needs a CUDA "
+                       r"GPU: choose --cp_overlap fill \(the default\), passes, compute or none$"):  # fmt: skip
+        check_overlap("scheduler", True, 2, "cpu")
+    if importlib.util.find_spec("triton") is None:
+        with pytest.raises(UsageError, match=r"which needs triton \(pip install triton\)"):
+            check_overlap("scheduler", True, 2, "cuda")
+
+
+def test_a_checkpointing_count_above_the_blocks_is_all_of_them_and_said():
+    from flux_cp.blocks import checkpointed_blocks, more_blocks_than_there_are
+
+    assert checkpointed_blocks("100", 57) == 57
+    assert more_blocks_than_there_are("100", 57) == (
+        "--gradient_checkpointing 100: the transformer has 57 blocks, all checkpointed (as with 'all')"
+    )
+    assert [more_blocks_than_there_are(v, 57) for v in ("57", "3", "all", "auto", "none")] == [None] * 5

@@ -88,6 +88,77 @@ def test_an_entry_of_the_right_names_but_another_shape_is_recomputed(tmp_path, c
     save_file({"prompt_embeds": torch.zeros(8, 16), "pooled_prompt_embeds": torch.zeros(8)}, text)
     again = _encode(tmp_path, _Encoders())
     assert again.computed == 2
-    assert f"cache entry {latent} cannot be read (shape latent_mean [3, 4, 4] instead of [3, 8, 8]" in caplog.text
+    assert f"cache entry {latent} cannot be used (shape latent_mean [3, 4, 4] instead of [3, 8, 8]" in caplog.text
     assert "prompt_embeds [8, 16] instead of [8, 8]" in caplog.text
     assert load_file(latent)["latent_mean"].shape == (3, 8, 8) and load_file(text)["prompt_embeds"].shape == (8, 8)
+
+
+def test_an_entry_of_another_dtype_is_recomputed_naming_it(tmp_path, caplog):
+    """An entry's identity is its keys, shapes and dtypes: prompt embeddings cached in fp32 are not used by encoders
+    that work in bf16 (nor latents that are not fp32)."""
+    from safetensors.torch import save_file
+
+    class Bf16(_Encoders):
+        dtype = torch.bfloat16
+
+        def prompts(self, captions, max_len):
+            return {k: v.to(self.dtype) for k, v in super().prompts(captions, max_len).items()}
+
+    _encode(tmp_path, _Encoders())  # text entries in fp32
+    latent = sorted((tmp_path / "latents").glob("*.safetensors"))[0]
+    save_file({k: v.half() for k, v in load_file(latent).items()}, latent)
+    again = _encode(tmp_path, Bf16())
+    texts = len(list((tmp_path / "text").glob("*.safetensors")))
+    assert again.computed == 1 + texts
+    expected = f"cache entry {latent} cannot be used (dtype latent_mean F16 instead of F32, dtype latent_std F16"
+    assert expected in caplog.text
+    assert "dtype prompt_embeds F32 instead of BF16" in caplog.text
+    assert all(v.dtype == torch.bfloat16 for p in (tmp_path / "text").glob("*") for v in load_file(p).values())
+    assert _encode(tmp_path, Bf16()).computed == 0
+
+
+def _component(folder, weights: dict) -> None:
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(weights, folder / "diffusion_pytorch_model.safetensors")
+
+
+def test_a_component_is_known_by_its_config_and_the_content_of_its_weights(tmp_path):
+    """Not by the path it was loaded from nor its files' times (a copied folder keeps its encodings and resumes), but
+    weights saved again under the same names (a retrained text encoder) get another fingerprint; the hub cache's
+    blob names are its files' content hashes. (The weights of the text encoders were not in it at all: they sit in
+    a subfolder the fingerprint never listed.)"""
+    import os
+    import shutil
+
+    from flux_cp.encode import component_folder, model_fingerprint, weights_fingerprint
+
+    weights = {"w": torch.arange(300_000, dtype=torch.float32)}
+    _component(tmp_path / "a" / "vae", weights)
+    copy = shutil.copytree(tmp_path / "a", tmp_path / "b")
+    os.utime(copy / "vae" / "diffusion_pytorch_model.safetensors", (1, 1))
+    first = weights_fingerprint(component_folder(str(tmp_path / "a"), "vae", None))
+    assert first and weights_fingerprint(component_folder(str(copy), "vae", None)) == first
+    weights["w"][150_000] += 1  # one value in the middle changed, the header the same
+    _component(tmp_path / "a" / "vae", weights)
+    assert weights_fingerprint(tmp_path / "a" / "vae") != first
+    module = torch.nn.Linear(2, 2)
+    module.config = {"_name_or_path": "/somewhere", "layers": 2}
+    other = torch.nn.Linear(2, 2)
+    other.config = {"_name_or_path": "/elsewhere", "layers": 2}
+    assert model_fingerprint(module, copy / "vae") == model_fingerprint(other, copy / "vae")
+    other.config["layers"] = 3
+    assert model_fingerprint(module, copy / "vae") != model_fingerprint(other, copy / "vae")
+    assert component_folder(str(tmp_path / "a"), "text_encoder", None) is None
+    # the hub cache: snapshots/<commit>/<component>/<file> links to blobs/<content hash>
+    blobs, snap = tmp_path / "hub" / "blobs", tmp_path / "hub" / "snapshots" / "c0ffee" / "vae"
+    blobs.mkdir(parents=True)
+    snap.mkdir(parents=True)
+    (blobs / "5ha256").write_bytes(b"x")
+    (snap / "diffusion_pytorch_model.safetensors").symlink_to(blobs / "5ha256")
+    (blobs / "0ther").write_bytes(b"x")
+    linked = weights_fingerprint(snap)
+    (snap / "diffusion_pytorch_model.safetensors").unlink()
+    (snap / "diffusion_pytorch_model.safetensors").symlink_to(blobs / "0ther")
+    assert weights_fingerprint(snap) != linked  # same bytes here, another content hash by name: the hub's word

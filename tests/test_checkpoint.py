@@ -125,6 +125,30 @@ def test_other_class_images_are_named_file_by_file(tmp_path):
         checkpoint.check_compatible(meta, checkpoint.run_identity(cfg, 2, "abc", None, after), tmp_path)
 
 
+def test_a_resume_on_changed_model_components_or_revision_is_refused_naming_them(tmp_path):
+    """The run identity holds every component's fingerprint (config and weights' content) and the revision: a resume
+    on weights changed in place is refused naming the components; a checkpoint written before they were recorded
+    is compared without them."""
+    from flux_cp.config import parse_config
+
+    cfg = parse_config(["--lora_layers", "attn.to_q"])
+    components = {"transformer": "t1", "vae": "v1", "text_encoder": "c1", "text_encoder_2": "e1"}
+    identity = checkpoint.run_identity(cfg, 2, "abc", None, components=components)
+    meta = json.loads(json.dumps({"run": identity}))
+    checkpoint.check_compatible(meta, identity, tmp_path)
+    changed = checkpoint.run_identity(cfg, 2, "abc", None, components={**components, "transformer": "t2",
+                                                                       "text_encoder_2": "e2"})  # fmt: skip
+    with pytest.raises(UsageError, match=r"incompatible run \(the config or weights of text_encoder_2, transformer "
+                       r"differ from the checkpoint's model\)"):  # fmt: skip
+        checkpoint.check_compatible(meta, changed, tmp_path)
+    revised = parse_config(["--lora_layers", "attn.to_q", "--revision", "v2"])
+    other = checkpoint.run_identity(revised, 2, "abc", None, components=components)
+    with pytest.raises(UsageError, match=r"incompatible run \(revision: checkpoint None, now 'v2'\)"):
+        checkpoint.check_compatible(meta, other, tmp_path)
+    before = {"run": {k: v for k, v in identity.items() if k not in ("components", "revision", "variant")}}
+    checkpoint.check_compatible(before, changed, tmp_path)
+
+
 def test_the_total_limit_never_prunes_the_checkpoint_just_written(tmp_path):
     """With checkpoints of later steps in the folder (another branch, had it not been set aside by flux_cp.resume),
     the limit prunes older checkpoints only: the checkpoint just written always stays."""

@@ -3,6 +3,7 @@ changed hyperparameters applied on resume."""
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import re
@@ -41,7 +42,8 @@ def _trained(lr: float = 1e-3, betas=(0.9, 0.999), full: bool = False, steps: in
 
 
 def _save(out: Path, step: int, model, opt, sched, **kw) -> Path:
-    return checkpoint.save(str(out), step, model, opt, sched, {"run": {}}, True, None, **kw)
+    return checkpoint.save(str(out), step, model, opt, sched, {"run": {}, "layout": "world 1 = dp 1 x cp 1"}, True,
+                           None, **kw)  # fmt: skip
 
 
 @pytest.mark.parametrize("full", [False, True], ids=["lora", "full"])
@@ -422,3 +424,106 @@ def test_the_optimizer_is_part_of_a_runs_identity(tmp_path):
     checkpoint.check_compatible({"run": before}, adamw, tmp_path)
     with pytest.raises(UsageError, match=r"optimizer: checkpoint 'adamw', now 'prodigy'"):
         checkpoint.check_compatible({"run": before}, prodigy, tmp_path)
+
+
+def test_a_seed_checkpoint_that_cannot_be_one_is_refused_before_the_model_loads(tmp_path):
+    """--seed_checkpoint naming a folder, something else than a file, or a file that is no safetensors: one line at
+    start (a folder was written into after the model loaded, with a traceback)."""
+    from safetensors.torch import save_file
+
+    from flux_cp.errors import UsageError
+    from flux_cp.model import check_seed_checkpoint
+
+    check_seed_checkpoint(str(tmp_path / "new" / "seed.safetensors"))  # absent: written there later
+    save_file({"w": torch.zeros(2)}, tmp_path / "seed.safetensors")
+    check_seed_checkpoint(str(tmp_path / "seed.safetensors"))
+    (tmp_path / "garbage.safetensors").write_bytes(b"\x00" * 64)
+    os.mkfifo(tmp_path / "fifo")
+    for path, message in (
+        (tmp_path, "is a folder: name a file in it"),
+        (tmp_path / "fifo", "is not a regular file"),
+        (tmp_path / "garbage.safetensors", "cannot be read"),
+        ("", "--seed_checkpoint is empty"),
+    ):
+        with pytest.raises(UsageError, match=message):
+            check_seed_checkpoint(str(path))
+
+
+def test_every_file_of_a_checkpoint_has_its_size_and_checksum_in_meta_json(tmp_path):
+    model, opt, sched = _trained()
+    ckpt = _save(tmp_path, 2, model, opt, sched)
+    meta = checkpoint.read_meta(ckpt)
+    listed = meta["checksums"]["files"]
+    on_disk = sorted(p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*") if p.is_file() and p.name != "meta.json")
+    assert sorted(listed) == on_disk and "state/.metadata" in listed and "train.pt" in listed
+    algorithm = meta["checksums"]["algorithm"]
+    for name, info in listed.items():
+        assert info == {"bytes": (ckpt / name).stat().st_size, "hash": checkpoint.file_checksum(ckpt / name, algorithm)}
+    checkpoint.verify_quick(ckpt, meta)
+    assert checkpoint.verify_shared(ckpt, meta, 0, 1) is None
+
+
+def _damage(path: Path, how: str) -> None:
+    data = path.read_bytes()
+    if how == "truncated":
+        path.write_bytes(data[: len(data) // 2])
+    elif how == "flipped":  # same size, one byte changed
+        path.write_bytes(data[:-1] + bytes([data[-1] ^ 0xFF]))
+    else:
+        path.unlink()
+
+
+@pytest.mark.parametrize("how", ["truncated", "flipped", "missing"])
+@pytest.mark.parametrize("name", ["state/.metadata", "train.pt", "shard"])
+def test_a_damaged_checkpoint_is_refused_at_resume_naming_the_file(tmp_path, monkeypatch, name, how):
+    """Sizes and the small files are checked before any model loads (the main process), the shards' checksums by
+    every rank's share; a truncated .metadata once gave two tracebacks before its line, a damaged shard NaNs."""
+    model, opt, sched = _trained()
+    ckpt = _save(tmp_path, 2, model, opt, sched)
+    if name == "shard":
+        name = next((ckpt / "state").glob("*.distcp")).relative_to(ckpt).as_posix()
+        monkeypatch.setattr(checkpoint, "_SMALL", 0)  # the tiny shard checked as a large one is
+    _damage(ckpt / name, how)
+    meta = checkpoint.read_meta(ckpt)
+    why = {"truncated": "bytes, ", "flipped": "the checksum differs", "missing": "missing"}[how]
+    expected = rf"^--resume_from_checkpoint {re.escape(str(ckpt))}: {re.escape(name)} is damaged \(.*{why}"
+    if name.endswith(".distcp") and how == "flipped":
+        checkpoint.verify_quick(ckpt, meta)  # the same size: found by its checksum, every rank a share
+        found = [checkpoint.verify_shared(ckpt, meta, rank, 2) for rank in (0, 1)]  # one rank's share holds it
+        assert len([f for f in found if f]) == 1 and re.match(expected, next(f for f in found if f))
+        return
+    with pytest.raises(UsageError, match=expected):
+        checkpoint.verify_quick(ckpt, meta)
+
+
+def test_a_checkpoint_written_before_checksums_still_has_its_metadata_read_at_start(tmp_path):
+    model, opt, sched = _trained()
+    ckpt = _save(tmp_path, 2, model, opt, sched)
+    meta = json.loads((ckpt / "meta.json").read_text())
+    del meta["checksums"]
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+    checkpoint.verify_quick(ckpt, checkpoint.read_meta(ckpt))
+    _damage(ckpt / "state" / ".metadata", "truncated")
+    with pytest.raises(UsageError, match=r"state/.metadata is damaged \(it cannot be read: UnpicklingError"):
+        checkpoint.verify_quick(ckpt, checkpoint.read_meta(ckpt))
+    meta["checksums"] = {"algorithm": "xxh3_128", "files": {"train.pt": {"bytes": "12"}}}
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(UsageError, match="meta.json's 'checksums' is not a list of files"):
+        checkpoint.read_meta(ckpt)
+
+
+def test_non_finite_values_in_a_loaded_checkpoint_are_named_as_such(tmp_path):
+    """A checkpoint whose weights or moments hold a NaN (a diverged run, or damage after the checksums) is refused
+    when loaded, naming the tensors, instead of training on and blaming the learning rate at the next step."""
+    model, opt, sched = _trained()
+    name, param = next((n, p) for n, p in trainable_parameters(model))
+    with torch.no_grad():
+        param[0, 0] = float("nan")
+    opt.state[param]["exp_avg"].fill_(float("inf"))
+    ckpt = _save(tmp_path, 2, model, opt, sched)
+    with pytest.raises(UsageError) as e:
+        checkpoint.load(ckpt, *_trained(steps=0))
+    assert str(e.value).startswith(f"--resume_from_checkpoint {ckpt} holds values that are not finite (NaN or inf) in "
+                                   f"{name}, {name} (exp_avg): the run that wrote it had diverged")  # fmt: skip
+    model2, opt2, sched2 = _trained(steps=0)
+    checkpoint.load(_save(tmp_path / "fine", 2, *_trained()), model2, opt2, sched2)  # finite: loads

@@ -142,9 +142,18 @@ def test_a_mistake_prints_one_line_once_under_a_launcher(capfd, monkeypatch):
         assert out == "" and [ln for ln in err.splitlines() if ln.strip()] == expected, err
 
 
+def _online(monkeypatch) -> None:
+    """huggingface_hub as if HF_HUB_OFFLINE were not set (the tests set it)."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+
+
 def test_the_hub_token_is_kept_out_of_the_run_s_records(monkeypatch):
     import json
 
+    _online(monkeypatch)
     monkeypatch.delenv("HF_TOKEN", raising=False)
     cfg = parse_config(["--push_to_hub", "--hub_token", "hf_secret123", "--hub_model_id", "me/dog"])
     assert cfg.hub.hub_token == "hf_secret123" and cfg.hub.hub_model_id == "me/dog"
@@ -157,6 +166,7 @@ def test_the_hub_token_is_kept_out_of_the_run_s_records(monkeypatch):
 def test_push_to_hub_without_any_token_is_refused_at_start(monkeypatch, tmp_path):
     import huggingface_hub.constants
 
+    _online(monkeypatch)
     monkeypatch.delenv("HF_TOKEN", raising=False)
     monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
     monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
@@ -215,3 +225,34 @@ def test_cache_dir_is_the_download_cache_and_still_holds_the_encodings_for_now(c
     assert (
         "Default: ~/.cache/flux_cp/encodings (--cache_dir when that is given: deprecated)" in lines["--encodings_dir"]
     )
+
+
+@pytest.mark.parametrize(
+    "flag", ["--output_dir", "--logging_dir", "--encodings_dir", "--dataset_name", "--pretrained_model_name_or_path",
+             "--resume_from_checkpoint", "--class_data_dir", "--revision", "--hub_model_id", "--lora_layers"]
+)  # fmt: skip
+def test_an_empty_path_or_name_is_refused_not_taken_for_a_default(flag):
+    """An empty --output_dir was the current folder, an empty --logging_dir the output folder itself, an empty
+    --encodings_dir the default one: refused, as every empty path or name."""
+    for empty in ("", "  ", ","):
+        if empty == "," and flag != "--lora_layers":
+            continue
+        with pytest.raises(UsageError, match=rf"^{flag} is empty: give a (path|value), or leave the flag out"):
+            parse_config([flag, empty])
+
+
+def test_a_tilde_the_shell_left_is_expanded_for_every_path_flag_and_said(monkeypatch, tmp_path, capsys):
+    """`--output_dir=~/out` reaches the trainer with its '~' (the shell expands it only at a word's start): every path
+    flag expands it alike (--output_dir made a folder named '~' while --encodings_dir expanded it), says so, and the
+    run records the path used."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = parse_config(["--output_dir=~/out", "--encodings_dir=~/enc", "--seed_checkpoint=~/seed.safetensors"])
+    assert (cfg.train.output_dir, cfg.data.encodings_dir) == (str(tmp_path / "out"), str(tmp_path / "enc"))
+    assert cfg.flat()["output_dir"] == str(tmp_path / "out")  # run_config.json's value
+    assert cfg.train.seed_checkpoint == str(tmp_path / "seed.safetensors")
+    err = capsys.readouterr().err
+    assert f"flux-cp: --output_dir ~/out is {tmp_path / 'out'}: '~' expanded (the shell leaves it as typed after '=' " \
+           "or in quotes)" in err  # fmt: skip
+    with pytest.raises(UsageError, match=r"^--output_dir ~nosuchuser4242/out: there is no user 'nosuchuser4242'"):
+        parse_config(["--output_dir", "~nosuchuser4242/out"])
+    assert parse_config(["--output_dir", "a~b"]).train.output_dir == "a~b"

@@ -158,3 +158,23 @@ def test_an_extreme_aspect_ratio_resizes_only_the_crop(monkeypatch):
     expected = np.asarray(resize(img, resized, Image.BICUBIC).crop((*offset, offset[0] + 32, offset[1] + 32)))
     got = to_pixels(img, (32, 32), resized, offset, flip=False)
     assert torch.equal(got, torch.from_numpy(expected.astype(np.float32) / 127.5 - 1.0).permute(2, 0, 1))
+
+
+def test_captions_flux1_cuts_are_counted_once_per_window():
+    """T5's window is --max_sequence_length and CLIP's 77 tokens: captions either cuts are counted in a line each
+    (FluxPipeline cuts them; the trainer did so without a word)."""
+    from transformers import CLIPTokenizer, T5TokenizerFast
+
+    from flux_cp.families.flux1 import FLUX1, Flux1Encoders
+
+    folder = FLUX1.embedded_default(pairs=False)
+    enc = Flux1Encoders.__new__(Flux1Encoders)  # the tokenizers are all this reads
+    enc.tokenizer = CLIPTokenizer.from_pretrained(folder, subfolder="tokenizer")
+    enc.tokenizer_2 = T5TokenizerFast.from_pretrained(folder, subfolder="tokenizer_2")
+    captions = ["a red circle", "a red circle on a blue square " * 3, "word " * 100]
+    assert enc.truncation_warnings(captions[:1], 32) == []
+    t5, clip = enc.truncation_warnings(captions, 32)
+    assert re.fullmatch(r"warning: 2 of 3 captions do not fit in T5's 32 tokens \(--max_sequence_length\) and are "
+                        r"cut there \(the longest needs \d+ tokens\): raise --max_sequence_length \(at most 512\) or "
+                        r"shorten them", t5), t5  # fmt: skip
+    assert clip.startswith("warning: 1 of 3 captions do not fit in CLIP's 77 tokens and are cut there (the longest")

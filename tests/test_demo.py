@@ -102,8 +102,14 @@ def test_every_copy_of_the_config_keeps_what_the_log_says_about_the_demo():
 
 
 def _checkpoint(out: Path, step: int, args: dict, **meta) -> Path:
+    """A checkpoint folder as a resume reads it at start: meta.json and DCP metadata (of no tensors)."""
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import Metadata
+
     path = out / f"checkpoint-{step}"
-    path.mkdir(parents=True)
+    (path / "state").mkdir(parents=True)
+    (path / "state" / ".metadata").write_bytes(pickle.dumps(Metadata(state_dict_metadata={})))
     (path / "meta.json").write_text(json.dumps({"format": 1, "step": step, "run": {}, "layout": "dp 1 x cp 2",
                                                 "args": args, **meta}))  # fmt: skip
     return path

@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 
 from flux_cp.config import DataConfig, parse_config
-from flux_cp.data import BUNDLED_DATA, BatchSchedule, bucket_divisor, open_source
+from flux_cp.data import BUNDLED_DATA, BatchSchedule, Repeats, bucket_divisor, check_epoch_size, open_source
 from flux_cp.encode import ClassGeometry, Geometry, LiveData, Repeated, encode_dataset, run_buckets
 from flux_cp.errors import UsageError
 from flux_cp.flag_ranges import unused_flags
@@ -166,6 +166,47 @@ def test_every_image_trains_at_every_resolution_each_epoch_and_repeats_repeat_it
     assert Counter(i % (2 * n) // n for i in epoch) == {0: 3 * n, 1: 3 * n}
     assert all(len({repeated.buckets[i] for i in b}) == 1 for b in BatchSchedule(repeated.buckets, 2, 0).epoch(0))
     assert torch.equal(repeated.load(2 * n + 5, False, 0)["latent_mean"], encoded.load(5, False, 0)["latent_mean"])
+
+
+def _listed_schedule(buckets: list[int], global_batch: int, seed: int, epoch: int) -> list[list[int]]:
+    """The schedule as it was computed from a list of every sample (every copy of --repeats listed)."""
+    from flux_cp.rng import Stream, generator
+
+    by_bucket: dict[int, list[int]] = {}
+    for i, b in enumerate(buckets):
+        by_bucket.setdefault(b, []).append(i)
+    batches = []
+    for b in sorted(by_bucket):
+        idx = by_bucket[b]
+        perm = torch.randperm(len(idx), generator=generator(Stream.BUCKET_ORDER, seed, epoch, b)).tolist()
+        shuffled = [idx[p] for p in perm]
+        batches += [shuffled[k * global_batch : (k + 1) * global_batch] for k in range(len(shuffled) // global_batch)]
+    order = torch.randperm(len(batches), generator=generator(Stream.BATCH_ORDER, seed, epoch)).tolist()
+    return [batches[o] for o in order]
+
+
+def test_repeats_schedule_the_same_batches_without_listing_every_copy():
+    """--repeats makes a schedule of the base samples' groups and a count: the same data order as the list of every
+    copy gave (resumes of earlier runs continue alike), and a million repeats cost no list of every copy."""
+    groups = [0, 1, 0, 2, 1, 0, 0]
+    for repeats, g in ((1, 2), (3, 2), (5, 3)):
+        schedule = BatchSchedule(Repeats(groups, repeats), g, seed=4)
+        for epoch in (0, 1):
+            assert schedule.epoch(epoch) == _listed_schedule(groups * repeats, g, 4, epoch)
+        assert schedule.batch(schedule.batches_per_epoch + 1)[1] == _listed_schedule(groups * repeats, g, 4, 1)[1]
+    many = Repeats(groups, 1_000_000)
+    assert len(many) == 7_000_000 and many[6_999_999] == groups[-1] and len(many.base) == len(groups)
+    assert BatchSchedule(many, 4, seed=0).batch(123)[0] == 0
+
+
+def test_an_epoch_too_long_to_schedule_is_refused_naming_its_factors():
+    check_epoch_size(1000, 2, 25_000)  # 50M: the most
+    with pytest.raises(
+        UsageError,
+        match=r"^an epoch would hold 50000002000 samples \(25 images x 2 --resolution "
+        r"sizes x 1000000040 --repeats\), more than 50000000: lower --repeats",
+    ):
+        check_epoch_size(25, 2, 1_000_000_040)
 
 
 def test_one_resolution_keeps_the_crops_of_earlier_versions():

@@ -38,8 +38,8 @@ BAD = [
     (["--logit_mean", "50"], "--logit_mean 50 is out of range"),
     (["--mode_scale", "3"], "--mode_scale 3 is out of range: it must be >= -1 and <= 1.75194"),
     (["--guidance_scale", "-1"], "--guidance_scale -1 is out of range"),
-    (["--seed", "-1"], "--seed -1 is out of range: it must be >= 0 and <= 4.29497e+09"),
-    (["--seed", str(2**40)], "--seed 1.09951e+12 is out of range"),
+    (["--seed", "-1"], "--seed -1 is out of range: it must be >= 0 and <= 4294967295"),
+    (["--seed", str(2**40)], "--seed 1099511627776 is out of range"),
     (["--resolution", "0"], "--resolution 0 is out of range: it must be >= 16"),
     (["--resolution", "-16"], "--resolution -16 is out of range"),
     (["--resolution", "64,0"], "--resolution 0 is out of range: it must be >= 16"),
@@ -64,6 +64,22 @@ BAD = [
     (["--num_validation_images", "0"], "--num_validation_images 0 is out of range"),
     (["--validation_inference_steps", "0"], "--validation_inference_steps 0 is out of range"),
     (["--gpu_memory_gib", "0"], "--gpu_memory_gib 0 is out of range"),
+    # Counts and sizes that would exhaust memory or time after the models loaded
+    (["--repeats", "1000000000"], "--repeats 1000000000 is out of range: it must be >= 1 and <= 100000 (each image"),
+    (["--resolution", "1048576"], "--resolution 1048576 is out of range: it must be >= 16 and <= 16384"),
+    (["--validation_resolution", "65536"], "--validation_resolution 65536 is out of range"),
+    (["--num_class_images", "10000000"], "--num_class_images 10000000 is out of range"),
+    (["--train_batch_size", "100000"], "--train_batch_size 100000 is out of range: it must be >= 1 and <= 1024"),
+    (["--gradient_accumulation_steps", "1000000000"], "--gradient_accumulation_steps 1000000000 is out of range"),
+    (["--max_train_steps", "10000000000"], "--max_train_steps 10000000000 is out of range"),
+    (["--checkpointing_steps", "10000000000"], "--checkpointing_steps 10000000000 is out of range"),
+    (["--num_validation_images", "1000000"], "--num_validation_images 1000000 is out of range"),
+    (["--validation_inference_steps", "100000"], "--validation_inference_steps 100000 is out of range"),
+    (["--rank", "100000"], "--rank 100000 is out of range: it must be >= 1 and <= 6144"),
+    (["--cp_ulysses_chunks", "1000000000"], "--cp_ulysses_chunks 1000000000 is out of range"),
+    (["--collective_timeout", "1e30"], "--collective_timeout 1e+30 is out of range"),
+    (["--resolution", ",".join(str(16 * k) for k in range(1, 18))], "--resolution gives 17 sizes: at most 16"),
+    (["--validation_prompt", "a"] * 101, "--validation_prompt gives 101 prompts: at most 100"),
     (["--dataset_name", "./no/such/folder"], "--dataset_name ./no/such/folder: no such folder"),
     (["--dataset_name", "a/b/c"], "--dataset_name a/b/c: no such folder (and not a hub id like owner/name)"),
 ]
@@ -85,6 +101,25 @@ def test_every_numeric_flag_has_a_rule_and_the_bounds_themselves_are_accepted():
     args = parse_config(edges)
     assert args.train.learning_rate == 1e-12 and args.train.seed == 2**32 - 1
     parse_config([])  # the defaults are in range
+
+
+# Flags whose absurd value would exhaust memory or time (a count of images, steps, tokens, samples or pixels): each
+# has an upper bound, so that it is refused at start rather than after the models loaded.
+COUNTS = ("resolution", "repeats", "num_class_images", "validation_resolution", "max_sequence_length",
+          "train_batch_size", "max_train_steps", "profile_step", "num_train_epochs", "gradient_accumulation_steps",
+          "lr_warmup_steps", "lr_num_cycles", "rank", "collective_timeout", "cp_ulysses_chunks", "checkpointing_steps",
+          "checkpoints_total_limit", "validation_steps", "num_validation_images", "validation_inference_steps",
+          "gpu_memory_gib")  # fmt: skip
+
+
+def test_counts_and_sizes_have_upper_bounds_that_are_accepted():
+    rules = {r.flag: r for r in RULES}
+    assert [f for f in COUNTS if rules[f].high is None] == []
+    edges = [arg for f in ("repeats", "num_class_images", "train_batch_size", "gradient_accumulation_steps",
+                           "max_train_steps", "checkpointing_steps", "num_validation_images", "rank")
+             for arg in (f"--{f}", str(int(rules[f].high)))]  # fmt: skip
+    cfg = parse_config(edges + ["--resolution", "16384", "--validation_prompt", "a"])
+    assert cfg.data.repeats == rules["repeats"].high and cfg.data.resolution == (16384,)
 
 
 def test_hub_ids_are_not_mistaken_for_missing_folders():

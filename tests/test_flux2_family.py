@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -119,6 +120,79 @@ def test_a_chat_template_beside_the_tokenizer_is_read_and_a_missing_one_is_one_l
     (tok / "chat_template.json").unlink()
     with pytest.raises(UsageError, match=r"^the tokenizer of .* has no chat template .*needs the text encoder's$"):
         load_tokenizer(str(folder), None)
+
+
+def _cfg(folder, *flags: str):
+    return parse_config(["--pretrained_model_name_or_path", str(folder), *flags])
+
+
+def test_a_window_the_chat_template_fills_is_refused_naming_the_least_that_works(folders):
+    """[dev]'s system message takes 172 tokens of the tiny byte-level tokenizer before the caption: at 64 or 128
+    every caption encoded alike (the run trained unconditionally without a word); the family counts its template's
+    tokens and refuses a window leaving the caption fewer than 16, naming the least (a multiple of --cp_size)."""
+    dev, klein = folders[False], folders[True]
+    for length in (64, 128, 172):
+        with pytest.raises(UsageError, match=rf"^--max_sequence_length {length}: FLUX.2 \[dev\]'s chat template takes "
+                           r"172 tokens before the caption \(the tokenizer of .*\), leaving none: every caption would "
+                           r"encode alike and the run would train without its captions. Use --max_sequence_length 188 "
+                           r"or more \(at least 16 caption tokens\)$"):  # fmt: skip
+            FLUX2.check_text(_cfg(dev, "--max_sequence_length", str(length)), str(dev))
+    with pytest.raises(UsageError, match=r"leaving 8 for the caption. Use --max_sequence_length 189 or more"):
+        FLUX2.check_text(_cfg(dev, "--max_sequence_length", "180", "--cp_size", "3"), str(dev))
+    FLUX2.check_text(_cfg(dev, "--max_sequence_length", "188"), str(dev))
+    FLUX2_KLEIN.check_text(_cfg(klein, "--max_sequence_length", "64"), str(klein))  # its template: 17 tokens before
+    with pytest.raises(UsageError, match=r"takes 17 tokens before the caption .* leaving 15 for the caption. Use "
+                       r"--max_sequence_length 33 or more"):  # fmt: skip
+        FLUX2_KLEIN.check_text(_cfg(klein, "--max_sequence_length", "32"), str(klein))
+
+
+def test_captions_the_window_cuts_are_counted_once(encoders):
+    """Captions longer than the window after the template's tokens are cut by the pipelines' encoding: said in one
+    line (how many, the longest), not silently."""
+    enc = encoders[False]
+    captions = ["a red circle", "x" * 40, "a much longer caption " * 4]
+    assert enc.truncation_warnings(captions, 260) == []
+    (line,) = enc.truncation_warnings(captions, 200)
+    assert line == ("warning: 2 of 3 captions do not fit in the 200 tokens of --max_sequence_length, 172 of which the "
+                    "chat template takes before the caption and are cut there (the longest needs 260 tokens): raise "
+                    "--max_sequence_length (at most 512) or shorten them")  # fmt: skip
+
+
+def _with_template(folder: Path, tmp_path: Path, template: str) -> Path:
+    copy_ = shutil.copytree(folder, tmp_path / "crafted")
+    (copy_ / "tokenizer" / "chat_template.jinja").write_text(template)
+    return copy_
+
+
+@pytest.mark.parametrize(
+    "template, message",
+    [
+        ("{{ ''.__class__.__mro__[1].__subclasses__() }}",
+         r"cannot be rendered \(SecurityError: access to attribute '__class__' of 'str' object is unsafe"),
+        ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+         r"takes more than 0.5 s to render one caption"),
+        ("{% for i in range(20000) %}{{ 'xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx' }}{% endfor %}",
+         r"renders 1080000 characters for one caption \(at most 1000000\)"),
+        ("{{ raise_exception('\x1b[31mred') }}", r"cannot be rendered \(TemplateError: \\x1b\[31mred\)"),
+        ("{% for m in messages %}{{ m['role'] }}{% endfor %}", r": the chat template leaves the caption out"),
+    ],
+    ids=["sandbox", "nested-loops", "endless-output", "escapes", "no-caption"],
+)  # fmt: skip
+def test_a_crafted_chat_template_is_rendered_once_within_bounds_and_refused_naming_its_file(
+    folders, tmp_path, monkeypatch, template, message
+):
+    """The template is rendered at start with a time and a size bound: one that jinja's sandbox refuses, that loops
+    for minutes, writes without end or leaves the caption out is one line naming chat_template.jinja (control
+    characters from it escaped), before any model loads."""
+    import flux_cp.families.flux2 as flux2
+
+    monkeypatch.setattr(flux2, "TEMPLATE_SECONDS", 0.5)
+    folder = _with_template(folders[False], tmp_path, template)
+    with pytest.raises(UsageError) as e:
+        FLUX2.check_text(_cfg(folder, "--max_sequence_length", "256"), str(folder))
+    text = str(e.value)
+    assert re.search(message, text), text
+    assert str(folder / "tokenizer" / "chat_template.jinja") in text and "\x1b" not in text  # no raw ESC
 
 
 # --- micro-batches against diffusers' examples ---------------------------------------------------------------------

@@ -122,6 +122,26 @@ def test_images_linked_into_a_blob_store_are_read_through_their_links(tmp_path):
         list_folder(d, "text", "one prompt")
 
 
+def test_a_linked_folder_is_listed_like_a_linked_image_and_a_loop_is_named(tmp_path):
+    """A symbolic link to a folder inside the data folder: its images are listed as its name says (they were left
+    out without a word, while metadata.jsonl could name them through it); a link back into what is listed already
+    (a loop, or a second name of one folder) is refused instead of listing images twice or without end."""
+    d, elsewhere = tmp_path / "data", tmp_path / "elsewhere"
+    for folder, n in ((d, "a"), (elsewhere, "b")):
+        folder.mkdir()
+        Image.new("RGB", (8, 8)).save(folder / f"{n}.png")
+        (folder / f"{n}.txt").write_text(n)
+    (d / "linked").symlink_to(elsewhere)
+    listed = [(p.replace(str(d) + "/", ""), c) for p, c in list_folder(d, "text", None)]
+    assert listed == [("a.png", "a"), ("linked/b.png", "b")]
+    (d / ".hidden").symlink_to(d)  # hidden: never listed, so never a loop
+    assert len(list_folder(d, "text", None)) == 2
+    (d / "again").symlink_to(d)
+    with pytest.raises(UsageError, match=r"data/again and .*data are the same folder \(through a symbolic link\): its "
+                       r"images would be listed twice, or without end; remove the link"):  # fmt: skip
+        list_folder(d, "text", None)
+
+
 def test_every_path_column_of_pair_metadata_is_checked(tmp_path):
     """The reference column of FLUX.1 Kontext pairs gets the checks of file_name: inside the folder, existing, an
     image; and a target named twice is refused."""

@@ -206,3 +206,29 @@ def test_a_run_given_hub_token_writes_it_nowhere(tmp_path):
     assert any(n.startswith("logs/") for n in names), names
     assert not [p for p in written if secret.encode() in p.read_bytes()]
     assert secret not in r.stdout + r.stderr
+
+
+def test_what_would_fail_the_upload_is_refused_at_start(monkeypatch, tmp_path):
+    """--push_to_hub in offline mode, without a token, or to a repository name the Hub refuses: one line at start,
+    before any training (they failed only after the run, with no model card and no summary)."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_TOKEN", "x")
+    with pytest.raises(UsageError, match=r"^--push_to_hub with HF_HUB_OFFLINE set: the upload at the end could not "):
+        hub.check_start(None, None, str(tmp_path / "out"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    hub.check_start("me/dog-lora", None, str(tmp_path / "out"))
+    hub.check_start(None, None, str(tmp_path / "dog_lora.v2"))
+    for bad in ("me/dog lora", "a/b/c", "me/dog--x", "-dog", "x" * 97):
+        with pytest.raises(UsageError, match=rf"^--push_to_hub: --hub_model_id '{bad}' is not a Hub repository name"):
+            hub.check_start(bad, None, str(tmp_path / "out"))
+    with pytest.raises(UsageError, match=r"^--push_to_hub: the repository name 'my run' \(--output_dir's folder\) is "
+                       r"not a Hub repository name: .*, or pass --hub_model_id$"):  # fmt: skip
+        hub.check_start(None, None, str(tmp_path / "my run"))
+    monkeypatch.delenv("HF_TOKEN")
+    monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path / "none"))
+    with pytest.raises(UsageError, match="^--push_to_hub needs a Hugging Face token"):
+        hub.check_start("me/dog", None, str(tmp_path / "out"))

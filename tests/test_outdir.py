@@ -18,10 +18,15 @@ from tests.launch import ROOT, in_process
 
 
 def _checkpoint(folder: Path, step: int) -> Path:
-    """A checkpoint folder as flux-cp writes it (meta.json; the state is not read by these tests)."""
+    """A checkpoint folder as flux-cp writes it (meta.json, and DCP metadata of no tensors: a resume reads it at
+    start; the rest of the state is not read by these tests)."""
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import Metadata
+
     path = folder / f"checkpoint-{step}"
     (path / "state").mkdir(parents=True, exist_ok=True)
-    (path / "state" / ".metadata").write_bytes(b"x")
+    (path / "state" / ".metadata").write_bytes(pickle.dumps(Metadata(state_dict_metadata={})))
     meta = {"format": 1, "step": step, "run": {}, "layout": "world 1 = dp 1 x cp 1", "args": {}}
     (path / "meta.json").write_text(json.dumps(meta))
     return path

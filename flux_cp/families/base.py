@@ -13,6 +13,7 @@ import torch
 
 from ..errors import UsageError
 from ..metrics import StepFlops, step_flops
+from ..terminal import printable
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -66,6 +67,10 @@ class Family(ABC):
 
     def check(self, cfg: Config) -> None:  # noqa: B027 - most families honour every flag
         """Flags this family cannot honour: a UsageError naming the flag (before anything loads)."""
+
+    def check_text(self, cfg: Config, path: str) -> None:  # noqa: B027 - a family without a prompt template
+        """The prompt encoding's window against the model's tokenizer (a chat template's own tokens, its rendering):
+        a UsageError naming the flag or the file (before any model loads; loads the tokenizer at most)."""
 
     def output_warnings(self, cfg: Config) -> list[str]:
         """What the run's outputs will lack where users load them (e.g. LoRA layers a tool skips); logged at start."""
@@ -257,7 +262,7 @@ def detect(path: str, revision: str | None, families: tuple[Family, ...], cache_
     for family in families:
         if transformer == family.transformer_class_name:
             return family
-    declared = " with a ".join(n for n in (pipeline, transformer) if n)
+    declared = " with a ".join(printable(n) for n in (pipeline, transformer) if n)
     supported = ", ".join(f"{f.label} ({', '.join(f.pipeline_class_names[:1] + (f.transformer_class_name,))})"
                           for f in families)  # fmt: skip
     raise UsageError(f"--pretrained_model_name_or_path {path} is a {declared}; flux-cp trains {supported}")

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from .. import flow, lora, metrics
-from ..encode import Encoders
+from ..encode import Encoders, truncation_line
+from ..terminal import printable
 from .base import Family
 
 if TYPE_CHECKING:
@@ -53,6 +54,18 @@ class Flux1Encoders(Encoders):
         ).input_ids
         embeds = t5(ids2.to(self.device), output_hidden_states=False)[0]
         return {"prompt_embeds": embeds.to(self.dtype), "pooled_prompt_embeds": pooled.to(self.dtype)}
+
+    def truncation_warnings(self, captions: list[str], max_sequence_length: int) -> list[str]:
+        """T5's window is --max_sequence_length (its end-of-text token included); CLIP's, its 77 tokens (only its
+        pooled embedding is used), as FluxPipeline cuts them."""
+        t5 = [len(ids) for ids in self.tokenizer_2(captions)["input_ids"]]
+        clip = [len(ids) for ids in self.tokenizer(captions)["input_ids"]]
+        clip_window = self.tokenizer.model_max_length
+        lines = [truncation_line(t5, max_sequence_length, f"T5's {max_sequence_length} tokens (--max_sequence_length)",
+                                 "raise --max_sequence_length (at most 512) or shorten them"),
+                 truncation_line(clip, clip_window, f"CLIP's {clip_window} tokens",
+                                 "its pooled embedding sees their beginning only, as in FluxPipeline")]  # fmt: skip
+        return [line for line in lines if line]
 
     def text_shapes(self, max_sequence_length: int) -> dict[str, tuple[int, ...]]:
         """`prompt_embeds` (T5, `[L, D]`) and `pooled_prompt_embeds` (CLIP, `[D']`)."""
@@ -110,8 +123,8 @@ class Flux1(Family):
         if pipeline_class in (None, "FluxKontextPipeline"):
             return None
         return (
-            f"the data has reference images but {path} is a {pipeline_class}: training it on pairs starts FLUX.1 "
-            "Kontext from scratch; for image editing fine-tune black-forest-labs/FLUX.1-Kontext-dev"
+            f"the data has reference images but {path} is a {printable(pipeline_class)}: training it on pairs starts "
+            "FLUX.1 Kontext from scratch; for image editing fine-tune black-forest-labs/FLUX.1-Kontext-dev"
         )
 
     def normalizer(self, vae):

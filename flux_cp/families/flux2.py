@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from .. import flux2_recipe as recipe
-from ..encode import Encoders
+from ..encode import Encoders, truncation_line
 from ..errors import UsageError
+from ..terminal import printable
 from .base import Family
 
 if TYPE_CHECKING:
@@ -38,6 +39,78 @@ ATTENTION_TARGETS = ("to_k", "to_q", "to_v", "to_out.0", "to_qkv_mlp_proj")
 
 def single_block_outputs(n: int) -> tuple[str, ...]:
     return tuple(f"single_transformer_blocks.{i}.attn.to_out" for i in range(n))
+
+
+# The caption's share of --max_sequence_length at least, after the chat template's own tokens before it: a window
+# with less room trains on captions cut to a few words (none: every caption encodes alike, unconditional training).
+MIN_CAPTION_TOKENS = 16
+# Bounds of one rendering of the tokenizer's chat template (rendered once at start with them): a template that loops
+# without end, or writes without end, is refused naming its file instead of stalling the encoding of every caption.
+TEMPLATE_SECONDS = 5.0
+TEMPLATE_CHARS = 1_000_000
+
+
+class _TooSlow(BaseException):
+    """Raised by the timer inside a rendering that ran out of time (not an Exception: nothing in jinja catches it)."""
+
+
+def _within(seconds: float, work):
+    """`work()` stopped after `seconds` by the main thread's interval timer (raising _TooSlow); elsewhere unbounded."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        return work()
+
+    def stop(signum, frame):  # noqa: ANN001, ARG001 - a signal handler's signature
+        raise _TooSlow
+
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        return work()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def template_file(path: str, revision: str | None, cache_dir: str | None = None) -> str:
+    """Where the tokenizer's chat template of a FLUX.2 folder is read from (for messages)."""
+    from transformers.utils import cached_file
+
+    for name in ("chat_template.jinja", "chat_template.json", "tokenizer_config.json"):
+        found = cached_file(path, name, subfolder="tokenizer", revision=revision, cache_dir=cache_dir,
+                            _raise_exceptions_for_missing_entries=False,
+                            _raise_exceptions_for_connection_errors=False)  # fmt: skip
+        if found:
+            return found
+    return f"{path}/tokenizer"
+
+
+def bounded_chat_text(tokenizer, caption: str, klein: bool, where: str) -> str:
+    """`recipe.chat_text` within TEMPLATE_SECONDS and TEMPLATE_CHARS; a template that fails or exceeds them is a
+    UsageError naming its file `where`."""
+    try:
+        text = _within(TEMPLATE_SECONDS, lambda: recipe.chat_text(tokenizer, caption, klein))
+    except _TooSlow:
+        raise UsageError(
+            f"the tokenizer's chat template ({printable(where)}) takes more than {TEMPLATE_SECONDS:g} s to render one "
+            "caption: FLUX.2's prompt encoding renders it for every caption. Use the model's own tokenizer files"
+        ) from None
+    except Exception as e:  # noqa: BLE001 - jinja's sandbox, its syntax and the template's own errors alike
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise UsageError(
+            f"the tokenizer's chat template ({printable(where)}) cannot be rendered ({type(e).__name__}: "
+            f"{printable(first)}): FLUX.2's prompt encoding renders it for every caption. Use the model's own "
+            "tokenizer files"
+        ) from None
+    if not isinstance(text, str) or len(text) > TEMPLATE_CHARS:
+        size = f"{len(text)} characters" if isinstance(text, str) else f"a {type(text).__name__}"
+        raise UsageError(
+            f"the tokenizer's chat template ({printable(where)}) renders {size} for one caption (at most "
+            f"{TEMPLATE_CHARS}): use the model's own tokenizer files"
+        )
+    return text
 
 
 class Flux2Encoders(Encoders):
@@ -60,6 +133,17 @@ class Flux2Encoders(Encoders):
             max_sequence_length=max_sequence_length, layers=self.layers,
         )  # fmt: skip
         return {"prompt_embeds": embeds.to(self.dtype)}
+
+    def truncation_warnings(self, captions: list[str], max_sequence_length: int) -> list[str]:
+        """The window is --max_sequence_length tokens of the chat template with the caption in it: the template's
+        tokens before the caption, then the caption's (the template's end is cut first, as in the pipelines)."""
+        before = recipe.tokens_before_caption(self.tokenizer, self.klein)
+        lengths = [before + len(ids) for ids in self.tokenizer(captions, add_special_tokens=False)["input_ids"]]
+        window = (f"the {max_sequence_length} tokens of --max_sequence_length, {before} of which the chat template "
+                  "takes before the caption")  # fmt: skip
+        line = truncation_line(lengths, max_sequence_length, window,
+                               "raise --max_sequence_length (at most 512) or shorten them")  # fmt: skip
+        return [line] if line else []
 
     def text_shapes(self, max_sequence_length: int) -> dict[str, tuple[int, ...]]:
         """`prompt_embeds` `[L, 3 * hidden]` (the language model's hidden size: its input embeddings' width)."""
@@ -89,9 +173,16 @@ def load_tokenizer(path: str, revision: str | None, cache_dir: str | None = None
                             _raise_exceptions_for_missing_entries=False,
                             _raise_exceptions_for_connection_errors=False)  # fmt: skip
         if found:
-            with open(found, encoding="utf-8") as f:
-                text = f.read()
-            tokenizer.chat_template = json.loads(text)["chat_template"] if name.endswith(".json") else text
+            try:
+                with open(found, encoding="utf-8") as f:
+                    text = f.read()
+                template = json.loads(text)["chat_template"] if name.endswith(".json") else text
+            except (OSError, ValueError, KeyError, TypeError) as e:  # ValueError: not UTF-8 or not JSON
+                raise UsageError(f"the tokenizer's chat template ({printable(found)}) cannot be read: "
+                                 f"{type(e).__name__}: {printable(e)}") from None  # fmt: skip
+            if not isinstance(template, str):
+                raise UsageError(f"the tokenizer's chat template ({printable(found)}) is not text")
+            tokenizer.chat_template = template
             return tokenizer
     raise UsageError(
         f"the tokenizer of --pretrained_model_name_or_path {path} has no chat template (none in tokenizer/, nor a "
@@ -170,6 +261,35 @@ class Flux2(Family):
             is_distilled = bool(config.get("is_distilled", False))
         tokenizer = load_tokenizer(path, rev, model.cache_dir)
         return Flux2Encoders(vae, text_encoder, tokenizer, self.klein, is_distilled, device, dtype)
+
+    def check_text(self, cfg: Config, path: str) -> None:
+        """The chat template, rendered once within bounds, must leave --max_sequence_length room for the caption:
+        [dev]'s system message alone takes ~170 tokens of a byte-level tokenizer, so a short window encoded every
+        caption alike and trained unconditionally without a word."""
+        model, data = cfg.model, cfg.data
+        tokenizer = load_tokenizer(path, model.revision, model.cache_dir)
+        where = template_file(path, model.revision, model.cache_dir)
+        render = lambda tok, caption, klein: bounded_chat_text(tok, caption, klein, where)  # noqa: E731
+        try:
+            before = recipe.tokens_before_caption(tokenizer, self.klein, render)
+        except ValueError as e:
+            raise UsageError(f"the tokenizer's chat template ({printable(where)}): {e}") from None
+        room, cp_size = data.max_sequence_length - before, cfg.parallel.cp_size
+        if room < MIN_CAPTION_TOKENS:
+            least = -(-(before + MIN_CAPTION_TOKENS) // cp_size) * cp_size  # a multiple of --cp_size
+            if least > recipe.MAX_SEQUENCE_LENGTH:
+                raise UsageError(
+                    f"{self.label}'s chat template takes {before} tokens before the caption (the tokenizer of "
+                    f"{printable(path)}): even --max_sequence_length {recipe.MAX_SEQUENCE_LENGTH}, the most, leaves "
+                    f"fewer than {MIN_CAPTION_TOKENS} for the caption. Use the model's own tokenizer files"
+                )
+            left = ("none: every caption would encode alike and the run would train without its captions" if room <= 0
+                    else f"{room} for the caption")  # fmt: skip
+            raise UsageError(
+                f"--max_sequence_length {data.max_sequence_length}: {self.label}'s chat template takes {before} tokens "
+                f"before the caption (the tokenizer of {printable(path)}), leaving {left}. Use --max_sequence_length "
+                f"{least} or more (at least {MIN_CAPTION_TOKENS} caption tokens)"
+            )
 
     def check(self, cfg: Config) -> None:
         lora = cfg.lora

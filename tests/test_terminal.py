@@ -1,0 +1,46 @@
+"""Values read from files reach the terminal escaped: error lines whole, the trainer's log lines but their newlines."""
+
+from __future__ import annotations
+
+import io
+import logging
+
+from flux_cp import runner
+from flux_cp.errors import UsageError
+from flux_cp.terminal import escape_logs, printable
+
+EVIL = "Flux\x1b[2J\x1b[31mPipeline\r\u202egnp.\nerror: forged"
+
+
+def test_printable_escapes_what_a_terminal_acts_on_and_keeps_the_rest():
+    assert printable("café, 東京 and 'quotes'") == "café, 東京 and 'quotes'"
+    assert printable(EVIL) == "Flux\\x1b[2J\\x1b[31mPipeline\\r\\u202egnp.\\nerror: forged"
+    assert printable("a\nb\tc\x07", keep="\n\t") == "a\nb\tc\\x07"
+
+
+def test_an_error_line_quoting_a_file_is_one_line_with_its_escapes_written_out(capsys):
+    def main() -> int:
+        raise UsageError(f"--pretrained_model_name_or_path m is a {EVIL}; flux-cp trains FLUX.1")
+
+    assert runner.run(main) == 2
+    err = capsys.readouterr().err
+    assert err == ("error: --pretrained_model_name_or_path m is a Flux\\x1b[2J\\x1b[31mPipeline\\r\\u202egnp.\\nerror: "
+                   "forged; flux-cp trains FLUX.1\n")  # fmt: skip
+
+
+def test_log_lines_are_escaped_but_keep_their_newlines():
+    logger = logging.getLogger("flux_cp.test_terminal")
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        escape_logs(logger)
+        escape_logs(logger)  # once is enough
+        logger.info("resumed from c (written with %s)", EVIL)
+        logger.info("done: 2 steps\n  README.md  model card")
+    finally:
+        logger.removeHandler(handler)
+    # newlines stay (the summary has several lines): values from files are escaped whole where they are logged
+    assert stream.getvalue() == ("resumed from c (written with Flux\\x1b[2J\\x1b[31mPipeline\\r\\u202egnp.\nerror: "
+                                 "forged)\ndone: 2 steps\n  README.md  model card\n")  # fmt: skip
