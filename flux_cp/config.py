@@ -31,6 +31,7 @@ from .flag_ranges import check_ranges, given_flags, unused_flags
 from .flow import WEIGHTING_SCHEMES
 from .lora import DEFAULT_TARGETS
 from .lora_format import FORMATS as LORA_FORMATS
+from .precision import PRECISIONS
 
 CP_MODES = ("auto", "ring", "ulysses", "hybrid")
 OPTIMIZERS = ("adamw", "prodigy")
@@ -180,6 +181,14 @@ class ModelConfig:
         "'random': build the transformer from its config with seeded random weights (benchmarks and "
         "equivalence runs of FLUX.1-sized models without downloading them).",
         choices=("pretrained", "random"),
+    )
+    base_precision: str = flag(
+        "bf16",
+        "How the frozen transformer's linear weights are stored while a LoRA trains: 'bf16' as loaded, 'fp8' or "
+        "'int8' (torchao: one byte per weight), 'nf4' (bitsandbytes' 4-bit NormalFloat, as QLoRA). Embedders, norms "
+        "and the final layer stay as loaded. For GPUs the bf16 base does not fit (docs/small_gpus.md); needs pip "
+        "install -e .[quant].",
+        choices=PRECISIONS,
     )
     cache_dir: str | None = flag(
         None,
@@ -704,10 +713,14 @@ class Config:
             check = getattr(getattr(self, f.name), "check", None)
             if check is not None:
                 check()
+        from .precision import check_flags, check_installed
+
+        check_flags(self.model.base_precision, self.lora.full_finetune)
         if not self.plan.plan:  # the planner loads nothing and runs on any machine
             from .optim import check_optimizer
 
             check_optimizer(self.train)
+            check_installed(self.model.base_precision)
         if self.hub.hub_token and self.validation.report_to in ("wandb", "all"):
             # as diffusers' examples: wandb records the command line, and the token with it
             raise UsageError(
