@@ -274,18 +274,19 @@ class _QuantizedStates:
 def stored_bytes(module: torch.nn.Module) -> int:
     """Bytes the module's parameters and buffers hold, a quantized weight counted by what it stores (its data and
     scales, bitsandbytes' statistics)."""
-    return sum(_tensor_bytes(t) for t in [*module.parameters(), *module.buffers()])
+    return sum(t.numel() * t.element_size() for p in [*module.parameters(), *module.buffers()] for t in stored(p))
 
 
-def _tensor_bytes(t: torch.Tensor) -> int:
+def stored(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors a (quantized) tensor is stored in."""
     if hasattr(t, "quant_state"):  # bitsandbytes' Params4bit: packed data, then its statistics
         qs = t.quant_state
-        parts = [qs.absmax, qs.code] + ([qs.offset, qs.state2.absmax, qs.state2.code] if qs.nested else [])
-        return t.numel() * t.element_size() + sum(p.numel() * p.element_size() for p in parts)
+        stats = [qs.absmax, qs.code] + ([qs.offset, qs.state2.absmax, qs.state2.code] if qs.nested else [])
+        return [t.data.as_subclass(torch.Tensor), *stats]
     if not _plain(t) and hasattr(t, "__tensor_flatten__"):  # torchao: the tensors it is made of
         names, _ = t.__tensor_flatten__()
-        return sum(_tensor_bytes(getattr(t, n)) for n in names if getattr(t, n) is not None)
-    return t.numel() * t.element_size()
+        return [inner for n in names if getattr(t, n) is not None for inner in stored(getattr(t, n))]
+    return [t]
 
 
 def weight_bytes(precision: str, out_features: int, in_features: int, dtype_bytes: int = 2) -> int:
