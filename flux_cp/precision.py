@@ -30,6 +30,7 @@ so that peft wraps each quantized linear in its own LoRA layer for it (`TorchaoL
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import importlib.util
 import math
@@ -156,11 +157,15 @@ class QuantizedBase:
 
     def describe(self) -> str:
         if self.precision == "bf16":
-            return f"base precision bf16: the transformer's weights as loaded ({self.bytes_before / 2**30:.2f} GiB)"
+            return f"base precision bf16: the transformer's weights as loaded ({_size(self.bytes_before)})"
         return (
-            f"base precision {self.precision}: {self.linears} linear layers of the blocks in {bits(self.precision)} "
-            f"bits; the transformer {self.bytes_before / 2**30:.2f} -> {self.bytes_after / 2**30:.2f} GiB"
+            f"base precision {self.precision}: {self.linears} linear layers in {bits(self.precision)} bits (embedders, "
+            f"norms, final layer as loaded); the transformer {_size(self.bytes_before)} -> {_size(self.bytes_after)}"
         )
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
 
 
 def quantize_base(
@@ -193,6 +198,8 @@ def quantize_base(
                 _replace(transformer, name, _quantized(linear, precision))
         if precision == "nf4":
             transformer.is_loaded_in_4bit = True  # peft then wraps Linear4bit in its bitsandbytes LoRA layer
+        else:
+            _separate_outputs(transformer)
         transformer._ddp_params_and_buffers_to_ignore = _QuantizedStates(transformer)
     if device is not None:
         transformer.to(device)
@@ -222,6 +229,23 @@ def _quantized(linear: torch.nn.Linear, precision: str) -> torch.nn.Module:
               else Float8WeightOnlyConfig(set_inductor_config=False))  # fmt: skip
     quantize_(linear, config)
     return linear
+
+
+def _separate_outputs(transformer: torch.nn.Module) -> None:
+    """torch.compile (AOT autograd) refuses a graph whose outputs alias one another once torchao's weights, tensor
+    subclasses, are among its inputs; FLUX.1's single block returns its text and image tokens as two views of one
+    tensor. Its text part becomes a copy of its own (512 tokens of the thousands; the values are the same), so that
+    the block compiles as a bf16 one does."""
+    from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock
+
+    for block in transformer.modules():
+        if isinstance(block, FluxSingleTransformerBlock):
+            block.forward = functools.partial(_text_copied, block.forward)
+
+
+def _text_copied(forward, *args, **kwargs):
+    text, image = forward(*args, **kwargs)
+    return text.clone(), image
 
 
 def _replace(root: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
