@@ -5,6 +5,8 @@ cp=1 (its attention processors, `prepare_blocks`, fused AdamW). Each row runs in
 
     python -m benchmarks.bench_base_precision --out RESULTS/base_precision.json [--compile] [--from_cpu nf4,int8]
 
+`--smoke`: the tiny FLUX.1 on the CPU at 64 px, to check the script runs (its figures mean nothing).
+
 Per row: the transformer's bytes once quantized (`weights_gib`, torch's allocated memory; `planned_gib`:
 `flux_cp.precision.base_bytes`, the planner's count), the peak while loading and quantizing (`load_peak_gib`), the
 peak and mean time of the timed steps. `--from_cpu P,...`: those precisions also from a model built on the CPU and
@@ -28,7 +30,7 @@ COLUMNS = {
 }  # fmt: skip
 
 
-def one(precision: str, from_cpu: bool, compile: bool, steps: int, warmup: int) -> dict:
+def one(precision: str, from_cpu: bool, compile: bool, steps: int, warmup: int, smoke: bool = False) -> dict:
     import torch
     from diffusers import FluxTransformer2DModel
 
@@ -41,27 +43,31 @@ def one(precision: str, from_cpu: bool, compile: bool, steps: int, warmup: int) 
     from flux_cp.model import prepare_trainable
     from flux_cp.precision import base_bytes, quantize_base
     from flux_cp.shape import resolved
-    from flux_cp.tiny import FLUX1_DEV_TRANSFORMER
+    from flux_cp.tiny import FLUX1_DEV_TRANSFORMER, TRANSFORMER_CONFIG
 
     quiet.install()
-    device = torch.device("cuda")
+    config, resolution, text = (TRANSFORMER_CONFIG, 64, 32) if smoke else (FLUX1_DEV_TRANSFORMER, 1024, 512)
+    device = torch.device("cpu" if smoke else "cuda")
+    gpu = device.type == "cuda"
     torch.manual_seed(0)
-    torch.cuda.reset_peak_memory_stats()
+    if gpu:
+        torch.cuda.reset_peak_memory_stats()
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     with torch.device("cpu" if from_cpu else device):
-        model = FluxTransformer2DModel.from_config(FLUX1_DEV_TRANSFORMER)
+        model = FluxTransformer2DModel.from_config(config)
     torch.set_default_dtype(default)
     built = time.perf_counter()
     with torch.device("meta"):
-        planned = base_bytes(FluxTransformer2DModel.from_config(FLUX1_DEV_TRANSFORMER), precision)
+        planned = base_bytes(FluxTransformer2DModel.from_config(config), precision)
     report = quantize_base(model, precision, device=device)
-    torch.cuda.synchronize()
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
+    sync()
     row = {"precision": precision, "from_cpu": from_cpu, "compile": compile,
-           "quantize_s": time.perf_counter() - built, "weights_gib": torch.cuda.memory_allocated() / GIB,
-           "planned_gib": planned / GIB, "stored_gib": report.bytes_after / GIB,
-           "load_peak_gib": torch.cuda.max_memory_allocated() / GIB}  # fmt: skip
-    cfg = resolved(parse_config(["--rank", "16", "--resolution", "1024"]), FLUX1, False, dict(model.config))
+           "quantize_s": time.perf_counter() - built, "planned_gib": planned / GIB,
+           "stored_gib": report.bytes_after / GIB, "weights_gib": torch.cuda.memory_allocated() / GIB if gpu else None,
+           "load_peak_gib": torch.cuda.max_memory_allocated() / GIB if gpu else None}  # fmt: skip
+    cfg = resolved(parse_config(["--rank", "16", "--resolution", str(resolution)]), FLUX1, False, dict(model.config))
     prepare_trainable(model, cfg.lora, seed=0)
     cp.apply_context_parallel(model, cp.CPContext(None))
     n = len(transformer_blocks(model))
@@ -69,36 +75,37 @@ def one(precision: str, from_cpu: bool, compile: bool, steps: int, warmup: int) 
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4, fused=True)
     g = torch.Generator(device).manual_seed(0)
-    h = w = 1024 // 16
+    h = w = resolution // 16
+    channels, bf16 = config["in_channels"], dict(device=device, dtype=torch.bfloat16)
     inputs = dict(
-        hidden_states=torch.randn(1, h * w, 64, device=device, generator=g, dtype=torch.bfloat16),
-        encoder_hidden_states=torch.randn(1, 512, 4096, device=device, generator=g, dtype=torch.bfloat16),
-        pooled_projections=torch.randn(1, 768, device=device, generator=g, dtype=torch.bfloat16),
-        timestep=torch.rand(1, device=device, generator=g, dtype=torch.bfloat16),
-        guidance=torch.full((1,), 3.5, device=device, dtype=torch.bfloat16),
-        img_ids=image_ids(2 * h, 2 * w).to(device), txt_ids=text_ids(512).to(device),
+        hidden_states=torch.randn(1, h * w, channels, generator=g, **bf16),
+        encoder_hidden_states=torch.randn(1, text, config["joint_attention_dim"], generator=g, **bf16),
+        pooled_projections=torch.randn(1, config["pooled_projection_dim"], generator=g, **bf16),
+        timestep=torch.rand(1, generator=g, **bf16), guidance=torch.full((1,), 3.5, **bf16),
+        img_ids=image_ids(2 * h, 2 * w).to(device), txt_ids=text_ids(text).to(device),
     )  # fmt: skip
-    target = torch.randn(1, h * w, 64, device=device, generator=g, dtype=torch.bfloat16)
+    target = torch.randn(1, h * w, channels, generator=g, **bf16)
     times, losses = [], []
     for step in range(steps):
         if step == warmup:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
+            sync()
+            if gpu:
+                torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        with torch.autocast("cuda", torch.bfloat16):
+        with torch.autocast(device.type, torch.bfloat16):
             out = model(**inputs).sample
         loss = torch.nn.functional.mse_loss(out.float(), target.float())
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
+        sync()
         times.append(time.perf_counter() - t0)
         losses.append(loss.item())
     timed = times[warmup:]
-    row.update(step_peak_gib=torch.cuda.max_memory_allocated() / GIB, s_per_step=sum(timed) / len(timed),
-               first_step_s=times[0], losses=losses, lora_parameters=sum(p.numel() for p in params),
-               quantized_linears=report.linears)  # fmt: skip
-    return {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}
+    row.update(step_peak_gib=torch.cuda.max_memory_allocated() / GIB if gpu else None,
+               s_per_step=sum(timed) / len(timed), first_step_s=times[0], losses=losses,
+               lora_parameters=sum(p.numel() for p in params), quantized_linears=report.linears)  # fmt: skip
+    return {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -109,29 +116,33 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--compile", action="store_true", help="torch.compile each block (as --compile)")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--smoke", action="store_true", help="the tiny FLUX.1 on the CPU (checks that the script runs)")
     p.add_argument("--one", help=argparse.SUPPRESS)  # a row, in this process: precision,from_cpu
     args = p.parse_args(argv)
     if args.one:
         precision, from_cpu = args.one.split(",")
-        row = one(precision, from_cpu == "1", args.compile, args.steps, args.warmup)
+        row = one(precision, from_cpu == "1", args.compile, args.steps, args.warmup, args.smoke)
         print("ROW " + json.dumps(row), flush=True)
         return
     from benchmarks import schema
+    from flux_cp import quiet
 
+    quiet.install()  # the versions it records import diffusers, and with it torchao
     runs = [(pr, False) for pr in args.precisions.split(",")] + [(pr, True) for pr in args.from_cpu.split(",") if pr]
     rows = []
     for precision, from_cpu in runs:
         cmd = [sys.executable, "-m", "benchmarks.bench_base_precision", "--out", args.out, "--one",
                f"{precision},{int(from_cpu)}", "--steps", str(args.steps), "--warmup", str(args.warmup),
-               *(["--compile"] if args.compile else [])]  # fmt: skip
+               *(["--compile"] if args.compile else []), *(["--smoke"] if args.smoke else [])]  # fmt: skip
         done = subprocess.run(cmd, capture_output=True, text=True)
         found = [line[4:] for line in done.stdout.splitlines() if line.startswith("ROW ")]
         row = json.loads(found[0]) if found else {"precision": precision, "from_cpu": from_cpu,
                                                   "error": (done.stderr or done.stdout)[-2000:]}  # fmt: skip
         print(json.dumps({k: v for k, v in row.items() if k != "losses"}), flush=True)
         rows.append(row)
-    settings = {"model": "FLUX.1-dev shapes, random weights", "resolution": 1024, "lora_rank": 16,
-                "checkpointed": "every block", "steps": args.steps, "warmup": args.warmup}  # fmt: skip
+    settings = {"model": "the tiny FLUX.1 on the CPU (smoke)" if args.smoke else "FLUX.1-dev shapes, random weights",
+                "resolution": 64 if args.smoke else 1024, "lora_rank": 16, "checkpointed": "every block",
+                "steps": args.steps, "warmup": args.warmup}  # fmt: skip
     schema.write(args.out, schema.result("base_precision", rows, command=schema.command_line(
         argv, "benchmarks.bench_base_precision"), settings=settings, columns=COLUMNS))  # fmt: skip
 
