@@ -50,8 +50,8 @@ QUANTIZED_PARTS = (
     "transformer_blocks", "single_transformer_blocks",  # FLUX.1 and FLUX.2
     "double_stream_modulation_img", "double_stream_modulation_txt", "single_stream_modulation",  # FLUX.2
 )  # fmt: skip
-# The package and the oldest version each precision was tested with (peft's torchao layers need 0.16; bitsandbytes
-# registers its 4-bit kernels as torch ops, which torch.compile traces, since 0.45).
+# The package of each precision and the oldest version accepted: peft's LoRA layers for torchao need 0.16;
+# bitsandbytes 0.50 is the one tested (and the `optim` extra's floor).
 PACKAGES = {"fp8": ("torchao", "0.16"), "int8": ("torchao", "0.16"), "nf4": ("bitsandbytes", "0.50")}
 INSTALL = "pip install -e .[quant]"
 NF4_BLOCK = 64  # weights per absmax (bitsandbytes' default blocksize for 4 bits)
@@ -178,9 +178,10 @@ def quantize_base(
     """Store the frozen transformer's linear weights (`quantized_linears`) in `precision`, in place. Call it after
     loading and before adding LoRA adapters. `device`: where the quantized model is to live; each linear moves there
     just before it is quantized, then the rest of the model, so that a model loaded on the CPU never needs its whole
-    bf16 copy on the GPU. Every rank quantizing the same loaded weights gets the same quantized ones (the kernels are
-    deterministic), so no rank needs another's: the quantized weights are also kept out of DDP's start-up broadcast
-    (`_ddp_params_and_buffers_to_ignore`), which cannot send torchao's tensors."""
+    bf16 copy on the GPU. Quantizing is a function of the weights alone, so every rank quantizing the same loaded
+    weights holds the same quantized ones (tests/test_cp_precision.py compares them) and needs no other rank's: the
+    quantized weights are kept out of DDP's start-up broadcast (`_ddp_params_and_buffers_to_ignore`), which cannot
+    send torchao's tensors."""
     if precision not in PRECISIONS:
         raise ValueError(f"unknown base precision {precision!r}; one of {PRECISIONS}")
     if _has_adapters(transformer):
