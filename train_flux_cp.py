@@ -17,10 +17,14 @@ from __future__ import annotations
 import os
 import sys
 
-from flux_cp import environment, runner
-from flux_cp.config import parse_config
-from flux_cp.resume import finished, finished_line
-from flux_cp.trainer import Trainer
+from flux_cp import quiet
+
+quiet.install()  # before the imports below: libraries they import (torchao) speak while being imported
+
+from flux_cp import environment, runner  # noqa: E402
+from flux_cp.config import parse_config  # noqa: E402
+from flux_cp.resume import finished, finished_line  # noqa: E402
+from flux_cp.trainer import Trainer  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -190,7 +190,7 @@ RESUMABLE_CHANGES = (
     "weighting_scheme", "logit_mean", "logit_std", "mode_scale", "guidance_scale", "lora_dropout", "mixed_precision",
     "center_crop", "random_flip", "cp_kernels", "cp_overlap", "cp_exchange_first", "cp_ulysses_chunks",
     "gradient_checkpointing", "offload_blocks", "prodigy_beta3", "prodigy_decouple", "prodigy_use_bias_correction",
-    "prodigy_safeguard_warmup", "prior_loss_weight",
+    "prodigy_safeguard_warmup", "prior_loss_weight", "base_precision",
 )  # fmt: skip
 
 # Entries of the run identity compared through "data" (the fingerprint of the data set's names, contents and
@@ -324,9 +324,18 @@ def _state(model, optimizer, with_optimizer: bool = True):
 
     opts = StateDictOptions(ignore_frozen_params=True)
     if not with_optimizer:  # (get_state_dict would also create AdamW's state, with a first step taken)
-        return {"model": get_model_state_dict(model, options=opts)}
+        return {"model": _tensors_of(model, get_model_state_dict(model, options=opts))}
     model_sd, optim_sd = get_state_dict(model, optimizer, options=opts)
-    return {"model": model_sd, "optim": optim_sd}
+    return {"model": _tensors_of(model, model_sd), "optim": optim_sd}
+
+
+def _tensors_of(model, state: dict) -> dict:
+    """The entries of `state` that are parameters or buffers of the model. A layer may add more to its state dict:
+    bitsandbytes' 4-bit layer (--base_precision nf4) adds its frozen weight's statistics, which are not trained and
+    which `ignore_frozen_params` does not recognise as frozen."""
+    inner = getattr(model, "module", model)  # DDP's wrapper
+    names = {n for n, _ in inner.named_parameters()} | {n for n, _ in inner.named_buffers()}
+    return {k: v for k, v in state.items() if k in names}
 
 
 def _cause(e: BaseException) -> str:

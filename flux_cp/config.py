@@ -32,6 +32,7 @@ from .flow import WEIGHTING_SCHEMES
 from .lora import DEFAULT_TARGETS
 from .lora_format import FORMATS as LORA_FORMATS
 from .path_flags import as_typed
+from .precision import PRECISIONS, check_flags, check_installed
 
 CP_MODES = ("auto", "ring", "ulysses", "hybrid")
 OPTIMIZERS = ("adamw", "prodigy")
@@ -225,6 +226,14 @@ class ModelConfig:
         "'random': build the transformer from its config with seeded random weights (benchmarks and "
         "equivalence runs of full-sized models without downloading them: python -m flux_cp.tiny --preset ...).",
         choices=("pretrained", "random"),
+    )
+    base_precision: str = flag(
+        "bf16",
+        "How the frozen transformer's linear weights are stored while a LoRA trains: 'bf16' as loaded, 'fp8' or "
+        "'int8' (torchao: one byte per weight), 'nf4' (bitsandbytes' 4-bit NormalFloat, as QLoRA). Embedders, norms "
+        "and the final layer stay as loaded. For GPUs the bf16 base does not fit (docs/small_gpus.md); needs pip "
+        "install -e .[quant].",
+        choices=PRECISIONS,
     )
     cache_dir: str | None = flag(
         None,
@@ -757,10 +766,12 @@ class Config:
         from .offload import check_offload
 
         check_offload(self.train.offload_blocks, full_finetune=self.lora.full_finetune, sharded=False)
+        check_flags(self.model.base_precision, self.lora.full_finetune)
         if not self.plan.plan:  # the planner loads nothing and runs on any machine
             from .optim import check_optimizer
 
             check_optimizer(self.train)
+            check_installed(self.model.base_precision)
         if self.hub.push_to_hub:  # what would fail the upload at the end whatever the run does
             from .hub import check_start
 

@@ -342,6 +342,14 @@ CASES = [
         flags_only=True,
     ),
     Case(
+        "quantized_base_full_finetune",
+        "--full_finetune with a quantized base (--base_precision)",
+        1,
+        lambda t: ["--full_finetune", "--base_precision", "int8"],
+        "--base_precision int8 stores the frozen base weights in 8 bits for LoRA; --full_finetune trains every weight",
+        flags_only=True,
+    ),
+    Case(
         "hybrid_without_ulysses_size",
         "--cp_mode hybrid without --ulysses_size",
         1,
