@@ -7,8 +7,9 @@ A FLUX.1-dev-shaped FluxTransformer2DModel (--family flux1) or a FLUX.2 [dev]-sh
 (--family flux2), seeded random weights, bf16, LoRA r16 on --lora_layers (default for FLUX.1: the attention
 projections of both streams, the trainer's attention-only `--lora_layers`; for FLUX.2: the trainer's default FLUX.2
 targets, those of diffusers' FLUX.2 LoRA example; trainable weights in fp32),
-gradient checkpointing, each transformer block compiled (`block.compile()`, the regional compilation diffusers
-documents), diffusers' attention backend --backend. One sample of the resolution's image tokens and 512 text tokens;
+gradient checkpointing (unless --no_checkpointing), each transformer block compiled (`block.compile()`, the
+regional compilation diffusers documents), diffusers' attention backend --backend. One sample of the resolution's
+image tokens and 512 text tokens;
 a step is the forward, an MSE loss, the backward and an AdamW step; the median of --steps timed steps after
 --warmup. On N launched processes `enable_parallelism(ContextParallelConfig(ulysses_degree=N))` (--mode ulysses) or
 `ring_degree=N` (--mode ring) splits the sequence; on one process there is no CP. The LoRA's gradients are not
@@ -80,7 +81,8 @@ def build(config: dict, args: argparse.Namespace, world: int, device: torch.devi
     for p in model.parameters():
         if p.requires_grad:
             p.data = p.data.float()
-    model.enable_gradient_checkpointing()
+    if args.checkpointing:
+        model.enable_gradient_checkpointing()
     if args.backend:
         model.set_attention_backend(args.backend)
     if world > 1:
@@ -160,6 +162,12 @@ def main() -> None:
     p.add_argument("--backend", default="_native_cudnn", help="diffusers' attention backend ('' for its default)")
     p.add_argument("--lora_layers", help="comma-separated LoRA target modules (default: see above)")
     p.add_argument("--no_compile", dest="compile", action="store_false", help="leave the blocks eager")
+    p.add_argument(
+        "--no_checkpointing",
+        dest="checkpointing",
+        action="store_false",
+        help="no gradient checkpointing (its fastest setting where the activations fit)",
+    )
     p.add_argument("--text_tokens", type=int, default=512)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
@@ -180,7 +188,8 @@ def main() -> None:
     for res in args.resolution:
         mode = args.mode if world > 1 else None
         prefix = "diffusers" if args.family == "flux1" else "diffusers_flux2"
-        row = {"name": f"{prefix}_{mode or 'one_gpu'}_{res}", "mode": mode, "gpus": world, "resolution": res}
+        name = f"{prefix}_{mode or 'one_gpu'}_{res}" + ("" if args.checkpointing else "_no_ckpt")
+        row = {"name": name, "mode": mode, "gpus": world, "resolution": res, "backend": args.backend or "default"}
         row["tokens"] = (res // 16) ** 2 + args.text_tokens
         seconds, peak = float("inf"), None
         try:
@@ -202,7 +211,7 @@ def main() -> None:
             "lora": f"r16 on {args.lora_layers}",
             "attention_backend": args.backend or "diffusers' default",
             "compiled": "each transformer block (block.compile())" if args.compile else "no",
-            "gradient_checkpointing": True,
+            "gradient_checkpointing": args.checkpointing,
             "timed": f"median of {args.steps} steps after {args.warmup}; a CP step is its slowest rank's",
         }
         command = schema.command_line(module="benchmarks.bench_diffusers_cp")
