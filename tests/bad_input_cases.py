@@ -78,8 +78,7 @@ def _other_run(folder: Path) -> Path:
 
 def _more_class_images(t: Path) -> list[str]:
     """A checkpoint of a run with 3 class images, resumed with 5."""
-    ckpt = t / "out" / "checkpoint-2"
-    ckpt.mkdir(parents=True)
+    ckpt = _small_checkpoint(t / "out", 2)
     rows = [[f"generated/0000{k}-x.png", "d", "c"] for k in range(3)]
     meta = {"format": 1, "step": 2, "layout": "world 1", "args": {}, "run": {"prior": "abc", "prior_files": rows}}
     (ckpt / "meta.json").write_text(json.dumps(meta))

@@ -113,7 +113,8 @@ def test_diffusers_cp_benchmark_runs_each_family_with_the_trainers_adapters(fami
 
     config = bench.SMOKE_TRANSFORMER[family]
     layers = bench.default_lora_layers(family, config)
-    args = argparse.Namespace(family=family, lora_layers=layers, backend="", compile=False, mode="ulysses")
+    args = argparse.Namespace(family=family, lora_layers=layers, backend="", compile=False, mode="ulysses",
+                              checkpointing=True)  # fmt: skip
     ours_targets = ATTENTION_TARGETS if family == "flux1" else FLUX2.lora_targets(pairs=False, config=config)
     theirs = bench.build(config, args, world=1, device=torch.device("cpu"))
     ours = type(theirs)(**config)
