@@ -78,7 +78,7 @@ def _attention_flops(ir_node) -> float:
     group_name = next((a for a in ir_node.constant_args if isinstance(a, str)), "")
     ring = 1
     if group_name:
-        from .ops import group_by_name
+        from .context import group_by_name
 
         ring = group_by_name(group_name).size()
     return float(ATTENTION_FLOPS[name] * b * h * s * _size(k.get_size()[2]) * ring * d)
