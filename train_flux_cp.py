@@ -23,7 +23,7 @@ quiet.install()  # before the imports below: libraries they import (torchao) spe
 
 from flux_cp import environment, runner  # noqa: E402
 from flux_cp.config import parse_config  # noqa: E402
-from flux_cp.resume import finished, finished_line  # noqa: E402
+from flux_cp.outdir import finished, finished_line  # noqa: E402
 from flux_cp.trainer import Trainer  # noqa: E402
 
 

@@ -16,8 +16,6 @@ if TYPE_CHECKING:
 
 Tensor = torch.Tensor
 
-WEIGHTING_SCHEMES = ("none", "sigma_sqrt", "logit_normal", "mode", "cosmap")
-
 
 def pack_latents(latents: Tensor) -> Tensor:
     """`[B, C, H, W]` -> `[B, H/2 * W/2, 4C]` (2x2 patches become tokens), as `FluxPipeline._pack_latents`."""

@@ -39,9 +39,10 @@ from dataclasses import dataclass
 
 import torch
 
+from .config import LORA_FORMATS as FORMATS
+
 Tensor = torch.Tensor
 
-FORMATS = ("diffusers", "kohya")
 # diffusers.loaders.lora_base.LORA_ADAPTER_METADATA_KEY: where load_lora_weights looks for the adapter's config.
 LORA_ADAPTER_METADATA_KEY = "lora_adapter_metadata"
 

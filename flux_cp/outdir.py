@@ -12,6 +12,7 @@ outside it (absolute, or climbing out with `..`) is used but never removed.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -24,7 +25,7 @@ from pathlib import Path
 
 from safetensors import SafetensorError
 
-from . import files, manifest, resume
+from . import checkpoint, files, manifest, resume
 from .errors import UsageError
 
 LOCK_NAME = ".flux_cp.lock"
@@ -129,8 +130,6 @@ def check_apart(output_dir: str | os.PathLike, others: dict[str, str | os.PathLi
 
 
 def _lock(folder: Path) -> None:
-    import fcntl
-
     key = str(folder.resolve())
     if key in _held:
         return
@@ -268,7 +267,6 @@ def write_final(output_dir: str | os.PathLike, name: str, write: Callable[[Path]
     temporary folder beside it and returns its path there; it is then renamed into place, so the folder holds the
     previous version or the complete new one, never a part. A failure is a UsageError naming the output and saying
     what a resume would do."""
-    from .checkpoint import list_checkpoints
 
     root = Path(output_dir)
     final, staging, old = root / name, root / f".{name}.partial", root / f".{name}.old"
@@ -287,7 +285,7 @@ def write_final(output_dir: str | os.PathLike, name: str, write: Callable[[Path]
             os.replace(written, final)
     except (OSError, SafetensorError) as e:  # safetensors' I/O failures are not OSErrors
         why = getattr(e, "strerror", None) or e
-        found = list_checkpoints(root)
+        found = checkpoint.list_checkpoints(root)
         then = (
             f"Free disk space, then resume with --resume_from_checkpoint latest: it restarts from step {found[-1][0]} "
             f"({found[-1][1]}, the last good checkpoint) and writes it again at the end"
@@ -300,3 +298,49 @@ def write_final(output_dir: str | os.PathLike, name: str, write: Callable[[Path]
         shutil.rmtree(staging, ignore_errors=True)
     manifest.forget(root, staging.name, old.name)
     return final
+
+
+def finished(
+    resume_from: str | None, output_dir: str | os.PathLike, steps: int | None, *, claimed: bool = False
+) -> Path | None:
+    """The checkpoint of a run that is already done, when `--resume_from_checkpoint resume_from` resumes one: its own
+    folder's newest checkpoint, at the run's last step (`steps`), with the final weights and the model card written
+    after it (a run stopped on its way out, before those, is finished by resuming it), and no live run in the folder
+    (`claimed`: this process holds the folder). Else None. Reads only."""
+    folder = Path(output_dir)
+    found = checkpoint.list_checkpoints(folder)
+    if resume_from is None or steps is None or not found:
+        return None
+    path = found[-1][1]
+    if resume_from != "latest" and Path(resume_from).resolve() != path.resolve():
+        return None  # an earlier checkpoint (a branch) or another folder's (a fork)
+    if found[-1][0] != steps or not (folder / "README.md").is_file():
+        return None
+    if not any(os.path.lexists(folder / name) for name in FINAL_OUTPUTS) or (not claimed and _in_use(folder)):
+        return None  # a live run there: the resume says so (`claim`) rather than this
+    return path
+
+
+def _in_use(folder: Path) -> bool:
+    """Whether a live run holds the folder's lock, probed without writing anything."""
+    try:
+        fd = os.open(folder / LOCK_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True  # a lock that cannot be opened: the run's own start names the problem
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except OSError:
+        return True
+    finally:
+        os.close(fd)  # drops the probe's shared lock with it
+
+
+def finished_line(path: Path, steps: int) -> str:
+    return (
+        f"{path.parent} already finished: {path.name} is its last step ({steps} steps) and its weights and model card "
+        "are written, so there is nothing to do and nothing was changed. To train further, pass a larger "
+        "--max_train_steps with --resume_from_checkpoint latest"
+    )

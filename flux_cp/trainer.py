@@ -65,6 +65,7 @@ from .model import (
     save_full,
     trainable_parameters,
 )
+from .offload import check_offload
 from .optim import (
     Progress,
     apply_update,
@@ -74,13 +75,14 @@ from .optim import (
     make_lr_scheduler,
     make_optimizer,
 )
+from .outdir import finished, finished_line
 from .parallel import Layout, check_kernels, check_overlap, choose_cp_mode, cp_advice, make_accelerator, ulysses_chunks
 from .plan import GIB, Checkpointing, checkpointing_for_run
 from .prior import ClassSamples, class_source, generate_class_images, generated_folder
 from .prior import check_resume as check_prior_resume
 from .profiling import profiled
+from .resume import RESUMABLE_CHANGES, changed_settings, check_compatible, run_identity
 from .resume import check_steps as check_resume_steps
-from .resume import finished, finished_line
 from .shape import RunShape, build_shape, check_tokens, resolved
 from .terminal import escape_logs, printable
 
@@ -201,7 +203,8 @@ class Trainer:
         config = self.read_transformer_config()
         self.cfg = cfg = resolved(cfg, shape.family, shape.pairs, config)
         start_warnings = self.decide_against_model(config)
-        check_optimizer(cfg.train, sharded=shape.sharded)
+        check_optimizer(cfg.train, "cuda" if torch.cuda.is_available() else "cpu", shape.sharded)
+        check_offload(cfg.train.offload_blocks, full_finetune=cfg.lora.full_finetune, sharded=shape.sharded)
         check_reference_limit(shape.family.max_references, shape.family.pairs_label, cfg.validation, shape.metadata,
                               shape.reference_column)  # fmt: skip
         check_tokens(shape, cfg.data, cfg.validation)
@@ -231,7 +234,6 @@ class Trainer:
         if cfg.train.allow_tf32 and torch.cuda.is_available():
             torch.backends.cuda.matmul.allow_tf32 = True
         self.device = self.accelerator.device
-        check_optimizer(cfg.train, self.device.type, shape.sharded)  # 8-bit AdamW: a CUDA device, not only a GPU seen
         self.weight_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
             self.accelerator.mixed_precision, torch.float32
         )
@@ -490,7 +492,7 @@ class Trainer:
         samples_per_step = self.global_batch * train.gradient_accumulation_steps
         buckets = list(shape.buckets) if cfg.data.aspect_buckets else None
         classes = self.class_source.identity() if self.class_source is not None else None
-        self.run_identity = checkpoint.run_identity(cfg, samples_per_step, self.source.identity(), buckets, classes,
+        self.run_identity = run_identity(cfg, samples_per_step, self.source.identity(), buckets, classes,
                                                     self.components)  # fmt: skip
         every = cfg.checkpoints.checkpointing_steps
         if layout.is_main:
@@ -534,7 +536,7 @@ class Trainer:
             path = checkpoint.resolve(ckpt.resume_from_checkpoint, output_dir)
             meta = checkpoint.read_meta(path) if path is not None else None
             if meta is not None:
-                checkpoint.check_compatible(meta, self.run_identity, path)
+                check_compatible(meta, self.run_identity, path)
                 check_resume_steps(meta["step"], self.max_steps, path, "--max_train_steps, or --num_train_epochs")
         except UsageError as e:
             raise UsageError(str(e), agreed=True) from None
@@ -545,7 +547,7 @@ class Trainer:
         with_optimizer = meta.get("optimizer_state", True)
         applied = checkpoint.load(path, self.model, self.optimizer, self.lr_scheduler, with_optimizer)
         logger.info(f"resumed from {path} at step {meta['step']} (written with {printable(meta['layout'])})")
-        changed = checkpoint.changed_settings(meta.get("args", {}), self.cfg.flat(), checkpoint.RESUMABLE_CHANGES)
+        changed = changed_settings(meta.get("args", {}), self.cfg.flat(), RESUMABLE_CHANGES)
         for change in changed or applied:
             logger.info(f"resume: {change} (applied from step {meta['step'] + 1})")
         if not with_optimizer:
@@ -690,10 +692,11 @@ class Trainer:
         cfg, layout = self.cfg, self.layout
         demo = cfg.demo.name if cfg.demo else None  # a resume of a demo run keeps its settings (flux_cp.config)
         meta = {"run": self.run_identity, "layout": layout.describe(), "args": cfg.flat(), "demo": demo}
+        diskspace.check_checkpoint(cfg.train.output_dir, step, self.sizes.checkpoint, layout.is_main)
         saved = checkpoint.save(
             cfg.train.output_dir, step, self.model, self.optimizer, self.lr_scheduler, meta, layout.is_main,
             cfg.checkpoints.checkpoints_total_limit, self.fault,
-            optimizer_state=not cfg.checkpoints.checkpoint_weights_only, need_bytes=self.sizes.checkpoint,
+            optimizer_state=not cfg.checkpoints.checkpoint_weights_only,
         )  # fmt: skip
         logger.info(f"saved {saved}")
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from diffusers.optimization import get_scheduler
 
-from flux_cp import checkpoint, diskspace
+from flux_cp import checkpoint, diskspace, resume
 from flux_cp.config import LoraConfig
 from flux_cp.errors import UsageError
 from flux_cp.families import FLUX1
@@ -93,7 +93,7 @@ def test_a_save_that_does_not_fit_stops_before_writing_and_keeps_the_last_good_c
     size = _tree(first)
     monkeypatch.setenv("FLUX_CP_DISK_BYTES", str(size + size // 2))  # a disk holding only this folder
     with pytest.raises(UsageError) as e:
-        _save(tmp_path, 4, model, opt, sched, need_bytes=size)
+        diskspace.check_checkpoint(tmp_path, 4, size, is_main=True)  # before each save (flux_cp.outputs)
     assert str(e.value).startswith(f"not enough disk space for checkpoint-4: it needs {diskspace.gib(size)}")
     assert f"Nothing was written; {first} is the last good checkpoint." in str(e.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2"]
@@ -300,13 +300,13 @@ def test_a_changed_data_set_is_named_file_by_file(tmp_path):
     after = [["a.png", "c1", "t9"], ["b.png", "cX", "t2"], ["d.png", "c4", "t4"]]
     cfg = resolved(parse_config([]), FLUX1, False, None)  # as the trainer holds the flags
     model, opt, sched = _small(0)
-    meta = {"run": checkpoint.run_identity(cfg, 1, identity(before), None), "layout": "x", "args": {}}
+    meta = {"run": resume.run_identity(cfg, 1, identity(before), None), "layout": "x", "args": {}}
     ckpt = checkpoint.save(str(tmp_path), 2, model, opt, sched, meta, True, None)
     saved = checkpoint.read_meta(ckpt)
     assert "data_files" not in saved["run"] and (ckpt / "data.json").is_file()
-    checkpoint.check_compatible(saved, checkpoint.run_identity(cfg, 1, identity(before), None), ckpt)
+    resume.check_compatible(saved, resume.run_identity(cfg, 1, identity(before), None), ckpt)
     with pytest.raises(UsageError) as e:
-        checkpoint.check_compatible(saved, checkpoint.run_identity(cfg, 1, identity(after), None), ckpt)
+        resume.check_compatible(saved, resume.run_identity(cfg, 1, identity(after), None), ckpt)
     assert (
         "incompatible run (data set differs (added: d.png; removed: c.png; changed content: b.png; changed caption: "
         "a.png)). Resume with the same settings"
@@ -314,7 +314,7 @@ def test_a_changed_data_set_is_named_file_by_file(tmp_path):
     # A checkpoint of a version that identified the data by its path: compared by that fingerprint.
     old = {"run": {**saved["run"], "data": "legacy"}}
     del old["run"]["data_legacy"]
-    checkpoint.check_compatible(old, checkpoint.run_identity(cfg, 1, identity(after), None), ckpt)
+    resume.check_compatible(old, resume.run_identity(cfg, 1, identity(after), None), ckpt)
 
 
 # --- Prodigy and 8-bit AdamW: their state through DCP ------------------------------------------------------------
@@ -414,16 +414,16 @@ def test_the_optimizer_is_part_of_a_runs_identity(tmp_path):
     from flux_cp.families import FLUX1
     from flux_cp.shape import resolved
 
-    adamw = checkpoint.run_identity(resolved(parse_config([]), FLUX1, False, None), 4, "data", None)
-    prodigy = checkpoint.run_identity(resolved(parse_config(["--optimizer", "prodigy"]), FLUX1, False, None), 4,
+    adamw = resume.run_identity(resolved(parse_config([]), FLUX1, False, None), 4, "data", None)
+    prodigy = resume.run_identity(resolved(parse_config(["--optimizer", "prodigy"]), FLUX1, False, None), 4,
                                       "data", None)  # fmt: skip
     assert (adamw["optimizer"], prodigy["optimizer"]) == ("adamw", "prodigy")
     with pytest.raises(UsageError, match=r"incompatible run \(optimizer: checkpoint 'adamw', now 'prodigy'\)"):
-        checkpoint.check_compatible({"run": adamw}, prodigy, tmp_path)
+        resume.check_compatible({"run": adamw}, prodigy, tmp_path)
     before = {k: v for k, v in adamw.items() if k != "optimizer"}  # written before the optimizer was recorded
-    checkpoint.check_compatible({"run": before}, adamw, tmp_path)
+    resume.check_compatible({"run": before}, adamw, tmp_path)
     with pytest.raises(UsageError, match=r"optimizer: checkpoint 'adamw', now 'prodigy'"):
-        checkpoint.check_compatible({"run": before}, prodigy, tmp_path)
+        resume.check_compatible({"run": before}, prodigy, tmp_path)
 
 
 def test_a_seed_checkpoint_that_cannot_be_one_is_refused_before_the_model_loads(tmp_path):

@@ -7,9 +7,8 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
 from diffusers.training_utils import compute_density_for_timestep_sampling, compute_loss_weighting_for_sd3
 
-from flux_cp.config import TrainConfig
+from flux_cp.config import WEIGHTING_SCHEMES, TrainConfig
 from flux_cp.flow import (
-    WEIGHTING_SCHEMES,
     image_ids,
     loss_weighting,
     pack_latents,

@@ -283,8 +283,8 @@ def test_refusals_say_what_to_change(monkeypatch):
 
 
 def test_the_flag_is_recorded_and_may_change_on_resume():
-    from flux_cp.checkpoint import RESUMABLE_CHANGES
     from flux_cp.config import parse_config
+    from flux_cp.resume import RESUMABLE_CHANGES
 
     assert parse_config([]).flat()["base_precision"] == "bf16"
     assert parse_config(["--base_precision", "fp8", "--plan"]).flat()["base_precision"] == "fp8"

@@ -15,7 +15,7 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, Flux2Pipeline
 
 import cp.comm
-from flux_cp import checkpoint
+from flux_cp import resume
 from flux_cp.batches import Batches
 from flux_cp.config import DataConfig, ModelConfig, TrainConfig, ValidationConfig, parse_config
 from flux_cp.data import BatchSchedule, batch_groups, check_reference_limit, crop_box, open_source, to_pixels
@@ -230,7 +230,7 @@ def test_each_reference_is_cached_with_its_targets_crop_and_a_changed_second_ref
     (ckpt / "data.json").write_text(json.dumps({"data_files": before.files}))
     meta = {"run": {"data": before.fingerprint, "data_legacy": before.legacy}}
     with pytest.raises(UsageError) as e:
-        checkpoint.check_compatible(meta, {"data": after.fingerprint, "data_files": after.files}, ckpt)
+        resume.check_compatible(meta, {"data": after.fingerprint, "data_files": after.files}, ckpt)
     changed = "changed reference image: second_1.png (reference 2 of 01_yellow_square_edited.png)"
     assert f"data set differs ({changed})" in str(e.value)
 
