@@ -254,10 +254,10 @@ def _hub_offline() -> bool:
 def transformer_config(path: str, revision: str | None = None, cache_dir: str | None = None) -> tuple[dict, str]:
     """(transformer config, where it came from) of a model folder or hub id, without waiting on the network: a
     folder's own file; a hub id's from the local HF cache (`cache_dir`: --cache_dir's, else the default), else built
-    in for the known FLUX.1 ids (flux_cp.known_models), else from the Hub in one short attempt (not when
+    in for the hub ids a family knows offline (`Family.known`), else from the Hub in one short attempt (not when
     HF_HUB_OFFLINE is set). Whatever fails is one UsageError line."""
     from .errors import UsageError
-    from .known_models import KNOWN, known_model
+    from .families import known_model, known_models
 
     flag = f"--pretrained_model_name_or_path {path}"
     file = "transformer/config.json"
@@ -282,7 +282,7 @@ def transformer_config(path: str, revision: str | None = None, cache_dir: str | 
     if known is not None:
         return dict(known.transformer), f"{known.model_id} (built-in config)"
     offline_ids = (
-        f"a FLUX.1 model known offline ({', '.join(m.model_id for m in KNOWN.values())}), or a folder with a model's "
+        f"a FLUX.1 model known offline ({', '.join(m.model_id for m in known_models())}), or a folder with a model's "
         "shapes built without downloads: python -m flux_cp.tiny --preset flux2-dev-shapes --out DIR (FLUX.2 [dev]; "
         "flux2-klein-shapes: [klein] 4B; flux1-dev-shapes: FLUX.1)"
     )

@@ -52,7 +52,6 @@ from .encode import (
 )
 from .errors import NonFiniteError, UsageError
 from .lora import lora_origin, save_lora
-from .lora_format import check_export
 from .metrics import NO_FLOPS, MetricsLog, StepFlops, StepTimer, peak_flops, peak_memory_gib
 from .model import (
     apply_seed_checkpoint,
@@ -324,7 +323,7 @@ class Trainer:
         """Bytes of one checkpoint and of the final model, from the transformer's config (nothing loaded)."""
         cfg, shape = self.cfg, self.shape
         config = self.read_transformer_config()
-        check_export(config, cfg.lora)  # a kohya file diffusers could not read back is refused now, not at the end
+        shape.family.check_export(config, cfg.lora)  # a kohya file diffusers could not read back: refused now
         return diskspace.run_sizes(cfg, shape.family, config, self.weight_dtype, self.layout.world)
 
     def read_transformer_config(self) -> dict:
@@ -746,7 +745,8 @@ class Trainer:
                 else:
                     origin = lora_origin(cfg, kontext=self.shape.pairs)
                     out = outdir.write_final(output_dir, "pytorch_lora_weights.safetensors",
-                                             lambda d: save_lora(inner, state, str(d), cfg.lora, origin))  # fmt: skip
+                                             lambda d: save_lora(inner, state, str(d), cfg.lora, self.shape.family,
+                                                                       origin))  # fmt: skip
                 logger.info(f"wrote {out}")
             except UsageError as e:
                 problem = str(e)

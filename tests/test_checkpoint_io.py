@@ -17,9 +17,10 @@ from flux_cp import checkpoint, diskspace, resume
 from flux_cp.config import LoraConfig
 from flux_cp.errors import UsageError
 from flux_cp.families import FLUX1
-from flux_cp.lora import DEFAULT_TARGETS, save_lora
+from flux_cp.families.flux1 import DEFAULT_TARGETS
+from flux_cp.families.flux1.tiny import TRANSFORMER_CONFIG, tiny_transformer
+from flux_cp.lora import save_lora
 from flux_cp.model import prepare_trainable, save_full, trainable_parameters
-from flux_cp.tiny import TRANSFORMER_CONFIG, tiny_transformer
 
 
 def _tree(path: Path) -> int:
@@ -61,13 +62,14 @@ def test_sizes_known_in_advance_match_what_is_written(tmp_path, full):
         out = save_full(model, state, str(tmp_path / "model"), torch.bfloat16)
     else:
         names = {n for n, _ in trainable_parameters(model)}
-        out = save_lora(model, {k: v for k, v in state.items() if k in names}, str(tmp_path / "model"), LoraConfig())
+        trained = {k: v for k, v in state.items() if k in names}
+        out = save_lora(model, trained, str(tmp_path / "model"), LoraConfig(), FLUX1)
     written = _tree(out) if out.is_dir() else out.stat().st_size
     assert written <= s.model <= written * 1.1 + 2 * 2**20, (written, s.model)
 
 
 def test_flux1_dev_full_finetuning_needs_a_143_gb_checkpoint_and_is_refused_on_a_128_gb_disk(tmp_path, monkeypatch):
-    from flux_cp.tiny import FLUX1_DEV_TRANSFORMER
+    from flux_cp.families.flux1.tiny import FLUX1_DEV_TRANSFORMER
 
     counts = FLUX1.count_parameters(FLUX1_DEV_TRANSFORMER, None, [])
     assert counts.trainable == 11_901_408_320
@@ -396,7 +398,7 @@ def test_checkpoint_sizes_of_prodigy_and_8bit_adamw_are_known_in_advance(tmp_pat
 def test_8bit_adamw_state_of_flux1_dev_is_a_quarter_of_adamws():
     """At FLUX.1-dev size (full fine-tuning) the estimate is the state bitsandbytes keeps, per tensor: two uint8
     moments with an fp32 scale per 256 values (fp32 moments under 4096 values) and two 256-entry maps."""
-    from flux_cp.tiny import FLUX1_DEV_TRANSFORMER
+    from flux_cp.families.flux1.tiny import FLUX1_DEV_TRANSFORMER
 
     with torch.device("meta"):
         from diffusers import FluxTransformer2DModel

@@ -94,7 +94,7 @@ def test_any_blocks_checkpointed_compute_what_none_do(compiled, monkeypatch):
 def test_auto_fits_the_memory_given_with_the_planner_margin():
     """`auto` takes the fewest blocks whose planned peak fits 90% of the memory; none fit: all, and says so."""
     from flux_cp.families import FLUX1
-    from flux_cp.tiny import FLUX1_DEV_TRANSFORMER
+    from flux_cp.families.flux1.tiny import FLUX1_DEV_TRANSFORMER
 
     one = ["--train_batch_size", "1", "--resolution", "2048"]
     cfg = _resolved(["--gradient_checkpointing", "--compile_mode", "reduce-overhead", *one])
@@ -123,7 +123,7 @@ def test_auto_fits_the_memory_given_with_the_planner_margin():
 def _auto_memory_for_a_partial_pick(tmp_path) -> tuple[float, int]:
     """A --gpu_memory_gib at which `auto` checkpoints some but not all of the tiny model's blocks, and how many."""
     from flux_cp.families import FLUX1
-    from flux_cp.tiny import ensure_tiny_pipeline
+    from flux_cp.families.flux1.tiny import ensure_tiny_pipeline
 
     config = dict(FLUX1.transformer_class().load_config(ensure_tiny_pipeline(), subfolder="transformer"))
     cfg = _resolved(run_args(tmp_path, "probe", 10, "--gradient_checkpointing"))

@@ -12,8 +12,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from flux_cp import metrics
 from flux_cp.families import FLUX1
-from flux_cp.flow import image_ids, pack_latents, text_ids
-from flux_cp.tiny import tiny_transformer
+from flux_cp.families.flux1.tiny import tiny_transformer
+from flux_cp.families.flux1.tokens import image_ids, pack_latents, text_ids
 
 PER_SAMPLE = ("norm1.linear", "norm1_context.linear", "norm.linear", "norm_out.linear", "time_text_embed")
 
@@ -55,9 +55,9 @@ def test_the_flux2_forward_formula_counts_what_torch_counts(h, w, text, pairs):
     """FLUX.2's (4 + 3r) D^2 per token and layer (the SwiGLU MLP, the single blocks' fused projections), its
     embedders and attention, against torch's count on the tiny Flux2Transformer2DModel (a reference image's tokens
     count as image tokens)."""
-    from flux_cp import flux2_recipe
     from flux_cp.families import FLUX2
-    from flux_cp.tiny_flux2 import tiny_flux2_transformer
+    from flux_cp.families.flux2 import recipe as flux2_recipe
+    from flux_cp.families.flux2.tiny import tiny_flux2_transformer
 
     model = tiny_flux2_transformer(mlp_ratio=2.5).eval()
     config = model.config

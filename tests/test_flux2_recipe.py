@@ -10,9 +10,9 @@ import pytest
 import torch
 from diffusers import Flux2KleinPipeline, Flux2Pipeline
 
-from flux_cp import flux2_recipe as r
+from flux_cp.families.flux2 import recipe as r
+from flux_cp.families.flux2.tiny import build_tiny_flux2_pipeline, ensure_tiny_flux2_pipeline
 from flux_cp.flow import loss_weighting, sample_timesteps
-from flux_cp.tiny_flux2 import build_tiny_flux2_pipeline, ensure_tiny_flux2_pipeline
 from tests.flux2_example import Args, example_step
 
 

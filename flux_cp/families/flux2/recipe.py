@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .flow import sigmas_for
+from ...flow import sigmas_for
 
 Tensor = torch.Tensor
 
