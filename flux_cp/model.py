@@ -4,6 +4,7 @@ LoRA files are written by flux_cp.lora)."""
 
 from __future__ import annotations
 
+import inspect
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -41,6 +42,23 @@ def load_component(cls, path: str, subfolder: str, revision: str | None, **kwarg
         raise UsageError(
             f"cannot load {subfolder} from --pretrained_model_name_or_path {path}: {str(e).splitlines()[0]}"
         ) from None
+
+
+def transformer_config(path: str, cls: type, revision: str | None, cache_dir: str | None) -> dict:
+    """The transformer's config.json (of diffusers class `cls`), with the class's defaults for what it leaves out (as
+    the model gets them)."""
+    try:
+        config = dict(cls.load_config(path, subfolder="transformer", revision=revision, cache_dir=cache_dir))
+    except (OSError, ValueError) as e:
+        first = str(e).splitlines()[0]
+        raise UsageError(f"cannot load transformer from --pretrained_model_name_or_path {path}: {first}") from None
+    return with_class_defaults(config, cls)
+
+
+def with_class_defaults(config: dict, cls: type) -> dict:
+    """`config` with `cls`'s defaults for the arguments it leaves out."""
+    parameters = inspect.signature(cls.__init__).parameters.values()
+    return {**{p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty}, **config}
 
 
 def load_transformer(model: ModelConfig, path: str, cls: type, dtype: torch.dtype, device: torch.device, seed: int):

@@ -11,7 +11,6 @@ who encodes it), `make_timer` (the clock) and `save_checkpoint`. The details of 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -20,11 +19,9 @@ from typing import Any
 
 import torch
 
-import cp
-
-from . import checkpoint, diskspace, distributed, faults, files, manifest, outdir, parallel, quiet, roles, validation
+from . import checkpoint, diskspace, distributed, faults, files, manifest, outdir, quiet, roles, validation
 from .batches import Batches
-from .blocks import attention_recomputed, more_blocks_than_there_are, prepare_blocks, step_begins, uses_cuda_graphs
+from .blocks import attention_recomputed, more_blocks_than_there_are, step_begins
 from .config import DEFAULT_ENCODINGS_DIR, Config
 from .data import (
     BUNDLED_DATA,
@@ -62,7 +59,6 @@ from .model import (
     pipeline_class,
     prepare_trainable,
     save_full,
-    trainable_parameters,
 )
 from .offload import check_offload
 from .optim import (
@@ -75,14 +71,15 @@ from .optim import (
     make_optimizer,
 )
 from .outdir import finished, finished_line
-from .parallel import Layout, check_kernels, check_overlap, choose_cp_mode, cp_advice, make_accelerator, ulysses_chunks
-from .plan import GIB, Checkpointing, checkpointing_for_run
+from .parallel import Layout, cp_tuning, make_accelerator, make_layout, parallelize
+from .plan import GIB, Checkpointing, checkpointing_for_run, unmeasured
+from .precision import check_sharding, quantize_base
 from .prior import ClassSamples, class_source, generate_class_images, generated_folder
 from .prior import check_resume as check_prior_resume
 from .profiling import profiled
 from .resume import RESUMABLE_CHANGES, changed_settings, check_compatible, run_identity
 from .resume import check_steps as check_resume_steps
-from .shape import RunShape, build_shape, check_tokens, resolved
+from .shape import RunShape, build_shape, check_tokens, launched_world_size, resolved
 from .terminal import escape_logs, printable
 
 logger = logging.getLogger("flux_cp")
@@ -110,6 +107,7 @@ class Trainer:
 
     # setup: fixed for the whole run
     shape: RunShape
+    tuning: Any  # cp.Tuning: the CP tuning this device and model run
     accelerator: Any
     layout: Layout
     device: torch.device
@@ -131,9 +129,7 @@ class Trainer:
     optimizer: Any
     lr_scheduler: Any
     params: list[torch.nn.Parameter]  # trainable, after accelerate.prepare (sharded under FSDP2)
-    transformer_config: dict
-    cp_mode: str
-    ulysses_size: int | None
+    offload: Any  # flux_cp.offload.BlockOffload, or None without --offload_blocks
     checkpointing: Checkpointing  # --gradient_checkpointing resolved: which blocks recompute
     max_steps: int
     run_identity: dict  # what a checkpoint must match to be resumed by this run
@@ -156,16 +152,11 @@ class Trainer:
     # --- seams: what benchmarks and tests replace ------------------------------------------------------------
 
     def launched_world_size(self) -> int:
-        return parallel.launched_world_size()
+        return launched_world_size()
 
     def make_layout(self, accelerator) -> Layout:
-        parallel_cfg = self.cfg.parallel
-        return parallel.make_layout(accelerator, parallel_cfg.cp_size, parallel_cfg.collective_timeout,
-                                    self.cp_tuning())  # fmt: skip
-
-    def cp_tuning(self) -> cp.Tuning:
-        """The CP tuning of the flags, with the Ulysses chunks this model uses (decided in `setup`)."""
-        return dataclasses.replace(self.cfg.cp_tuning.tuning(), ulysses_chunks=self.ulysses_chunks)
+        """The layout and its CP context, in the mode and with the tuning decided in `setup`."""
+        return make_layout(accelerator, self.shape, self.cfg.parallel.collective_timeout, self.tuning)
 
     def open_source(self) -> ImageSource:
         return open_source(self.cfg.data, self.shape.metadata, self.cfg.model.cache_dir)
@@ -199,11 +190,11 @@ class Trainer:
         # process group. transformers' save_pretrained writes weights only on rank 0 once torch.distributed is up,
         # so the tiny default is built (by whichever process locks first) here too.
         self.shape = shape = build_shape(cfg, self.launched_world_size())
-        config = self.read_transformer_config()
-        self.cfg = cfg = resolved(cfg, shape.family, shape.pairs, config)
-        start_warnings = self.decide_against_model(config)
+        self.cfg = cfg = resolved(cfg, shape.family, shape.pairs, shape.transformer_config)
+        start_warnings = self.decide_against_model()
         check_optimizer(cfg.train, "cuda" if torch.cuda.is_available() else "cpu", shape.sharded)
         check_offload(cfg.train.offload_blocks, full_finetune=cfg.lora.full_finetune, sharded=shape.sharded)
+        check_sharding(cfg.model.base_precision, shape.sharded)
         check_reference_limit(shape.family.max_references, shape.family.pairs_label, cfg.validation, shape.metadata,
                               shape.reference_column)  # fmt: skip
         check_tokens(shape, cfg.data, cfg.validation)
@@ -246,27 +237,18 @@ class Trainer:
                 problem = str(e)
         distributed.check_all_ranks(problem is None, problem or "")
 
-    def decide_against_model(self, config: dict) -> list[str]:
-        """What depends on the model but needs none of it loaded, decided once before anything loads: the CP mode and
-        the Ulysses chunks its heads allow, the kernels and overlap this device runs, the prompt window against its
+    def decide_against_model(self) -> list[str]:
+        """What depends on the model but needs none of it loaded, decided once before anything loads (the CP mode its
+        heads allow is the run shape's): the CP tuning this device and model run, the prompt window against its
         tokenizer, the seed checkpoint's file. Returns the warnings for what is used otherwise than given."""
         cfg, shape = self.cfg, self.shape
-        heads = config["num_attention_heads"]
-        self.cp_mode, self.ulysses_size = choose_cp_mode(cfg.parallel, heads, shape.cp)
         device_type = "cuda" if torch.cuda.is_available() else "cpu"  # accelerate's device (cpu=True without CUDA)
-        warnings = [check_kernels(cfg.cp_tuning.kernels, device_type)]
-        check_overlap(cfg.cp_tuning.cp_overlap, bool(cfg.train.compile or cfg.train.compile_mode), shape.cp,
-                      device_type)  # fmt: skip
-        self.ulysses_chunks = 1
-        if shape.cp > 1:
-            self.ulysses_chunks, warning = ulysses_chunks(cfg.cp_tuning.cp_ulysses_chunks, heads, self.cp_mode,
-                                                          self.ulysses_size)  # fmt: skip
-            warnings.append(warning)
+        self.tuning, warnings = cp_tuning(cfg, shape, device_type)
         shape.family.check(cfg)
         shape.family.check_text(cfg, shape.model_path)
         if cfg.train.seed_checkpoint is not None:
             check_seed_checkpoint(cfg.train.seed_checkpoint)
-        return [w for w in warnings if w]
+        return warnings
 
     def claim_output_dir(self) -> None:
         """The output folder becomes this run's (flux_cp.outdir), and how the run starts is decided (flux_cp.resume:
@@ -322,24 +304,9 @@ class Trainer:
     def output_sizes(self) -> diskspace.Sizes:
         """Bytes of one checkpoint and of the final model, from the transformer's config (nothing loaded)."""
         cfg, shape = self.cfg, self.shape
-        config = self.read_transformer_config()
+        config = shape.transformer_config
         shape.family.check_export(config, cfg.lora)  # a kohya file diffusers could not read back: refused now
         return diskspace.run_sizes(cfg, shape.family, config, self.weight_dtype, self.layout.world)
-
-    def read_transformer_config(self) -> dict:
-        """The transformer's config.json, with the class's defaults for what it leaves out (as the model gets them)."""
-        import inspect
-
-        path, cls = self.shape.model_path, self.shape.family.transformer_class()
-        try:
-            model = self.cfg.model
-            config = dict(cls.load_config(path, subfolder="transformer", revision=model.revision,
-                                          cache_dir=model.cache_dir))  # fmt: skip
-        except (OSError, ValueError) as e:
-            first = str(e).splitlines()[0]
-            raise UsageError(f"cannot load transformer from --pretrained_model_name_or_path {path}: {first}") from None
-        parameters = inspect.signature(cls.__init__).parameters.values()
-        return {**{p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty}, **config}
 
     def load_data(self) -> None:
         """Encode the data set once (cached on disk, spread over all ranks), then free the text encoders."""
@@ -444,37 +411,26 @@ class Trainer:
             logger.info(f"generated {made} class images in {generated_folder(Path(self.cfg.data.class_data_dir))}")
 
     def build_model(self) -> None:
-        """Transformer, LoRA or full, seed checkpoint, CP attention, compile, optimizer, then FSDP/DDP."""
+        """The transformer (its frozen base quantized with --base_precision, LoRA or full, the seed checkpoint), made
+        to run on the layout by `parallelize` (CP, checkpointing and compile, block offload, the optimizer, FSDP2 or
+        DDP), and the LR schedule."""
         cfg, layout, train, shape = self.cfg, self.layout, self.cfg.train, self.shape
+        precision = cfg.model.base_precision
+        # On the CPU first when blocks are offloaded or the base is quantized: the whole bf16 model need not fit the
+        # GPU (quantize_base and offload_blocks move it there, a layer or a block at a time).
+        staged = train.offload_blocks != "0" or precision != "bf16"
         transformer = load_transformer(cfg.model, shape.model_path, shape.family.transformer_class(),
-                                       self.weight_dtype, self.device, train.seed)  # fmt: skip
-        self.transformer_config = config = dict(transformer.config)
+                                       self.weight_dtype, torch.device("cpu") if staged else self.device,
+                                       train.seed)  # fmt: skip
         pretrained = cfg.model.transformer_init == "pretrained"  # random weights: its config and the seed are all
         folder = component_folder(shape.model_path, "transformer", cfg.model.revision, cfg.model.cache_dir)
         self.components["transformer"] = model_fingerprint(transformer, folder if pretrained else None)
+        if precision != "bf16":  # before LoRA: peft wraps each quantized linear in its LoRA layer
+            logger.info(quantize_base(transformer, precision, device=self.device).describe())
         prepare_trainable(transformer, cfg.lora, train.seed)
         if train.seed_checkpoint:
             how = apply_seed_checkpoint(transformer, train.seed_checkpoint, layout.is_main)
             logger.info(f"seed checkpoint {how}: {train.seed_checkpoint}")
-        mode, ulysses_size = self.cp_mode, self.ulysses_size  # chosen in setup
-        # Installed at cp=1 too: its block kernels (cuDNN on Hopper) beat diffusers' default SDPA path.
-        cp.apply_context_parallel(transformer, layout.cp_context, mode=mode, ulysses_size=ulysses_size)
-        if layout.cp > 1:
-            logger.info(
-                ("auto-chosen " if cfg.parallel.cp_mode == "auto" else "")
-                + f"context parallel: {mode}"
-                + (f" (ulysses {ulysses_size})" if ulysses_size else "")
-                + f" over {layout.cp} ranks"
-            )
-            tokens = shape.image_tokens() + shape.text_tokens
-            advice = cp_advice(tokens, layout.cp, uses_cuda_graphs(train.compile_mode))
-            if advice and self.device.type == "cuda":  # measured on GPUs; the CPU demo's tiny sequences are for tests
-                logger.warning(advice)
-        self.checkpointing = self.plan_checkpointing(config, mode)
-        prepare_blocks(transformer, checkpointed=self.checkpointing.blocks,
-                       recompute_attention=train.recompute_attention, compile=bool(train.compile or train.compile_mode),
-                       compile_mode=train.compile_mode, cp=layout.cp, tuning=layout.cp_context.tuning)  # fmt: skip
-        optimizer = make_optimizer(train, [p for _, p in trainable_parameters(transformer)], self.global_batch)
         steps_per_epoch = self.schedule.batches_per_epoch // train.gradient_accumulation_steps
         if steps_per_epoch == 0 and train.max_train_steps is None:
             raise UsageError(
@@ -483,8 +439,12 @@ class Trainer:
                 agreed=True,  # every rank counts the same batches
             )
         self.max_steps = max_steps = train.max_train_steps or train.num_train_epochs * steps_per_epoch
-        self.lr_scheduler = make_lr_scheduler(train, optimizer, max_steps)
-        self.model, self.optimizer = self.accelerator.prepare(transformer, optimizer)
+        self.checkpointing = self.plan_checkpointing()
+        ready = parallelize(transformer, shape, layout, cfg, checkpointing=self.checkpointing, device=self.device,
+                            accelerator=self.accelerator,
+                            make_optimizer=lambda params: make_optimizer(train, params, self.global_batch))  # fmt: skip
+        self.model, self.optimizer, self.offload = ready.model, ready.optimizer, ready.offload
+        self.lr_scheduler = make_lr_scheduler(train, ready.base_optimizer, max_steps)
         # After prepare: FSDP2 replaces the parameters with sharded ones (the optimizer is remapped by accelerate;
         # a list taken before would clip and measure gradients that no longer exist).
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -502,20 +462,21 @@ class Trainer:
             if warning:
                 logger.warning(f"warning: {warning}")
 
-    def plan_checkpointing(self, config: dict, mode: str) -> Checkpointing:
+    def plan_checkpointing(self) -> Checkpointing:
         """--gradient_checkpointing resolved (auto: the fewest blocks whose planned peak fits this GPU, or
         --gpu_memory_gib), logged; run_config.json records it."""
-        cfg, shape, layout = self.cfg, self.shape, self.layout
+        cfg, shape = self.cfg, self.shape
         gpu = cfg.plan.gpu_memory_gib
         if gpu is None and self.device.type == "cuda":
             gpu = torch.cuda.get_device_properties(self.device).total_memory / GIB
-        ckpt = checkpointing_for_run(cfg, shape.family, config, shape.largest_sequence, layout.world, layout.cp,
-                                     mode, shape.sharded, gpu)  # fmt: skip
+        ckpt = checkpointing_for_run(cfg, shape, gpu)
         value = cfg.train.gradient_checkpointing
         if value != "none":  # asked for: say what it resolved to
             logger.info(ckpt.describe(value))
         if note := more_blocks_than_there_are(value, ckpt.total):
             logger.warning(f"warning: {note}")
+        if note := unmeasured(shape.family):
+            logger.info(f"flux-cp: {note}")
         if not ckpt.fits:
             logger.warning(
                 f"warning: the planned peak ({ckpt.planned_gib:.1f} GiB) exceeds 90% of {ckpt.gpu_gib:.1f} GiB even "
@@ -575,8 +536,9 @@ class Trainer:
         """Record the run's settings, open the metrics and trackers, and build the batch source."""
         cfg, layout, device, shape = self.cfg, self.layout, self.device, self.shape
         if layout.is_main:
-            chosen = {"layout": layout.describe(), "cp_mode": self.cp_mode, "ulysses_size": self.ulysses_size,
-                      "cp_ulysses_chunks": self.ulysses_chunks, "checkpointed_blocks": len(self.checkpointing.blocks),
+            chosen = {"layout": layout.describe(), "cp_mode": shape.cp_mode, "ulysses_size": shape.ulysses_size,
+                      "cp_ulysses_chunks": self.tuning.ulysses_chunks,
+                      "checkpointed_blocks": len(self.checkpointing.blocks),
                       "planned_peak_gib": round(self.checkpointing.planned_gib, 2)}  # fmt: skip
             manifest.record(cfg.train.output_dir, "run_config.json")
             files.write_json(Path(cfg.train.output_dir) / "run_config.json", {**cfg.flat(), **chosen})
@@ -592,7 +554,7 @@ class Trainer:
 
         self.bar = tqdm(range(self.max_steps), initial=start_step, desc="steps", disable=not layout.is_main,
                         dynamic_ncols=True)  # fmt: skip
-        guidance = bool(self.transformer_config.get("guidance_embeds"))
+        guidance = bool(shape.transformer_config.get("guidance_embeds"))
         self.batches = Batches(self.samples, self.schedule, layout, cfg.data, cfg.train, self.noise_scheduler,
                                shape.family, shape.family.normalizer(self.encoders.vae), guidance, device,
                                self.weight_dtype, self.classes)  # fmt: skip
@@ -619,7 +581,7 @@ class Trainer:
         for micro in range(accum):
             mb = self.batches.micro((step - 1) * accum + micro)
             tokens += samples * (mb.image_tokens + mb.text_tokens)
-            flops += family.step_flops(self.transformer_config, mb.image_tokens, mb.text_tokens, samples,
+            flops += family.step_flops(self.shape.transformer_config, mb.image_tokens, mb.text_tokens, samples,
                                        not cfg.lora.full_finetune, recomputed,
                                        recomputed if attention_recomputed(cfg.train) else 0.0)  # fmt: skip
             step_begins(cfg.train.compile_mode)
@@ -806,7 +768,7 @@ class Trainer:
                 manifest.record(output_dir, name)
                 path = write_model_card(
                     cfg.train.output_dir, cfg, kontext=self.shape.pairs, steps=self.max_steps,
-                    layout=self.layout.describe(), cp_mode=self.cp_mode, repo_id=repo_id,
+                    layout=self.layout.describe(), cp_mode=self.shape.cp_mode, repo_id=repo_id,
                     pipeline=self.shape.family.pipeline_class_name(self.shape.pairs), family=self.shape.family,
                     filename=name,
                 )  # fmt: skip

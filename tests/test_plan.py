@@ -11,6 +11,7 @@ import torch
 from flux_cp import plan
 from flux_cp.families.flux1 import ATTENTION_TARGETS, DEFAULT_TARGETS
 from flux_cp.families.flux1.tiny import FLUX1_DEV_TRANSFORMER
+from flux_cp.shape import transformer_config_offline
 
 ATTN_LORA = list(ATTENTION_TARGETS)
 
@@ -191,10 +192,10 @@ def test_a_cached_config_comes_first_and_an_unknown_id_offline_is_one_line(tmp_p
 
     _offline(monkeypatch, tmp_path)
     _cache_transformer_config(tmp_path / "hf-cache", num_layers=5)
-    got, source = plan.transformer_config("someone/flux-finetune")
+    got, source = transformer_config_offline("someone/flux-finetune")
     assert got["num_layers"] == 5 and source == "someone/flux-finetune (local HF cache)"
     with pytest.raises(UsageError) as e:
-        plan.transformer_config("black-forest-labs/FLUX.2-dev")
+        transformer_config_offline("black-forest-labs/FLUX.2-dev")
     assert str(e.value).startswith(
         "--pretrained_model_name_or_path black-forest-labs/FLUX.2-dev: not a local folder, and its "
         "transformer/config.json is not in the local HF cache (HF_HUB_OFFLINE is set): pass the model's folder, a "
@@ -211,8 +212,8 @@ def test_the_plan_reads_a_hub_config_from_the_download_cache_that_cache_dir_name
     _offline(monkeypatch, tmp_path)
     _cache_transformer_config(tmp_path / "downloads", num_layers=3)
     with pytest.raises(UsageError, match="is not in the local HF cache"):  # not in the default cache
-        plan.transformer_config("someone/flux-finetune")
-    got, _ = plan.transformer_config("someone/flux-finetune", cache_dir=str(tmp_path / "downloads"))
+        transformer_config_offline("someone/flux-finetune")
+    got, _ = transformer_config_offline("someone/flux-finetune", cache_dir=str(tmp_path / "downloads"))
     assert got["num_layers"] == 3
     cfg = parse_config(["--plan", "--pretrained_model_name_or_path", "someone/flux-finetune", "--cache_dir",
                         str(tmp_path / "downloads")])  # fmt: skip
@@ -234,7 +235,7 @@ def test_an_unreachable_hub_is_one_line_after_one_attempt(tmp_path, monkeypatch)
     monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")
     start = time.monotonic()
     with pytest.raises(UsageError) as e:
-        plan.transformer_config("someone/not-cached")
+        transformer_config_offline("someone/not-cached")
     assert time.monotonic() - start < 5
     message = str(e.value)
     assert (
