@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import shutil
 import socket
@@ -22,11 +23,19 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from safetensors import SafetensorError
 
-from . import checkpoint, files, manifest, resume
+from . import checkpoint, distributed, files, manifest, resume, roles
+from .data import BUNDLED_DATA, encodings_folder
 from .errors import UsageError
+from .prior import check_resume as check_prior_resume
+
+if TYPE_CHECKING:
+    from .config import Config
+
+logger = logging.getLogger("flux_cp")
 
 LOCK_NAME = ".flux_cp.lock"
 FINAL_OUTPUTS = ("pytorch_lora_weights.safetensors", "transformer")
@@ -344,3 +353,42 @@ def finished_line(path: Path, steps: int) -> str:
         "are written, so there is nothing to do and nothing was changed. To train further, pass a larger "
         "--max_train_steps with --resume_from_checkpoint latest"
     )
+
+
+def claim_run(cfg: Config, model_path: str, is_main: bool) -> None:
+    """`claim` the output folder for the run of `cfg` (the main process; every rank learns the result): apart from
+    the model, the data set, the class images, the encoding cache and the tracker logs (flux_cp.roles), and a resume
+    needing other class images than this run's refused before any is generated; the lines to log are logged."""
+    problem, claimed = None, None
+    if is_main:
+        data = cfg.data
+        try:
+            trackers = cfg.validation.report_to in ("tensorboard", "all")  # the ones writing into --logging_dir
+            logs = cfg.validation.logging_dir if trackers else None
+            classes = data.class_data_dir if data.with_prior_preservation else None
+            data_flag = ("--instance_data_dir" if data.instance_data_dir else "--dataset_name" if data.dataset_name
+                         else "the bundled data set")  # fmt: skip
+            encodings = None if data.no_cache else encodings_folder(data)
+            roles.check(cfg.train.output_dir, model=model_path, data=data.dataset_name or str(BUNDLED_DATA),
+                        data_flag=data_flag, bundled=BUNDLED_DATA.parent, class_dir=classes, encodings=encodings,
+                        logs=logs)  # fmt: skip
+
+            def accept(decision: resume.Decision) -> None:  # a resume needing other class images: refused now
+                if decision.checkpoint is not None:
+                    check_prior_resume(checkpoint.read_meta(decision.checkpoint), data, decision.checkpoint)
+
+            claimed = claim(
+                cfg.train.output_dir, cfg.checkpoints.resume_from_checkpoint, cfg.train.overwrite_output_dir,
+                logging_dir=logs, max_train_steps=cfg.train.max_train_steps, accept=accept,
+                apart={"--pretrained_model_name_or_path": model_path, data_flag: data.dataset_name or str(BUNDLED_DATA),
+                       "--class_data_dir": classes},
+            )  # fmt: skip
+            if encodings is not None:
+                check_writable(Path(encodings), "--encodings_dir")
+        except UsageError as e:
+            problem = str(e)
+    distributed.check_all_ranks(problem is None, problem or "")
+    if claimed and claimed.removed:
+        logger.info(f"--overwrite_output_dir: removed the earlier run's outputs ({', '.join(claimed.removed)})")
+    for note in claimed.notes if claimed else ():
+        logger.info(note)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 from collections.abc import Callable
@@ -30,7 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from . import diskspace
-from .blocks import attention_recomputed, checkpointed_blocks
+from .blocks import attention_recomputed, checkpointed_blocks, more_blocks_than_there_are
 from .families import for_transformer
 from .optim import optimizer_name, state_bytes
 from .shape import RunShape, auto_mode, build_shape, launched_world_size, resolved
@@ -38,6 +39,8 @@ from .shape import RunShape, auto_mode, build_shape, launched_world_size, resolv
 if TYPE_CHECKING:
     from .config import Config
     from .families import Family
+
+logger = logging.getLogger("flux_cp")
 
 GIB = 2**30
 DATA = json.loads((Path(__file__).parent / "plan_data.json").read_text())  # its "notes" say what each constant is
@@ -223,9 +226,31 @@ def run_estimate(cfg: Config, shape: RunShape) -> Callable[[int | None], Estimat
     return estimate_with
 
 
-def checkpointing_for_run(cfg: Config, shape: RunShape, gpu_gib: float | None) -> Checkpointing:
-    """The trainer's `--gradient_checkpointing`: a count as given, or `auto`'s choice for `gpu_gib` (--gpu_memory_gib,
-    else the GPU's memory; without either, nothing to fit: no block checkpointed)."""
+def checkpointing_for_run(cfg: Config, shape: RunShape, device: torch.device) -> Checkpointing:
+    """The trainer's `--gradient_checkpointing` on `device`: a count as given, or `auto`'s choice for --gpu_memory_gib,
+    else the GPU's memory (on the CPU, without either: nothing to fit, no block checkpointed). Logged, with what the
+    choice rests on; run_config.json records it."""
+    gpu = cfg.plan.gpu_memory_gib
+    if gpu is None and device.type == "cuda":
+        gpu = torch.cuda.get_device_properties(device).total_memory / GIB
+    ckpt = checkpointing_for(cfg, shape, gpu)
+    value = cfg.train.gradient_checkpointing
+    if value != "none":  # asked for: say what it resolved to
+        logger.info(ckpt.describe(value))
+    if note := more_blocks_than_there_are(value, ckpt.total):
+        logger.warning(f"warning: {note}")
+    if note := unmeasured(shape.family):
+        logger.info(f"flux-cp: {note}")
+    if not ckpt.fits:
+        logger.warning(
+            f"warning: the planned peak ({ckpt.planned_gib:.1f} GiB) exceeds 90% of {ckpt.gpu_gib:.1f} GiB even "
+            "with every block checkpointed: expect out-of-memory; use --cp_size (train_flux_cp.py --plan)"
+        )
+    return ckpt
+
+
+def checkpointing_for(cfg: Config, shape: RunShape, gpu_gib: float | None) -> Checkpointing:
+    """`--gradient_checkpointing` for a GPU of `gpu_gib` (None: nothing to fit, no block checkpointed for `auto`)."""
     train, family = cfg.train, shape.family
     estimate_with = run_estimate(cfg, shape)
     value = train.gradient_checkpointing

@@ -22,6 +22,7 @@ What a checkpoint must share with the run resuming it (model, LoRA, data, resolu
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -30,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import checkpoint, files, manifest
+from . import checkpoint, distributed, files, manifest
 from .errors import UsageError
 from .metrics import read_metrics
 from .optim import optimizer_name
@@ -39,6 +40,8 @@ from .terminal import printable
 if TYPE_CHECKING:
     from .config import Config
     from .data import DataIdentity
+
+logger = logging.getLogger("flux_cp")
 
 
 @dataclass(frozen=True)
@@ -333,3 +336,52 @@ def check_compatible(meta: dict, run: dict, path: Path) -> None:
 def changed_settings(saved: dict, now: dict, names: tuple[str, ...]) -> list[str]:
     """`--flag old -> new` for each of `names` whose value differs between a checkpoint's args and this run's."""
     return [f"--{n} {printable(saved[n])} -> {now.get(n)}" for n in names if n in saved and saved[n] != now.get(n)]
+
+
+# --- the checkpoint a run resumes -------------------------------------------------------------------------------
+
+
+def verify_shares(cfg: Config, rank: int, world: int) -> None:
+    """The checkpoint the run of `cfg` resumes, checked against the checksums written with it, every rank a share of
+    its shards (before any model loads: a damaged checkpoint is refused naming the file)."""
+    path = checkpoint.resolve(cfg.checkpoints.resume_from_checkpoint, cfg.train.output_dir)
+    if path is not None:
+        problem = checkpoint.verify_shared(path, checkpoint.read_meta(path), rank, world)
+        distributed.check_all_ranks(problem is None, problem or "")
+
+
+def checkpoint_of(cfg: Config, run: dict, max_steps: int) -> tuple[Path, dict] | None:
+    """(the checkpoint the run of `cfg` resumes, its meta.json), refused when it comes from an incompatible run (`run`:
+    this run's identity) or lies beyond the run's `max_steps`; None to start from step 0. Every rank reads the same
+    checkpoint and holds the same run identity: one rank prints a refusal."""
+    resume, output_dir = cfg.checkpoints.resume_from_checkpoint, cfg.train.output_dir
+    try:
+        path = checkpoint.resolve(resume, output_dir)
+        meta = checkpoint.read_meta(path) if path is not None else None
+        if meta is not None:
+            check_compatible(meta, run, path)
+            check_steps(meta["step"], max_steps, path, "--max_train_steps, or --num_train_epochs")
+    except UsageError as e:
+        raise UsageError(str(e), agreed=True) from None
+    if path is None:
+        if resume == "latest":
+            logger.info(f"no checkpoint in {output_dir} yet: starting from step 0")
+        return None
+    return path, meta
+
+
+def restore(path: Path, meta: dict, cfg: Config, model, optimizer, lr_scheduler) -> int:
+    """Load checkpoint `path` (its `meta`) into the model, optimizer and schedule, on any layout, saying which
+    settings this run changes; returns its step."""
+    with_optimizer = meta.get("optimizer_state", True)
+    applied = checkpoint.load(path, model, optimizer, lr_scheduler, with_optimizer)
+    logger.info(f"resumed from {path} at step {meta['step']} (written with {printable(meta['layout'])})")
+    changed = changed_settings(meta.get("args", {}), cfg.flat(), RESUMABLE_CHANGES)
+    for change in changed or applied:
+        logger.info(f"resume: {change} (applied from step {meta['step'] + 1})")
+    if not with_optimizer:
+        logger.warning(
+            f"warning: {path} has no optimizer state (--checkpoint_weights_only): AdamW's moments start from "
+            "zero, so the next steps differ from an uninterrupted run"
+        )
+    return meta["step"]

@@ -20,11 +20,14 @@ import torch
 import cp
 
 from . import hub
-from .data import local_metadata, reference_column, reference_counts
+from .data import check_pair_flags, check_reference_limit, local_metadata, reference_column, reference_counts
 from .encode import run_buckets
 from .errors import UsageError
 from .families import FLUX1, Family, detect, for_transformer, known_model, known_models
-from .model import transformer_config, with_class_defaults
+from .model import check_seed_checkpoint, transformer_config, with_class_defaults
+from .offload import check_offload
+from .optim import check_optimizer
+from .precision import check_sharding
 
 if TYPE_CHECKING:
     from .config import Config, DataConfig, ModelConfig, ParallelConfig, ValidationConfig
@@ -221,6 +224,25 @@ def check_tokens(shape: RunShape, data: DataConfig, validation: ValidationConfig
                 f"{flag} {res} gives {tokens} image tokens{per}, not divisible by --cp_size {n}: use {options}, or "
                 "another CP size"
             ) from None
+
+
+def check_start(cfg: Config, shape: RunShape, device_type: str) -> None:
+    """What the flags ask of this run that its shape (the model, the data's metadata, the launch) or the machine
+    cannot give, refused at start before anything loads (one UsageError): the family's flags and prompt window, the
+    seed checkpoint's file, the optimizer on this device and sharding, block offload and a quantized base against
+    FSDP2, reference images per target, the CP split of every sequence, the flags of pair data."""
+    family = shape.family
+    family.check(cfg)
+    family.check_text(cfg, shape.model_path)
+    if cfg.train.seed_checkpoint is not None:
+        check_seed_checkpoint(cfg.train.seed_checkpoint)
+    check_optimizer(cfg.train, device_type, shape.sharded)
+    check_offload(cfg.train.offload_blocks, full_finetune=cfg.lora.full_finetune, sharded=shape.sharded)
+    check_sharding(cfg.model.base_precision, shape.sharded)
+    check_reference_limit(family.max_references, family.pairs_label, cfg.validation, shape.metadata,
+                          shape.reference_column)  # fmt: skip
+    check_tokens(shape, cfg.data, cfg.validation)
+    check_pair_flags(cfg.data, cfg.validation, shape.pairs)
 
 
 # --- the shape --------------------------------------------------------------------------------------------------
