@@ -105,7 +105,6 @@ def load(
         classes = class_source(Path(cfg.data.class_data_dir), cfg.data.class_prompt, cfg.data.num_class_images)
         logger.info(f"prior preservation: {len(classes)} class images of '{cfg.data.class_prompt}'")
     samples, encoded_classes = _encoded(cfg, shape, source, classes, encoders, components, encode_share)
-    samples = Repeated(samples, cfg.data.repeats) if cfg.data.repeats > 1 else samples
     global_batch = cfg.train.train_batch_size * layout.dp
     counts = [source.reference_count(t % len(source)) for t in range(len(samples.buckets))]
     groups = Repeats(batch_groups(samples.buckets, counts), cfg.data.repeats)  # each copy in its sample's group
@@ -117,7 +116,8 @@ def load(
             f"aspect bucket and one number of reference images, and theirs have fewer samples than a global batch "
             f"({global_batch}); lower --train_batch_size, or give those rows as many references as others"
         )
-    return RunData(shape, source, encoders, components, noise_scheduler, samples, classes, encoded_classes, schedule,
+    repeated = Repeated(samples, cfg.data.repeats) if cfg.data.repeats > 1 else samples
+    return RunData(shape, source, encoders, components, noise_scheduler, repeated, classes, encoded_classes, schedule,
                    global_batch, previews)  # fmt: skip
 
 
