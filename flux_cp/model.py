@@ -91,10 +91,10 @@ def load_transformer(model: ModelConfig, path: str, cls: type, dtype: torch.dtyp
     ).to(device)
 
 
-def load_trainee(cfg: Config, path: str, cls: type, dtype: torch.dtype, device: torch.device, is_main: bool
-                 ) -> tuple[torch.nn.Module, str]:  # fmt: skip
+def load_trainee(cfg: Config, path: str, cls: type, quantized_parts: tuple[str, ...], dtype: torch.dtype,
+                 device: torch.device, is_main: bool) -> tuple[torch.nn.Module, str]:  # fmt: skip
     """The transformer (diffusers class `cls`, of the model at `path`) to train and the fingerprint of its weights as
-    loaded: its frozen base quantized with
+    loaded: its frozen base (the linears of `quantized_parts`) quantized with
     --base_precision (before LoRA: peft wraps each quantized linear in its LoRA layer), then LoRA adapters or every
     weight trainable (`prepare_trainable`), then the seed checkpoint's weights (written when absent)."""
     model, train, precision = cfg.model, cfg.train, cfg.model.base_precision
@@ -106,7 +106,7 @@ def load_trainee(cfg: Config, path: str, cls: type, dtype: torch.dtype, device: 
     folder = component_folder(path, "transformer", model.revision, model.cache_dir)
     fingerprint = model_fingerprint(transformer, folder if pretrained else None)
     if precision != "bf16":
-        logger.info(quantize_base(transformer, precision, device=device).describe())
+        logger.info(quantize_base(transformer, precision, device=device, parts=quantized_parts).describe())
     prepare_trainable(transformer, cfg.lora, train.seed)
     if train.seed_checkpoint:
         how = apply_seed_checkpoint(transformer, train.seed_checkpoint, is_main)

@@ -555,6 +555,8 @@ def offload_blocks(
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    elif device.type == "cpu":  # accelerate's "cpu:0" of a multi-process run: a .to() of it copies every CPU tensor
+        device = torch.device("cpu")
     kinds = block_kinds(transformer)
     if n > len(kinds):
         raise UsageError(f"--offload_blocks {n}: the transformer has {len(kinds)} blocks; give at most {len(kinds)}")

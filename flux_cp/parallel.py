@@ -272,7 +272,9 @@ def parallelize(
         return Parallelized(transformer)
     offload = _offload(transformer, cfg, checkpointing, layout, device)
     optimizer = make_optimizer([p for _, p in trainable_parameters(transformer)])
-    model, prepared = accelerator.prepare(transformer, optimizer)
+    # An offloaded model is where it must be already: accelerate's move to its device (on the CPU "cpu:0", which copies
+    # every CPU tensor) would undo the slots
+    model, prepared = accelerator.prepare(transformer, optimizer, device_placement=[offload is None, True])
     if offload is not None:
         offload.check()  # nothing moved or converted its weights since
     return Parallelized(model, prepared, optimizer, offload)

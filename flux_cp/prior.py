@@ -192,7 +192,7 @@ def generate_class_images(cfg: Config, shape: RunShape, layout: Layout, encoders
     transformer = load_transformer(cfg.model, shape.model_path, shape.family.transformer_class(), weight_dtype,
                                    device if precision == "bf16" else torch.device("cpu"), cfg.train.seed)  # fmt: skip
     if precision != "bf16":
-        quantize_base(transformer, precision, device=device)
+        quantize_base(transformer, precision, device=device, parts=shape.family.quantized_parts)
     transformer.requires_grad_(False)
     transformer = parallelize(transformer, shape, layout, cfg).model  # CP across each group (and --compile)
     jobs = [(0, generator(Stream.CLASS_IMAGE, cfg.train.seed, k)) for k in indices]

@@ -209,8 +209,9 @@ class Trainer:
         compile, block offload, the optimizer, FSDP2 or DDP), and the LR schedule."""
         cfg, layout, train, shape = self.cfg, self.layout, self.cfg.train, self.shape
         transformer, self.components["transformer"] = load_trainee(
-            cfg, shape.model_path, shape.family.transformer_class(), self.weight_dtype, self.device, layout.is_main
-        )
+            cfg, shape.model_path, shape.family.transformer_class(), shape.family.quantized_parts, self.weight_dtype,
+            self.device, layout.is_main,
+        )  # fmt: skip
         data = self.data
         steps_per_epoch = data.schedule.batches_per_epoch // train.gradient_accumulation_steps
         if steps_per_epoch == 0 and train.max_train_steps is None:

@@ -1,7 +1,8 @@
 """A model family that is not FLUX, added the way a third family would be: this one module (a small DiT with one
 block list, its own attention module and CP processor registered with `cp.register`, and its `Family`) and one
 registry line, `families.register(DIT)`, in every process before the trainer runs. It trains through the trainer
-unchanged, with CP over 2 ranks giving one process's losses and LoRA weights. It reuses the tiny FLUX.1's VAE and
+unchanged, with CP over 2 ranks and three of its four blocks offloaded (--offload_blocks: their frozen weights in host
+memory, copied in before each use) giving one process's losses and LoRA weights. It reuses the tiny FLUX.1's VAE and
 text encoders (CLIP, T5) for its latents and text.
 
 Run as a script (`accelerate launch tests/test_family_seam.py FLAGS`) it is `train_flux_cp.py` with the family
@@ -186,7 +187,7 @@ def write_model(folder: Path) -> Path:
         shutil.copytree(tiny / part, folder / part)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        TinyDiT().save_pretrained(folder / "transformer")
+        TinyDiT(num_layers=4).save_pretrained(folder / "transformer")
     index = json.loads((tiny / "model_index.json").read_text())
     index.update(_class_name="TinyDiTPipeline", transformer=["test_family_seam", "TinyDiT"])
     (folder / "model_index.json").write_text(json.dumps(index))
@@ -197,15 +198,17 @@ def write_model(folder: Path) -> Path:
 
 
 @pytest.mark.e2e
-def test_a_family_added_by_one_module_trains_through_the_trainer_with_cp_equal_to_one_process(tmp_path):
+def test_a_family_added_by_one_module_trains_through_the_trainer_with_cp_and_offload_equal_to_one_process(tmp_path):
     from tests.launch import assert_same_trajectory, ok, run_args, train
 
     model = write_model(tmp_path / "dit")
     flags = ["--pretrained_model_name_or_path", str(model), "--resolution", "64", "--max_sequence_length", "32",
              "--train_batch_size", "2", "--learning_rate", "1e-2", "--rank", "4"]  # fmt: skip
     ok(train(1, *run_args(tmp_path, "one", 10, *flags), script=Path(__file__)))
-    result = ok(train(2, *run_args(tmp_path, "cp2", 10, *flags, "--cp_size", "2"), script=Path(__file__)))
+    offloaded = [*flags, "--cp_size", "2", "--offload_blocks", "3"]
+    result = ok(train(2, *run_args(tmp_path, "cp2", 10, *offloaded), script=Path(__file__)))
     assert "context parallel: ulysses (ulysses 2) over 2 ranks" in result.stderr
+    assert "block offload: 3 blocks' frozen weights in pinned host memory" in result.stderr
     assert "no measured activation counts for TinyDiT" in result.stderr  # the planner's estimate, said
     assert_same_trajectory(tmp_path / "cp2", tmp_path / "one")
     card = (tmp_path / "cp2" / "README.md").read_text()

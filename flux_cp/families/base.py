@@ -238,6 +238,12 @@ class Family(ABC):
         for its backward (`flux_cp/plan_data.json`, by `transformer_class_name` and kind)."""
         return tuple((kind, config[key]) for kind, _, key in self.block_lists)
 
+    @property
+    def quantized_parts(self) -> tuple[str, ...]:
+        """The transformer's top-level modules whose linears --base_precision quantizes: its block lists (the rest,
+        embedders and final layer, stays as loaded: flux_cp.precision)."""
+        return tuple(name for _, name, _ in self.block_lists)
+
     def blocks(self, transformer: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
         """(kind, block) of every block of `transformer`, in the order they run."""
         return [(kind, block) for kind, name, _ in self.block_lists for block in getattr(transformer, name)]

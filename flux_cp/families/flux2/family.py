@@ -236,6 +236,9 @@ class Flux2(Family):
         "tested here)."
     )
     comfyui_unmapped = COMFYUI_UNMAPPED
+    # its blocks, and the modulation linears they share (quantized like the blocks' own)
+    quantized_parts = ("transformer_blocks", "single_transformer_blocks", "double_stream_modulation_img",
+                       "double_stream_modulation_txt", "single_stream_modulation")  # fmt: skip
 
     def __init__(self, klein: bool):
         self.klein = klein
