@@ -12,7 +12,7 @@ order `kernels` (`KernelChoice.key`: names joined by commas, "" for the device's
 Layouts: `out` has the strides of `q`, and each gradient those of its input. Without a ring (group ""), q, k and
 v may be transposed views of `[B, S, H, D]` memory, the layout in which an all-to-all of sequence chunks
 delivers them: cuDNN reads and writes that layout directly (forward and backward, checked on H200s by
-benchmarks/probe_layouts.py), so no copy is made on either side of the exchange. Inductor must hand the ops
+benchmarks/archive/probe_layouts.py), so no copy is made on either side of the exchange. Inductor must hand the ops
 exactly the strides it traced (`needs_exact_strides`), since the fake kernels derive the output strides from them.
 """
 

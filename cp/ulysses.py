@@ -178,7 +178,7 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, spec: CallSpec) -> Tensor
 # other chunks' q, k, v go back together beside the first chunk's attention backward. Exposed: the first chunk's
 # q, k, v and the last chunk's output, 1/c of the exchanges each way, where one chunk exposes all of them.
 # The joint exchange interleaves q, k and v (`[u, B, S_l, c-1, 3, h, D]`): each is a view with gaps between its
-# rows, which cuDNN reads as it is (benchmarks/probe_layouts.py, "packed").
+# rows, which cuDNN reads as it is (benchmarks/archive/probe_layouts.py, "packed").
 
 
 def _by_chunk(t: Tensor, u: int, c: int) -> Tensor:
