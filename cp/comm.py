@@ -84,7 +84,8 @@ def gather(tensor: Tensor, dim: int, group: ProcessGroup | None) -> Tensor:
     return _AllGather.apply(tensor, dim, group)
 
 
-HEAD_START_CYCLES = 1000  # ~0.5 us at an H200's clock; 1000 and 4000 measured the same (benchmarks/archive/probe_sms.py)
+# ~0.5 us at an H200's clock; 1000 and 4000 measured the same (benchmarks/archive/probe_sms.py)
+HEAD_START_CYCLES = 1000
 
 
 def head_start() -> None:

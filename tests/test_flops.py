@@ -58,11 +58,14 @@ def test_the_flux2_forward_formula_counts_what_torch_counts(h, w, text, pairs):
     from flux_cp.families import FLUX2
     from flux_cp.families.flux2 import recipe as flux2_recipe
     from flux_cp.families.flux2.tiny import tiny_flux2_transformer
+    from tests import flux2_recipe_steps
 
     model = tiny_flux2_transformer(mlp_ratio=2.5).eval()
     config = model.config
     latents = torch.randn(1, config.in_channels, h, w)
-    hidden, ids = flux2_recipe.image_sequence(latents, [torch.randn(1, config.in_channels, 2, 4)] if pairs else [])
+    hidden, ids = flux2_recipe_steps.image_sequence(
+        latents, [torch.randn(1, config.in_channels, 2, 4)] if pairs else []
+    )
     inputs = dict(
         hidden_states=hidden, encoder_hidden_states=torch.randn(1, text, config.joint_attention_dim),
         timestep=torch.tensor([0.5]), img_ids=ids, txt_ids=flux2_recipe.text_ids(text), guidance=torch.tensor([3.5]),

@@ -22,12 +22,12 @@ from flux_cp.data import BatchSchedule, batch_groups, check_reference_limit, cro
 from flux_cp.encode import Geometry, LiveData, encode_dataset, reference_key
 from flux_cp.errors import UsageError
 from flux_cp.families import FLUX1, FLUX2
-from flux_cp.families.flux2.recipe import flow_loss
 from flux_cp.flow import per_sample_draws
 from flux_cp.folders import read_metadata_file
 from flux_cp.parallel import Layout
 from flux_cp.rng import Stream, generator
 from flux_cp.shape import build_shape, check_tokens
+from tests.flux2_recipe_steps import flow_loss
 from tests.reference_folders import PAIRS, references_folder, rows_of_pairs
 
 CPU = torch.device("cpu")
