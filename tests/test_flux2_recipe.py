@@ -1,6 +1,7 @@
 """flux_cp/families/flux2/recipe.py and the recipe's steps (tests/flux2_recipe_steps.py) against diffusers' FLUX.2
-LoRA examples and pipelines: on equal draws the recipe gives the example's loss and gradients on a tiny Flux2Transformer2DModel ([dev] with guidance, [klein] without, text-to-image
-and with a reference image), and each piece equals the Flux2Pipeline method it follows."""
+LoRA examples and pipelines: on equal draws the recipe gives the example's loss and gradients on a tiny
+Flux2Transformer2DModel ([dev] with guidance, [klein] without, text-to-image and with a reference image), and each
+piece equals the Flux2Pipeline method it follows."""
 
 from __future__ import annotations
 
