@@ -39,11 +39,11 @@ def one(precision: str, from_cpu: bool, compile: bool, steps: int, warmup: int, 
     from flux_cp.blocks import prepare_blocks, transformer_blocks
     from flux_cp.config import parse_config
     from flux_cp.families import FLUX1
-    from flux_cp.flow import image_ids, text_ids
+    from flux_cp.families.flux1.tiny import FLUX1_DEV_TRANSFORMER, TRANSFORMER_CONFIG
+    from flux_cp.families.flux1.tokens import image_ids, text_ids
     from flux_cp.model import prepare_trainable
     from flux_cp.precision import base_bytes, quantize_base
     from flux_cp.shape import resolved
-    from flux_cp.tiny import FLUX1_DEV_TRANSFORMER, TRANSFORMER_CONFIG
 
     quiet.install()
     config, resolution, text = (TRANSFORMER_CONFIG, 64, 32) if smoke else (FLUX1_DEV_TRANSFORMER, 1024, 512)

@@ -30,11 +30,12 @@ import torch.nn.functional as F
 
 from benchmarks import schema
 from benchmarks.common import init, max_over_ranks
-from flux_cp import flow, flux2_recipe
+from flux_cp.families.flux1 import ATTENTION_TARGETS
+from flux_cp.families.flux1 import tokens as flux1_tokens
+from flux_cp.families.flux1.tiny import FLUX1_DEV_TRANSFORMER
 from flux_cp.families.flux2 import FLUX2
-from flux_cp.lora import ATTENTION_TARGETS
-from flux_cp.tiny import FLUX1_DEV_TRANSFORMER
-from flux_cp.tiny_flux2 import FLUX2_DEV_TRANSFORMER
+from flux_cp.families.flux2 import recipe as flux2_recipe
+from flux_cp.families.flux2.tiny import FLUX2_DEV_TRANSFORMER
 
 SMOKE_TRANSFORMER = {
     "flux1": dict(FLUX1_DEV_TRANSFORMER, num_layers=1, num_single_layers=1, attention_head_dim=16,
@@ -122,8 +123,8 @@ def measure(model, config: dict, resolution: int, args, device: torch.device) ->
     if args.family == "flux1":  # [S, 3] ids and a pooled CLIP embedding
         inputs.update(
             pooled_projections=pooled,
-            img_ids=flow.image_ids(2 * side, 2 * side, device=device),
-            txt_ids=flow.text_ids(args.text_tokens, device=device),
+            img_ids=flux1_tokens.image_ids(2 * side, 2 * side, device=device),
+            txt_ids=flux1_tokens.text_ids(args.text_tokens, device=device),
         )
     else:  # [B, S, 4] ids as Flux2Pipeline passes them (its CP plan splits them on dim 1)
         inputs.update(

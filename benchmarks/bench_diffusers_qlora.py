@@ -67,7 +67,7 @@ def one(model_dir: str, cap: float | None, resolution: int, lora_layers: str, st
     from diffusers import FluxTransformer2DModel
     from peft import LoraConfig
 
-    from flux_cp.flow import image_ids, pack_latents, text_ids
+    from flux_cp.families.flux1.tokens import image_ids, pack_latents, text_ids
 
     gpu = not smoke
     row: dict = {"cap_gib": cap, "resolution": resolution}
@@ -163,7 +163,7 @@ def main() -> None:
     if args.one:
         print("ROW " + json.dumps(one(**json.loads(args.one))), flush=True)
         return
-    from flux_cp.lora import DEFAULT_TARGETS
+    from flux_cp.families.flux1 import DEFAULT_TARGETS
 
     layers = args.lora_layers or ",".join(DEFAULT_TARGETS)
     if args.smoke:

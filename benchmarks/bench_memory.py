@@ -44,8 +44,8 @@ def plan_cell(layout: str, resolution: int, cap: float | None, gpu_gib: float, m
     from flux_cp import plan
     from flux_cp.config import parse_config
     from flux_cp.families import FLUX1
+    from flux_cp.families.flux1.tiny import FLUX1_DEV_TRANSFORMER
     from flux_cp.shape import resolved
-    from flux_cp.tiny import FLUX1_DEV_TRANSFORMER
 
     flags = ["--resolution", str(resolution), "--gradient_checkpointing", "--mixed_precision", "bf16",
              "--train_batch_size", "1", *FLAGS, *LAYOUTS[layout]]  # fmt: skip

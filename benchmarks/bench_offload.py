@@ -18,8 +18,8 @@ import torch
 import cp
 from flux_cp.blocks import prepare_blocks
 from flux_cp.config import LoraConfig
-from flux_cp.flow import image_ids, pack_latents, text_ids
-from flux_cp.lora import DEFAULT_TARGETS
+from flux_cp.families.flux1 import DEFAULT_TARGETS
+from flux_cp.families.flux1.tokens import image_ids, pack_latents, text_ids
 from flux_cp.model import prepare_trainable
 from flux_cp.offload import offload_blocks
 
@@ -29,7 +29,7 @@ GIB = 2**30
 def _model(device: torch.device):
     from diffusers import FluxTransformer2DModel
 
-    from flux_cp.tiny import FLUX1_DEV_TRANSFORMER
+    from flux_cp.families.flux1.tiny import FLUX1_DEV_TRANSFORMER
 
     with torch.device(device):
         torch.manual_seed(0)

@@ -102,8 +102,8 @@ def model_checks(rank, world, device, dtype, heads=24, head_dim=128, rope=(16, 5
     """Flux transformer with FLUX.1-dev attention dims (24 x 128), 2 double + 2 single blocks, LoRA."""
     from peft import LoraConfig
 
-    from flux_cp.flow import image_ids, pack_latents, text_ids
-    from flux_cp.tiny import tiny_transformer
+    from flux_cp.families.flux1.tiny import tiny_transformer
+    from flux_cp.families.flux1.tokens import image_ids, pack_latents, text_ids
 
     def build():
         m = tiny_transformer(

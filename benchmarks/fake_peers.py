@@ -175,8 +175,8 @@ def main(argv: list[str] | None = None) -> int:
             return n
 
         def make_layout(self, accelerator) -> Layout:
-            group, tuning = dist.group.WORLD, self.cp_tuning()
-            context = cp.CPContext(group, tuning=tuning, timeout=timedelta(seconds=cfg.parallel.collective_timeout))
+            group, shape, timeout = dist.group.WORLD, self.shape, timedelta(seconds=cfg.parallel.collective_timeout)
+            context = cp.CPContext(group, shape.cp_mode, shape.ulysses_size, tuning=self.tuning, timeout=timeout)
             return Layout(world=n, rank=0, cp=n, dp=1, dp_rank=0, cp_rank=0, cp_group=group, cp_context=context)
 
         def encode_share(self) -> tuple[int, int]:

@@ -3,7 +3,8 @@
 Public API: `CPContext` and `Tuning` (a CP group with its mode, kernels and tuning, built once at setup),
 `attention`, `shard`, `gather`; for diffusers' Flux transformers (`FluxTransformer2DModel`,
 `Flux2Transformer2DModel`) `apply_context_parallel`, `remove_context_parallel`, `full_sequence_io` and the
-processors (`FluxCPAttnProcessor`; `Flux2CPAttnProcessor`, `Flux2CPParallelSelfAttnProcessor`);
+processors (`FluxCPAttnProcessor`; `Flux2CPAttnProcessor`, `Flux2CPParallelSelfAttnProcessor`); for other models
+`register` (their attention module class, their `CPAttnProcessor` subclass, the processor it replaces);
 `cp.schedule` orders a compiled block's exchanges against its compute. The attention core needs only torch; the
 model pieces import diffusers when first used.
 """
@@ -15,20 +16,26 @@ from .context import MODES, CPContext, Tuning
 # name -> the module that defines it, imported on first use (it imports diffusers)
 _LAZY = {
     "apply_context_parallel": "processor", "remove_context_parallel": "processor", "full_sequence_io": "processor",
+    "register": "processor", "CPAttnProcessor": "processor",
     "FluxCPAttnProcessor": "flux", "Flux2CPAttnProcessor": "flux2", "Flux2CPParallelSelfAttnProcessor": "flux2",
 }  # fmt: skip
+# The model files of this package, which register their processors when imported (cp.processor knows no model).
+MODELS = ("flux", "flux2")
 
 
 def __getattr__(name: str):
     if name in _LAZY:
         import importlib
 
+        for model in MODELS:
+            importlib.import_module(f"{__name__}.{model}")
         return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
     raise AttributeError(f"module 'cp' has no attribute {name!r}")
 
 
 __all__ = [
     "MODES",
+    "CPAttnProcessor",
     "CPContext",
     "Tuning",
     "Flux2CPAttnProcessor",
@@ -40,6 +47,7 @@ __all__ = [
     "full_sequence_io",
     "gather",
     "group_rank",
+    "register",
     "group_size",
     "remove_context_parallel",
     "shard",

@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 
 from .comm import group_size
-from .context import MODES, CPContext, ulysses_degree
-from .ops import ring_attention_op
+from .context import MODES, CallSpec, CPContext, ulysses_degree
+from .ops import ring_op
 from .ring import ring_attention
 from .ulysses import ulysses_attention, ulysses_traced
 
@@ -83,32 +83,23 @@ def attention(
         validate(tuple(query.shape), n, context.mode, u)
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
 
+    if context is not None:
+        spec = context.call_spec(scale)
+    else:  # plain ring or Ulysses over `group`, default tuning; groups by name, as the compiled path passes them
+        name = group.group_name if n > 1 else ""
+        spec = CallSpec(scale, u, "" if u is None else name, name if u is None else "")
     if torch.compiler.is_compiling():
-        if context is None:  # plain ring or Ulysses over `group`, default tuning
-            name = group.group_name if n > 1 else ""
-            return _traced(query, key, value, scale, u, "" if u is None else name, name if u is None else "")
-        c = context
-        return _traced(
-            query, key, value, scale, u, c.ulysses_group_name, c.ring_group_name, c.tuning.ulysses_chunks,
-            c.kernels.key, c.tuning.exchange_first,
-        )  # fmt: skip
-    c = CPContext(group, mode, ulysses_size) if context is None else context
-    first = c.tuning.exchange_first
-    if c.ulysses_group is None:  # ring, or no CP
+        return _traced(query, key, value, spec)
+    if spec.ulysses_size is None:  # ring, or no CP
         q, k, v = (t.transpose(1, 2).contiguous() for t in (query, key, value))
-        return ring_attention(q, k, v, c.ring_group, scale, c.kernels, first).transpose(1, 2)
-    chunks = c.tuning.ulysses_chunks
-    return ulysses_attention(query, key, value, c.ulysses_group, scale, c.kernels, c.ring_group, chunks, first)
+        return ring_attention(q, k, v, spec).transpose(1, 2)
+    return ulysses_attention(query, key, value, spec)
 
 
-def _traced(
-    query: Tensor, key: Tensor, value: Tensor, scale: float, u: int | None, ulysses_group_name: str,
-    ring_group_name: str, chunks: int = 1, kernels: str = "", first: bool = False,
-) -> Tensor:  # fmt: skip
-    """The same computation in ops that torch.compile traces (forward and backward); groups by name ("" for none),
-    the kernels by their order's key."""
-    if u is None:
+def _traced(query: Tensor, key: Tensor, value: Tensor, spec: CallSpec) -> Tensor:
+    """The same computation in ops that torch.compile traces (forward and backward)."""
+    if spec.ulysses_size is None:
         q, k, v = (t.transpose(1, 2).contiguous() for t in (query, key, value))
-        out, _ = ring_attention_op(q, k, v, scale, ring_group_name, kernels, first)
+        out, _ = ring_op(q, k, v, spec)
         return out.transpose(1, 2)
-    return ulysses_traced(query, key, value, ulysses_group_name, u, scale, ring_group_name, chunks, kernels, first)
+    return ulysses_traced(query, key, value, spec)

@@ -84,7 +84,8 @@ def gather(tensor: Tensor, dim: int, group: ProcessGroup | None) -> Tensor:
     return _AllGather.apply(tensor, dim, group)
 
 
-HEAD_START_CYCLES = 1000  # ~0.5 us at an H200's clock; 1000 and 4000 measured the same (benchmarks/probe_sms.py)
+# ~0.5 us at an H200's clock; 1000 and 4000 measured the same (benchmarks/archive/probe_sms.py)
+HEAD_START_CYCLES = 1000
 
 
 def head_start() -> None:
@@ -92,7 +93,7 @@ def head_start() -> None:
     an exchange, or waiting for one: an exchange kernel that becomes ready at the same moment as the next compute
     kernel is then dispatched first. Otherwise the compute kernel (a matrix product, cuDNN's attention) takes
     every SM and the exchange starts only when it ends, even when launched first; started first, the exchange
-    runs beside it and slows it by about its share of the SMs (benchmarks/probe_sms.py). No-op without CUDA."""
+    runs beside it and slows it by about its share of the SMs (benchmarks/archive/probe_sms.py). No-op without CUDA."""
     if torch.cuda.is_available():
         torch.cuda._sleep(HEAD_START_CYCLES)
 

@@ -56,6 +56,40 @@ class Tuning:
             )
 
 
+@dataclass(frozen=True)
+class CallSpec:
+    """What one attention call needs besides its tensors, in plain values (`CPContext.call_spec`): the compiled
+    path's custom ops take plain arguments only (torch's rule), so groups travel by name ("" for none) and the kernels
+    by their order's key (`KernelChoice.key`), as torch finds a process group by its name. The eager path resolves
+    them the same way (`ring_group`, `kernel_choice`)."""
+
+    scale: float
+    ulysses_size: int | None = None  # the Ulysses degree; None: no Ulysses exchange (ring, or no CP)
+    ulysses_group_name: str = ""
+    ring_group_name: str = ""
+    chunks: int = 1  # Tuning.ulysses_chunks
+    kernels: str = ""  # KernelChoice.key
+    exchange_first: bool = False  # Tuning.exchange_first
+
+    def ring_group(self) -> dist.ProcessGroup | None:
+        return group_by_name(self.ring_group_name)
+
+    def ulysses_group(self) -> dist.ProcessGroup | None:
+        return group_by_name(self.ulysses_group_name)
+
+    def kernel_choice(self) -> KernelChoice:
+        return KernelChoice.from_key(self.kernels)
+
+
+def group_by_name(name: str) -> dist.ProcessGroup | None:
+    """The process group of a name ("" for none), as the compiled path passes groups."""
+    if not name:
+        return None
+    from torch.distributed.distributed_c10d import _resolve_process_group  # torch's own lookup by name
+
+    return _resolve_process_group(name)
+
+
 def ulysses_degree(n: int, mode: str, ulysses_size: int | None) -> int | None:
     """The Ulysses degree of a mode over a group of `n` ranks (None: no Ulysses); a ValueError naming what to change.
     The heads are checked per call (`cp.validate`)."""
@@ -121,6 +155,12 @@ class CPContext:
         # by name, as the compiled path passes them
         self.ulysses_group_name = self.ulysses_group.group_name if self.ulysses_group is not None else ""
         self.ring_group_name = self.ring_group.group_name if self.ring_group is not None else ""
+
+    def call_spec(self, scale: float) -> CallSpec:
+        """This context's settings for one attention call of softmax scale `scale`."""
+        t = self.tuning
+        return CallSpec(scale, self.ulysses_size, self.ulysses_group_name, self.ring_group_name, t.ulysses_chunks,
+                        self.kernels.key, t.exchange_first)  # fmt: skip
 
     def with_mode(self, mode: str, ulysses_size: int | None = None) -> CPContext:
         """This context in another mode (itself if unchanged); the hybrid mode's sub-groups are created as in the

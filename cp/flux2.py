@@ -24,12 +24,12 @@ from diffusers.models.transformers.transformer_flux2 import (
     _get_qkv_projections,
 )
 
-from .processor import CPAttnProcessor, joint, joint_qkv, register, register_call_check
+from .processor import CPAttnProcessor, JointCPAttnProcessor, joint, register, register_call_check
 
 Tensor = torch.Tensor
 
 
-class Flux2CPAttnProcessor(CPAttnProcessor):
+class Flux2CPAttnProcessor(JointCPAttnProcessor):
     """Drop-in replacement for diffusers' `Flux2AttnProcessor` (the double blocks' joint text + image attention)
     that calls `cp.attention` with a `CPContext`.
 
@@ -37,31 +37,16 @@ class Flux2CPAttnProcessor(CPAttnProcessor):
     computes, bit for bit on CPU. Masks, backends and diffusers' own parallelism: see `CPAttnProcessor`.
     """
 
-    def __call__(
-        self,
-        attn: Flux2Attention,
-        hidden_states: Tensor,
-        encoder_hidden_states: Tensor | None = None,
-        attention_mask: Tensor | None = None,
-        image_rotary_emb: tuple[Tensor, Tensor] | None = None,
-    ) -> Tensor | tuple[Tensor, Tensor]:
-        if self._diffusers_path(attention_mask):
-            return Flux2AttnProcessor.__call__(
-                self, attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb
-            )
-        qkv = joint_qkv(attn, hidden_states, encoder_hidden_states, image_rotary_emb, _get_qkv_projections)
-        hidden_states = self._attend(*qkv)
+    default = Flux2AttnProcessor
+    fused_projections = staticmethod(_get_qkv_projections)
 
-        if encoder_hidden_states is not None:
-            text_len = encoder_hidden_states.shape[1]
-            encoder_hidden_states, hidden_states = hidden_states.split_with_sizes(
-                [text_len, hidden_states.shape[1] - text_len], dim=1
-            )
-            encoder_hidden_states = attn.to_add_out(encoder_hidden_states)
+    def _project(self, attn: Flux2Attention, hidden_states: Tensor, text: Tensor | None):
+        if text is not None:
+            text_len = text.shape[1]
+            text, hidden_states = hidden_states.split_with_sizes([text_len, hidden_states.shape[1] - text_len], dim=1)
+            text = attn.to_add_out(text)
         hidden_states = attn.to_out[1](attn.to_out[0](hidden_states))
-        if encoder_hidden_states is not None:
-            return hidden_states, encoder_hidden_states
-        return hidden_states
+        return (hidden_states, text) if text is not None else hidden_states
 
 
 class Flux2CPParallelSelfAttnProcessor(CPAttnProcessor):

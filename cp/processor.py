@@ -1,13 +1,15 @@
 """What every CP attention processor shares, whatever the model: the CP context it attends over, diffusers' own
 code path where ours cannot apply, and installing the processors on a transformer and keeping them there.
 
-A model family's file (`cp/flux.py`, `cp/flux2.py`) defines its processors' `__call__` (the same projections,
-norms and RoPE as diffusers' processor, then `cp.attention`) and registers, per attention module class, its
-processor and the diffusers processor it replaces (`register`). `apply_context_parallel` then installs them on any
-registered transformer; with a CP group of several ranks every forward first checks the processors, since diffusers
-replaces them (IP-Adapter load and unload, FLUX.2 [klein]'s KV-cache pipeline): a processor rebuilt without
-arguments joins the context again, diffusers' default processor is swapped back for ours, and any other processor
-(which would silently attend within one rank's slice) stops the forward with a ValueError.
+A model's file (`cp/flux.py`, `cp/flux2.py`, or a file outside `cp` for another model) defines its processors (the
+same projections, norms and RoPE as the processor it replaces, then `cp.attention`; diffusers' joint text + image
+attentions share `JointCPAttnProcessor`) and registers, per attention module class, its processor and the processor
+it replaces (`register`). This module knows no model: the `cp` package imports its own model files on first use.
+`apply_context_parallel` then installs them on any registered transformer; with a CP group of several ranks every
+forward first checks the processors, since diffusers replaces them (IP-Adapter load and unload, FLUX.2 [klein]'s
+KV-cache pipeline): a processor rebuilt without arguments joins the context again, diffusers' default processor is
+swapped back for ours, and any other processor (which would silently attend within one rank's slice) stops the
+forward with a ValueError.
 """
 
 from __future__ import annotations
@@ -33,6 +35,16 @@ _BACKEND = (
     "Choose backends only without CP, or call reset_attention_backend() before apply_context_parallel.",
 )
 _PARALLEL = ("diffusers' enable_parallelism", "Use diffusers' context parallelism or flux-cp's, not both.")
+
+
+def _setting(field: str, what: tuple[str, str]) -> property:
+    """A setting diffusers gives every processor that has it, kept in `field` and refused under CP (`_refuse`)."""
+
+    def set_(self, value) -> None:
+        self._refuse(what, value, getattr(self, "cp_size", 1))
+        setattr(self, field, value)
+
+    return property(lambda self: getattr(self, field), set_)
 
 
 def as_context(
@@ -104,23 +116,8 @@ class CPAttnProcessor:
 
     # diffusers' set_attention_backend / reset_attention_backend and enable_parallelism set these two
     # attributes on every processor that has them.
-    @property
-    def _attention_backend(self):
-        return self._backend
-
-    @_attention_backend.setter
-    def _attention_backend(self, backend) -> None:
-        self._refuse(_BACKEND, backend, getattr(self, "cp_size", 1))
-        self._backend = backend
-
-    @property
-    def _parallel_config(self):
-        return self._parallel
-
-    @_parallel_config.setter
-    def _parallel_config(self, config) -> None:
-        self._refuse(_PARALLEL, config, getattr(self, "cp_size", 1))
-        self._parallel = config
+    _attention_backend = _setting("_backend", _BACKEND)
+    _parallel_config = _setting("_parallel", _PARALLEL)
 
     @staticmethod
     def _refuse(what: tuple[str, str], value, cp_size: int) -> None:
@@ -147,6 +144,35 @@ class CPAttnProcessor:
     def _attend(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
         """`[B, S, H, D]` q, k, v of this rank's tokens -> its attention output `[B, S, H * D]`."""
         return attention(query, key, value, context=self._context).flatten(2, 3).to(query.dtype)
+
+
+class JointCPAttnProcessor(CPAttnProcessor):
+    """A joint text + image attention of diffusers' Flux models: diffusers' own processor (`default`) where ours
+    cannot apply (`_diffusers_path`), else q, k, v as diffusers computes them (`joint_qkv`, with the model's
+    `_get_qkv_projections` for fused projections), `cp.attention`, and the model's output projections (`_project`)."""
+
+    default: type  # diffusers' processor this one replaces
+    fused_projections: Callable  # the model's `_get_qkv_projections` (a staticmethod)
+
+    def __call__(
+        self,
+        attn: torch.nn.Module,
+        hidden_states: Tensor,
+        encoder_hidden_states: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        image_rotary_emb: tuple[Tensor, Tensor] | None = None,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        if self._diffusers_path(attention_mask):
+            return self.default.__call__(
+                self, attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb
+            )
+        qkv = joint_qkv(attn, hidden_states, encoder_hidden_states, image_rotary_emb, self.fused_projections)
+        return self._project(attn, self._attend(*qkv), encoder_hidden_states)
+
+    def _project(self, attn: torch.nn.Module, hidden_states: Tensor, text: Tensor | None):
+        """The attention output `[B, S, H * D]` of `[text; image]` tokens (text: the encoder states given, if any)
+        through the module's output projections, as diffusers' processor returns it."""
+        raise NotImplementedError
 
 
 # Per tensor: (image projection, norm, text projection, text norm); None where the tensor has no norm. The names
@@ -215,11 +241,6 @@ def register_call_check(transformer_cls: type, check: Callable[[dict, int], None
     _CALL_CHECKS[transformer_cls] = check
 
 
-def _load_families() -> None:
-    """The model files register their processors when imported (diffusers is imported with them)."""
-    from . import flux, flux2  # noqa: F401
-
-
 _ORIGINAL = "_flux_cp_original_processor"
 _GUARD = "_flux_cp_guard"
 
@@ -240,7 +261,6 @@ def apply_context_parallel(
     `context`: a `cp.CPContext` (in `mode` and `ulysses_size`, if given), or a plain process group (None: no CP)
     with `mode` (default ring) and `ulysses_size`. One context serves every processor; in the hybrid mode building
     it creates the sub-groups, so every rank must call this at the same point."""
-    _load_families()
     modules = _attention_modules(transformer)
     if not modules:
         known = ", ".join(sorted(c.__name__ for c in _PROCESSORS))

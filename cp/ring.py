@@ -15,11 +15,11 @@ Tensors here are `[batch, heads, seq, head_dim]`, contiguous.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from . import kernels
 from .comm import RingComm, group_size
+from .context import CallSpec
 
 Tensor = torch.Tensor
 
@@ -38,19 +38,12 @@ def _merge(out: Tensor | None, lse: Tensor | None, blk_out: Tensor, blk_lse: Ten
     return out, lse - F.logsigmoid(lse - blk_lse)
 
 
-def ring_forward(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    scale: float,
-    group: dist.ProcessGroup | None,
-    choice: kernels.KernelChoice,
-    first: bool = False,
-) -> tuple[Tensor, Tensor, kernels.Kernel, tuple]:
-    """(out, merged LSE, kernel, aux): the forward of ring attention, shared by the eager autograd Function
-    and the compiled path's custom op. `choice`: the context's kernels; `first`: `Tuning.exchange_first`."""
+def ring_forward(q: Tensor, k: Tensor, v: Tensor, spec: CallSpec) -> tuple[Tensor, Tensor, kernels.Kernel, tuple]:
+    """(out, merged LSE, kernel, aux): the forward of ring attention over the spec's ring group (none: the kernel
+    alone), shared by the eager autograd Function and the compiled path's custom op."""
+    group, choice, scale = spec.ring_group(), spec.kernel_choice(), spec.scale
     n = group_size(group)
-    ring = RingComm(group, first) if n > 1 else None
+    ring = RingComm(group, spec.exchange_first) if n > 1 else None
     kv = torch.stack([k, v]) if n > 1 else None
     out = lse = None
     kernel = aux = None
@@ -67,26 +60,16 @@ def ring_forward(
     return out.to(q.dtype), lse, kernel, aux
 
 
-def ring_backward(
-    dout: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    scale: float,
-    group: dist.ProcessGroup | None,
-    kernel: kernels.Kernel,
-    aux: tuple,
-    first: bool = False,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv) of ring attention given the forward's output and merged LSE."""
+def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, spec: CallSpec,
+                  kernel: kernels.Kernel, aux: tuple) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """(dq, dk, dv) of ring attention given the forward's output and merged LSE; `kernel`, `aux`: the forward's."""
+    group, scale = spec.ring_group(), spec.scale
     n = group_size(group)
     if n == 1:  # the kernel takes the layouts it is given (see kernels.backward)
         return kernels.backward(kernel, dout, q, k, v, out, lse, scale, aux)
     dout = dout.contiguous()
 
-    ring = RingComm(group, first)
+    ring = RingComm(group, spec.exchange_first)
     acc = kernels.acc_dtype(q.dtype)
     kv = torch.stack([k, v])
     dq = torch.zeros_like(q, dtype=acc)
@@ -116,37 +99,19 @@ def ring_backward(
 
 class RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(
-        ctx,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        scale: float,
-        group: dist.ProcessGroup | None,
-        choice: kernels.KernelChoice,
-        first: bool,
-    ) -> Tensor:
-        out, lse, kernel, aux = ring_forward(q, k, v, scale, group, choice, first)
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, spec: CallSpec) -> Tensor:
+        out, lse, kernel, aux = ring_forward(q, k, v, spec)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.scale, ctx.group, ctx.kernel, ctx.aux, ctx.first = scale, group, kernel, aux, first
+        ctx.spec, ctx.kernel, ctx.aux = spec, kernel, aux
         return out
 
     @staticmethod
     def backward(ctx, dout: Tensor):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.scale, ctx.group, ctx.kernel, ctx.aux, ctx.first)
-        return dq, dk, dv, None, None, None, None
+        return *ring_backward(dout, q, k, v, out, lse, ctx.spec, ctx.kernel, ctx.aux), None
 
 
-def ring_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    group: dist.ProcessGroup | None,
-    scale: float,
-    choice: kernels.KernelChoice,
-    first: bool = False,
-) -> Tensor:
-    """Ring attention on `[B, H, S_local, D]` contiguous chunks; `group` of size 1 or None: plain attention.
-    `choice`: the kernels (`CPContext.kernels`); `first`: `Tuning.exchange_first`."""
-    return RingAttention.apply(q, k, v, scale, group, choice, first)
+def ring_attention(q: Tensor, k: Tensor, v: Tensor, spec: CallSpec) -> Tensor:
+    """Ring attention on `[B, H, S_local, D]` contiguous chunks over the spec's ring group (none, or one rank:
+    plain attention)."""
+    return RingAttention.apply(q, k, v, spec)

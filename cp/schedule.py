@@ -4,7 +4,7 @@
 A block's backward comes out of AOTAutograd in autograd's order: in a single block the attention branch (later in
 the forward) first, with its four all-to-alls, then the feed-forward branch, which needs none of them. Inductor's
 own passes only move a collective and its wait within that order, so on the GPU the exchanges ran with nothing
-beside them while the feed-forward backward waited behind them (benchmarks/NOTES.md). `fill_exchanges` walks the
+beside them while the feed-forward backward waited behind them (benchmarks/archive/NOTES.md). `fill_exchanges` walks the
 schedule and, right after each collective is issued, places compute that is ready (all its inputs computed), in
 schedule order, until a cost model says the exchange is covered; waits, collectives and everything else keep their
 order. Two policies are tried (take what is ready next; or leave a node much longer than the exchange for a later
@@ -14,11 +14,11 @@ order changes, never what is computed, so results are the same to the bit.
 The cost model is ours rather than Inductor's, so that the order is the same on any device: an exchange moves
 (cp - 1) / cp of its tensor at `EXCHANGE_BYTES_PER_S` after `EXCHANGE_LATENCY_S`; compute takes its FLOPs at
 `FLOPS_PER_S` plus its memory traffic at `MEMORY_BYTES_PER_S` (H200 figures: 115-170 us measured for 26 MB per
-exchange between two GPUs, bf16 dense peak, HBM bandwidth). `benchmarks/schedule.py` prints the orders.
+exchange between two GPUs, bf16 dense peak, HBM bandwidth). `benchmarks/archive/schedule.py` prints the orders.
 
 Placing compute beside an exchange is not enough on its own: a matrix product's kernel takes every streaming
 multiprocessor (SM) until it ends, so an exchange kernel that becomes ready together with it waits for its end,
-even when launched first (`benchmarks/probe_sms.py`). With `Tuning.exchange_first`, `head_starts` makes the
+even when launched first (`benchmarks/archive/probe_sms.py`). With `Tuning.exchange_first`, `head_starts` makes the
 generated code call `cp.comm.head_start` after each exchange's launch and wait, so that the exchange kernel is
 dispatched first and the product runs beside it on the other SMs.
 
@@ -78,7 +78,7 @@ def _attention_flops(ir_node) -> float:
     group_name = next((a for a in ir_node.constant_args if isinstance(a, str)), "")
     ring = 1
     if group_name:
-        from .ops import group_by_name
+        from .context import group_by_name
 
         ring = group_by_name(group_name).size()
     return float(ATTENTION_FLOPS[name] * b * h * s * _size(k.get_size()[2]) * ring * d)

@@ -26,7 +26,8 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from .comm import head_start
-from .kernels import KernelChoice
+from .context import CallSpec
+from .ops import ring_op
 from .ring import ring_backward, ring_forward
 
 Tensor = torch.Tensor
@@ -101,24 +102,15 @@ _chunks = used_chunks
 
 
 class UlyssesAttention(torch.autograd.Function):
-    """Ulysses over `group`, the attention of each head chunk a ring over `ring_group` (None: the kernel alone)."""
+    """Ulysses over the spec's Ulysses group, the attention of each head chunk a ring over its ring group (none: the
+    kernel alone)."""
 
     @staticmethod
-    def forward(
-        ctx,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        scale: float,
-        group: dist.ProcessGroup,
-        ring_group: dist.ProcessGroup | None,
-        choice: KernelChoice,
-        chunks: int,
-        first: bool,
-    ) -> Tensor:
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, spec: CallSpec) -> Tensor:
+        group, first = spec.ulysses_group(), spec.exchange_first
         u = dist.get_world_size(group)
         h = q.shape[2]
-        c = _chunks(h, u, chunks)
+        c = _chunks(h, u, spec.chunks)
         hc = h // c
         heads = [slice(i * hc, (i + 1) * hc) for i in range(c)]
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -131,7 +123,7 @@ class UlyssesAttention(torch.autograd.Function):
                 pending_in = _a2a(_send_buffer([t[:, :, heads[i + 1]] for t in (q, k, v)], u), group, first)
             _wait(work, first)
             qh, kh, vh = _recv_to_heads(recv)
-            o, lse, kernel, aux = ring_forward(qh, kh, vh, scale, ring_group, choice, first)
+            o, lse, kernel, aux = ring_forward(qh, kh, vh, spec)
             saved += [qh, kh, vh, o, lse]
             ctx.kernel, ctx.aux = kernel, aux
             pending_out.append((_a2a(_heads_send_buffer([o], u), group, first), heads[i]))
@@ -139,12 +131,12 @@ class UlyssesAttention(torch.autograd.Function):
             work.wait()
             _recv_to_seq(recv, [out], hs)
         ctx.save_for_backward(*saved)
-        ctx.scale, ctx.group, ctx.ring_group, ctx.heads, ctx.u, ctx.first = scale, group, ring_group, heads, u, first
+        ctx.spec, ctx.group, ctx.heads, ctx.u = spec, group, heads, u
         return out
 
     @staticmethod
     def backward(ctx, dout: Tensor):
-        u, heads, group, first = ctx.u, ctx.heads, ctx.group, ctx.first
+        u, heads, group, first = ctx.u, ctx.heads, ctx.group, ctx.spec.exchange_first
         saved = ctx.saved_tensors
         dq, dk, dv = (torch.empty(dout.shape, dtype=dout.dtype, device=dout.device) for _ in range(3))
         pending_in = _a2a(_send_buffer([dout[:, :, heads[0]]], u), group, first)
@@ -156,30 +148,19 @@ class UlyssesAttention(torch.autograd.Function):
             _wait(work, first)
             (doh,) = _recv_to_heads(recv)
             qh, kh, vh, o, lse = saved[5 * i : 5 * i + 5]
-            grads = ring_backward(doh, qh, kh, vh, o, lse, ctx.scale, ctx.ring_group, ctx.kernel, ctx.aux, first)
+            grads = ring_backward(doh, qh, kh, vh, o, lse, ctx.spec, ctx.kernel, ctx.aux)
             sent = _heads_send_buffer([g.to(dout.dtype) for g in grads], u)
             pending_out.append((_a2a(sent, group, first), heads[i]))
         for (recv, work), hs in pending_out:
             work.wait()
             _recv_to_seq(recv, [dq, dk, dv], hs)
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, dk, dv, None
 
 
-def ulysses_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    group: dist.ProcessGroup,
-    scale: float,
-    choice: KernelChoice,
-    ring_group: dist.ProcessGroup | None = None,
-    chunks: int = 1,
-    first: bool = False,
-) -> Tensor:
-    """Ulysses over `group` in `chunks` head chunks (`Tuning.ulysses_chunks`); the inner attention is a ring over
-    `ring_group` (the hybrid mode) or, with None, the kernel alone. `choice`: the context's kernels; `first`:
-    `Tuning.exchange_first`."""
-    return UlyssesAttention.apply(q, k, v, scale, group, ring_group, choice, chunks, first)
+def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, spec: CallSpec) -> Tensor:
+    """Ulysses over the spec's Ulysses group in its head chunks (`Tuning.ulysses_chunks`); the inner attention is a
+    ring over its ring group (the hybrid mode) or, with none, the kernel alone."""
+    return UlyssesAttention.apply(q, k, v, spec)
 
 
 # --- traced by torch.compile -----------------------------------------------------------------------------
@@ -197,7 +178,7 @@ def ulysses_attention(
 # other chunks' q, k, v go back together beside the first chunk's attention backward. Exposed: the first chunk's
 # q, k, v and the last chunk's output, 1/c of the exchanges each way, where one chunk exposes all of them.
 # The joint exchange interleaves q, k and v (`[u, B, S_l, c-1, 3, h, D]`): each is a view with gaps between its
-# rows, which cuDNN reads as it is (benchmarks/probe_layouts.py, "packed").
+# rows, which cuDNN reads as it is (benchmarks/archive/probe_layouts.py, "packed").
 
 
 def _by_chunk(t: Tensor, u: int, c: int) -> Tensor:
@@ -231,29 +212,16 @@ def _heads_to_send(o: Tensor, u: int) -> Tensor:
     return o.transpose(1, 2).reshape(b, u, s_full // u, h, d).transpose(0, 1).contiguous()
 
 
-def ulysses_traced(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    group: dist.ProcessGroup | str,
-    u: int,
-    scale: float,
-    ring_group_name: str = "",
-    chunks: int = 1,
-    kernels: str = "",
-    first: bool = False,
-) -> Tensor:
-    """Ulysses for torch.compile, over `group` (a group or its name; `u` its size): each of q, k, v is exchanged
-    as soon as it is given (so the exchange of q can run while k and v are produced, if the caller produces
-    them after), attention runs on heads/u heads (a ring over `ring_group_name` in the hybrid mode), and the
-    output goes back; in `chunks` head chunks, pipelined as described above. `kernels`: the context's kernel order
-    (`KernelChoice.key`); `first`: `Tuning.exchange_first` for the ring's transfers (in compiled blocks the
-    exchanges' head starts are added by a pass, cp/schedule.py). Autograd: each all-to-all's backward is the
-    inverse all-to-all."""
-    from .ops import ring_attention_op
-
+def ulysses_traced(q: Tensor, k: Tensor, v: Tensor, spec: CallSpec) -> Tensor:
+    """Ulysses for torch.compile, over the spec's Ulysses group (by name; `spec.ulysses_size` its size): each of q, k,
+    v is exchanged as soon as it is given (so the exchange of q can run while k and v are produced, if the caller
+    produces them after), attention runs on heads/u heads (a ring over the spec's ring group in the hybrid mode), and
+    the output goes back; in the spec's head chunks, pipelined as described above. The spec's exchange_first applies
+    to the ring's transfers (in compiled blocks the exchanges' head starts are added by a pass, cp/schedule.py).
+    Autograd: each all-to-all's backward is the inverse all-to-all."""
+    group, u = spec.ulysses_group_name, spec.ulysses_size
     b, s, h, d = q.shape
-    c = _chunks(h, u, chunks)
+    c = _chunks(h, u, spec.chunks)
     received = [[funcol.all_to_all_single_autograd(_sent_first(t, u, c), None, None, group) for t in (q, k, v)]]
     if c > 1:
         rest = funcol.all_to_all_single_autograd(_sent_rest([q, k, v], u, c), None, None, group)
@@ -261,7 +229,7 @@ def ulysses_traced(
     back = []
     for qkv in received:
         qh, kh, vh = (_received_as_heads(x) for x in qkv)
-        out, _ = ring_attention_op(qh, kh, vh, scale, ring_group_name, kernels, first)
+        out, _ = ring_op(qh, kh, vh, spec)
         back.append(funcol.all_to_all_single_autograd(_heads_to_send(out, u), None, None, group))
     # [c, u, B, S_l, H/(c u), D] -> [B, S_l, H, D]: head (i, j, m) is head (i u + j) H/(c u) + m
     return torch.stack(back).permute(2, 3, 0, 1, 4, 5).reshape(b, s, h, d)

@@ -17,7 +17,7 @@ import cp
 from .data import BatchSchedule
 from .encode import TrainingData, reference_count, reference_key
 from .flow import loss_weighting, per_sample_draws
-from .kontext import PairSplit, image_segment, target_loss
+from .pairs import PairSplit, image_segment, target_loss
 from .rng import Stream, generator
 
 if TYPE_CHECKING:

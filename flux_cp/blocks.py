@@ -36,6 +36,8 @@ import cp.ops  # noqa: F401 - registers torch.ops.cp
 from cp import Tuning
 from cp.schedule import inductor_options
 
+from .families import blocks_of
+
 # Ops whose outputs a compiled, checkpointed block keeps for its backward instead of recomputing them.
 SAVED_OPS = (
     torch.ops.cp.ring_attention.default,
@@ -46,7 +48,8 @@ SAVED_OPS = (
 
 
 def transformer_blocks(transformer: torch.nn.Module) -> list[torch.nn.Module]:
-    return [*transformer.transformer_blocks, *transformer.single_transformer_blocks]
+    """The transformer's blocks in the order they run (its family's block lists)."""
+    return [block for _, block in blocks_of(transformer)]
 
 
 def _keep_attention(_ctx, op, *_args, **_kwargs) -> CheckpointPolicy:

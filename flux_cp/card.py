@@ -16,7 +16,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from . import files
-from .known_models import known_model
+from .config import is_hub_id
+from .families import FLUX1, known_model
+from .optim import describe as describe_optimizer
 
 if TYPE_CHECKING:
     from .config import Config
@@ -26,8 +28,6 @@ LORA_FILE = "pytorch_lora_weights.safetensors"
 
 
 def _is_hub_id(name: str | None) -> bool:
-    from .config import is_hub_id
-
     return bool(name) and not os.path.exists(name) and is_hub_id(name) and "/" in name
 
 
@@ -118,33 +118,24 @@ def code_span(text: object) -> str:
     return f"{fence}{pad}{out}{pad}{fence}"
 
 
-def _comfyui(cfg: Config, kontext: bool, base_name: str, flux2: bool = False) -> str:
-    from .lora_format import comfyui_skips
-
+def _comfyui(cfg: Config, base_name: str, family: Family) -> str | None:
+    """The card's ComfyUI section (None: ComfyUI does not know the family)."""
+    if family.comfyui_mapping is None:
+        return None
     if cfg.lora.full_finetune:
-        if flux2:  # comfy/model_detection.py convert_diffusers_mmdit reads Flux's x_embedder.bias, which FLUX.2 lacks
-            return (
-                "`transformer/` is in diffusers' layout, in shards of at most 10 GB. ComfyUI's *Load Diffusion Model* "
-                "node converts diffusers' key names for FLUX.1 only: convert the transformer to BFL's layout for "
-                "FLUX.2 first (not tested here)."
-            )
-        return (
-            "`transformer/` is in diffusers' layout, in shards of at most 10 GB. ComfyUI's *Load Diffusion Model* node "
-            "reads one `.safetensors` file from `ComfyUI/models/diffusion_models/` and converts diffusers' key names "
-            "for Flux: merge the shards into one file first (not tested here)."
-        )
+        return family.comfyui_transformer
     layout = (
         "kohya's / BFL's key names (`lora_unet_...`)"
         if cfg.lora.lora_format == "kohya"
-        else "diffusers' key names (`transformer.<layer>.lora_A/lora_B`), which ComfyUI maps for Flux"
-        + (" (FLUX.2 included)" if flux2 else "")
+        else "diffusers' key names (`transformer.<layer>.lora_A/lora_B`), which ComfyUI maps for "
+        + family.comfyui_mapping
     )
     text = (
         f"Copy `{LORA_FILE}` (rename it as you like) into `ComfyUI/models/loras/` and apply it with a "
         f"*LoraLoaderModelOnly* node to the {base_name} model. The file holds LoRAs of the transformer only (none for "
         f"the text encoders), in {layout}."
     )
-    skipped = comfyui_skips(cfg.lora.lora_layers or ()) if flux2 else []
+    skipped = family.comfyui_skips(cfg.lora.lora_layers or ())
     if skipped:
         text += (
             f' ComfyUI maps no diffusers name for {", ".join(skipped)}: it leaves their LoRAs out ("lora key not '
@@ -173,17 +164,13 @@ def write_model_card(
     pipeline class of the snippet (the family's; default: FluxKontextPipeline for `kontext`, else FluxPipeline).
     `family`: the model family trained (default FLUX.1); `kontext` then means its reference-image pairs. `filename`:
     the card's name, when README.md is the user's (flux_cp.outdir.card_name)."""
-    from huggingface_hub import ModelCardData
-
-    from .families import FLUX1
-    from .optim import describe as describe_optimizer
+    from huggingface_hub import ModelCardData  # huggingface_hub's cards at first use
 
     out = Path(output_dir)
     base = cfg.model.pretrained_model_name_or_path
     known = known_model(base)
     hub_base = base if _is_hub_id(base) else None
     family = family or FLUX1
-    flux2 = family is not FLUX1
     label = family.pairs_label if kontext else family.label
     base_name = known.model_id.split("/")[-1] if known else markdown(base or family.label)
     full = cfg.lora.full_finetune
@@ -198,9 +185,8 @@ def write_model_card(
     if grids:
         caption = "; ".join(prompts) if prompts else " "
         widget.append({"text": caption, "output": {"url": grids[-1].relative_to(out).as_posix()}})
-    family_tags = ["flux2", "flux2-diffusers"] if flux2 else ["flux", *(["flux-kontext"] if kontext else [])]
     tags = ["text-to-image", "diffusers-training", "diffusers", *(["lora", "template:sd-lora"] if not full else []),
-            *family_tags, "flux-cp"]  # fmt: skip
+            *family.card_tags_for(kontext), "flux-cp"]  # fmt: skip
     data = ModelCardData(
         base_model=hub_base,
         library_name="diffusers",
@@ -286,11 +272,10 @@ def write_model_card(
         if not full
         else "",
         "",
-        "## Use it in ComfyUI",
-        "",
-        _comfyui(cfg, kontext, base_name, flux2=flux2),
-        "",
     ]
+    comfyui = _comfyui(cfg, base_name, family)
+    if comfyui:
+        body += ["## Use it in ComfyUI", "", comfyui, ""]
     if known is not None:
         link = known.license_link or f"https://huggingface.co/{known.model_id}"
         body += ["## License", "", f"Please adhere to the licensing terms of the base model, {known.model_id}: "

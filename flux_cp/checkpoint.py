@@ -32,17 +32,11 @@ import pickle
 import re
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
-from . import diskspace, distributed, files, manifest
+from . import distributed, files, manifest
 from .errors import UsageError
-from .terminal import printable
-
-if TYPE_CHECKING:
-    from .config import Config
-    from .data import DataIdentity
 
 FORMAT = 1
 _NAME = re.compile(r"^checkpoint-(\d+)$")
@@ -88,10 +82,22 @@ def resolve(resume: str | None, output_dir: str) -> Path | None:
     return path
 
 
+def saved_run(resume: str | None, output_dir: str | os.PathLike) -> tuple[Path, dict] | None:
+    """(the checkpoint `--resume_from_checkpoint resume` names, its meta.json) when it can be read, else None (no
+    resume, no checkpoint yet, or a damaged one: the resume itself then says what is wrong). Reads only."""
+    if resume is None:
+        return None
+    try:
+        path = resolve(resume, str(output_dir))
+        return (path, read_meta(path)) if path is not None else None
+    except UsageError:
+        return None
+
+
 def read_meta(path: Path) -> dict:
     """A checkpoint's meta.json, every field this code reads checked (a damaged or foreign file is named)."""
     try:
-        _check_inside(path / "meta.json", path)
+        check_inside(path / "meta.json", path)
         with open(path / "meta.json", encoding="utf-8") as f:
             meta = json.load(f)
     except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8, or a path outside the checkpoint
@@ -149,7 +155,7 @@ def verify_quick(path: Path, meta: dict) -> None:
     for name, info in (listed or {}).items():
         file = path / name
         try:
-            _check_inside(file, path)
+            check_inside(file, path)
         except ValueError as e:
             raise _damaged(path, name, str(e)) from None
         if not file.is_file():
@@ -182,141 +188,15 @@ def verify_shared(path: Path, meta: dict, rank: int, world: int) -> str | None:
     return None
 
 
-# Settings a resumed run may change: each is applied from the resumed step on (the rest are in the run identity,
-# which a checkpoint must match; flux_cp.resume decides what a resume accepts).
-RESUMABLE_CHANGES = (
-    "learning_rate", "scale_lr", "lr_scheduler", "lr_warmup_steps", "lr_num_cycles", "lr_power", "adam_beta1",
-    "adam_beta2", "adam_weight_decay", "adam_epsilon", "max_grad_norm", "max_train_steps", "num_train_epochs",
-    "weighting_scheme", "logit_mean", "logit_std", "mode_scale", "guidance_scale", "lora_dropout", "mixed_precision",
-    "center_crop", "random_flip", "cp_kernels", "cp_overlap", "cp_exchange_first", "cp_ulysses_chunks",
-    "gradient_checkpointing", "offload_blocks", "prodigy_beta3", "prodigy_decouple", "prodigy_use_bias_correction",
-    "prodigy_safeguard_warmup", "prior_loss_weight", "base_precision",
-)  # fmt: skip
-
-# Entries of the run identity compared through "data" (the fingerprint of the data set's names, contents and
-# captions): the rows behind it (kept in the checkpoint's data.json, read to say which files differ) and the
-# fingerprint of versions that identified the data by its path, to compare with their checkpoints.
-_DATA_DETAIL = ("data_files", "data_legacy", "prior_files")
-
-
-def run_identity(
-    cfg: Config,
-    samples_per_step: int,
-    data: DataIdentity | str,
-    buckets: list[tuple[int, int]] | None,
-    classes: DataIdentity | None = None,
-    components: dict[str, str] | None = None,
-) -> dict:
-    """What a checkpoint must share with the run that resumes it: the model and trainable weights, the data and
-    what it sees (global batch per optimizer step, resolutions, buckets, repeats, caption dropout, the class images
-    of prior preservation, seed). The layout may differ. Keys are stored in every checkpoint's meta.json (`rank` is
-    the LoRA rank), so values are JSON's types (lists). `data`, `classes`: the identity of the data set and of the
-    class images (flux_cp.data.DataIdentity: relative names, contents and captions)."""
-    from .optim import optimizer_name
-
-    lora = None if cfg.lora.full_finetune else cfg.lora
-    resolution = cfg.data.resolution  # one resolution: its number, as checkpoints have always recorded it
-    identity = {
-        "model": str(cfg.model.pretrained_model_name_or_path or "embedded-tiny"),
-        "transformer_init": cfg.model.transformer_init, "full_finetune": cfg.lora.full_finetune,
-        "rank": lora and lora.rank, "lora_alpha": lora and lora.lora_alpha,
-        "lora_layers": lora and ",".join(lora.lora_layers),
-        "global_batch": samples_per_step, "data": data if isinstance(data, str) else data.fingerprint,
-        "resolution": resolution[0] if len(resolution) == 1 else list(resolution),
-        "repeats": cfg.data.repeats, "caption_dropout": cfg.data.caption_dropout,
-        "prior": classes.fingerprint if classes is not None else None,
-        "seed": cfg.train.seed, "aspect_buckets": [list(b) for b in buckets] if buckets is not None else False,
-        "max_sequence_length": cfg.data.max_sequence_length, "vae_encode_mode": cfg.data.vae_encode_mode,
-        "optimizer": optimizer_name(cfg.train),
-        "revision": cfg.model.revision, "variant": cfg.model.variant,
-        "components": dict(sorted((components or {}).items())),
-    }  # fmt: skip
-    if not isinstance(data, str):
-        identity.update(data_files=data.files, data_legacy=data.legacy)
-    if classes is not None:  # kept in meta.json (a few rows): a resume with other class images names them
-        identity["prior_files"] = classes.files
-    return identity
-
-
-def _data_differences(saved: list, now: list) -> str:
-    """Which files differ between a checkpoint's data set and this run's (rows: name, content, caption, then each
-    reference's name and content)."""
-    old, new = {r[0]: r for r in saved}, {r[0]: r for r in now}
-    kinds = (
-        ("added", [n for n in new if n not in old]),
-        ("removed", [n for n in old if n not in new]),
-        ("changed content", [n for n in new if n in old and new[n][1] != old[n][1]]),
-        ("changed caption", [n for n in new if n in old and new[n][2] != old[n][2]]),
-        ("changed reference image", [r for n in new if n in old for r in _changed_references(n, old[n], new[n])]),
-    )
-    parts = [
-        f"{kind}: {', '.join(names[:3])}" + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-        for kind, names in kinds
-        if names
-    ]
-    return "; ".join(parts) or "the same files and captions in another order"
-
-
-def _changed_references(name: str, old: list, new: list) -> list[str]:
-    """The references of sample `name` that differ (by name or content), each named by its file, and with its
-    place among several: `b.png (reference 2 of t.png)`."""
-    pairs = [list(old[k : k + 2]) for k in range(3, len(old), 2)], [list(new[k : k + 2]) for k in range(3, len(new), 2)]
-    count = max(len(pairs[0]), len(pairs[1]))
-    out = []
-    for j in range(count):
-        was, now = (p[j] if j < len(p) else None for p in pairs)
-        if was != now:
-            ref = (now or was)[0]
-            out.append(ref if count == 1 else f"{ref} (reference {j + 1} of {name})")
-    return out
-
-
-def _saved_data_files(path: Path) -> list | None:
-    """The data set's rows of a checkpoint (data.json), None when absent or unreadable."""
+def saved_data_files(path: Path) -> list | None:
+    """The data set's rows of a checkpoint (data.json, flux_cp.resume.run_identity), None when absent or
+    unreadable."""
     try:
-        _check_inside(path / "data.json", path)
+        check_inside(path / "data.json", path)
         rows = json.loads((path / "data.json").read_bytes()).get("data_files")
     except (OSError, ValueError, AttributeError):
         return None
     return rows if isinstance(rows, list) and all(isinstance(r, list) and r for r in rows) else None
-
-
-# Keys added to the run identity later, with the value every checkpoint written before them had.
-_IDENTITY_BEFORE = {"optimizer": "adamw", "repeats": 1, "caption_dropout": 0.0, "prior": None}
-# Keys added later whose value earlier checkpoints did not know: compared only when the checkpoint has them.
-_IDENTITY_UNKNOWN_BEFORE = ("revision", "variant", "components")
-
-
-def check_compatible(meta: dict, run: dict, path: Path) -> None:
-    """Refuse a checkpoint from an incompatible run, naming what differs and what to change."""
-    saved = {**_IDENTITY_BEFORE, **meta["run"]}
-    diffs = []
-    for k, v in run.items():
-        if k in _DATA_DETAIL or (k in _IDENTITY_UNKNOWN_BEFORE and k not in saved):
-            continue
-        if k == "components":  # by name: the components whose config or weights changed (or that came or went)
-            was = saved.get(k) if isinstance(saved.get(k), dict) else {}
-            changed = sorted(n for n in {*was, *v} if was.get(n) != v.get(n))
-            if changed:
-                diffs.append(f"the config or weights of {', '.join(printable(n) for n in changed)} differ from the "
-                             "checkpoint's model")  # fmt: skip
-            continue
-        if k == "data" and "data_legacy" not in saved and "data_legacy" in run:
-            # Written before the data were identified by content: compare the fingerprint of that time.
-            if saved.get("data") != run["data_legacy"]:
-                diffs.append(f"data: checkpoint {saved.get('data')!r}, now {run['data_legacy']!r}")
-        elif k == "data" and saved.get("data") != v and (rows := _saved_data_files(path)) is not None:
-            diffs.append(f"data set differs ({_data_differences(rows, run.get('data_files', []))})")
-        elif k == "prior" and saved.get(k) and v and saved[k] != v and isinstance(saved.get("prior_files"), list):
-            diffs.append(f"class images differ ({_data_differences(saved['prior_files'], run.get('prior_files', []))})")
-        elif saved.get(k) != v:
-            diffs.append(f"{k}: checkpoint {saved.get(k)!r}, now {v!r}")
-    if diffs:
-        raise UsageError(
-            f"--resume_from_checkpoint {path} comes from an incompatible run ({'; '.join(diffs)}). Resume with the "
-            "same settings (a different dp x cp layout is fine if --train_batch_size x dp x "
-            "--gradient_accumulation_steps stays the same), or start a new --output_dir."
-        )
 
 
 def _state(model, optimizer, with_optimizer: bool = True):
@@ -413,11 +293,10 @@ def save(
     total_limit: int | None,
     fault=None,
     optimizer_state: bool = True,
-    need_bytes: int | None = None,
 ) -> Path:
     """Write checkpoint-`step` atomically; every rank calls it. Returns the final folder. `optimizer_state`: keep
-    AdamW's moments (exact resume) or only the trainable weights. `need_bytes`: the checkpoint's size
-    (diskspace.sizes); when given, a disk that cannot hold it stops the run before anything is written."""
+    AdamW's moments (exact resume) or only the trainable weights. Whether the disk holds it is the caller's check
+    (`flux_cp.diskspace.check_checkpoint`), before it calls this."""
     import torch.distributed.checkpoint as dcp
 
     root = Path(output_dir)
@@ -428,16 +307,6 @@ def save(
         manifest.record(root, partial.name)
         _remove(partial)  # left by a crash during an earlier save
     prev = list_checkpoints(output_dir)
-    kept = f"{prev[-1][1]} is the last good checkpoint" if prev else "no checkpoint was written before"
-    if need_bytes is not None:
-        short = None
-        if is_main:
-            try:
-                diskspace.check_write(root, need_bytes, f"checkpoint-{step}", kept, resumable=bool(prev))
-            except UsageError as e:
-                short = str(e)
-        if distributed.any_rank(short is not None):
-            raise UsageError(short or f"not enough disk space for checkpoint-{step}; {kept}", agreed=True)
     distributed.barrier()
     error, sums = None, {}
     rank, world = distributed.rank(), distributed.world_size()
@@ -541,7 +410,7 @@ def _safe_reader(path: Path):
     class SafeReader(FileSystemReader):
         def read_metadata(self, *args, **kwargs):
             state = Path(self.path)
-            _check_inside(state / ".metadata", state)
+            check_inside(state / ".metadata", state)
             with open(state / ".metadata", "rb") as f:
                 metadata = _MetadataUnpickler(f).load()
             # Every file DCP will open is named here: each must lie inside the state folder, checked before any
@@ -550,7 +419,7 @@ def _safe_reader(path: Path):
                 relative = getattr(info, "relative_path", None)
                 if not isinstance(relative, str) or not relative or "\0" in relative or os.path.isabs(relative):
                     raise ValueError(f"{state / '.metadata'} names the file {relative!r}, not a path inside {state}")
-                _check_inside(state / relative, state)
+                check_inside(state / relative, state)
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
@@ -573,7 +442,7 @@ def _safe_planner():
     return SafePlanner()
 
 
-def _check_inside(path: Path, root: Path) -> None:
+def check_inside(path: Path, root: Path) -> None:
     """A ValueError unless `path` (links followed) lies inside `root`: a checkpoint is read from its own folder."""
     real, base = os.path.realpath(path), os.path.realpath(root)
     if os.path.commonpath([real, base]) != base:
@@ -596,8 +465,8 @@ def load(path: Path, model, optimizer, lr_scheduler, optimizer_state: bool = Tru
     base_lrs = list(getattr(lr_scheduler, "base_lrs", []))
     state = _state(model, optimizer, optimizer_state)
     try:
-        _check_inside(path / "state", path)
-        _check_inside(path / "train.pt", path)
+        check_inside(path / "state", path)
+        check_inside(path / "train.pt", path)
         dcp.load(state, checkpoint_id=str(path / "state"), storage_reader=_safe_reader(path / "state"),
                  planner=_safe_planner())  # fmt: skip
         train = torch.load(path / "train.pt", weights_only=True)
@@ -661,8 +530,3 @@ def _apply_current(optimizer, lr_scheduler, current: list[dict], base_lrs: list[
             g["initial_lr"], g["lr"] = base, lr
         lr_scheduler._last_lr = lrs
     return changes
-
-
-def changed_settings(saved: dict, now: dict, names: tuple[str, ...]) -> list[str]:
-    """`--flag old -> new` for each of `names` whose value differs between a checkpoint's args and this run's."""
-    return [f"--{n} {printable(saved[n])} -> {now.get(n)}" for n in names if n in saved and saved[n] != now.get(n)]

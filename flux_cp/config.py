@@ -26,17 +26,19 @@ from typing import Any
 from cp.context import OVERLAPS, Tuning
 from cp.kernels import DEFAULT_PREFERENCE, KERNELS
 
+from . import hub
+from .checkpoint import saved_run
 from .errors import UsageError
 from .flag_ranges import check_ranges, given_flags, unused_flags
-from .flow import WEIGHTING_SCHEMES
-from .lora import DEFAULT_TARGETS
-from .lora_format import FORMATS as LORA_FORMATS
 from .path_flags import as_typed
 from .precision import PRECISIONS, check_flags, check_installed
 
+# The choices of the flags that name one (the modules that use them import them from here).
 CP_MODES = ("auto", "ring", "ulysses", "hybrid")
 OPTIMIZERS = ("adamw", "prodigy")
 LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup")
+WEIGHTING_SCHEMES = ("none", "sigma_sqrt", "logit_normal", "mode", "cosmap")  # diffusers' examples' (flux_cp.flow)
+LORA_FORMATS = ("diffusers", "kohya")  # flux_cp.lora_format
 
 
 def flag(
@@ -136,8 +138,6 @@ def _resumed_demo(raw: dict) -> tuple[Demo, str, dict] | None:
     demo = next((d for d in DEMOS if _same_folder(raw["dataset_name"], d.data)), None)
     if demo is None:
         return None
-    from .resume import saved_run
-
     saved = saved_run(raw["resume_from_checkpoint"], raw["output_dir"])
     if saved is None:
         return None
@@ -262,8 +262,8 @@ class LoraConfig:
     lora_layers: tuple[str, ...] | None = flag(
         None,
         "Comma-separated module name suffixes that get LoRA adapters. Default: diffusers' LoRA example's for the "
-        f"model family: FLUX.1 {','.join(DEFAULT_TARGETS)} (Kontext pairs add proj_mlp); FLUX.2 "
-        "to_k,to_q,to_v,to_out.0,to_qkv_mlp_proj and every single block's attn.to_out.",
+        "model family: FLUX.1 the attention projections and MLPs of both streams (Kontext pairs add proj_mlp); "
+        "FLUX.2 to_k,to_q,to_v,to_out.0,to_qkv_mlp_proj and every single block's attn.to_out.",
         parse=_comma_list,
     )
     lora_format: str = flag(
@@ -757,25 +757,18 @@ class Config:
         return [getattr(self, f.name) for f in dataclasses.fields(self) if not f.metadata.get("resolution")]
 
     def check(self) -> None:
-        """Every check that needs only the flags; the first failure is a UsageError naming the flag."""
+        """Every check that needs only the flags; the first failure is a UsageError naming the flag. (What needs the
+        launch, the model or the machine too is checked at the start of the run: flux_cp.trainer.)"""
         check_ranges(self.flat())
         for section in self.sections():
             check = getattr(section, "check", None)
             if check is not None:
                 check()
-        from .offload import check_offload
-
-        check_offload(self.train.offload_blocks, full_finetune=self.lora.full_finetune, sharded=False)
         check_flags(self.model.base_precision, self.lora.full_finetune)
         if not self.plan.plan:  # the planner loads nothing and runs on any machine
-            from .optim import check_optimizer
-
-            check_optimizer(self.train)
             check_installed(self.model.base_precision)
         if self.hub.push_to_hub:  # what would fail the upload at the end whatever the run does
-            from .hub import check_start
-
-            check_start(self.hub.hub_model_id, self.hub.hub_token, self.train.output_dir)
+            hub.check_start(self.hub.hub_model_id, self.hub.hub_token, self.train.output_dir)
         if self.hub.hub_token and self.validation.report_to in ("wandb", "all"):
             # as diffusers' examples: wandb records the command line, and the token with it
             raise UsageError(

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from .config import DEFAULT_ENCODINGS_DIR
 from .errors import UsageError
 from .folders import FILE_NAME, Metadata, caption_of, list_folder, read_metadata_file
 from .images import decode
@@ -201,11 +202,14 @@ class ImageSource:
 
 def cache_folder(data: DataConfig) -> Path | None:
     """The encoding cache's folder (None with --no_cache): `--encodings_dir`, default ~/.cache/flux_cp/encodings."""
-    from .config import DEFAULT_ENCODINGS_DIR
-
     if data.no_cache:
         return None
     return Path(os.path.expanduser(data.encodings_dir or DEFAULT_ENCODINGS_DIR))
+
+
+def encodings_folder(data: DataConfig) -> str:
+    """Where the encodings are cached (--encodings_dir, else the default)."""
+    return str(cache_folder(data) or os.path.expanduser(DEFAULT_ENCODINGS_DIR))
 
 
 def _local_folder(

@@ -21,7 +21,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from . import checkpoint, distributed
 from .errors import UsageError
+from .optim import LABELS, optimizer_name, state_bytes
 
 if TYPE_CHECKING:
     from .config import Config
@@ -32,11 +34,10 @@ CHECKPOINT_TENSOR_BYTES = 2048  # torch.save record of one tensor in a DCP shard
 CHECKPOINT_OPTIMIZER_TENSOR_BYTES = 8192  # the same with AdamW's two moments, its step and the param-group entries
 CHECKPOINT_FIXED_BYTES = 64 * 1024  # .metadata, meta.json, train.pt
 SAFETENSORS_TENSOR_BYTES = 512  # one header entry
-# The optimizer's state (flux_cp.optim): (bytes per trainable parameter, bytes per trainable tensor beyond AdamW's
-# records). AdamW: two fp32 moments. Prodigy: two moments, its running sum and the initial weights, fp32 each, and two
-# more records. 8-bit AdamW: two uint8 moments with an fp32 scale per 256 values each; per tensor two 256-entry fp32
-# maps, four more records, and up to 24 KiB more where a tensor under 4096 values keeps fp32 moments instead.
-OPTIMIZER_STATE = {"adamw": (8, 0), "prodigy": (16, 4096), "adamw8bit": (2 + 2 * 4 / 256, 2048 + 8192 + 24576)}
+# The optimizer's state beyond its bytes per parameter (flux_cp.optim.state_bytes): bytes per trainable tensor beyond
+# AdamW's records. Prodigy: two more records. 8-bit AdamW: two 256-entry fp32 maps, four more records, and up to 24 KiB
+# more where a tensor under 4096 values keeps fp32 moments instead.
+OPTIMIZER_TENSOR_BYTES = {"adamw": 0, "prodigy": 4096, "adamw8bit": 2048 + 8192 + 24576}
 MODEL_FIXED_BYTES = 1024 * 1024  # a transformer folder's config.json and shard index
 LORA_FIXED_BYTES = 64 * 1024
 
@@ -62,8 +63,6 @@ class Sizes:
 def run_sizes(cfg: Config, family: Family, config: dict, model_dtype: torch.dtype, world: int) -> Sizes:
     """`sizes` of a run with these flags, of a transformer of `config` of the model `family`: the trainer's disk
     checks and `--plan` alike."""
-    from .optim import optimizer_name
-
     lora = None if cfg.lora.full_finetune else cfg.lora.rank
     counts = family.count_parameters(config, lora, list(cfg.lora.lora_layers))
     return sizes(counts, cfg.lora.full_finetune, not cfg.checkpoints.checkpoint_weights_only, model_dtype, world,
@@ -82,7 +81,7 @@ def sizes(
     exp_avg_sq and step, or `optimizer`'s, flux_cp.optim.optimizer_name) and of the final model (a fp32 LoRA file, or
     the transformer in the training dtype)."""
     n, tensors = counts.trainable, counts.trainable_tensors
-    per_param, per_tensor = OPTIMIZER_STATE[optimizer]
+    per_param, per_tensor = state_bytes(optimizer), OPTIMIZER_TENSOR_BYTES[optimizer]
     weights = n * 4 + tensors * CHECKPOINT_TENSOR_BYTES * world
     records = CHECKPOINT_OPTIMIZER_TENSOR_BYTES - CHECKPOINT_TENSOR_BYTES + per_tensor
     optimizer_bytes = math.ceil(n * per_param) + tensors * 4 + tensors * records * world if optimizer_state else 0
@@ -94,8 +93,7 @@ def sizes(
     else:
         model = n * 4 + tensors * SAFETENSORS_TENSOR_BYTES + LORA_FIXED_BYTES
         name = "LoRA"
-    label = {"adamw": "AdamW", "prodigy": "Prodigy", "adamw8bit": "8-bit AdamW"}[optimizer]
-    return Sizes(weights + optimizer_bytes + fixed, weights + fixed, optimizer_bytes, model, name, label)
+    return Sizes(weights + optimizer_bytes + fixed, weights + fixed, optimizer_bytes, model, name, LABELS[optimizer])
 
 
 def gib(n: float) -> str:
@@ -178,3 +176,18 @@ def check_write(folder: str | os.PathLike, need: int, what: str, kept: str, resu
             f"Nothing was written; {kept}. Free space (or keep fewer checkpoints: --checkpoints_total_limit, "
             f"--checkpoint_weights_only), {then}"
         )
+
+
+def check_checkpoint(output_dir: str | os.PathLike, step: int, need: int, is_main: bool) -> None:
+    """Before checkpoint-`step` is written (every rank calls it): a UsageError, the same on every rank, when the disk
+    cannot hold its `need` bytes; nothing is written then and the last good checkpoint is kept."""
+    prev = checkpoint.list_checkpoints(output_dir)
+    kept = f"{prev[-1][1]} is the last good checkpoint" if prev else "no checkpoint was written before"
+    short = None
+    if is_main:
+        try:
+            check_write(output_dir, need, f"checkpoint-{step}", kept, resumable=bool(prev))
+        except UsageError as e:
+            short = str(e)
+    if distributed.any_rank(short is not None):
+        raise UsageError(short or f"not enough disk space for checkpoint-{step}; {kept}", agreed=True)

@@ -1,27 +1,30 @@
-"""LoRA adapters on the Flux transformer: which layers get them, adding them (seeded, layout-independent),
-and writing them (`--lora_format`: diffusers' layout, which `FluxPipeline.load_lora_weights` reads, or kohya's)."""
+"""LoRA adapters on the transformer: checking the layers that get them (a family's defaults: `Family.lora_targets`),
+adding them (seeded, layout-independent), and writing them (`--lora_format`: diffusers' layout, which the pipelines'
+`load_lora_weights` read, or a layout of the family's own, FLUX.1's kohya)."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+from safetensors.torch import save_file
 
+from . import files
 from .errors import UsageError
-from .lora_format import Origin
+from .lora_format import Origin, adapter_metadata, metadata, scaled
 
 if TYPE_CHECKING:
     from .config import Config, LoraConfig
 
-# Attention projections of both streams (image: to_*, text: add_*_proj / to_add_out). The benchmarks' and the
-# planner tests' LoRA setting.
-ATTENTION_TARGETS = (
-    "attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0",
-    "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
-)  # fmt: skip
-# The training default (`--lora_layers`): attention and the MLPs of both streams.
-DEFAULT_TARGETS = (*ATTENTION_TARGETS, "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2")
+
+class LoraLayouts(Protocol):
+    """What writing a LoRA file asks of the model family (`flux_cp.families.base.Family` has it)."""
+
+    lora_alpha_keys: bool  # the scale as alpha keys (else alpha / rank multiplied into lora_B)
+
+    def lora_layout(self, fmt: str, state: dict[str, torch.Tensor], lora: LoraConfig, origin: Origin | None,
+                    guidance: bool) -> tuple[dict[str, torch.Tensor], dict[str, str]]: ...  # fmt: skip
 
 
 def check_targets(transformer: torch.nn.Module, targets: list[str]) -> None:
@@ -34,7 +37,7 @@ def check_targets(transformer: torch.nn.Module, targets: list[str]) -> None:
 
 def add_lora(transformer: torch.nn.Module, lora: LoraConfig, seed: int) -> None:
     """peft LoRA adapters; initialised from `seed` alone, so every layout starts from the same weights."""
-    from peft import LoraConfig as PeftLoraConfig
+    from peft import LoraConfig as PeftLoraConfig  # peft at first use (its import takes seconds)
 
     targets = list(lora.lora_layers)
     check_targets(transformer, targets)
@@ -52,35 +55,29 @@ def save_lora(
     state: dict[str, torch.Tensor],
     output_dir: str,
     lora: LoraConfig,
+    family: LoraLayouts,
     origin: Origin | None = None,
 ) -> Path:
-    """`pytorch_lora_weights.safetensors` in the `--lora_format` layout (flux_cp.lora_format); the default is
-    diffusers' format, which FluxPipeline.load_lora_weights and ComfyUI load. Its metadata says how it was trained
-    and on which base model (`origin`; lora_format.metadata)."""
-    from peft.utils import get_peft_model_state_dict
-    from safetensors.torch import save_file
-
-    from . import files
-    from .lora_format import adapter_metadata, convert, metadata
+    """`pytorch_lora_weights.safetensors` in the `--lora_format` layout: diffusers' (flux_cp.lora_format, with the
+    scale as `family`'s loaders read it), which the family's pipeline's `load_lora_weights` and ComfyUI load, or a
+    layout of the family's own (`Family.lora_layout`). Its metadata says how it was trained and on which base model
+    (`origin`)."""
+    from peft.utils import get_peft_model_state_dict  # peft at first use (its import takes seconds)
 
     weights = get_peft_model_state_dict(transformer, state_dict=state)
     weights = {f"transformer.{k}": v.detach().contiguous().cpu() for k, v in weights.items()}
-    alpha_keys = not _is_flux2(transformer)  # FLUX.2's LoRA loader refuses alpha keys (lora_format's doc)
-    weights = convert(weights, lora.lora_format, lora.rank, lora.lora_alpha, alpha_keys)
-    peft_config = getattr(transformer, "peft_config", {}).get("default")
-    adapter = adapter_metadata(peft_config.to_dict(), origin and origin.base_model) if peft_config else None
     guidance = bool(dict(getattr(transformer, "config", {})).get("guidance_embeds"))
-    header = metadata(lora.lora_format, rank=lora.rank, alpha=lora.lora_alpha, adapter=adapter, origin=origin,
-                      guidance=guidance, alpha_keys=alpha_keys)  # fmt: skip
+    if lora.lora_format == "diffusers":
+        keys = family.lora_alpha_keys
+        weights = scaled(weights, lora.rank, lora.lora_alpha, keys)
+        peft_config = getattr(transformer, "peft_config", {}).get("default")
+        adapter = adapter_metadata(peft_config.to_dict(), origin and origin.base_model) if peft_config else None
+        header = metadata(rank=lora.rank, alpha=lora.lora_alpha, adapter=adapter, origin=origin, alpha_keys=keys)
+    else:
+        weights, header = family.lora_layout(lora.lora_format, weights, lora, origin, guidance)
     path = Path(output_dir) / "pytorch_lora_weights.safetensors"
     files.write_with(path, lambda tmp: save_file(weights, tmp, metadata=header))
     return path
-
-
-def _is_flux2(transformer: torch.nn.Module) -> bool:
-    from diffusers import Flux2Transformer2DModel
-
-    return isinstance(transformer, Flux2Transformer2DModel)
 
 
 def lora_origin(cfg: Config, kontext: bool) -> Origin:

@@ -47,26 +47,6 @@ def step_flops(linear_fwd: float, attention_fwd: float, lora: bool, ckpt: float,
     return StepFlops(float(model), float(executed))
 
 
-def flux_forward_flops(config: dict, image_tokens: int, text_tokens: int, batch: int) -> tuple[float, float]:
-    """(linear, attention) forward FLOPs of a FLUX.1 transformer (`FluxTransformer2DModel`'s config) on `batch`
-    samples of these token counts, matmuls only, per-token layers exactly:
-
-    - every token passes one stream of each double block and each single block: 12 D^2 weights (double: q, k,
-      v, out + the 4x MLP; single: q, k, v + the 4x MLP + the 5D -> D output projection), 2 FLOPs each;
-    - image tokens pass x_embedder and proj_out, text tokens the context_embedder;
-    - attention: q k^T and p v over the whole sequence, 4 S^2 D per layer.
-    The adaLN modulation and the timestep, guidance and pooled-text embedders act once per sample (a few
-    hundred-thousandths of a 1024 px step at FLUX.1-dev's size) and are left out."""
-    d = config["num_attention_heads"] * config["attention_head_dim"]
-    layers = config["num_layers"] + config["num_single_layers"]
-    s = image_tokens + text_tokens
-    out = config.get("out_channels") or config["in_channels"]
-    embed = image_tokens * (config["in_channels"] + out) * d + text_tokens * config["joint_attention_dim"] * d
-    linear = 2 * (12 * d * d * layers * s + embed) * batch
-    attention = 4 * s * s * d * layers * batch
-    return float(linear), float(attention)
-
-
 # Dense bf16 tensor-core peaks from NVIDIA's datasheets (FLOP/s; the sheets quote twice these "with sparsity"),
 # by the name torch.cuda.get_device_name gives. Matched in order: the first entry contained in the name wins.
 DATASHEET_BF16_PEAKS = (

@@ -4,6 +4,8 @@ LoRA files are written by flux_cp.lora)."""
 
 from __future__ import annotations
 
+import inspect
+import logging
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -12,11 +14,15 @@ import torch
 from safetensors.torch import load_file
 
 from . import distributed, files
+from .encode import component_folder, model_fingerprint
 from .errors import UsageError
 from .lora import add_lora
+from .precision import quantize_base
 
 if TYPE_CHECKING:
-    from .config import LoraConfig, ModelConfig
+    from .config import Config, LoraConfig, ModelConfig
+
+logger = logging.getLogger("flux_cp")
 
 Tensor = torch.Tensor
 
@@ -43,6 +49,23 @@ def load_component(cls, path: str, subfolder: str, revision: str | None, **kwarg
         ) from None
 
 
+def transformer_config(path: str, cls: type, revision: str | None, cache_dir: str | None) -> dict:
+    """The transformer's config.json (of diffusers class `cls`), with the class's defaults for what it leaves out (as
+    the model gets them)."""
+    try:
+        config = dict(cls.load_config(path, subfolder="transformer", revision=revision, cache_dir=cache_dir))
+    except (OSError, ValueError) as e:
+        first = str(e).splitlines()[0]
+        raise UsageError(f"cannot load transformer from --pretrained_model_name_or_path {path}: {first}") from None
+    return with_class_defaults(config, cls)
+
+
+def with_class_defaults(config: dict, cls: type) -> dict:
+    """`config` with `cls`'s defaults for the arguments it leaves out."""
+    parameters = inspect.signature(cls.__init__).parameters.values()
+    return {**{p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty}, **config}
+
+
 def load_transformer(model: ModelConfig, path: str, cls: type, dtype: torch.dtype, device: torch.device, seed: int):
     """The transformer (of diffusers class `cls`) in `dtype` on `device`: pretrained weights, or random ones from its
     config and `seed`."""
@@ -66,6 +89,29 @@ def load_transformer(model: ModelConfig, path: str, cls: type, dtype: torch.dtyp
     return load_component(
         cls, path, "transformer", model.revision, torch_dtype=dtype, cache_dir=model.cache_dir, **kw
     ).to(device)
+
+
+def load_trainee(cfg: Config, path: str, cls: type, quantized_parts: tuple[str, ...], dtype: torch.dtype,
+                 device: torch.device, is_main: bool) -> tuple[torch.nn.Module, str]:  # fmt: skip
+    """The transformer (diffusers class `cls`, of the model at `path`) to train and the fingerprint of its weights as
+    loaded: its frozen base (the linears of `quantized_parts`) quantized with
+    --base_precision (before LoRA: peft wraps each quantized linear in its LoRA layer), then LoRA adapters or every
+    weight trainable (`prepare_trainable`), then the seed checkpoint's weights (written when absent)."""
+    model, train, precision = cfg.model, cfg.train, cfg.model.base_precision
+    # On the CPU first when blocks are offloaded or the base is quantized: the whole bf16 model need not fit the
+    # GPU (quantize_base and offload_blocks move it there, a layer or a block at a time).
+    staged = train.offload_blocks != "0" or precision != "bf16"
+    transformer = load_transformer(model, path, cls, dtype, torch.device("cpu") if staged else device, train.seed)
+    pretrained = model.transformer_init == "pretrained"  # random weights: its config and the seed are all
+    folder = component_folder(path, "transformer", model.revision, model.cache_dir)
+    fingerprint = model_fingerprint(transformer, folder if pretrained else None)
+    if precision != "bf16":
+        logger.info(quantize_base(transformer, precision, device=device, parts=quantized_parts).describe())
+    prepare_trainable(transformer, cfg.lora, train.seed)
+    if train.seed_checkpoint:
+        how = apply_seed_checkpoint(transformer, train.seed_checkpoint, is_main)
+        logger.info(f"seed checkpoint {how}: {train.seed_checkpoint}")
+    return transformer, fingerprint
 
 
 def load_scheduler(model: ModelConfig, path: str):

@@ -56,6 +56,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .blocks import transformer_blocks
 from .errors import UsageError
+from .families import blocks_of
 
 Tensor = torch.Tensor
 
@@ -77,8 +78,9 @@ def offload_count(value: str) -> int | None:
 
 
 def block_kinds(transformer: torch.nn.Module) -> list[str]:
-    """'double' or 'single' for every block, in the order they run (flux_cp.blocks.transformer_blocks)."""
-    return ["double"] * len(transformer.transformer_blocks) + ["single"] * len(transformer.single_transformer_blocks)
+    """The kind of every block (FLUX.1 and FLUX.2: 'double' or 'single'), in the order they run (its family's block
+    lists)."""
+    return [kind for kind, _ in blocks_of(transformer)]
 
 
 def choose_offloaded(kinds: Sequence[str], n: int) -> tuple[int, ...]:
@@ -553,6 +555,8 @@ def offload_blocks(
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    elif device.type == "cpu":  # accelerate's "cpu:0" of a multi-process run: a .to() of it copies every CPU tensor
+        device = torch.device("cpu")
     kinds = block_kinds(transformer)
     if n > len(kinds):
         raise UsageError(f"--offload_blocks {n}: the transformer has {len(kinds)} blocks; give at most {len(kinds)}")

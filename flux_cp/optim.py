@@ -27,6 +27,19 @@ PACKAGES = {"prodigy": "prodigyopt", "adamw8bit": "bitsandbytes"}
 INSTALL = "pip install -e .[optim]"
 
 
+# Bytes of an optimizer's state per trainable parameter. AdamW: two fp32 moments. Prodigy: two moments, its running
+# sum and the initial weights, fp32 each. 8-bit AdamW: two uint8 moments with an fp32 scale per 256 values each (a
+# tensor under 4096 values keeps fp32 moments: flux_cp.diskspace allows for them per tensor).
+STATE_BYTES = {"adamw": 8, "prodigy": 16, "adamw8bit": 2 + 2 * 4 / 256}
+LABELS = {"adamw": "AdamW", "prodigy": "Prodigy", "adamw8bit": "8-bit AdamW"}
+
+
+def state_bytes(name: str) -> float:
+    """Bytes of the state optimizer `name` (`optimizer_name`) keeps per trainable parameter: the memory planner's and
+    the checkpoints' size."""
+    return STATE_BYTES[name]
+
+
 def optimizer_name(train: TrainConfig) -> str:
     """'adamw', 'adamw8bit' or 'prodigy': which optimizer the flags make (a checkpoint's optimizer state is that
     optimizer's, so it is part of what a resumed run must match)."""

@@ -12,7 +12,9 @@ outside it (absolute, or climbing out with `..`) is used but never removed.
 
 from __future__ import annotations
 
+import fcntl
 import json
+import logging
 import os
 import shutil
 import socket
@@ -21,11 +23,19 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from safetensors import SafetensorError
 
-from . import files, manifest, resume
+from . import checkpoint, distributed, files, manifest, resume, roles
+from .data import BUNDLED_DATA, encodings_folder
 from .errors import UsageError
+from .prior import check_resume as check_prior_resume
+
+if TYPE_CHECKING:
+    from .config import Config
+
+logger = logging.getLogger("flux_cp")
 
 LOCK_NAME = ".flux_cp.lock"
 FINAL_OUTPUTS = ("pytorch_lora_weights.safetensors", "transformer")
@@ -129,8 +139,6 @@ def check_apart(output_dir: str | os.PathLike, others: dict[str, str | os.PathLi
 
 
 def _lock(folder: Path) -> None:
-    import fcntl
-
     key = str(folder.resolve())
     if key in _held:
         return
@@ -268,7 +276,6 @@ def write_final(output_dir: str | os.PathLike, name: str, write: Callable[[Path]
     temporary folder beside it and returns its path there; it is then renamed into place, so the folder holds the
     previous version or the complete new one, never a part. A failure is a UsageError naming the output and saying
     what a resume would do."""
-    from .checkpoint import list_checkpoints
 
     root = Path(output_dir)
     final, staging, old = root / name, root / f".{name}.partial", root / f".{name}.old"
@@ -287,7 +294,7 @@ def write_final(output_dir: str | os.PathLike, name: str, write: Callable[[Path]
             os.replace(written, final)
     except (OSError, SafetensorError) as e:  # safetensors' I/O failures are not OSErrors
         why = getattr(e, "strerror", None) or e
-        found = list_checkpoints(root)
+        found = checkpoint.list_checkpoints(root)
         then = (
             f"Free disk space, then resume with --resume_from_checkpoint latest: it restarts from step {found[-1][0]} "
             f"({found[-1][1]}, the last good checkpoint) and writes it again at the end"
@@ -300,3 +307,88 @@ def write_final(output_dir: str | os.PathLike, name: str, write: Callable[[Path]
         shutil.rmtree(staging, ignore_errors=True)
     manifest.forget(root, staging.name, old.name)
     return final
+
+
+def finished(
+    resume_from: str | None, output_dir: str | os.PathLike, steps: int | None, *, claimed: bool = False
+) -> Path | None:
+    """The checkpoint of a run that is already done, when `--resume_from_checkpoint resume_from` resumes one: its own
+    folder's newest checkpoint, at the run's last step (`steps`), with the final weights and the model card written
+    after it (a run stopped on its way out, before those, is finished by resuming it), and no live run in the folder
+    (`claimed`: this process holds the folder). Else None. Reads only."""
+    folder = Path(output_dir)
+    found = checkpoint.list_checkpoints(folder)
+    if resume_from is None or steps is None or not found:
+        return None
+    path = found[-1][1]
+    if resume_from != "latest" and Path(resume_from).resolve() != path.resolve():
+        return None  # an earlier checkpoint (a branch) or another folder's (a fork)
+    if found[-1][0] != steps or not (folder / "README.md").is_file():
+        return None
+    if not any(os.path.lexists(folder / name) for name in FINAL_OUTPUTS) or (not claimed and _in_use(folder)):
+        return None  # a live run there: the resume says so (`claim`) rather than this
+    return path
+
+
+def _in_use(folder: Path) -> bool:
+    """Whether a live run holds the folder's lock, probed without writing anything."""
+    try:
+        fd = os.open(folder / LOCK_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True  # a lock that cannot be opened: the run's own start names the problem
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except OSError:
+        return True
+    finally:
+        os.close(fd)  # drops the probe's shared lock with it
+
+
+def finished_line(path: Path, steps: int) -> str:
+    return (
+        f"{path.parent} already finished: {path.name} is its last step ({steps} steps) and its weights and model card "
+        "are written, so there is nothing to do and nothing was changed. To train further, pass a larger "
+        "--max_train_steps with --resume_from_checkpoint latest"
+    )
+
+
+def claim_run(cfg: Config, model_path: str, is_main: bool) -> None:
+    """`claim` the output folder for the run of `cfg` (the main process; every rank learns the result): apart from
+    the model, the data set, the class images, the encoding cache and the tracker logs (flux_cp.roles), and a resume
+    needing other class images than this run's refused before any is generated; the lines to log are logged."""
+    problem, claimed = None, None
+    if is_main:
+        data = cfg.data
+        try:
+            trackers = cfg.validation.report_to in ("tensorboard", "all")  # the ones writing into --logging_dir
+            logs = cfg.validation.logging_dir if trackers else None
+            classes = data.class_data_dir if data.with_prior_preservation else None
+            data_flag = ("--instance_data_dir" if data.instance_data_dir else "--dataset_name" if data.dataset_name
+                         else "the bundled data set")  # fmt: skip
+            encodings = None if data.no_cache else encodings_folder(data)
+            roles.check(cfg.train.output_dir, model=model_path, data=data.dataset_name or str(BUNDLED_DATA),
+                        data_flag=data_flag, bundled=BUNDLED_DATA.parent, class_dir=classes, encodings=encodings,
+                        logs=logs)  # fmt: skip
+
+            def accept(decision: resume.Decision) -> None:  # a resume needing other class images: refused now
+                if decision.checkpoint is not None:
+                    check_prior_resume(checkpoint.read_meta(decision.checkpoint), data, decision.checkpoint)
+
+            claimed = claim(
+                cfg.train.output_dir, cfg.checkpoints.resume_from_checkpoint, cfg.train.overwrite_output_dir,
+                logging_dir=logs, max_train_steps=cfg.train.max_train_steps, accept=accept,
+                apart={"--pretrained_model_name_or_path": model_path, data_flag: data.dataset_name or str(BUNDLED_DATA),
+                       "--class_data_dir": classes},
+            )  # fmt: skip
+            if encodings is not None:
+                check_writable(Path(encodings), "--encodings_dir")
+        except UsageError as e:
+            problem = str(e)
+    distributed.check_all_ranks(problem is None, problem or "")
+    if claimed and claimed.removed:
+        logger.info(f"--overwrite_output_dir: removed the earlier run's outputs ({', '.join(claimed.removed)})")
+    for note in claimed.notes if claimed else ():
+        logger.info(note)

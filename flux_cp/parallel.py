@@ -1,5 +1,6 @@
-"""The dp x cp layout: which ranks share a sample (a CP group of neighbouring ranks) and which see
-different samples (data-parallel ranks), the accelerator, and the process groups.
+"""Parallelism applied: the accelerator, the dp x cp layout with its process groups and CP context (built once, in
+the CP mode the run shape chose), and `parallelize`, the one place a transformer is made to run on that layout (CP
+attention, checkpointing and compile, block offload, FSDP2 or DDP), for training and for class-image generation alike.
 
 GPU: accelerate's FSDP2 plugin with a `ParallelismConfig(dp_shard_size=dp, cp_size=cp)` mesh; FSDP
 shards the weights over all dp x cp ranks and our CP group is the mesh's 'cp' dimension.
@@ -10,28 +11,49 @@ chunks and per-rank token-mean losses equals the full-sequence gradient (docs/de
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
+import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 import cp
+from cp.kernels import KERNELS
+from cp.ulysses import used_chunks
 
+from .blocks import prepare_blocks, uses_cuda_graphs
 from .errors import UsageError
+from .model import trainable_parameters
+from .offload import (
+    BlockOffload,
+    block_kinds,
+    blocks_for_memory,
+    check_host_memory,
+    check_offload_count,
+    frozen_block_bytes,
+    offload_blocks,
+    offload_count,
+)
+from .plan import GIB, MARGIN, Checkpointing
 
 if TYPE_CHECKING:
-    from .config import ParallelConfig, TrainConfig, ValidationConfig
+    from .config import Config, ParallelConfig, TrainConfig, ValidationConfig
     from .shape import RunShape
+
+logger = logging.getLogger("flux_cp")
 
 
 @dataclass
 class Layout:
-    """This process's place in the dp x cp grid. `rank` is the process rank (the LoRA rank is `LoraConfig.rank`).
-    `cp_context`: the CP group with its timeout and tuning (`cp.CPContext`; its mode is chosen once the model's heads
-    are known, by `cp.apply_context_parallel`); one with the default tuning when not given."""
+    """This process's place in the dp x cp grid (from the run shape). `rank` is the process rank (the LoRA rank is
+    `LoraConfig.rank`). `cp_context`: the CP group with its mode, timeout and tuning (`cp.CPContext`), built once by
+    `make_layout`; one in ring mode with the default tuning when not given."""
 
     world: int
     rank: int
@@ -54,32 +76,9 @@ class Layout:
         return f"world {self.world} = dp {self.dp} x cp {self.cp}"
 
 
-def launched_world_size() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def check_layout(world: int, cp_size: int) -> int:
-    """dp size for `world` processes with CP groups of `cp_size`; a UsageError that says what to change."""
-    if world % cp_size:
-        options = [c for c in range(1, world + 1) if world % c == 0]
-        raise UsageError(
-            f"--cp_size {cp_size} does not divide the {world} launched processes: choose --cp_size from {options}, "
-            f"or launch a multiple of {cp_size} processes (accelerate launch --num_processes)"
-        )
-    return world // cp_size
-
-
-def launched_with_fsdp() -> bool | None:
-    """Whether `accelerate launch`'s config asks for FSDP (it sets ACCELERATE_USE_FSDP); None when accelerate did
-    not launch this process (a plain `python train_flux_cp.py`, e.g. for --plan)."""
-    if "ACCELERATE_MIXED_PRECISION" not in os.environ and "ACCELERATE_USE_FSDP" not in os.environ:
-        return None
-    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
-
-
-def uses_fsdp() -> bool:
-    """FSDP2 shards this run's weights: the launch config asks for it, and there is CUDA (FSDP2 needs it here)."""
-    return bool(launched_with_fsdp()) and torch.cuda.is_available()
+def cp_group_ranks(world: int, cp_size: int) -> list[list[int]]:
+    """The global ranks of every CP group: neighbouring ranks, the data sampler's `dp_rank = rank // cp`."""
+    return [list(range(d * cp_size, (d + 1) * cp_size)) for d in range(world // cp_size)]
 
 
 def make_accelerator(parallel: ParallelConfig, train: TrainConfig, validation: ValidationConfig, shape: RunShape):
@@ -125,50 +124,47 @@ def _accelerator(parallel: ParallelConfig, train: TrainConfig, validation: Valid
     )
 
 
-def make_layout(accelerator, cp_size: int, timeout_s: float, tuning: cp.Tuning | None = None) -> Layout:
-    """This rank's layout and its CP context: the CP group (the mesh's 'cp' dimension under FSDP2, else made here),
-    with `timeout_s` for the sub-groups its modes create and the CP `tuning`."""
-    world, rank = accelerator.num_processes, accelerator.process_index
-    dp = world // cp_size  # the run shape checked that it divides
+def make_layout(accelerator, shape: RunShape, timeout_s: float, tuning: cp.Tuning | None = None) -> Layout:
+    """This rank's layout and its CP context, built once in the shape's CP mode: the CP group (the mesh's 'cp'
+    dimension under FSDP2, else made here), with `timeout_s` for the sub-groups its mode creates (the hybrid mode's:
+    collective over the default group, so every rank builds its layout at the same point) and the CP `tuning`."""
+    rank, n = accelerator.process_index, shape.cp
+    groups = cp_group_ranks(shape.world, n)
+    timeout = timedelta(seconds=timeout_s)
     group = None
-    if cp_size > 1:
+    if n > 1:
         mesh = getattr(accelerator, "torch_device_mesh", None)
         if mesh is not None and "cp" in mesh.mesh_dim_names:
             group = mesh["cp"].get_group()
-        else:
-            # Every rank creates every group, in the same order (a torch.distributed rule).
-            for d in range(dp):
-                g = dist.new_group(list(range(d * cp_size, (d + 1) * cp_size)), timeout=timedelta(seconds=timeout_s))
-                if d == rank // cp_size:
-                    group = g
+        else:  # every rank creates every group, in the same order (a torch.distributed rule)
+            made = [dist.new_group(ranks, timeout=timeout) for ranks in groups]
+            group = made[rank // n]
         members = dist.get_process_group_ranks(group)
-        expected = list(range((rank // cp_size) * cp_size, (rank // cp_size + 1) * cp_size))
-        if members != expected:  # the data sampler assumes dp_rank = rank // cp
-            raise RuntimeError(f"CP group of rank {rank} is {members}, expected neighbouring ranks {expected}")
-    all_groups = [list(range(d * cp_size, (d + 1) * cp_size)) for d in range(dp)]
-    context = cp.CPContext(group, tuning=tuning, timeout=timedelta(seconds=timeout_s), cp_groups=all_groups)
-    return Layout(world, rank, cp_size, dp, rank // cp_size, rank % cp_size, group, context)
+        if members != groups[rank // n]:  # the data sampler assumes dp_rank = rank // cp
+            raise RuntimeError(f"CP group of rank {rank} is {members}, expected neighbouring ranks {groups[rank // n]}")
+    context = cp.CPContext(group, shape.cp_mode, shape.ulysses_size, tuning=tuning, timeout=timeout, cp_groups=groups)
+    if context.size != n:
+        raise RuntimeError(f"the CP group of rank {rank} has {context.size} ranks, --cp_size {n}")
+    return Layout(shape.world, rank, n, shape.dp, rank // n, rank % n, group, context)
 
 
-def choose_cp_mode(parallel: ParallelConfig, heads: int, cp_size: int) -> tuple[str, int | None]:
-    """Resolve --cp_mode (auto: `auto_mode`) and check it against the model; a UsageError if it cannot work."""
-    mode, u = parallel.cp_mode, parallel.ulysses_size
-    if cp_size == 1:
-        return "ring", None
-    if mode == "auto":
-        mode, u = auto_mode(heads, cp_size)
-    try:
-        u = cp.validate((1, cp_size, heads, 1), cp_size, mode, u)
-    except ValueError as e:
-        raise UsageError(f"--cp_mode {parallel.cp_mode}: {e}", agreed=True) from None  # same on every rank
-    return mode, u
+def cp_tuning(cfg: Config, shape: RunShape, device_type: str) -> tuple[cp.Tuning, list[str]]:
+    """The CP tuning of the flags as this device and model run it, decided once at start: the kernels this device
+    runs, the overlap pass it can apply, the Ulysses head chunks the model's heads allow. Returns the tuning and the
+    warnings for what is used otherwise than given."""
+    tuning = cfg.cp_tuning
+    warnings = [check_kernels(tuning.kernels, device_type)]
+    check_overlap(tuning.cp_overlap, bool(cfg.train.compile or cfg.train.compile_mode), shape.cp, device_type)
+    chunks = 1
+    if shape.cp > 1:
+        chunks, warning = ulysses_chunks(tuning.cp_ulysses_chunks, shape.heads, shape.cp_mode, shape.ulysses_size)
+        warnings.append(warning)
+    return dataclasses.replace(tuning.tuning(), ulysses_chunks=chunks), [w for w in warnings if w]
 
 
 def check_kernels(names: tuple[str, ...], device_type: str) -> str | None:
     """--cp_kernels against the device the run trains on, at start: refused when none of them runs there (the first
     attention call would fail), a warning naming those that do not (skipped at every call)."""
-    from cp.kernels import KERNELS
-
     where = {"cpu": "the CPU", "cuda": "CUDA GPUs"}.get(device_type, device_type)
     off = [n for n in names if device_type not in KERNELS[n].devices]
     if not off:
@@ -190,8 +186,6 @@ def check_kernels(names: tuple[str, ...], device_type: str) -> str | None:
 def check_overlap(overlap: str, compiled: bool, cp_size: int, device_type: str) -> None:
     """--cp_overlap scheduler is Inductor's overlap scheduler, which orders by its GPU runtime estimates: it needs a
     CUDA device and triton (without them the first compiled step fails). Refused at start otherwise."""
-    import importlib.util
-
     if overlap != "scheduler" or not compiled or cp_size == 1:
         return
     missing = "a CUDA GPU" if device_type != "cuda" else None
@@ -218,8 +212,6 @@ def ulysses_chunks(requested: int, heads: int, mode: str, ulysses_size: int | No
         return 1, None
     if ulysses_size is None:
         return 1, f"--cp_ulysses_chunks {requested} has no effect with --cp_mode {mode} (no Ulysses exchange): 1 used"
-    from cp.ulysses import used_chunks
-
     used = used_chunks(heads, ulysses_size, requested)
     if used == requested:
         return used, None
@@ -229,27 +221,88 @@ def ulysses_chunks(requested: int, heads: int, mode: str, ulysses_size: int | No
     )
 
 
-def auto_mode(heads: int, cp_size: int) -> tuple[str, int | None]:
-    """The CP mode, by the H200 measurements in benchmarks/archive/history.md (the same at every sequence length):
+@dataclass
+class Parallelized:
+    """A transformer made to run on the layout (`parallelize`)."""
 
-    - Ulysses when the heads divide over the group: fewer, larger messages. Compiled, on 2 H200s, its
-      attention beat the ring's at 16,896 and 66,048 tokens on three machines (12.36 / 173.3 against 13.62 /
-      180.8 ms on the latest; 12.07 / 173.8 against 13.71 / 180.2 ms; 12.25 / 174.1 against 13.59 / 181.5 ms before
-      the exchanges moved to the kernel's layout). Eager, it
-      matched or beat the ring at every size (LoRA step at 2048 px: 1.98 against 2.21 s; at 1024 px: 0.87 against
-      0.99 s; attention at 16,896 / 66,048 tokens: 12.9 / 176 against 14.1 / 183 ms); on 4, at every size too
-      (attention 3.09 / 6.86 / 90.2 ms against the ring's 6.52 / 10.5 / 95.6 ms at 4,608 / 16,896 / 66,048
-      tokens). One earlier run on 4 H200s had the ring ahead at 1024 px on 2 of them (0.815 against 0.893 s);
-      the next did not reproduce it, so no exception is made for short sequences.
-    - else hybrid with the largest Ulysses degree dividing both (at 4 ranks it sits between the two at
-      every size), else ring.
-    """
-    if heads % cp_size == 0:
-        return "ulysses", None
-    for u in range(cp_size - 1, 1, -1):
-        if cp_size % u == 0 and heads % u == 0:
-            return "hybrid", u
-    return "ring", None
+    model: torch.nn.Module  # wrapped by accelerate (DDP or FSDP2) for training; the transformer itself otherwise
+    optimizer: Any = None  # accelerate's wrapper of `base_optimizer`
+    base_optimizer: Any = None  # the optimizer as built: the LR schedule steps it
+    offload: BlockOffload | None = None
+
+
+def parallelize(
+    transformer: torch.nn.Module,
+    shape: RunShape,
+    layout: Layout,
+    cfg: Config,
+    *,
+    checkpointing: Checkpointing | None = None,
+    device: torch.device | None = None,
+    accelerator=None,
+    make_optimizer: Callable[[list[torch.nn.Parameter]], Any] | None = None,
+) -> Parallelized:
+    """Make `transformer` run on `layout`. In this order, each step needing the one before (a quantized frozen base
+    and the LoRA adapters are added before: flux_cp.model):
+
+    1. CP: the attention processors of the layout's CP context (installed at cp=1 too: their kernels, cuDNN on
+       Hopper, beat diffusers' default SDPA path);
+    2. activation checkpointing of the blocks `checkpointing` names, and torch.compile of every block with
+       --compile (flux_cp.blocks);
+    3. training: block offload (--offload_blocks): the frozen weights of some blocks to pinned host memory, the rest
+       of the model to `device` (flux_cp.offload);
+    4. training: the optimizer over the trainable parameters where they now live (`make_optimizer`), then
+       accelerate's prepare: FSDP2 or DDP.
+
+    Without an accelerator (class images): steps 1 and 2 without checkpointing, nothing offloaded or wrapped."""
+    train = cfg.train
+    cp.apply_context_parallel(transformer, layout.cp_context)
+    if accelerator is not None and layout.cp > 1:
+        mode, u = shape.cp_mode, shape.ulysses_size
+        auto = "auto-chosen " if cfg.parallel.cp_mode == "auto" else ""
+        logger.info(f"{auto}context parallel: {mode}" + (f" (ulysses {u})" if u else "") + f" over {layout.cp} ranks")
+        advice = cp_advice(shape.image_tokens() + shape.text_tokens, layout.cp, uses_cuda_graphs(train.compile_mode))
+        if advice and device is not None and device.type == "cuda":  # measured on GPUs; the CPU demo's are for tests
+            logger.warning(advice)
+    checkpointed = checkpointing.blocks if checkpointing is not None and accelerator is not None else range(0)
+    prepare_blocks(transformer, checkpointed=checkpointed, recompute_attention=train.recompute_attention,
+                   compile=bool(train.compile or train.compile_mode), compile_mode=train.compile_mode, cp=layout.cp,
+                   tuning=layout.cp_context.tuning)  # fmt: skip
+    if accelerator is None:
+        return Parallelized(transformer)
+    offload = _offload(transformer, cfg, checkpointing, layout, device)
+    optimizer = make_optimizer([p for _, p in trainable_parameters(transformer)])
+    # An offloaded model is where it must be already: accelerate's move to its device (on the CPU "cpu:0", which copies
+    # every CPU tensor) would undo the slots
+    model, prepared = accelerator.prepare(transformer, optimizer, device_placement=[offload is None, True])
+    if offload is not None:
+        offload.check()  # nothing moved or converted its weights since
+    return Parallelized(model, prepared, optimizer, offload)
+
+
+def _offload(transformer: torch.nn.Module, cfg: Config, checkpointing: Checkpointing | None, layout: Layout,
+             device: torch.device) -> BlockOffload | None:  # fmt: skip
+    """--offload_blocks applied (auto: the fewest blocks that bring the planned peak within the GPU's memory); the
+    transformer on `device` either way."""
+    n = offload_count(cfg.train.offload_blocks)
+    kinds = block_kinds(transformer)
+    if n is None:
+        gpu = checkpointing.gpu_gib if checkpointing is not None else None
+        over = (checkpointing.planned_gib - MARGIN * gpu) * GIB if gpu else 0.0
+        n = blocks_for_memory(kinds, frozen_block_bytes(transformer), over)
+        if n is None:
+            logger.warning(f"warning: --offload_blocks auto: offloading all {len(kinds)} blocks saves less than the "
+                           f"{over / GIB:.1f} GiB the plan exceeds the GPU by; all are offloaded")  # fmt: skip
+            n = len(kinds)
+        logger.info(f"--offload_blocks auto: {n} blocks (the planned peak without offload against the GPU's memory)")
+    if n == 0:
+        transformer.to(device)
+        return None
+    plan = check_offload_count(n, kinds, frozen_block_bytes(transformer))
+    check_host_memory(plan, int(os.environ.get("LOCAL_WORLD_SIZE", layout.world)))
+    offload = offload_blocks(transformer, n, device)
+    logger.info(offload.plan.describe())
+    return offload
 
 
 # CP on H200s at 2,304 tokens per rank (1024 px on 2 GPUs), LoRA step through the trainer: compiled, no faster

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import TYPE_CHECKING
+from typing import TypeVar
 
 from .errors import UsageError
 
-if TYPE_CHECKING:
-    from .config import Config
+Config = TypeVar("Config")  # flux_cp.config.Config, which parses the flags with this module's help
 
 PATHS = ("pretrained_model_name_or_path", "cache_dir", "dataset_name", "instance_data_dir", "class_data_dir",
          "encodings_dir", "output_dir", "logging_dir", "seed_checkpoint", "resume_from_checkpoint",

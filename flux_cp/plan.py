@@ -18,18 +18,29 @@ trainable parameters at once (fp32), after the activations are freed; it decides
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
+from . import diskspace
+from .blocks import attention_recomputed, checkpointed_blocks, more_blocks_than_there_are
+from .families import for_transformer
+from .optim import optimizer_name, state_bytes
+from .shape import RunShape, auto_mode, build_shape, launched_world_size, resolved
+
 if TYPE_CHECKING:
     from .config import Config
     from .families import Family
+
+logger = logging.getLogger("flux_cp")
 
 GIB = 2**30
 DATA = json.loads((Path(__file__).parent / "plan_data.json").read_text())  # its "notes" say what each constant is
@@ -67,20 +78,30 @@ class Estimate:
 
 def count_parameters(config: dict, lora_rank: int | None, lora_layers: list[str]) -> tuple[int, int, int]:
     """(all base parameters, trainable parameters, parameters of the largest block), exact, on the meta device."""
-    from .families import for_transformer
-
     c = for_transformer(config).count_parameters(config, lora_rank, lora_layers)
     return c.base, c.trainable, c.largest_block
 
 
 def block_keeps(family: Family, compiled: bool) -> dict[str, float]:
-    """Units each block kind of `family` keeps for its backward without checkpointing (plan_data.json)."""
-    from .errors import UsageError
-
+    """Units each block kind of `family` keeps for its backward without checkpointing (plan_data.json, by transformer
+    class). A family without measured counts gets the most that any measured block keeps, for every kind of its
+    blocks: an estimate on the safe side (`unmeasured` says so)."""
+    how = "compiled" if compiled else "eager"
     keeps = BLOCK_KEEPS.get(family.transformer_class_name)
     if keeps is None:
-        raise UsageError(f"the memory planner has no activation counts for {family.transformer_class_name}")
-    return keeps["compiled" if compiled else "eager"]
+        most = max(units for measured in BLOCK_KEEPS.values() for units in measured[how].values())
+        return {kind: most for kind, _, _ in family.block_lists}
+    return keeps[how]
+
+
+def unmeasured(family: Family) -> str | None:
+    """What to say when the planner has no measured activation counts for the family's blocks (None: it has)."""
+    if family.transformer_class_name in BLOCK_KEEPS:
+        return None
+    return (
+        f"the memory planner has no measured activation counts for {family.transformer_class_name}: it counts every "
+        "block as keeping what the most demanding measured block keeps (an estimate on the safe side)"
+    )
 
 
 def checkpoint_from_end(kinds: tuple[tuple[str, int], ...], keeps: dict[str, float]) -> bool:
@@ -123,14 +144,14 @@ def estimate(
     fsdp: bool | None = None,
     saved_attention: float = 0.0,
     family: Family | None = None,
+    optimizer: str = "adamw",
 ) -> Estimate:
     """Bytes per GPU. `tokens` per sample (image + text); FSDP (default: world > 1) shards weights, gradients
     and optimizer state over all `world` ranks; each rank holds tokens / cp of each of its `batch` samples.
     `checkpointed`: blocks checkpointed (default: all with `checkpointing`, else none); `compiled`: torch.compile'd
     blocks (they keep less without checkpointing); `saved_attention`: units each checkpointed block keeps of its
-    attention (`saved_attention_units`). `family`: default the one the config names."""
-    from .families import for_transformer
-
+    attention (`saved_attention_units`). `family`: default the one the config names. `optimizer`: whose state
+    (flux_cp.optim.state_bytes; AdamW by default)."""
     family = family or for_transformer(config)
     counts = family.count_parameters(config, lora_rank, lora_layers)
     base, trainable, block = counts.base, counts.trainable, counts.largest_block
@@ -141,7 +162,7 @@ def estimate(
     if fsdp:
         weights += FSDP_GATHERED_BLOCKS * block * weight_bytes
     grads = trainable * 4 / shard
-    optimizer = 2 * trainable * 4 / shard
+    optimizer_bytes = trainable * state_bytes(optimizer) / shard
     step_temporaries = trainable * 4 / shard
     kinds, keeps = family.block_kinds(config), block_keeps(family, compiled)
     blocks = sum(n for _, n in kinds)
@@ -152,7 +173,7 @@ def estimate(
     def activations(n: int) -> float:
         return unit * activation_units(kinds, keeps, n, saved_attention)
 
-    return Estimate(weights, grads, optimizer, activations(checkpointed), activations(0), activations(blocks),
+    return Estimate(weights, grads, optimizer_bytes, activations(checkpointed), activations(0), activations(blocks),
                     step_temporaries, min(checkpointed, blocks), blocks)  # fmt: skip
 
 
@@ -187,27 +208,58 @@ class Checkpointing:
         return f"gradient checkpointing {how}{n} of {self.total} blocks{which}, {peak}"
 
 
-def checkpointing_for_run(cfg: Config, family: Family, config: dict, tokens: int, world: int, cp: int, mode: str,
-                          fsdp: bool, gpu_gib: float | None) -> Checkpointing:  # fmt: skip
-    """The trainer's `--gradient_checkpointing`: a count as given, or `auto`'s choice for `gpu_gib` (--gpu_memory_gib,
-    else the GPU's memory; without either, nothing to fit: no block checkpointed). `tokens`: of the largest sample."""
+def run_estimate(cfg: Config, shape: RunShape) -> Callable[[int | None], Estimate]:
+    """The estimate of a run of these flags and this shape with n blocks checkpointed (`estimate_with(n)`), for its
+    largest sample."""
     train = cfg.train
     lora = None if cfg.lora.full_finetune else cfg.lora.rank
 
     def estimate_with(n: int | None) -> Estimate:
-        return estimate(config, tokens=tokens, batch=train.train_batch_size * cfg.data.samples_per_slot, lora_rank=lora,
-                        lora_layers=list(cfg.lora.lora_layers), world=world, cp=cp, checkpointed=n,
+        return estimate(shape.transformer_config, tokens=shape.largest_sequence,
+                        batch=train.train_batch_size * cfg.data.samples_per_slot, lora_rank=lora,
+                        lora_layers=list(cfg.lora.lora_layers), world=shape.world, cp=shape.cp, checkpointed=n,
                         compiled=bool(train.compile or train.compile_mode),
-                        weight_bytes=4 if train.mixed_precision == "no" else 2, fsdp=fsdp,
-                        saved_attention=saved_attention_units(train, mode, cp), family=family)  # fmt: skip
+                        weight_bytes=4 if train.mixed_precision == "no" else 2, fsdp=shape.sharded and shape.world > 1,
+                        saved_attention=saved_attention_units(train, shape.cp_mode, shape.cp), family=shape.family,
+                        optimizer=optimizer_name(train))  # fmt: skip
 
+    return estimate_with
+
+
+def checkpointing_for_run(cfg: Config, shape: RunShape, device: torch.device) -> Checkpointing:
+    """The trainer's `--gradient_checkpointing` on `device`: a count as given, or `auto`'s choice for --gpu_memory_gib,
+    else the GPU's memory (on the CPU, without either: nothing to fit, no block checkpointed). Logged, with what the
+    choice rests on; run_config.json records it."""
+    gpu = cfg.plan.gpu_memory_gib
+    if gpu is None and device.type == "cuda":
+        gpu = torch.cuda.get_device_properties(device).total_memory / GIB
+    ckpt = checkpointing_for(cfg, shape, gpu)
+    value = cfg.train.gradient_checkpointing
+    if value != "none":  # asked for: say what it resolved to
+        logger.info(ckpt.describe(value))
+    if note := more_blocks_than_there_are(value, ckpt.total):
+        logger.warning(f"warning: {note}")
+    if note := unmeasured(shape.family):
+        logger.info(f"flux-cp: {note}")
+    if not ckpt.fits:
+        logger.warning(
+            f"warning: the planned peak ({ckpt.planned_gib:.1f} GiB) exceeds 90% of {ckpt.gpu_gib:.1f} GiB even "
+            "with every block checkpointed: expect out-of-memory; use --cp_size (train_flux_cp.py --plan)"
+        )
+    return ckpt
+
+
+def checkpointing_for(cfg: Config, shape: RunShape, gpu_gib: float | None) -> Checkpointing:
+    """`--gradient_checkpointing` for a GPU of `gpu_gib` (None: nothing to fit, no block checkpointed for `auto`)."""
+    train, family = cfg.train, shape.family
+    estimate_with = run_estimate(cfg, shape)
     value = train.gradient_checkpointing
     if value == "auto" and gpu_gib is None:
         e, fits = estimate_with(0), True
     else:
         e, fits = checkpointing_choice(value, estimate_with, (gpu_gib or 0) * GIB)
         fits = fits if gpu_gib else True
-    kinds = family.block_kinds(config)
+    kinds = family.block_kinds(shape.transformer_config)
     from_end = checkpoint_from_end(kinds, block_keeps(family, bool(train.compile or train.compile_mode)))
     blocks = checkpointed_indices(e.blocks, e.checkpointed, from_end)
     return Checkpointing(blocks, e.blocks, e.total / GIB, gpu_gib, fits)
@@ -216,28 +268,15 @@ def checkpointing_for_run(cfg: Config, family: Family, config: dict, tokens: int
 def saved_attention_units(train, mode: str, cp: int) -> float:
     """Units of its attention a compiled, checkpointed block keeps with these training flags (`TrainConfig`) and CP
     mode."""
-    from .blocks import attention_recomputed
-
     if attention_recomputed(train):
         return 0.0
     return SAVED_ATTENTION_UNITS["exchanged" if cp > 1 and mode in ("ulysses", "hybrid") else "local"]
 
 
-def sharded_weights(full_finetune: bool) -> bool:
-    """FSDP2 (sharded) or DDP (replicated) for the plan: the launch config's choice when accelerate launched us,
-    else the README's advice (DDP for LoRA, FSDP2 for full fine-tuning)."""
-    from .parallel import launched_with_fsdp
-
-    launched = launched_with_fsdp()
-    return full_finetune if launched is None else launched
-
-
-def print_disk(cfg: Config, family: Family, config: dict, world: int) -> None:
+def print_disk(cfg: Config, shape: RunShape) -> None:
     """The disk a run needs in --output_dir: one checkpoint and the final model (flux_cp.diskspace)."""
-    from . import diskspace
-
     dtype = torch.float32 if cfg.train.mixed_precision == "no" else torch.bfloat16
-    s = diskspace.run_sizes(cfg, family, config, dtype, world)
+    s = diskspace.run_sizes(cfg, shape.family, shape.transformer_config, dtype, shape.world)
     limit = cfg.checkpoints.checkpoints_total_limit
     print(
         f"disk: {s.describe()}; keep at least {diskspace.gib(s.checkpoint + s.model)} free in --output_dir"
@@ -245,130 +284,45 @@ def print_disk(cfg: Config, family: Family, config: dict, world: int) -> None:
     )
 
 
-def _hub_offline() -> bool:
-    from .hub import offline
-
-    return offline()
-
-
-def transformer_config(path: str, revision: str | None = None, cache_dir: str | None = None) -> tuple[dict, str]:
-    """(transformer config, where it came from) of a model folder or hub id, without waiting on the network: a
-    folder's own file; a hub id's from the local HF cache (`cache_dir`: --cache_dir's, else the default), else built
-    in for the known FLUX.1 ids (flux_cp.known_models), else from the Hub in one short attempt (not when
-    HF_HUB_OFFLINE is set). Whatever fails is one UsageError line."""
-    from .errors import UsageError
-    from .known_models import KNOWN, known_model
-
-    flag = f"--pretrained_model_name_or_path {path}"
-    file = "transformer/config.json"
-    if os.path.isdir(path):
-        from diffusers import FluxTransformer2DModel
-
-        try:
-            return dict(FluxTransformer2DModel.load_config(path, subfolder="transformer")), path
-        except (OSError, ValueError) as e:
-            raise UsageError(f"{flag}: cannot read {file} there ({str(e).splitlines()[0]})") from None
-    import huggingface_hub
-    from huggingface_hub.errors import HFValidationError
-
-    try:
-        cached = huggingface_hub.try_to_load_from_cache(path, file, cache_dir=cache_dir, revision=revision)
-    except HFValidationError:
-        raise UsageError(f"{flag}: no such folder (and not a hub id like owner/name)") from None
-    if isinstance(cached, str):
-        with open(cached) as f:
-            return json.load(f), f"{path} (local HF cache)"
-    known = known_model(path)
-    if known is not None:
-        return dict(known.transformer), f"{known.model_id} (built-in config)"
-    offline_ids = (
-        f"a FLUX.1 model known offline ({', '.join(m.model_id for m in KNOWN.values())}), or a folder with a model's "
-        "shapes built without downloads: python -m flux_cp.tiny --preset flux2-dev-shapes --out DIR (FLUX.2 [dev]; "
-        "flux2-klein-shapes: [klein] 4B; flux1-dev-shapes: FLUX.1)"
-    )
-    if _hub_offline():
-        raise UsageError(
-            f"{flag}: not a local folder, and its {file} is not in the local HF cache (HF_HUB_OFFLINE is set): "
-            f"pass the model's folder, {offline_ids}"
-        )
-    import httpx
-    from huggingface_hub.errors import HfHubHTTPError
-
-    try:  # one attempt with a short timeout (hf_hub_download alone retries for ~30 s when the hub is unreachable)
-        url = huggingface_hub.hf_hub_url(path, file, revision=revision)
-        huggingface_hub.get_hf_file_metadata(url, timeout=10)
-        local = huggingface_hub.hf_hub_download(path, file, revision=revision, cache_dir=cache_dir)
-    except (HfHubHTTPError, httpx.HTTPError, OSError, ValueError) as e:
-        why = " ".join(str(e).split())[:200] or type(e).__name__
-        raise UsageError(
-            f"{flag}: not a local folder or in the local HF cache, and {file} could not be read from the Hugging Face "
-            f"Hub ({why}): pass the model's folder, {offline_ids}"
-        ) from None
-    with open(local) as f:
-        return json.load(f), path
-
-
 def print_plan(cfg: Config) -> None:
-    """The plan, printed once: under `accelerate launch` every rank runs this, and all but rank 0 return at once."""
+    """The plan, printed once: under `accelerate launch` every rank runs this, and all but rank 0 return at once. The
+    run shape is the trainer's (flux_cp.shape.build_shape), for the launched processes (or --cp_size's, run as one
+    plain process), and again at each CP size listed."""
     if int(os.environ.get("RANK", "0")) != 0:
         return
-    from .data import local_metadata, reference_column, reference_counts
-    from .families import for_transformer
-    from .parallel import auto_mode, launched_world_size
-    from .shape import model_of, resolved
-
-    meta = local_metadata(cfg.data)
-    column = reference_column(cfg.data, meta)
-    pairs = column is not None  # every reference has its target's size
-    # the most references a local folder's rows name (a hub data set's are not read here: one)
-    references = max(reference_counts(meta, column) or (1,)) if pairs else 0
-    if cfg.model.embedded_default:
-        family, path = model_of(cfg.model, pairs)
-        config = dict(family.transformer_class().load_config(path, subfolder="transformer"))
-    else:
-        model = cfg.model
-        config, path = transformer_config(model.pretrained_model_name_or_path, model.revision, model.cache_dir)
-        family = for_transformer(config)
-    cfg = resolved(cfg, family, pairs, config)  # the family's default --lora_layers
     world = launched_world_size()
-    resolution, cp_size = cfg.data.largest_resolution, cfg.parallel.cp_size
+    shape = build_shape(cfg, max(world, cfg.parallel.cp_size), planning=True)
+    cfg = resolved(cfg, shape.family, shape.pairs, shape.transformer_config)  # the family's default --lora_layers
+    tokens, references = shape.largest_sequence, shape.images_per_sample - 1
     batch = cfg.train.train_batch_size * cfg.data.samples_per_slot  # prior preservation: a class image per sample
-    tokens = (1 + references) * (resolution // 16) ** 2 + cfg.data.max_sequence_length
     lora = None if cfg.lora.full_finetune else cfg.lora.rank
-    layers = list(cfg.lora.lora_layers)
     gpu = cfg.plan.gpu_memory_gib or (
         torch.cuda.get_device_properties(0).total_memory / GIB if torch.cuda.is_available() else 141.0
     )
-    wb = 4 if cfg.train.mixed_precision == "no" else 2
-    fsdp = sharded_weights(lora is None)
     compiled = bool(cfg.train.compile or cfg.train.compile_mode)
     value = cfg.train.gradient_checkpointing
     print(
-        f"plan: {path}, {resolution} px{' Kontext pairs' if references == 1 else ''}"
+        f"plan: {shape.config_source}, {cfg.data.largest_resolution} px{' Kontext pairs' if references == 1 else ''}"
         f"{f' with {references} references' if references > 1 else ''} ({tokens} tokens/sample), "
         f"batch {batch}/rank, "
         f"{'full fine-tuning' if lora is None else f'LoRA r{lora}'}, {world} process(es), GPU {gpu:.0f} GiB, "
-        + ("weights sharded over all GPUs (FSDP2)" if fsdp else "weights whole on every GPU (DDP)")
+        + ("weights sharded over all GPUs (FSDP2)" if shape.sharded else "weights whole on every GPU (DDP)")
         + (", blocks compiled" if compiled else ", blocks eager")
     )
-    print_disk(cfg, family, config, max(world, cp_size))
+    print_disk(cfg, shape)
+    if note := unmeasured(shape.family):
+        print(f"note: {note}")
     print(
         f"{'cp':>3} {'world':>5} {'weights':>8} {'grads':>7} {'adam':>7} {'act.ckpt':>9} {'act.full':>9} "
         f"{'total(ckpt)':>12} {'total(no ckpt)':>15} {'ckpt ' + value:>12} {'total':>7}  fits"
     )
     fits_at = None
-    sizes = sorted({c for c in (1, 2, 4, 8, 16) if c <= max(world, 8)} | {cp_size})
-    for c in sizes:
+    sizes = sorted({c for c in (1, 2, 4, 8, 16) if c <= max(world, 8)} | {shape.cp})
+    for c in sizes:  # the shape at each CP size: its world, and the mode the heads allow there
         w = max(world, c)
-        mode = (
-            cfg.parallel.cp_mode if cfg.parallel.cp_mode != "auto" else auto_mode(config["num_attention_heads"], c)[0]
-        )
-
-        def estimate_with(n: int | None, c=c, w=w, mode=mode) -> Estimate:
-            return estimate(config, tokens=tokens, batch=batch, lora_rank=lora, lora_layers=layers, world=w, cp=c,
-                            checkpointed=n, compiled=compiled, weight_bytes=wb, fsdp=fsdp and w > 1,
-                            saved_attention=saved_attention_units(cfg.train, mode, c), family=family)  # fmt: skip
-
+        mode = cfg.parallel.cp_mode if cfg.parallel.cp_mode != "auto" else auto_mode(shape.heads, c)[0]
+        at = dataclasses.replace(shape, world=w, dp=w // c, cp=c, cp_mode=mode)
+        estimate_with = run_estimate(cfg, at)
         e, chosen_fits = checkpointing_choice(value, estimate_with, gpu * GIB)
         auto, auto_fits = checkpointing_choice("auto", estimate_with, gpu * GIB)
         ck, full = e.total_with(e.activations_with_ckpt) / GIB, e.total_with(e.activations_without_ckpt) / GIB
@@ -383,11 +337,15 @@ def print_plan(cfg: Config) -> None:
     if fits_at is None:
         print(
             "suggestion: nothing listed fits; use more GPUs"
-            + (" (FSDP shards the weights over all of them)" if fsdp else ", or an fsdp2_* config to shard the weights")
+            + (
+                " (FSDP shards the weights over all of them)"
+                if shape.sharded
+                else ", or an fsdp2_* config to shard the weights"
+            )
         )
         return
     c, auto = fits_at
-    mode, u = auto_mode(config["num_attention_heads"], c) if c > 1 else ("none", None)
+    mode, u = auto_mode(shape.heads, c) if c > 1 else ("none", None)
     extra = " --gradient_checkpointing" if auto.checkpointed else ""
     print(
         f"suggestion: --cp_size {c}{extra}"
@@ -399,8 +357,6 @@ def print_plan(cfg: Config) -> None:
 
 def checkpointing_choice(value: str, estimate_with, gpu_bytes: float) -> tuple[Estimate, bool]:
     """The estimate of a `--gradient_checkpointing` value (auto: `choose_checkpointing`) and whether it fits."""
-    from .blocks import checkpointed_blocks
-
     n = checkpointed_blocks(value, estimate_with(0).blocks)
     if n is None:
         return choose_checkpointing(estimate_with, gpu_bytes)

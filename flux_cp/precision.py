@@ -45,7 +45,8 @@ from .errors import UsageError
 
 PRECISIONS = ("bf16", "fp8", "int8", "nf4")
 QUANTIZED = PRECISIONS[1:]
-# Top-level modules whose linears are quantized (the rest of a transformer keeps the dtype it was loaded in).
+# Top-level modules whose linears are quantized by default (the rest of a transformer keeps the dtype it was loaded
+# in): FLUX.1's and FLUX.2's (a model family names its own: `Family.quantized_parts`).
 QUANTIZED_PARTS = (
     "transformer_blocks", "single_transformer_blocks",  # FLUX.1 and FLUX.2
     "double_stream_modulation_img", "double_stream_modulation_txt", "single_stream_modulation",  # FLUX.2
@@ -132,13 +133,14 @@ def _older(found: str, oldest: str) -> bool:
 # --- which linears, and quantizing them ------------------------------------------------------------------------
 
 
-def quantized_linears(transformer: torch.nn.Module, skip: Iterable[str] = ()) -> list[str]:
-    """Names of the linears `quantize_base` quantizes: those of `QUANTIZED_PARTS` still holding plain weights, less
-    any named by `skip` (a module name or the end of one, as --lora_layers names them)."""
-    skip = tuple(skip)
+def quantized_linears(transformer: torch.nn.Module, skip: Iterable[str] = (),
+                      parts: Iterable[str] = QUANTIZED_PARTS) -> list[str]:  # fmt: skip
+    """Names of the linears `quantize_base` quantizes: those of the top-level modules `parts` still holding plain
+    weights, less any named by `skip` (a module name or the end of one, as --lora_layers names them)."""
+    skip, parts = tuple(skip), tuple(parts)
     out = []
     for name, module in transformer.named_modules():
-        if not isinstance(module, torch.nn.Linear) or name.split(".")[0] not in QUANTIZED_PARTS:
+        if not isinstance(module, torch.nn.Linear) or name.split(".")[0] not in parts:
             continue
         if any(name == s or name.endswith("." + s) for s in skip) or not _plain(module.weight):
             continue
@@ -174,20 +176,21 @@ def quantize_base(
     *,
     device: torch.device | str | None = None,
     skip: Iterable[str] = (),
+    parts: Iterable[str] = QUANTIZED_PARTS,
 ) -> QuantizedBase:
-    """Store the frozen transformer's linear weights (`quantized_linears`) in `precision`, in place. Call it after
-    loading and before adding LoRA adapters. `device`: where the quantized model is to live; each linear moves there
-    just before it is quantized, then the rest of the model, so that a model loaded on the CPU never needs its whole
-    bf16 copy on the GPU. Quantizing is a function of the weights alone, so every rank quantizing the same loaded
-    weights holds the same quantized ones (tests/test_cp_precision.py compares them) and needs no other rank's: the
-    quantized weights are kept out of DDP's start-up broadcast (`_ddp_params_and_buffers_to_ignore`), which cannot
-    send torchao's tensors."""
+    """Store the frozen transformer's linear weights (`quantized_linears` of the top-level modules `parts`, its
+    family's `quantized_parts`) in `precision`, in place. Call it after loading and before adding LoRA adapters.
+    `device`: where the quantized model is to live; each linear moves there just before it is quantized, then the rest
+    of the model, so that a model loaded on the CPU never needs its whole bf16 copy on the GPU. Quantizing is a
+    function of the weights alone, so every rank quantizing the same loaded weights holds the same quantized ones
+    (tests/test_cp_precision.py compares them) and needs no other rank's: the quantized weights are kept out of DDP's
+    start-up broadcast (`_ddp_params_and_buffers_to_ignore`), which cannot send torchao's tensors."""
     if precision not in PRECISIONS:
         raise ValueError(f"unknown base precision {precision!r}; one of {PRECISIONS}")
     if _has_adapters(transformer):
         raise ValueError("quantize_base must run before LoRA adapters are added (peft wraps the quantized linears)")
     before = stored_bytes(transformer)
-    names = quantized_linears(transformer, skip) if precision != "bf16" else []
+    names = quantized_linears(transformer, skip, parts) if precision != "bf16" else []
     if names:
         check_installed(precision)
         modules = dict(transformer.named_modules())

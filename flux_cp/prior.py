@@ -25,14 +25,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-
-import cp
+from PIL import Image
 
 from . import distributed, files
 from .data import ImageSource, Sample
 from .errors import UsageError
 from .folders import image_files
+from .model import load_transformer
+from .parallel import parallelize
+from .precision import quantize_base
 from .rng import Stream, generator
+from .validation import render
 
 if TYPE_CHECKING:
     from .config import Config, DataConfig
@@ -163,25 +166,12 @@ def generate_class_images(cfg: Config, shape: RunShape, layout: Layout, encoders
     `--resolution`, CP across each group, split over the data-parallel ranks, into generated/ (each group's first
     rank writes each of its images as soon as it is rendered). Returns how many were generated. Every rank calls
     it."""
-    from PIL import Image
-
-    from .model import load_transformer
-    from .parallel import choose_cp_mode
-    from .validation import render
-
     data = cfg.data
     folder = Path(data.class_data_dir)
     have, indices = missing_count(folder, data.num_class_images, layout.is_main)
     if not indices:
         return 0
-    resolution = data.largest_resolution
-    tokens = shape.family.image_tokens(resolution, resolution)
-    if tokens % layout.cp:
-        raise UsageError(
-            f"the class images are generated at --resolution {resolution} ({tokens} image tokens), not divisible by "
-            f"--cp_size {layout.cp}: put the class images in --class_data_dir, or train at another resolution",
-            agreed=True,
-        )
+    resolution = data.largest_resolution  # its tokens split over the CP group: checked at start (shape.check_tokens)
     target = generated_folder(folder)
     logger.info(f"prior preservation: {have} class images in {folder}, generating {len(indices)} with the base model "
                 f"into {target}")  # fmt: skip
@@ -196,12 +186,15 @@ def generate_class_images(cfg: Config, shape: RunShape, layout: Layout, encoders
             problem = f"cannot create {target}: {e.strerror or e}"
     distributed.check_all_ranks(problem is None, problem or "")
     embeds = shape.family.validation_embeds(encoders, [data.class_prompt], shape.text_tokens)
+    precision = cfg.model.base_precision
+    # On the CPU first with a quantized base, which quantize_base moves to the device a layer at a time: a 24 GB GPU
+    # cannot hold a bf16 FLUX.1.
     transformer = load_transformer(cfg.model, shape.model_path, shape.family.transformer_class(), weight_dtype,
-                                   device, cfg.train.seed)  # fmt: skip
+                                   device if precision == "bf16" else torch.device("cpu"), cfg.train.seed)  # fmt: skip
+    if precision != "bf16":
+        quantize_base(transformer, precision, device=device, parts=shape.family.quantized_parts)
     transformer.requires_grad_(False)
-    config = dict(transformer.config)
-    mode, ulysses = choose_cp_mode(cfg.parallel, config["num_attention_heads"], layout.cp)
-    cp.apply_context_parallel(transformer, layout.cp_context, mode=mode, ulysses_size=ulysses)
+    transformer = parallelize(transformer, shape, layout, cfg).model  # CP across each group (and --compile)
     jobs = [(0, generator(Stream.CLASS_IMAGE, cfg.train.seed, k)) for k in indices]
     failed: list[str] = []
 

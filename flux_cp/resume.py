@@ -16,21 +16,32 @@ loads, so that a resume never mixes two runs in one folder and never rewinds one
 - Step N beyond `--max_train_steps` is refused: the run would write step N's weights under a smaller step.
 
 What a checkpoint must share with the run resuming it (model, LoRA, data, resolution, global batch, seed) is
-`checkpoint.run_identity`; the settings a resume may change are `checkpoint.RESUMABLE_CHANGES`.
+`run_identity` (`check_compatible` refuses another); the settings a resume may change are `RESUMABLE_CHANGES`.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from . import checkpoint, files, manifest
+from . import checkpoint, distributed, files, manifest
 from .errors import UsageError
+from .metrics import read_metrics
+from .optim import optimizer_name
+from .terminal import printable
+
+if TYPE_CHECKING:
+    from .config import Config
+    from .data import DataIdentity
+
+logger = logging.getLogger("flux_cp")
 
 
 @dataclass(frozen=True)
@@ -79,70 +90,6 @@ def check_steps(step: int, max_steps: int | None, path: Path, source: str = "--m
             f"it would write the weights of step {step} as step {max_steps}. Set --max_train_steps to {step} or more, "
             "or resume an earlier checkpoint"
         )
-
-
-def saved_run(resume: str | None, output_dir: str | os.PathLike) -> tuple[Path, dict] | None:
-    """(the checkpoint `--resume_from_checkpoint resume` names, its meta.json) when it can be read, else None (no
-    resume, no checkpoint yet, or a damaged one: the resume itself then says what is wrong). Reads only."""
-    if resume is None:
-        return None
-    try:
-        path = checkpoint.resolve(resume, str(output_dir))
-        return (path, checkpoint.read_meta(path)) if path is not None else None
-    except UsageError:
-        return None
-
-
-def finished(
-    resume: str | None, output_dir: str | os.PathLike, steps: int | None, *, claimed: bool = False
-) -> Path | None:
-    """The checkpoint of a run that is already done, when `--resume_from_checkpoint resume` resumes one: its own
-    folder's newest checkpoint, at the run's last step (`steps`), with the final weights and the model card written
-    after it (a run stopped on its way out, before those, is finished by resuming it), and no live run in the folder
-    (`claimed`: this process holds the folder, flux_cp.outdir). Else None. Reads only."""
-    from .outdir import FINAL_OUTPUTS
-
-    folder = Path(output_dir)
-    found = checkpoint.list_checkpoints(folder)
-    if resume is None or steps is None or not found:
-        return None
-    path = found[-1][1]
-    if resume != "latest" and Path(resume).resolve() != path.resolve():
-        return None  # an earlier checkpoint (a branch) or another folder's (a fork)
-    if found[-1][0] != steps or not (folder / "README.md").is_file():
-        return None
-    if not any(os.path.lexists(folder / name) for name in FINAL_OUTPUTS) or (not claimed and _in_use(folder)):
-        return None  # a live run there: the resume says so (flux_cp.outdir) rather than this
-    return path
-
-
-def _in_use(folder: Path) -> bool:
-    """Whether a live run holds the folder's lock (flux_cp.outdir's), probed without writing anything."""
-    import fcntl
-
-    from .outdir import LOCK_NAME
-
-    try:
-        fd = os.open(folder / LOCK_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except FileNotFoundError:
-        return False
-    except OSError:
-        return True  # a lock that cannot be opened: the run's own start names the problem
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        return False
-    except OSError:
-        return True
-    finally:
-        os.close(fd)  # drops the probe's shared lock with it
-
-
-def finished_line(path: Path, steps: int) -> str:
-    return (
-        f"{path.parent} already finished: {path.name} is its last step ({steps} steps) and its weights and model card "
-        "are written, so there is nothing to do and nothing was changed. To train further, pass a larger "
-        "--max_train_steps with --resume_from_checkpoint latest"
-    )
 
 
 def decide(
@@ -246,8 +193,6 @@ def _set_aside(folder: Path, decision: Decision) -> str:
 
 def _fork(folder: Path, decision: Decision) -> str:
     """A fork starts its metrics.jsonl with the source run's rows up to the checkpoint's step."""
-    from .metrics import read_metrics
-
     source = decision.checkpoint.resolve().parent
     rows = [r for r in read_metrics(source / "metrics.jsonl") if isinstance(r.get("step"), int)]
     rows = [r for r in rows if r["step"] <= decision.step]
@@ -259,3 +204,184 @@ def _fork(folder: Path, decision: Decision) -> str:
         f"stays as it is"
         + (f"; metrics.jsonl starts with its {len(rows)} rows up to step {decision.step}" if rows else "")  # fmt: skip
     )
+
+
+# --- what a checkpoint must share with the run resuming it ---------------------------------------------------
+
+# Settings a resumed run may change: each is applied from the resumed step on (the rest are in the run identity,
+# which a checkpoint must match; flux_cp.resume decides what a resume accepts).
+RESUMABLE_CHANGES = (
+    "learning_rate", "scale_lr", "lr_scheduler", "lr_warmup_steps", "lr_num_cycles", "lr_power", "adam_beta1",
+    "adam_beta2", "adam_weight_decay", "adam_epsilon", "max_grad_norm", "max_train_steps", "num_train_epochs",
+    "weighting_scheme", "logit_mean", "logit_std", "mode_scale", "guidance_scale", "lora_dropout", "mixed_precision",
+    "center_crop", "random_flip", "cp_kernels", "cp_overlap", "cp_exchange_first", "cp_ulysses_chunks",
+    "gradient_checkpointing", "offload_blocks", "prodigy_beta3", "prodigy_decouple", "prodigy_use_bias_correction",
+    "prodigy_safeguard_warmup", "prior_loss_weight", "base_precision",
+)  # fmt: skip
+
+# Entries of the run identity compared through "data" (the fingerprint of the data set's names, contents and
+# captions): the rows behind it (kept in the checkpoint's data.json, read to say which files differ) and the
+# fingerprint of versions that identified the data by its path, to compare with their checkpoints.
+_DATA_DETAIL = ("data_files", "data_legacy", "prior_files")
+
+
+def run_identity(
+    cfg: Config,
+    samples_per_step: int,
+    data: DataIdentity | str,
+    buckets: list[tuple[int, int]] | None,
+    classes: DataIdentity | None = None,
+    components: dict[str, str] | None = None,
+) -> dict:
+    """What a checkpoint must share with the run that resumes it: the model and trainable weights, the data and
+    what it sees (global batch per optimizer step, resolutions, buckets, repeats, caption dropout, the class images
+    of prior preservation, seed). The layout may differ. Keys are stored in every checkpoint's meta.json (`rank` is
+    the LoRA rank), so values are JSON's types (lists). `data`, `classes`: the identity of the data set and of the
+    class images (flux_cp.data.DataIdentity: relative names, contents and captions)."""
+    lora = None if cfg.lora.full_finetune else cfg.lora
+    resolution = cfg.data.resolution  # one resolution: its number, as checkpoints have always recorded it
+    identity = {
+        "model": str(cfg.model.pretrained_model_name_or_path or "embedded-tiny"),
+        "transformer_init": cfg.model.transformer_init, "full_finetune": cfg.lora.full_finetune,
+        "rank": lora and lora.rank, "lora_alpha": lora and lora.lora_alpha,
+        "lora_layers": lora and ",".join(lora.lora_layers),
+        "global_batch": samples_per_step, "data": data if isinstance(data, str) else data.fingerprint,
+        "resolution": resolution[0] if len(resolution) == 1 else list(resolution),
+        "repeats": cfg.data.repeats, "caption_dropout": cfg.data.caption_dropout,
+        "prior": classes.fingerprint if classes is not None else None,
+        "seed": cfg.train.seed, "aspect_buckets": [list(b) for b in buckets] if buckets is not None else False,
+        "max_sequence_length": cfg.data.max_sequence_length, "vae_encode_mode": cfg.data.vae_encode_mode,
+        "optimizer": optimizer_name(cfg.train),
+        "revision": cfg.model.revision, "variant": cfg.model.variant,
+        "components": dict(sorted((components or {}).items())),
+    }  # fmt: skip
+    if not isinstance(data, str):
+        identity.update(data_files=data.files, data_legacy=data.legacy)
+    if classes is not None:  # kept in meta.json (a few rows): a resume with other class images names them
+        identity["prior_files"] = classes.files
+    return identity
+
+
+def _data_differences(saved: list, now: list) -> str:
+    """Which files differ between a checkpoint's data set and this run's (rows: name, content, caption, then each
+    reference's name and content)."""
+    old, new = {r[0]: r for r in saved}, {r[0]: r for r in now}
+    kinds = (
+        ("added", [n for n in new if n not in old]),
+        ("removed", [n for n in old if n not in new]),
+        ("changed content", [n for n in new if n in old and new[n][1] != old[n][1]]),
+        ("changed caption", [n for n in new if n in old and new[n][2] != old[n][2]]),
+        ("changed reference image", [r for n in new if n in old for r in _changed_references(n, old[n], new[n])]),
+    )
+    parts = [
+        f"{kind}: {', '.join(names[:3])}" + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        for kind, names in kinds
+        if names
+    ]
+    return "; ".join(parts) or "the same files and captions in another order"
+
+
+def _changed_references(name: str, old: list, new: list) -> list[str]:
+    """The references of sample `name` that differ (by name or content), each named by its file, and with its
+    place among several: `b.png (reference 2 of t.png)`."""
+    pairs = [list(old[k : k + 2]) for k in range(3, len(old), 2)], [list(new[k : k + 2]) for k in range(3, len(new), 2)]
+    count = max(len(pairs[0]), len(pairs[1]))
+    out = []
+    for j in range(count):
+        was, now = (p[j] if j < len(p) else None for p in pairs)
+        if was != now:
+            ref = (now or was)[0]
+            out.append(ref if count == 1 else f"{ref} (reference {j + 1} of {name})")
+    return out
+
+
+# Keys added to the run identity later, with the value every checkpoint written before them had.
+_IDENTITY_BEFORE = {"optimizer": "adamw", "repeats": 1, "caption_dropout": 0.0, "prior": None}
+# Keys added later whose value earlier checkpoints did not know: compared only when the checkpoint has them.
+_IDENTITY_UNKNOWN_BEFORE = ("revision", "variant", "components")
+
+
+def check_compatible(meta: dict, run: dict, path: Path) -> None:
+    """Refuse a checkpoint from an incompatible run, naming what differs and what to change."""
+    saved = {**_IDENTITY_BEFORE, **meta["run"]}
+    diffs = []
+    for k, v in run.items():
+        if k in _DATA_DETAIL or (k in _IDENTITY_UNKNOWN_BEFORE and k not in saved):
+            continue
+        if k == "components":  # by name: the components whose config or weights changed (or that came or went)
+            was = saved.get(k) if isinstance(saved.get(k), dict) else {}
+            changed = sorted(n for n in {*was, *v} if was.get(n) != v.get(n))
+            if changed:
+                diffs.append(f"the config or weights of {', '.join(printable(n) for n in changed)} differ from the "
+                             "checkpoint's model")  # fmt: skip
+            continue
+        if k == "data" and "data_legacy" not in saved and "data_legacy" in run:
+            # Written before the data were identified by content: compare the fingerprint of that time.
+            if saved.get("data") != run["data_legacy"]:
+                diffs.append(f"data: checkpoint {saved.get('data')!r}, now {run['data_legacy']!r}")
+        elif k == "data" and saved.get("data") != v and (rows := checkpoint.saved_data_files(path)) is not None:
+            diffs.append(f"data set differs ({_data_differences(rows, run.get('data_files', []))})")
+        elif k == "prior" and saved.get(k) and v and saved[k] != v and isinstance(saved.get("prior_files"), list):
+            diffs.append(f"class images differ ({_data_differences(saved['prior_files'], run.get('prior_files', []))})")
+        elif saved.get(k) != v:
+            diffs.append(f"{k}: checkpoint {saved.get(k)!r}, now {v!r}")
+    if diffs:
+        raise UsageError(
+            f"--resume_from_checkpoint {path} comes from an incompatible run ({'; '.join(diffs)}). Resume with the "
+            "same settings (a different dp x cp layout is fine if --train_batch_size x dp x "
+            "--gradient_accumulation_steps stays the same), or start a new --output_dir."
+        )
+
+
+def changed_settings(saved: dict, now: dict, names: tuple[str, ...]) -> list[str]:
+    """`--flag old -> new` for each of `names` whose value differs between a checkpoint's args and this run's."""
+    return [f"--{n} {printable(saved[n])} -> {now.get(n)}" for n in names if n in saved and saved[n] != now.get(n)]
+
+
+# --- the checkpoint a run resumes -------------------------------------------------------------------------------
+
+
+def verify_shares(cfg: Config, rank: int, world: int) -> None:
+    """The checkpoint the run of `cfg` resumes, checked against the checksums written with it, every rank a share of
+    its shards (before any model loads: a damaged checkpoint is refused naming the file)."""
+    path = checkpoint.resolve(cfg.checkpoints.resume_from_checkpoint, cfg.train.output_dir)
+    if path is not None:
+        problem = checkpoint.verify_shared(path, checkpoint.read_meta(path), rank, world)
+        distributed.check_all_ranks(problem is None, problem or "")
+
+
+def checkpoint_of(cfg: Config, run: dict, max_steps: int) -> tuple[Path, dict] | None:
+    """(the checkpoint the run of `cfg` resumes, its meta.json), refused when it comes from an incompatible run (`run`:
+    this run's identity) or lies beyond the run's `max_steps`; None to start from step 0. Every rank reads the same
+    checkpoint and holds the same run identity: one rank prints a refusal."""
+    resume, output_dir = cfg.checkpoints.resume_from_checkpoint, cfg.train.output_dir
+    try:
+        path = checkpoint.resolve(resume, output_dir)
+        meta = checkpoint.read_meta(path) if path is not None else None
+        if meta is not None:
+            check_compatible(meta, run, path)
+            check_steps(meta["step"], max_steps, path, "--max_train_steps, or --num_train_epochs")
+    except UsageError as e:
+        raise UsageError(str(e), agreed=True) from None
+    if path is None:
+        if resume == "latest":
+            logger.info(f"no checkpoint in {output_dir} yet: starting from step 0")
+        return None
+    return path, meta
+
+
+def restore(path: Path, meta: dict, cfg: Config, model, optimizer, lr_scheduler) -> int:
+    """Load checkpoint `path` (its `meta`) into the model, optimizer and schedule, on any layout, saying which
+    settings this run changes; returns its step."""
+    with_optimizer = meta.get("optimizer_state", True)
+    applied = checkpoint.load(path, model, optimizer, lr_scheduler, with_optimizer)
+    logger.info(f"resumed from {path} at step {meta['step']} (written with {printable(meta['layout'])})")
+    changed = changed_settings(meta.get("args", {}), cfg.flat(), RESUMABLE_CHANGES)
+    for change in changed or applied:
+        logger.info(f"resume: {change} (applied from step {meta['step'] + 1})")
+    if not with_optimizer:
+        logger.warning(
+            f"warning: {path} has no optimizer state (--checkpoint_weights_only): AdamW's moments start from "
+            "zero, so the next steps differ from an uninterrupted run"
+        )
+    return meta["step"]

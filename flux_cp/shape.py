@@ -1,19 +1,36 @@
 """The run shape: what kind of run this is, worked out once in setup from the flags, the launch and the model
-folder, and read everywhere else: the model family, single images or pairs (one or more reference images per
-target), the training buckets and their token counts, the dp x cp layout and whether the weights are sharded."""
+folder, and read everywhere else (the trainer, the planner, class-image generation): the model family and its
+transformer config, single images or pairs (one or more reference images per target), the training buckets and their
+token counts, the dp x cp layout, whether the weights are sharded, and the CP mode the model's heads allow.
+
+Every count of tokens that CP splits must divide by the CP size (docs/design.md, data flow, rule 2): `split_tokens` is
+that rule, and `check_tokens` applies it to every sequence of a run at start."""
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
+
+import cp
+
+from . import hub
+from .data import check_pair_flags, check_reference_limit, local_metadata, reference_column, reference_counts
+from .encode import run_buckets
 from .errors import UsageError
-from .families import FLUX1, Family, detect
-from .parallel import check_layout, uses_fsdp
+from .families import FLUX1, Family, detect, for_transformer, known_model, known_models
+from .model import check_seed_checkpoint, transformer_config, with_class_defaults
+from .offload import check_offload
+from .optim import check_optimizer
+from .precision import check_sharding
 
 if TYPE_CHECKING:
-    from .config import Config, DataConfig, ModelConfig, ValidationConfig
+    from .config import Config, DataConfig, ModelConfig, ParallelConfig, ValidationConfig
     from .folders import Metadata
 
 
@@ -33,6 +50,12 @@ class RunShape:
     # pairs: the numbers of reference images the samples have, ascending (None until known: a hub data set's are
     # read when it is opened, `with_reference_counts`)
     reference_counts: tuple[int, ...] | None = None
+    # the transformer's config.json, with its class's defaults for what it leaves out (as the model gets them), and
+    # where it was read (--plan says so)
+    transformer_config: dict = field(default_factory=dict)
+    config_source: str = ""
+    cp_mode: str = "ring"  # --cp_mode as the model's heads allow it (auto: `auto_mode`); "ring" without CP
+    ulysses_size: int | None = None  # the Ulysses degree of that mode (None: no Ulysses exchange)
 
     @property
     def pairs(self) -> bool:
@@ -66,22 +89,118 @@ class RunShape:
     def largest_sequence(self) -> int:
         return max(self.sequence_tokens(b) for b in range(len(self.buckets)))
 
+    @property
+    def heads(self) -> int:
+        return self.transformer_config["num_attention_heads"]
+
     def describe(self) -> str:
         kind = f"{self.family.pairs_label} pairs" if self.pairs else self.family.label
         return f"{kind}, world {self.world} = dp {self.dp} x cp {self.cp}, {'FSDP2' if self.sharded else 'DDP'}"
 
 
+# --- the launch: how many processes, sharded or not -------------------------------------------------------------
+
+
+def launched_world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def launched_with_fsdp() -> bool | None:
+    """Whether `accelerate launch`'s config asks for FSDP (it sets ACCELERATE_USE_FSDP); None when accelerate did
+    not launch this process (a plain `python train_flux_cp.py`, e.g. for --plan)."""
+    if "ACCELERATE_MIXED_PRECISION" not in os.environ and "ACCELERATE_USE_FSDP" not in os.environ:
+        return None
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+
+
+def uses_fsdp() -> bool:
+    """FSDP2 shards this run's weights: the launch config asks for it, and there is CUDA (FSDP2 needs it here)."""
+    return bool(launched_with_fsdp()) and torch.cuda.is_available()
+
+
+def planned_sharding(full_finetune: bool) -> bool:
+    """FSDP2 (sharded) or DDP (replicated) for --plan: the launch config's choice when accelerate launched us, else the
+    README's advice (DDP for LoRA, FSDP2 for full fine-tuning)."""
+    launched = launched_with_fsdp()
+    return full_finetune if launched is None else launched
+
+
+def check_layout(world: int, cp_size: int) -> int:
+    """dp size for `world` processes with CP groups of `cp_size`; a UsageError that says what to change."""
+    if world % cp_size:
+        options = [c for c in range(1, world + 1) if world % c == 0]
+        raise UsageError(
+            f"--cp_size {cp_size} does not divide the {world} launched processes: choose --cp_size from {options}, "
+            f"or launch a multiple of {cp_size} processes (accelerate launch --num_processes)"
+        )
+    return world // cp_size
+
+
+# --- the CP mode the model's heads allow ---------------------------------------------------------------------
+
+
+def choose_cp_mode(parallel: ParallelConfig, heads: int, cp_size: int) -> tuple[str, int | None]:
+    """Resolve --cp_mode (auto: `auto_mode`) and check it against the model; a UsageError if it cannot work."""
+    mode, u = parallel.cp_mode, parallel.ulysses_size
+    if cp_size == 1:
+        return "ring", None
+    if mode == "auto":
+        mode, u = auto_mode(heads, cp_size)
+    try:
+        u = cp.validate((1, cp_size, heads, 1), cp_size, mode, u)
+    except ValueError as e:
+        raise UsageError(f"--cp_mode {parallel.cp_mode}: {e}", agreed=True) from None  # same on every rank
+    return mode, u
+
+
+def auto_mode(heads: int, cp_size: int) -> tuple[str, int | None]:
+    """The CP mode, by the H200 measurements in benchmarks/archive/history.md (the same at every sequence length):
+
+    - Ulysses when the heads divide over the group: fewer, larger messages. Compiled, on 2 H200s, its
+      attention beat the ring's at 16,896 and 66,048 tokens on three machines (12.36 / 173.3 against 13.62 /
+      180.8 ms on the latest; 12.07 / 173.8 against 13.71 / 180.2 ms; 12.25 / 174.1 against 13.59 / 181.5 ms before
+      the exchanges moved to the kernel's layout). Eager, it
+      matched or beat the ring at every size (LoRA step at 2048 px: 1.98 against 2.21 s; at 1024 px: 0.87 against
+      0.99 s; attention at 16,896 / 66,048 tokens: 12.9 / 176 against 14.1 / 183 ms); on 4, at every size too
+      (attention 3.09 / 6.86 / 90.2 ms against the ring's 6.52 / 10.5 / 95.6 ms at 4,608 / 16,896 / 66,048
+      tokens). One earlier run on 4 H200s had the ring ahead at 1024 px on 2 of them (0.815 against 0.893 s);
+      the next did not reproduce it, so no exception is made for short sequences.
+    - else hybrid with the largest Ulysses degree dividing both (at 4 ranks it sits between the two at
+      every size), else ring.
+    """
+    if heads % cp_size == 0:
+        return "ulysses", None
+    for u in range(cp_size - 1, 1, -1):
+        if cp_size % u == 0 and heads % u == 0:
+            return "hybrid", u
+    return "ring", None
+
+
+# --- the split: every sequence CP cuts divides by the CP size ----------------------------------------------------
+
+
+def split_tokens(tokens: int, cp_size: int) -> int:
+    """Tokens per rank when a sequence of `tokens` (text, or a sample's image segment: a target and its references
+    cut as one) is split over `cp_size` ranks; a ValueError when they do not divide."""
+    if tokens % cp_size:
+        raise ValueError(f"{tokens} tokens do not split over {cp_size} ranks")
+    return tokens // cp_size
+
+
 def check_tokens(shape: RunShape, data: DataConfig, validation: ValidationConfig) -> None:
-    """Image and text token counts must split evenly over the CP group (before any GPU work): a UsageError naming
+    """Every sequence the run splits over its CP group, checked before any GPU work (`split_tokens`): the text, each
+    --resolution's samples, the validation images and the class images of prior preservation. A UsageError naming
     the flag and the nearest values that work."""
     n = shape.cp
     if n == 1:
         return
-    if data.max_sequence_length % n:
+    try:
+        split_tokens(data.max_sequence_length, n)
+    except ValueError:
         raise UsageError(
             f"--max_sequence_length {data.max_sequence_length} (text tokens) is not divisible by --cp_size {n}: "
             f"use {data.max_sequence_length // n * n or n} or another CP size"
-        )
+        ) from None
     # Each reference has its target's size and they are split as one segment: (1 + references) times the target's
     # tokens (validation too, with one reference per --validation_image). Aspect buckets are chosen with token counts
     # that divide. Pairs whose reference counts are not known yet (a hub data set) are checked once it is opened.
@@ -90,9 +209,13 @@ def check_tokens(shape: RunShape, data: DataConfig, validation: ValidationConfig
     if validation.validation_prompt:  # no prompt, no validation images
         images = 1 + len(validation.validation_image or ()) if shape.pairs else 1
         checks.append(("--validation_resolution", validation.validation_resolution, images))
+    if data.with_prior_preservation:  # class images are generated at the largest resolution, square
+        checks.append(("--resolution", data.largest_resolution, 1))
     for flag, res, images in checks:
         tokens = images * shape.family.image_tokens(res, res)
-        if tokens % n:
+        try:
+            split_tokens(tokens, n)
+        except ValueError:
             ok = [r for r in range(16, res + 33 * 16, 16) if (images * shape.family.image_tokens(r, r)) % n == 0]
             below, above = [r for r in ok if r < res], [r for r in ok if r > res]
             options = " or ".join(str(r) for r in (below[-1:] + above[:1]))
@@ -100,7 +223,29 @@ def check_tokens(shape: RunShape, data: DataConfig, validation: ValidationConfig
             raise UsageError(
                 f"{flag} {res} gives {tokens} image tokens{per}, not divisible by --cp_size {n}: use {options}, or "
                 "another CP size"
-            )
+            ) from None
+
+
+def check_start(cfg: Config, shape: RunShape, device_type: str) -> None:
+    """What the flags ask of this run that its shape (the model, the data's metadata, the launch) or the machine
+    cannot give, refused at start before anything loads (one UsageError): the family's flags and prompt window, the
+    seed checkpoint's file, the optimizer on this device and sharding, block offload and a quantized base against
+    FSDP2, reference images per target, the CP split of every sequence, the flags of pair data."""
+    family = shape.family
+    family.check(cfg)
+    family.check_text(cfg, shape.model_path)
+    if cfg.train.seed_checkpoint is not None:
+        check_seed_checkpoint(cfg.train.seed_checkpoint)
+    check_optimizer(cfg.train, device_type, shape.sharded)
+    check_offload(cfg.train.offload_blocks, full_finetune=cfg.lora.full_finetune, sharded=shape.sharded)
+    check_sharding(cfg.model.base_precision, shape.sharded)
+    check_reference_limit(family.max_references, family.pairs_label, cfg.validation, shape.metadata,
+                          shape.reference_column)  # fmt: skip
+    check_tokens(shape, cfg.data, cfg.validation)
+    check_pair_flags(cfg.data, cfg.validation, shape.pairs)
+
+
+# --- the shape --------------------------------------------------------------------------------------------------
 
 
 def resolved(cfg: Config, family: Family, pairs: bool, transformer_config: dict | None) -> Config:
@@ -115,31 +260,94 @@ def resolved(cfg: Config, family: Family, pairs: bool, transformer_config: dict 
     return dataclasses.replace(cfg, lora=lora, data=data)
 
 
-def model_of(model: ModelConfig, pairs: bool) -> tuple[Family, str]:
-    """The family and the folder or hub id of the model to train: the one named, or the embedded default's tiny
-    FLUX.1 (its Kontext variant for `pairs`), built here on first use."""
+def transformer_config_offline(path: str, revision: str | None = None, cache_dir: str | None = None
+                               ) -> tuple[dict, str]:  # fmt: skip
+    """(transformer config, where it came from) of a model folder or hub id, without waiting on the network: a
+    folder's own file; a hub id's from the local HF cache (`cache_dir`: --cache_dir's, else the default), else built
+    in for the hub ids a family knows offline (`Family.known`), else from the Hub in one short attempt (not when
+    HF_HUB_OFFLINE is set). Whatever fails is one UsageError line."""
+    flag = f"--pretrained_model_name_or_path {path}"
+    file = "transformer/config.json"
+    if os.path.isdir(path):
+        try:
+            return json.loads((Path(path) / file).read_text(encoding="utf-8")), path
+        except (OSError, ValueError) as e:
+            raise UsageError(f"{flag}: cannot read {file} there ({str(e).splitlines()[0]})") from None
+    import huggingface_hub  # the hub client at first use
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        cached = huggingface_hub.try_to_load_from_cache(path, file, cache_dir=cache_dir, revision=revision)
+    except HFValidationError:
+        raise UsageError(f"{flag}: no such folder (and not a hub id like owner/name)") from None
+    if isinstance(cached, str):
+        with open(cached) as f:
+            return json.load(f), f"{path} (local HF cache)"
+    known = known_model(path)
+    if known is not None:
+        return dict(known.transformer), f"{known.model_id} (built-in config)"
+    offline_ids = (
+        f"a FLUX.1 model known offline ({', '.join(m.model_id for m in known_models())}), or a folder with a model's "
+        "shapes built without downloads: python -m flux_cp.tiny --preset flux2-dev-shapes --out DIR (FLUX.2 [dev]; "
+        "flux2-klein-shapes: [klein] 4B; flux1-dev-shapes: FLUX.1)"
+    )
+    if hub.offline():
+        raise UsageError(
+            f"{flag}: not a local folder, and its {file} is not in the local HF cache (HF_HUB_OFFLINE is set): "
+            f"pass the model's folder, {offline_ids}"
+        )
+    import httpx  # the hub client's transport, at first use
+    from huggingface_hub.errors import HfHubHTTPError
+
+    try:  # one attempt with a short timeout (hf_hub_download alone retries for ~30 s when the hub is unreachable)
+        url = huggingface_hub.hf_hub_url(path, file, revision=revision)
+        huggingface_hub.get_hf_file_metadata(url, timeout=10)
+        local = huggingface_hub.hf_hub_download(path, file, revision=revision, cache_dir=cache_dir)
+    except (HfHubHTTPError, httpx.HTTPError, OSError, ValueError) as e:
+        why = " ".join(str(e).split())[:200] or type(e).__name__
+        raise UsageError(
+            f"{flag}: not a local folder or in the local HF cache, and {file} could not be read from the Hugging Face "
+            f"Hub ({why}): pass the model's folder, {offline_ids}"
+        ) from None
+    with open(local) as f:
+        return json.load(f), path
+
+
+def read_model(model: ModelConfig, pairs: bool, planning: bool = False) -> tuple[Family, str, dict, str]:
+    """(family, folder or hub id, transformer config, where the config was read) of the model to train: the one
+    named, or the embedded default's tiny FLUX.1 (its Kontext variant for `pairs`), built here on first use.
+    `planning` (--plan): a hub id's config without waiting on the network (`transformer_config_offline`)."""
     if model.embedded_default:
-        return FLUX1, FLUX1.embedded_default(pairs)
-    return detect(
-        model.pretrained_model_name_or_path, model.revision, model.cache_dir
-    ), model.pretrained_model_name_or_path
+        family, path = FLUX1, FLUX1.embedded_default(pairs)
+    else:
+        path = model.pretrained_model_name_or_path
+        if planning and not os.path.isdir(path):
+            config, source = transformer_config_offline(path, model.revision, model.cache_dir)
+            family = for_transformer(config)
+            return family, path, with_class_defaults(config, family.transformer_class()), source
+        family = detect(path, model.revision, model.cache_dir)
+    config = transformer_config(path, family.transformer_class(), model.revision, model.cache_dir)
+    return family, path, config, path
 
 
-def build_shape(cfg: Config, world: int) -> RunShape:
-    """The run shape of these flags for `world` launched processes. Refuses (UsageError) a layout the CP size
-    does not divide and a model folder of no known family; builds the embedded default's tiny model when no
-    model is named (before any process group: every rank of a launch calls this, one builds, the others wait)."""
-    from .data import local_metadata, reference_column, reference_counts
-    from .encode import run_buckets
-
-    dp = check_layout(world, cfg.parallel.cp_size)
+def build_shape(cfg: Config, world: int, planning: bool = False) -> RunShape:
+    """The run shape of these flags for `world` launched processes. Refuses (UsageError) a layout the CP size does
+    not divide, a model folder of no known family and a CP mode the model's heads do not allow; builds the embedded
+    default's tiny model when no model is named (before any process group: every rank of a launch calls this, one
+    builds, the others wait). `planning` (--plan): the weights' sharding is the launch's or the README's advice, and
+    a hub id's config is read without waiting on the network."""
+    cp_size = cfg.parallel.cp_size
+    dp = check_layout(world, cp_size)
     metadata = local_metadata(cfg.data)
     column = reference_column(cfg.data, metadata)
-    family, path = model_of(cfg.model, column is not None)
-    buckets, placements = run_buckets(cfg.data.resolution, cfg.parallel.cp_size, cfg.data.aspect_buckets)
+    family, path, config, source = read_model(cfg.model, column is not None, planning)
+    buckets, placements = run_buckets(cfg.data.resolution, cp_size, cfg.data.aspect_buckets)
+    mode, ulysses_size = choose_cp_mode(cfg.parallel, config["num_attention_heads"], cp_size)
+    sharded = planned_sharding(cfg.lora.full_finetune) if planning else uses_fsdp()
     return RunShape(
         family=family, model_path=path, reference_column=column, metadata=metadata, buckets=tuple(buckets),
         placements=tuple(tuple(p) for p in placements),
-        text_tokens=cfg.data.max_sequence_length, world=world, dp=dp, cp=cfg.parallel.cp_size, sharded=uses_fsdp(),
-        reference_counts=reference_counts(metadata, column),
+        text_tokens=cfg.data.max_sequence_length, world=world, dp=dp, cp=cp_size, sharded=sharded,
+        reference_counts=reference_counts(metadata, column), transformer_config=config, config_source=source,
+        cp_mode=mode, ulysses_size=ulysses_size,
     )  # fmt: skip

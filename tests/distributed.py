@@ -38,7 +38,7 @@ def _entry(fn: Callable, rank: int, world: int, init_file: str, queue, args: tup
 # and diffusers anew (seconds per rank, the larger part of a small test on 2 cores). CUDA ranks are spawned: a
 # forked process must not inherit a CUDA context.
 _PRELOAD = ["torch", "torch.distributed", "diffusers", "diffusers.models.transformers", "cp", "cp.flux", "cp.flux2",
-            "flux_cp.tiny", "flux_cp.tiny_flux2"]  # fmt: skip
+            "flux_cp.families.flux1.tiny", "flux_cp.families.flux2.tiny"]  # fmt: skip
 mp.set_forkserver_preload(_PRELOAD)
 
 
@@ -84,7 +84,7 @@ HEADS, HEAD_DIM, TEXT, LAT_H, LAT_W = 12, 8, 12, 8, 12
 
 
 def flux_model(lora: bool = True):
-    from flux_cp.tiny import tiny_transformer
+    from flux_cp.families.flux1.tiny import tiny_transformer
 
     model = tiny_transformer(seed=0, num_attention_heads=HEADS, attention_head_dim=HEAD_DIM, axes_dims_rope=(2, 2, 4))
     if lora:
@@ -104,7 +104,7 @@ def flux_model(lora: bool = True):
 
 
 def flux_inputs(batch: int = 2) -> dict:
-    from flux_cp.flow import image_ids, pack_latents, text_ids
+    from flux_cp.families.flux1.tokens import image_ids, pack_latents, text_ids
 
     g = torch.Generator().manual_seed(7)
     latents = torch.randn(batch, 4, LAT_H, LAT_W, generator=g)

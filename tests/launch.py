@@ -31,18 +31,20 @@ def env(**extra: str) -> dict:
     return e
 
 
-def launch_cmd(nproc: int, *args: str, launcher: tuple[str, ...] = ()) -> list[str]:
-    """`accelerate launch` of train_flux_cp.py with the CPU config (plain python for one process)."""
+def launch_cmd(nproc: int, *args: str, launcher: tuple[str, ...] = (), script: Path = SCRIPT) -> list[str]:
+    """`accelerate launch` of train_flux_cp.py (or another `script` that runs its `main`) with the CPU config (plain
+    python for one process)."""
     if nproc == 1 and not launcher:
-        return [sys.executable, str(SCRIPT), *args]
+        return [sys.executable, str(script), *args]
     port = () if "--main_process_port" in launcher else ("--main_process_port", str(free_port()))
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CPU_CONFIG),
-            "--num_processes", str(nproc), *port, *launcher, str(SCRIPT), *args]  # fmt: skip
+            "--num_processes", str(nproc), *port, *launcher, str(script), *args]  # fmt: skip
 
 
-def train(nproc: int, *args: str, timeout: float = 600, extra_env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(launch_cmd(nproc, *args), cwd=ROOT, env=env(**(extra_env or {})), capture_output=True,
-                          text=True, timeout=timeout)  # fmt: skip
+def train(nproc: int, *args: str, timeout: float = 600, extra_env: dict | None = None,
+          script: Path = SCRIPT) -> subprocess.CompletedProcess:  # fmt: skip
+    return subprocess.run(launch_cmd(nproc, *args, script=script), cwd=ROOT, env=env(**(extra_env or {})),
+                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
 
 
 _STDERR = io.StringIO()  # one for every call: loggers set up by an earlier call keep writing to it

@@ -40,7 +40,7 @@ def flux2_targets(single_blocks: int) -> tuple[str, ...]:
 def _model(family: str, double: int, single: int) -> torch.nn.Module:
     torch.manual_seed(0)
     if family == "flux1":
-        from flux_cp.tiny import tiny_transformer
+        from flux_cp.families.flux1.tiny import tiny_transformer
 
         return tiny_transformer(num_layers=double, num_single_layers=single, num_attention_heads=HEADS,
                                 attention_head_dim=HEAD_DIM, axes_dims_rope=(16, 56, 56), joint_attention_dim=64,
@@ -54,7 +54,7 @@ def _model(family: str, double: int, single: int) -> torch.nn.Module:
 
 
 def _inputs(family: str) -> dict:
-    from flux_cp.flow import image_ids, pack_latents, text_ids
+    from flux_cp.families.flux1.tokens import image_ids, pack_latents, text_ids
 
     g = torch.Generator().manual_seed(0)
     if family == "flux1":

@@ -100,8 +100,9 @@ def test_diffusers_cp_benchmark_runs_each_family_with_the_trainers_adapters(fami
 
     from benchmarks import bench_diffusers_cp as bench
     from flux_cp.config import LoraConfig
+    from flux_cp.families.flux1 import ATTENTION_TARGETS
     from flux_cp.families.flux2 import FLUX2
-    from flux_cp.lora import ATTENTION_TARGETS, add_lora
+    from flux_cp.lora import add_lora
 
     out = tmp_path / "d.json"
     cmd = [sys.executable, "-m", "benchmarks.bench_diffusers_cp", "--smoke", "--no_compile", "--family", family]

@@ -125,15 +125,15 @@ def test_a_base_model_that_is_not_on_the_hub_is_not_named_as_one(tmp_path, base)
 def test_the_demo_card_s_snippet_renders_with_the_trained_lora_at_the_trained_size_on_the_cpu(tmp_path, monkeypatch):
     """The snippet of the embedded default's card, run as it is on this CPU machine: the base it names loads, the LoRA
     file written by the trainer's save_lora goes into it, and the image has the size the model was trained at."""
+    from flux_cp.families.flux1.tiny import tiny_transformer
     from flux_cp.lora import add_lora, lora_origin, save_lora
-    from flux_cp.tiny import tiny_transformer
 
     out = _run_folder(tmp_path, steps=())
     cfg = _resolved(["--rank", "4", "--output_dir", str(out), "--validation_inference_steps", "2"])
     model = tiny_transformer()
     add_lora(model, cfg.lora, seed=0)
     state = {k: v for k, v in model.state_dict().items() if "lora_" in k}
-    save_lora(model, state, str(out), cfg.lora, lora_origin(cfg, kontext=False))
+    save_lora(model, state, str(out), cfg.lora, FLUX1, lora_origin(cfg, kontext=False))
     code = _code(_parts(write_model_card(out, cfg))[1])
     assert "height=64, width=64" in code and 'device = "cuda" if torch.cuda.is_available() else "cpu"' in code
     monkeypatch.chdir(tmp_path)

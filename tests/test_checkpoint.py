@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flux_cp import checkpoint
+from flux_cp import checkpoint, resume
 from flux_cp.errors import UsageError
 from flux_cp.faults import Fault
 
@@ -89,19 +89,19 @@ def test_a_run_is_compatible_with_its_own_checkpoint_after_the_json_round_trip(t
     from flux_cp.shape import resolved
 
     cfg = resolved(parse_config(["--aspect_buckets", "--resolution", "128"]), FLUX1, False, None)  # as the trainer
-    identity = checkpoint.run_identity(cfg, 2, "abc", [(128, 128), (112, 144)])
+    identity = resume.run_identity(cfg, 2, "abc", [(128, 128), (112, 144)])
     meta = json.loads(json.dumps({"run": identity}))
-    checkpoint.check_compatible(meta, identity, tmp_path)
+    resume.check_compatible(meta, identity, tmp_path)
     assert identity["rank"] == 16 and identity["lora_layers"].startswith("attn.to_k,")
-    full = checkpoint.run_identity(parse_config(["--full_finetune"]), 2, "abc", None)
+    full = resume.run_identity(parse_config(["--full_finetune"]), 2, "abc", None)
     assert full["rank"] is None and full["aspect_buckets"] is False
 
 
 def test_incompatible_runs_and_formats_are_refused_with_what_differs(tmp_path):
     meta = {"run": {"global_batch": 1, "seed": 5}}
-    checkpoint.check_compatible(meta, {"global_batch": 1, "seed": 5}, tmp_path)
+    resume.check_compatible(meta, {"global_batch": 1, "seed": 5}, tmp_path)
     with pytest.raises(UsageError, match=r"incompatible run \(global_batch: checkpoint 1, now 2\)"):
-        checkpoint.check_compatible(meta, {"global_batch": 2, "seed": 5}, tmp_path)
+        resume.check_compatible(meta, {"global_batch": 2, "seed": 5}, tmp_path)
     (tmp_path / "meta.json").write_text(json.dumps({"format": 99}))
     with pytest.raises(UsageError, match="format 99 is not"):
         checkpoint.read_meta(tmp_path)
@@ -119,10 +119,10 @@ def test_other_class_images_are_named_file_by_file(tmp_path):
     cfg = resolved(parse_config(flags), FLUX1, False, None)  # as the trainer holds the flags
     before = DataIdentity("fp1", [["dog1.png", "c1", "t"], ["generated/00000-a.png", "c2", "t"]], "l")
     after = DataIdentity("fp2", [["dog1.png", "c9", "t"], ["generated/00000-a.png", "c2", "t"]], "l")
-    meta = json.loads(json.dumps({"run": checkpoint.run_identity(cfg, 2, "abc", None, before)}))
-    checkpoint.check_compatible(meta, checkpoint.run_identity(cfg, 2, "abc", None, before), tmp_path)
+    meta = json.loads(json.dumps({"run": resume.run_identity(cfg, 2, "abc", None, before)}))
+    resume.check_compatible(meta, resume.run_identity(cfg, 2, "abc", None, before), tmp_path)
     with pytest.raises(UsageError, match=r"incompatible run \(class images differ \(changed content: dog1.png\)\)"):
-        checkpoint.check_compatible(meta, checkpoint.run_identity(cfg, 2, "abc", None, after), tmp_path)
+        resume.check_compatible(meta, resume.run_identity(cfg, 2, "abc", None, after), tmp_path)
 
 
 def test_a_resume_on_changed_model_components_or_revision_is_refused_naming_them(tmp_path):
@@ -133,20 +133,20 @@ def test_a_resume_on_changed_model_components_or_revision_is_refused_naming_them
 
     cfg = parse_config(["--lora_layers", "attn.to_q"])
     components = {"transformer": "t1", "vae": "v1", "text_encoder": "c1", "text_encoder_2": "e1"}
-    identity = checkpoint.run_identity(cfg, 2, "abc", None, components=components)
+    identity = resume.run_identity(cfg, 2, "abc", None, components=components)
     meta = json.loads(json.dumps({"run": identity}))
-    checkpoint.check_compatible(meta, identity, tmp_path)
-    changed = checkpoint.run_identity(cfg, 2, "abc", None, components={**components, "transformer": "t2",
+    resume.check_compatible(meta, identity, tmp_path)
+    changed = resume.run_identity(cfg, 2, "abc", None, components={**components, "transformer": "t2",
                                                                        "text_encoder_2": "e2"})  # fmt: skip
     with pytest.raises(UsageError, match=r"incompatible run \(the config or weights of text_encoder_2, transformer "
                        r"differ from the checkpoint's model\)"):  # fmt: skip
-        checkpoint.check_compatible(meta, changed, tmp_path)
+        resume.check_compatible(meta, changed, tmp_path)
     revised = parse_config(["--lora_layers", "attn.to_q", "--revision", "v2"])
-    other = checkpoint.run_identity(revised, 2, "abc", None, components=components)
+    other = resume.run_identity(revised, 2, "abc", None, components=components)
     with pytest.raises(UsageError, match=r"incompatible run \(revision: checkpoint None, now 'v2'\)"):
-        checkpoint.check_compatible(meta, other, tmp_path)
+        resume.check_compatible(meta, other, tmp_path)
     before = {"run": {k: v for k, v in identity.items() if k not in ("components", "revision", "variant")}}
-    checkpoint.check_compatible(before, changed, tmp_path)
+    resume.check_compatible(before, changed, tmp_path)
 
 
 def test_the_total_limit_never_prunes_the_checkpoint_just_written(tmp_path):

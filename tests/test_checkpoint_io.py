@@ -13,13 +13,14 @@ import pytest
 import torch
 from diffusers.optimization import get_scheduler
 
-from flux_cp import checkpoint, diskspace
+from flux_cp import checkpoint, diskspace, resume
 from flux_cp.config import LoraConfig
 from flux_cp.errors import UsageError
 from flux_cp.families import FLUX1
-from flux_cp.lora import DEFAULT_TARGETS, save_lora
+from flux_cp.families.flux1 import DEFAULT_TARGETS
+from flux_cp.families.flux1.tiny import TRANSFORMER_CONFIG, tiny_transformer
+from flux_cp.lora import save_lora
 from flux_cp.model import prepare_trainable, save_full, trainable_parameters
-from flux_cp.tiny import TRANSFORMER_CONFIG, tiny_transformer
 
 
 def _tree(path: Path) -> int:
@@ -61,13 +62,14 @@ def test_sizes_known_in_advance_match_what_is_written(tmp_path, full):
         out = save_full(model, state, str(tmp_path / "model"), torch.bfloat16)
     else:
         names = {n for n, _ in trainable_parameters(model)}
-        out = save_lora(model, {k: v for k, v in state.items() if k in names}, str(tmp_path / "model"), LoraConfig())
+        trained = {k: v for k, v in state.items() if k in names}
+        out = save_lora(model, trained, str(tmp_path / "model"), LoraConfig(), FLUX1)
     written = _tree(out) if out.is_dir() else out.stat().st_size
     assert written <= s.model <= written * 1.1 + 2 * 2**20, (written, s.model)
 
 
 def test_flux1_dev_full_finetuning_needs_a_143_gb_checkpoint_and_is_refused_on_a_128_gb_disk(tmp_path, monkeypatch):
-    from flux_cp.tiny import FLUX1_DEV_TRANSFORMER
+    from flux_cp.families.flux1.tiny import FLUX1_DEV_TRANSFORMER
 
     counts = FLUX1.count_parameters(FLUX1_DEV_TRANSFORMER, None, [])
     assert counts.trainable == 11_901_408_320
@@ -93,7 +95,7 @@ def test_a_save_that_does_not_fit_stops_before_writing_and_keeps_the_last_good_c
     size = _tree(first)
     monkeypatch.setenv("FLUX_CP_DISK_BYTES", str(size + size // 2))  # a disk holding only this folder
     with pytest.raises(UsageError) as e:
-        _save(tmp_path, 4, model, opt, sched, need_bytes=size)
+        diskspace.check_checkpoint(tmp_path, 4, size, is_main=True)  # before each save (flux_cp.outputs)
     assert str(e.value).startswith(f"not enough disk space for checkpoint-4: it needs {diskspace.gib(size)}")
     assert f"Nothing was written; {first} is the last good checkpoint." in str(e.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2"]
@@ -300,13 +302,13 @@ def test_a_changed_data_set_is_named_file_by_file(tmp_path):
     after = [["a.png", "c1", "t9"], ["b.png", "cX", "t2"], ["d.png", "c4", "t4"]]
     cfg = resolved(parse_config([]), FLUX1, False, None)  # as the trainer holds the flags
     model, opt, sched = _small(0)
-    meta = {"run": checkpoint.run_identity(cfg, 1, identity(before), None), "layout": "x", "args": {}}
+    meta = {"run": resume.run_identity(cfg, 1, identity(before), None), "layout": "x", "args": {}}
     ckpt = checkpoint.save(str(tmp_path), 2, model, opt, sched, meta, True, None)
     saved = checkpoint.read_meta(ckpt)
     assert "data_files" not in saved["run"] and (ckpt / "data.json").is_file()
-    checkpoint.check_compatible(saved, checkpoint.run_identity(cfg, 1, identity(before), None), ckpt)
+    resume.check_compatible(saved, resume.run_identity(cfg, 1, identity(before), None), ckpt)
     with pytest.raises(UsageError) as e:
-        checkpoint.check_compatible(saved, checkpoint.run_identity(cfg, 1, identity(after), None), ckpt)
+        resume.check_compatible(saved, resume.run_identity(cfg, 1, identity(after), None), ckpt)
     assert (
         "incompatible run (data set differs (added: d.png; removed: c.png; changed content: b.png; changed caption: "
         "a.png)). Resume with the same settings"
@@ -314,7 +316,7 @@ def test_a_changed_data_set_is_named_file_by_file(tmp_path):
     # A checkpoint of a version that identified the data by its path: compared by that fingerprint.
     old = {"run": {**saved["run"], "data": "legacy"}}
     del old["run"]["data_legacy"]
-    checkpoint.check_compatible(old, checkpoint.run_identity(cfg, 1, identity(after), None), ckpt)
+    resume.check_compatible(old, resume.run_identity(cfg, 1, identity(after), None), ckpt)
 
 
 # --- Prodigy and 8-bit AdamW: their state through DCP ------------------------------------------------------------
@@ -396,7 +398,7 @@ def test_checkpoint_sizes_of_prodigy_and_8bit_adamw_are_known_in_advance(tmp_pat
 def test_8bit_adamw_state_of_flux1_dev_is_a_quarter_of_adamws():
     """At FLUX.1-dev size (full fine-tuning) the estimate is the state bitsandbytes keeps, per tensor: two uint8
     moments with an fp32 scale per 256 values (fp32 moments under 4096 values) and two 256-entry maps."""
-    from flux_cp.tiny import FLUX1_DEV_TRANSFORMER
+    from flux_cp.families.flux1.tiny import FLUX1_DEV_TRANSFORMER
 
     with torch.device("meta"):
         from diffusers import FluxTransformer2DModel
@@ -414,16 +416,16 @@ def test_the_optimizer_is_part_of_a_runs_identity(tmp_path):
     from flux_cp.families import FLUX1
     from flux_cp.shape import resolved
 
-    adamw = checkpoint.run_identity(resolved(parse_config([]), FLUX1, False, None), 4, "data", None)
-    prodigy = checkpoint.run_identity(resolved(parse_config(["--optimizer", "prodigy"]), FLUX1, False, None), 4,
+    adamw = resume.run_identity(resolved(parse_config([]), FLUX1, False, None), 4, "data", None)
+    prodigy = resume.run_identity(resolved(parse_config(["--optimizer", "prodigy"]), FLUX1, False, None), 4,
                                       "data", None)  # fmt: skip
     assert (adamw["optimizer"], prodigy["optimizer"]) == ("adamw", "prodigy")
     with pytest.raises(UsageError, match=r"incompatible run \(optimizer: checkpoint 'adamw', now 'prodigy'\)"):
-        checkpoint.check_compatible({"run": adamw}, prodigy, tmp_path)
+        resume.check_compatible({"run": adamw}, prodigy, tmp_path)
     before = {k: v for k, v in adamw.items() if k != "optimizer"}  # written before the optimizer was recorded
-    checkpoint.check_compatible({"run": before}, adamw, tmp_path)
+    resume.check_compatible({"run": before}, adamw, tmp_path)
     with pytest.raises(UsageError, match=r"optimizer: checkpoint 'adamw', now 'prodigy'"):
-        checkpoint.check_compatible({"run": before}, prodigy, tmp_path)
+        resume.check_compatible({"run": before}, prodigy, tmp_path)
 
 
 def test_a_seed_checkpoint_that_cannot_be_one_is_refused_before_the_model_loads(tmp_path):

@@ -91,27 +91,35 @@ def test_any_blocks_checkpointed_compute_what_none_do(compiled, monkeypatch):
             assert all("ring_attention.default(" not in c for c in codes)  # kept, not recomputed
 
 
+def _shape(family, config: dict, resolution: int, text_tokens: int):
+    """The run shape of one process training `config` on square `resolution` samples (no CP, DDP)."""
+    from flux_cp.shape import RunShape
+
+    return RunShape(family, "m", None, None, ((resolution, resolution),), ((0,),), text_tokens, 1, 1, 1, False,
+                    transformer_config=config)  # fmt: skip
+
+
 def test_auto_fits_the_memory_given_with_the_planner_margin():
     """`auto` takes the fewest blocks whose planned peak fits 90% of the memory; none fit: all, and says so."""
     from flux_cp.families import FLUX1
-    from flux_cp.tiny import FLUX1_DEV_TRANSFORMER
+    from flux_cp.families.flux1.tiny import FLUX1_DEV_TRANSFORMER
 
     one = ["--train_batch_size", "1", "--resolution", "2048"]
     cfg = _resolved(["--gradient_checkpointing", "--compile_mode", "reduce-overhead", *one])
 
+    shape = _shape(FLUX1, dict(FLUX1_DEV_TRANSFORMER), 2048, 512)
+
     def choice(gib: float | None) -> plan.Checkpointing:
-        return plan.checkpointing_for_run(cfg, FLUX1, dict(FLUX1_DEV_TRANSFORMER), 128**2 + 512, 1, 1, "ring", False,
-                                          gib)  # fmt: skip
+        return plan.checkpointing_for(cfg, shape, gib)
 
     assert len(choice(None).blocks) == 0  # no GPU and no --gpu_memory_gib: nothing to fit
     full, tight, none_fit = choice(141), choice(80), choice(24)
     assert len(full.blocks) == 0 and full.fits and full.planned_gib < 0.9 * 141
     assert 0 < len(tight.blocks) < 57 and tight.fits and tight.planned_gib <= 0.9 * 80
     assert list(tight.blocks) == list(range(len(tight.blocks)))  # FLUX.1: from the front (double blocks first)
-    fewer = plan.checkpointing_for_run(
-        _resolved(["--gradient_checkpointing", str(len(tight.blocks) - 1), "--compile", *one]), FLUX1,
-        dict(FLUX1_DEV_TRANSFORMER), 128**2 + 512, 1, 1, "ring", False, 80,
-    )  # fmt: skip
+    fewer = plan.checkpointing_for(
+        _resolved(["--gradient_checkpointing", str(len(tight.blocks) - 1), "--compile", *one]), shape, 80
+    )
     assert fewer.planned_gib > 0.9 * 80 and not fewer.fits  # one block fewer would not fit
     assert len(none_fit.blocks) == 57 and not none_fit.fits
     assert "gradient checkpointing auto: " in tight.describe("auto") and "of 80.0 GiB" in tight.describe("auto")
@@ -123,16 +131,16 @@ def test_auto_fits_the_memory_given_with_the_planner_margin():
 def _auto_memory_for_a_partial_pick(tmp_path) -> tuple[float, int]:
     """A --gpu_memory_gib at which `auto` checkpoints some but not all of the tiny model's blocks, and how many."""
     from flux_cp.families import FLUX1
-    from flux_cp.tiny import ensure_tiny_pipeline
+    from flux_cp.families.flux1.tiny import ensure_tiny_pipeline
 
     config = dict(FLUX1.transformer_class().load_config(ensure_tiny_pipeline(), subfolder="transformer"))
     cfg = _resolved(run_args(tmp_path, "probe", 10, "--gradient_checkpointing"))
-    tokens = (cfg.data.largest_resolution // 16) ** 2 + cfg.data.max_sequence_length
+    shape = _shape(FLUX1, config, cfg.data.largest_resolution, cfg.data.max_sequence_length)
 
     def pick(gib: float) -> int:
-        return len(plan.checkpointing_for_run(cfg, FLUX1, config, tokens, 1, 1, "ring", False, gib).blocks)
+        return len(plan.checkpointing_for(cfg, shape, gib).blocks)
 
-    none_needed = plan.checkpointing_for_run(cfg, FLUX1, config, tokens, 1, 1, "ring", False, 1e6).planned_gib
+    none_needed = plan.checkpointing_for(cfg, shape, 1e6).planned_gib
     gib = none_needed / 0.9 * 0.999  # just too little for no checkpointing
     assert 0 < pick(gib) < 4, pick(gib)
     return gib, pick(gib)

@@ -51,8 +51,8 @@ def test_fsdp_configs_wrap_every_block_of_flux1_and_flux2(path: Path):
     from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
 
     from flux_cp.families import FLUX1, FLUX2
-    from flux_cp.tiny import FLUX1_DEV_TRANSFORMER
-    from flux_cp.tiny_flux2 import FLUX2_DEV_TRANSFORMER
+    from flux_cp.families.flux1.tiny import FLUX1_DEV_TRANSFORMER
+    from flux_cp.families.flux2.tiny import FLUX2_DEV_TRANSFORMER
 
     fsdp = load_config_from_file(str(path)).fsdp_config
     plugin = FullyShardedDataParallelPlugin(

@@ -31,7 +31,7 @@ from cp import (
     full_sequence_io,
     remove_context_parallel,
 )
-from flux_cp.tiny_flux2 import TRANSFORMER_CONFIG, tiny_flux2_transformer
+from flux_cp.families.flux2.tiny import TRANSFORMER_CONFIG, tiny_flux2_transformer
 from tests import distributed
 
 pytestmark = pytest.mark.distributed
@@ -170,7 +170,7 @@ def _world(rank: int, world: int, variants: list[tuple], folders: dict | None) -
 def test_flux2_with_cp_equals_without(world, tmp_path):
     """The transformer at every CP size and mode; on 2 ranks also full_sequence_io, both pipelines and the
     refusals (`_assert_features`)."""
-    from flux_cp.tiny_flux2 import ensure_tiny_flux2_pipeline
+    from flux_cp.families.flux2.tiny import ensure_tiny_flux2_pipeline
 
     variants = [c[1:] for c in CASES if c[0] == world]
     folders = None

@@ -9,8 +9,9 @@ import torch
 import torch.distributed as dist
 
 import cp
-from flux_cp.flow import pack_latents, text_ids
-from flux_cp.kontext import PairSplit, pair_sequence, shard_pair, target_loss
+from flux_cp.families import FLUX1
+from flux_cp.families.flux1.tokens import pack_latents, text_ids
+from flux_cp.pairs import PairSplit, image_segment, target_loss
 from tests import distributed
 from tests.distributed import TEXT, flux_model, rel_error, set_checkpointing
 
@@ -21,7 +22,7 @@ def _inputs(target_hw: tuple[int, int], reference_hw: tuple[int, int], batch: in
     g = torch.Generator().manual_seed(11)
     target = pack_latents(torch.randn(batch, 4, *target_hw, generator=g))
     reference = pack_latents(torch.randn(batch, 4, *reference_hw, generator=g))
-    hidden, ids = pair_sequence(target, reference, target_hw, reference_hw)
+    hidden, ids = image_segment(target, [reference], target_hw, [reference_hw], FLUX1)
     return dict(
         hidden_states=hidden,
         encoder_hidden_states=torch.randn(batch, TEXT, 32, generator=g),
@@ -53,7 +54,8 @@ def _errors(rank: int, world: int, target_hw, reference_hw, mode: str, ulysses_s
     set_checkpointing(model, ckpt)
     cp.apply_context_parallel(model, group, mode=mode, ulysses_size=ulysses_size)
     local = dict(inputs)
-    local["hidden_states"], local["img_ids"] = shard_pair(inputs["hidden_states"], inputs["img_ids"], group)
+    local["hidden_states"] = cp.shard(inputs["hidden_states"], 1, group)
+    local["img_ids"] = cp.shard(inputs["img_ids"], 0, group)
     local["encoder_hidden_states"] = cp.shard(inputs["encoder_hidden_states"], 1, group)
     local["txt_ids"] = cp.shard(inputs["txt_ids"], 0, group)
     pred = model(**local).sample

@@ -35,13 +35,13 @@ def _model(family: str, precision: str) -> torch.nn.Module:
     from peft import LoraConfig
 
     if family == "flux1":
-        from flux_cp.tiny import tiny_transformer
+        from flux_cp.families.flux1.tiny import tiny_transformer
 
         model = tiny_transformer(
             seed=0, num_attention_heads=HEADS, attention_head_dim=HEAD_DIM, axes_dims_rope=(2, 2, 4)
         )
     else:
-        from flux_cp.tiny_flux2 import tiny_flux2_transformer
+        from flux_cp.families.flux2.tiny import tiny_flux2_transformer
 
         model = tiny_flux2_transformer(seed=0, num_attention_heads=HEADS, attention_head_dim=HEAD_DIM,
                                        axes_dims_rope=(2, 2, 2, 2))  # fmt: skip

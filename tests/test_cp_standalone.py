@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from flux_cp.tiny import TRANSFORMER_CONFIG
+from flux_cp.families.flux1.tiny import TRANSFORMER_CONFIG
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -150,7 +150,7 @@ def test_a_resumed_run_that_was_not_the_demo_keeps_the_usual_defaults(tmp_path):
 
 
 def test_a_finished_run_is_known_from_its_last_checkpoint_and_outputs(tmp_path):
-    from flux_cp.resume import finished
+    from flux_cp.outdir import finished
 
     out = tmp_path / "tiny"
     assert finished("latest", out, 200) is None

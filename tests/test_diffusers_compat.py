@@ -15,8 +15,8 @@ from diffusers.models.attention_dispatch import _AttentionBackendRegistry
 from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
 
 import cp
-from flux_cp.flow import image_ids, pack_latents, text_ids
-from flux_cp.tiny import TRANSFORMER_CONFIG, tiny_transformer
+from flux_cp.families.flux1.tiny import TRANSFORMER_CONFIG, tiny_transformer
+from flux_cp.families.flux1.tokens import image_ids, pack_latents, text_ids
 from tests import distributed
 
 pytestmark = pytest.mark.distributed  # spawns gloo process groups (tests/distributed.py)

@@ -380,8 +380,7 @@ def test_generated_class_images_are_written_as_rendered_so_an_interrupted_genera
     only the other two, from the same noise keys (the seed and the image's index)."""
     import types
 
-    import cp as cp_module
-    from flux_cp import model, validation
+    from flux_cp import prior
     from flux_cp.config import parse_config
     from flux_cp.families import FLUX1
     from flux_cp.prior import generate_class_images
@@ -403,9 +402,9 @@ def test_generated_class_images_are_written_as_rendered_so_an_interrupted_genera
         return {}
 
     transformer = types.SimpleNamespace(requires_grad_=lambda on: None, config={"num_attention_heads": 4})
-    monkeypatch.setattr(validation, "render", render)
-    monkeypatch.setattr(model, "load_transformer", lambda *a: transformer)
-    monkeypatch.setattr(cp_module, "apply_context_parallel", lambda *a, **k: None)
+    monkeypatch.setattr(prior, "render", render)
+    monkeypatch.setattr(prior, "load_transformer", lambda *a: transformer)
+    monkeypatch.setattr(prior, "parallelize", lambda t, *a, **k: types.SimpleNamespace(model=t))
     family = types.SimpleNamespace(
         image_tokens=FLUX1.image_tokens, validation_embeds=lambda *a: {}, transformer_class=lambda: None
     )

@@ -12,8 +12,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from flux_cp import metrics
 from flux_cp.families import FLUX1
-from flux_cp.flow import image_ids, pack_latents, text_ids
-from flux_cp.tiny import tiny_transformer
+from flux_cp.families.flux1.tiny import tiny_transformer
+from flux_cp.families.flux1.tokens import image_ids, pack_latents, text_ids
 
 PER_SAMPLE = ("norm1.linear", "norm1_context.linear", "norm.linear", "norm_out.linear", "time_text_embed")
 
@@ -55,14 +55,17 @@ def test_the_flux2_forward_formula_counts_what_torch_counts(h, w, text, pairs):
     """FLUX.2's (4 + 3r) D^2 per token and layer (the SwiGLU MLP, the single blocks' fused projections), its
     embedders and attention, against torch's count on the tiny Flux2Transformer2DModel (a reference image's tokens
     count as image tokens)."""
-    from flux_cp import flux2_recipe
     from flux_cp.families import FLUX2
-    from flux_cp.tiny_flux2 import tiny_flux2_transformer
+    from flux_cp.families.flux2 import recipe as flux2_recipe
+    from flux_cp.families.flux2.tiny import tiny_flux2_transformer
+    from tests import flux2_recipe_steps
 
     model = tiny_flux2_transformer(mlp_ratio=2.5).eval()
     config = model.config
     latents = torch.randn(1, config.in_channels, h, w)
-    hidden, ids = flux2_recipe.image_sequence(latents, [torch.randn(1, config.in_channels, 2, 4)] if pairs else [])
+    hidden, ids = flux2_recipe_steps.image_sequence(
+        latents, [torch.randn(1, config.in_channels, 2, 4)] if pairs else []
+    )
     inputs = dict(
         hidden_states=hidden, encoder_hidden_states=torch.randn(1, text, config.joint_attention_dim),
         timestep=torch.tensor([0.5]), img_ids=ids, txt_ids=flux2_recipe.text_ids(text), guidance=torch.tensor([3.5]),

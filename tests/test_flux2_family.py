@@ -20,12 +20,12 @@ from flux_cp.config import DataConfig, ModelConfig, TrainConfig, parse_config
 from flux_cp.data import BatchSchedule
 from flux_cp.errors import UsageError
 from flux_cp.families import FLUX1, FLUX2, FLUX2_KLEIN, detect
-from flux_cp.families.flux2 import load_tokenizer
+from flux_cp.families.flux2.family import load_tokenizer
+from flux_cp.families.flux2.recipe import text_ids
+from flux_cp.families.flux2.tiny import FLUX2_KLEIN_4B_TRANSFORMER, default_flux2_cache_dir
 from flux_cp.flow import per_sample_draws
-from flux_cp.flux2_recipe import text_ids
 from flux_cp.parallel import Layout
 from flux_cp.rng import Stream, generator
-from flux_cp.tiny_flux2 import FLUX2_KLEIN_4B_TRANSFORMER, default_flux2_cache_dir
 from tests.flux2_example import Args, example_step
 
 CPU = torch.device("cpu")
@@ -184,7 +184,7 @@ def test_a_crafted_chat_template_is_rendered_once_within_bounds_and_refused_nami
     """The template is rendered at start with a time and a size bound: one that jinja's sandbox refuses, that loops
     for minutes, writes without end or leaves the caption out is one line naming chat_template.jinja (control
     characters from it escaped), before any model loads."""
-    import flux_cp.families.flux2 as flux2
+    import flux_cp.families.flux2.family as flux2
 
     monkeypatch.setattr(flux2, "TEMPLATE_SECONDS", 0.5)
     folder = _with_template(folders[False], tmp_path, template)

@@ -10,9 +10,12 @@ from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 
-from flux_cp.lora import DEFAULT_TARGETS
-from flux_cp.lora_format import FLUX2_COMFYUI_UNMAPPED, comfyui_skips, convert, to_kohya, with_alphas
-from flux_cp.tiny import TRANSFORMER_CONFIG, build_tiny_pipeline, tiny_transformer
+from flux_cp.families import FLUX2, of_model
+from flux_cp.families.flux1 import DEFAULT_TARGETS
+from flux_cp.families.flux1.kohya import to_kohya
+from flux_cp.families.flux1.tiny import TRANSFORMER_CONFIG, build_tiny_pipeline, tiny_transformer
+from flux_cp.families.flux2.family import COMFYUI_UNMAPPED
+from flux_cp.lora_format import with_alphas
 from tests.launch import (
     comfy_apply,
     comfy_convert_lora_leaves,
@@ -54,6 +57,11 @@ def _deltas(sd: dict[str, torch.Tensor], scale: float = 1.0) -> dict[str, torch.
             probe = torch.randn(a.shape[1], 8, generator=torch.Generator().manual_seed(a.shape[1]), dtype=torch.float64)
             out[k[: -len(".lora_A.weight")]] = scale * sd[k.replace("lora_A", "lora_B")].double() @ (a.double() @ probe)
     return out
+
+
+def convert(state: dict, fmt: str, rank: int, alpha: float) -> dict:
+    """A FLUX.1 LoRA's weights as `save_lora` writes them in `fmt`."""
+    return with_alphas(state, rank, alpha) if fmt == "diffusers" else to_kohya(state, rank, alpha)
 
 
 def test_default_lora_of_both_formats_loads_completely_under_comfyui_rules():
@@ -165,15 +173,15 @@ def test_diffusers_file_with_alphas_and_kohya_file_give_the_trained_pipeline_out
         assert (out - expected).abs().max() / scale < 1e-5, fmt
 
 
-def test_with_alphas_and_unknown_formats():
+def test_with_alphas_and_layouts_a_family_lacks():
     sd = {
         "transformer.x_embedder.lora_A.weight": torch.ones(2, 3),
         "transformer.x_embedder.lora_B.weight": torch.ones(3, 2),
     }
     assert with_alphas(sd, 2, 2) == sd
     assert with_alphas(sd, 2, 6)["transformer.x_embedder.alpha"].item() == 6.0
-    with pytest.raises(ValueError, match="unknown LoRA format 'onnx'"):
-        convert(sd, "onnx", 2, 2)
+    with pytest.raises(ValueError, match=r"FLUX.2 \[dev\] writes no kohya LoRA files"):
+        FLUX2.lora_layout("kohya", sd, None, None, False)
     with pytest.raises(ValueError, match="no place for a LoRA on 'pos_embed'"):
         to_kohya(
             {
@@ -198,7 +206,7 @@ def _save_trained_lora(model, cfg, tmp_path, origin=None):
             if "lora_B" in name:
                 p.normal_(std=0.1)
     state = {k: v for k, v in model.state_dict().items() if "lora_" in k}
-    return save_lora(model, state, str(tmp_path), cfg.lora, origin)
+    return save_lora(model, state, str(tmp_path), cfg.lora, of_model(model), origin)
 
 
 def _saved(tmp_path, argv: list[str], origin=None):
@@ -273,13 +281,14 @@ def test_a_diffusers_file_with_alpha_keys_goes_without_adapter_metadata_and_diff
     [(True, False, "flux-1-dev/lora"), (False, False, "flux-1-schnell/lora"), (True, True, "flux-1/lora")],
 )
 def test_kohya_file_carries_the_fields_kohya_readers_show(tmp_path, guidance, kontext, architecture):
-    from flux_cp.lora_format import Origin, metadata
+    from flux_cp.families.flux1.kohya import metadata
+    from flux_cp.lora_format import Origin
 
     base = tmp_path / "FLUX.1-local"
     base.mkdir()
     for name, expect in (("black-forest-labs/FLUX.1-dev", "black-forest-labs/FLUX.1-dev"), (str(base), base.name)):
         origin = Origin(name, "my-dog", 2048, kontext)
-        header = metadata("kohya", rank=16, alpha=8, adapter=None, origin=origin, guidance=guidance)
+        header = metadata(rank=16, alpha=8, origin=origin, guidance=guidance)
         assert header["ss_sd_model_name"] == expect  # sd-scripts: a local model by its name, a hub id as it is
     assert {k: header[k] for k in ("ss_network_module", "ss_network_dim", "ss_network_alpha")} == {
         "ss_network_module": "networks.lora_flux", "ss_network_dim": "16", "ss_network_alpha": "8",
@@ -304,7 +313,7 @@ def test_what_diffusers_cannot_read_back_from_kohya_files(tmp_path):
     """diffusers' kohya loader (0.42.1) drops top-level layers without a word and fails on a single block's linear1
     of other sizes than FLUX.1's: what `kohya_problem` refuses. When diffusers fixes either, this test fails, and
     the refusal can go."""
-    from flux_cp.lora_format import kohya_problem, lora_modules
+    from flux_cp.families.flux1.kohya import kohya_problem, lora_modules
 
     targets = ["transformer_blocks.0.attn.to_q", "x_embedder", "norm_out.linear"]
     save_file(to_kohya(_diffusers_state(_lora_transformer(targets, 4, 4)), 4, 4), tmp_path / "top.safetensors")
@@ -325,8 +334,8 @@ def test_what_diffusers_cannot_read_back_from_kohya_files(tmp_path):
 
 
 def test_kohya_problem_names_what_diffusers_would_drop_and_accepts_what_it_reads():
-    from flux_cp.lora_format import kohya_problem, lora_modules
-    from flux_cp.tiny import FLUX1_DEV_TRANSFORMER
+    from flux_cp.families.flux1.kohya import kohya_problem, lora_modules
+    from flux_cp.families.flux1.tiny import FLUX1_DEV_TRANSFORMER
 
     dev = dict(FLUX1_DEV_TRANSFORMER)
     assert kohya_problem(lora_modules(dev, list(DEFAULT_TARGETS)), dev) is None
@@ -346,7 +355,7 @@ def test_check_export_refuses_at_start_in_one_line():
     from flux_cp.config import parse_config
     from flux_cp.errors import UsageError
     from flux_cp.families import FLUX1
-    from flux_cp.lora_format import check_export
+    from flux_cp.families.flux1.kohya import check_export
     from flux_cp.shape import resolved
 
     tiny = dict(TRANSFORMER_CONFIG)
@@ -368,7 +377,7 @@ def test_check_export_refuses_at_start_in_one_line():
 
 
 def _flux2_config(klein: bool) -> dict:
-    from flux_cp.tiny_flux2 import TRANSFORMER_CONFIG as FLUX2_TINY
+    from flux_cp.families.flux2.tiny import TRANSFORMER_CONFIG as FLUX2_TINY
 
     return {**FLUX2_TINY, "guidance_embeds": not klein}  # [klein] has no guidance embedding
 
@@ -449,7 +458,7 @@ def test_flux2_lora_file_loads_completely_under_comfyui_rules_as_the_trained_wei
 def test_comfyui_applies_a_flux2_lora_on_every_layer_but_those_it_names_no_diffusers_name_for(tmp_path, klein):
     """A LoRA on every linear layer of FLUX.2 (alpha 8, rank 4): ComfyUI applies each to its weight (both streams'
     q/k/v, the MLPs, the embedders, norm_out with BFL's shift/scale order) as the trained weights, and skips exactly
-    the layers `FLUX2_COMFYUI_UNMAPPED` lists, which `comfyui_skips` names for the targets."""
+    the layers `COMFYUI_UNMAPPED` lists, which `Family.comfyui_skips` names for the targets."""
     from diffusers import Flux2Transformer2DModel
 
     config = _flux2_config(klein)
@@ -460,7 +469,7 @@ def test_comfyui_applies_a_flux2_lora_on_every_layer_but_those_it_names_no_diffu
     sd = load_file(path)
     not_loaded = comfy_apply(sd, comfy_flux2_key_map(config), bfl)[0]
     skipped = {k.rsplit(".lora_", 1)[0].removeprefix("transformer.") for k in not_loaded}
-    assert skipped == set(comfyui_skips(linear)) == {n for n in FLUX2_COMFYUI_UNMAPPED if n in linear}
+    assert skipped == set(FLUX2.comfyui_skips(linear)) == {n for n in COMFYUI_UNMAPPED if n in linear}
     assert ("time_guidance_embed.guidance_embedder.linear_1" in skipped) != klein
     # what it applies is the trained weights (the skipped layers' LoRAs left out of both)
     applied = {k: v for k, v in sd.items() if not k.startswith(tuple(f"transformer.{n}." for n in skipped))}
@@ -502,9 +511,9 @@ def test_a_flux2_lora_with_alpha_other_than_rank_renders_the_trained_models_outp
 
     from flux_cp.config import parse_config
     from flux_cp.families import FLUX2, FLUX2_KLEIN
+    from flux_cp.families.flux2.tiny import build_tiny_flux2_pipeline
     from flux_cp.lora import add_lora, save_lora
     from flux_cp.shape import resolved
-    from flux_cp.tiny_flux2 import build_tiny_flux2_pipeline
 
     def pipeline():
         pipe = build_tiny_flux2_pipeline(klein=klein)
@@ -530,7 +539,7 @@ def test_a_flux2_lora_with_alpha_other_than_rank_renders_the_trained_models_outp
             if "lora_B" in name:
                 p.normal_(std=0.1)
     state = {k: v for k, v in trained.transformer.state_dict().items() if "lora_" in k}
-    path = save_lora(trained.transformer, state, str(tmp_path), cfg.lora)
+    path = save_lora(trained.transformer, state, str(tmp_path), cfg.lora, of_model(trained.transformer))
     assert not any(k.endswith(".alpha") for k in load_file(path))
     packed = json.loads(_header(path)["lora_adapter_metadata"])
     assert (packed["transformer.r"], packed["transformer.lora_alpha"]) == (4, 4)

@@ -35,11 +35,11 @@ TARGETS = {"flux1": ["to_q", "to_k", "to_v", "to_out.0"], "flux2": ["to_q", "to_
 def _model(family: str, seed: int = 0):
     """A tiny transformer of the family with LoRA (fp32 adapters, frozen base), as the trainer prepares it."""
     if family == "flux1":
-        from flux_cp.tiny import tiny_transformer
+        from flux_cp.families.flux1.tiny import tiny_transformer
 
         model = tiny_transformer(seed, num_layers=DOUBLE, num_single_layers=SINGLE)
     else:
-        from flux_cp.tiny_flux2 import tiny_flux2_transformer
+        from flux_cp.families.flux2.tiny import tiny_flux2_transformer
 
         model = tiny_flux2_transformer(seed, num_layers=DOUBLE, num_single_layers=SINGLE)
     prepare_trainable(model, LoraConfig(rank=4, lora_alpha=4, lora_layers=tuple(TARGETS[family])), seed=1)
@@ -52,7 +52,7 @@ def _model(family: str, seed: int = 0):
 
 
 def _batches(family: str, n: int) -> list[dict]:
-    from flux_cp.flow import image_ids, pack_latents, text_ids
+    from flux_cp.families.flux1.tokens import image_ids, pack_latents, text_ids
 
     g = torch.Generator().manual_seed(7)
     out = []
@@ -134,7 +134,7 @@ def _flux1_dev_blocks() -> tuple[list[str], list[int]]:
     """FLUX.1-dev's blocks in bf16, built on the meta device: their kinds and frozen bytes."""
     from diffusers import FluxTransformer2DModel
 
-    from flux_cp.tiny import FLUX1_DEV_TRANSFORMER
+    from flux_cp.families.flux1.tiny import FLUX1_DEV_TRANSFORMER
 
     with torch.device("meta"):
         model = FluxTransformer2DModel(**FLUX1_DEV_TRANSFORMER).to(torch.bfloat16)

@@ -221,27 +221,27 @@ def test_prodigy_warnings_as_diffusers_gives_them(capsys):
 
 def test_a_missing_optimizer_package_is_one_line_before_anything_loads(monkeypatch):
     from flux_cp.config import parse_config
+    from flux_cp.optim import check_optimizer
 
+    # Checked at the start of a run (flux_cp.trainer), before any model loads; the planner (--plan) loads none.
     monkeypatch.setitem(sys.modules, "prodigyopt", None)  # as if not installed
     with pytest.raises(UsageError) as e:
-        parse_config(["--optimizer", "prodigy"])
+        check_optimizer(parse_config(["--optimizer", "prodigy"]).train)
     assert str(e.value) == (
         "--optimizer prodigy needs the prodigyopt package: pip install -e .[optim] (or pip install prodigyopt)"
     )
-    assert parse_config(["--optimizer", "prodigy", "--plan"]).plan.plan  # the planner loads no optimizer
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)
     with pytest.raises(UsageError, match=r"^--use_8bit_adam needs the bitsandbytes package: pip install -e .\[optim\]"):
-        parse_config(["--use_8bit_adam"])
+        check_optimizer(parse_config(["--use_8bit_adam"]).train, "cuda")
 
 
 def test_8bit_adamw_needs_a_cuda_device_and_neither_optional_optimizer_takes_fsdp(monkeypatch):
-    from flux_cp.config import TrainConfig, parse_config
+    from flux_cp.config import TrainConfig
     from flux_cp.optim import check_optimizer
 
-    if not torch.cuda.is_available():  # this machine: refused while the flags are read
+    if not torch.cuda.is_available():  # this machine
         with pytest.raises(UsageError, match=r"^--use_8bit_adam needs a CUDA GPU .* trains on the CPU: drop"):
-            parse_config(["--use_8bit_adam"])
+            check_optimizer(TrainConfig(use_8bit_adam=True))
     monkeypatch.setitem(sys.modules, "bitsandbytes", sys.modules.get("bitsandbytes") or types.ModuleType("bnb"))
     eight_bit = TrainConfig(use_8bit_adam=True)
     with pytest.raises(UsageError, match="trains on the CPU"):  # a GPU machine, accelerate told to use the CPU

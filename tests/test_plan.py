@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from flux_cp import plan
-from flux_cp.lora import ATTENTION_TARGETS, DEFAULT_TARGETS
-from flux_cp.tiny import FLUX1_DEV_TRANSFORMER
+from flux_cp.families.flux1 import ATTENTION_TARGETS, DEFAULT_TARGETS
+from flux_cp.families.flux1.tiny import FLUX1_DEV_TRANSFORMER
+from flux_cp.shape import transformer_config_offline
 
 ATTN_LORA = list(ATTENTION_TARGETS)
 
@@ -19,7 +20,7 @@ ATTN_LORA = list(ATTENTION_TARGETS)
 def test_block_keeps_are_what_autograd_and_the_compiled_graphs_keep(family):
     """plan_data.json's `block_keeps`: eager, what autograd saves; compiled, what the partitioner Inductor uses passes
     from each block's forward graph to its backward (tests/saved_activations.py counts both on CPU)."""
-    from flux_cp.lora import DEFAULT_TARGETS
+    from flux_cp.families.flux1 import DEFAULT_TARGETS
     from tests.saved_activations import compiled_units, eager_units, flux2_targets
 
     targets = DEFAULT_TARGETS if family == "flux1" else flux2_targets(2)
@@ -33,7 +34,7 @@ def test_block_keeps_are_what_autograd_and_the_compiled_graphs_keep(family):
 
 def test_a_compiled_checkpointed_block_keeps_its_input_and_its_attention_output():
     """`saved_attention_units["local"]`: 1 unit of attention output (and its log-sum-exp) beside the block's input."""
-    from flux_cp.lora import DEFAULT_TARGETS
+    from flux_cp.families.flux1 import DEFAULT_TARGETS
     from tests.saved_activations import compiled_units
 
     for kind, units in compiled_units("flux1", DEFAULT_TARGETS, checkpointed=True).items():
@@ -124,7 +125,7 @@ def test_estimates_of_compiled_trainer_runs_are_within_10_percent_of_their_h200_
 def test_plan_flag_prints_a_table_and_a_suggestion_without_training(tmp_path, capsys):
     """`train_flux_cp.py --plan` (its entry point, in this process): a table and a suggestion, no run."""
     import train_flux_cp
-    from flux_cp.tiny import write_flux1_dev_shapes
+    from flux_cp.families.flux1.tiny import write_flux1_dev_shapes
 
     folder = write_flux1_dev_shapes(tmp_path / "dev")
     argv = ["--plan", "--pretrained_model_name_or_path", str(folder), "--resolution", "4096", "--gpu_memory_gib",
@@ -162,7 +163,7 @@ def test_plan_works_offline_for_the_known_flux1_ids(model, tmp_path, monkeypatch
 def test_the_known_configs_are_flux1_dev_s_and_schnell_s_lacks_only_the_guidance_embedding():
     from diffusers import FluxTransformer2DModel
 
-    from flux_cp.known_models import known_model
+    from flux_cp.families import known_model
 
     dev, schnell = known_model("black-forest-labs/FLUX.1-dev"), known_model("Black-Forest-Labs/flux.1-schnell")
     kontext = known_model("black-forest-labs/FLUX.1-Kontext-dev")
@@ -191,10 +192,10 @@ def test_a_cached_config_comes_first_and_an_unknown_id_offline_is_one_line(tmp_p
 
     _offline(monkeypatch, tmp_path)
     _cache_transformer_config(tmp_path / "hf-cache", num_layers=5)
-    got, source = plan.transformer_config("someone/flux-finetune")
+    got, source = transformer_config_offline("someone/flux-finetune")
     assert got["num_layers"] == 5 and source == "someone/flux-finetune (local HF cache)"
     with pytest.raises(UsageError) as e:
-        plan.transformer_config("black-forest-labs/FLUX.2-dev")
+        transformer_config_offline("black-forest-labs/FLUX.2-dev")
     assert str(e.value).startswith(
         "--pretrained_model_name_or_path black-forest-labs/FLUX.2-dev: not a local folder, and its "
         "transformer/config.json is not in the local HF cache (HF_HUB_OFFLINE is set): pass the model's folder, a "
@@ -211,8 +212,8 @@ def test_the_plan_reads_a_hub_config_from_the_download_cache_that_cache_dir_name
     _offline(monkeypatch, tmp_path)
     _cache_transformer_config(tmp_path / "downloads", num_layers=3)
     with pytest.raises(UsageError, match="is not in the local HF cache"):  # not in the default cache
-        plan.transformer_config("someone/flux-finetune")
-    got, _ = plan.transformer_config("someone/flux-finetune", cache_dir=str(tmp_path / "downloads"))
+        transformer_config_offline("someone/flux-finetune")
+    got, _ = transformer_config_offline("someone/flux-finetune", cache_dir=str(tmp_path / "downloads"))
     assert got["num_layers"] == 3
     cfg = parse_config(["--plan", "--pretrained_model_name_or_path", "someone/flux-finetune", "--cache_dir",
                         str(tmp_path / "downloads")])  # fmt: skip
@@ -234,7 +235,7 @@ def test_an_unreachable_hub_is_one_line_after_one_attempt(tmp_path, monkeypatch)
     monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")
     start = time.monotonic()
     with pytest.raises(UsageError) as e:
-        plan.transformer_config("someone/not-cached")
+        transformer_config_offline("someone/not-cached")
     assert time.monotonic() - start < 5
     message = str(e.value)
     assert (
@@ -275,7 +276,7 @@ def test_flux2_plans_count_its_own_blocks_width_and_weights():
     from diffusers import Flux2Transformer2DModel
 
     from flux_cp.families.flux1 import Flux1
-    from flux_cp.tiny_flux2 import FLUX2_DEV_TRANSFORMER
+    from flux_cp.families.flux2.tiny import FLUX2_DEV_TRANSFORMER
     from tests.saved_activations import flux2_targets
 
     class Flux2Shapes(Flux1):

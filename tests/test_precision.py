@@ -16,6 +16,8 @@ import torch
 
 from flux_cp.blocks import transformer_blocks
 from flux_cp.errors import UsageError
+from flux_cp.families.flux1.tiny import FLUX1_DEV_TRANSFORMER, tiny_transformer
+from flux_cp.families.flux2.tiny import FLUX2_DEV_TRANSFORMER, tiny_flux2_transformer
 from flux_cp.precision import (
     PACKAGES,
     PRECISIONS,
@@ -29,8 +31,6 @@ from flux_cp.precision import (
     quantized_linears,
     stored_bytes,
 )
-from flux_cp.tiny import FLUX1_DEV_TRANSFORMER, tiny_transformer
-from flux_cp.tiny_flux2 import FLUX2_DEV_TRANSFORMER, tiny_flux2_transformer
 
 AVAILABLE = {p: importlib.util.find_spec(PACKAGES[p][0]) is not None for p in QUANTIZED}
 
@@ -70,7 +70,7 @@ def _model(family: str, normal: bool = False) -> torch.nn.Module:
 
 
 def _inputs(family: str) -> dict:
-    from flux_cp.flow import image_ids, pack_latents, text_ids
+    from flux_cp.families.flux1.tokens import image_ids, pack_latents, text_ids
 
     g = torch.Generator().manual_seed(7)
     if family == "flux1":
@@ -283,8 +283,8 @@ def test_refusals_say_what_to_change(monkeypatch):
 
 
 def test_the_flag_is_recorded_and_may_change_on_resume():
-    from flux_cp.checkpoint import RESUMABLE_CHANGES
     from flux_cp.config import parse_config
+    from flux_cp.resume import RESUMABLE_CHANGES
 
     assert parse_config([]).flat()["base_precision"] == "bf16"
     assert parse_config(["--base_precision", "fp8", "--plan"]).flat()["base_precision"] == "fp8"
@@ -420,14 +420,15 @@ def test_the_lora_file_of_a_quantized_base_is_a_bf16_runs_and_loads_into_the_bf1
     from safetensors import safe_open
     from safetensors.torch import load_file
 
+    from flux_cp.families import FLUX1
+    from flux_cp.families.flux1.tiny import build_tiny_pipeline
     from flux_cp.lora import save_lora
-    from flux_cp.tiny import build_tiny_pipeline
 
     files = {}
     for kind in ("bf16", precision):
         model = _trained("flux1", kind)
         state = {k: v for k, v in model.state_dict().items() if "lora_" in k}
-        files[kind] = save_lora(model, state, str(tmp_path / kind), _lora_config("flux1", model))
+        files[kind] = save_lora(model, state, str(tmp_path / kind), _lora_config("flux1", model), FLUX1)
     quantized = model
     bf16, ours = (load_file(files[k]) for k in ("bf16", precision))
     assert {k: (v.shape, v.dtype) for k, v in ours.items()} == {k: (v.shape, v.dtype) for k, v in bf16.items()}

@@ -15,7 +15,7 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, Flux2Pipeline
 
 import cp.comm
-from flux_cp import checkpoint
+from flux_cp import resume
 from flux_cp.batches import Batches
 from flux_cp.config import DataConfig, ModelConfig, TrainConfig, ValidationConfig, parse_config
 from flux_cp.data import BatchSchedule, batch_groups, check_reference_limit, crop_box, open_source, to_pixels
@@ -23,11 +23,11 @@ from flux_cp.encode import Geometry, LiveData, encode_dataset, reference_key
 from flux_cp.errors import UsageError
 from flux_cp.families import FLUX1, FLUX2
 from flux_cp.flow import per_sample_draws
-from flux_cp.flux2_recipe import flow_loss
 from flux_cp.folders import read_metadata_file
 from flux_cp.parallel import Layout
 from flux_cp.rng import Stream, generator
 from flux_cp.shape import build_shape, check_tokens
+from tests.flux2_recipe_steps import flow_loss
 from tests.reference_folders import PAIRS, references_folder, rows_of_pairs
 
 CPU = torch.device("cpu")
@@ -230,7 +230,7 @@ def test_each_reference_is_cached_with_its_targets_crop_and_a_changed_second_ref
     (ckpt / "data.json").write_text(json.dumps({"data_files": before.files}))
     meta = {"run": {"data": before.fingerprint, "data_legacy": before.legacy}}
     with pytest.raises(UsageError) as e:
-        checkpoint.check_compatible(meta, {"data": after.fingerprint, "data_files": after.files}, ckpt)
+        resume.check_compatible(meta, {"data": after.fingerprint, "data_files": after.files}, ckpt)
     changed = "changed reference image: second_1.png (reference 2 of 01_yellow_square_edited.png)"
     assert f"data set differs ({changed})" in str(e.value)
 

@@ -307,8 +307,8 @@ def test_final_outputs_are_written_before_validation_and_the_model_before_the_ch
 
 
 def test_a_disk_that_fills_up_stops_the_run_at_the_save_that_no_longer_fits(tmp_path):
-    from flux_cp.lora import DEFAULT_TARGETS
-    from flux_cp.tiny import TRANSFORMER_CONFIG
+    from flux_cp.families.flux1 import DEFAULT_TARGETS
+    from flux_cp.families.flux1.tiny import TRANSFORMER_CONFIG
 
     counts = FLUX1.count_parameters(TRANSFORMER_CONFIG, 16, list(DEFAULT_TARGETS))
     s = diskspace.sizes(counts, False, True, torch.float32, world=1)

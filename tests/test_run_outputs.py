@@ -25,7 +25,7 @@ NOISE = ("generated new fontManager", "requires torchvision", "Using decoupled w
 
 def _download_cache(root: Path) -> Path:
     """A Hugging Face download cache holding the tiny Flux as the snapshot of HUB_ID's main branch."""
-    from flux_cp.tiny import ensure_tiny_pipeline
+    from flux_cp.families.flux1.tiny import ensure_tiny_pipeline
 
     repo = root / f"models--{HUB_ID.replace('/', '--')}"
     commit = "0" * 40

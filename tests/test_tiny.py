@@ -11,7 +11,7 @@ import pytest
 
 from flux_cp import tiny
 from flux_cp.errors import UsageError
-from flux_cp.tiny import MARKER, Recipe, build_once
+from flux_cp.families.builder import MARKER, Recipe, build_once
 
 RECIPE = Recipe("test-v1", "FluxPipeline", {"num_layers": 2, "axes_dims_rope": (4, 6, 6)})
 

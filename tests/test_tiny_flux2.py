@@ -10,7 +10,7 @@ import torch
 from diffusers import AutoencoderKLFlux2, Flux2KleinPipeline, Flux2Pipeline, Flux2Transformer2DModel
 
 from flux_cp import tiny
-from flux_cp.tiny_flux2 import (
+from flux_cp.families.flux2.tiny import (
     FLUX2_DEV_TRANSFORMER,
     FLUX2_KLEIN_4B_TRANSFORMER,
     FLUX2_KLEIN_9B_TRANSFORMER,

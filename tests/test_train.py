@@ -67,7 +67,7 @@ def test_compiled_blocks_train_like_eager_with_cp(tmp_path, accumulated):
 def test_lora_loads_into_flux_pipeline_and_changes_its_output(tmp_path):
     from diffusers import FluxPipeline
 
-    from flux_cp.tiny import ensure_tiny_pipeline
+    from flux_cp.families.flux1.tiny import ensure_tiny_pipeline
 
     ok(train(2, *_common(tmp_path, "lora", 6, "--cp_size", "2", "--learning_rate", "1e-2", "--rank", "4")))
     out = tmp_path / "lora"
@@ -96,7 +96,7 @@ def test_lora_loads_into_flux_pipeline_and_changes_its_output(tmp_path):
 def test_full_finetune_writes_a_transformer_folder_that_from_pretrained_loads(tmp_path):
     from diffusers import FluxTransformer2DModel
 
-    from flux_cp.tiny import ensure_tiny_pipeline
+    from flux_cp.families.flux1.tiny import ensure_tiny_pipeline
 
     ok(train(2, *_common(tmp_path, "full", 4, "--cp_size", "2", "--full_finetune", "--learning_rate", "1e-3")))
     trained = FluxTransformer2DModel.from_pretrained(tmp_path / "full" / "transformer")

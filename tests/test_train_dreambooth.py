@@ -34,7 +34,7 @@ def _options(tmp: Path, classes: str, count: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
-    from flux_cp.tiny_flux2 import ensure_tiny_flux2_pipeline
+    from flux_cp.families.flux2.tiny import ensure_tiny_flux2_pipeline
 
     tmp = tmp_path_factory.mktemp("dreambooth")
     # FLUX.1: two resolutions with aspect buckets at each; the CP run generates the class images (at 128 px, the
@@ -75,7 +75,7 @@ def _rendered(pipe, k: int, resolution: int, text_tokens: int) -> np.ndarray:
 def test_class_images_generated_under_cp_are_the_pipeline_s(runs):
     from diffusers import Flux2KleinPipeline, FluxPipeline
 
-    from flux_cp.tiny import ensure_tiny_pipeline
+    from flux_cp.families.flux1.tiny import ensure_tiny_pipeline
 
     for folder, pipe, resolution, tokens, count in (
         ("class", FluxPipeline.from_pretrained(ensure_tiny_pipeline()), 128, 32, 3),

@@ -34,7 +34,7 @@ def _validation(prompt: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
-    from flux_cp.tiny_flux2 import ensure_tiny_flux2_pipeline
+    from flux_cp.families.flux2.tiny import ensure_tiny_flux2_pipeline
 
     tmp = tmp_path_factory.mktemp("flux2_runs")
     models = {name: ensure_tiny_flux2_pipeline(tmp / name, klein=name == "klein") for name in ("dev", "klein")}

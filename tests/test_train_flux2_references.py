@@ -28,7 +28,7 @@ TEXT_TOKENS = 66  # divisible by 2 and 3; [klein]'s chat template takes ~20 of t
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
-    from flux_cp.tiny_flux2 import ensure_tiny_flux2_pipeline
+    from flux_cp.families.flux2.tiny import ensure_tiny_flux2_pipeline
 
     tmp = tmp_path_factory.mktemp("flux2_references")
     model = ensure_tiny_flux2_pipeline(klein=True)  # under the session's FLUX_CP_HOME, shared with other tests

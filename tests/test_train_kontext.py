@@ -35,7 +35,7 @@ def _edit(pipe, seed: int = 0) -> torch.Tensor:
 def test_kontext_pairs_with_cp_train_like_one_process_and_the_lora_edits(tmp_path):
     from diffusers import FluxKontextPipeline
 
-    from flux_cp.tiny import ensure_tiny_pipeline
+    from flux_cp.families.flux1.tiny import ensure_tiny_pipeline
 
     validation = ["--validation_prompt", "make the circle red", "--validation_image", str(REFERENCE),
                   "--validation_inference_steps", "2", "--num_validation_images", "1"]  # fmt: skip
@@ -60,7 +60,7 @@ def test_kontext_pairs_with_cp_train_like_one_process_and_the_lora_edits(tmp_pat
 def test_kontext_full_finetune_writes_a_transformer_the_pipeline_loads(tmp_path):
     from diffusers import FluxKontextPipeline, FluxTransformer2DModel
 
-    from flux_cp.tiny import ensure_tiny_pipeline
+    from flux_cp.families.flux1.tiny import ensure_tiny_pipeline
 
     # --no_cache: pairs encoded live, every batch (the reference with its target's crop and flip). 48 px: 9 target
     # + 9 reference tokens, which FLUX.1 data could not split over 2 ranks (9 image tokens) but a pair can.

@@ -1,9 +1,15 @@
 """The `Family` interface: what the rest of flux-cp asks of a model family, and how a model folder names its
 family (the pipeline class of its model_index.json where a family claims it, else the `_class_name` of its
-transformer's config)."""
+transformer's config).
+
+Everything that differs between families is asked here, never by the family's name or class: the transformer's
+block lists (blocks.py, offload, the planner, parameter counts), the LoRA file's scale convention and the layouts it
+is written in, the model card's tags and what ComfyUI does with the outputs. A family's attention processors are
+`cp`'s (FLUX.1, FLUX.2), or registered with `cp.register` by the family's own module."""
 
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -12,14 +18,16 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import UsageError
+from ..lora import check_targets
 from ..metrics import StepFlops, step_flops
 from ..terminal import printable
 
 if TYPE_CHECKING:
     from PIL import Image
 
-    from ..config import Config, ModelConfig
+    from ..config import Config, LoraConfig, ModelConfig
     from ..encode import Encoders
+    from ..lora_format import Origin
 
 Tensor = torch.Tensor
 
@@ -36,6 +44,19 @@ class ParameterCounts:
     largest_block: int
 
 
+@dataclass(frozen=True)
+class KnownModel:
+    """A model on the Hugging Face Hub that a family knows without downloading anything: its transformer config (so
+    `--plan` works offline for it), pipeline and license (the model card)."""
+
+    model_id: str
+    transformer: dict  # transformer/config.json's fields
+    pipeline: str  # model_index.json's _class_name
+    license: str  # the Hub's license identifier
+    license_name: str | None = None  # for license "other"
+    license_link: str | None = None
+
+
 class Family(ABC):
     """One kind of FLUX model. Subclasses fill in the class attributes and the methods below; nothing here loads
     a model until asked."""
@@ -50,6 +71,21 @@ class Family(ABC):
     pipeline_class_names: tuple[str, ...] = ()
     # Pixels per side of one image token: the VAE's downsampling times the 2x2 packing.
     pixels_per_token: int = 16
+    # The transformer's blocks, in the order they run: (kind, the transformer's attribute holding that list, the
+    # config key of its length). Checkpointing, compile, offload, the planner and parameter counts walk them.
+    block_lists: tuple[tuple[str, str, str], ...] = ()
+    # The LoRA file's scale alpha / rank: alpha keys beside the weights (True), or multiplied into lora_B for
+    # loaders that refuse alpha keys (flux_cp.lora_format)
+    lora_alpha_keys: bool = True
+    lora_layouts: tuple[str, ...] = ("diffusers",)  # the --lora_format values it writes (`lora_layout`)
+    card_tags: tuple[str, ...] = ()  # the model card's tags for the family ...
+    pairs_card_tags: tuple[str, ...] = ()  # ... and those added for its editing pairs
+    # ComfyUI: how its LoRA loader knows the family's diffusers names (None: not known to; the card says nothing), what
+    # its loader needs of a full fine-tune's transformer folder, and the layers whose LoRAs it leaves out
+    comfyui_mapping: str | None = None
+    comfyui_transformer: str = ""
+    comfyui_unmapped: tuple[str, ...] = ()
+    known: tuple[KnownModel, ...] = ()  # hub ids it knows offline
 
     # --- components -----------------------------------------------------------------------------------------
 
@@ -61,20 +97,56 @@ class Family(ABC):
     def embedded_default(self, pairs: bool) -> str:
         """The tiny model folder trained when no model is named (built locally on first use)."""
 
+    def card_tags_for(self, pairs: bool) -> list[str]:
+        """The model card's tags for this family (and its editing pairs)."""
+        return [*self.card_tags, *(self.pairs_card_tags if pairs else ())]
+
     @abstractmethod
     def load_encoders(self, model: ModelConfig, path: str, dtype: torch.dtype, device: torch.device) -> Encoders:
         """The VAE and the text encoders (a `flux_cp.encode.Encoders`: `prompts`, `latents`, `free_text_encoders`)."""
 
-    def check(self, cfg: Config) -> None:  # noqa: B027 - most families honour every flag
+    def check(self, cfg: Config) -> None:
         """Flags this family cannot honour: a UsageError naming the flag (before anything loads)."""
+        fmt = cfg.lora.lora_format
+        if fmt not in self.lora_layouts:
+            readers = f"{self.pipeline_class_names[0]}.load_lora_weights reads it"
+            readers += " and ComfyUI loads it" if self.comfyui_mapping else ""
+            raise UsageError(f"--lora_format {fmt} maps FLUX.1's module names; for {self.label} keep --lora_format "
+                             f"diffusers (the default: {readers})")  # fmt: skip
+
+    def check_export(self, config: dict, lora: LoraConfig) -> None:  # noqa: B027 - the diffusers layout: always
+        """At start, with the transformer's config: a UsageError when the LoRA file in `lora.lora_format` could not be
+        read back whole by its loaders."""
 
     def check_text(self, cfg: Config, path: str) -> None:  # noqa: B027 - a family without a prompt template
         """The prompt encoding's window against the model's tokenizer (a chat template's own tokens, its rendering):
         a UsageError naming the flag or the file (before any model loads; loads the tokenizer at most)."""
 
     def output_warnings(self, cfg: Config) -> list[str]:
-        """What the run's outputs will lack where users load them (e.g. LoRA layers a tool skips); logged at start."""
-        return []
+        """What the run's outputs will lack where users load them (LoRA layers ComfyUI skips); logged at start."""
+        skipped = [] if cfg.lora.full_finetune else self.comfyui_skips(cfg.lora.lora_layers or ())
+        if not skipped:
+            return []
+        return [
+            f"warning: ComfyUI maps no name for {', '.join(skipped)} of {self.label}: it will leave their LoRAs out "
+            "('lora key not loaded'); diffusers loads them all. Drop them from --lora_layers for files ComfyUI "
+            "applies whole"
+        ]
+
+    def comfyui_skips(self, targets: list[str] | tuple[str, ...]) -> list[str]:
+        """The layers of `comfyui_unmapped` that the LoRA targets `targets` (peft's suffix rule) put LoRAs on."""
+        return [n for n in self.comfyui_unmapped if any(n == t or n.endswith("." + t) for t in targets)]
+
+    def lora_layout(self, fmt: str, state: dict[str, Tensor], lora: LoraConfig, origin: Origin | None,
+                    guidance: bool) -> tuple[dict[str, Tensor], dict[str, str]]:  # fmt: skip
+        """(weights, safetensors metadata) of a LoRA file in the family's own layout `fmt` (one of `lora_layouts`
+        but diffusers'), from diffusers-format weights `state`."""
+        raise ValueError(f"{self.label} writes no {fmt} LoRA files")
+
+    def known_model(self, name: str | None) -> KnownModel | None:
+        """What the family knows of a hub id without downloading anything (the Hub's ids are case-insensitive)."""
+        key = name.strip("/").lower() if name else None
+        return next((m for m in self.known if m.model_id.lower() == key), None)
 
     def pairs_warning(self, path: str, pipeline_class: str | None) -> str | None:
         """A warning when pair data trains a model whose folder declares `pipeline_class` (None: nothing to say)."""
@@ -121,8 +193,6 @@ class Family(ABC):
         `--validation_resolution`^2 by `flux_cp.validation.reference_image`; a list of them when it is given several
         times, for a family that takes several references)."""
 
-    # --- context parallelism (the calls into cp/ for this family's transformer) --------------------------------
-
     # --- the token sequence ----------------------------------------------------------------------------------
 
     def image_tokens(self, width: int, height: int) -> int:
@@ -166,12 +236,20 @@ class Family(ABC):
     def block_kinds(self, config: dict) -> tuple[tuple[str, int], ...]:
         """The transformer blocks in the order they run, as (kind, count): the planner counts what each kind keeps
         for its backward (`flux_cp/plan_data.json`, by `transformer_class_name` and kind)."""
-        return (("double", config["num_layers"]), ("single", config["num_single_layers"]))
+        return tuple((kind, config[key]) for kind, _, key in self.block_lists)
+
+    @property
+    def quantized_parts(self) -> tuple[str, ...]:
+        """The transformer's top-level modules whose linears --base_precision quantizes: its block lists (the rest,
+        embedders and final layer, stays as loaded: flux_cp.precision)."""
+        return tuple(name for _, name, _ in self.block_lists)
+
+    def blocks(self, transformer: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+        """(kind, block) of every block of `transformer`, in the order they run."""
+        return [(kind, block) for kind, name, _ in self.block_lists for block in getattr(transformer, name)]
 
     def count_parameters(self, config: dict, lora_rank: int | None, lora_layers: list[str]) -> ParameterCounts:
         """Exact counts from the transformer's config, on the meta device (nothing allocated or loaded)."""
-        import json
-
         return _count(self, json.dumps(config, sort_keys=True), lora_rank, tuple(lora_layers))
 
     @abstractmethod
@@ -190,22 +268,17 @@ _COUNTS: dict[tuple, ParameterCounts] = {}
 
 
 def _count(family: Family, config: str, lora_rank: int | None, lora_layers: tuple[str, ...]) -> ParameterCounts:
-    import json
-
     key = (family.name, config, lora_rank, lora_layers)
     if key in _COUNTS:  # --plan asks for every CP size; building the model is the slow part
         return _COUNTS[key]
     with torch.device("meta"):
         model = family.transformer_class().from_config(json.loads(config))
         base = [p.numel() for p in model.parameters()]
-        blocks = [*model.transformer_blocks, *model.single_transformer_blocks]
-        largest = max(sum(p.numel() for p in b.parameters()) for b in blocks)
+        largest = max(sum(p.numel() for p in b.parameters()) for _, b in family.blocks(model))
         if lora_rank is None:
             counts = ParameterCounts(sum(base), len(base), sum(base), len(base), largest)
         else:
-            from peft import LoraConfig
-
-            from ..lora import check_targets
+            from peft import LoraConfig  # peft at first use (its import takes seconds)
 
             check_targets(model, list(lora_layers))
             model.add_adapter(LoraConfig(r=lora_rank, lora_alpha=lora_rank, target_modules=list(lora_layers)))
@@ -219,7 +292,7 @@ def declared_classes(path: str, revision: str | None, cache_dir: str | None = No
     """(pipeline class of model_index.json, transformer class of transformer/config.json) that a model folder or
     hub id declares, None for what cannot be read; a UsageError when neither can be read. `cache_dir`: the download
     cache."""
-    from diffusers import ConfigMixin, DiffusionPipeline
+    from diffusers import ConfigMixin, DiffusionPipeline  # diffusers at first use (its import takes seconds)
 
     class AnyModelConfig(ConfigMixin):  # reads a model's config.json without knowing its class
         config_name = "config.json"

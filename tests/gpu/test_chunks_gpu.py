@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from cp import Tuning, kernels
+from cp.context import CallSpec
 from cp.schedule import inductor_options
 from cp.ulysses import ulysses_traced
 
@@ -30,7 +31,7 @@ def test_compiled_head_chunks_match_fp32_attention(one_rank_group, chunks, mode)
     options = {**inductor_options(mode, Tuning(exchange_first=True), 2), "fx_graph_cache": False}
     torch._dynamo.reset()
     attention = torch.compile(
-        lambda a, b, c: ulysses_traced(a, b, c, one_rank_group, 1, scale, "", chunks, "", True),
+        lambda a, b, c: ulysses_traced(a, b, c, CallSpec(scale, 1, one_rank_group.group_name, "", chunks, "", True)),
         fullgraph=True,
         options=options,
     )

@@ -24,7 +24,7 @@ import cp
 from cp import Tuning
 from flux_cp.blocks import prepare_blocks, step_begins
 from flux_cp.config import LoraConfig
-from flux_cp.lora import DEFAULT_TARGETS
+from flux_cp.families.flux1 import DEFAULT_TARGETS
 from flux_cp.model import prepare_trainable
 from flux_cp.offload import offload_blocks
 
@@ -60,7 +60,7 @@ def _model():
     """The transformer on the GPU with LoRA, as the trainer prepares it (fp32 adapters, every one acting)."""
     from diffusers import FluxTransformer2DModel
 
-    from flux_cp.tiny import FLUX1_DEV_TRANSFORMER
+    from flux_cp.families.flux1.tiny import FLUX1_DEV_TRANSFORMER
 
     device = torch.device("cuda", torch.cuda.current_device())
     with torch.device(device), torch.random.fork_rng(devices=[device]):
@@ -77,7 +77,7 @@ def _model():
 
 
 def _batches(n: int) -> list[dict]:
-    from flux_cp.flow import image_ids, pack_latents, text_ids
+    from flux_cp.families.flux1.tokens import image_ids, pack_latents, text_ids
 
     g = torch.Generator(device="cuda").manual_seed(7)
     out = []

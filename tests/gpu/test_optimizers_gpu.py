@@ -66,8 +66,8 @@ def test_a_dropped_step_leaves_8bit_adamw_as_it_was():
 def test_8bit_adamw_state_resumes_exactly(tmp_path):
     from flux_cp import checkpoint
     from flux_cp.config import LoraConfig
+    from flux_cp.families.flux1.tiny import tiny_transformer
     from flux_cp.model import prepare_trainable, trainable_parameters
-    from flux_cp.tiny import tiny_transformer
 
     def trained(steps: int):
         model = tiny_transformer().cuda()

@@ -1,6 +1,7 @@
 """FLUX.1 [dev] / [schnell] and FLUX.1 Kontext [dev]: `FluxTransformer2DModel` with CLIP + T5 text encoders and
 the 16-channel `AutoencoderKL`. Kontext is the same transformer fed the reference image's tokens after the
-target's (flux_cp/kontext.py); which of the two a run trains follows from its data (pairs or single images).
+target's (flux_cp/pairs.py, with `tokens.reference_ids`); which of the two a run trains follows from its data (pairs
+or single images).
 
 The recipe follows diffusers' Flux training examples: latents `(x - shift_factor) * scaling_factor`, 2x2 patches
 packed into tokens (`FluxPipeline._pack_latents`), position ids `(0, row, column)` for image tokens and zeros for
@@ -13,20 +14,33 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .. import flow, lora, metrics
-from ..encode import Encoders, truncation_line
-from ..terminal import printable
-from .base import Family
+from ...data import to_pixels
+from ...encode import Encoders, truncation_line
+from ...model import load_component
+from ...terminal import printable
+from ..base import Family
+from . import kohya, tokens
+from .known import KNOWN
+from .tiny import ensure_tiny_pipeline
 
 if TYPE_CHECKING:
     from PIL import Image
 
-    from ..config import ModelConfig
+    from ...config import LoraConfig, ModelConfig
+    from ...lora_format import Origin
 
 Tensor = torch.Tensor
 
+# Attention projections of both streams (image: to_*, text: add_*_proj / to_add_out). The benchmarks' and the
+# planner tests' LoRA setting.
+ATTENTION_TARGETS = (
+    "attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0",
+    "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
+)  # fmt: skip
+# The training default (`--lora_layers`), diffusers' FLUX.1 LoRA example's: attention and the MLPs of both streams.
+DEFAULT_TARGETS = (*ATTENTION_TARGETS, "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2")
 # diffusers' FLUX.1 Kontext LoRA example's default targets: FLUX.1's, and the single blocks' MLP input.
-KONTEXT_TARGETS = (*lora.DEFAULT_TARGETS, "proj_mlp")
+KONTEXT_TARGETS = (*DEFAULT_TARGETS, "proj_mlp")
 
 
 class Flux1Encoders(Encoders):
@@ -75,6 +89,26 @@ class Flux1Encoders(Encoders):
         }
 
 
+def forward_flops(config: dict, image_tokens: int, text_tokens: int, batch: int) -> tuple[float, float]:
+    """(linear, attention) forward FLOPs of a FLUX.1 transformer (`FluxTransformer2DModel`'s config) on `batch`
+    samples of these token counts, matmuls only, per-token layers exactly:
+
+    - every token passes one stream of each double block and each single block: 12 D^2 weights (double: q, k,
+      v, out + the 4x MLP; single: q, k, v + the 4x MLP + the 5D -> D output projection), 2 FLOPs each;
+    - image tokens pass x_embedder and proj_out, text tokens the context_embedder;
+    - attention: q k^T and p v over the whole sequence, 4 S^2 D per layer.
+    The adaLN modulation and the timestep, guidance and pooled-text embedders act once per sample (a few
+    hundred-thousandths of a 1024 px step at FLUX.1-dev's size) and are left out."""
+    d = config["num_attention_heads"] * config["attention_head_dim"]
+    layers = config["num_layers"] + config["num_single_layers"]
+    s = image_tokens + text_tokens
+    out = config.get("out_channels") or config["in_channels"]
+    embed = image_tokens * (config["in_channels"] + out) * d + text_tokens * config["joint_attention_dim"] * d
+    linear = 2 * (12 * d * d * layers * s + embed) * batch
+    attention = 4 * s * s * d * layers * batch
+    return float(linear), float(attention)
+
+
 class Flux1(Family):
     name = "flux1"
     label = "FLUX.1"
@@ -83,6 +117,17 @@ class Flux1(Family):
     transformer_class_name = "FluxTransformer2DModel"
     pipeline_class_names = ("FluxPipeline", "FluxKontextPipeline", "FluxImg2ImgPipeline", "FluxInpaintPipeline",
                             "FluxFillPipeline", "FluxControlPipeline")  # fmt: skip
+    block_lists = (("double", "transformer_blocks", "num_layers"), ("single", "single_transformer_blocks",
+                                                                     "num_single_layers"))  # fmt: skip
+    lora_layouts = ("diffusers", "kohya")
+    card_tags, pairs_card_tags = ("flux",), ("flux-kontext",)
+    comfyui_mapping = "Flux"
+    known = KNOWN
+    comfyui_transformer = (
+        "`transformer/` is in diffusers' layout, in shards of at most 10 GB. ComfyUI's *Load Diffusion Model* node "
+        "reads one `.safetensors` file from `ComfyUI/models/diffusion_models/` and converts diffusers' key names "
+        "for Flux: merge the shards into one file first (not tested here)."
+    )
 
     def transformer_class(self) -> type:
         from diffusers import FluxTransformer2DModel
@@ -90,15 +135,21 @@ class Flux1(Family):
         return FluxTransformer2DModel
 
     def embedded_default(self, pairs: bool) -> str:
-        from ..tiny import ensure_tiny_pipeline
-
         return str(ensure_tiny_pipeline(kontext=pairs))
 
-    def load_encoders(self, model: ModelConfig, path: str, dtype: torch.dtype, device: torch.device) -> Encoders:
-        from diffusers import AutoencoderKL
-        from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
+    def check_export(self, config: dict, lora: LoraConfig) -> None:
+        kohya.check_export(config, lora)
 
-        from ..model import load_component
+    def lora_layout(self, fmt: str, state: dict[str, Tensor], lora: LoraConfig, origin: Origin | None,
+                    guidance: bool) -> tuple[dict[str, Tensor], dict[str, str]]:  # fmt: skip
+        if fmt != "kohya":
+            return super().lora_layout(fmt, state, lora, origin, guidance)
+        weights = kohya.to_kohya(state, lora.rank, lora.lora_alpha)
+        return weights, kohya.metadata(rank=lora.rank, alpha=lora.lora_alpha, origin=origin, guidance=guidance)
+
+    def load_encoders(self, model: ModelConfig, path: str, dtype: torch.dtype, device: torch.device) -> Encoders:
+        from diffusers import AutoencoderKL  # diffusers and transformers at first use (seconds to import)
+        from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
 
         rev, cache = model.revision, model.cache_dir
         kw = {"variant": model.variant} if model.variant else {}
@@ -152,8 +203,6 @@ class Flux1(Family):
         # FluxKontextPipeline takes the reference as ready latents (the VAE's mean, normalised), so its own
         # resizing to preferred resolutions does not apply; it appends their tokens after the target's
         # (cp.full_sequence_io splits the two as one segment, as in training); max_area keeps the requested size.
-        from ..data import to_pixels
-
         if isinstance(image, list):  # refused with the flags (check_reference_limit)
             raise ValueError("FLUX.1 Kontext validation edits one reference image")
         vae = encoders.vae
@@ -162,20 +211,18 @@ class Flux1(Family):
         return {"image": latents, "max_area": image.size[0] * image.size[1]}
 
     def pack(self, latents: Tensor) -> Tensor:
-        return flow.pack_latents(latents)
+        return tokens.pack_latents(latents)
 
     def image_ids(self, height: int, width: int, device=None) -> Tensor:
-        return flow.image_ids(height, width, device=device)
+        return tokens.image_ids(height, width, device=device)
 
     def reference_ids(self, height: int, width: int, device=None, index: int = 0) -> Tensor:
-        from ..kontext import reference_ids
-
         if index:
             raise ValueError("FLUX.1 Kontext takes one reference image per target")
-        return reference_ids(height, width, device=device)
+        return tokens.reference_ids(height, width, device=device)
 
     def text_ids(self, length: int, device=None) -> Tensor:
-        return flow.text_ids(length, device=device)
+        return tokens.text_ids(length, device=device)
 
     def transformer_inputs(self, hidden: Tensor, img_ids: Tensor, text: dict[str, Tensor], txt_ids: Tensor,
                            timestep: Tensor, guidance: Tensor | None) -> dict:  # fmt: skip
@@ -186,10 +233,10 @@ class Flux1(Family):
         )  # fmt: skip
 
     def lora_targets(self, pairs: bool, config: dict | None = None) -> tuple[str, ...]:
-        return KONTEXT_TARGETS if pairs else lora.DEFAULT_TARGETS
+        return KONTEXT_TARGETS if pairs else DEFAULT_TARGETS
 
     def forward_flops(self, config: dict, image_tokens: int, text_tokens: int, batch: int) -> tuple[float, float]:
-        return metrics.flux_forward_flops(config, image_tokens, text_tokens, batch)
+        return forward_flops(config, image_tokens, text_tokens, batch)
 
 
 FLUX1 = Flux1()

@@ -20,38 +20,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-import cp
-
-from .flow import image_ids
-
 if TYPE_CHECKING:
-    from .families import Family
+    from .families.base import Family
 
 Tensor = torch.Tensor
-
-# First position-id coordinate of the reference tokens (the target's is 0), as FluxKontextPipeline.
-REFERENCE_INDEX = 1
-
-
-def reference_ids(height: int, width: int, device=None, dtype=torch.float32) -> Tensor:
-    """FLUX.1 Kontext: position ids `[H/2 * W/2, 3]` of a reference latent of `height x width`: the target's ids
-    with the first coordinate set to 1, so RoPE tells the two images apart while their pixels stay aligned."""
-    ids = image_ids(height, width, device=device, dtype=dtype)
-    ids[:, 0] = REFERENCE_INDEX
-    return ids
-
-
-def pair_sequence(
-    target: Tensor,
-    reference: Tensor,
-    target_hw: tuple[int, int],
-    reference_hw: tuple[int, int],
-    family: Family | None = None,
-) -> tuple[Tensor, Tensor]:
-    """The full image segment of one reference: packed target tokens `[B, T, C]` then packed reference tokens
-    `[B, R, C]`, with their ids `[T + R, k]` (`family`'s `image_ids` and `reference_ids`; default FLUX.1). `*_hw` are
-    the model latents' (not the tokens') heights and widths."""
-    return image_segment(target, [reference], target_hw, [reference_hw], family)
 
 
 def image_segment(
@@ -59,13 +31,11 @@ def image_segment(
     references: Sequence[Tensor],
     target_hw: tuple[int, int],
     reference_hws: Sequence[tuple[int, int]],
-    family: Family | None = None,
+    family: Family,
 ) -> tuple[Tensor, Tensor]:
     """The full image segment: packed target tokens `[B, T, C]`, then each reference's packed tokens `[B, R_j, C]`
-    in order, with their ids `[T + sum R_j, k]` (`family`'s `image_ids`, and `reference_ids` of reference j;
-    default FLUX.1). `*_hw(s)` are the model latents' (not the tokens') heights and widths."""
-    if family is None:
-        from .families import FLUX1 as family
+    in order, with their ids `[T + sum R_j, k]` (`family`'s `image_ids`, and `reference_ids` of reference j).
+    `*_hw(s)` are the model latents' (not the tokens') heights and widths."""
     for reference in references:
         if target.shape[0] != reference.shape[0] or target.shape[2] != reference.shape[2]:
             raise ValueError(
@@ -80,22 +50,6 @@ def image_segment(
         if t.shape[1] != part.shape[0]:
             raise ValueError(f"{name} has {t.shape[1]} tokens, but a {h}x{w} latent packs to {part.shape[0]}")
     return torch.cat([target, *references], dim=1), torch.cat(ids, dim=0)
-
-
-def check_pair_tokens(text_tokens: int, target_tokens: int, reference_tokens: int, cp_size: int) -> None:
-    """A ValueError that says what to change when a pair sequence cannot be split over `cp_size` ranks."""
-    if text_tokens % cp_size:
-        raise ValueError(
-            f"{text_tokens} text tokens are not divisible by the CP size {cp_size}: use a --max_sequence_length "
-            f"that is a multiple of {cp_size}"
-        )
-    image = target_tokens + reference_tokens
-    if image % cp_size:
-        raise ValueError(
-            f"an image pair of {target_tokens} target + {reference_tokens} reference image tokens ({image}) is not "
-            f"divisible by the CP size {cp_size}: use --aspect_buckets (every bucket divides), another "
-            "--resolution, or another CP size"
-        )
 
 
 @dataclass(frozen=True)
@@ -125,11 +79,6 @@ class PairSplit:
         """How many target tokens rank holds: the first ones of its chunk (0 when it holds only reference)."""
         start, stop = self.span(rank)
         return max(0, min(stop, self.target_tokens) - start)
-
-
-def shard_pair(hidden: Tensor, ids: Tensor, group) -> tuple[Tensor, Tensor]:
-    """This rank's chunk of the image segment `[B, T + R, C]` and of its ids `[T + R, 3]`."""
-    return cp.shard(hidden, 1, group), cp.shard(ids, 0, group)
 
 
 def target_loss(pred: Tensor, target: Tensor, weighting: Tensor, split: PairSplit, rank: int) -> Tensor:

@@ -1,5 +1,5 @@
-"""The archived folders converted to the suite's schema and rendered: the figures of docs/benchmarks.md's 2048 px
-rows come out as the renderer shows them. Run from the repository root: `python -m pytest benchmarks/archive`."""
+"""benchmarks/archive/to_schema.py: the archived folders converted to the suite's schema and rendered, the figures
+of docs/benchmarks.md's 2048 px rows as the renderer shows them."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 from benchmarks import render, schema
 from benchmarks.archive.to_schema import convert
 
-FILL = Path(__file__).resolve().parent / "results" / "2026-12-01-h200x2-fill"
+FILL = Path(__file__).resolve().parent.parent / "benchmarks" / "archive" / "results" / "2026-12-01-h200x2-fill"
 
 
 def test_the_fill_folder_renders_the_figures_of_the_current_table(tmp_path):

@@ -5,8 +5,8 @@ The model folder's pipeline class tells the two apart. Editing samples (one or m
 train the same model on `[target; reference_1; ...; reference_k]`, as diffusers' img2img examples (one reference)
 and the pipelines' `image=[...]` argument (any number).
 
-The recipe is diffusers' FLUX.2 LoRA examples', as the pure functions of `flux_cp.flux2_recipe` (each citing the
-example's lines): latents are the posterior's mode, 2x2-patchified to 128 channels and normalised with the VAE's
+The recipe is diffusers' FLUX.2 LoRA examples', as the pure functions of `recipe.py` beside this module (each citing
+the example's lines): latents are the posterior's mode, 2x2-patchified to 128 channels and normalised with the VAE's
 batch-norm statistics; tokens are the patchified latent's pixels in row-major order; ids have four axes (t, row,
 column, text position), reference j's t = 10 + 10 j; the prompt embedding stacks three hidden layers of the text
 encoder; guidance only where the transformer embeds it. Where this differs from the examples: docs/design.md.
@@ -14,20 +14,25 @@ encoder; guidance only where the transformer embeds it. Where this differs from 
 
 from __future__ import annotations
 
+import json
+import signal
+import threading
 from typing import TYPE_CHECKING
 
 import torch
 
-from .. import flux2_recipe as recipe
-from ..encode import Encoders, truncation_line
-from ..errors import UsageError
-from ..terminal import printable
-from .base import Family
+from ...encode import Encoders, truncation_line
+from ...errors import UsageError
+from ...model import load_component
+from ...terminal import printable
+from ..base import Family
+from . import recipe
+from .tiny import ensure_tiny_flux2_pipeline
 
 if TYPE_CHECKING:
     from PIL import Image
 
-    from ..config import Config, ModelConfig
+    from ...config import Config, ModelConfig
 
 Tensor = torch.Tensor
 
@@ -56,9 +61,6 @@ class _TooSlow(BaseException):
 
 def _within(seconds: float, work):
     """`work()` stopped after `seconds` by the main thread's interval timer (raising _TooSlow); elsewhere unbounded."""
-    import signal
-    import threading
-
     if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
         return work()
 
@@ -158,12 +160,8 @@ def load_tokenizer(path: str, revision: str | None, cache_dir: str | None = None
     here); the pipeline's prompt encoding calls nothing but `apply_chat_template`, which the tokenizer has. A
     processor may keep the chat template beside the tokenizer (chat_template.jinja / chat_template.json) instead of
     in it: it is read from there when the tokenizer has none."""
-    import json
-
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # transformers at first use (seconds to import)
     from transformers.utils import cached_file
-
-    from ..model import load_component
 
     tokenizer = load_component(AutoTokenizer, path, "tokenizer", revision, cache_dir=cache_dir)
     if tokenizer.chat_template:
@@ -211,10 +209,36 @@ def forward_flops(config: dict, image_tokens: int, text_tokens: int, batch: int)
     return float(linear), float(attention)
 
 
+# FLUX.2 layers whose diffusers names ComfyUI's Flux LoRA mapping (comfy/utils.py `flux_to_diffusers`, which ComfyUI
+# applies to FLUX.2 too) does not list: it logs their LoRAs "lora key not loaded" and leaves them out. Every other
+# linear layer of Flux2Transformer2DModel it maps (tests/test_lora_format.py checks this list against its rules).
+COMFYUI_UNMAPPED = (
+    "time_guidance_embed.timestep_embedder.linear_1", "time_guidance_embed.timestep_embedder.linear_2",
+    "time_guidance_embed.guidance_embedder.linear_1", "time_guidance_embed.guidance_embedder.linear_2",
+    "double_stream_modulation_img.linear", "double_stream_modulation_txt.linear", "single_stream_modulation.linear",
+)  # fmt: skip
+
+
 class Flux2(Family):
     """FLUX.2 [dev] (`klein=False`) or [klein]."""
 
     transformer_class_name = "Flux2Transformer2DModel"
+    block_lists = (("double", "transformer_blocks", "num_layers"), ("single", "single_transformer_blocks",
+                                                                     "num_single_layers"))  # fmt: skip
+    # Flux2Pipeline.load_lora_weights refuses alpha keys, and ComfyUI reads no other alpha: the scale goes in lora_B
+    lora_alpha_keys = False
+    card_tags = ("flux2", "flux2-diffusers")
+    comfyui_mapping = "Flux (FLUX.2 included)"
+    # comfy/model_detection.py convert_diffusers_mmdit reads Flux's x_embedder.bias, which FLUX.2 lacks
+    comfyui_transformer = (
+        "`transformer/` is in diffusers' layout, in shards of at most 10 GB. ComfyUI's *Load Diffusion Model* node "
+        "converts diffusers' key names for FLUX.1 only: convert the transformer to BFL's layout for FLUX.2 first (not "
+        "tested here)."
+    )
+    comfyui_unmapped = COMFYUI_UNMAPPED
+    # its blocks, and the modulation linears they share (quantized like the blocks' own)
+    quantized_parts = ("transformer_blocks", "single_transformer_blocks", "double_stream_modulation_img",
+                       "double_stream_modulation_txt", "single_stream_modulation")  # fmt: skip
 
     def __init__(self, klein: bool):
         self.klein = klein
@@ -232,15 +256,11 @@ class Flux2(Family):
         return Flux2Transformer2DModel
 
     def embedded_default(self, pairs: bool) -> str:
-        from ..tiny_flux2 import ensure_tiny_flux2_pipeline
-
         return str(ensure_tiny_flux2_pipeline(klein=self.klein))
 
     def load_encoders(self, model: ModelConfig, path: str, dtype: torch.dtype, device: torch.device) -> Encoders:
         from diffusers import AutoencoderKLFlux2, DiffusionPipeline
         from transformers import Mistral3ForConditionalGeneration, Qwen3ForCausalLM
-
-        from ..model import load_component
 
         rev, kw = (
             model.revision,
@@ -290,26 +310,6 @@ class Flux2(Family):
                 f"before the caption (the tokenizer of {printable(path)}), leaving {left}. Use --max_sequence_length "
                 f"{least} or more (at least {MIN_CAPTION_TOKENS} caption tokens)"
             )
-
-    def check(self, cfg: Config) -> None:
-        lora = cfg.lora
-        if lora.lora_format != "diffusers":
-            raise UsageError(
-                f"--lora_format {lora.lora_format} maps FLUX.1's module names; for {self.label} keep "
-                "--lora_format diffusers (the default: Flux2Pipeline.load_lora_weights reads it and ComfyUI loads it)"
-            )
-
-    def output_warnings(self, cfg: Config) -> list[str]:
-        from ..lora_format import comfyui_skips
-
-        skipped = [] if cfg.lora.full_finetune else comfyui_skips(cfg.lora.lora_layers or ())
-        if not skipped:
-            return []
-        return [
-            f"warning: ComfyUI maps no name for {', '.join(skipped)} of {self.label}: it will leave their LoRAs out "
-            "('lora key not loaded'); diffusers loads them all. Drop them from --lora_layers for files ComfyUI "
-            "applies whole"
-        ]
 
     # --- latents ----------------------------------------------------------------------------------------------
 

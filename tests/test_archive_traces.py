@@ -1,5 +1,5 @@
 """benchmarks/archive/trace_exchanges.py on a hand-made trace: exposed exchange time, and exchanges that a matrix
-product launched behind them kept waiting. Run from the repository root: `python -m pytest benchmarks/archive`."""
+product launched behind them kept waiting."""
 
 from __future__ import annotations
 

@@ -8,21 +8,10 @@ FLUX.1 Kontext [dev] has FLUX.1 [dev]'s transformer config.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from ..base import KnownModel
 from .tiny import FLUX1_DEV_TRANSFORMER
 
 _DEV_LICENSE = "flux-1-dev-non-commercial-license"
-
-
-@dataclass(frozen=True)
-class KnownModel:
-    model_id: str
-    transformer: dict  # transformer/config.json's fields (FluxTransformer2DModel's arguments)
-    pipeline: str  # model_index.json's _class_name
-    license: str  # the Hub's license identifier
-    license_name: str | None = None  # for license "other"
-    license_link: str | None = None
 
 
 def _dev_licensed(model_id: str) -> dict:
@@ -36,16 +25,8 @@ def _dev_licensed(model_id: str) -> dict:
 _DEV, _SCHNELL, _KONTEXT = (
     "black-forest-labs/FLUX.1-dev", "black-forest-labs/FLUX.1-schnell", "black-forest-labs/FLUX.1-Kontext-dev",
 )  # fmt: skip
-KNOWN = {
-    m.model_id.lower(): m
-    for m in (
-        KnownModel(_DEV, dict(FLUX1_DEV_TRANSFORMER), "FluxPipeline", **_dev_licensed(_DEV)),
-        KnownModel(_SCHNELL, {**FLUX1_DEV_TRANSFORMER, "guidance_embeds": False}, "FluxPipeline", "apache-2.0"),
-        KnownModel(_KONTEXT, dict(FLUX1_DEV_TRANSFORMER), "FluxKontextPipeline", **_dev_licensed(_KONTEXT)),
-    )
-}
-
-
-def known_model(name: str | None) -> KnownModel | None:
-    """The known model a hub id names (the Hub's ids are case-insensitive), else None."""
-    return KNOWN.get(name.strip("/").lower()) if name else None
+KNOWN = (
+    KnownModel(_DEV, dict(FLUX1_DEV_TRANSFORMER), "FluxPipeline", **_dev_licensed(_DEV)),
+    KnownModel(_SCHNELL, {**FLUX1_DEV_TRANSFORMER, "guidance_embeds": False}, "FluxPipeline", "apache-2.0"),
+    KnownModel(_KONTEXT, dict(FLUX1_DEV_TRANSFORMER), "FluxKontextPipeline", **_dev_licensed(_KONTEXT)),
+)

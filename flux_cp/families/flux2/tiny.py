@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from .flux2_recipe import DEV_TEXT_LAYERS, KLEIN_TEXT_LAYERS
-from .tiny import Recipe, build_once, home
+from ..builder import Recipe, build_once, bytes_to_unicode, home
+from .recipe import DEV_TEXT_LAYERS, KLEIN_TEXT_LAYERS
 
 # Bump when the recipe below changes, so cached copies are rebuilt.
 TINY_FLUX2_VERSION = 1
@@ -108,10 +108,8 @@ def _byte_level_tokenizer(specials: list[str]):
     """A byte-level BPE `tokenizers.Tokenizer` without merges: one token per UTF-8 byte, plus `specials`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    from .tiny import _bytes_to_unicode
-
     vocab = {t: i for i, t in enumerate(specials)}
-    for c in _bytes_to_unicode().values():
+    for c in bytes_to_unicode().values():
         vocab[c] = len(vocab)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -324,7 +322,7 @@ def write_flux2_shapes(path: str | os.PathLike, klein: bool = False) -> Path:
 def _write_flux2_shapes(path: Path, klein: bool) -> None:
     from diffusers import Flux2Transformer2DModel
 
-    from .files import write_json
+    from ...files import write_json
 
     config = FLUX2_KLEIN_4B_TRANSFORMER if klein else FLUX2_DEV_TRANSFORMER
     pipe = build_tiny_flux2_pipeline(

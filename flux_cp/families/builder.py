@@ -1,0 +1,129 @@
+"""Building a local model folder once, for the tiny models of every family (tests, the embedded default) and the
+full-size shapes presets: where they are built (`home`), the lock that lets every rank of a launch ask at once, the
+marker that names the recipe a folder was built by (a folder without it is the user's and is never written), and the
+byte-level vocabulary the tiny tokenizers share. No downloads."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import UsageError
+from ..files import apply_umask
+
+
+def home() -> Path:
+    """Where the tiny models are built: FLUX_CP_HOME, else ~/.cache/flux_cp."""
+    return Path(os.environ.get("FLUX_CP_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "flux_cp"))
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2/CLIP byte-to-printable-character table: the characters of the tiny byte-level vocabularies."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, [chr(c) for c in cs]))
+
+
+# Written into every folder build_once makes: which recipe built it. A folder holding it is one this module built
+# (reused when the recipe matches); a folder without it is the user's and is never written.
+MARKER = ".flux_cp_tiny.json"
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What a built folder holds: the recipe's `name` (with its version), the pipeline class model_index.json
+    names and the transformer config it carries (to recognise a copy built before the marker existed)."""
+
+    name: str
+    pipeline: str
+    transformer: dict
+
+
+def _json(path: Path) -> object:
+    try:
+        return json.loads(path.read_text()) if path.is_file() and not path.is_symlink() else None
+    except (OSError, ValueError):
+        return None
+
+
+def _plain(value: object) -> object:
+    return list(value) if isinstance(value, tuple) else value
+
+
+def _is_built(path: Path, recipe: Recipe) -> bool:
+    """`path` holds the model `recipe` builds: written by build_once (its marker), or by a version before the
+    marker (model_index.json and the transformer's config are the recipe's)."""
+    if not (path / "model_index.json").is_file():
+        return False
+    marker = _json(path / MARKER)
+    if marker is not None:
+        return isinstance(marker, dict) and marker.get("recipe") == recipe.name
+    index, config = _json(path / "model_index.json"), _json(path / "transformer" / "config.json")
+    return (isinstance(index, dict) and index.get("_class_name") == recipe.pipeline and isinstance(config, dict)
+            and all(config.get(k) == _plain(v) for k, v in recipe.transformer.items()))  # fmt: skip
+
+
+def _check_target(path: Path, recipe: Recipe) -> bool:
+    """Whether `path` holds the model already (True), or is new or empty (False, to build); any other folder is
+    refused with a UsageError: the builder writes only into a new or empty folder, or one it built before."""
+    if _is_built(path, recipe):
+        return True
+    if not os.path.lexists(path):
+        return False
+    if path.is_symlink() or not path.is_dir():
+        raise UsageError(f"--out {path} is {'a link' if path.is_symlink() else 'a file'}: choose a new or empty folder")
+    names = sorted(p.name for p in path.iterdir())
+    if not names:
+        return False
+    marker = _json(path / MARKER)
+    if isinstance(marker, dict) and (path / "model_index.json").is_file():
+        raise UsageError(f"--out {path} holds the model of another recipe ({marker.get('recipe')}, not "
+                         f"{recipe.name}): choose another --out")  # fmt: skip
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    raise UsageError(f"--out {path} holds files this builder did not write ({shown}): it writes only into a new or "
+                     "empty folder, or one it built before; choose another --out")  # fmt: skip
+
+
+def build_once(path: Path, write: Callable[[Path], None], recipe: Recipe) -> Path:
+    """The model folder `path`, written by `write(folder)` unless it holds the model of `recipe` already. Only a
+    new or empty folder is written (any other is refused: `_check_target`). Safe when several processes call it at
+    once (every rank of a launch does): one builds under a file lock while the others wait and then find the
+    finished folder. The build goes to a temporary sibling, which is renamed into place once complete (with the
+    marker naming the recipe), so a crash mid-build leaves no half-written folder."""
+    path = Path(path)
+    if _check_target(path, recipe):
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Opened without following a link (a link named like the lock must not redirect the open) and not truncated.
+    lock_path = path.parent / f".{path.name}.lock"
+    try:
+        fd = os.open(lock_path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+    except OSError as e:
+        raise UsageError(
+            f"cannot open {lock_path} ({e.strerror or e}): remove it (a link?), or set FLUX_CP_HOME"
+        ) from None
+    with open(fd, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _check_target(path, recipe):
+            return path
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+        try:
+            write(tmp)
+            (tmp / MARKER).write_text(json.dumps({"written_by": "flux_cp.tiny", "recipe": recipe.name}) + "\n")
+            apply_umask(tmp)
+            os.rename(tmp, path)  # replaces an empty folder; a folder filled meanwhile makes it fail
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return path

@@ -1,0 +1,212 @@
+"""What a run writes besides its metrics: checkpoints when due, validation images when due, and at the end the
+trained weights (a LoRA file or a transformer folder), the final checkpoint, the last validation images, the loss
+curve, the model card, the upload to the Hub and the summary the run ends with. The trainer holds one `Outputs` from
+the start of its training loop and calls it; every rank makes the same calls (the collectives of a gather, a
+checkpoint and validation images need them all)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from . import checkpoint, diskspace, distributed, files, hub, manifest, outdir, validation
+from .card import write_model_card
+from .errors import NonFiniteError, UsageError
+from .lora import lora_origin, save_lora
+from .metrics import plot_loss_curve
+from .model import full_state_dict, save_full
+from .summary import summary
+
+if TYPE_CHECKING:
+    from .config import Config
+    from .faults import Fault
+    from .parallel import Layout
+    from .shape import RunShape
+
+logger = logging.getLogger("flux_cp")
+
+
+@dataclass
+class Previews:
+    """What validation images need once the text encoders are freed: the VAE (in `encoders`), the scheduler's
+    config, the validation prompts' encodings and, for pairs, the pipeline's arguments for the reference they edit."""
+
+    encoders: Any
+    scheduler_config: dict
+    embeds: dict[str, torch.Tensor]
+    reference: dict | None = None
+
+
+@dataclass
+class Outputs:
+    """The outputs of the run `cfg` of this shape and layout, from the model, optimizer and schedule as trained.
+    `save`: the trainer's checkpoint seam (flux_cp.trainer.Trainer.save_checkpoint, which benchmarks replace), called
+    for the final checkpoint too."""
+
+    cfg: Config
+    shape: RunShape
+    layout: Layout
+    accelerator: Any
+    model: torch.nn.Module
+    optimizer: Any
+    lr_scheduler: Any
+    sizes: diskspace.Sizes
+    weight_dtype: torch.dtype
+    run_identity: dict
+    fault: Fault
+    steps: int  # the run's last step
+    previews: Previews | None  # None: no --validation_prompt
+    save: Callable[[int], None] | None = None
+    hub_repo_id: str | None = None  # the Hub repository the outputs were pushed to (rank 0)
+
+    def record_settings(self, tuning, checkpointing) -> None:
+        """run_config.json: every flag as the run resolved it, and what the run chose (the layout, the CP mode and
+        tuning, the checkpointed blocks and the planned peak)."""
+        if not self.layout.is_main:
+            return
+        shape, output_dir = self.shape, self.cfg.train.output_dir
+        chosen = {"layout": self.layout.describe(), "cp_mode": shape.cp_mode, "ulysses_size": shape.ulysses_size,
+                  "cp_ulysses_chunks": tuning.ulysses_chunks, "checkpointed_blocks": len(checkpointing.blocks),
+                  "planned_peak_gib": round(checkpointing.planned_gib, 2)}  # fmt: skip
+        manifest.record(output_dir, "run_config.json")
+        files.write_json(Path(output_dir) / "run_config.json", {**self.cfg.flat(), **chosen})
+
+    def checkpoint(self, step: int) -> None:
+        """checkpoint-`step` (flux_cp.checkpoint), once the disk is known to hold it."""
+        cfg, layout = self.cfg, self.layout
+        demo = cfg.demo.name if cfg.demo else None  # a resume of a demo run keeps its settings (flux_cp.config)
+        meta = {"run": self.run_identity, "layout": layout.describe(), "args": cfg.flat(), "demo": demo}
+        diskspace.check_checkpoint(cfg.train.output_dir, step, self.sizes.checkpoint, layout.is_main)
+        saved = checkpoint.save(
+            cfg.train.output_dir, step, self.model, self.optimizer, self.lr_scheduler, meta, layout.is_main,
+            cfg.checkpoints.checkpoints_total_limit, self.fault,
+            optimizer_state=not cfg.checkpoints.checkpoint_weights_only,
+        )  # fmt: skip
+        logger.info(f"saved {saved}")
+
+    def validate(self, step: int) -> None:
+        """Validation images with the current weights (CP across each group), saved and sent to the trackers."""
+        cfg, p = self.cfg, self.previews
+        self.fault.during_validation(step)
+        images = validation.generate(
+            self.accelerator.unwrap_model(self.model), p.encoders, p.scheduler_config, p.embeds, self.layout,
+            cfg.validation, cfg.train.guidance_scale, cfg.train.seed, self.accelerator.autocast, self.shape.family,
+            p.reference,
+        )  # fmt: skip
+        if self.layout.is_main:
+            path = validation.save_and_log(images, step, cfg.validation, cfg.train.output_dir, self.accelerator)
+            logger.info(f"validation images: {path}")
+
+    def finish(self, progress) -> None:
+        """The outputs of the last step, most valuable first: the trained weights in diffusers' format (LoRA file or
+        transformer folder), then the final checkpoint, then what is optional (validation images, the loss curve),
+        then the model card, the upload and the summary. `progress`: which steps applied their update
+        (flux_cp.optim.Progress): a run that did not train keeps the folder's earlier outputs."""
+        output_dir, layout = self.cfg.train.output_dir, self.layout
+        # Every rank decides alike from the reduced losses; the main rank names the checkpoints in its message.
+        found = [s for s, _ in checkpoint.list_checkpoints(output_dir)] if layout.is_main else []
+        failure = progress.failure(found, output_dir)
+        if failure:
+            raise NonFiniteError(failure)
+        self.write_weights()
+        (self.save or self.checkpoint)(self.steps)
+        if self.previews is not None:
+            self.validate(self.steps)
+        if layout.is_main:
+            manifest.record(output_dir, "loss_curve.png")
+            plot_loss_curve(Path(output_dir) / "metrics.jsonl", Path(output_dir) / "loss_curve.png")
+        hub_url = self.publish()
+        if layout.is_main:
+            self.summarize(hub_url)
+        self.accelerator.wait_for_everyone()
+
+    def write_weights(self) -> None:
+        """The trained weights in diffusers' format: the LoRA file (`--lora_format`) or the transformer folder, written
+        into place by the main rank once the disk is known to hold them (every rank gathers them under FSDP2)."""
+        cfg, output_dir, layout = self.cfg, self.cfg.train.output_dir, self.layout
+        state = full_state_dict(self.model, trainable_only=not cfg.lora.full_finetune)  # every rank: FSDP gathers
+        bad = layout.is_main and any(not torch.isfinite(v).all() for v in state.values())
+        if distributed.any_rank(bad):
+            raise NonFiniteError(
+                f"the trained weights hold NaN or inf: no final model or checkpoint was written, and {output_dir} "
+                "keeps its earlier outputs. Resume from the last checkpoint with a lower --learning_rate"
+            )
+        problem = None
+        if layout.is_main:
+            inner = self.accelerator.unwrap_model(self.model)
+            try:
+                prev = checkpoint.list_checkpoints(output_dir)
+                kept = f"{prev[-1][1]} is the last good checkpoint" if prev else "no checkpoint was written"
+                diskspace.check_write(output_dir, self.sizes.model, f"the final {self.sizes.model_name}", kept,
+                                      resumable=bool(prev))  # fmt: skip
+                if cfg.lora.full_finetune:
+                    out = outdir.write_final(output_dir, "transformer",
+                                             lambda d: save_full(inner, state, str(d), self.weight_dtype))  # fmt: skip
+                else:
+                    origin, family = lora_origin(cfg, kontext=self.shape.pairs), self.shape.family
+                    out = outdir.write_final(output_dir, "pytorch_lora_weights.safetensors",
+                                             lambda d: save_lora(inner, state, str(d), cfg.lora, family,
+                                                                 origin))  # fmt: skip
+                logger.info(f"wrote {out}")
+            except UsageError as e:
+                problem = str(e)
+        state.clear()  # the gathered full weights: free them before the checkpoint is written
+        distributed.check_all_ranks(problem is None, problem or "")
+
+    def publish(self) -> str | None:
+        """The model card (README.md in the output folder, as diffusers' examples write it) and, with --push_to_hub,
+        the upload of the run's final outputs (flux_cp.hub.PUBLISHED: checkpoints, logs and the rest stay local). A
+        failed upload is one line; the outputs stay in the folder. Returns the repository's URL when pushed (rank
+        0)."""
+        cfg, shape, problem, url = self.cfg, self.shape, None, None
+        self.hub_repo_id = None
+        if self.layout.is_main:
+            output_dir = cfg.train.output_dir
+            name, note = outdir.card_name(output_dir)  # a card the user wrote or edited is kept
+            if note:
+                logger.warning(f"warning: {note}")
+
+            def card(repo_id: str | None = None) -> Path | None:
+                self.hub_repo_id = repo_id
+                if name is None:
+                    return None
+                manifest.record(output_dir, name)
+                path = write_model_card(
+                    cfg.train.output_dir, cfg, kontext=shape.pairs, steps=self.steps, layout=self.layout.describe(),
+                    cp_mode=shape.cp_mode, repo_id=repo_id, pipeline=shape.family.pipeline_class_name(shape.pairs),
+                    family=shape.family, filename=name,
+                )  # fmt: skip
+                manifest.note_written(output_dir, name)
+                return path
+
+            try:
+                if cfg.hub.push_to_hub:
+                    url = hub.push_to_hub(cfg.train.output_dir, cfg.hub.hub_model_id, hub.token(cfg.hub.hub_token),
+                                          on_repo=card)  # fmt: skip
+                    logger.info(f"pushed {cfg.train.output_dir} to {url}")
+                else:
+                    card()
+            except UsageError as e:
+                problem = str(e)
+        distributed.check_all_ranks(problem is None, problem or "")
+        return url
+
+    def summarize(self, hub_url: str | None) -> None:
+        """The run's last lines (rank 0): every output written, the loss's change, and how to load the weights."""
+        cfg, family, pairs = self.cfg, self.shape.family, self.shape.pairs
+        urls = []
+        if cfg.validation.report_to in ("wandb", "all"):
+            try:  # the run's page; none when wandb runs offline
+                urls = [u for u in [self.accelerator.get_tracker("wandb").run.url] if u]
+            except Exception:  # noqa: BLE001 - a missing link must not fail a finished run
+                urls = []
+        text = summary(
+            cfg, steps=self.steps, pipeline=family.pipeline_class_name(pairs), kontext=pairs, hub_url=hub_url,
+            repo_id=self.hub_repo_id, tracker_urls=tuple(urls), transformer_class=family.transformer_class_name,
+        )  # fmt: skip
+        logger.info(text)
