@@ -23,6 +23,10 @@
 #   memory     one GPU is enough: --gradient_checkpointing auto under GPU memory capped to 24, 48, 80 GiB and the whole
 #              GPU, one GPU and a cp=2 rank with loopback peers, 1024 and 2048 px: the planner's picks, their measured
 #              peaks and step times, and the fastest setting that runs (benchmarks/bench_memory.py; ~7 min of an H200)
+#   small      one GPU is enough: the small-GPU rows, each capped (benchmarks/capped.py) to a smaller card's memory,
+#              1024 px, eager: 24 GiB bf16 with block offload (exact) and an fp8 base, 16 GiB int8 with offload, 12 GiB
+#              nf4; at 2048 px a cp=2 rank with loopback peers under 24 GiB (fp8); and diffusers' QLoRA recipe at 24,
+#              16 and 12 GiB (benchmarks/bench_diffusers_qlora.py; nf4, 8-bit AdamW, checkpointing). ~9 min of an H200
 #   check      the GPU tests (pytest tests/gpu) and benchmarks/check_gpu.py (bf16 attention and a 4-block Flux model
 #              with CP against fp32 and bf16 without CP, every CP size the machine has)
 # EXTRA_FLAGS="..." is added to every trainer run of the sets (e.g. EXTRA_FLAGS="--cp_overlap passes" or
@@ -139,12 +143,22 @@ for SET in "$@"; do
     memory)
       if [ -n "$DRY" ]; then python3 -m benchmarks.bench_memory --out "$OUT/memory.json" --dry_run; continue; fi
       run 560 python3 -m benchmarks.bench_memory --out "$OUT/memory.json" --budget 420 ;;
+    small)
+      C="--resolution 1024 --gradient_checkpointing all"
+      trainer 360 trainer_small.json "--fake_peers --steps 6 --warmup 2 --timeout 150" \
+        "small24_bf16_offload:1:gpu1.yaml:$C --gpu_memory_gib 24 --offload_blocks auto" \
+        "small24_fp8:1:gpu1.yaml:$C --gpu_memory_gib 24 --base_precision fp8" \
+        "small16_int8_offload:1:gpu1.yaml:$C --gpu_memory_gib 16 --base_precision int8 --offload_blocks 12" \
+        "small12_nf4:1:gpu1.yaml:$C --gpu_memory_gib 12 --base_precision nf4" \
+        "small24_fp8_fake2_2048:1:gpu1.yaml:--cp_size 2 --resolution 2048 --gradient_checkpointing all --gpu_memory_gib 24 --base_precision fp8"
+      run 220 python3 -m benchmarks.bench_diffusers_qlora --out "$OUT/diffusers_qlora.json" --gpu_memory_gib 24 16 12 \
+        --resolution 1024 --model_dir "$(mktemp -d)/flux1-dev-shapes-random" ;;
     check)
       run 400 python3 -m pytest -q -x tests/gpu
       run 300 torchrun --nproc_per_node "$N" -m benchmarks.check_gpu --out "$OUT/check_gpu.json" ;;
     *)
       echo "error: unknown set $SET (lora, lora_ro, diffusers, lora4096, full, kontext, host, flux2, flux2_cp, memory,
-      attention, check)"
+      attention, small, check)"
       exit 2 ;;
   esac
 done
