@@ -77,3 +77,13 @@ def write_safetensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor])
             save_file(plain, tmp)
         except SafetensorError as e:  # its I/O failures (a full disk) are not OSErrors: make them one
             raise OSError(f"cannot write {path}: {e}") from None
+
+
+def read_json(path: str | os.PathLike) -> object:
+    """A JSON file's value, or None where there is no such regular file (a link is not followed) or it does not
+    parse: for markers and records that another run or a crash may have left half-written."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_bytes()) if path.is_file() and not path.is_symlink() else None
+    except (OSError, ValueError):
+        return None

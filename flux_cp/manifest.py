@@ -249,22 +249,15 @@ def _is_checkpoint(path: Path) -> bool:
     return True
 
 
-def _json(path: Path) -> object:
-    try:
-        return json.loads(path.read_bytes()) if path.is_file() and not path.is_symlink() else None
-    except (OSError, ValueError):
-        return None
-
-
 def is_run_folder(folder: Path) -> bool:
     """A flux-cp output folder: its run_config.json or a checkpoint's meta.json says so (a model folder never is)."""
     if (folder / "model_index.json").exists():
         return False
-    config = _json(folder / "run_config.json")
+    config = files.read_json(folder / "run_config.json")
     if isinstance(config, dict) and {"output_dir", "cp_size", "resume_from_checkpoint"} <= set(config):
         return True
     for p in folder.glob("checkpoint-*"):
-        meta = _json(p / "meta.json")
+        meta = files.read_json(p / "meta.json")
         if isinstance(meta, dict) and meta.get("format") == 1 and isinstance(meta.get("run"), dict):
             return True
     return False

@@ -68,6 +68,18 @@ def _inside_output(output_dir: str, path: str) -> str | None:
     return None if rel == ".." or rel.startswith(".." + os.sep) else rel
 
 
+def _not_an_output(flag: str, value: str, path: str, output_dir: str, fix: str) -> str | None:
+    """Refuse a folder flag whose `path` is the output folder itself or one of the run's outputs in it (removing or
+    rewriting that output would take the folder with it); its place relative to the output folder otherwise."""
+    rel = _inside_output(output_dir, path)
+    if rel == ".":
+        raise UsageError(f"{flag} {value} is the output folder itself: {fix}")
+    if rel is not None and (entry := output_entry(rel)):
+        raise UsageError(f"{flag} {value} {'names' if rel == entry else 'is in'} {entry}, one of the run's own "
+                         f"outputs in --output_dir {output_dir}: {fix}")  # fmt: skip
+    return rel
+
+
 def check(
     output_dir: str,
     *,
@@ -107,15 +119,7 @@ def check(
                 "ones would be written into it: choose a folder of class images of its own"
             )
     if logs_path is not None:
-        rel = _inside_output(output_dir, logs_path)
-        if rel == ".":
-            raise UsageError(f"--logging_dir {logs} is the output folder itself: name a folder in it (default logs)")
-        if rel is not None and (entry := output_entry(rel)):
-            raise UsageError(
-                f"--logging_dir {logs} {'names' if rel == entry else 'is in'} {entry}, one of the run's own outputs "
-                f"in --output_dir {output_dir}: "
-                "choose another name (default logs)"
-            )
+        rel = _not_an_output("--logging_dir", logs, logs_path, output_dir, "name a folder in it (default logs)")
         for flag, other in local.items():
             how = relation(logs_path, other)
             if how in ("is", "is inside"):
@@ -130,14 +134,7 @@ def check(
                 "need folders of their own (removing one would remove the other): choose another"
             )
     if encodings:
-        rel = _inside_output(output_dir, encodings)
-        if rel == ".":
-            raise UsageError(f"--encodings_dir {encodings} is the output folder: choose a folder of its own")
-        if rel is not None and (entry := output_entry(rel)):
-            raise UsageError(
-                f"--encodings_dir {encodings} is in {entry}, one of the run's own outputs in --output_dir "
-                f"{output_dir}: choose a folder of its own"
-            )
+        _not_an_output("--encodings_dir", encodings, encodings, output_dir, "choose a folder of its own")
         for flag, other in local.items():
             how = relation(encodings, other)
             if how == "is" or (how == "is inside" and flag.startswith("--pretrained")):

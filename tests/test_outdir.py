@@ -406,7 +406,7 @@ def test_the_folders_of_other_roles_are_refused_one_line_each(tmp_path):
         (dict(logs=str(tmp_path / "cache"), encodings=str(tmp_path / "cache")), "is --encodings_dir"),
         (dict(logs="logs", encodings=str(tmp_path / "out" / "logs")), "--logging_dir logs is --encodings_dir"),
         (dict(encodings=str(tmp_path / "out")), "--encodings_dir {t}/out is the output folder"),
-        (dict(encodings=str(tmp_path / "out" / "checkpoint-2")), "is in checkpoint-2, one of the run's own outputs"),
+        (dict(encodings=str(tmp_path / "out" / "checkpoint-2")), "names checkpoint-2, one of the run's own outputs"),
         (dict(encodings=str(tmp_path / "model" / "cache")), "is inside --pretrained_model_name_or_path"),
         (dict(encodings=str(tmp_path / "data")), "--encodings_dir {t}/data is --dataset_name"),
     ]

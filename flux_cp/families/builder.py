@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UsageError
-from ..files import apply_umask
+from ..files import apply_umask, read_json
 
 
 def home() -> Path:
@@ -51,13 +51,6 @@ class Recipe:
     transformer: dict
 
 
-def _json(path: Path) -> object:
-    try:
-        return json.loads(path.read_text()) if path.is_file() and not path.is_symlink() else None
-    except (OSError, ValueError):
-        return None
-
-
 def _plain(value: object) -> object:
     return list(value) if isinstance(value, tuple) else value
 
@@ -67,10 +60,10 @@ def _is_built(path: Path, recipe: Recipe) -> bool:
     marker (model_index.json and the transformer's config are the recipe's)."""
     if not (path / "model_index.json").is_file():
         return False
-    marker = _json(path / MARKER)
+    marker = read_json(path / MARKER)
     if marker is not None:
         return isinstance(marker, dict) and marker.get("recipe") == recipe.name
-    index, config = _json(path / "model_index.json"), _json(path / "transformer" / "config.json")
+    index, config = read_json(path / "model_index.json"), read_json(path / "transformer" / "config.json")
     return (isinstance(index, dict) and index.get("_class_name") == recipe.pipeline and isinstance(config, dict)
             and all(config.get(k) == _plain(v) for k, v in recipe.transformer.items()))  # fmt: skip
 
@@ -87,7 +80,7 @@ def _check_target(path: Path, recipe: Recipe) -> bool:
     names = sorted(p.name for p in path.iterdir())
     if not names:
         return False
-    marker = _json(path / MARKER)
+    marker = read_json(path / MARKER)
     if isinstance(marker, dict) and (path / "model_index.json").is_file():
         raise UsageError(f"--out {path} holds the model of another recipe ({marker.get('recipe')}, not "
                          f"{recipe.name}): choose another --out")  # fmt: skip
