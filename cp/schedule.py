@@ -33,7 +33,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any, NamedTuple
 
-from .context import Tuning
+from .context import Tuning, group_by_name
 
 EXCHANGE_BYTES_PER_S = 190e9
 EXCHANGE_LATENCY_S = 15e-6
@@ -78,8 +78,6 @@ def _attention_flops(ir_node) -> float:
     group_name = next((a for a in ir_node.constant_args if isinstance(a, str)), "")
     ring = 1
     if group_name:
-        from .context import group_by_name
-
         ring = group_by_name(group_name).size()
     return float(ATTENTION_FLOPS[name] * b * h * s * _size(k.get_size()[2]) * ring * d)
 

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from . import manifest
+
 logger = logging.getLogger("flux_cp")
 
 KINDS = ("attention", "matmul", "communication", "other")
@@ -128,8 +130,6 @@ def profiled(active: bool, output_dir: str, rank: int, is_main: bool) -> Iterato
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     if is_main:  # before the step, whose collectives keep the other ranks from creating the folder first
-        from . import manifest
-
         manifest.record(output_dir, "profile")
     with profile(activities=activities) as prof:
         yield

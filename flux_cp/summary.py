@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from . import manifest
 from .card import LORA_FILE, snippet
+from .checkpoint import list_checkpoints
 from .errors import UsageError
 
 if TYPE_CHECKING:
@@ -41,8 +42,6 @@ def _grids(folder: Path) -> str:
 
 def outputs(cfg: Config, hub_url: str | None = None, tracker_urls: tuple[str, ...] = ()) -> list[tuple[str, str]]:
     """(name, what it is) of every output of the run that exists in its output folder, then where it went."""
-    from .checkpoint import list_checkpoints
-
     out = Path(cfg.train.output_dir)
     found: list[tuple[str, str]] = []
     if (out / LORA_FILE).is_file():

@@ -23,18 +23,15 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from . import diskspace, distributed, faults, metrics, optim, outdir, quiet, resume, run_data
+from . import blocks, diskspace, distributed, faults, metrics, optim, outdir, plan, quiet, resume, run_data
 from .batches import Batches
-from .blocks import attention_recomputed, step_begins
 from .config import Config
 from .data import ImageSource, open_source
 from .errors import UsageError
 from .model import load_trainee
 from .outputs import Outputs
 from .parallel import Layout, cp_tuning, make_accelerator, make_layout, parallelize
-from .plan import Checkpointing, checkpointing_for_run
 from .profiling import profiled
-from .run_data import RunData
 from .shape import RunShape, build_shape, check_start, launched_world_size, resolved
 from .terminal import escape_logs
 
@@ -71,7 +68,7 @@ class Trainer:
     sizes: diskspace.Sizes  # of one checkpoint and of the final model, from parameter counts
     # load_data: the encoded data (its shape has the opened data set's reference counts), its batch order, and what
     # validation needs of the encoders
-    data: RunData
+    data: run_data.RunData
     components: dict[str, str]  # {component: fingerprint of its config and weights' content}
     # build_model: the wrapped model and its optimizer, ready to step
     model: torch.nn.Module
@@ -79,7 +76,7 @@ class Trainer:
     lr_scheduler: Any
     params: list[torch.nn.Parameter]  # trainable, after accelerate.prepare (sharded under FSDP2)
     offload: Any  # flux_cp.offload.BlockOffload, or None without --offload_blocks
-    checkpointing: Checkpointing  # --gradient_checkpointing resolved: which blocks recompute
+    checkpointing: plan.Checkpointing  # --gradient_checkpointing resolved: which blocks recompute
     max_steps: int
     run_identity: dict  # what a checkpoint must match to be resumed by this run
     # train: per-step machinery
@@ -221,7 +218,7 @@ class Trainer:
                 agreed=True,  # every rank counts the same batches
             )
         self.max_steps = max_steps = train.max_train_steps or train.num_train_epochs * steps_per_epoch
-        self.checkpointing = checkpointing_for_run(cfg, shape, self.device)
+        self.checkpointing = plan.checkpointing_for_run(cfg, self.shape, self.device)
         ready = parallelize(
             transformer, shape, layout, cfg, checkpointing=self.checkpointing, device=self.device,
             accelerator=self.accelerator, make_optimizer=lambda p: optim.make_optimizer(train, p, data.global_batch),
@@ -319,8 +316,8 @@ class Trainer:
             tokens += samples * (mb.image_tokens + mb.text_tokens)
             flops += family.step_flops(self.shape.transformer_config, mb.image_tokens, mb.text_tokens, samples,
                                        not cfg.lora.full_finetune, recomputed,
-                                       recomputed if attention_recomputed(cfg.train) else 0.0)  # fmt: skip
-            step_begins(cfg.train.compile_mode)
+                                       recomputed if blocks.attention_recomputed(cfg.train) else 0.0)  # fmt: skip
+            blocks.step_begins(cfg.train.compile_mode)
             with accelerator.accumulate(model):
                 loss = self.fault.maybe_corrupt(step, mb.loss(model(**mb.inputs)[0]))
                 accelerator.backward(loss)

@@ -17,6 +17,7 @@ from PIL import Image
 import cp
 
 from . import distributed, files, manifest
+from .data import ImageSource, Sample, crop_box
 
 if TYPE_CHECKING:
     from .config import ValidationConfig
@@ -37,8 +38,6 @@ def _grid(images: list[np.ndarray], columns: int) -> Image.Image:
 def reference_image(path: str, resolution: int) -> Image.Image:
     """The `--validation_image` as a square training pair's reference: read by the training data's loader, resized
     and center-cropped to `resolution`^2 (the family's `reference_inputs` hands it to its pipeline)."""
-    from .data import ImageSource, Sample, crop_box
-
     img = ImageSource([Sample(path, "")], "--validation_image").load(0)
     size = (resolution, resolution)
     (width, height), (left, top) = crop_box(img.size, size, True, torch.Generator())
