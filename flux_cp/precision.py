@@ -196,10 +196,13 @@ def quantize_base(
         modules = dict(transformer.named_modules())
         with torch.no_grad():
             for name in names:
-                linear = modules[name]
+                # Taken out of the lookup: bitsandbytes' layer is a new module, and the bf16 linear it replaces must
+                # not outlive it (held here, every replaced linear's weights would pile up on `device`).
+                linear = modules.pop(name)
                 if device is not None:
                     linear.to(device)
                 _replace(transformer, name, _quantized(linear, precision))
+                del linear
         if precision == "nf4":
             transformer.is_loaded_in_4bit = True  # peft then wraps Linear4bit in its bitsandbytes LoRA layer
         else:

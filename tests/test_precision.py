@@ -178,6 +178,35 @@ def test_skip_keeps_named_linears_and_a_second_call_changes_nothing(precision):
     assert quantize_base(model, precision, skip=["attn.to_q", "proj_out"]).linears == 0
 
 
+def test_a_replaced_linear_does_not_outlive_its_replacement(monkeypatch):
+    """nf4's layer is a new module: the bf16 linear it replaces must be freed as each is quantized, or a model loaded
+    on the CPU holds every bf16 weight on the GPU by the end (a 12 GiB card ran out of memory while quantizing)."""
+    import weakref
+
+    import flux_cp.precision as precision
+
+    def replaced(linear, _precision):  # what bitsandbytes' path does: a new module with new weights
+        new = torch.nn.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None)
+        return new.requires_grad_(False)
+
+    monkeypatch.setattr(precision, "_quantized", replaced)
+    monkeypatch.setattr(precision, "check_installed", lambda _p: None)
+    model = _model("flux1")
+    old = [weakref.ref(m) for m in (model.get_submodule(n) for n in quantized_linears(model))]
+    alive_at_each = []
+    real_replace = precision._replace
+
+    def replace(root, name, module):
+        real_replace(root, name, module)
+        alive_at_each.append(sum(r() is not None for r in old))
+
+    monkeypatch.setattr(precision, "_replace", replace)
+    quantize_base(model, "nf4")
+    # At each replacement at most the one being replaced (and none after it is gone) is alive besides those to come.
+    assert alive_at_each == [len(old) - i for i in range(len(old))]
+    assert all(r() is None for r in old)
+
+
 # --- how far from the unquantized model ---------------------------------------------------------------------------
 
 # Relative error of each block's update (its output less its input, on the unquantized model's inputs to it) and of
