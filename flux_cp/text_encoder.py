@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from .errors import UsageError
 from .rng import Stream, generator
 
 if TYPE_CHECKING:
@@ -28,15 +29,30 @@ Tensor = torch.Tensor
 TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj")
 
 
+def check_sharding(train_text_encoder: bool, sharded: bool) -> None:
+    """With FSDP2, accelerate's prepare maps every parameter of the optimizer to the transformer's shards and fails on
+    any other (`fsdp2_switch_optimizer_parameters`: KeyError), so the text encoder's LoRA cannot join the optimizer
+    there. A LoRA run holds its weights whole under DDP, the config for LoRA here anyway."""
+    if train_text_encoder and sharded:
+        raise UsageError(
+            "--train_text_encoder is not supported with FSDP (accelerate's FSDP2 prepares the transformer's weights "
+            "alone and cannot put the text encoder's LoRA in the same optimizer): launch with a DDP config "
+            "(accelerate_configs/ddp_*.yaml, or gpu1.yaml on one GPU), where a LoRA run keeps its weights whole",
+            agreed=True,
+        )
+
+
 class TrainedTextEncoder:
     """The text encoder `name` of `encoders` with LoRA adapters, its trainable weights in fp32. `argument`: the
-    transformer's forward argument its output feeds (FLUX.1: CLIP's pooled embedding, `pooled_projections`)."""
+    transformer's forward argument its output feeds, `entry`: the pipeline's argument (and the cached encoding's
+    name) of the same (FLUX.1: CLIP's pooled embedding, `pooled_projections` and `pooled_prompt_embeds`)."""
 
-    def __init__(self, encoders: Encoders, name: str, argument: str, lora: LoraConfig, seed: int):
+    def __init__(self, encoders: Encoders, names: tuple[str, str, str], lora: LoraConfig, seed: int):
         from peft import LoraConfig as PeftLoraConfig
 
-        self.encoders, self.name, self.argument = encoders, name, argument
-        self.module = module = encoders.text_encoders[name]
+        self.encoders = encoders
+        self.name, self.argument, self.entry = names
+        self.module = module = encoders.text_encoders[self.name]
         config = PeftLoraConfig(r=lora.rank, lora_alpha=lora.lora_alpha, lora_dropout=lora.lora_dropout,
                                 init_lora_weights="gaussian", target_modules=list(TARGETS))  # fmt: skip
         # Seeded apart from the transformer's adapters (flux_cp.lora.add_lora): every layout starts alike.
@@ -56,6 +72,15 @@ class TrainedTextEncoder:
     def inputs(self, captions: list[str], dtype: torch.dtype) -> dict[str, Tensor]:
         """The transformer's argument this encoder feeds, for `captions`, with gradients to its LoRA."""
         return {self.argument: self.encoders.trained_text(self.module, captions).to(dtype)}
+
+    @torch.no_grad()
+    def pipeline_inputs(self, prompts: list[str], dtype: torch.dtype) -> dict[str, Tensor]:
+        """The pipeline's argument this encoder gives, for validation `prompts`, with the current weights."""
+        self.module.eval()
+        try:
+            return {self.entry: self.encoders.trained_text(self.module, prompts).to(dtype)}
+        finally:
+            self.module.train()
 
     def average_gradients(self) -> None:
         """Average the LoRA's gradients over all ranks (the mean DDP takes of the transformer's); a rank whose
@@ -80,8 +105,8 @@ class TrainedTextEncoder:
         on the CPU."""
         from peft.utils import get_peft_model_state_dict
 
-        state = get_peft_model_state_dict(self.module)
-        return {f"{self.name}.{k}": v.detach().float().contiguous().cpu() for k, v in state.items()}
+        state = get_peft_model_state_dict(self.module, save_embedding_layers=False)
+        return {f"{self.name}.{k}": v.detach().float().cpu().clone() for k, v in state.items()}  # a copy (EMA swaps)
 
     def adapter_config(self) -> dict | None:
         """The peft LoraConfig of the adapter, as a dict (the LoRA file's adapter metadata)."""

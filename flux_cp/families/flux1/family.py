@@ -132,7 +132,7 @@ class Flux1(Family):
     card_tags, pairs_card_tags = ("flux",), ("flux-kontext",)
     comfyui_mapping = "Flux"
     known = KNOWN
-    trained_text_encoder = ("text_encoder", "pooled_projections")  # CLIP, as diffusers' FLUX.1 LoRA example
+    trained_text_encoder = ("text_encoder", "pooled_projections", "pooled_prompt_embeds")  # CLIP, as diffusers' example
     comfyui_transformer = (
         "`transformer/` is in diffusers' layout, in shards of at most 10 GB. ComfyUI's *Load Diffusion Model* node "
         "reads one `.safetensors` file from `ComfyUI/models/diffusion_models/` and converts diffusers' key names "
