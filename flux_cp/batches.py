@@ -7,6 +7,7 @@ samples, and their noise, do not depend on the layout."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -41,6 +42,7 @@ class MicroBatch:
     cp_rank: int = 0
     prior: int = 0  # prior preservation: the last `prior` samples are class samples
     prior_loss_weight: float = 1.0
+    captions: list[str] | None = None  # --train_text_encoder: each sample's caption ("" where dropped), in order
 
     def loss(self, pred: Tensor) -> Tensor:
         """Weighted MSE, mean over this rank's tokens (gradients are then averaged over all dp x cp ranks,
@@ -64,8 +66,12 @@ class Batches:
 
     def __init__(self, data: TrainingData, schedule: BatchSchedule, layout: Layout, data_config: DataConfig,
                  train: TrainConfig, noise_scheduler, family: Family, normalize, guidance: bool, device: torch.device,
-                 input_dtype: torch.dtype = torch.float32, classes: ClassSamples | None = None):  # fmt: skip
+                 input_dtype: torch.dtype = torch.float32, classes: ClassSamples | None = None,
+                 captions: tuple[Callable[[int], str], str | None] | None = None):  # fmt: skip
+        """`captions` (--train_text_encoder): the caption of a sample index and the class images' prompt, for
+        `MicroBatch.captions`."""
         self.data, self.schedule, self.layout = data, schedule, layout
+        self.captions = captions
         self.random_flip, self.train = data_config.random_flip, train
         self.caption_dropout = data_config.caption_dropout
         self.classes, self.prior_loss_weight = classes, data_config.prior_loss_weight  # prior preservation
@@ -91,19 +97,25 @@ class Batches:
         p = self.caption_dropout
         return p > 0 and bool(torch.rand(1, generator=generator(Stream.CAPTION_DROPOUT, self.train.seed, m, slot)) < p)
 
-    def _samples(self, m: int, epoch: int, batch: list[int]) -> tuple[list[dict], list[int]]:
-        """This rank's samples of micro-step m (its class samples after them) and their global slots."""
+    def _samples(self, m: int, epoch: int, batch: list[int]) -> tuple[list[dict], list[int], list[str] | None]:
+        """This rank's samples of micro-step m (its class samples after them), their global slots, and with
+        `captions` their captions."""
         slots = list(self.slots())
         samples = [self._load(batch[s], epoch) for s in slots]
+        captions = [self.captions[0](batch[s]) for s in slots] if self.captions else None
         for k, s in enumerate(slots):
             if self.dropped(m, s):  # the empty caption's entries in place of the caption's
                 samples[k].update(self.data.text(""))
+                if captions is not None:
+                    captions[k] = ""
         if self.classes is None:
-            return samples, slots
+            return samples, slots, captions
         g, bucket = self.schedule.global_batch, self.data.buckets[batch[0]]
         chosen = self.schedule.class_images(m, self.classes.count)
         samples += [self.classes.load(chosen[s], bucket, epoch) for s in slots]  # never flipped, as diffusers'
-        return samples, slots + [g + s for s in slots]
+        if captions is not None:
+            captions += [self.captions[1]] * len(slots)
+        return samples, slots + [g + s for s in slots], captions
 
     def micro(self, m: int) -> MicroBatch:
         """Global micro-step m's batch, as `prefetch` built it if it was asked for m."""
@@ -128,7 +140,7 @@ class Batches:
     def _build(self, m: int) -> MicroBatch:
         a, dev, group = self.train, self.device, self.layout.cp_group
         epoch, batch = self.schedule.batch(m)
-        samples, slots = self._samples(m, epoch, batch)
+        samples, slots, captions = self._samples(m, epoch, batch)
         stack = {k: self._to_device(torch.stack([s[k] for s in samples])) for k in samples[0]}
         mean, std = stack["latent_mean"], stack["latent_std"]
         refs = [stack.pop(reference_key(j)) for j in range(reference_count(stack))]  # one count per batch
@@ -172,4 +184,5 @@ class Batches:
             cp_rank=self.layout.cp_rank,
             prior=0 if self.classes is None else len(slots) // 2,
             prior_loss_weight=self.prior_loss_weight,
+            captions=captions,
         )

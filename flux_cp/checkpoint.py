@@ -199,14 +199,16 @@ def saved_data_files(path: Path) -> list | None:
     return rows if isinstance(rows, list) and all(isinstance(r, list) and r for r in rows) else None
 
 
-def _state(model, optimizer, with_optimizer: bool = True):
+def _state(model, optimizer, with_optimizer: bool = True, extra: dict | None = None):
+    """What a checkpoint holds of the training state: the trainable weights, the optimizer's state and `extra`
+    ({name: {key: tensor}}, e.g. the EMA's shadow): tensors DCP reshards by name, loaded into in place."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
 
     opts = StateDictOptions(ignore_frozen_params=True)
     if not with_optimizer:  # (get_state_dict would also create AdamW's state, with a first step taken)
-        return {"model": _tensors_of(model, get_model_state_dict(model, options=opts))}
+        return {"model": _tensors_of(model, get_model_state_dict(model, options=opts)), **(extra or {})}
     model_sd, optim_sd = get_state_dict(model, optimizer, options=opts)
-    return {"model": _tensors_of(model, model_sd), "optim": optim_sd}
+    return {"model": _tensors_of(model, model_sd), "optim": optim_sd, **(extra or {})}
 
 
 def _tensors_of(model, state: dict) -> dict:
@@ -293,10 +295,11 @@ def save(
     total_limit: int | None,
     fault=None,
     optimizer_state: bool = True,
+    extra: dict | None = None,
 ) -> Path:
     """Write checkpoint-`step` atomically; every rank calls it. Returns the final folder. `optimizer_state`: keep
-    AdamW's moments (exact resume) or only the trainable weights. Whether the disk holds it is the caller's check
-    (`flux_cp.diskspace.check_checkpoint`), before it calls this."""
+    AdamW's moments (exact resume) or only the trainable weights. `extra`: more state, as `_state` takes it. Whether
+    the disk holds it is the caller's check (`flux_cp.diskspace.check_checkpoint`), before it calls this."""
     import torch.distributed.checkpoint as dcp
 
     root = Path(output_dir)
@@ -311,7 +314,7 @@ def save(
     error, sums = None, {}
     rank, world = distributed.rank(), distributed.world_size()
     try:
-        dcp.save(_state(model, optimizer, optimizer_state), checkpoint_id=str(partial / "state"))
+        dcp.save(_state(model, optimizer, optimizer_state, extra), checkpoint_id=str(partial / "state"))
         if fault is not None:
             fault.during_save(step)
         if is_main:
@@ -454,16 +457,18 @@ def check_inside(path: Path, root: Path) -> None:
 _GROUP_KEYS = ("betas", "eps", "weight_decay", "beta3", "decouple", "use_bias_correction", "safeguard_warmup")
 
 
-def load(path: Path, model, optimizer, lr_scheduler, optimizer_state: bool = True) -> list[str]:
+def load(path: Path, model, optimizer, lr_scheduler, optimizer_state: bool = True, extra: dict | None = None
+         ) -> list[str]:  # fmt: skip
     """Restore weights, optimizer and LR schedule from `path` into the (wrapped) model, on any layout. The current
     learning rate and optimizer settings win over the checkpoint's; returns what they changed, one line each.
-    `optimizer_state`: whether the checkpoint holds AdamW's moments (False: they start from zero)."""
+    `optimizer_state`: whether the checkpoint holds AdamW's moments (False: they start from zero). `extra`: more state
+    as `save` was given it, loaded into its tensors in place."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
 
     current = [{k: g[k] for k in _GROUP_KEYS if k in g} for g in optimizer.param_groups]
     base_lrs = list(getattr(lr_scheduler, "base_lrs", []))
-    state = _state(model, optimizer, optimizer_state)
+    state = _state(model, optimizer, optimizer_state, extra)
     try:
         check_inside(path / "state", path)
         check_inside(path / "train.pt", path)

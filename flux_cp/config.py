@@ -273,7 +273,26 @@ class LoraConfig:
         choices=LORA_FORMATS,
     )
 
+    train_text_encoder: bool = flag(
+        False,
+        "Also train a LoRA on the CLIP text encoder (FLUX.1 and FLUX.1 Kontext), as diffusers' FLUX.1 LoRA example: "
+        "on its q_proj, k_proj, v_proj and out_proj with --rank, --lora_alpha and --lora_dropout, at "
+        "--text_encoder_lr. CLIP then runs every step (its prompt encodings are not cached; T5's still are) and the "
+        "LoRA file holds its text_encoder.* keys. DDP configs only.",
+    )
+
     def check(self) -> None:
+        if self.train_text_encoder and self.full_finetune:
+            raise UsageError(
+                "--train_text_encoder trains a CLIP LoRA written into the LoRA file; --full_finetune writes a "
+                "transformer folder and no LoRA: drop one of the two"
+            )
+        if self.train_text_encoder and self.lora_format != "diffusers":
+            raise UsageError(
+                f"--train_text_encoder with --lora_format {self.lora_format}: the {self.lora_format} layout written "
+                "here holds the transformer's LoRA only; keep --lora_format diffusers (FluxPipeline.load_lora_weights "
+                "loads both) or drop --train_text_encoder"
+            )
         if self.full_finetune and self.lora_format != "diffusers":
             raise UsageError(
                 f"--lora_format {self.lora_format} applies to LoRA files; --full_finetune writes a transformer "
@@ -494,6 +513,25 @@ class TrainConfig:
         "Prodigy: leave the LR out of the denominator of its step-size estimate, against problems during a warmup "
         "(true/false).",
         parse=boolean,
+    )
+    text_encoder_lr: float = flag(
+        5e-6,
+        "Learning rate of the text encoder's LoRA (--train_text_encoder), as diffusers' FLUX.1 LoRA example; with "
+        "--optimizer prodigy --learning_rate is used for both (as there).",
+    )
+    adam_weight_decay_text_encoder: float = flag(
+        1e-3, "Weight decay of the text encoder's LoRA (--train_text_encoder), as diffusers' example."
+    )
+    use_ema: bool = flag(
+        False,
+        "Keep an exponential moving average (EMA) of the trained weights (LoRA, or all weights with --full_finetune) "
+        "and make it the run's output: the final weights and the validation images are the EMA's; checkpoints hold "
+        "the raw weights and the EMA. The decay of the update at step s is min(--ema_decay, (1 + s) / (10 + s)), as "
+        "diffusers' EMAModel.",
+    )
+    ema_decay: float = flag(0.9999, "Upper bound of the EMA's decay (--use_ema), as diffusers' EMAModel.")
+    ema_update_interval: int = flag(
+        1, "Update the EMA (--use_ema) after every this many optimizer steps (SimpleTuner's flag), to save time."
     )
     max_grad_norm: float = flag(1.0, "Max gradient norm (clipping; 0 turns it off).")
     mixed_precision: str | None = flag(

@@ -76,8 +76,15 @@ class Encoders(ABC):
         """One line per window of the prompt encoding that cuts captions, saying how many it cuts."""
         return []
 
-    def free_text_encoders(self) -> None:
-        self.text_encoders.clear()
+    def trained_text(self, module: torch.nn.Module, captions: list[str]) -> Tensor:
+        """The output of the text encoder `module` (being trained, --train_text_encoder) for `captions`, with its
+        gradients: what the family's `trained_text_encoder` feeds the transformer."""
+        raise NotImplementedError(f"{type(self).__name__} trains no text encoder")
+
+    def free_text_encoders(self, keep: tuple[str, ...] = ()) -> None:
+        """Free the text encoders but those named in `keep` (one being trained)."""
+        for name in [n for n in self.text_encoders if n not in keep]:
+            del self.text_encoders[name]
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

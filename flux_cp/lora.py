@@ -57,11 +57,13 @@ def save_lora(
     lora: LoraConfig,
     family: LoraLayouts,
     origin: Origin | None = None,
+    text_encoder: tuple[dict[str, torch.Tensor], dict | None] | None = None,
 ) -> Path:
     """`pytorch_lora_weights.safetensors` in the `--lora_format` layout: diffusers' (flux_cp.lora_format, with the
     scale as `family`'s loaders read it), which the family's pipeline's `load_lora_weights` and ComfyUI load, or a
     layout of the family's own (`Family.lora_layout`). Its metadata says how it was trained and on which base model
-    (`origin`)."""
+    (`origin`). `text_encoder`: the text encoder's LoRA weights (`text_encoder.*` keys, --train_text_encoder) and its
+    peft config, written beside the transformer's as `FluxPipeline.save_lora_weights` writes them."""
     from peft.utils import get_peft_model_state_dict  # peft at first use (its import takes seconds)
 
     weights = get_peft_model_state_dict(transformer, state_dict=state)
@@ -72,7 +74,13 @@ def save_lora(
         weights = scaled(weights, lora.rank, lora.lora_alpha, keys)
         peft_config = getattr(transformer, "peft_config", {}).get("default")
         adapter = adapter_metadata(peft_config.to_dict(), origin and origin.base_model) if peft_config else None
-        header = metadata(rank=lora.rank, alpha=lora.lora_alpha, adapter=adapter, origin=origin, alpha_keys=keys)
+        text_adapter = None
+        if text_encoder is not None:
+            text_weights, text_config = text_encoder
+            weights.update(scaled(text_weights, lora.rank, lora.lora_alpha, keys, prefix="text_encoder"))
+            text_adapter = adapter_metadata(text_config, origin and origin.base_model) if text_config else None
+        header = metadata(rank=lora.rank, alpha=lora.lora_alpha, adapter=adapter, origin=origin, alpha_keys=keys,
+                          text_encoder_adapter=text_adapter)  # fmt: skip
     else:
         weights, header = family.lora_layout(lora.lora_format, weights, lora, origin, guidance)
     path = Path(output_dir) / "pytorch_lora_weights.safetensors"

@@ -32,24 +32,26 @@ LORA_ADAPTER_METADATA_KEY = "lora_adapter_metadata"
 _KEY = re.compile(r"^transformer\.(.+)\.lora_([AB])\.weight$")
 
 
-def lora_modules_of(state: dict[str, Tensor]) -> dict[str, dict[str, Tensor]]:
-    """{diffusers module: {"A": lora_A, "B": lora_B}} of a diffusers-format Flux LoRA state dict."""
+def lora_modules_of(state: dict[str, Tensor], prefix: str = "transformer") -> dict[str, dict[str, Tensor]]:
+    """{diffusers module: {"A": lora_A, "B": lora_B}} of a diffusers-format Flux LoRA state dict (of the component
+    `prefix`: the transformer, or the text encoder trained with --train_text_encoder)."""
+    pattern = _KEY if prefix == "transformer" else re.compile(rf"^{re.escape(prefix)}\.(.+)\.lora_([AB])\.weight$")
     out: dict[str, dict[str, Tensor]] = {}
     for key, value in state.items():
-        m = _KEY.match(key)
+        m = pattern.match(key)
         if not m:
-            raise ValueError(f"not a diffusers Flux LoRA key: {key!r} (expected transformer.<module>.lora_A/B.weight)")
+            raise ValueError(f"not a diffusers Flux LoRA key: {key!r} (expected {prefix}.<module>.lora_A/B.weight)")
         out.setdefault(m.group(1), {})[m.group(2)] = value
     return out
 
 
-def with_alphas(state: dict[str, Tensor], rank: int, alpha: float) -> dict[str, Tensor]:
+def with_alphas(state: dict[str, Tensor], rank: int, alpha: float, prefix: str = "transformer") -> dict[str, Tensor]:
     """The diffusers-format state dict, with `<module>.alpha` keys when `alpha != rank` (see the module doc)."""
     if alpha == rank:
         return dict(state)
     out = dict(state)
-    for module in lora_modules_of(state):
-        out[f"transformer.{module}.alpha"] = torch.tensor(float(alpha))
+    for module in lora_modules_of(state, prefix):
+        out[f"{prefix}.{module}.alpha"] = torch.tensor(float(alpha))
     return out
 
 
@@ -62,10 +64,11 @@ def with_scale(state: dict[str, Tensor], rank: int, alpha: float) -> dict[str, T
     return {k: v * scale if k.endswith(".lora_B.weight") else v for k, v in state.items()}
 
 
-def scaled(state: dict[str, Tensor], rank: int, alpha: float, alpha_keys: bool) -> dict[str, Tensor]:
+def scaled(state: dict[str, Tensor], rank: int, alpha: float, alpha_keys: bool, prefix: str = "transformer"
+           ) -> dict[str, Tensor]:  # fmt: skip
     """The diffusers-format state dict with the scale as the family's loaders read it: alpha keys
     (`with_alphas`), or `alpha / rank` in lora_B (`with_scale`)."""
-    return with_alphas(state, rank, alpha) if alpha_keys else with_scale(state, rank, alpha)
+    return with_alphas(state, rank, alpha, prefix) if alpha_keys else with_scale(state, rank, alpha)
 
 
 @dataclass(frozen=True)
@@ -92,16 +95,20 @@ def adapter_metadata(peft_config: dict, base_model: str | None) -> dict:
 
 
 def metadata(
-    *, rank: int, alpha: float, adapter: dict | None, origin: Origin | None, alpha_keys: bool = True
-) -> dict[str, str]:
+    *, rank: int, alpha: float, adapter: dict | None, origin: Origin | None, alpha_keys: bool = True,
+    text_encoder_adapter: dict | None = None,
+) -> dict[str, str]:  # fmt: skip
     """The safetensors header metadata of a diffusers-format LoRA file (see the module doc). `adapter`: diffusers'
     adapter metadata (`adapter_metadata`); `alpha_keys`: as `scaled`'s (False: the scale is in lora_B, and the
-    adapter's alpha is its rank)."""
+    adapter's alpha is its rank). `text_encoder_adapter`: the text encoder's (--train_text_encoder), under
+    `text_encoder.` as `FluxPipeline.save_lora_weights` writes it."""
     out = {"format": "pt"}  # what diffusers' save_lora_weights writes
     if adapter is not None and not alpha_keys:
         adapter = {**adapter, "lora_alpha": rank}
     if adapter is not None and (alpha == rank or not alpha_keys):  # (alpha keys otherwise: see the module doc)
         packed = {f"transformer.{k}": v for k, v in adapter.items()}
+        if text_encoder_adapter is not None:
+            packed.update({f"text_encoder.{k}": v for k, v in text_encoder_adapter.items()})
         out[LORA_ADAPTER_METADATA_KEY] = json.dumps(packed, indent=2, sort_keys=True)
     if origin is not None and origin.base_model:
         out["base_model"] = origin.base_model

@@ -80,9 +80,12 @@ def check_optimizer(train: TrainConfig, device: str | None = None, sharded: bool
         )
 
 
-def make_optimizer(train: TrainConfig, params: list[torch.nn.Parameter], global_batch: int) -> torch.optim.Optimizer:
+def make_optimizer(train: TrainConfig, params: list[torch.nn.Parameter], global_batch: int,
+                   text_params: list[torch.nn.Parameter] | None = None) -> torch.optim.Optimizer:  # fmt: skip
     """The optimizer of `--optimizer` / `--use_8bit_adam` over `params`; `--scale_lr` multiplies the LR by the
-    samples per optimizer step.
+    samples per optimizer step. `text_params` (--train_text_encoder): a second parameter group at --text_encoder_lr
+    with --adam_weight_decay_text_encoder, as diffusers' example builds it (--scale_lr scales --learning_rate only,
+    and Prodigy takes --learning_rate for both, as there).
 
     AdamW is torch's fused implementation: a LoRA has hundreds of small tensors, and the default (foreach) AdamW
     spends milliseconds of host time per step issuing its dozen list operations over them (docs/design.md, "The
@@ -91,6 +94,11 @@ def make_optimizer(train: TrainConfig, params: list[torch.nn.Parameter], global_
     Prodigy (prodigyopt) are built as diffusers' examples build them; `apply_update` reads their step's flag first."""
     lr = train.learning_rate * (global_batch * train.gradient_accumulation_steps if train.scale_lr else 1)
     betas, name = (train.adam_beta1, train.adam_beta2), optimizer_name(train)
+    every = list(params) + list(text_params or ())
+    if text_params:
+        text_lr = lr if name == "prodigy" else train.text_encoder_lr
+        decay = train.adam_weight_decay_text_encoder
+        params = [{"params": list(params)}, {"params": list(text_params), "lr": text_lr, "weight_decay": decay}]
     if name == "prodigy":
         from prodigyopt import Prodigy
 
@@ -105,7 +113,7 @@ def make_optimizer(train: TrainConfig, params: list[torch.nn.Parameter], global_
 
         return bnb.optim.AdamW8bit(params, lr=lr, betas=betas, weight_decay=train.adam_weight_decay,
                                    eps=train.adam_epsilon)  # fmt: skip
-    fused = all(p.device.type in ("cuda", "cpu") and p.is_floating_point() for p in params)
+    fused = all(p.device.type in ("cuda", "cpu") and p.is_floating_point() for p in every)
     return torch.optim.AdamW(
         params, lr=lr, betas=betas, weight_decay=train.adam_weight_decay, eps=train.adam_epsilon, fused=fused or None
     )
@@ -146,15 +154,28 @@ def make_lr_scheduler(train: TrainConfig, optimizer: torch.optim.Optimizer, max_
     )  # fmt: skip
 
 
-def clip_grad_norm(accelerator, params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+def clip_grad_norm(accelerator, params: list[torch.nn.Parameter], max_norm: float,
+                   extra: list[torch.nn.Parameter] | None = None) -> torch.Tensor:  # fmt: skip
     """Global gradient norm of the trainable parameters (a 0-d tensor on their device, not read by the host),
-    clipped to `max_norm` (<= 0: no clipping).
+    clipped to `max_norm` (<= 0: no clipping). `extra`: more trained parameters outside the wrapped model (the text
+    encoder's LoRA, whole on every rank), in the same norm and clipped alike, as diffusers' example clips both.
     (accelerate's clip_grad_norm_ under FSDP2 only handles the whole model's parameters, not LoRA's.)"""
     from torch.distributed.tensor import DTensor
 
     accelerator.unscale_gradients()
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+    limit = max_norm if max_norm > 0 else float("inf")
+    if not extra:
+        norm = torch.nn.utils.clip_grad_norm_(params, limit)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+    # The two sets apart (sharded DTensors and plain tensors do not mix in one norm), then clip_grad_norm_'s math.
+    norms = []
+    for group in (params, extra):
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group if p.grad is not None])
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
+    for group in (params, extra):
+        torch.nn.utils.clip_grads_with_norm_(group, limit, total.to(group[0].device))
+    return total
 
 
 def skips_on_device(optimizer) -> bool:

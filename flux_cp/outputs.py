@@ -6,6 +6,7 @@ checkpoint and validation images need them all)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -63,6 +64,13 @@ class Outputs:
     previews: Previews | None  # None: no --validation_prompt
     save: Callable[[int], None] | None = None
     hub_repo_id: str | None = None  # the Hub repository the outputs were pushed to (rank 0)
+    state_model: torch.nn.Module | None = None  # what checkpoints hold of the weights (default: `model`)
+    text: Any = None  # flux_cp.text_encoder.TrainedTextEncoder (--train_text_encoder)
+    ema: Any = None  # flux_cp.ema.EMA (--use_ema): the final weights and validation images are its
+
+    def averaged(self):
+        """The EMA in the weights (--use_ema) for what the block writes or renders, the raw weights after it."""
+        return self.ema.applied() if self.ema is not None else contextlib.nullcontext()
 
     def record_settings(self, tuning, checkpointing) -> None:
         """run_config.json: every flag as the run resolved it, and what the run chose (the layout, the CP mode and
@@ -83,21 +91,31 @@ class Outputs:
         meta = {"run": self.run_identity, "layout": layout.describe(), "args": cfg.flat(), "demo": demo}
         diskspace.check_checkpoint(cfg.train.output_dir, step, self.sizes.checkpoint, layout.is_main)
         saved = checkpoint.save(
-            cfg.train.output_dir, step, self.model, self.optimizer, self.lr_scheduler, meta, layout.is_main,
-            cfg.checkpoints.checkpoints_total_limit, self.fault,
-            optimizer_state=not cfg.checkpoints.checkpoint_weights_only,
+            cfg.train.output_dir, step, self.state_model or self.model, self.optimizer, self.lr_scheduler, meta,
+            layout.is_main, cfg.checkpoints.checkpoints_total_limit, self.fault,
+            optimizer_state=not cfg.checkpoints.checkpoint_weights_only, extra=self.extra_state(),
         )  # fmt: skip
         logger.info(f"saved {saved}")
 
+    def extra_state(self) -> dict | None:
+        """What checkpoints hold beside the weights and the optimizer: the EMA's shadow (--use_ema)."""
+        return {"ema": self.ema.state_dict()} if self.ema is not None else None
+
     def validate(self, step: int) -> None:
-        """Validation images with the current weights (CP across each group), saved and sent to the trackers."""
+        """Validation images with the current weights (their EMA with --use_ema; the trained text encoder's
+        encodings of the prompts with --train_text_encoder), CP across each group, saved and sent to the trackers."""
         cfg, p = self.cfg, self.previews
         self.fault.during_validation(step)
-        images = validation.generate(
-            self.accelerator.unwrap_model(self.model), p.encoders, p.scheduler_config, p.embeds, self.layout,
-            cfg.validation, cfg.train.guidance_scale, cfg.train.seed, self.accelerator.autocast, self.shape.family,
-            p.reference,
-        )  # fmt: skip
+        with self.averaged():
+            embeds = dict(p.embeds)
+            if self.text is not None:
+                dtype = embeds[self.text.entry].dtype
+                embeds.update(self.text.pipeline_inputs(list(cfg.validation.validation_prompt), dtype))
+            images = validation.generate(
+                self.accelerator.unwrap_model(self.model), p.encoders, p.scheduler_config, embeds, self.layout,
+                cfg.validation, cfg.train.guidance_scale, cfg.train.seed, self.accelerator.autocast,
+                self.shape.family, p.reference,
+            )  # fmt: skip
         if self.layout.is_main:
             path = validation.save_and_log(images, step, cfg.validation, cfg.train.output_dir, self.accelerator)
             logger.info(f"validation images: {path}")
@@ -129,7 +147,11 @@ class Outputs:
         """The trained weights in diffusers' format: the LoRA file (`--lora_format`) or the transformer folder, written
         into place by the main rank once the disk is known to hold them (every rank gathers them under FSDP2)."""
         cfg, output_dir, layout = self.cfg, self.cfg.train.output_dir, self.layout
-        state = full_state_dict(self.model, trainable_only=not cfg.lora.full_finetune)  # every rank: FSDP gathers
+        with self.averaged():  # every rank: FSDP gathers. Copies: on the CPU the state holds the parameters themselves
+            state = full_state_dict(self.model, trainable_only=not cfg.lora.full_finetune)
+            if self.ema is not None:
+                state = {k: v.clone() for k, v in state.items()}
+            text = (self.text.lora_weights(), self.text.adapter_config()) if self.text is not None else None
         bad = layout.is_main and any(not torch.isfinite(v).all() for v in state.values())
         if distributed.any_rank(bad):
             raise NonFiniteError(
@@ -151,7 +173,7 @@ class Outputs:
                     origin, family = lora_origin(cfg, kontext=self.shape.pairs), self.shape.family
                     out = outdir.write_final(output_dir, "pytorch_lora_weights.safetensors",
                                              lambda d: save_lora(inner, state, str(d), cfg.lora, family,
-                                                                 origin))  # fmt: skip
+                                                                 origin, text))  # fmt: skip
                 logger.info(f"wrote {out}")
             except UsageError as e:
                 problem = str(e)

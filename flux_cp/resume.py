@@ -216,7 +216,8 @@ RESUMABLE_CHANGES = (
     "weighting_scheme", "logit_mean", "logit_std", "mode_scale", "guidance_scale", "lora_dropout", "mixed_precision",
     "center_crop", "random_flip", "cp_kernels", "cp_overlap", "cp_exchange_first", "cp_ulysses_chunks",
     "gradient_checkpointing", "offload_blocks", "prodigy_beta3", "prodigy_decouple", "prodigy_use_bias_correction",
-    "prodigy_safeguard_warmup", "prior_loss_weight", "base_precision",
+    "prodigy_safeguard_warmup", "prior_loss_weight", "base_precision", "text_encoder_lr",
+    "adam_weight_decay_text_encoder", "ema_decay", "ema_update_interval",
 )  # fmt: skip
 
 # Entries of the run identity compared through "data" (the fingerprint of the data set's names, contents and
@@ -252,6 +253,7 @@ def run_identity(
         "seed": cfg.train.seed, "aspect_buckets": [list(b) for b in buckets] if buckets is not None else False,
         "max_sequence_length": cfg.data.max_sequence_length, "vae_encode_mode": cfg.data.vae_encode_mode,
         "optimizer": optimizer_name(cfg.train),
+        "train_text_encoder": cfg.lora.train_text_encoder, "use_ema": cfg.train.use_ema,
         "revision": cfg.model.revision, "variant": cfg.model.variant,
         "components": dict(sorted((components or {}).items())),
     }  # fmt: skip
@@ -296,7 +298,8 @@ def _changed_references(name: str, old: list, new: list) -> list[str]:
 
 
 # Keys added to the run identity later, with the value every checkpoint written before them had.
-_IDENTITY_BEFORE = {"optimizer": "adamw", "repeats": 1, "caption_dropout": 0.0, "prior": None}
+_IDENTITY_BEFORE = {"optimizer": "adamw", "repeats": 1, "caption_dropout": 0.0, "prior": None,
+                    "train_text_encoder": False, "use_ema": False}  # fmt: skip
 # Keys added later whose value earlier checkpoints did not know: compared only when the checkpoint has them.
 _IDENTITY_UNKNOWN_BEFORE = ("revision", "variant", "components")
 
@@ -370,11 +373,11 @@ def checkpoint_of(cfg: Config, run: dict, max_steps: int) -> tuple[Path, dict] |
     return path, meta
 
 
-def restore(path: Path, meta: dict, cfg: Config, model, optimizer, lr_scheduler) -> int:
-    """Load checkpoint `path` (its `meta`) into the model, optimizer and schedule, on any layout, saying which
-    settings this run changes; returns its step."""
+def restore(path: Path, meta: dict, cfg: Config, model, optimizer, lr_scheduler, extra: dict | None = None) -> int:
+    """Load checkpoint `path` (its `meta`) into the model, optimizer and schedule (and `extra`, as checkpoint.load
+    takes it), on any layout, saying which settings this run changes; returns its step."""
     with_optimizer = meta.get("optimizer_state", True)
-    applied = checkpoint.load(path, model, optimizer, lr_scheduler, with_optimizer)
+    applied = checkpoint.load(path, model, optimizer, lr_scheduler, with_optimizer, extra)
     logger.info(f"resumed from {path} at step {meta['step']} (written with {printable(meta['layout'])})")
     changed = changed_settings(meta.get("args", {}), cfg.flat(), RESUMABLE_CHANGES)
     for change in changed or applied:

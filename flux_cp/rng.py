@@ -23,6 +23,7 @@ class Stream(IntEnum):
     CLASS_ORDER = 9  # the order in which the run's batch slots take the class images (prior preservation)
     CLASS_CROP = 10  # random crop of a class image in one bucket
     CLASS_IMAGE = 11  # the starting noise of a generated class image
+    TEXT_ENCODER_LORA = 12  # the initial weights of the text encoder's LoRA (--train_text_encoder)
 
 
 def seeded_generator(*keys: int) -> torch.Generator:

@@ -174,5 +174,6 @@ def _encoded(cfg: Config, shape: RunShape, source: ImageSource, classes: ImageSo
         encoded = ClassSamples(class_data, len(classes), used)
         computed += class_data.computed
     logger.info(f"encodings: {len(source)} samples, {computed} newly computed, cache {cache}")
-    encoders.free_text_encoders()
+    trained = shape.family.trained_text_encoder if cfg.lora.train_text_encoder else None
+    encoders.free_text_encoders(keep=trained[:1] if trained else ())  # the one trained stays (flux_cp.text_encoder)
     return samples, encoded

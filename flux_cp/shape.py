@@ -28,6 +28,7 @@ from .model import check_seed_checkpoint, transformer_config, with_class_default
 from .offload import check_offload
 from .optim import check_optimizer
 from .precision import check_sharding
+from .text_encoder import check_sharding as check_text_encoder_sharding
 
 if TYPE_CHECKING:
     from .config import Config, DataConfig, ModelConfig, ParallelConfig, ValidationConfig
@@ -239,6 +240,7 @@ def check_start(cfg: Config, shape: RunShape, device_type: str) -> None:
     check_optimizer(cfg.train, device_type, shape.sharded)
     check_offload(cfg.train.offload_blocks, full_finetune=cfg.lora.full_finetune, sharded=shape.sharded)
     check_sharding(cfg.model.base_precision, shape.sharded)
+    check_text_encoder_sharding(cfg.lora.train_text_encoder, shape.sharded)
     check_reference_limit(family.max_references, family.pairs_label, cfg.validation, shape.metadata,
                           shape.reference_column)  # fmt: skip
     check_tokens(shape, cfg.data, cfg.validation)

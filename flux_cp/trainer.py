@@ -23,17 +23,18 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from . import blocks, diskspace, distributed, faults, metrics, optim, outdir, plan, quiet, resume, run_data
+from . import blocks, diskspace, distributed, faults, metrics, optim, outdir, parallel, plan, quiet, resume, run_data
 from .batches import Batches
 from .config import Config
 from .data import ImageSource, open_source
+from .ema import EMA
 from .errors import UsageError
 from .model import load_trainee
 from .outputs import Outputs
-from .parallel import Layout, cp_tuning, make_accelerator, make_layout, parallelize
 from .profiling import profiled
 from .shape import RunShape, build_shape, check_start, launched_world_size, resolved
 from .terminal import escape_logs
+from .text_encoder import TrainedTextEncoder
 
 logger = logging.getLogger("flux_cp")
 
@@ -55,6 +56,25 @@ class StepResult:
     end: Any  # metrics.StepTimer.mark() after the step's update
 
 
+def recipe_lines(cfg: Config) -> list[str]:
+    """What --train_text_encoder and --use_ema change in the run, said at its start."""
+    lines = []
+    if cfg.lora.train_text_encoder:
+        lines.append(
+            f"--train_text_encoder: a LoRA on CLIP (q_proj, k_proj, v_proj, out_proj; rank {cfg.lora.rank}) at "
+            f"learning rate {cfg.train.text_encoder_lr:g}; CLIP runs every step on the captions (its encodings are not "
+            "cached; T5's are), on every rank of a CP group alike"
+        )
+    if cfg.train.use_ema:
+        every = cfg.train.ema_update_interval
+        lines.append(
+            f"--use_ema: an EMA of the trained weights (decay up to {cfg.train.ema_decay:g}, updated every "
+            f"{'step' if every == 1 else f'{every} steps'}) is the run's output: the final weights and the validation "
+            "images are the EMA's; checkpoints hold the raw weights and the EMA"
+        )
+    return lines
+
+
 class Trainer:
     """A run of `train_flux_cp.py`: build it from the parsed flags, then `run` it (every phase in order)."""
 
@@ -62,7 +82,7 @@ class Trainer:
     shape: RunShape
     tuning: Any  # cp.Tuning: the CP tuning this device and model run
     accelerator: Any
-    layout: Layout
+    layout: parallel.Layout
     device: torch.device
     weight_dtype: torch.dtype  # the frozen weights' and the inputs' dtype (mixed precision)
     sizes: diskspace.Sizes  # of one checkpoint and of the final model, from parameter counts
@@ -76,6 +96,9 @@ class Trainer:
     lr_scheduler: Any
     params: list[torch.nn.Parameter]  # trainable, after accelerate.prepare (sharded under FSDP2)
     offload: Any  # flux_cp.offload.BlockOffload, or None without --offload_blocks
+    text: TrainedTextEncoder | None  # --train_text_encoder: the text encoder's LoRA, trained beside the transformer
+    ema: EMA | None  # --use_ema: the EMA of every trained weight
+    state_model: torch.nn.Module  # what checkpoints hold the weights of: the model, and the text encoder beside it
     checkpointing: plan.Checkpointing  # --gradient_checkpointing resolved: which blocks recompute
     max_steps: int
     run_identity: dict  # what a checkpoint must match to be resumed by this run
@@ -98,9 +121,9 @@ class Trainer:
     def launched_world_size(self) -> int:
         return launched_world_size()
 
-    def make_layout(self, accelerator) -> Layout:
+    def make_layout(self, accelerator) -> parallel.Layout:
         """The layout and its CP context, in the mode and with the tuning decided in `setup`."""
-        return make_layout(accelerator, self.shape, self.cfg.parallel.collective_timeout, self.tuning)
+        return parallel.make_layout(accelerator, self.shape, self.cfg.parallel.collective_timeout, self.tuning)
 
     def open_source(self) -> ImageSource:
         return open_source(self.cfg.data, self.shape.metadata, self.cfg.model.cache_dir)
@@ -146,9 +169,9 @@ class Trainer:
         self.shape = shape = build_shape(cfg, self.launched_world_size())
         self.cfg = cfg = resolved(cfg, shape.family, shape.pairs, shape.transformer_config)
         device_type = "cuda" if torch.cuda.is_available() else "cpu"  # accelerate's device (cpu=True without CUDA)
-        self.tuning, start_warnings = cp_tuning(cfg, shape, device_type)
+        self.tuning, start_warnings = parallel.cp_tuning(cfg, shape, device_type)
         check_start(cfg, shape, device_type)
-        self.accelerator = make_accelerator(cfg.parallel, cfg.train, cfg.validation, shape)
+        self.accelerator = parallel.make_accelerator(cfg.parallel, cfg.train, cfg.validation, shape)
         self.layout = layout = self.make_layout(self.accelerator)
         logging.basicConfig(level=logging.INFO if layout.is_main else logging.WARNING, format="%(message)s")
         escape_logs(logger)  # values read from files (checkpoints, model folders, data) cannot act on the terminal
@@ -159,6 +182,8 @@ class Trainer:
                 "--pretrained_model_name_or_path and --dataset_name for real runs"
             )
         for line in cfg.demo_lines():
+            logger.info(f"flux-cp: {line}")
+        for line in recipe_lines(cfg):
             logger.info(f"flux-cp: {line}")
         for warning in shape.family.output_warnings(cfg) if layout.is_main else ():
             logger.warning(warning)
@@ -218,16 +243,30 @@ class Trainer:
                 agreed=True,  # every rank counts the same batches
             )
         self.max_steps = max_steps = train.max_train_steps or train.num_train_epochs * steps_per_epoch
-        self.checkpointing = plan.checkpointing_for_run(cfg, self.shape, self.device)
-        ready = parallelize(
+        self.checkpointing = plan.checkpointing_for_run(cfg, shape, self.device)
+        self.text = text = None
+        if cfg.lora.train_text_encoder:  # kept whole on every rank, outside prepare (flux_cp.text_encoder)
+            self.text = text = TrainedTextEncoder(data.encoders, shape.family.trained_text_encoder, cfg.lora,
+                                                  train.seed)  # fmt: skip
+        text_params = text.parameters() if text is not None else None
+        ready = parallel.parallelize(
             transformer, shape, layout, cfg, checkpointing=self.checkpointing, device=self.device,
-            accelerator=self.accelerator, make_optimizer=lambda p: optim.make_optimizer(train, p, data.global_batch),
+            accelerator=self.accelerator,
+            make_optimizer=lambda p: optim.make_optimizer(train, p, data.global_batch, text_params),
         )  # fmt: skip
         self.model, self.optimizer, self.offload = ready.model, ready.optimizer, ready.offload
         self.lr_scheduler = optim.make_lr_scheduler(train, ready.base_optimizer, max_steps)
         # After prepare: FSDP2 replaces the parameters with sharded ones (the optimizer is remapped by accelerate;
         # a list taken before would clip and measure gradients that no longer exist).
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        inner = self.accelerator.unwrap_model(self.model)  # its parameters are the wrapped model's (the names differ)
+        self.state_model = self.model
+        named = [(n, p) for n, p in inner.named_parameters() if p.requires_grad]
+        if text is not None:  # checkpoints hold both under one module: the optimizer's state is keyed by their names
+            self.state_model = torch.nn.ModuleDict({"transformer": inner, text.name: text.module})
+            named = [(f"transformer.{n}", p) for n, p in named] + [(f"{text.name}.{n}", p)
+                                                                    for n, p in text.named_parameters()]  # fmt: skip
+        self.ema = EMA(named, train.ema_decay, train.ema_update_interval) if train.use_ema else None
         samples_per_step = data.global_batch * train.gradient_accumulation_steps
         buckets = list(shape.buckets) if cfg.data.aspect_buckets else None
         classes = data.class_source.identity() if data.class_source is not None else None
@@ -253,7 +292,8 @@ class Trainer:
         found = resume.checkpoint_of(self.cfg, self.run_identity, self.max_steps)
         if found is None:
             return 0
-        return resume.restore(*found, self.cfg, self.model, self.optimizer, self.lr_scheduler)
+        extra = {"ema": self.ema.state_dict()} if self.ema is not None else None
+        return resume.restore(*found, self.cfg, self.state_model, self.optimizer, self.lr_scheduler, extra)
 
     def train(self, start_step: int) -> None:
         """Every step after `start_step`, each queued on the device before the previous one is read."""
@@ -276,7 +316,8 @@ class Trainer:
         self.fault = faults.from_env(layout.rank)
         self.outputs = Outputs(cfg, shape, layout, self.accelerator, self.model, self.optimizer, self.lr_scheduler,
                                self.sizes, self.weight_dtype, self.run_identity, self.fault, self.max_steps,
-                               data.previews, save=self.save_checkpoint)  # fmt: skip
+                               data.previews, save=self.save_checkpoint, state_model=self.state_model,
+                               text=self.text, ema=self.ema)  # fmt: skip
         self.outputs.record_settings(self.tuning, self.checkpointing)
         if self.accelerator.log_with:
             flat = {**cfg.flat(), "resolution": ",".join(map(str, cfg.data.resolution))}  # trackers take scalars
@@ -289,9 +330,13 @@ class Trainer:
         self.bar = tqdm(range(self.max_steps), initial=start_step, desc="steps", disable=not layout.is_main,
                         dynamic_ncols=True)  # fmt: skip
         guidance = bool(shape.transformer_config.get("guidance_embeds"))
+        captions = None
+        if self.text is not None:  # the trained text encoder reads each sample's caption
+            n, samples = len(data.source), data.source.samples
+            captions = (lambda index: samples[index % n].caption, cfg.data.class_prompt)
         self.batches = Batches(data.samples, data.schedule, layout, cfg.data, cfg.train, data.noise_scheduler,
                                shape.family, shape.family.normalizer(data.encoders.vae), guidance, device,
-                               self.weight_dtype, data.classes)  # fmt: skip
+                               self.weight_dtype, data.classes, captions)  # fmt: skip
         peak = metrics.peak_flops(device)
         self.peak = peak and peak[0]
         if peak:
@@ -319,6 +364,9 @@ class Trainer:
                                        recomputed if blocks.attention_recomputed(cfg.train) else 0.0)  # fmt: skip
             blocks.step_begins(cfg.train.compile_mode)
             with accelerator.accumulate(model):
+                if self.text is not None:  # its forward in the step, with the weights of this step
+                    with accelerator.autocast():
+                        mb.inputs.update(self.text.inputs(mb.captions, self.weight_dtype))
                 loss = self.fault.maybe_corrupt(step, mb.loss(model(**mb.inputs)[0]))
                 accelerator.backward(loss)
                 loss_sum += loss.detach().double()
@@ -326,10 +374,16 @@ class Trainer:
                 if upcoming < self.max_steps * accum:  # the host builds it while the GPU runs this backward
                     self.batches.prefetch(upcoming)
                 if accelerator.sync_gradients:
-                    grad_norm = optim.clip_grad_norm(accelerator, self.params, cfg.train.max_grad_norm)
+                    text_params = None
+                    if self.text is not None:  # averaged over the ranks as DDP averages the transformer's
+                        self.text.average_gradients()
+                        text_params = self.text.parameters()
+                    grad_norm = optim.clip_grad_norm(accelerator, self.params, cfg.train.max_grad_norm, text_params)
         self.fault.maybe_fail(step)
         step_loss = accelerator.reduce(loss_sum / accum, reduction="mean")
         skipped = optim.apply_update(self.optimizer, self.lr_scheduler, step_loss, grad_norm)
+        if self.ema is not None:  # after the update (a skipped step's weights are those before it), on the device
+            self.ema.update(step)
         lr = self.lr_scheduler.get_last_lr()[0]
         return StepResult(step, mb.epoch, step_loss, grad_norm, skipped, lr, tokens, flops, self.timer.mark())
 
@@ -394,7 +448,8 @@ class Trainer:
         """Free what holds the process group while it is up, then end accelerate's trackers. The wrapped model's
         gradient reducer holds the group: freed after the group was destroyed, its teardown can deadlock gloo (a
         worker thread waits for the GIL the destructor holds)."""
-        for name in ("model", "optimizer", "lr_scheduler", "params", "batches", "metrics", "bar", "outputs"):
+        for name in ("model", "optimizer", "lr_scheduler", "params", "batches", "metrics", "bar", "outputs", "text",
+                     "ema", "state_model"):  # fmt: skip
             self.__dict__.pop(name, None)
         self.accelerator.free_memory()
         self.accelerator.end_training()

@@ -36,8 +36,11 @@ def _complete(run: Path) -> list[int]:
 
 
 # One uninterrupted dp=1 x cp=2 run, shared by the tests that compare against it or resume from it.
+# --use_ema: the final weights are the EMA, so the resumes below continue the EMA exactly too (its updates after
+# steps 3 and 6 straddle the resume at 4; at 6 the decay is --ema_decay's bound)
+EMA = ["--use_ema", "--ema_decay", "0.3", "--ema_update_interval", "3"]
 STRAIGHT = ["--cp_size", "2", "--checkpointing_steps", "2", "--lr_scheduler", "cosine", "--lr_warmup_steps", "2",
-            "--random_flip"]  # fmt: skip
+            "--random_flip", *EMA]  # fmt: skip
 STRAIGHT_STEPS = 8
 
 
@@ -114,9 +117,8 @@ def test_resume_on_other_layouts_continues_the_same_trajectory(tmp_path):
 
 def test_resume_refuses_a_different_global_batch(tmp_path, straight):
     """The straight run's checkpoint-2 (dp=1 x cp=2, global batch 1) resumed by dp=2 x cp=1 (global batch 2)."""
-    r = train(
-        2, *_common(tmp_path, "b", 4, "--cp_size", "1", "--resume_from_checkpoint", str(straight / "checkpoint-2"))
-    )
+    ckpt = str(straight / "checkpoint-2")
+    r = train(2, *_common(tmp_path, "b", 4, "--cp_size", "1", *EMA, "--resume_from_checkpoint", ckpt))
     assert r.returncode != 0  # accelerate launch exits 1 whatever its workers' codes (ours: 2)
     assert "incompatible run (global_batch: checkpoint 1, now 2)" in r.stderr
 

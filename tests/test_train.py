@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from pathlib import Path
 
 import pytest
@@ -21,8 +22,11 @@ def _common(tmp: Path, name: str, steps: int, *extra: str) -> list[str]:
 
 
 # Gradient accumulation and checkpointing, CP by Ulysses: one process against cp=2 (eager), shared by the tests
-# that compare against the cp=2 run.
-ACCUMULATED = ["--learning_rate", "1e-3", "--gradient_accumulation_steps", "2", "--gradient_checkpointing", "all"]
+# that compare against the cp=2 run. With the recipe options that must be exact under CP too: the text encoder's LoRA
+# (CLIP run on every rank of the group, its gradients averaged as the transformer's) and the EMA as the output.
+ACCUMULATED = ["--learning_rate", "1e-3", "--gradient_accumulation_steps", "2", "--gradient_checkpointing", "all",
+               "--train_text_encoder", "--text_encoder_lr", "1e-3", "--use_ema", "--ema_decay", "0.9",
+               "--ema_update_interval", "2"]  # fmt: skip
 CP2 = ["--cp_size", "2", "--cp_mode", "ulysses"]
 
 
@@ -47,6 +51,31 @@ def test_single_process_matches_cp2(accumulated):
     assert all(r["grad_norm"] > 0 for r in rows), "gradient norm not measured"
 
 
+def test_the_output_is_the_ema_and_holds_the_text_encoders_lora(accumulated):
+    """--use_ema: the LoRA file holds the EMA the last checkpoint keeps beside the raw weights, not the raw weights;
+    --train_text_encoder: its text_encoder.* keys (compared under CP by the test above) are CLIP's LoRA."""
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    saved = load_file(accumulated / "one" / "pytorch_lora_weights.safetensors")
+    text = [k for k in saved if k.startswith("text_encoder.")]
+    assert text and all(re.search(r"\.(q|k|v|out)_proj\.lora_[AB]\.weight$", k) for k in text), text
+    with warnings.catch_warnings():  # "torch.distributed is unavailable ... load in a single process": as meant
+        warnings.simplefilter("ignore", UserWarning)
+        state = _load_state_dict_from_keys(checkpoint_id=str(accumulated / "one" / "checkpoint-10" / "state"))
+
+    def named(entries: dict) -> dict:  # checkpoint names -> the LoRA file's
+        out = {}
+        for k, v in entries.items():
+            part, rest = k.split(".", 1)
+            out[f"{part}.{rest.replace('.default.', '.')}"] = v
+        return out
+
+    ema, raw = named(state["ema"]), named(state["model"])
+    assert ema.keys() == raw.keys() == saved.keys()
+    assert all(torch.equal(saved[k], ema[k]) for k in saved)
+    assert not all(torch.equal(saved[k], raw[k]) for k in saved if "lora_B" in k), "the raw weights were written"
+
+
 def test_compiled_blocks_train_like_eager_with_cp(tmp_path, accumulated):
     """--compile (README's advice for GPUs): every block compiled as one graph, CP attention included (no graph
     break), the first block checkpointed inside its graph and the others plain; the same trajectory as eager with
@@ -69,7 +98,8 @@ def test_lora_loads_into_flux_pipeline_and_changes_its_output(tmp_path):
 
     from flux_cp.families.flux1.tiny import ensure_tiny_pipeline
 
-    ok(train(2, *_common(tmp_path, "lora", 6, "--cp_size", "2", "--learning_rate", "1e-2", "--rank", "4")))
+    ok(train(2, *_common(tmp_path, "lora", 6, "--cp_size", "2", "--learning_rate", "1e-2", "--rank", "4",
+                         "--train_text_encoder", "--text_encoder_lr", "1e-2")))  # fmt: skip
     out = tmp_path / "lora"
     assert (out / "metrics.jsonl").is_file() and (out / "loss_curve.png").is_file()
 
@@ -86,9 +116,15 @@ def test_lora_loads_into_flux_pipeline_and_changes_its_output(tmp_path):
             output_type="pt",
         ).images
 
-    before = image()
+    def pooled():
+        return pipe.encode_prompt("a red circle on a blue background", None, max_sequence_length=32)[1]
+
+    before, pooled_before = image(), pooled()
     pipe.load_lora_weights(str(out))
     assert any("lora" in n for n, _ in pipe.transformer.named_parameters())
+    # --train_text_encoder: CLIP's LoRA (text_encoder.* keys) loads into the pipeline's text encoder and changes it
+    assert any("lora" in n for n, _ in pipe.text_encoder.named_parameters())
+    assert (pooled() - pooled_before).abs().max().item() > 1e-4
     after = image()
     assert (after - before).abs().max().item() > 1e-3
 

@@ -86,6 +86,9 @@ class Family(ABC):
     comfyui_transformer: str = ""
     comfyui_unmapped: tuple[str, ...] = ()
     known: tuple[KnownModel, ...] = ()  # hub ids it knows offline
+    # --train_text_encoder: (the text encoder trained, the transformer's forward argument its output feeds, the
+    # pipeline's argument and cached encoding of the same); None: the family trains no text encoder
+    trained_text_encoder: tuple[str, str, str] | None = None
 
     # --- components -----------------------------------------------------------------------------------------
 
@@ -107,6 +110,11 @@ class Family(ABC):
 
     def check(self, cfg: Config) -> None:
         """Flags this family cannot honour: a UsageError naming the flag (before anything loads)."""
+        if cfg.lora.train_text_encoder and self.trained_text_encoder is None:
+            raise UsageError(
+                f"--train_text_encoder trains FLUX.1's CLIP; {self.label}'s text encoder is not trained (diffusers' "
+                "examples for it do not offer it either): drop --train_text_encoder"
+            )
         fmt = cfg.lora.lora_format
         if fmt not in self.lora_layouts:
             readers = f"{self.pipeline_class_names[0]}.load_lora_weights reads it"

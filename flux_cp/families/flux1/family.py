@@ -69,6 +69,15 @@ class Flux1Encoders(Encoders):
         embeds = t5(ids2.to(self.device), output_hidden_states=False)[0]
         return {"prompt_embeds": embeds.to(self.dtype), "pooled_prompt_embeds": pooled.to(self.dtype)}
 
+    def trained_text(self, module: torch.nn.Module, captions: list[str]) -> Tensor:
+        """CLIP's pooled embedding `[B, D']` of `captions` from `module` (--train_text_encoder), as `prompts` computes
+        it."""
+        ids = self.tokenizer(
+            captions, padding="max_length", max_length=self.tokenizer.model_max_length, truncation=True,
+            return_tensors="pt",
+        ).input_ids  # fmt: skip
+        return module(ids.to(self.device), output_hidden_states=False).pooler_output
+
     def truncation_warnings(self, captions: list[str], max_sequence_length: int) -> list[str]:
         """T5's window is --max_sequence_length (its end-of-text token included); CLIP's, its 77 tokens (only its
         pooled embedding is used), as FluxPipeline cuts them."""
@@ -123,6 +132,7 @@ class Flux1(Family):
     card_tags, pairs_card_tags = ("flux",), ("flux-kontext",)
     comfyui_mapping = "Flux"
     known = KNOWN
+    trained_text_encoder = ("text_encoder", "pooled_projections", "pooled_prompt_embeds")  # CLIP, as diffusers' example
     comfyui_transformer = (
         "`transformer/` is in diffusers' layout, in shards of at most 10 GB. ComfyUI's *Load Diffusion Model* node "
         "reads one `.safetensors` file from `ComfyUI/models/diffusion_models/` and converts diffusers' key names "
