@@ -175,4 +175,5 @@ def _encoded(cfg: Config, shape: RunShape, source: ImageSource, classes: ImageSo
         computed += class_data.computed
     logger.info(f"encodings: {len(source)} samples, {computed} newly computed, cache {cache}")
     encoders.free_text_encoders()
+    encoders.placement.release()  # the accelerator is the transformer's from here (validation borrows the VAE)
     return samples, encoded
