@@ -235,6 +235,21 @@ class ModelConfig:
         "install -e .[quant].",
         choices=PRECISIONS,
     )
+    text_encoder_offload: str = flag(
+        "auto",
+        "Keep a text encoder's weights in host memory and stream each layer to the GPU for its forward while prompts "
+        "encode (exact; slower): 'auto' for a text encoder whose weights and activations exceed 90% of the GPU "
+        "(--gpu_memory_gib, else the GPU's own; FLUX.2 [dev]'s 24B Mistral on a 24 GiB card), 'on', 'off'. "
+        "docs/small_gpus.md.",
+        choices=("auto", "on", "off"),
+    )
+    vae_tiling: str = flag(
+        "auto",
+        "Encode and decode with the VAE in overlapping tiles (diffusers' enable_tiling; tiles blend, so the latents "
+        "and images differ slightly from whole ones): 'auto' where the whole image would not fit the GPU (encoding "
+        "at --resolution, validation images beside the transformer), 'on', 'off'. docs/small_gpus.md.",
+        choices=("auto", "on", "off"),
+    )
     cache_dir: str | None = flag(
         None,
         "Where downloaded models and hub data sets are stored, as --cache_dir of diffusers' examples. Default: the "

@@ -155,6 +155,12 @@ class Flux1(Family):
         weights = kohya.to_kohya(state, lora.rank, lora.lora_alpha)
         return weights, kohya.metadata(rank=lora.rank, alpha=lora.lora_alpha, origin=origin, guidance=guidance)
 
+    def encoder_classes(self) -> dict[str, type]:
+        from diffusers import AutoencoderKL
+        from transformers import CLIPTextModel, T5EncoderModel
+
+        return {"text_encoder": CLIPTextModel, "text_encoder_2": T5EncoderModel, "vae": AutoencoderKL}
+
     def load_encoders(self, model: ModelConfig, path: str, dtype: torch.dtype, device: torch.device) -> Encoders:
         from diffusers import AutoencoderKL  # diffusers and transformers at first use (seconds to import)
         from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast

@@ -263,6 +263,13 @@ class Flux2(Family):
     def embedded_default(self, pairs: bool) -> str:
         return str(ensure_tiny_flux2_pipeline(klein=self.klein))
 
+    def encoder_classes(self) -> dict[str, type]:
+        from diffusers import AutoencoderKLFlux2
+        from transformers import Mistral3ForConditionalGeneration, Qwen3ForCausalLM
+
+        return {"text_encoder": Qwen3ForCausalLM if self.klein else Mistral3ForConditionalGeneration,
+                "vae": AutoencoderKLFlux2}  # fmt: skip
+
     def load_encoders(self, model: ModelConfig, path: str, dtype: torch.dtype, device: torch.device) -> Encoders:
         from diffusers import AutoencoderKLFlux2, DiffusionPipeline
         from transformers import Mistral3ForConditionalGeneration, Qwen3ForCausalLM
