@@ -226,8 +226,12 @@ def encoding_plan(texts: dict[str, TextEncoderShape], vae: VaeShape, *, dtype_by
     budget = MARGIN * gpu_bytes if gpu_bytes is not None else None
     tiled_encode, reasons["vae encode"] = tiling_choice(tiling, vae, resolution, resolution, dtype_bytes, False,
                                                         budget)  # fmt: skip
-    peaks.append((vae_peak_bytes(vae, resolution, resolution, dtype_bytes, False, tiled_encode),
-                  f"VAE encoding {resolution} px{', tiled' if tiled_encode else ''}"))
+    peaks.append(
+        (
+            vae_peak_bytes(vae, resolution, resolution, dtype_bytes, False, tiled_encode),
+            f"VAE encoding {resolution} px{', tiled' if tiled_encode else ''}",
+        )
+    )
     decode, tiled_decode = None, False
     if validation_resolution is not None:
         r = validation_resolution

@@ -98,20 +98,19 @@ class Placement:
 
     def _to_device(self, name: str) -> None:
         """Copy the component's parameters and buffers to the accelerator, keeping the host tensors to go back to."""
-        kept, seen = [], {}
+        kept, seen = [], set()
         for owner in self.modules[name].modules():
             for table, is_param in ((owner._parameters, True), (owner._buffers, False)):
                 for key, t in table.items():
-                    if t is None or t.device == self.device:
-                        continue
+                    if t is None or id(t) in seen or t.device == self.device:
+                        continue  # a tied parameter is one object: moved once, it stays tied
+                    seen.add(id(t))
                     host = t.data if is_param else t
-                    if id(host) not in seen:  # tied tensors are copied once and stay tied
-                        seen[id(host)] = self._copy(host, self.device)
                     kept.append((owner, key, is_param, host))
                     if is_param:
-                        t.data = seen[id(host)]
+                        t.data = self._copy(host, self.device)
                     else:
-                        table[key] = seen[id(host)]
+                        table[key] = self._copy(host, self.device)
         self._host_tensors[name] = kept
         self.state[name] = ON_DEVICE
 

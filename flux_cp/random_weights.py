@@ -91,6 +91,8 @@ def build_random(cls: type, config, dtype: torch.dtype, home: torch.device, seed
         fill_device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else home
     with init_empty_weights(include_buffers=False):  # parameters on meta, buffers (frequencies, stats) for real
         model = cls.from_config(config) if isinstance(config, dict) else cls._from_config(config)
+    if hasattr(model, "tie_weights"):  # transformers ties input and output embeddings where the config says so
+        model.tie_weights()
     materialize(model, dtype, fill_device, home, seed)
     for b_owner in model.modules():  # the model's own buffers, kept in their dtype where it is not a float one
         for name, b in list(b_owner.named_buffers(recurse=False)):

@@ -52,11 +52,30 @@ FLUX1_DEV_TRANSFORMER = dict(
 # FLUX.1-dev's text encoders and VAE (black-forest-labs/FLUX.1-dev: text_encoder/, text_encoder_2/, vae/config.json):
 # CLIP ViT-L/14's text tower, the T5 v1.1 XXL encoder, and the 16-channel VAE. The full-shapes preset writes them as
 # configs only; the tokenizers stay the tiny ones (their ids are valid in the full vocabularies).
-FLUX1_CLIP = dict(vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
-                  num_attention_heads=12, max_position_embeddings=77, projection_dim=768, hidden_act="quick_gelu")
-FLUX1_T5 = dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
-                relative_attention_num_buckets=32, relative_attention_max_distance=128,
-                feed_forward_proj="gated-gelu", is_gated_act=True, dense_act_fn="gelu_new", tie_word_embeddings=False)
+FLUX1_CLIP = dict(
+    vocab_size=49408,
+    hidden_size=768,
+    intermediate_size=3072,
+    num_hidden_layers=12,
+    num_attention_heads=12,
+    max_position_embeddings=77,
+    projection_dim=768,
+    hidden_act="quick_gelu",
+)
+FLUX1_T5 = dict(
+    vocab_size=32128,
+    d_model=4096,
+    d_kv=64,
+    d_ff=10240,
+    num_layers=24,
+    num_heads=64,
+    relative_attention_num_buckets=32,
+    relative_attention_max_distance=128,
+    feed_forward_proj="gated-gelu",
+    is_gated_act=True,
+    dense_act_fn="gelu_new",
+    tie_word_embeddings=False,
+)
 FLUX1_VAE = dict(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
                  up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(128, 256, 512, 512), layers_per_block=2,
                  act_fn="silu", latent_channels=16, norm_num_groups=32, sample_size=1024, scaling_factor=0.3611,
@@ -221,10 +240,10 @@ def _write_flux1_dev_full_shapes(path: Path, kontext: bool) -> None:
         FluxTransformer2DModel(**FLUX1_DEV_TRANSFORMER).save_config(path / "transformer")
     index = {"_class_name": "FluxKontextPipeline" if kontext else "FluxPipeline",
              "_diffusers_version": __import__("diffusers").__version__,
-             "scheduler": ["diffusers", type(pipe.scheduler).__name__], "text_encoder": ["transformers", "CLIPTextModel"],
-             "text_encoder_2": ["transformers", "T5EncoderModel"], "tokenizer": ["transformers", type(tok).__name__],
-             "tokenizer_2": ["transformers", type(tok2).__name__], "transformer": ["diffusers", "FluxTransformer2DModel"],
-             "vae": ["diffusers", "AutoencoderKL"]}  # fmt: skip
+             "scheduler": ["diffusers", type(pipe.scheduler).__name__],
+             "text_encoder": ["transformers", "CLIPTextModel"], "text_encoder_2": ["transformers", "T5EncoderModel"],
+             "tokenizer": ["transformers", type(tok).__name__], "tokenizer_2": ["transformers", type(tok2).__name__],
+             "transformer": ["diffusers", "FluxTransformer2DModel"], "vae": ["diffusers", "AutoencoderKL"]}  # fmt: skip
     write_json(path / "model_index.json", index)
 
 
