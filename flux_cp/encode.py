@@ -189,9 +189,11 @@ def component_fingerprints(encoders: Encoders, path: str, revision: str | None, 
 
 def encoder_fingerprints(components: dict[str, str], encoders: Encoders) -> tuple[str, str]:
     """(VAE, text encoders) fingerprints: the cache keys of latents and of prompt embeddings include them (every
-    text encoder's, in the family's order, and its `text_recipe`). `components`: `component_fingerprints`."""
+    text encoder's, in the family's order, and its `text_recipe`; the VAE's with whether it encodes in tiles).
+    `components`: `component_fingerprints`."""
     text = "".join(components[name] for name in encoders.text_encoders)
-    return components["vae"], text + encoders.text_recipe
+    tiled = ":tiled" if getattr(encoders, "tiled_encode", False) else ""  # tiles blend: other latents (--vae_tiling)
+    return components["vae"] + tiled, text + encoders.text_recipe
 
 
 def run_buckets(

@@ -293,7 +293,7 @@ def configure(cfg: Config, shape: RunShape, encoders, device) -> EncodingPlan:
     if "vae decode" in plan.reasons:
         tiling.append(f"validation decode {'tiled' if plan.tiled_decode else 'whole'} ({plan.reasons['vae decode']})")
     logger.info("VAE: " + "; ".join(tiling))
-    logger.info(f"planned peak of the {plan.lines()[0]}")
+    logger.info(plan.lines()[0].replace("encoding phase: ", "encoding phase: planned peak ", 1))
     if cfg.data.no_cache:  # every batch is encoded beside the training transformer: the components stay there
         encoders.placement.keep_resident()
     elif gpu is not None and plan.encoding_bytes > MARGIN * gpu:

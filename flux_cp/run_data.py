@@ -32,6 +32,7 @@ from .encode import (
     encoder_fingerprints,
 )
 from .errors import UsageError
+from .metrics import peak_memory_gib
 from .model import load_scheduler, pipeline_class
 from .outputs import Previews
 from .prior import ClassSamples, class_source, generate_class_images, generated_folder
@@ -118,6 +119,8 @@ def load(
             f"({global_batch}); lower --train_batch_size, or give those rows as many references as others"
         )
     repeated = Repeated(samples, cfg.data.repeats) if cfg.data.repeats > 1 else samples
+    if device.type == "cuda":  # beside the plan logged at the start of the phase
+        logger.info(f"encoding phase: measured peak {peak_memory_gib(device):.1f} GiB")
     return RunData(shape, source, encoders, components, noise_scheduler, repeated, classes, encoded_classes, schedule,
                    global_batch, previews)  # fmt: skip
 
