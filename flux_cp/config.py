@@ -223,8 +223,9 @@ class ModelConfig:
     )
     transformer_init: str = flag(
         "pretrained",
-        "'random': build the transformer from its config with seeded random weights (benchmarks and "
-        "equivalence runs of full-sized models without downloading them: python -m flux_cp.tiny --preset ...).",
+        "'random': build the transformer from its config with seeded random weights, and so every other component "
+        "whose folder holds a config but no weights (benchmarks and equivalence runs of full-sized models without "
+        "downloading them: python -m flux_cp.tiny --preset ...).",
         choices=("pretrained", "random"),
     )
     base_precision: str = flag(
@@ -234,6 +235,21 @@ class ModelConfig:
         "and the final layer stay as loaded. For GPUs the bf16 base does not fit (docs/small_gpus.md); needs pip "
         "install -e .[quant].",
         choices=PRECISIONS,
+    )
+    text_encoder_offload: str = flag(
+        "auto",
+        "Keep a text encoder's weights in host memory and stream each layer to the GPU for its forward while prompts "
+        "encode (exact; slower): 'auto' for a text encoder whose weights and activations do not fit the GPU "
+        "(--gpu_memory_gib, else the GPU's own, less a tenth of headroom; FLUX.2 [dev]'s 24B Mistral on a 24 GiB "
+        "card), 'on', 'off'. docs/small_gpus.md.",
+        choices=("auto", "on", "off"),
+    )
+    vae_tiling: str = flag(
+        "auto",
+        "Encode and decode with the VAE in overlapping tiles (diffusers' enable_tiling; tiles blend, so the latents "
+        "and images differ slightly from whole ones): 'auto' where the whole image would not fit the GPU (encoding "
+        "at --resolution, validation images beside the transformer), 'on', 'off'. docs/small_gpus.md.",
+        choices=("auto", "on", "off"),
     )
     cache_dir: str | None = flag(
         None,

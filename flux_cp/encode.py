@@ -15,6 +15,8 @@ import json
 import logging
 import os
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -27,6 +29,8 @@ from . import distributed, files
 from .data import ImageSource, Repeats, bucket_divisor, bucket_sizes, crop_box, nearest_bucket, to_pixels
 from .errors import UsageError
 from .images import DECODER_VERSION
+from .placement import Placement
+from .random_weights import WEIGHT_SUFFIXES
 from .rng import Stream, generator
 from .terminal import printable
 
@@ -51,6 +55,11 @@ class Encoders(ABC):
         self.vae, self.device, self.dtype = vae, device, dtype
         # name -> model, in the order their fingerprints enter the text cache key
         self.text_encoders: dict[str, torch.nn.Module] = dict(text_encoders)
+        # one component at a time on the accelerator (flux_cp.placement); the families load them into host memory
+        self.placement = Placement({"vae": vae, **self.text_encoders}, device)
+        # --vae_tiling resolved: whether the VAE encodes (training and reference images) and decodes (validation
+        # images) in tiles (flux_cp.encoding_memory.vae_tiling_choice)
+        self.tiled_encode = self.tiled_decode = False
 
     @abstractmethod
     def prompts(self, captions: list[str], max_sequence_length: int) -> dict[str, Tensor]:
@@ -63,8 +72,19 @@ class Encoders(ABC):
     @torch.no_grad()
     def latents(self, pixels: Tensor) -> tuple[Tensor, Tensor]:
         """Mean and std of the VAE latent distribution (fp32, before any normalisation)."""
-        dist_ = self.vae.encode(pixels.to(self.device, self.vae.dtype)).latent_dist
-        return dist_.mean.float(), dist_.std.float()
+        with self.placement.use("vae"), self.vae_tiles(self.tiled_encode):
+            dist_ = self.vae.encode(pixels.to(self.device, self.vae.dtype)).latent_dist
+            return dist_.mean.float(), dist_.std.float()
+
+    @contextmanager
+    def vae_tiles(self, tiled: bool) -> Iterator[None]:
+        """The VAE in tiles (diffusers' `use_tiling`: tiles that overlap and blend) or whole, for the body."""
+        before = getattr(self.vae, "use_tiling", False)
+        self.vae.use_tiling = tiled
+        try:
+            yield
+        finally:
+            self.vae.use_tiling = before
 
     def latent_shape(self, size: tuple[int, int]) -> tuple[int, ...]:
         """`[C, h, w]` of the latent distribution's mean (and std) of an image of `size` (w, h)."""
@@ -82,9 +102,14 @@ class Encoders(ABC):
         raise NotImplementedError(f"{type(self).__name__} trains no text encoder")
 
     def free_text_encoders(self, keep: tuple[str, ...] = ()) -> None:
-        """Free the text encoders but those named in `keep` (one being trained)."""
-        for name in [n for n in self.text_encoders if n not in keep]:
-            del self.text_encoders[name]
+        """Free the text encoders but those named in `keep` (one being trained), which leave the placement for the
+        accelerator: they run in every step from here."""
+        for name in list(self.text_encoders):
+            self.placement.forget(name)
+            if name in keep:
+                self.text_encoders[name].to(self.device)
+            else:
+                del self.text_encoders[name]
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -109,7 +134,6 @@ def truncation_line(lengths: list[int], limit: int, window: str, remedy: str) ->
 # would cost tens of seconds.
 FINGERPRINT_BLOCKS = 64
 FINGERPRINT_BLOCK = 64 * 1024
-WEIGHT_SUFFIXES = (".safetensors", ".bin")
 
 
 def component_folder(path: str, subfolder: str, revision: str | None, cache_dir: str | None = None) -> Path | None:
@@ -175,9 +199,11 @@ def component_fingerprints(encoders: Encoders, path: str, revision: str | None, 
 
 def encoder_fingerprints(components: dict[str, str], encoders: Encoders) -> tuple[str, str]:
     """(VAE, text encoders) fingerprints: the cache keys of latents and of prompt embeddings include them (every
-    text encoder's, in the family's order, and its `text_recipe`). `components`: `component_fingerprints`."""
+    text encoder's, in the family's order, and its `text_recipe`; the VAE's with whether it encodes in tiles).
+    `components`: `component_fingerprints`."""
     text = "".join(components[name] for name in encoders.text_encoders)
-    return components["vae"], text + encoders.text_recipe
+    tiled = ":tiled" if getattr(encoders, "tiled_encode", False) else ""  # tiles blend: other latents (--vae_tiling)
+    return components["vae"] + tiled, text + encoders.text_recipe
 
 
 def run_buckets(
@@ -441,8 +467,8 @@ def encode_dataset(
                         entry.setdefault("references", []).append(keys)
                         entry.setdefault("reference_sha", []).append(digest)
                 entries[placement * n + i] = {**entry, "text": tkey}
-            if len(pending_text) >= 16:
-                computed += _encode_texts(encoders, pending_text, data.max_sequence_length, cache_dir)
+        # The captions after the images: the VAE is on the accelerator for the images, then each text encoder for the
+        # captions (flux_cp.placement), each moved there once per TEXT_CHUNK captions rather than once per image.
         computed += _encode_texts(encoders, pending_text, data.max_sequence_length, cache_dir)
     except OSError as e:
         where = f" ({e.filename})" if e.filename else ""
@@ -465,13 +491,29 @@ def encode_dataset(
     return EncodedData(cache_dir, table, computed_everywhere, texts)
 
 
+# Captions encoded per call of `Encoders.prompts` while caching (each text encoder goes to the accelerator once per
+# call), and per forward of a text encoder within it (its activations: flux_cp.encoding_memory).
+TEXT_CHUNK = 256
+TEXT_BATCH = 16
+
+
+def in_batches(encode, captions: list[str], size: int = TEXT_BATCH) -> dict[str, Tensor]:
+    """`encode(batch)` ({name: [b, ...]}) of `captions` in batches of `size`, concatenated: where they are for one
+    batch, in host memory for several (a chunk's encodings would take the accelerator's room: 1 GiB for 256
+    captions of T5-XXL at 512 tokens)."""
+    if len(captions) <= size:
+        return encode(captions)
+    parts = [{n: t.cpu() for n, t in encode(captions[i : i + size]).items()} for i in range(0, len(captions), size)]
+    return {name: torch.cat([p[name] for p in parts]) for name in parts[0]}
+
+
 def _encode_texts(encoders: Encoders, pending: dict[str, str], max_len: int, cache_dir: Path) -> int:
-    if not pending:
-        return 0
     keys = list(pending)
-    embeds = encoders.prompts([pending[k] for k in keys], max_len)
-    for j, k in enumerate(keys):
-        files.write_safetensors(cache_dir / "text" / f"{k}.safetensors", {n: t[j] for n, t in embeds.items()})
+    for start in range(0, len(keys), TEXT_CHUNK):
+        chunk = keys[start : start + TEXT_CHUNK]
+        embeds = encoders.prompts([pending[k] for k in chunk], max_len)
+        for j, k in enumerate(chunk):
+            files.write_safetensors(cache_dir / "text" / f"{k}.safetensors", {n: t[j] for n, t in embeds.items()})
     pending.clear()
     return len(keys)
 

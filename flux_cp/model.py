@@ -18,6 +18,7 @@ from .encode import component_folder, model_fingerprint
 from .errors import UsageError
 from .lora import add_lora
 from .precision import quantize_base
+from .random_weights import build_random, has_weight_files, name_seed
 
 if TYPE_CHECKING:
     from .config import Config, LoraConfig, ModelConfig
@@ -47,6 +48,23 @@ def load_component(cls, path: str, subfolder: str, revision: str | None, **kwarg
         raise UsageError(
             f"cannot load {subfolder} from --pretrained_model_name_or_path {path}: {str(e).splitlines()[0]}"
         ) from None
+
+
+def load_part(cls, path: str, subfolder: str, model: ModelConfig, weights_dtype: torch.dtype, **kwargs):
+    """A component other than the transformer (VAE, text encoder) into host memory: `load_component`, or with
+    `--transformer_init random` and a component folder holding a config but no weight files (the full-size shapes
+    presets of flux_cp.tiny) built from that config with random weights in `weights_dtype`, the same in every run
+    (flux_cp.random_weights)."""
+    if model.transformer_init == "random":
+        folder = component_folder(path, subfolder, model.revision, model.cache_dir)
+        if folder is not None and (folder / "config.json").is_file() and not has_weight_files(folder):
+            if hasattr(cls, "config_class"):  # transformers
+                config = cls.config_class.from_pretrained(folder)
+            else:
+                config = dict(cls.load_config(folder))
+            logger.info(f"{subfolder}: no weights in {folder}, built from its config with random weights")
+            return build_random(cls, config, weights_dtype, torch.device("cpu"), name_seed(subfolder))
+    return load_component(cls, path, subfolder, model.revision, **kwargs)
 
 
 def transformer_config(path: str, cls: type, revision: str | None, cache_dir: str | None) -> dict:

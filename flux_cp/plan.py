@@ -310,6 +310,7 @@ def print_plan(cfg: Config) -> None:
         + (", blocks compiled" if compiled else ", blocks eager")
     )
     print_disk(cfg, shape)
+    encoding = print_encoding(cfg, shape, gpu * GIB)
     if note := unmeasured(shape.family):
         print(f"note: {note}")
     print(
@@ -325,6 +326,7 @@ def print_plan(cfg: Config) -> None:
         estimate_with = run_estimate(cfg, at)
         e, chosen_fits = checkpointing_choice(value, estimate_with, gpu * GIB)
         auto, auto_fits = checkpointing_choice("auto", estimate_with, gpu * GIB)
+        chosen_fits, auto_fits = chosen_fits and encoding, auto_fits and encoding  # the run's peak: both phases
         ck, full = e.total_with(e.activations_with_ckpt) / GIB, e.total_with(e.activations_without_ckpt) / GIB
         if auto_fits and fits_at is None:
             fits_at = (c, auto)
@@ -353,6 +355,21 @@ def print_plan(cfg: Config) -> None:
         + (f" (auto: {auto.checkpointed} of {auto.blocks} blocks checkpointed)" if auto.checkpointed else "")
         + f"; figures are estimates within ~15% of measured peaks (GiB per GPU; {1 - MARGIN:.0%} headroom kept)."
     )
+
+
+def print_encoding(cfg: Config, shape: RunShape, gpu_bytes: float) -> bool:
+    """The encoding phase's and validation decode's planned peaks (flux_cp.encoding_memory), from the components'
+    configs; whether the encoding phase fits (a run fits when both it and the training step do)."""
+    from .encoding_memory import MARGIN as ENCODING_MARGIN
+    from .encoding_memory import plan_from_configs
+
+    p = plan_from_configs(cfg, shape, gpu_bytes)
+    if p is None:
+        print("encoding phase: not planned (the text encoders' and VAE's configs are not on this machine)")
+        return True
+    for line in p.lines():
+        print(line)
+    return p.encoding_bytes <= ENCODING_MARGIN * gpu_bytes
 
 
 def checkpointing_choice(value: str, estimate_with, gpu_bytes: float) -> tuple[Estimate, bool]:

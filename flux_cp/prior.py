@@ -186,6 +186,7 @@ def generate_class_images(cfg: Config, shape: RunShape, layout: Layout, encoders
             problem = f"cannot create {target}: {e.strerror or e}"
     distributed.check_all_ranks(problem is None, problem or "")
     embeds = shape.family.validation_embeds(encoders, [data.class_prompt], shape.text_tokens)
+    encoders.placement.release()  # no text encoder beside the transformer (flux_cp.placement)
     precision = cfg.model.base_precision
     # On the CPU first with a quantized base, which quantize_base moves to the device a layer at a time: a 24 GB GPU
     # cannot hold a bf16 FLUX.1.

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import validation
+from . import encoding_memory, validation
 from .data import (
     BatchSchedule,
     ImageSource,
@@ -32,6 +32,7 @@ from .encode import (
     encoder_fingerprints,
 )
 from .errors import UsageError
+from .metrics import peak_memory_gib
 from .model import load_scheduler, pipeline_class
 from .outputs import Previews
 from .prior import ClassSamples, class_source, generate_class_images, generated_folder
@@ -87,6 +88,7 @@ def load(
         if warning:
             logger.warning(warning)
     encoders = shape.family.load_encoders(cfg.model, shape.model_path, dtype, device)
+    encoding_memory.configure(cfg, shape, encoders, device)  # streamed text encoders, VAE tiling (logged)
     # What the encodings (their cache keys) and a resume (the run identity) know the components by: content
     components = component_fingerprints(encoders, shape.model_path, cfg.model.revision, cfg.model.cache_dir)
     noise_scheduler = load_scheduler(cfg.model, shape.model_path)
@@ -117,6 +119,8 @@ def load(
             f"({global_batch}); lower --train_batch_size, or give those rows as many references as others"
         )
     repeated = Repeated(samples, cfg.data.repeats) if cfg.data.repeats > 1 else samples
+    if device.type == "cuda":  # beside the plan logged at the start of the phase
+        logger.info(f"encoding phase: measured peak {peak_memory_gib(device):.1f} GiB")
     return RunData(shape, source, encoders, components, noise_scheduler, repeated, classes, encoded_classes, schedule,
                    global_batch, previews)  # fmt: skip
 
@@ -176,4 +180,5 @@ def _encoded(cfg: Config, shape: RunShape, source: ImageSource, classes: ImageSo
     logger.info(f"encodings: {len(source)} samples, {computed} newly computed, cache {cache}")
     trained = shape.family.trained_text_encoder if cfg.lora.train_text_encoder else None
     encoders.free_text_encoders(keep=trained[:1] if trained else ())  # the one trained stays (flux_cp.text_encoder)
+    encoders.placement.release()  # the accelerator is the transformer's from here (validation borrows the VAE)
     return samples, encoded

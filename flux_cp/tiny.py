@@ -10,17 +10,23 @@ import sys
 from pathlib import Path
 
 from .errors import UsageError
-from .families.flux1.tiny import ensure_tiny_pipeline, write_flux1_dev_shapes
-from .families.flux2.tiny import ensure_tiny_flux2_pipeline, write_flux2_shapes
+from .families.flux1.tiny import ensure_tiny_pipeline, write_flux1_dev_full_shapes, write_flux1_dev_shapes
+from .families.flux2.tiny import ensure_tiny_flux2_pipeline, write_flux2_full_shapes, write_flux2_shapes
 
 __all__ = ["ensure_tiny_pipeline", "main"]
+
+PRESETS = ("tiny", "flux1-dev-shapes", "flux2-dev-shapes", "flux2-klein-shapes", "flux1-dev-full-shapes",
+           "flux2-dev-full-shapes", "flux2-klein-full-shapes")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Build a local Flux pipeline folder (no downloads).")
     p.add_argument(
-        "--preset", choices=("tiny", "flux1-dev-shapes", "flux2-dev-shapes", "flux2-klein-shapes"), default="tiny"
-    )
+        "--preset", choices=PRESETS, default="tiny",
+        help="tiny: a tiny model with weights; *-shapes: the transformer's config at full size (no weights) with tiny "
+        "encoders and VAE; *-full-shapes: every component's config at full size (no weights). Train the shapes presets "
+        "with --transformer_init random, which builds what has no weights from its config.",
+    )  # fmt: skip
     p.add_argument("--out", required=True)
     p.add_argument(
         "--family",
@@ -42,13 +48,14 @@ def _build(p, a) -> Path:
     family = a.family or ("flux1-kontext" if a.kontext else "flux1")
     if a.kontext and family != "flux1-kontext":
         p.error(f"--kontext is --family flux1-kontext; it does not combine with --family {family}")
+    full = a.preset.endswith("-full-shapes")
     if a.preset.startswith("flux2-"):
-        implied = "flux2-klein" if a.preset == "flux2-klein-shapes" else "flux2"
+        implied = "flux2-klein" if a.preset.startswith("flux2-klein") else "flux2"
         if (a.family or implied) != implied or a.kontext:
             p.error(
                 f"--preset {a.preset} builds a {implied} folder; drop --family/--kontext or pass --family {implied}"
             )
-        return write_flux2_shapes(a.out, klein=implied == "flux2-klein")
+        return (write_flux2_full_shapes if full else write_flux2_shapes)(a.out, klein=implied == "flux2-klein")
     if family.startswith("flux2"):
         if a.preset != "tiny":
             shapes = {"flux2": "flux2-dev-shapes", "flux2-klein": "flux2-klein-shapes"}[family]
@@ -56,7 +63,7 @@ def _build(p, a) -> Path:
         return ensure_tiny_flux2_pipeline(a.out, klein=family == "flux2-klein")
     if a.preset == "tiny":
         return ensure_tiny_pipeline(a.out, kontext=family == "flux1-kontext")
-    return write_flux1_dev_shapes(a.out, kontext=family == "flux1-kontext")
+    return (write_flux1_dev_full_shapes if full else write_flux1_dev_shapes)(a.out, kontext=family == "flux1-kontext")
 
 
 if __name__ == "__main__":

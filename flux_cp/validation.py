@@ -75,8 +75,12 @@ def render(
     was_training = transformer.training
     transformer.eval()
     out = {}
+    # The VAE on the accelerator beside the transformer (no text encoder), in tiles where --vae_tiling says so, and
+    # back in host memory afterwards (flux_cp.placement)
+    placement = encoders.placement
     try:
-        with cp.full_sequence_io(transformer, layout.cp_group), autocast():
+        with placement.use("vae"), encoders.vae_tiles(encoders.tiled_decode), \
+                cp.full_sequence_io(transformer, layout.cp_group), autocast():  # fmt: skip
             for j, job in enumerate(padded):
                 row, gen = jobs[job]
                 image = pipe(
@@ -89,6 +93,7 @@ def render(
                         on_image(job, out[job])
     finally:
         transformer.train(was_training)
+        placement.release()
     return out
 
 

@@ -100,6 +100,11 @@ class Family(ABC):
     def embedded_default(self, pairs: bool) -> str:
         """The tiny model folder trained when no model is named (built locally on first use)."""
 
+    def encoder_classes(self) -> dict[str, type]:
+        """{component folder: class} of the text encoders, in the order they encode, and of the VAE (`vae`): what
+        the encoding phase's memory is planned from (flux_cp.encoding_memory)."""
+        return {}
+
     def card_tags_for(self, pairs: bool) -> list[str]:
         """The model card's tags for this family (and its editing pairs)."""
         return [*self.card_tags, *(self.pairs_card_tags if pairs else ())]

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from ...data import to_pixels
-from ...encode import Encoders, truncation_line
-from ...model import load_component
+from ...encode import Encoders, in_batches, truncation_line
+from ...model import load_component, load_part
 from ...terminal import printable
 from ..base import Family
 from . import kohya, tokens
@@ -57,17 +57,25 @@ class Flux1Encoders(Encoders):
     def prompts(self, captions: list[str], max_sequence_length: int) -> dict[str, Tensor]:
         """`prompt_embeds`: T5 embeddings `[B, L, D]`, and `pooled_prompt_embeds`: CLIP pooled embeddings `[B, D']`,
         as FluxPipeline.encode_prompt."""
-        clip, t5 = self.text_encoders["text_encoder"], self.text_encoders["text_encoder_2"]
+        # One text encoder on the accelerator at a time, each over all the captions (flux_cp.placement)
+        with self.placement.use("text_encoder") as clip:
+            pooled = in_batches(lambda batch: {"pooled_prompt_embeds": self._clip(clip, batch)}, captions)
+        with self.placement.use("text_encoder_2") as t5:
+            embeds = in_batches(lambda batch: {"prompt_embeds": self._t5(t5, batch, max_sequence_length)}, captions)
+        return {**embeds, **pooled}
+
+    def _clip(self, clip, captions: list[str]) -> Tensor:
         ids = self.tokenizer(
             captions, padding="max_length", max_length=self.tokenizer.model_max_length, truncation=True,
             return_tensors="pt",
         ).input_ids  # fmt: skip
-        pooled = clip(ids.to(self.device), output_hidden_states=False).pooler_output
-        ids2 = self.tokenizer_2(
+        return clip(ids.to(self.device), output_hidden_states=False).pooler_output.to(self.dtype)
+
+    def _t5(self, t5, captions: list[str], max_sequence_length: int) -> Tensor:
+        ids = self.tokenizer_2(
             captions, padding="max_length", max_length=max_sequence_length, truncation=True, return_tensors="pt"
         ).input_ids
-        embeds = t5(ids2.to(self.device), output_hidden_states=False)[0]
-        return {"prompt_embeds": embeds.to(self.dtype), "pooled_prompt_embeds": pooled.to(self.dtype)}
+        return t5(ids.to(self.device), output_hidden_states=False)[0].to(self.dtype)
 
     def trained_text(self, module: torch.nn.Module, captions: list[str]) -> Tensor:
         """CLIP's pooled embedding `[B, D']` of `captions` from `module` (--train_text_encoder), as `prompts` computes
@@ -157,6 +165,12 @@ class Flux1(Family):
         weights = kohya.to_kohya(state, lora.rank, lora.lora_alpha)
         return weights, kohya.metadata(rank=lora.rank, alpha=lora.lora_alpha, origin=origin, guidance=guidance)
 
+    def encoder_classes(self) -> dict[str, type]:
+        from diffusers import AutoencoderKL
+        from transformers import CLIPTextModel, T5EncoderModel
+
+        return {"text_encoder": CLIPTextModel, "text_encoder_2": T5EncoderModel, "vae": AutoencoderKL}
+
     def load_encoders(self, model: ModelConfig, path: str, dtype: torch.dtype, device: torch.device) -> Encoders:
         from diffusers import AutoencoderKL  # diffusers and transformers at first use (seconds to import)
         from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
@@ -164,8 +178,8 @@ class Flux1(Family):
         rev, cache = model.revision, model.cache_dir
         kw = {"variant": model.variant} if model.variant else {}
 
-        def load(cls, subfolder: str):
-            return load_component(cls, path, subfolder, rev, torch_dtype=dtype, cache_dir=cache, **kw).to(device).eval()
+        def load(cls, subfolder: str):  # into host memory: flux_cp.placement puts one at a time on `device`
+            return load_part(cls, path, subfolder, model, dtype, torch_dtype=dtype, cache_dir=cache, **kw).eval()
 
         vae, clip, t5 = (
             load(AutoencoderKL, "vae"),
@@ -217,7 +231,8 @@ class Flux1(Family):
             raise ValueError("FLUX.1 Kontext validation edits one reference image")
         vae = encoders.vae
         pixels = to_pixels(image, image.size, image.size, (0, 0), False)[None].to(device, vae.dtype)
-        latents = self.normalizer(vae)(vae.encode(pixels).latent_dist.mean)
+        with encoders.placement.use("vae"), encoders.vae_tiles(encoders.tiled_encode):
+            latents = self.normalizer(vae)(vae.encode(pixels).latent_dist.mean)
         return {"image": latents, "max_area": image.size[0] * image.size[1]}
 
     def pack(self, latents: Tensor) -> Tensor:

@@ -49,6 +49,39 @@ FLUX1_DEV_TRANSFORMER = dict(
 )
 
 
+# FLUX.1-dev's text encoders and VAE (black-forest-labs/FLUX.1-dev: text_encoder/, text_encoder_2/, vae/config.json):
+# CLIP ViT-L/14's text tower, the T5 v1.1 XXL encoder, and the 16-channel VAE. The full-shapes preset writes them as
+# configs only; the tokenizers stay the tiny ones (their ids are valid in the full vocabularies).
+FLUX1_CLIP = dict(
+    vocab_size=49408,
+    hidden_size=768,
+    intermediate_size=3072,
+    num_hidden_layers=12,
+    num_attention_heads=12,
+    max_position_embeddings=77,
+    projection_dim=768,
+    hidden_act="quick_gelu",
+)
+FLUX1_T5 = dict(
+    vocab_size=32128,
+    d_model=4096,
+    d_kv=64,
+    d_ff=10240,
+    num_layers=24,
+    num_heads=64,
+    relative_attention_num_buckets=32,
+    relative_attention_max_distance=128,
+    feed_forward_proj="gated-gelu",
+    is_gated_act=True,
+    dense_act_fn="gelu_new",
+    tie_word_embeddings=False,
+)
+FLUX1_VAE = dict(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
+                 up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(128, 256, 512, 512), layers_per_block=2,
+                 act_fn="silu", latent_channels=16, norm_num_groups=32, sample_size=1024, scaling_factor=0.3611,
+                 shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False, force_upcast=True)  # fmt: skip
+
+
 def tiny_transformer(seed: int = 0, **overrides):
     """A randomly initialised tiny `FluxTransformer2DModel` (fp32)."""
     from diffusers import FluxTransformer2DModel
@@ -175,6 +208,43 @@ def ensure_tiny_pipeline(path: str | os.PathLike | None = None, kontext: bool = 
     recipe = Recipe(f"tiny-flux1{'-kontext' if kontext else ''}-v{TINY_VERSION}",
                     "FluxKontextPipeline" if kontext else "FluxPipeline", TRANSFORMER_CONFIG)  # fmt: skip
     return build_once(path, lambda tmp: build_tiny_pipeline(kontext=kontext).save_pretrained(tmp), recipe)
+
+
+def write_flux1_dev_full_shapes(path: str | os.PathLike, kontext: bool = False) -> Path:
+    """A pipeline folder of FLUX.1-dev's configs for every component - the transformer, CLIP-L, the T5-XXL encoder and
+    the VAE - and no weights (train with `--transformer_init random`, which builds each component from its config with
+    random weights): the encoding phase and validation at full size, for benchmarks without downloads. The tokenizers
+    and the scheduler are the tiny folder's. `kontext`: saved as a FluxKontextPipeline."""
+    recipe = Recipe(f"flux1-dev-full-shapes{'-kontext' if kontext else ''}-v{TINY_VERSION}",
+                    "FluxKontextPipeline" if kontext else "FluxPipeline", FLUX1_DEV_TRANSFORMER)  # fmt: skip
+    return build_once(Path(path), lambda tmp: _write_flux1_dev_full_shapes(tmp, kontext), recipe)
+
+
+def _write_flux1_dev_full_shapes(path: Path, kontext: bool) -> None:
+    from diffusers import AutoencoderKL, FluxTransformer2DModel
+    from transformers import CLIPTextConfig, T5Config
+
+    from ...files import write_json
+
+    pipe = build_tiny_pipeline(transformer=False)
+    for name in ("tokenizer", "tokenizer_2", "scheduler"):
+        getattr(pipe, name).save_pretrained(path / name)
+    tok, tok2 = pipe.tokenizer, pipe.tokenizer_2
+    CLIPTextConfig(**FLUX1_CLIP, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                   pad_token_id=tok.pad_token_id, architectures=["CLIPTextModel"]
+                   ).save_pretrained(path / "text_encoder")  # fmt: skip
+    T5Config(**FLUX1_T5, pad_token_id=tok2.pad_token_id, eos_token_id=tok2.eos_token_id, decoder_start_token_id=0,
+             architectures=["T5EncoderModel"]).save_pretrained(path / "text_encoder_2")  # fmt: skip
+    with torch.device("meta"):
+        AutoencoderKL(**FLUX1_VAE).save_config(path / "vae")
+        FluxTransformer2DModel(**FLUX1_DEV_TRANSFORMER).save_config(path / "transformer")
+    index = {"_class_name": "FluxKontextPipeline" if kontext else "FluxPipeline",
+             "_diffusers_version": __import__("diffusers").__version__,
+             "scheduler": ["diffusers", type(pipe.scheduler).__name__],
+             "text_encoder": ["transformers", "CLIPTextModel"], "text_encoder_2": ["transformers", "T5EncoderModel"],
+             "tokenizer": ["transformers", type(tok).__name__], "tokenizer_2": ["transformers", type(tok2).__name__],
+             "transformer": ["diffusers", "FluxTransformer2DModel"], "vae": ["diffusers", "AutoencoderKL"]}  # fmt: skip
+    write_json(path / "model_index.json", index)
 
 
 def write_flux1_dev_shapes(path: str | os.PathLike, kontext: bool = False) -> Path:

@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ...encode import Encoders, truncation_line
+from ...encode import Encoders, in_batches, truncation_line
 from ...errors import UsageError
-from ...model import load_component
+from ...model import load_component, load_part
 from ...terminal import printable
 from ..base import Family
 from . import recipe
@@ -130,11 +130,16 @@ class Flux2Encoders(Encoders):
     @torch.no_grad()
     def prompts(self, captions: list[str], max_sequence_length: int) -> dict[str, Tensor]:
         """`prompt_embeds` `[B, L, 3 * hidden]`, as Flux2Pipeline / Flux2KleinPipeline.encode_prompt."""
-        embeds, _ = recipe.encode_prompts(
-            self.text_encoders["text_encoder"], self.tokenizer, captions, klein=self.klein,
-            max_sequence_length=max_sequence_length, layers=self.layers,
-        )  # fmt: skip
-        return {"prompt_embeds": embeds.to(self.dtype)}
+        with self.placement.use("text_encoder") as text_encoder:  # alone on the accelerator (flux_cp.placement)
+
+            def encode(batch: list[str]) -> dict[str, Tensor]:
+                embeds, _ = recipe.encode_prompts(
+                    text_encoder, self.tokenizer, batch, klein=self.klein, max_sequence_length=max_sequence_length,
+                    layers=self.layers, device=self.device,
+                )  # fmt: skip
+                return {"prompt_embeds": embeds.to(self.dtype)}
+
+            return in_batches(encode, captions)
 
     def truncation_warnings(self, captions: list[str], max_sequence_length: int) -> list[str]:
         """The window is --max_sequence_length tokens of the chat template with the caption in it: the template's
@@ -258,6 +263,13 @@ class Flux2(Family):
     def embedded_default(self, pairs: bool) -> str:
         return str(ensure_tiny_flux2_pipeline(klein=self.klein))
 
+    def encoder_classes(self) -> dict[str, type]:
+        from diffusers import AutoencoderKLFlux2
+        from transformers import Mistral3ForConditionalGeneration, Qwen3ForCausalLM
+
+        return {"text_encoder": Qwen3ForCausalLM if self.klein else Mistral3ForConditionalGeneration,
+                "vae": AutoencoderKLFlux2}  # fmt: skip
+
     def load_encoders(self, model: ModelConfig, path: str, dtype: torch.dtype, device: torch.device) -> Encoders:
         from diffusers import AutoencoderKLFlux2, DiffusionPipeline
         from transformers import Mistral3ForConditionalGeneration, Qwen3ForCausalLM
@@ -268,11 +280,12 @@ class Flux2(Family):
         )
         # The batch-norm statistics that normalise the latents stay in fp32 (the examples read them from the VAE
         # as loaded, before casting it); nothing else uses the batch-norm layer.
-        vae = load_component(AutoencoderKLFlux2, path, "vae", rev, torch_dtype=torch.float32, **kw).eval()
+        # Into host memory: flux_cp.placement puts one component at a time on `device`.
+        vae = load_part(AutoencoderKLFlux2, path, "vae", model, torch.float32, torch_dtype=torch.float32, **kw).eval()
         for part in vae.children():
-            part.to(device, dtype if part is not vae.bn else torch.float32)
+            part.to(dtype=dtype if part is not vae.bn else torch.float32)
         cls = Qwen3ForCausalLM if self.klein else Mistral3ForConditionalGeneration
-        text_encoder = load_component(cls, path, "text_encoder", rev, dtype=dtype, **kw).to(device).eval()
+        text_encoder = load_part(cls, path, "text_encoder", model, dtype, dtype=dtype, **kw).eval()
         for m in (vae, text_encoder):
             m.requires_grad_(False)
         is_distilled = False
@@ -315,8 +328,15 @@ class Flux2(Family):
 
     def normalizer(self, vae):
         mean, std = recipe.latent_statistics(vae)
-        mean, std = mean.float(), std.float()
-        return lambda latents: recipe.model_latents(latents, mean, std)
+        # copied where the latents are, once per device: the VAE (and its statistics) may be in host memory by then
+        stats = {mean.device: (mean.float(), std.float())}
+
+        def normalize(latents: Tensor) -> Tensor:
+            if latents.device not in stats:
+                stats[latents.device] = tuple(s.to(latents.device) for s in stats[mean.device])
+            return recipe.model_latents(latents, *stats[latents.device])
+
+        return normalize
 
     def model_latent_shape(self, vae_shape: tuple[int, ...]) -> tuple[int, ...]:
         c, h, w = vae_shape

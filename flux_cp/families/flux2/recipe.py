@@ -123,22 +123,24 @@ def encode_prompts(
     klein: bool,
     max_sequence_length: int = MAX_SEQUENCE_LENGTH,
     layers: Sequence[int] | None = None,
+    device: torch.device | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(prompt_embeds `[B, L, 3 * hidden]`, text ids `[B, L, 4]`) as Flux2Pipeline.encode_prompt ([dev]: Mistral 3
     over its chat template with the system message, padded to `max_sequence_length`) or Flux2KleinPipeline's
     ([klein]: Qwen3 over its chat template, no thinking): the hidden states after `layers` (default the pipeline's:
     DEV_TEXT_LAYERS / KLEIN_TEXT_LAYERS) stacked on the feature axis. What flux2.py:1530-1537 computes through a
-    text-encoding pipeline, without building one. Pad tokens are kept (the transformer sees all L tokens)."""
+    text-encoding pipeline, without building one. Pad tokens are kept (the transformer sees all L tokens). `device`:
+    where the embeddings go (default: the text encoder's; give it for one streamed from host memory)."""
     from diffusers import Flux2KleinPipeline, Flux2Pipeline
 
     if klein:
         embeds = Flux2KleinPipeline._get_qwen3_prompt_embeds(
             text_encoder, tokenizer, prompts, max_sequence_length=max_sequence_length,
-            hidden_states_layers=tuple(layers or KLEIN_TEXT_LAYERS),
+            hidden_states_layers=tuple(layers or KLEIN_TEXT_LAYERS), device=device,
         )  # fmt: skip
     else:
         embeds = Flux2Pipeline._get_mistral_3_small_prompt_embeds(
             text_encoder, tokenizer, prompts, max_sequence_length=max_sequence_length,
-            hidden_states_layers=tuple(layers or DEV_TEXT_LAYERS),
+            hidden_states_layers=tuple(layers or DEV_TEXT_LAYERS), device=device,
         )  # fmt: skip
     return embeds, Flux2Pipeline._prepare_text_ids(embeds).to(embeds.device)

@@ -319,6 +319,81 @@ def write_flux2_shapes(path: str | os.PathLike, klein: bool = False) -> Path:
     return build_once(Path(path), lambda tmp: _write_flux2_shapes(tmp, klein), recipe)
 
 
+# FLUX.2's text encoders at full size: [dev]'s Mistral Small 3.1 24B (Mistral3ForConditionalGeneration: the language
+# model and the Pixtral vision tower) and [klein] 4B's Qwen3-4B, as their published configs give them; 3 stacked hidden
+# layers of their width are the transformers' joint_attention_dim (15360, 7680).
+MISTRAL_SMALL_TEXT = dict(
+    model_type="mistral",
+    vocab_size=131072,
+    hidden_size=5120,
+    intermediate_size=32768,
+    num_hidden_layers=40,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=131072,
+    rms_norm_eps=1e-5,
+    rope_theta=1e9,
+    sliding_window=None,
+)
+PIXTRAL_VISION = dict(
+    model_type="pixtral",
+    hidden_size=1024,
+    num_hidden_layers=24,
+    num_attention_heads=16,
+    intermediate_size=4096,
+    image_size=1540,
+    patch_size=14,
+    num_channels=3,
+    rope_theta=10000.0,
+)
+QWEN3_4B = dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True)  # fmt: skip
+
+
+def write_flux2_full_shapes(path: str | os.PathLike, klein: bool = False) -> Path:
+    """A pipeline folder of FLUX.2 [dev]'s (or [klein] 4B's) configs for every component - the transformer, the text
+    encoder (Mistral Small 3.1 24B, or Qwen3-4B) and the VAE - and no weights (train with `--transformer_init random`,
+    which builds each component from its config with random weights). The tokenizer and the scheduler are the tiny
+    folder's."""
+    config = FLUX2_KLEIN_4B_TRANSFORMER if klein else FLUX2_DEV_TRANSFORMER
+    recipe = Recipe(f"flux2-{'klein' if klein else 'dev'}-full-shapes-v{TINY_FLUX2_VERSION}",
+                    "Flux2KleinPipeline" if klein else "Flux2Pipeline", config)  # fmt: skip
+    return build_once(Path(path), lambda tmp: _write_flux2_full_shapes(tmp, klein), recipe)
+
+
+def _write_flux2_full_shapes(path: Path, klein: bool) -> None:
+    from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
+    from transformers import Mistral3Config, Qwen3Config
+
+    from ...files import write_json
+
+    pipe = build_tiny_flux2_pipeline(klein=klein, transformer=False)
+    tok = pipe.tokenizer
+    for name in ("tokenizer", "scheduler"):
+        getattr(pipe, name).save_pretrained(path / name)
+    ids = dict(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    if klein:
+        text = Qwen3Config(**QWEN3_4B, **ids, architectures=["Qwen3ForCausalLM"])
+    else:
+        text = Mistral3Config(text_config={**MISTRAL_SMALL_TEXT, **ids, "bos_token_id": tok.bos_token_id},
+                              vision_config=PIXTRAL_VISION, image_token_index=tok.unk_token_id, spatial_merge_size=2,
+                              vision_feature_layer=-1, architectures=["Mistral3ForConditionalGeneration"])  # fmt: skip
+    text.save_pretrained(path / "text_encoder")
+    config = FLUX2_KLEIN_4B_TRANSFORMER if klein else FLUX2_DEV_TRANSFORMER
+    with torch.device("meta"):
+        AutoencoderKLFlux2().save_config(path / "vae")
+        Flux2Transformer2DModel(**config).save_config(path / "transformer")
+    index = {"_class_name": type(pipe).__name__, "_diffusers_version": __import__("diffusers").__version__}
+    if klein:
+        index["is_distilled"] = pipe.config.is_distilled
+    index.update(scheduler=["diffusers", type(pipe.scheduler).__name__], tokenizer=["transformers", type(tok).__name__],
+                 text_encoder=["transformers", text.architectures[0]], vae=["diffusers", "AutoencoderKLFlux2"],
+                 transformer=["diffusers", "Flux2Transformer2DModel"])  # fmt: skip
+    write_json(path / "model_index.json", index)
+
+
 def _write_flux2_shapes(path: Path, klein: bool) -> None:
     from diffusers import Flux2Transformer2DModel
 
