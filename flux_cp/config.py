@@ -726,8 +726,15 @@ class PlanConfig:
     )
     gpu_memory_gib: float | None = flag(
         None,
-        "For --plan and --gradient_checkpointing auto: memory per GPU in GiB (e.g. a per-process memory cap). "
-        "Default: the GPU's own, or 141 (an H200) for --plan without one.",
+        "For --plan and --gradient_checkpointing / --offload_blocks auto: memory per GPU in GiB (e.g. a per-process "
+        "memory cap, or a smaller card's: 12, 16, 24). Default: the GPU's own, or 141 (an H200) for --plan without "
+        "one.",
+    )
+    num_processes: int | None = flag(
+        None,
+        "For --plan: the processes (GPUs) to plan for, as accelerate launch's --num_processes; with 2 or more and "
+        "LoRA, --plan also compares DDP with a quantized base against FSDP2 with a bf16 one. Default: the launched "
+        "processes (WORLD_SIZE), else --cp_size.",
     )
 
 

@@ -32,7 +32,7 @@ from .errors import UsageError
 from .model import load_trainee
 from .outputs import Outputs
 from .parallel import Layout, cp_tuning, make_accelerator, make_layout, parallelize
-from .plan import Checkpointing, checkpointing_for_run
+from .plan import Checkpointing, check_fits, checkpointing_for_run
 from .profiling import profiled
 from .run_data import RunData
 from .shape import RunShape, build_shape, check_start, launched_world_size, resolved
@@ -176,6 +176,7 @@ class Trainer:
         if cfg.train.allow_tf32 and torch.cuda.is_available():
             torch.backends.cuda.matmul.allow_tf32 = True
         self.device = self.accelerator.device
+        check_fits(cfg, shape, self.device)  # auto with nothing that fits: refused before any model loads
         self.weight_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
             self.accelerator.mixed_precision, torch.float32
         )
