@@ -13,6 +13,19 @@ run. Runs start, picks first, until --budget seconds have passed. FLUX.1-dev sha
 on the default layers, bf16, `--compile_mode reduce-overhead`; each run stopped after --steps steps, the last
 steps - warmup timed. The trials go to RESULTS/memory_runs.json (benchmarks/bench_trainer.py's rows), the table to
 --out; both in the suite's schema.
+
+Variants (`--base_precision fp8,int8,nf4`, `--offload_blocks auto,20`, `--variant_caps 24,16`): one run per value and
+cap, one GPU at --variant_resolution (default 1024) with `--gradient_checkpointing auto` (and `--offload_blocks auto`
+beside a precision, where the cap needs it), each a row of the variants table (RESULTS/memory_variants.json): the
+planner's pick (blocks checkpointed and offloaded), its planned peak and modelled step time against the measured peak
+and step time. They fill the planner's unmeasured constants (flux_cp/plan_data.json: `speed`, and peaks with
+a quantized base or offload). `--variants_only` runs them alone.
+
+    python -m benchmarks.bench_memory --out RESULTS/memory.json --variants_only --base_precision fp8,int8,nf4 \
+        --offload_blocks auto --variant_caps 24,16
+
+`--smoke`: the tiny FLUX.1 on the CPU (int8 base, three blocks offloaded, 64 px), to check the script runs (its
+figures mean nothing).
 """
 
 from __future__ import annotations
@@ -39,22 +52,25 @@ def _cap_name(cap: float | None) -> str:
     return "full" if cap is None else f"{cap:g}"
 
 
-def plan_cell(layout: str, resolution: int, cap: float | None, gpu_gib: float, margin: float = 0.9):
-    """The planner's `Checkpointing` for a cell, as the trainer computes it (`margin`: of the memory usable)."""
+def plan_cell(layout: str, resolution: int, cap: float | None, gpu_gib: float, margin: float = 0.9,
+              extra: tuple[str, ...] = (), config: dict | None = None):  # fmt: skip
+    """The planner's `Checkpointing` for a cell, as the trainer computes it (`margin`: of the memory usable; `extra`:
+    a variant's flags, e.g. --base_precision int8; `config`: the transformer's, FLUX.1-dev's by default)."""
     from flux_cp import plan
     from flux_cp.config import parse_config
     from flux_cp.families import FLUX1
     from flux_cp.families.flux1.tiny import FLUX1_DEV_TRANSFORMER
-    from flux_cp.shape import resolved
+    from flux_cp.shape import RunShape, resolved
 
+    config = dict(config or FLUX1_DEV_TRANSFORMER)
     flags = ["--resolution", str(resolution), "--gradient_checkpointing", "--mixed_precision", "bf16",
-             "--train_batch_size", "1", *FLAGS, *LAYOUTS[layout]]  # fmt: skip
-    cfg = resolved(parse_config(flags), FLUX1, False, dict(FLUX1_DEV_TRANSFORMER))  # FLUX.1's default LoRA layers
+             "--train_batch_size", "1", *FLAGS, *LAYOUTS[layout], *extra]  # fmt: skip
+    cfg = resolved(parse_config(flags), FLUX1, False, config)  # FLUX.1's default LoRA layers
     cp = cfg.parallel.cp_size
-    tokens = (resolution // 16) ** 2 + 512
+    shape = RunShape(FLUX1, "m", None, None, ((resolution, resolution),), ((0,),), 512, cp, 1, cp, False,
+                     transformer_config=config, cp_mode="ulysses" if cp > 1 else "ring")  # fmt: skip
     gib = (cap or gpu_gib) * margin / plan.MARGIN
-    return plan.checkpointing_for_run(cfg, FLUX1, dict(FLUX1_DEV_TRANSFORMER), tokens, cp, cp,
-                                      "ulysses" if cp > 1 else "ring", False, gib)  # fmt: skip
+    return plan.checkpointing_for(cfg, shape, gib)
 
 
 def trials(gpu_gib: float) -> list[dict]:
