@@ -445,8 +445,9 @@ class TrainConfig:
         "0",
         "Keep the frozen weights of this many transformer blocks in pinned host memory and copy each to the GPU on a "
         "side stream ahead of its use, forward and backward: the same results with less GPU memory, for LoRA with "
-        "DDP. 'auto' (the value of the flag given alone) offloads the fewest blocks that let the planned peak fit the "
-        "GPU's memory; 0 or none: no offload. docs/offload.md says what it costs.",
+        "DDP. 'auto' (the value of the flag given alone): the memory planner chooses the count, with "
+        "--gradient_checkpointing auto the pair of both, whose planned peak fits the GPU's memory with the least "
+        "modelled step time (--plan shows it); 0 or none: no offload. docs/offload.md says what it costs.",
         parse=_offload_blocks,
         const="auto",
     )

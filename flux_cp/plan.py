@@ -467,14 +467,18 @@ def check_fits(cfg: Config, shape: RunShape, device: torch.device) -> None:
 def does_not_fit(cfg: Config, shape: RunShape, ckpt: Checkpointing) -> str:
     """One line: what does not fit, with how little it takes at best, and what would fit (`suggestion`)."""
     gpu = ckpt.gpu_gib or 0.0
-    line = (f"{shape.family.label} does not fit 90% of {gpu:.1f} GiB at --base_precision {cfg.model.base_precision} "
-            f"(planned {ckpt.planned_gib:.1f} GiB with {ckpt.setting})")  # fmt: skip
+    line = (f"{shape.family.label} does not fit 90% of {_size(gpu)} at --base_precision {cfg.model.base_precision} "
+            f"(planned {_size(ckpt.planned_gib)} with {ckpt.setting})")  # fmt: skip
     better = suggestion(cfg, shape, gpu)
     if better is not None:
         flags, alt = better
-        return (f"{line}; {flags} fits: {alt.planned_gib:.1f} GiB with {alt.setting}, ~{alt.cost:.1f}x the step "
+        return (f"{line}; {flags} fits: {_size(alt.planned_gib)} with {alt.setting}, ~{alt.cost:.1f}x the step "
                 f"time (planner's model): add {flags} (docs/small_gpus.md), or use more GPUs (--cp_size)")  # fmt: skip
     return f"{line}; no --base_precision fits either: use more GPUs (--cp_size) or a lower --resolution"
+
+
+def _size(gib: float) -> str:
+    return f"{gib:.1f} GiB" if gib >= 0.1 else f"{gib * 1024:.1f} MiB"
 
 
 def suggestion(cfg: Config, shape: RunShape, gpu_gib: float) -> tuple[str, Checkpointing] | None:
