@@ -480,8 +480,9 @@ class TrainConfig:
         "0",
         "Keep the frozen weights of this many transformer blocks in pinned host memory and copy each to the GPU on a "
         "side stream ahead of its use, forward and backward: the same results with less GPU memory, for LoRA with "
-        "DDP. 'auto' (the value of the flag given alone) offloads the fewest blocks that let the planned peak fit the "
-        "GPU's memory; 0 or none: no offload. docs/offload.md says what it costs.",
+        "DDP. 'auto' (the value of the flag given alone): the memory planner chooses the count, with "
+        "--gradient_checkpointing auto the pair of both, whose planned peak fits the GPU's memory with the least "
+        "modelled step time (--plan shows it); 0 or none: no offload. docs/offload.md says what it costs.",
         parse=_offload_blocks,
         const="auto",
     )
@@ -780,8 +781,15 @@ class PlanConfig:
     )
     gpu_memory_gib: float | None = flag(
         None,
-        "For --plan and --gradient_checkpointing auto: memory per GPU in GiB (e.g. a per-process memory cap). "
-        "Default: the GPU's own, or 141 (an H200) for --plan without one.",
+        "For --plan and --gradient_checkpointing / --offload_blocks auto: memory per GPU in GiB (e.g. a per-process "
+        "memory cap, or a smaller card's: 12, 16, 24). Default: the GPU's own, or 141 (an H200) for --plan without "
+        "one.",
+    )
+    num_processes: int | None = flag(
+        None,
+        "For --plan: the processes (GPUs) to plan for, as accelerate launch's --num_processes; with 2 or more and "
+        "LoRA, --plan also compares DDP with a quantized base against FSDP2 with a bf16 one. Default: the launched "
+        "processes (WORLD_SIZE), else --cp_size.",
     )
 
 

@@ -255,34 +255,31 @@ def gpu_bytes_of(cfg: Config, device=None) -> float | None:
     return None
 
 
-def decode_budget(cfg: Config, shape: RunShape, gpu_bytes: float | None) -> float | None:
-    """What validation's decode may use: MARGIN of the GPU less the training's weights, gradients and optimizer
-    state (flux_cp.plan), which stay on the accelerator while validation images render."""
-    if gpu_bytes is None:
-        return None
-    from .plan import run_estimate
-
-    return MARGIN * gpu_bytes - run_estimate(cfg, shape)(None).fixed
+def decode_budget(gpu_bytes: float | None, training_fixed: float) -> float | None:
+    """What validation's decode may use: MARGIN of the GPU less `training_fixed`, the training's weights, gradients
+    and optimizer state (the planner's `Estimate.fixed`), which stay on the accelerator while validation renders."""
+    return None if gpu_bytes is None else MARGIN * gpu_bytes - training_fixed
 
 
-def plan_for(cfg: Config, shape: RunShape, texts: dict[str, TextEncoderShape], vae: VaeShape, dtype_bytes: int,
-             gpu_bytes: float | None) -> EncodingPlan:  # fmt: skip
-    """The encoding plan of a run of these flags and shape."""
+def plan_for(cfg: Config, texts: dict[str, TextEncoderShape], vae: VaeShape, dtype_bytes: int,
+             gpu_bytes: float | None, training_fixed: float) -> EncodingPlan:  # fmt: skip
+    """The encoding plan of a run of these flags (`training_fixed`: the training's weights, gradients and optimizer
+    state, which validation's decode shares the GPU with)."""
     v = cfg.validation
     return encoding_plan(texts, vae, dtype_bytes=dtype_bytes, tokens=cfg.data.max_sequence_length,
                          resolution=cfg.data.largest_resolution,
                          validation_resolution=v.validation_resolution if v.validation_prompt else None,
                          offload=cfg.model.text_encoder_offload, tiling=cfg.model.vae_tiling, gpu_bytes=gpu_bytes,
-                         decode_budget=decode_budget(cfg, shape, gpu_bytes), batch=TEXT_BATCH)  # fmt: skip
+                         decode_budget=decode_budget(gpu_bytes, training_fixed), batch=TEXT_BATCH)  # fmt: skip
 
 
-def configure(cfg: Config, shape: RunShape, encoders, device) -> EncodingPlan:
+def configure(cfg: Config, encoders, device, training_fixed: float) -> EncodingPlan:
     """Apply the plan to loaded encoders (flux_cp.encode.Encoders): stream the text encoders it streams, set the VAE's
     tiling for encoding and for decoding, keep every component on the accelerator for --no_cache; log the choices and
     warn when the encoding phase's planned peak exceeds the GPU."""
     gpu = gpu_bytes_of(cfg, device)
     texts = {name: text_encoder_shape(m) for name, m in encoders.text_encoders.items()}
-    plan = plan_for(cfg, shape, texts, vae_shape(encoders.vae), dtype_size(encoders.dtype), gpu)
+    plan = plan_for(cfg, texts, vae_shape(encoders.vae), dtype_size(encoders.dtype), gpu, training_fixed)
     for name, streamed in plan.streamed.items():
         if streamed:
             encoders.placement.stream(name)
@@ -303,7 +300,8 @@ def configure(cfg: Config, shape: RunShape, encoders, device) -> EncodingPlan:
     return plan
 
 
-def plan_from_configs(cfg: Config, shape: RunShape, gpu_bytes: float | None) -> EncodingPlan | None:
+def plan_from_configs(cfg: Config, shape: RunShape, gpu_bytes: float | None,
+                      training_fixed: float) -> EncodingPlan | None:  # fmt: skip
     """The plan from the components' configs alone, built on the meta device (--plan: no weights read); None when a
     component's config is not on this machine (a hub model not downloaded)."""
     import torch
@@ -326,4 +324,4 @@ def plan_from_configs(cfg: Config, shape: RunShape, gpu_bytes: float | None) -> 
         built[name] = m
     vae = built.pop("vae")
     texts = {name: text_encoder_shape(m) for name, m in built.items()}
-    return plan_for(cfg, shape, texts, vae_shape(vae, dtype_size(dtype)), dtype_size(dtype), gpu_bytes)
+    return plan_for(cfg, texts, vae_shape(vae, dtype_size(dtype)), dtype_size(dtype), gpu_bytes, training_fixed)

@@ -151,6 +151,7 @@ RULES = (
     Rule("num_validation_images", 1, 100, why="images rendered per --validation_prompt, each a full sampling"),
     Rule("validation_inference_steps", 1, 1000, why="the scheduler has 1000 timesteps"),
     Rule("gpu_memory_gib", 0, 4096, low_open=True, why="GiB per GPU"),
+    Rule("num_processes", 1, 65536, why="processes to plan for"),
 )
 
 
@@ -205,11 +206,10 @@ _USED_ONLY = (
     (("caption_column",), lambda v: v.get("instance_prompt") is None, "with --instance_prompt (one prompt for all)"),
     (("class_data_dir", "class_prompt", "num_class_images", "prior_loss_weight"),
      lambda v: bool(v.get("with_prior_preservation")), "without --with_prior_preservation"),
-    (("gpu_memory_gib",), lambda v: bool(v.get("plan")) or v.get("gradient_checkpointing") == "auto",
-     "without --plan or --gradient_checkpointing auto"),
     (("text_encoder_lr", "adam_weight_decay_text_encoder"), lambda v: bool(v.get("train_text_encoder")),
      "without --train_text_encoder"),
     (("ema_decay", "ema_update_interval"), lambda v: bool(v.get("use_ema")), "without --use_ema"),
+    (("num_processes",), lambda v: bool(v.get("plan")), "without --plan (accelerate launch sets the processes)"),
     (("hub_model_id", "hub_token"), lambda v: bool(v.get("push_to_hub")), "without --push_to_hub"),
     (("cp_overlap",), lambda v: bool((v.get("compile") or v.get("compile_mode")) and v.get("cp_size", 1) > 1),
      "without --compile and --cp_size > 1 (it orders a compiled block's CP exchanges)"),

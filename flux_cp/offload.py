@@ -70,7 +70,8 @@ GIB = 2**30
 
 
 def offload_count(value: str) -> int | None:
-    """Blocks to offload for an --offload_blocks value; None for 'auto' (`blocks_for_memory` decides)."""
+    """Blocks to offload for an --offload_blocks value; None for 'auto' (the memory planner decides, with
+    --gradient_checkpointing: flux_cp.plan)."""
     return None if value == "auto" else int(value)
 
 
@@ -158,16 +159,6 @@ def plan_offload(kinds: Sequence[str], block_bytes: Sequence[int], n: int, slots
     return OffloadPlan(tuple(block_bytes), tuple(g for g in groups if g), slots)
 
 
-def blocks_for_memory(kinds: Sequence[str], block_bytes: Sequence[int], needed_bytes: float,
-                      slots: int = SLOTS) -> int | None:  # fmt: skip
-    """For --offload_blocks auto: the fewest blocks whose offload saves `needed_bytes` of GPU memory (0 when
-    nothing needs saving), None when offloading every block saves less."""
-    for n in range(len(kinds) + 1):
-        if plan_offload(kinds, block_bytes, n, slots).saved_bytes >= needed_bytes:
-            return n
-    return None
-
-
 def frozen_block_bytes(transformer: torch.nn.Module) -> list[int]:
     """The bytes of every block's frozen tensors (those offloading moves), in run order. Works on a model built on
     the meta device (the planner's)."""
@@ -211,7 +202,7 @@ def check_offload_count(n: int, kinds: Sequence[str], block_bytes: Sequence[int]
 def check_host_memory(plan: OffloadPlan, processes: int, available: int | None = None) -> None:
     """One line when the pinned host memory of `processes` processes on this machine would not fit 90% of what is
     available (page-locked memory cannot be swapped out: the machine would run out of memory instead)."""
-    available = _available_host_memory() if available is None else available
+    available = available_host_memory() if available is None else available
     need = plan.host_bytes * processes
     if available is not None and need > 0.9 * available:
         raise UsageError(
@@ -221,7 +212,8 @@ def check_host_memory(plan: OffloadPlan, processes: int, available: int | None =
         )
 
 
-def _available_host_memory() -> int | None:
+def available_host_memory() -> int | None:
+    """The host memory available now (/proc/meminfo's MemAvailable), None where it cannot be read."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:

@@ -74,13 +74,14 @@ class Outputs:
 
     def record_settings(self, tuning, checkpointing) -> None:
         """run_config.json: every flag as the run resolved it, and what the run chose (the layout, the CP mode and
-        tuning, the checkpointed blocks and the planned peak)."""
+        tuning, the checkpointed and offloaded blocks, the planned peak and pinned host memory)."""
         if not self.layout.is_main:
             return
         shape, output_dir = self.shape, self.cfg.train.output_dir
         chosen = {"layout": self.layout.describe(), "cp_mode": shape.cp_mode, "ulysses_size": shape.ulysses_size,
                   "cp_ulysses_chunks": tuning.ulysses_chunks, "checkpointed_blocks": len(checkpointing.blocks),
-                  "planned_peak_gib": round(checkpointing.planned_gib, 2)}  # fmt: skip
+                  "planned_peak_gib": round(checkpointing.planned_gib, 2), "offloaded_blocks": checkpointing.offloaded,
+                  "pinned_host_gib": round(checkpointing.host_gib, 2)}  # fmt: skip
         manifest.record(output_dir, "run_config.json")
         files.write_json(Path(output_dir) / "run_config.json", {**self.cfg.flat(), **chosen})
 

@@ -33,14 +33,13 @@ from .model import trainable_parameters
 from .offload import (
     BlockOffload,
     block_kinds,
-    blocks_for_memory,
     check_host_memory,
     check_offload_count,
     frozen_block_bytes,
     offload_blocks,
     offload_count,
 )
-from .plan import GIB, MARGIN, Checkpointing
+from .plan import Checkpointing
 
 if TYPE_CHECKING:
     from .config import Config, ParallelConfig, TrainConfig, ValidationConfig
@@ -282,19 +281,12 @@ def parallelize(
 
 def _offload(transformer: torch.nn.Module, cfg: Config, checkpointing: Checkpointing | None, layout: Layout,
              device: torch.device) -> BlockOffload | None:  # fmt: skip
-    """--offload_blocks applied (auto: the fewest blocks that bring the planned peak within the GPU's memory); the
-    transformer on `device` either way."""
+    """--offload_blocks applied (auto: the count the memory planner chose with the checkpointed blocks, in
+    `checkpointing`); the transformer on `device` either way."""
     n = offload_count(cfg.train.offload_blocks)
     kinds = block_kinds(transformer)
     if n is None:
-        gpu = checkpointing.gpu_gib if checkpointing is not None else None
-        over = (checkpointing.planned_gib - MARGIN * gpu) * GIB if gpu else 0.0
-        n = blocks_for_memory(kinds, frozen_block_bytes(transformer), over)
-        if n is None:
-            logger.warning(f"warning: --offload_blocks auto: offloading all {len(kinds)} blocks saves less than the "
-                           f"{over / GIB:.1f} GiB the plan exceeds the GPU by; all are offloaded")  # fmt: skip
-            n = len(kinds)
-        logger.info(f"--offload_blocks auto: {n} blocks (the planned peak without offload against the GPU's memory)")
+        n = checkpointing.offloaded if checkpointing is not None else 0
     if n == 0:
         transformer.to(device)
         return None

@@ -14,6 +14,19 @@ measured peaks check the whole estimate (tests/test_plan.py). The constants and 
 are in plan_data.json beside this module.
 The optimizer step has a peak of its own: torch's multi-tensor AdamW holds sqrt(v) for all of a rank's
 trainable parameters at once (fp32), after the activations are freed; it decides full fine-tuning's peak.
+
+The frozen base at --base_precision is counted exactly per block (flux_cp.precision.block_bytes: the family's block
+lists quantized, the rest as loaded). A block not checkpointed on a torchao base (fp8, int8) also keeps a bf16 copy
+of its quantized weights for its backward (`dequantized_weights_kept`). --offload_blocks N takes the offloaded
+blocks' frozen bytes off the GPU and puts its slots on it (flux_cp.offload.plan_offload); their bytes are pinned host
+memory per process.
+
+`auto` (--gradient_checkpointing and --offload_blocks) is one decision, here: of the settings (blocks checkpointed,
+blocks offloaded) whose planned peak fits, the one with the least modelled step time (`step_seconds`: the step's
+executed FLOPs at an achieved throughput, times a dequantization factor per precision, plus the copies of offloaded
+blocks, or FSDP2's all-gathers, that the compute beside them does not hide). Its constants (`speed` in
+plan_data.json) are stated, not measured. It never changes --base_precision; when nothing fits, the start of a run
+and --plan name the precision that would (`suggestion`).
 """
 
 from __future__ import annotations
@@ -23,17 +36,21 @@ import json
 import logging
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from . import diskspace
+from . import diskspace, encoding_memory
 from .blocks import attention_recomputed, checkpointed_blocks, more_blocks_than_there_are
+from .errors import UsageError
 from .families import for_transformer
+from .metrics import step_flops
+from .offload import OffloadPlan, available_host_memory, offload_count, plan_offload
 from .optim import optimizer_name, state_bytes
+from .precision import PRECISIONS, base_bytes, block_bytes
 from .shape import RunShape, auto_mode, build_shape, launched_world_size, resolved
 
 if TYPE_CHECKING:
@@ -49,12 +66,15 @@ BACKWARD_START_UNITS: float = DATA["backward_start_units"]
 BLOCK_KEEPS: dict[str, dict[str, dict[str, float]]] = DATA["block_keeps"]
 FSDP_GATHERED_BLOCKS: int = DATA["fsdp_gathered_blocks"]
 SAVED_ATTENTION_UNITS: dict[str, float] = DATA["saved_attention_units"]
+DEQUANTIZED_KEPT: dict[str, float] = DATA["dequantized_weights_kept"]
+SPEED: dict = DATA["speed"]  # not measured: plan_data.json's notes say how to measure each
 MARGIN = 0.9  # of the GPU's memory a plan may use: the estimates are within ~10% of measured peaks
+HOST_MARGIN = 0.9  # of the host memory available that pinned offload homes may take (flux_cp.offload)
 
 
 @dataclass
 class Estimate:
-    weights: float
+    weights: float  # on the GPU: the frozen base at its precision less what offload saves (its slots included)
     grads: float
     optimizer: float
     activations: float  # with the blocks checkpointed that the estimate was asked for
@@ -63,6 +83,11 @@ class Estimate:
     step_temporaries: float  # AdamW's sqrt(v) during the optimizer step, when no activations are held
     checkpointed: int = 0  # blocks checkpointed in `activations`
     blocks: int = 0  # blocks of the transformer
+    offloaded: int = 0  # blocks whose frozen weights live in pinned host memory (--offload_blocks)
+    host: float = 0.0  # pinned host bytes per process for them
+    precision: str = "bf16"  # --base_precision
+    seconds: float = 0.0  # modelled time of one micro-step (`step_seconds`)
+    ideal_seconds: float = 0.0  # the same step at bf16 with nothing checkpointed or offloaded (no copies)
 
     @property
     def fixed(self) -> float:
@@ -74,6 +99,57 @@ class Estimate:
 
     def total_with(self, activations: float) -> float:
         return self.fixed + max(activations, self.step_temporaries)
+
+    @property
+    def cost(self) -> float:
+        """Modelled step time against the step with the whole bf16 base on the GPU and nothing recomputed."""
+        return self.seconds / self.ideal_seconds if self.ideal_seconds else 1.0
+
+    def describe(self) -> str:
+        """The setting: 'every block checkpointed and 40 of 57 blocks offloaded'."""
+        n, b = self.checkpointed, self.blocks
+        ck = (
+            "every block checkpointed"
+            if n == b
+            else ("no block checkpointed" if n == 0 else f"{n} of {b} blocks checkpointed")
+        )
+        return ck + (f" and {self.offloaded} of {b} blocks offloaded" if self.offloaded else "")
+
+
+@dataclass(frozen=True)
+class FrozenBase:
+    """A LoRA run's frozen transformer at one --base_precision, as the planner counts it."""
+
+    kinds: tuple[str, ...]  # every block's kind, in the order the blocks run
+    blocks: tuple[int, ...]  # bytes of every block's frozen tensors (what offload moves), in that order
+    quantized: tuple[int, ...]  # weights of every block stored in the precision (0 at bf16)
+    rest: int  # bytes outside the blocks: embedders, final layer (as loaded), FLUX.2's shared modulations
+
+    @property
+    def total(self) -> int:
+        return sum(self.blocks) + self.rest
+
+
+_META_MODELS: dict[tuple[str, str], torch.nn.Module] = {}
+_BASES: dict[tuple, FrozenBase] = {}
+
+
+def frozen_base(family: Family, config: dict, precision: str, dtype_bytes: int = 2) -> FrozenBase:
+    """The frozen transformer of `config` at `precision` (flux_cp.precision's byte rule), from a model on the meta
+    device; its other tensors at `dtype_bytes` each."""
+    text = json.dumps(config, sort_keys=True)
+    key = (family.name, text, precision, dtype_bytes)
+    if key not in _BASES:
+        if (family.name, text) not in _META_MODELS:  # --plan asks at every CP size and precision: build it once
+            with torch.device("meta"):
+                _META_MODELS[family.name, text] = family.transformer_class().from_config(json.loads(text))
+        model = _META_MODELS[family.name, text]
+        counted = [(kind, *block_bytes(block, precision, dtype_bytes)) for kind, block in family.blocks(model)]
+        total = base_bytes(model, precision, dtype_bytes, parts=family.quantized_parts)
+        blocks = tuple(b for _, b, _ in counted)
+        _BASES[key] = FrozenBase(tuple(k for k, _, _ in counted), blocks, tuple(q for _, _, q in counted),
+                                 total - sum(blocks))  # fmt: skip
+    return _BASES[key]
 
 
 def count_parameters(config: dict, lora_rank: int | None, lora_layers: list[str]) -> tuple[int, int, int]:
@@ -145,124 +221,314 @@ def estimate(
     saved_attention: float = 0.0,
     family: Family | None = None,
     optimizer: str = "adamw",
+    precision: str = "bf16",
+    offloaded: int = 0,
+    text_tokens: int = 512,
 ) -> Estimate:
     """Bytes per GPU. `tokens` per sample (image + text); FSDP (default: world > 1) shards weights, gradients
     and optimizer state over all `world` ranks; each rank holds tokens / cp of each of its `batch` samples.
     `checkpointed`: blocks checkpointed (default: all with `checkpointing`, else none); `compiled`: torch.compile'd
     blocks (they keep less without checkpointing); `saved_attention`: units each checkpointed block keeps of its
     attention (`saved_attention_units`). `family`: default the one the config names. `optimizer`: whose state
-    (flux_cp.optim.state_bytes; AdamW by default)."""
+    (flux_cp.optim.state_bytes; AdamW by default). `precision`: the frozen base's (--base_precision, LoRA);
+    `offloaded`: blocks offloaded (--offload_blocks, LoRA without FSDP); `text_tokens` of the `tokens`, for the
+    FLOPs of the speed model."""
     family = family or for_transformer(config)
     counts = family.count_parameters(config, lora_rank, lora_layers)
-    base, trainable, block = counts.base, counts.trainable, counts.largest_block
+    trainable, block = counts.trainable, counts.largest_block
     fsdp = world > 1 if fsdp is None else fsdp
     shard = world if fsdp else 1
-    frozen = base - trainable if lora_rank is not None else 0
-    weights = frozen * weight_bytes / shard + trainable * 4 / shard
+    kinds, keeps = family.block_kinds(config), block_keeps(family, compiled)
+    blocks = sum(n for _, n in kinds)
+    frozen = frozen_base(family, config, precision, weight_bytes) if lora_rank is not None else None
+    offload = plan_offload(frozen.kinds, frozen.blocks, offloaded) if frozen and offloaded and not fsdp else None
+    weights = (frozen.total if frozen else 0) / shard + trainable * 4 / shard
     if fsdp:
         weights += FSDP_GATHERED_BLOCKS * block * weight_bytes
+    if offload is not None:
+        weights -= offload.saved_bytes
     grads = trainable * 4 / shard
     optimizer_bytes = trainable * state_bytes(optimizer) / shard
     step_temporaries = trainable * 4 / shard
-    kinds, keeps = family.block_kinds(config), block_keeps(family, compiled)
-    blocks = sum(n for _, n in kinds)
     unit = batch * math.ceil(tokens / cp) * family.hidden_size(config) * 2
     if checkpointed is None:
         checkpointed = blocks if checkpointing else 0
+    from_end = checkpoint_from_end(kinds, keeps)
+    kept = DEQUANTIZED_KEPT[precision] * weight_bytes if frozen else 0
 
     def activations(n: int) -> float:
-        return unit * activation_units(kinds, keeps, n, saved_attention)
+        held = unit * activation_units(kinds, keeps, n, saved_attention)
+        if kept:  # torchao's blocks keep their weights dequantized; a checkpointed one while it is recomputed
+            chosen = checkpointed_indices(blocks, n, from_end)
+            held += kept * sum(q for i, q in enumerate(frozen.quantized) if i not in chosen or i == blocks - 1)
+        return held
 
-    return Estimate(weights, grads, optimizer_bytes, activations(checkpointed), activations(0), activations(blocks),
-                    step_temporaries, min(checkpointed, blocks), blocks)  # fmt: skip
+    n = min(checkpointed, blocks)
+    speed = step_seconds(family, config, tokens=tokens, text_tokens=text_tokens, batch=batch, cp=cp,
+                         lora=lora_rank is not None, checkpointed=n, blocks=blocks,
+                         attention_recomputed=saved_attention == 0, precision=precision, offload=offload,
+                         kinds=frozen.kinds if frozen else (),
+                         gathered=(frozen.blocks if frozen else None) if fsdp and world > 1 else None,
+                         world=world)  # fmt: skip
+    return Estimate(weights, grads, optimizer_bytes, activations(n), activations(0), activations(blocks),
+                    step_temporaries, n, blocks, len(offload.offloaded) if offload else 0,
+                    offload.host_bytes if offload else 0.0, precision, *speed)  # fmt: skip
 
 
-def choose_checkpointing(estimate_with, gpu_bytes: float) -> tuple[Estimate, bool]:
-    """`--gradient_checkpointing auto`: the estimate with the fewest checkpointed blocks whose total fits `MARGIN`
-    of `gpu_bytes`, and whether one fits (if none does: every block checkpointed). `estimate_with(n)` is the
-    estimate with n blocks checkpointed."""
+def step_seconds(family: Family, config: dict, *, tokens: int, text_tokens: int, batch: int, cp: int, lora: bool,
+                 checkpointed: int, blocks: int, attention_recomputed: bool, precision: str = "bf16",
+                 offload: OffloadPlan | None = None, kinds: Sequence[str] = (), gathered: Sequence[int] | None = None,
+                 world: int = 1) -> tuple[float, float]:  # fmt: skip
+    """(modelled seconds of one micro-step on a rank, those of the same step at bf16 with nothing checkpointed or
+    offloaded). The compute: the step's executed FLOPs (flux_cp.metrics.step_flops, a rank's share of the tokens)
+    at `speed.achieved_tflops`, times `speed.dequant_step_factor` of the precision. Copies overlap it: each offloaded
+    block (`offload`; `kinds`: every block's kind) is copied into its slot while the blocks since the slot's last
+    occupant compute (with offloaded blocks spread evenly, about 2 x blocks/offloaded - 1 of its kind), in the
+    forward and again in the backward, at `speed.pcie_gib_per_s`; only what that compute does not cover costs time.
+    Under FSDP2 (`gathered`: the frozen bytes of every block, gathered from `world` ranks) each block is all-gathered
+    at `speed.gpu_link_gib_per_s` while the block before it computes, forward and backward. Stated constants, not
+    measured (plan_data.json)."""
+    text = min(text_tokens, tokens)
+    linear, attention = family.forward_flops(config, tokens - text, text, batch)
+    flops_per_s = SPEED["achieved_tflops"] * 1e12 * cp  # a rank computes 1/cp of every sample's FLOPs
+    share = checkpointed / blocks if blocks else 0.0
+    executed = step_flops(linear, attention, lora, share, share if attention_recomputed else 0.0).executed
+    ideal = step_flops(linear, attention, lora, 0.0, 0.0).executed / flops_per_s
+    compute = executed / flops_per_s * SPEED["dequant_step_factor"][precision]
+    forward = (linear + attention) / flops_per_s * SPEED["dequant_step_factor"][precision] / max(blocks, 1)
+    backward = compute / max(blocks, 1) - forward  # per block, its recomputation included (on average)
+    stall = 0.0
+    if offload is not None:
+        for group in offload.groups:
+            copies = len(group) - offload.slots_of(group)  # per pass: the slots' first (last) blocks stay
+            if copies <= 0:
+                continue
+            copy = max(offload.block_bytes[i] for i in group) / (SPEED["pcie_gib_per_s"] * GIB)
+            of_kind = sum(k == kinds[group[0]] for k in kinds)
+            window = max(1.0, 2 * of_kind / len(group) - 1)  # blocks computing while a copy runs
+            stall += copies * (max(0.0, copy - window * forward) + max(0.0, copy - window * backward))
+    if gathered is not None and world > 1:
+        for size in gathered:
+            gather = size * (world - 1) / world / (SPEED["gpu_link_gib_per_s"] * GIB)
+            stall += max(0.0, gather - forward) + max(0.0, gather - backward)
+    return compute + stall, ideal
+
+
+def choose(estimate_with: Callable[[int, int], Estimate], gpu_bytes: float, checkpointed: Sequence[int],
+           offloaded: Sequence[int] = (0,), host_bytes: float | None = None) -> tuple[Estimate, bool]:  # fmt: skip
+    """`auto`: of the settings (n checkpointed from `checkpointed`, o offloaded from `offloaded`) whose planned peak
+    fits `MARGIN` of `gpu_bytes` (and whose pinned host memory fits `host_bytes`, when given), the one with the least
+    modelled step time (ties: fewer offloaded, then fewer checkpointed), and True; when none fits, the one with the
+    least memory, and False. `estimate_with(n, o)` is the estimate of a setting. For one count offloaded, memory
+    falls and time rises with each block checkpointed, so the fewest that fit is that count's fastest."""
+    ns = sorted(checkpointed)
+    best: Estimate | None = None
+    least: Estimate | None = None
+    for o in offloaded:
+        most = estimate_with(ns[-1], o)
+        if least is None or most.total < least.total:
+            least = most
+        if most.total > MARGIN * gpu_bytes or (o and host_bytes is not None and most.host > host_bytes):
+            continue
+        lo, hi = 0, len(ns) - 1  # the first n that fits (the last one does)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if estimate_with(ns[mid], o).total <= MARGIN * gpu_bytes:
+                hi = mid
+            else:
+                lo = mid + 1
+        e = estimate_with(ns[lo], o)
+        if best is None or (e.seconds, e.offloaded, e.checkpointed) < (best.seconds, best.offloaded, best.checkpointed):
+            best = e
+    return (best, True) if best is not None else (least, False)
+
+
+def choose_checkpointing(estimate_with: Callable[[int], Estimate], gpu_bytes: float) -> tuple[Estimate, bool]:
+    """`--gradient_checkpointing auto` alone (nothing offloaded): the fewest checkpointed blocks whose total fits
+    `MARGIN` of `gpu_bytes`, and whether one fits (if none does: every block checkpointed). `estimate_with(n)` is
+    the estimate with n blocks checkpointed."""
     blocks = estimate_with(0).blocks
-    for n in range(blocks + 1):
-        e = estimate_with(n)
-        if e.total <= MARGIN * gpu_bytes:
-            return e, True
-    return estimate_with(blocks), False
+    return choose(lambda n, _o: estimate_with(n), gpu_bytes, range(blocks + 1))
+
+
+def offload_options(value: str, allowed: bool, base: FrozenBase | None) -> list[int]:
+    """The counts of offloaded blocks an --offload_blocks value leaves to choose from: `auto` every count that saves
+    GPU memory (and 0) where offload applies (`allowed`: LoRA without FSDP2), a number itself."""
+    n = offload_count(value)
+    if n is not None:
+        return [n]
+    if not allowed or base is None:
+        return [0]
+    return [0] + [k for k in range(1, len(base.blocks) + 1) if plan_offload(base.kinds, base.blocks, k).saved_bytes > 0]
 
 
 @dataclass(frozen=True)
 class Checkpointing:
-    """A run's `--gradient_checkpointing` resolved: which blocks, and the plan behind the choice."""
+    """A run's `--gradient_checkpointing` and `--offload_blocks` resolved: which blocks are checkpointed, how many are
+    offloaded, and the plan behind the choice."""
 
     blocks: range  # indices of the checkpointed blocks, in the order the blocks run
     total: int  # blocks of the transformer
     planned_gib: float  # the planned peak per GPU with them
     gpu_gib: float | None  # the memory it was fitted to (None: no GPU and no --gpu_memory_gib)
     fits: bool
+    offloaded: int = 0  # blocks offloaded (flux_cp.offload applies them)
+    host_gib: float = 0.0  # pinned host memory per process for them
+    cost: float = 1.0  # modelled step time against the whole bf16 base on the GPU with nothing recomputed
+    precision: str = "bf16"
+    setting: str = ""  # `Estimate.describe`
 
-    def describe(self, value: str) -> str:
+    def describe(self, value: str, offload: str = "0") -> str:
         n = len(self.blocks)
         which = "" if n in (0, self.total) else f" ({'the last' if self.blocks.start else 'the first'} {n})"
         gpu = f" of {self.gpu_gib:.1f} GiB" if self.gpu_gib else ""
         how = f"{value}: " if value == "auto" else ""
         peak = f"planned peak {self.planned_gib:.1f} GiB{gpu}"
-        return f"gradient checkpointing {how}{n} of {self.total} blocks{which}, {peak}"
+        line = f"gradient checkpointing {how}{n} of {self.total} blocks{which}, {peak}"
+        if offload != "0":
+            line += (f"; block offload{' auto' if offload == 'auto' else ''}: {self.offloaded} of {self.total} blocks "
+                     f"({self.host_gib:.1f} GiB of pinned host memory per process)")  # fmt: skip
+        if self.precision != "bf16" or self.offloaded or n:
+            line += f"; modelled step time ~{self.cost:.2f}x (base {self.precision}, docs/small_gpus.md)"
+        return line
 
 
-def run_estimate(cfg: Config, shape: RunShape) -> Callable[[int | None], Estimate]:
-    """The estimate of a run of these flags and this shape with n blocks checkpointed (`estimate_with(n)`), for its
-    largest sample."""
+def run_estimate(cfg: Config, shape: RunShape) -> Callable[..., Estimate]:
+    """The estimate of a run of these flags and this shape with n blocks checkpointed and o offloaded
+    (`estimate_with(n, o=0)`), for its largest sample."""
     train = cfg.train
     lora = None if cfg.lora.full_finetune else cfg.lora.rank
+    precision = cfg.model.base_precision
 
-    def estimate_with(n: int | None) -> Estimate:
+    def estimate_with(n: int | None, o: int = 0) -> Estimate:
         return estimate(shape.transformer_config, tokens=shape.largest_sequence,
                         batch=train.train_batch_size * cfg.data.samples_per_slot, lora_rank=lora,
                         lora_layers=list(cfg.lora.lora_layers), world=shape.world, cp=shape.cp, checkpointed=n,
                         compiled=bool(train.compile or train.compile_mode),
                         weight_bytes=4 if train.mixed_precision == "no" else 2, fsdp=shape.sharded and shape.world > 1,
                         saved_attention=saved_attention_units(train, shape.cp_mode, shape.cp), family=shape.family,
-                        optimizer=optimizer_name(train))  # fmt: skip
+                        optimizer=optimizer_name(train), precision=precision, offloaded=o,
+                        text_tokens=shape.text_tokens)  # fmt: skip
 
     return estimate_with
 
 
-def checkpointing_for_run(cfg: Config, shape: RunShape, device: torch.device) -> Checkpointing:
-    """The trainer's `--gradient_checkpointing` on `device`: a count as given, or `auto`'s choice for --gpu_memory_gib,
-    else the GPU's memory (on the CPU, without either: nothing to fit, no block checkpointed). Logged, with what the
-    choice rests on; run_config.json records it."""
+def gpu_memory_gib(cfg: Config, device: torch.device) -> float | None:
+    """The memory `auto` fits: --gpu_memory_gib, else the GPU's own (None on the CPU without it: nothing to fit)."""
     gpu = cfg.plan.gpu_memory_gib
     if gpu is None and device.type == "cuda":
         gpu = torch.cuda.get_device_properties(device).total_memory / GIB
-    ckpt = checkpointing_for(cfg, shape, gpu)
-    value = cfg.train.gradient_checkpointing
-    if value != "none":  # asked for: say what it resolved to
-        logger.info(ckpt.describe(value))
+    return gpu
+
+
+def host_limit(processes: int) -> float | None:
+    """Pinned host bytes one of `processes` processes of this machine may take (flux_cp.offload refuses more)."""
+    available = available_host_memory()
+    return None if available is None else HOST_MARGIN * available / max(processes, 1)
+
+
+def local_processes(shape: RunShape) -> int:
+    return int(os.environ.get("LOCAL_WORLD_SIZE", shape.world))
+
+
+def checkpointing_for_run(cfg: Config, shape: RunShape, device: torch.device) -> Checkpointing:
+    """The trainer's `--gradient_checkpointing` and `--offload_blocks` on `device`: counts as given, or `auto`'s choice
+    for --gpu_memory_gib, else the GPU's memory (on the CPU, without either: nothing to fit, nothing checkpointed or
+    offloaded), within the host memory pinned homes may take. Logged, with what the choice rests on; run_config.json
+    records it."""
+    gpu = gpu_memory_gib(cfg, device)
+    ckpt = checkpointing_for(cfg, shape, gpu, host_limit(local_processes(shape)))
+    value, offload = cfg.train.gradient_checkpointing, cfg.train.offload_blocks
+    if value != "none" or offload != "0":  # asked for: say what it resolved to
+        logger.info(ckpt.describe(value, offload))
     if note := more_blocks_than_there_are(value, ckpt.total):
         logger.warning(f"warning: {note}")
     if note := unmeasured(shape.family):
         logger.info(f"flux-cp: {note}")
     if not ckpt.fits:
-        logger.warning(
-            f"warning: the planned peak ({ckpt.planned_gib:.1f} GiB) exceeds 90% of {ckpt.gpu_gib:.1f} GiB even "
-            "with every block checkpointed: expect out-of-memory; use --cp_size (train_flux_cp.py --plan)"
-        )
+        logger.warning(f"warning: {does_not_fit(cfg, shape, ckpt)}: expect out-of-memory")
     return ckpt
 
 
-def checkpointing_for(cfg: Config, shape: RunShape, gpu_gib: float | None) -> Checkpointing:
-    """`--gradient_checkpointing` for a GPU of `gpu_gib` (None: nothing to fit, no block checkpointed for `auto`)."""
+def check_fits(cfg: Config, shape: RunShape, device: torch.device) -> None:
+    """At start, before any model loads: `auto` (--gradient_checkpointing or --offload_blocks) with no setting that
+    fits the GPU is refused in one line naming the --base_precision that would fit. Counts given by hand are run as
+    given (with a warning when they do not fit: checkpointing_for_run)."""
+    if "auto" not in (cfg.train.gradient_checkpointing, cfg.train.offload_blocks):
+        return
+    gpu = gpu_memory_gib(cfg, device)
+    if gpu is None:
+        return
+    ckpt = checkpointing_for(cfg, shape, gpu, host_limit(local_processes(shape)))
+    if not ckpt.fits:
+        raise UsageError(does_not_fit(cfg, shape, ckpt), agreed=True)  # every rank plans alike
+
+
+def does_not_fit(cfg: Config, shape: RunShape, ckpt: Checkpointing) -> str:
+    """One line: what does not fit, with how little it takes at best, and what would fit (`suggestion`)."""
+    gpu = ckpt.gpu_gib or 0.0
+    line = (f"{shape.family.label} does not fit 90% of {_size(gpu)} at --base_precision {cfg.model.base_precision} "
+            f"(planned {_size(ckpt.planned_gib)} with {ckpt.setting})")  # fmt: skip
+    better = suggestion(cfg, shape, gpu)
+    if better is not None:
+        flags, alt = better
+        return (f"{line}; {flags} fits: {_size(alt.planned_gib)} with {alt.setting}, ~{alt.cost:.1f}x the step "
+                f"time (planner's model): add {flags} (docs/small_gpus.md), or use more GPUs (--cp_size)")  # fmt: skip
+    return f"{line}; no --base_precision fits either: use more GPUs (--cp_size) or a lower --resolution"
+
+
+def _size(gib: float) -> str:
+    return f"{gib:.1f} GiB" if gib >= 0.1 else f"{gib * 1024:.1f} MiB"
+
+
+def suggestion(cfg: Config, shape: RunShape, gpu_gib: float) -> tuple[str, Checkpointing] | None:
+    """The fastest setting that fits where the flags' does not: another --base_precision (LoRA with DDP: FSDP2 cannot
+    shard a quantized base), or --offload_blocks auto at the flags' precision where offload is off; (the flags to add,
+    its plan), or None."""
+    train, precision = cfg.train, cfg.model.base_precision
+    if cfg.lora.full_finetune:
+        return None
+    options = []
+    offloads = [train.offload_blocks] + (["auto"] if train.offload_blocks == "0" and not shape.sharded else [])
+    for p in PRECISIONS if not shape.sharded else (precision,):
+        for off in offloads:
+            if (p, off) == (precision, train.offload_blocks):
+                continue
+            alt = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, base_precision=p),
+                                      train=dataclasses.replace(train, offload_blocks=off))  # fmt: skip
+            flags = " ".join(([f"--base_precision {p}"] if p != precision else [])
+                             + (["--offload_blocks auto"] if off != train.offload_blocks else []))  # fmt: skip
+            options.append((flags, checkpointing_for(alt, shape, gpu_gib)))
+    fitting = [(c.cost, i, flags, c) for i, (flags, c) in enumerate(options) if c.fits]
+    if not fitting:
+        return None
+    _, _, flags, c = min(fitting)
+    return flags, c
+
+
+def checkpointing_for(cfg: Config, shape: RunShape, gpu_gib: float | None,
+                      host_bytes: float | None = None) -> Checkpointing:  # fmt: skip
+    """`--gradient_checkpointing` and `--offload_blocks` for a GPU of `gpu_gib` (None: nothing to fit, nothing
+    checkpointed or offloaded for `auto`); `host_bytes`: the pinned host memory a process may take."""
     train, family = cfg.train, shape.family
     estimate_with = run_estimate(cfg, shape)
     value = train.gradient_checkpointing
-    if value == "auto" and gpu_gib is None:
-        e, fits = estimate_with(0), True
+    first = estimate_with(0)
+    fixed = checkpointed_blocks(value, first.blocks)
+    ns = range(first.blocks + 1) if fixed is None else [fixed]
+    base = (frozen_base(family, shape.transformer_config, cfg.model.base_precision,
+                        4 if train.mixed_precision == "no" else 2) if not cfg.lora.full_finetune else None)  # fmt: skip
+    allowed = base is not None and not (shape.sharded and shape.world > 1)
+    os_ = offload_options(train.offload_blocks, allowed, base)
+    if gpu_gib is None:  # nothing to fit: auto takes nothing
+        e, fits = estimate_with(ns[0] if fixed is not None else 0, os_[0] if len(os_) == 1 else 0), True
     else:
-        e, fits = checkpointing_choice(value, estimate_with, (gpu_gib or 0) * GIB)
-        fits = fits if gpu_gib else True
+        e, fits = choose(estimate_with, gpu_gib * GIB, ns, os_, host_bytes)
     kinds = family.block_kinds(shape.transformer_config)
     from_end = checkpoint_from_end(kinds, block_keeps(family, bool(train.compile or train.compile_mode)))
     blocks = checkpointed_indices(e.blocks, e.checkpointed, from_end)
-    return Checkpointing(blocks, e.blocks, e.total / GIB, gpu_gib, fits)
+    return Checkpointing(blocks, e.blocks, e.total / GIB, gpu_gib, fits, e.offloaded, e.host / GIB, e.cost,
+                         e.precision, e.describe())  # fmt: skip
 
 
 def saved_attention_units(train, mode: str, cp: int) -> float:
@@ -286,12 +552,13 @@ def print_disk(cfg: Config, shape: RunShape) -> None:
 
 def print_plan(cfg: Config) -> None:
     """The plan, printed once: under `accelerate launch` every rank runs this, and all but rank 0 return at once. The
-    run shape is the trainer's (flux_cp.shape.build_shape), for the launched processes (or --cp_size's, run as one
-    plain process), and again at each CP size listed."""
+    run shape is the trainer's (flux_cp.shape.build_shape), for the launched processes (or --num_processes, or
+    --cp_size's, run as one plain process), and again at each CP size listed."""
     if int(os.environ.get("RANK", "0")) != 0:
         return
-    world = launched_world_size()
+    world = cfg.plan.num_processes or launched_world_size()
     shape = build_shape(cfg, max(world, cfg.parallel.cp_size), planning=True)
+    world = shape.world
     cfg = resolved(cfg, shape.family, shape.pairs, shape.transformer_config)  # the family's default --lora_layers
     tokens, references = shape.largest_sequence, shape.images_per_sample - 1
     batch = cfg.train.train_batch_size * cfg.data.samples_per_slot  # prior preservation: a class image per sample
@@ -300,7 +567,8 @@ def print_plan(cfg: Config) -> None:
         torch.cuda.get_device_properties(0).total_memory / GIB if torch.cuda.is_available() else 141.0
     )
     compiled = bool(cfg.train.compile or cfg.train.compile_mode)
-    value = cfg.train.gradient_checkpointing
+    value, offload = cfg.train.gradient_checkpointing, cfg.train.offload_blocks
+    precision = cfg.model.base_precision
     print(
         f"plan: {shape.config_source}, {cfg.data.largest_resolution} px{' Kontext pairs' if references == 1 else ''}"
         f"{f' with {references} references' if references > 1 else ''} ({tokens} tokens/sample), "
@@ -308,6 +576,8 @@ def print_plan(cfg: Config) -> None:
         f"{'full fine-tuning' if lora is None else f'LoRA r{lora}'}, {world} process(es), GPU {gpu:.0f} GiB, "
         + ("weights sharded over all GPUs (FSDP2)" if shape.sharded else "weights whole on every GPU (DDP)")
         + (", blocks compiled" if compiled else ", blocks eager")
+        + (f", base {precision}" if lora is not None else "")
+        + (f", --offload_blocks {offload}" if offload != "0" else "")
     )
     print_disk(cfg, shape)
     encoding = print_encoding(cfg, shape, gpu * GIB)
@@ -315,44 +585,59 @@ def print_plan(cfg: Config) -> None:
         print(f"note: {note}")
     print(
         f"{'cp':>3} {'world':>5} {'weights':>8} {'grads':>7} {'adam':>7} {'act.ckpt':>9} {'act.full':>9} "
-        f"{'total(ckpt)':>12} {'total(no ckpt)':>15} {'ckpt ' + value:>12} {'total':>7}  fits"
+        f"{'total(ckpt)':>12} {'total(no ckpt)':>15} {'ckpt ' + value:>12} {'offload':>8} {'total':>7} "
+        f"{'time':>6}  fits"
     )
     fits_at = None
     sizes = sorted({c for c in (1, 2, 4, 8, 16) if c <= max(world, 8)} | {shape.cp})
     for c in sizes:  # the shape at each CP size: its world, and the mode the heads allow there
-        w = max(world, c)
-        mode = cfg.parallel.cp_mode if cfg.parallel.cp_mode != "auto" else auto_mode(shape.heads, c)[0]
-        at = dataclasses.replace(shape, world=w, dp=w // c, cp=c, cp_mode=mode)
-        estimate_with = run_estimate(cfg, at)
-        e, chosen_fits = checkpointing_choice(value, estimate_with, gpu * GIB)
-        auto, auto_fits = checkpointing_choice("auto", estimate_with, gpu * GIB)
-        chosen_fits, auto_fits = chosen_fits and encoding, auto_fits and encoding  # the run's peak: both phases
-        ck, full = e.total_with(e.activations_with_ckpt) / GIB, e.total_with(e.activations_without_ckpt) / GIB
-        if auto_fits and fits_at is None:
+        at = shape_at(cfg, shape, c, world)
+        e = checkpointing_for(cfg, at, gpu)
+        est = run_estimate(cfg, at)(len(e.blocks), e.offloaded)
+        auto = checkpointing_for(_auto(cfg), at, gpu)
+        ck, full = est.total_with(est.activations_with_ckpt) / GIB, est.total_with(est.activations_without_ckpt) / GIB
+        if auto.fits and encoding and fits_at is None:  # the run's peak: both phases
             fits_at = (c, auto)
         print(
-            f"{c:>3} {w:>5} {e.weights / GIB:>8.1f} {e.grads / GIB:>7.1f} {e.optimizer / GIB:>7.1f} "
-            f"{e.activations_with_ckpt / GIB:>9.1f} {e.activations_without_ckpt / GIB:>9.1f} {ck:>12.1f} "
-            f"{full:>15.1f} {f'{e.checkpointed}/{e.blocks}':>12} {e.total / GIB:>7.1f}  "
-            + ("yes" if chosen_fits else "no")
+            f"{c:>3} {at.world:>5} {est.weights / GIB:>8.1f} {est.grads / GIB:>7.1f} {est.optimizer / GIB:>7.1f} "
+            f"{est.activations_with_ckpt / GIB:>9.1f} {est.activations_without_ckpt / GIB:>9.1f} {ck:>12.1f} "
+            f"{full:>15.1f} {f'{len(e.blocks)}/{e.total}':>12} {f'{e.offloaded}/{e.total}':>8} {e.planned_gib:>7.1f} "
+            f"{e.cost:>5.2f}x  " + ("yes" if e.fits and encoding else "no")
         )
+    print_memory_lines(cfg, shape, gpu)
+    own = checkpointing_for(_auto(cfg), shape, gpu)
+    if not own.fits:  # what the start of a run with auto would say
+        print(f"at --cp_size {shape.cp}: {does_not_fit(_auto(cfg), shape, own)}")
+    if world > 1 and lora is not None:
+        print_layouts(cfg, shape, gpu)
     if fits_at is None:
+        better = suggestion(_auto(cfg), shape, gpu)
         print(
-            "suggestion: nothing listed fits; use more GPUs"
+            "suggestion: nothing listed fits; "
+            + (f"{better[0]} fits at --cp_size {shape.cp}: {better[1].planned_gib:.1f} GiB with {better[1].setting}, "
+               f"~{better[1].cost:.2f}x the step time; or " if better else "")
+            + "use more GPUs"
             + (
                 " (FSDP shards the weights over all of them)"
                 if shape.sharded
                 else ", or an fsdp2_* config to shard the weights"
             )
-        )
+        )  # fmt: skip
         return
     c, auto = fits_at
     mode, u = auto_mode(shape.heads, c) if c > 1 else ("none", None)
-    extra = " --gradient_checkpointing" if auto.checkpointed else ""
+    n = len(auto.blocks)
+    extra = (" --gradient_checkpointing" if n else "") + (" --offload_blocks" if auto.offloaded else "")
     print(
         f"suggestion: --cp_size {c}{extra}"
         + (f" (auto mode: {mode}" + (f", ulysses {u}" if u else "") + ")" if c > 1 else "")
-        + (f" (auto: {auto.checkpointed} of {auto.blocks} blocks checkpointed)" if auto.checkpointed else "")
+        + (
+            f" (auto: {auto.setting}"
+            + (f", {auto.host_gib:.1f} GiB of pinned host memory per process" if auto.offloaded else "")
+            + f", ~{auto.cost:.2f}x the step time)"
+            if n or auto.offloaded
+            else ""
+        )
         + f"; figures are estimates within ~15% of measured peaks (GiB per GPU; {1 - MARGIN:.0%} headroom kept)."
     )
 
@@ -360,22 +645,77 @@ def print_plan(cfg: Config) -> None:
 def print_encoding(cfg: Config, shape: RunShape, gpu_bytes: float) -> bool:
     """The encoding phase's and validation decode's planned peaks (flux_cp.encoding_memory), from the components'
     configs; whether the encoding phase fits (a run fits when both it and the training step do)."""
-    from .encoding_memory import MARGIN as ENCODING_MARGIN
-    from .encoding_memory import plan_from_configs
-
-    p = plan_from_configs(cfg, shape, gpu_bytes)
+    p = encoding_memory.plan_from_configs(cfg, shape, gpu_bytes, run_estimate(cfg, shape)(None).fixed)
     if p is None:
         print("encoding phase: not planned (the text encoders' and VAE's configs are not on this machine)")
         return True
     for line in p.lines():
         print(line)
-    return p.encoding_bytes <= ENCODING_MARGIN * gpu_bytes
+    return p.encoding_bytes <= encoding_memory.MARGIN * gpu_bytes
 
 
-def checkpointing_choice(value: str, estimate_with, gpu_bytes: float) -> tuple[Estimate, bool]:
-    """The estimate of a `--gradient_checkpointing` value (auto: `choose_checkpointing`) and whether it fits."""
-    n = checkpointed_blocks(value, estimate_with(0).blocks)
-    if n is None:
-        return choose_checkpointing(estimate_with, gpu_bytes)
-    e = estimate_with(n)
-    return e, e.total <= MARGIN * gpu_bytes
+def shape_at(cfg: Config, shape: RunShape, cp: int, world: int) -> RunShape:
+    """The run shape at CP size `cp`: its world (at least `cp`), and the mode the heads allow there."""
+    w = max(world, cp)
+    mode = cfg.parallel.cp_mode if cfg.parallel.cp_mode != "auto" else auto_mode(shape.heads, cp)[0]
+    return dataclasses.replace(shape, world=w, dp=w // cp, cp=cp, cp_mode=mode)
+
+
+def _auto(cfg: Config) -> Config:
+    """The flags with `auto` for checkpointing, and for offload where it applies (LoRA)."""
+    offload = cfg.train.offload_blocks if cfg.lora.full_finetune else "auto"
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, gradient_checkpointing="auto",
+                                                              offload_blocks=offload))  # fmt: skip
+
+
+def print_memory_lines(cfg: Config, shape: RunShape, gpu: float) -> None:
+    """The frozen base at each --base_precision, the pinned host memory of the run's offload, the speed model."""
+    if cfg.lora.full_finetune:
+        return
+    dtype = 4 if cfg.train.mixed_precision == "no" else 2
+    sizes = {p: frozen_base(shape.family, shape.transformer_config, p, dtype).total / GIB for p in PRECISIONS}
+    precision = cfg.model.base_precision
+    others = ", ".join(f"{p} {gib:.2f}" for p, gib in sizes.items() if p != precision)
+    sharded = " before sharding" if shape.sharded and shape.world > 1 else ""
+    print(
+        f"base precision {precision}: {sizes[precision]:.2f} GiB of frozen weights per GPU{sharded} ({others}: "
+        "--base_precision)"
+    )
+    ckpt = checkpointing_for(cfg, shape, gpu)
+    if cfg.train.offload_blocks != "0" or ckpt.offloaded:
+        processes = local_processes(shape)
+        print(f"block offload at --cp_size {shape.cp}: {ckpt.offloaded} of {ckpt.total} blocks, "
+              f"{ckpt.host_gib:.2f} GiB of pinned host memory per process"
+              + (f" ({ckpt.host_gib * processes:.2f} GiB for the {processes} processes of a machine)"
+                 if processes > 1 else "") + " (CPU RAM the run needs beside its own)")  # fmt: skip
+    print(f"speed model (not measured, plan_data.json): host-to-GPU copies at {SPEED['pcie_gib_per_s']:g} GiB/s, "
+          f"compute at {SPEED['achieved_tflops']:g} TFLOP/s, quantized base x"
+          + "/".join(f"{SPEED['dequant_step_factor'][p]:g} ({p})" for p in PRECISIONS[1:])
+          + "; 'time' is the step against the whole bf16 base on the GPU with nothing recomputed")  # fmt: skip
+
+
+def print_layouts(cfg: Config, shape: RunShape, gpu: float) -> None:
+    """LoRA on several GPUs: DDP with the whole base on every GPU at each --base_precision against FSDP2 sharding a
+    bf16 base, at the run's dp x cp, by the planner's model (memory and modelled step time)."""
+    auto = _auto(cfg)
+    rows = []
+    for p in PRECISIONS:
+        c = dataclasses.replace(auto, model=dataclasses.replace(cfg.model, base_precision=p))
+        rows.append((f"DDP, base {p} (whole on every GPU)", f"a ddp_* config with --base_precision {p}",
+                     checkpointing_for(c, dataclasses.replace(shape, sharded=False), gpu)))  # fmt: skip
+    bf16 = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, base_precision="bf16"),
+                               train=dataclasses.replace(cfg.train, gradient_checkpointing="auto",
+                                                         offload_blocks="0"))  # fmt: skip
+    rows.append(("FSDP2, base bf16 (sharded over the GPUs)", "an fsdp2_* config",
+                 checkpointing_for(bf16, dataclasses.replace(shape, sharded=True), gpu)))  # fmt: skip
+    print(f"layouts on {shape.world} GPUs of {gpu:.0f} GiB (dp {shape.dp} x cp {shape.cp}), by the planner's model:")
+    for label, _, c in rows:
+        fit = (f"fits, {c.planned_gib:.1f} GiB with {c.setting}, ~{c.cost:.2f}x the step time" if c.fits
+               else f"does not fit (least {c.planned_gib:.1f} GiB, with {c.setting})")  # fmt: skip
+        print(f"  {label}: {fit}")
+    fitting = [(c.cost, i, label, how) for i, (label, how, c) in enumerate(rows) if c.fits]
+    if fitting:
+        _, _, label, how = min(fitting)
+        print(f"  fastest that fits: {label.split(' (')[0]} ({how})")
+    else:
+        print("  none fits: use more GPUs or a lower --resolution")

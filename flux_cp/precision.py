@@ -333,10 +333,28 @@ def weight_bytes(precision: str, out_features: int, in_features: int, dtype_byte
     return n * dtype_bytes
 
 
-def base_bytes(transformer: torch.nn.Module, precision: str, dtype_bytes: int = 2, skip: Iterable[str] = ()) -> int:
-    """Bytes of the frozen transformer after `quantize_base(transformer, precision)`, its other weights at
-    `dtype_bytes` each: exact, and counted from a model on the meta device as well as a real one (for the planner)."""
-    chosen = set(quantized_linears(transformer, skip)) if precision != "bf16" else set()
+def block_bytes(block: torch.nn.Module, precision: str, dtype_bytes: int = 2) -> tuple[int, int]:
+    """(bytes, quantized weights) of one module inside a quantized part (a transformer block) after `quantize_base`:
+    every linear's weight in `precision`, its other tensors at `dtype_bytes` each, and how many weights were
+    quantized. Exact, on the meta device as well (the planner's per-block count)."""
+    linears = {n for n, m in block.named_modules() if isinstance(m, torch.nn.Linear)} if precision != "bf16" else set()
+    total = quantized = 0
+    for name, p in block.named_parameters():
+        owner, _, leaf = name.rpartition(".")
+        if owner in linears and leaf == "weight":
+            total += weight_bytes(precision, *p.shape)
+            quantized += p.numel()
+        else:
+            total += p.numel() * dtype_bytes
+    return total + sum(b.numel() * b.element_size() for b in block.buffers()), quantized
+
+
+def base_bytes(transformer: torch.nn.Module, precision: str, dtype_bytes: int = 2, skip: Iterable[str] = (),
+               parts: Iterable[str] = QUANTIZED_PARTS) -> int:  # fmt: skip
+    """Bytes of the frozen transformer after `quantize_base(transformer, precision, parts=parts)`, its other weights
+    at `dtype_bytes` each: exact, and counted from a model on the meta device as well as a real one (for the
+    planner)."""
+    chosen = set(quantized_linears(transformer, skip, parts)) if precision != "bf16" else set()
     total = 0
     for name, p in transformer.named_parameters():
         owner, _, leaf = name.rpartition(".")

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import encoding_memory, validation
+from . import encoding_memory, plan, validation
 from .data import (
     BatchSchedule,
     ImageSource,
@@ -88,7 +88,8 @@ def load(
         if warning:
             logger.warning(warning)
     encoders = shape.family.load_encoders(cfg.model, shape.model_path, dtype, device)
-    encoding_memory.configure(cfg, shape, encoders, device)  # streamed text encoders, VAE tiling (logged)
+    fixed = plan.run_estimate(cfg, shape)(None).fixed  # what stays on the GPU beside validation's decode
+    encoding_memory.configure(cfg, encoders, device, fixed)  # streamed text encoders, VAE tiling (logged)
     # What the encodings (their cache keys) and a resume (the run identity) know the components by: content
     components = component_fingerprints(encoders, shape.model_path, cfg.model.revision, cfg.model.cache_dir)
     noise_scheduler = load_scheduler(cfg.model, shape.model_path)

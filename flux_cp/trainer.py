@@ -198,6 +198,7 @@ class Trainer:
         if cfg.train.allow_tf32 and torch.cuda.is_available():
             torch.backends.cuda.matmul.allow_tf32 = True
         self.device = self.accelerator.device
+        plan.check_fits(cfg, shape, self.device)  # auto with nothing that fits: refused before any model loads
         self.weight_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
             self.accelerator.mixed_precision, torch.float32
         )

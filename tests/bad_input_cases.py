@@ -365,6 +365,13 @@ CASES = [
         flags_only=True,
     ),
     Case(
+        "auto_fits_nothing",
+        "--gradient_checkpointing and --offload_blocks auto where nothing fits the GPU's memory",
+        1,
+        lambda t: ["--gradient_checkpointing", "--offload_blocks", "--gpu_memory_gib", "0.001"],
+        "does not fit 90% of 1.0 MiB at --base_precision bf16 (planned ",
+    ),
+    Case(
         "offload_blocks_not_a_number",
         "--offload_blocks half",
         1,

@@ -57,3 +57,42 @@ def test_the_table_takes_the_fastest_setting_that_ran_under_each_cap():
     assert at48["fastest"] == 52 and at48["fastest_s"] == 2.36
     assert full["pick"] == 0 and full["fastest"] == 0 and full["s_per_step"] == 2.12
     assert "not to fit" in rows[("gpu1", 2048, 24.0)]["note"] and "fastest" not in rows[("gpu1", 2048, 24.0)]
+
+
+def test_variants_run_each_precision_and_offload_value_once_per_cap():
+    trials = bench_memory.variant_trials(bench_memory.variant_flags("fp8,nf4", "auto"), [16.0, 24.0], 1024)
+    assert [(t["extra"], t["cap"]) for t in trials] == [
+        (("--base_precision", "fp8"), 24.0), (("--base_precision", "fp8"), 16.0),
+        (("--base_precision", "nf4"), 24.0), (("--base_precision", "nf4"), 16.0),
+        (("--offload_blocks", "auto"), 24.0), (("--offload_blocks", "auto"), 16.0),
+    ]  # fmt: skip
+    run = parse_run(bench_memory.variant_spec(trials[1]))
+    assert run["name"] == "var_base_fp8_1024_cap16"
+    assert run["extra"][-6:] == [
+        "--gradient_checkpointing",
+        "auto",
+        "--base_precision",
+        "fp8",
+        "--gpu_memory_gib",
+        "16",
+    ]
+    assert command(run, "M", "W", 6)[6:9] == ["-m", "benchmarks.capped", "trainer"]
+
+
+def test_the_variants_smoke_run_writes_planned_against_measured_rows(tmp_path):
+    """--smoke: the tiny FLUX.1 on the CPU, an int8 base and three blocks offloaded, each one row with the planner's
+    pick and the run's measured peak and step time."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "memory.json"
+    subprocess.run([sys.executable, "-m", "benchmarks.bench_memory", "--smoke", "--out", str(out)], check=True,
+                   capture_output=True, timeout=600)  # fmt: skip
+    data = json.loads((tmp_path / "memory_variants.json").read_text())
+    assert data["benchmark"] == "memory_variants"
+    rows = {r["variant"]: r for r in data["rows"]}
+    assert set(rows) == {"--base_precision int8", "--offload_blocks 3"}, rows
+    for row in rows.values():
+        assert "note" not in row and row["s_per_step"] > 0 and row["measured_gib"] > 0 and row["planned_gib"] > 0, row
+    assert rows["--offload_blocks 3"]["offloaded"] == 3 and rows["--base_precision int8"]["offloaded"] == 0

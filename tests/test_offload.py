@@ -17,7 +17,6 @@ from flux_cp.model import prepare_trainable
 from flux_cp.offload import (
     BlockOffload,
     block_kinds,
-    blocks_for_memory,
     check_host_memory,
     check_offload,
     check_offload_count,
@@ -168,10 +167,6 @@ def test_offloaded_blocks_are_spread_and_the_plan_counts_what_they_save_and_move
     assert "GiB of GPU memory saved" in every.describe() and plan_offload(kinds, sizes, 0).saved_bytes == 0
     saved = [plan_offload(kinds, sizes, n).saved_bytes for n in range(58)]
     assert saved == sorted(saved)  # more blocks never save less
-    assert blocks_for_memory(kinds, sizes, 0) == 0
-    assert blocks_for_memory(kinds, sizes, 5 * single) == 7
-    assert blocks_for_memory(kinds, sizes, 5 * single + 1) == 8
-    assert blocks_for_memory(kinds, sizes, every.saved_bytes + 1) is None
 
 
 def test_refusals_say_what_to_change():
