@@ -120,3 +120,26 @@ def build_once(path: Path, write: Callable[[Path], None], recipe: Recipe) -> Pat
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return path
+
+
+# black-forest-labs/FLUX.1-dev's scheduler (scheduler/scheduler_config.json), which FLUX.2's conversion script saves
+# too (use_dynamic_shifting: the pipelines pass `mu` from compute_empirical_mu): every tiny model's.
+SCHEDULER_CONFIG = dict(
+    num_train_timesteps=1000,
+    shift=3.0,
+    use_dynamic_shifting=True,
+    base_shift=0.5,
+    max_shift=1.15,
+    base_image_seq_len=256,
+    max_image_seq_len=4096,
+)
+
+# The tiny VAEs' layers: 4 blocks, the same 8x spatial compression as the real VAEs, so --resolution means the same.
+TINY_VAE_LAYERS = dict(
+    in_channels=3,
+    out_channels=3,
+    down_block_types=("DownEncoderBlock2D",) * 4,
+    up_block_types=("UpDecoderBlock2D",) * 4,
+    block_out_channels=(8, 16, 16, 16),
+    layers_per_block=1,
+)

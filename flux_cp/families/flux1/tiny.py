@@ -15,24 +15,10 @@ from pathlib import Path
 
 import torch
 
-from ..builder import Recipe, build_once, bytes_to_unicode, home
+from ..builder import SCHEDULER_CONFIG, TINY_VAE_LAYERS, Recipe, build_once, bytes_to_unicode, home
 
 # Bump when the recipe below changes, so cached copies are rebuilt.
 TINY_VERSION = 1
-
-TRANSFORMER_CONFIG = dict(
-    patch_size=1,
-    in_channels=16,  # 4 latent channels x 2x2 packing
-    num_layers=2,
-    num_single_layers=2,
-    attention_head_dim=16,
-    num_attention_heads=4,
-    joint_attention_dim=32,
-    pooled_projection_dim=32,
-    guidance_embeds=True,
-    axes_dims_rope=(4, 6, 6),
-)
-
 
 # FLUX.1-dev's transformer config (black-forest-labs/FLUX.1-dev, transformer/config.json).
 FLUX1_DEV_TRANSFORMER = dict(
@@ -46,6 +32,20 @@ FLUX1_DEV_TRANSFORMER = dict(
     pooled_projection_dim=768,
     guidance_embeds=True,
     axes_dims_rope=(16, 56, 56),
+)
+
+
+# The tiny default: FLUX.1-dev's transformer at a few thousandths of its widths and depths.
+TRANSFORMER_CONFIG = dict(
+    FLUX1_DEV_TRANSFORMER,
+    in_channels=16,  # 4 latent channels x 2x2 packing
+    num_layers=2,
+    num_single_layers=2,
+    attention_head_dim=16,
+    num_attention_heads=4,
+    joint_attention_dim=32,
+    pooled_projection_dim=32,
+    axes_dims_rope=(4, 6, 6),
 )
 
 
@@ -161,14 +161,8 @@ def build_tiny_pipeline(
                 decoder_start_token_id=0,
             )
         )
-        # 4 blocks: the same 8x spatial compression as FLUX.1's VAE, so --resolution means the same.
         vae = AutoencoderKL(
-            in_channels=3,
-            out_channels=3,
-            down_block_types=("DownEncoderBlock2D",) * 4,
-            up_block_types=("UpDecoderBlock2D",) * 4,
-            block_out_channels=(8, 16, 16, 16),
-            layers_per_block=1,
+            **TINY_VAE_LAYERS,
             latent_channels=latent_channels or TRANSFORMER_CONFIG["in_channels"] // 4,
             norm_num_groups=4,
             sample_size=128,
@@ -178,15 +172,7 @@ def build_tiny_pipeline(
             use_post_quant_conv=False,
         )
     transformer = tiny_transformer(seed) if transformer else None
-    scheduler = FlowMatchEulerDiscreteScheduler(
-        num_train_timesteps=1000,
-        shift=3.0,
-        use_dynamic_shifting=True,
-        base_shift=0.5,
-        max_shift=1.15,
-        base_image_seq_len=256,
-        max_image_seq_len=4096,
-    )
+    scheduler = FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG)
     return (FluxKontextPipeline if kontext else FluxPipeline)(
         scheduler=scheduler,
         vae=vae,

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from ..builder import Recipe, build_once, bytes_to_unicode, home
+from ..builder import SCHEDULER_CONFIG, TINY_VAE_LAYERS, Recipe, build_once, bytes_to_unicode, home
 from .recipe import DEV_TEXT_LAYERS, KLEIN_TEXT_LAYERS
 
 # Bump when the recipe below changes, so cached copies are rebuilt.
@@ -79,18 +79,6 @@ FLUX2_KLEIN_9B_TRANSFORMER = {
 # FLUX.2's VAE is AutoencoderKLFlux2's defaults (the conversion script builds `AutoencoderKLFlux2()`): 32 latent
 # channels, 4 blocks (8x), batch norm over the 2x2-patchified 128 channels with eps 1e-4.
 FLUX2_LATENT_CHANNELS = 32
-
-# black-forest-labs/FLUX.1-dev's scheduler, which the conversion script saves with FLUX.2 (use_dynamic_shifting:
-# the pipelines pass `mu` from compute_empirical_mu).
-SCHEDULER_CONFIG = dict(
-    num_train_timesteps=1000,
-    shift=3.0,
-    use_dynamic_shifting=True,
-    base_shift=0.5,
-    max_shift=1.15,
-    base_image_seq_len=256,
-    max_image_seq_len=4096,
-)
 
 
 def tiny_flux2_transformer(seed: int = 0, **overrides):
@@ -169,6 +157,11 @@ def _qwen_tokenizer():
     )
 
 
+# What the tiny language models share: a narrow MLP, two query heads over one key/value head of 8.
+TINY_LM = dict(intermediate_size=16, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+               max_position_embeddings=2048)  # fmt: skip
+
+
 def _mistral3_encoder(tokenizer, text_dim: int):
     """A tiny Mistral3ForConditionalGeneration (Mistral text model, Pixtral vision tower) of width `text_dim` with
     the layers Flux2Pipeline reads."""
@@ -179,12 +172,8 @@ def _mistral3_encoder(tokenizer, text_dim: int):
             model_type="mistral",
             vocab_size=len(tokenizer),
             hidden_size=text_dim,
-            intermediate_size=16,
             num_hidden_layers=max(DEV_TEXT_LAYERS),
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=8,
-            max_position_embeddings=2048,
+            **TINY_LM,
             rms_norm_eps=1e-5,
             sliding_window=None,
             bos_token_id=tokenizer.bos_token_id,
@@ -215,12 +204,8 @@ def _qwen3_encoder(tokenizer, text_dim: int):
     config = Qwen3Config(
         vocab_size=len(tokenizer),
         hidden_size=text_dim,
-        intermediate_size=16,
         num_hidden_layers=max(KLEIN_TEXT_LAYERS),
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=8,
-        max_position_embeddings=2048,
+        **TINY_LM,
         tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -235,12 +220,7 @@ def _vae(latent_channels: int):
     from diffusers import AutoencoderKLFlux2
 
     vae = AutoencoderKLFlux2(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4,
-        block_out_channels=(8, 16, 16, 16),
-        layers_per_block=1,
+        **TINY_VAE_LAYERS,
         latent_channels=latent_channels,
         norm_num_groups=4,
         sample_size=128,
