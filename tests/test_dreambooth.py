@@ -410,7 +410,8 @@ def test_generated_class_images_are_written_as_rendered_so_an_interrupted_genera
     )
     shape = types.SimpleNamespace(family=family, text_tokens=8, model_path="m")
     layout = types.SimpleNamespace(is_main=True, cp=1, cp_rank=0, cp_context=None)
-    args = (cfg, shape, layout, None, {}, torch.float32, torch.device("cpu"), None)
+    encoders = types.SimpleNamespace(placement=types.SimpleNamespace(release=lambda: None))
+    args = (cfg, shape, layout, encoders, {}, torch.float32, torch.device("cpu"), None)
     with pytest.raises(KeyboardInterrupt):
         generate_class_images(*args)
     assert sorted(p.name[:5] for p in class_images(folder)) == ["00000", "00001", "mine."]
