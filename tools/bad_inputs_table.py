@@ -6,6 +6,7 @@ The cases are the test's; this tool only runs pytest and reads the properties ea
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -88,6 +89,14 @@ def rows_from_junit(path: Path) -> list[dict]:
     return rows
 
 
+def scrub(text: str, scratch: str) -> str:
+    """`text` without this machine's paths: the case's scratch folder and pytest's other temporary folders are
+    `<path>`, the repository is the current folder."""
+    text = text.replace(scratch, "<path>")
+    text = re.sub(r"/tmp/pytest-of-[^/\s]+/pytest-\d+/[^/\s]+?\d+", "<path>", text)
+    return text.replace(f"{ROOT}/", "").replace(str(ROOT), ".")
+
+
 def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         junit = Path(tmp) / "bad_inputs.xml"
@@ -102,8 +111,8 @@ def main() -> int:
     lines = list(HEADER)
     for r in rows:
         scratch = r["scratch"]
-        flags = r["flags"].replace(scratch, "<path>")
-        message = r["message"].replace(scratch, "<path>").replace("|", "\\|")
+        flags = scrub(r["flags"], scratch)
+        message = scrub(r["message"], scratch).replace("|", "\\|")
         if r["failed"]:
             message += " **(test failed)**"
         lines.append(f"| {r['what']} | {r['nproc']} | `{flags}` | {message} | {r['returncode']} | "
