@@ -22,7 +22,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .encode import TEXT_BATCH
+from .encode import TEXT_BATCH, component_folder
 
 if TYPE_CHECKING:
     from .config import Config
@@ -306,8 +306,6 @@ def plan_from_configs(cfg: Config, shape: RunShape, gpu_bytes: float | None,
     component's config is not on this machine (a hub model not downloaded)."""
     import torch
     from accelerate import init_empty_weights
-
-    from .encode import component_folder
 
     model = cfg.model
     dtype = torch.float32 if cfg.train.mixed_precision == "no" else torch.bfloat16

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from ...files import write_json
 from ..builder import SCHEDULER_CONFIG, TINY_VAE_LAYERS, Recipe, build_once, bytes_to_unicode, home
 
 # Bump when the recipe below changes, so cached copies are rebuilt.
@@ -210,8 +211,6 @@ def _write_flux1_dev_full_shapes(path: Path, kontext: bool) -> None:
     from diffusers import AutoencoderKL, FluxTransformer2DModel
     from transformers import CLIPTextConfig, T5Config
 
-    from ...files import write_json
-
     pipe = build_tiny_pipeline(transformer=False)
     for name in ("tokenizer", "tokenizer_2", "scheduler"):
         getattr(pipe, name).save_pretrained(path / name)
@@ -246,8 +245,6 @@ def write_flux1_dev_shapes(path: str | os.PathLike, kontext: bool = False) -> Pa
 
 def _write_flux1_dev_shapes(path: Path, kontext: bool) -> None:
     from diffusers import FluxTransformer2DModel
-
-    from ...files import write_json
 
     pipe = build_tiny_pipeline(clip_dim=768, t5_dim=4096, latent_channels=16, transformer=False)
     for name in ("vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "scheduler"):

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from ...files import write_json
 from ..builder import SCHEDULER_CONFIG, TINY_VAE_LAYERS, Recipe, build_once, bytes_to_unicode, home
 from .recipe import DEV_TEXT_LAYERS, KLEIN_TEXT_LAYERS
 
@@ -347,8 +348,6 @@ def _write_flux2_full_shapes(path: Path, klein: bool) -> None:
     from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
     from transformers import Mistral3Config, Qwen3Config
 
-    from ...files import write_json
-
     pipe = build_tiny_flux2_pipeline(klein=klein, transformer=False)
     tok = pipe.tokenizer
     for name in ("tokenizer", "scheduler"):
@@ -376,8 +375,6 @@ def _write_flux2_full_shapes(path: Path, klein: bool) -> None:
 
 def _write_flux2_shapes(path: Path, klein: bool) -> None:
     from diffusers import Flux2Transformer2DModel
-
-    from ...files import write_json
 
     config = FLUX2_KLEIN_4B_TRANSFORMER if klein else FLUX2_DEV_TRANSFORMER
     pipe = build_tiny_flux2_pipeline(
