@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -199,14 +200,16 @@ def write_model(folder: Path) -> Path:
 
 @pytest.mark.e2e
 def test_a_family_added_by_one_module_trains_through_the_trainer_with_cp_and_offload_equal_to_one_process(tmp_path):
-    from tests.launch import assert_same_trajectory, ok, run_args, train
+    from tests.launch import ROOT, assert_same_trajectory, ok, run_args, train
 
+    # The script imports train_flux_cp and this module's family from the repository root.
+    root = {"PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
     model = write_model(tmp_path / "dit")
     flags = ["--pretrained_model_name_or_path", str(model), "--resolution", "64", "--max_sequence_length", "32",
              "--train_batch_size", "2", "--learning_rate", "1e-2", "--rank", "4"]  # fmt: skip
-    ok(train(1, *run_args(tmp_path, "one", 10, *flags), script=Path(__file__)))
+    ok(train(1, *run_args(tmp_path, "one", 10, *flags), script=Path(__file__), extra_env=root))
     offloaded = [*flags, "--cp_size", "2", "--offload_blocks", "3"]
-    result = ok(train(2, *run_args(tmp_path, "cp2", 10, *offloaded), script=Path(__file__)))
+    result = ok(train(2, *run_args(tmp_path, "cp2", 10, *offloaded), script=Path(__file__), extra_env=root))
     assert "context parallel: ulysses (ulysses 2) over 2 ranks" in result.stderr
     assert "block offload: 3 blocks' frozen weights in pinned host memory" in result.stderr
     assert "no measured activation counts for TinyDiT" in result.stderr  # the planner's estimate, said
@@ -217,7 +220,6 @@ def test_a_family_added_by_one_module_trains_through_the_trainer_with_cp_and_off
 
 
 if __name__ == "__main__":  # `train_flux_cp.py` with the test DiT's family registered
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     import train_flux_cp
     from flux_cp import families, runner
 
