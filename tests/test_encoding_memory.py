@@ -23,7 +23,7 @@ from flux_cp.encode import Geometry, encode_dataset, training_buckets
 from flux_cp.errors import UsageError
 from flux_cp.families import FLUX1, FLUX2, FLUX2_KLEIN
 from flux_cp.families.flux1.tiny import FLUX1_T5, FLUX1_VAE, ensure_tiny_pipeline
-from flux_cp.model import load_part
+from flux_cp.model import load_part, load_transformer
 from flux_cp.placement import Placement
 from flux_cp.random_weights import build_random, hashed_uniform_
 
@@ -304,6 +304,22 @@ def test_random_init_builds_what_has_no_weights_the_same_every_time(tmp_path):
     assert torch.isfinite(encoders.prompts(["a red circle"], 8)["prompt_embeds"]).all()
     with pytest.raises(UsageError, match="cannot load text_encoder_2"):  # pretrained: missing weights stay an error
         load_part(T5EncoderModel, str(folder), "text_encoder_2", ModelConfig(str(folder)), torch.float32)
+
+
+def test_a_random_transformer_depends_on_the_seed_only_and_is_built_where_asked(tmp_path):
+    from diffusers import FluxTransformer2DModel
+
+    folder = _configs_only(tmp_path)
+    model = ModelConfig(str(folder), transformer_init="random")
+    a = load_transformer(model, str(folder), FluxTransformer2DModel, torch.bfloat16, CPU, seed=3)
+    b = load_transformer(model, str(folder), FluxTransformer2DModel, torch.bfloat16, CPU, seed=3)
+    c = load_transformer(model, str(folder), FluxTransformer2DModel, torch.bfloat16, CPU, seed=4)
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        assert p.device == CPU and p.dtype == torch.bfloat16 and not p.is_meta and torch.equal(p, q), name
+    w = a.transformer_blocks[0].attn.to_q.weight
+    assert w.abs().max() <= 1 / w.shape[1] ** 0.5 and w.std() > 0
+    assert not torch.equal(w, c.transformer_blocks[0].attn.to_q.weight)
+    assert all(not t.is_meta for t in a.buffers())
 
 
 def test_hashed_values_do_not_depend_on_how_they_are_chunked(monkeypatch):
