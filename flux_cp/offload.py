@@ -192,10 +192,14 @@ def check_offload_count(n: int, kinds: Sequence[str], block_bytes: Sequence[int]
         raise UsageError(f"--offload_blocks {n}: the transformer has {len(kinds)} blocks; give at most {len(kinds)}")
     plan = plan_offload(kinds, block_bytes, n, slots)
     if n and plan.saved_bytes <= 0:
-        raise UsageError(
-            f"--offload_blocks {n} saves no GPU memory: each kind of block offloaded takes {slots} blocks' room on "
-            f"the GPU (its slots); offload at least {slots + 1}"
-        )
+        # The fewest that save memory, counted on this model: how the blocks split into kinds decides it.
+        saving = (m for m in range(n + 1, len(kinds) + 1) if plan_offload(kinds, block_bytes, m, slots).saved_bytes > 0)
+        least = next(saving, None)
+        room = f"each kind of block offloaded takes {slots} blocks' room on the GPU (its slots)"
+        if least is None:
+            raise UsageError(f"--offload_blocks {n} saves no GPU memory, nor does any count on this model of "
+                             f"{len(kinds)} blocks: {room}; drop --offload_blocks")  # fmt: skip
+        raise UsageError(f"--offload_blocks {n} saves no GPU memory: {room}; offload at least {least}")
     return plan
 
 

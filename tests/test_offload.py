@@ -181,6 +181,8 @@ def test_refusals_say_what_to_change():
     with pytest.raises(UsageError, match="--offload_blocks 2 saves no GPU memory: .* offload at least 3"):
         check_offload_count(2, kinds, sizes)
     assert check_offload_count(3, kinds, sizes).saved_bytes == 1
+    with pytest.raises(UsageError, match="nor does any count on this model of 4 blocks: .*; drop --offload_blocks"):
+        check_offload_count(3, ["double"] * 2 + ["single"] * 2, [1] * 4)  # the tiny model: two kinds of two blocks
     plan = plan_offload(kinds, [2**30] * 8, 8)
     check_host_memory(plan, 1, available=10 * 2**30)
     with pytest.raises(UsageError, match=r"needs 16\.0 GiB of pinned host memory \(2 processes x 8\.0 GiB\)"):
