@@ -24,9 +24,16 @@
 #              GPU, one GPU and a cp=2 rank with loopback peers, 1024 and 2048 px: the planner's picks, their measured
 #              peaks and step times, and the fastest setting that runs (benchmarks/bench_memory.py; ~7 min of an H200)
 #   small      one GPU is enough: the small-GPU rows, each capped (benchmarks/capped.py) to a smaller card's memory,
-#              1024 px, eager: 24 GiB bf16 with block offload (exact) and an fp8 base, 16 GiB int8 with offload, 12 GiB
-#              nf4; at 2048 px a cp=2 rank with loopback peers under 24 GiB (fp8); and diffusers' QLoRA recipe at 24,
-#              16 and 12 GiB (benchmarks/bench_diffusers_qlora.py; nf4, 8-bit AdamW, checkpointing). ~9 min of an H200
+#              FLUX.1-dev shapes, 1024 px: diffusers' QLoRA recipe at 24 and 12 GiB (benchmarks/bench_diffusers_qlora.py;
+#              nf4, 8-bit AdamW, checkpointing), and ours compiled with the planner's picks: nf4 at 12 GiB (offload
+#              auto), nf4 at 24 GiB, fp8 at 24 GiB (offload auto). ~9.5 min of an H200
+#   small_b    one GPU is enough: nf4 at 12 GiB eager and compiled with every block checkpointed, bf16 at 24 GiB
+#              (offload auto, compiled), int8 at 16 GiB (offload auto, eager), and each base precision's per-block
+#              error against bf16 (benchmarks/bench_precision_error.py). ~9.5 min of an H200
+#   small_full one GPU is enough: whole runs (encoding, training, validation) with every component at full size
+#              (random weights): FLUX.1-dev nf4 at 12 GiB, FLUX.2 [klein] 4B nf4 at 12 GiB, FLUX.2 [dev] nf4 at 24 GiB
+#              (offload auto, its 24B text encoder streamed). ~8 min of an H200
+#   small_2048 one GPU is enough: 2048 px, one rank of cp=2 (loopback peers) with an fp8 base under 24 GiB
 #   check      the GPU tests (pytest tests/gpu) and benchmarks/check_gpu.py (bf16 attention and a 4-block Flux model
 #              with CP against fp32 and bf16 without CP, every CP size the machine has)
 # EXTRA_FLAGS="..." is added to every trainer run of the sets (e.g. EXTRA_FLAGS="--cp_overlap passes" or
@@ -144,21 +151,39 @@ for SET in "$@"; do
       if [ -n "$DRY" ]; then python3 -m benchmarks.bench_memory --out "$OUT/memory.json" --dry_run; continue; fi
       run 560 python3 -m benchmarks.bench_memory --out "$OUT/memory.json" --budget 420 ;;
     small)
-      C="--resolution 1024 --gradient_checkpointing all"
-      trainer 360 trainer_small.json "--fake_peers --steps 6 --warmup 2 --timeout 150" \
-        "small24_bf16_offload:1:gpu1.yaml:$C --gpu_memory_gib 24 --offload_blocks auto" \
-        "small24_fp8:1:gpu1.yaml:$C --gpu_memory_gib 24 --base_precision fp8" \
-        "small16_int8_offload:1:gpu1.yaml:$C --gpu_memory_gib 16 --base_precision int8 --offload_blocks 12" \
-        "small12_nf4:1:gpu1.yaml:$C --gpu_memory_gib 12 --base_precision nf4" \
-        "small24_fp8_fake2_2048:1:gpu1.yaml:--cp_size 2 --resolution 2048 --gradient_checkpointing all --gpu_memory_gib 24 --base_precision fp8"
-      run 220 python3 -m benchmarks.bench_diffusers_qlora --out "$OUT/diffusers_qlora.json" --gpu_memory_gib 24 16 12 \
-        --resolution 1024 --model_dir "$(mktemp -d)/flux1-dev-shapes-random" ;;
+      run 185 python3 -m benchmarks.bench_diffusers_qlora --out "$OUT/diffusers_qlora.json" --gpu_memory_gib 24 12 \
+        --resolution 1024 --model_dir "$(mktemp -d)/flux1-dev-shapes-random"
+      trainer 360 trainer_small.json "--steps 5 --warmup 2 --timeout 130" \
+        "small12_nf4_auto_c:1:gpu1.yaml:--resolution 1024 --gpu_memory_gib 12 --base_precision nf4 --offload_blocks auto --compile" \
+        "small24_nf4_c:1:gpu1.yaml:--resolution 1024 --gpu_memory_gib 24 --base_precision nf4 --compile" \
+        "small24_fp8_auto_c:1:gpu1.yaml:--resolution 1024 --gpu_memory_gib 24 --base_precision fp8 --offload_blocks auto --compile" ;;
+    small_b)
+      trainer 470 trainer_small_b.json "--steps 5 --warmup 2 --timeout 130" \
+        "small12_nf4:1:gpu1.yaml:--resolution 1024 --gpu_memory_gib 12 --base_precision nf4 --gradient_checkpointing all" \
+        "small12_nf4_all_c:1:gpu1.yaml:--resolution 1024 --gpu_memory_gib 12 --base_precision nf4 --gradient_checkpointing all --compile" \
+        "small24_bf16_auto_c:1:gpu1.yaml:--resolution 1024 --gpu_memory_gib 24 --offload_blocks auto --compile" \
+        "small16_int8_auto:1:gpu1.yaml:--resolution 1024 --gpu_memory_gib 16 --base_precision int8 --offload_blocks auto"
+      run 110 python3 -m benchmarks.bench_precision_error --out "$OUT/precision_error.json" ;;
+    small_full)  # every component at full size, random weights (python -m flux_cp.tiny --preset ...-full-shapes)
+      V="--validation_prompt a_red_circle --num_validation_images 1 --validation_inference_steps 2 --validation_steps 2"
+      for P in flux1-dev flux2-klein flux2-dev; do
+        [ -n "$DRY" ] || python3 -m flux_cp.tiny --preset "$P-full-shapes" --out "/tmp/full-$P" > /dev/null
+      done
+      trainer 130 trainer_full_flux1.json "--model /tmp/full-flux1-dev --steps 5 --warmup 2 --timeout 125" \
+        "full12_flux1_nf4:1:gpu1.yaml:--resolution 1024 --gpu_memory_gib 12 --base_precision nf4 --offload_blocks auto $V"
+      trainer 110 trainer_full_klein.json "--model /tmp/full-flux2-klein --steps 5 --warmup 2 --timeout 105" \
+        "full12_klein_nf4:1:gpu1.yaml:--resolution 1024 --gpu_memory_gib 12 --base_precision nf4 --offload_blocks auto $V"
+      trainer 260 trainer_full_flux2.json "--model /tmp/full-flux2-dev --steps 4 --warmup 2 --timeout 255" \
+        "full24_flux2_nf4:1:gpu1.yaml:--resolution 1024 --gpu_memory_gib 24 --base_precision nf4 --offload_blocks auto $V" ;;
+    small_2048)
+      trainer 200 trainer_small_2048.json "--fake_peers --steps 5 --warmup 2 --timeout 190" \
+        "small24_fp8_fake2_2048:1:gpu1.yaml:--cp_size 2 --resolution 2048 --gradient_checkpointing all --gpu_memory_gib 24 --base_precision fp8" ;;
     check)
       run 400 python3 -m pytest -q -x tests/gpu
       run 300 torchrun --nproc_per_node "$N" -m benchmarks.check_gpu --out "$OUT/check_gpu.json" ;;
     *)
       echo "error: unknown set $SET (lora, lora_ro, diffusers, lora4096, full, kontext, host, flux2, flux2_cp, memory,
-      attention, small, check)"
+      attention, small, small_b, small_full, small_2048, check)"
       exit 2 ;;
   esac
 done
