@@ -39,6 +39,15 @@ class Kernel:
     forward: Callable[..., tuple[Tensor, Tensor, tuple]]
     backward: Callable[..., tuple[Tensor, Tensor, Tensor]]
     devices: tuple[str, ...] = ("cuda", "cpu")  # device types it can run on at all (what else it serves is tried)
+    # Input dtypes it serves (None: any). Checked before the call rather than left to the op: called directly, an
+    # aten kernel does not always check the dtype the way SDPA's dispatcher does before choosing it.
+    dtypes: tuple[torch.dtype, ...] | None = None
+
+    def refuses(self, dtype: torch.dtype) -> str | None:
+        """Why this kernel does not serve inputs of `dtype`, or None."""
+        if self.dtypes is None or dtype in self.dtypes:
+            return None
+        return f"takes {' or '.join(str(d).removeprefix('torch.') for d in self.dtypes)}, not {dtype}"
 
 
 # --- math: reference implementation, any device and dtype -----------------------------------------
@@ -182,10 +191,11 @@ def _efficient_backward(
     return dq, dk, dv
 
 
+_HALF = (torch.float16, torch.bfloat16)
 KERNELS: dict[str, Kernel] = {
-    "cudnn": Kernel("cudnn", _cudnn_forward, _cudnn_backward, ("cuda",)),
-    "flash": Kernel("flash", _flash_forward, _flash_backward, ("cuda",)),
-    "efficient": Kernel("efficient", _efficient_forward, _efficient_backward, ("cuda",)),
+    "cudnn": Kernel("cudnn", _cudnn_forward, _cudnn_backward, ("cuda",), _HALF),
+    "flash": Kernel("flash", _flash_forward, _flash_backward, ("cuda",), _HALF),
+    "efficient": Kernel("efficient", _efficient_forward, _efficient_backward, ("cuda",), (*_HALF, torch.float32)),
     "cpu_flash": Kernel("cpu_flash", _cpu_flash_forward, _cpu_flash_backward, ("cpu",)),
     "math": Kernel("math", _math_forward, _math_backward),
 }
@@ -286,6 +296,10 @@ class KernelChoice:
         errors = []
         for name in self.order(q.device.type):
             kernel = KERNELS[name]
+            refused = kernel.refuses(q.dtype)
+            if refused:
+                errors.append(f"{name}: {refused}")
+                continue
             try:
                 out, lse, aux = _forward(kernel, q, k, v, scale)
             except (RuntimeError, NotImplementedError) as e:  # this kernel cannot serve the input: try the next

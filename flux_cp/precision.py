@@ -201,8 +201,10 @@ def quantize_base(
                 linear = modules.pop(name)
                 if device is not None:
                     linear.to(device)
-                _replace(transformer, name, _quantized(linear, precision))
-                del linear
+                quantized = _quantized(linear, precision)
+                quantized.register_forward_pre_hook(_autocast_input)
+                _replace(transformer, name, quantized)
+                del linear, quantized
         if precision == "nf4":
             transformer.is_loaded_in_4bit = True  # peft then wraps Linear4bit in its bitsandbytes LoRA layer
         else:
@@ -236,6 +238,19 @@ def _quantized(linear: torch.nn.Linear, precision: str) -> torch.nn.Module:
               else Float8WeightOnlyConfig(set_inductor_config=False))  # fmt: skip
     quantize_(linear, config)
     return linear
+
+
+def _autocast_input(module: torch.nn.Module, args: tuple) -> tuple | None:
+    """Under autocast, a quantized linear's input in the autocast dtype, as autocast gives a bf16 linear's: torchao's
+    int8 layer and bitsandbytes' 4-bit layer return their input's dtype, so an fp32 input (a LayerNorm's output under
+    autocast) would make the rest of the block compute and keep fp32 activations (twice the memory planned, and
+    attention in fp32)."""
+    x = args[0] if args else None
+    if isinstance(x, torch.Tensor) and x.is_floating_point() and torch.is_autocast_enabled(x.device.type):
+        dtype = torch.get_autocast_dtype(x.device.type)
+        if x.dtype != dtype:
+            return (x.to(dtype), *args[1:])
+    return None
 
 
 def _separate_outputs(transformer: torch.nn.Module) -> None:

@@ -203,3 +203,30 @@ def test_auto_mode_follows_the_measured_rules():
     assert auto_mode(24, 8) == ("ulysses", None)
     assert auto_mode(24, 16) == ("hybrid", 8)  # 24 heads do not split 16 ways
     assert auto_mode(24, 5) == ("ring", None)
+
+
+def test_a_kernel_is_not_called_with_a_dtype_it_does_not_take(monkeypatch):
+    """cuDNN and flash take fp16 and bf16 only; fp32 inputs (a model run without autocast) go to the next kernel in
+    the order without calling them: called directly, an aten kernel does not always check the dtype."""
+    from cp import kernels
+
+    calls = []
+
+    def half_only(q, k, v, scale):  # stands for a kernel that would return garbage for fp32 instead of raising
+        calls.append(q.dtype)
+        return torch.zeros_like(q), torch.zeros(q.shape[:3]), ()
+
+    fake = kernels.Kernel("half", half_only, kernels.KERNELS["math"].backward, dtypes=kernels._HALF)
+    monkeypatch.setitem(kernels.KERNELS, "half", fake)
+    assert kernels.KERNELS["cudnn"].refuses(torch.float32) == "takes float16 or bfloat16, not torch.float32"
+    assert (
+        kernels.KERNELS["cudnn"].refuses(torch.bfloat16) is None
+        and kernels.KERNELS["math"].refuses(torch.float64) is None
+    )
+    choice = kernels.KernelChoice(("half", "math"))
+    q, k, v = (torch.randn(1, 2, 8, 4) for _ in range(3))
+    out, _, used, _ = choice.forward(q, k, v, 0.5)
+    assert used.name == "math" and not calls
+    assert torch.allclose(out, F.scaled_dot_product_attention(q, k, v, scale=0.5), atol=1e-6)
+    choice.forward(q.bfloat16(), k.bfloat16(), v.bfloat16(), 0.5)
+    assert calls == [torch.bfloat16]

@@ -161,6 +161,25 @@ def test_bf16_changes_nothing_and_lora_comes_after():
         quantize_base(_model("flux1"), "int4")
 
 
+@pytest.mark.parametrize("precision", _precisions())
+def test_under_autocast_a_quantized_linear_computes_in_the_dtype_a_bf16_one_does(precision):
+    """torchao's int8 layer and bitsandbytes' 4-bit layer return their input's dtype, so an fp32 input (a LayerNorm's
+    output under CUDA's autocast) would leave the rest of the block in fp32: more activation memory than planned,
+    and attention in fp32."""
+    ref = _model("flux1").to(torch.bfloat16)
+    model = copy.deepcopy(ref)
+    quantize_base(model, precision)
+    names = quantized_linears(ref)
+    x = torch.randn(3, ref.get_submodule(names[0]).in_features)  # fp32
+    for name in names[:4]:
+        with torch.autocast("cpu", torch.bfloat16):
+            want, got = ref.get_submodule(name)(x), model.get_submodule(name)(x)
+        assert want.dtype == got.dtype == torch.bfloat16, name
+        assert torch.allclose(got.float(), want.float(), rtol=0.2, atol=0.2 * want.abs().max().item())
+    with torch.autocast("cpu", torch.bfloat16):  # the whole model as before
+        assert model(**_inputs("flux1")).sample.dtype == ref(**_inputs("flux1")).sample.dtype
+
+
 def _peft_config():
     from peft import LoraConfig
 
