@@ -13,3 +13,7 @@ timeout 125 $B --out "$OUT/trainer_small12_nf4_c.json" --timeout 120 \
   "small12_nf4_auto_c:1:gpu1.yaml:--resolution 1024 --gpu_memory_gib 12 --base_precision nf4 --offload_blocks auto --compile"
 timeout 85 $B --out "$OUT/trainer_small16_int8.json" --timeout 80 \
   "small16_int8_auto:1:gpu1.yaml:--resolution 1024 --gpu_memory_gib 16 --base_precision int8 --offload_blocks auto"
+# What the last sitting ran instead (its time was short): one row, compiled, without validation:
+#   python3 -m benchmarks.bench_trainer --logs $OUT/logs --steps 5 --warmup 2 --out "$OUT/trainer_full_flux1_c.json" \
+#     --model /tmp/full-flux1-dev --timeout 160 \
+#     "full12_flux1_nf4_c:1:gpu1.yaml:--resolution 1024 --gpu_memory_gib 12 --base_precision nf4 --offload_blocks auto --compile"
