@@ -3,7 +3,7 @@ from a server that imported torch, diffusers, transformers, peft, accelerate and
 interpreter importing them for each process: ~7 s of CPU per process, most of a tiny run's cost on 2 cores.
 
     python tests/forkserver.py SOCKET train_flux_cp.py ARGS...   # as `python train_flux_cp.py ARGS...`
-    python tests/forkserver.py SOCKET -m accelerate.commands.launch ARGS...
+    python tests/forkserver.py SOCKET -m accelerate.commands.launch ARGS...   # or -c CODE ARGS...
 
 This file, run as above, is the client: a bare interpreter (the standard library only) that sends its arguments,
 environment, working folder, umask and standard streams to the server listening on SOCKET. The server forks a process
@@ -39,7 +39,8 @@ import sys
 RUNTIME_VARIABLES = re.compile(
     r"(RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|GROUP_RANK|GROUP_WORLD_SIZE|ROLE_RANK|ROLE_NAME|ROLE_WORLD_SIZE"
     r"|MASTER_ADDR|MASTER_PORT|TORCHELASTIC_\w+|TORCH_NCCL_ASYNC_ERROR_HANDLING|ACCELERATE_\w+|FSDP_\w+"
-    r"|FLUX_CP_\w+|WANDB_\w+|NETRC|HF_TOKEN|HUGGING_FACE_HUB_TOKEN|PYTEST_\w+|PATH|_|OLDPWD|PWD)"
+    r"|FLUX_CP_\w+|WANDB_\w+|NETRC|HF_TOKEN|HUGGING_FACE_HUB_TOKEN|PYTEST_\w+|TESTS_FORKSERVER|PATH|_|OLDPWD|PWD"
+    r"|CUDA_VISIBLE_DEVICES)"  # read when CUDA starts, which a server never lets a forked process inherit
 )
 # What the server imports before it forks anything: the trainer's modules and what a run imports of the libraries.
 PRELOAD = [
@@ -170,16 +171,36 @@ def _foreign(env: dict[str, str], server_env: dict[str, str], added: dict[str, s
                   and not (k in added and env.get(k) == added[k]))  # fmt: skip
 
 
+def _plain(argv: list[str], env: dict[str, str]) -> list[str] | None:
+    """`argv` without a `-u` that PYTHONUNBUFFERED makes no different (a launcher's workers get `python -u`), when it
+    is a form this server runs: `-c CODE ...`, `-m MODULE ...` or `SCRIPT ...`; else None."""
+    if argv[:1] == ["-u"] and env.get("PYTHONUNBUFFERED"):
+        argv = argv[1:]
+    if not argv or (argv[0].startswith("-") and (argv[0] not in ("-c", "-m") or len(argv) < 2)):
+        return None
+    return argv
+
+
 def _run(argv: list[str]) -> int:
     """What `python ARGV` does after its start, in this process: the exit code."""
+    import builtins
     import runpy
     import traceback
+    import types
 
-    unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))
-    if argv and argv[0] == "-u" and unbuffered:
-        argv = argv[1:]
+    argv = _plain(argv, os.environ)
     try:
-        if argv[0] == "-m":
+        if argv[0] == "-c":
+            sys.argv = ["-c", *argv[2:]]
+            sys.path[0] = ""
+            main = types.ModuleType("__main__")
+            main.__builtins__ = builtins
+            saved, sys.modules["__main__"] = sys.modules["__main__"], main
+            try:
+                exec(compile(argv[1], "<string>", "exec"), main.__dict__)
+            finally:
+                sys.modules["__main__"] = saved
+        elif argv[0] == "-m":
             sys.argv = [argv[1], *argv[2:]]
             sys.path[0] = os.getcwd()
             sys.modules.pop(argv[1], None)  # `python -m` runs it as __main__ only
@@ -237,6 +258,8 @@ def _supervise(conn: socket.socket, server_env: dict[str, str], added: dict[str,
     relative = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p and not os.path.isabs(p)]
     if relative and request["cwd"] != os.getcwd():
         foreign.append("the folder a relative PYTHONPATH starts from")
+    if _plain(request["argv"], request["env"]) is None:
+        foreign.append("python's options")
     if foreign or len(fds) != 3:
         print(f"forkserver: not forking {request['argv'][:2]}: {', '.join(foreign)} differ", file=sys.stderr)
         conn.sendall(_STATUS.pack(b"N", 0))

@@ -40,8 +40,10 @@ _server: dict = {}
 
 def forkserver() -> str:
     """The socket of this test session's fork server (tests/forkserver.py), started at the first launch: the processes
-    a test launches fork from it instead of importing torch and the libraries anew. TESTS_NO_FORKSERVER=1: none
-    (each process a new interpreter)."""
+    a test launches fork from it instead of importing torch and the libraries anew (and find it in TESTS_FORKSERVER,
+    to fork theirs too). TESTS_NO_FORKSERVER=1: none (each process a new interpreter)."""
+    if not _server and os.environ.get("TESTS_FORKSERVER"):  # a process a test started
+        _server["path"] = os.environ["TESTS_FORKSERVER"]
     if not _server:
         folder = Path(tempfile.mkdtemp(prefix="flux_cp_forkserver_"))
         path = str(folder / "socket")
@@ -50,6 +52,7 @@ def forkserver() -> str:
                                 env={**_SESSION_ENV, **FIXED_ENV}, stdin=subprocess.PIPE, stdout=log,
                                 stderr=log)  # fmt: skip
         _server.update(path=path, proc=proc)
+        os.environ["TESTS_FORKSERVER"] = path
 
         @atexit.register
         def _stop() -> None:  # its standard input closes: it ends; what it forked runs on
@@ -69,6 +72,19 @@ def python_cmd(*args: str) -> list[str]:
     if os.environ.get("TESTS_NO_FORKSERVER"):
         return [sys.executable, *args]
     return [sys.executable, str(FORKSERVER), forkserver(), *args]
+
+
+def forked(cmd: list[str]) -> list[str]:
+    """`cmd` forked by the fork server where it can be, when it runs this interpreter (`sys.executable ...`); the
+    workers of an `accelerate launch` (of a script or `-m` module) too. Any other command as it is."""
+    if cmd[:1] != [sys.executable]:
+        return list(cmd)
+    args = cmd[1:]
+    if args[:2] == ["-m", "accelerate.commands.launch"]:
+        i = next(i for i, a in enumerate(args) if i > 1 and (a == "-m" or a.endswith(".py")))
+        n = 2 if args[i] == "-m" else 1
+        args = [*args[:i], *python_cmd(*args[i : i + n])[1:], *args[i + n :]]
+    return python_cmd(*args)
 
 
 def worker_args(script: Path) -> list[str]:
