@@ -1,14 +1,18 @@
-"""Run train_flux_cp.py as users do: `accelerate launch` for several processes, plain python for one."""
+"""Run train_flux_cp.py as users do: `accelerate launch` for several processes, plain python for one; each process
+forked from a server that imported the libraries once (tests/forkserver.py), where it can be."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import io
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -22,23 +26,81 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+FIXED_ENV = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+_SESSION_ENV = dict(os.environ)  # before any test sets a variable of its own: the fork server's environment
+
+
 def env(**extra: str) -> dict:
-    e = dict(os.environ)
-    e.update(
-        {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
-    )
-    e.update(extra)
-    return e
+    return {**os.environ, **FIXED_ENV, **extra}
+
+
+FORKSERVER = ROOT / "tests" / "forkserver.py"
+_server: dict = {}
+
+
+def forkserver() -> str:
+    """The socket of this test session's fork server (tests/forkserver.py), started at the first launch: the processes
+    a test launches fork from it instead of importing torch and the libraries anew (and find it in TESTS_FORKSERVER,
+    to fork theirs too). TESTS_NO_FORKSERVER=1: none (each process a new interpreter)."""
+    if not _server and os.environ.get("TESTS_FORKSERVER"):  # a process a test started
+        _server["path"] = os.environ["TESTS_FORKSERVER"]
+    if not _server:
+        folder = Path(tempfile.mkdtemp(prefix="flux_cp_forkserver_"))
+        path = str(folder / "socket")
+        log = open(folder / "server.log", "w")  # noqa: SIM115 - the server's for its lifetime
+        proc = subprocess.Popen([sys.executable, str(FORKSERVER), "--serve", path, str(ROOT)], cwd=ROOT,
+                                env={**_SESSION_ENV, **FIXED_ENV}, stdin=subprocess.PIPE, stdout=log,
+                                stderr=log)  # fmt: skip
+        _server.update(path=path, proc=proc)
+        os.environ["TESTS_FORKSERVER"] = path
+
+        @atexit.register
+        def _stop() -> None:  # its standard input closes: it ends; what it forked runs on
+            proc.stdin.close()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            log.close()
+            shutil.rmtree(folder, ignore_errors=True)
+
+    return _server["path"]
+
+
+def python_cmd(*args: str) -> list[str]:
+    """`python ARGS` (a script or -m module and its arguments), forked by the fork server where it can."""
+    if os.environ.get("TESTS_NO_FORKSERVER"):
+        return [sys.executable, *args]
+    return [sys.executable, str(FORKSERVER), forkserver(), *args]
+
+
+def forked(cmd: list[str]) -> list[str]:
+    """`cmd` forked by the fork server where it can be, when it runs this interpreter (`sys.executable ...`); the
+    workers of an `accelerate launch` (of a script or `-m` module) too. Any other command as it is."""
+    if cmd[:1] != [sys.executable]:
+        return list(cmd)
+    args = cmd[1:]
+    if args[:2] == ["-m", "accelerate.commands.launch"]:
+        i = next(i for i, a in enumerate(args) if i > 1 and (a == "-m" or a.endswith(".py")))
+        n = 2 if args[i] == "-m" else 1
+        args = [*args[:i], *python_cmd(*args[i : i + n])[1:], *args[i + n :]]
+    return python_cmd(*args)
+
+
+def worker_args(script: Path) -> list[str]:
+    """What to give a launcher (accelerate launch, torchrun) as its training script for `script`: it runs
+    `python -u WORKER_ARGS ARGS` on each process, forked by the fork server where it can be."""
+    return python_cmd(str(script))[1:]
 
 
 def launch_cmd(nproc: int, *args: str, launcher: tuple[str, ...] = (), script: Path = SCRIPT) -> list[str]:
     """`accelerate launch` of train_flux_cp.py (or another `script` that runs its `main`) with the CPU config (plain
-    python for one process)."""
+    python for one process). The launcher and its workers are forked by the fork server where they can be."""
     if nproc == 1 and not launcher:
-        return [sys.executable, str(script), *args]
+        return python_cmd(str(script), *args)
     port = () if "--main_process_port" in launcher else ("--main_process_port", str(free_port()))
-    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CPU_CONFIG),
-            "--num_processes", str(nproc), *port, *launcher, str(script), *args]  # fmt: skip
+    return python_cmd("-m", "accelerate.commands.launch", "--config_file", str(CPU_CONFIG), "--num_processes",
+                      str(nproc), *port, *launcher, *worker_args(script), *args)  # fmt: skip
 
 
 def train(nproc: int, *args: str, timeout: float = 600, extra_env: dict | None = None,

@@ -6,6 +6,7 @@ from __future__ import annotations
 from benchmarks import bench_memory
 from benchmarks.bench_trainer import command, parse_run
 from benchmarks.capped import cap_fraction
+from tests.launch import ROOT, env, python_cmd
 
 H200 = 139.8
 
@@ -79,16 +80,27 @@ def test_variants_run_each_precision_and_offload_value_once_per_cap():
     assert command(run, "M", "W", 6)[6:9] == ["-m", "benchmarks.capped", "trainer"]
 
 
+# `python -m benchmarks.bench_memory ARGS`, whose trainer launches fork from the tests' fork server (tests/launch.py)
+_FORKED_BENCH_MEMORY = """
+import sys
+from benchmarks import bench_memory, bench_trainer
+from tests.launch import forked
+
+command = bench_trainer.command
+bench_trainer.command = lambda *args, **kwargs: forked(command(*args, **kwargs))
+bench_memory.main(sys.argv[1:])
+"""
+
+
 def test_the_variants_smoke_run_writes_planned_against_measured_rows(tmp_path):
     """--smoke: the tiny FLUX.1 on the CPU, an int8 base and three blocks offloaded, each one row with the planner's
     pick and the run's measured peak and step time."""
     import json
     import subprocess
-    import sys
 
     out = tmp_path / "memory.json"
-    subprocess.run([sys.executable, "-m", "benchmarks.bench_memory", "--smoke", "--out", str(out)], check=True,
-                   capture_output=True, timeout=600)  # fmt: skip
+    subprocess.run(python_cmd("-c", _FORKED_BENCH_MEMORY, "--smoke", "--out", str(out)), cwd=ROOT, env=env(),
+                   check=True, capture_output=True, timeout=600)  # fmt: skip
     data = json.loads((tmp_path / "memory_variants.json").read_text())
     assert data["benchmark"] == "memory_variants"
     rows = {r["variant"]: r for r in data["rows"]}

@@ -4,6 +4,7 @@ checkpointing computes; `auto` takes the planner's choice (flux_cp/plan.py) and 
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -45,36 +46,48 @@ def _step(model, inputs) -> list[torch.Tensor]:
     return [out.detach()] + [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
 
-def _graphs(monkeypatch) -> list[str]:
-    """Compile blocks with aot_eager (no code generation) instead of Inductor, keeping each backward graph's code."""
+def _graphs(monkeypatch) -> dict[tuple[str, bool], list[str]]:
+    """Compile blocks with aot_eager (no code generation) instead of Inductor, keeping each backward graph's code by
+    the kind of block that compiled it: (its class, whether it is checkpointed). One backend per kind: blocks of a
+    kind share their compiled code (as a run's blocks do), so each kind is compiled once, in the first model that
+    has it."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
-    codes: list[str] = []
+    codes: dict[tuple[str, bool], list[str]] = {}
+    backends = {}
 
-    def keep(gm, _inputs):
-        codes.append(gm.code)
-        return make_boxed_func(gm.forward)
+    def backend(kind: tuple[str, bool]):
+        def keep(gm, _inputs):
+            codes.setdefault(kind, []).append(gm.code)
+            return make_boxed_func(gm.forward)
 
-    backend = aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm.forward), bw_compiler=keep)
+        if kind not in backends:
+            backends[kind] = aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm.forward), bw_compiler=keep)
+        return backends[kind]
+
+    def compile_with_kind(self, **kw):
+        checkpointed = isinstance(self.__dict__.get("forward"), functools.partial)  # flux_cp.blocks.checkpoint_inside
+        return compile_(self, backend=backend((type(self).__name__, checkpointed)))
+
     compile_ = torch.nn.Module.compile
-    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: compile_(self, backend=backend))
+    monkeypatch.setattr(torch.nn.Module, "compile", compile_with_kind)
     return codes
 
 
 @pytest.mark.parametrize("compiled", [False, True])
 def test_any_blocks_checkpointed_compute_what_none_do(compiled, monkeypatch):
     """The trainer's block preparation with 0 to 4 of the tiny model's 4 blocks checkpointed, from either end: same
-    outputs and gradients as eager without checkpointing; compiled, a checkpointed block's backward graph recomputes
-    the block's projections (more matmuls than a plain block's backward) and keeps the attention's outputs."""
+    outputs and gradients as eager without checkpointing; compiled, each kind of block, (double, single) x (plain,
+    checkpointed), gets a backward graph, and a checkpointed block's recomputes the block's projections (more matmuls
+    than the plain block's backward) and keeps the attention's outputs."""
     inputs = flux_inputs(batch=1)
     reference = flux_model()
     cp.apply_context_parallel(reference, None)
     expected = _step(reference, inputs)
-    codes = _graphs(monkeypatch) if compiled else []
+    torch._dynamo.reset()  # no compiled code of an earlier test counts against the recompilation limit
+    codes = _graphs(monkeypatch) if compiled else {}
     for blocks in (range(0), range(1), range(0, 3), range(3, 4), range(4)):
-        torch._dynamo.reset()
-        codes.clear()
         model = flux_model()
         cp.apply_context_parallel(model, None)
         prepare_blocks(model, checkpointed=blocks, recompute_attention=False, compile=compiled, compile_mode=None,
@@ -83,12 +96,17 @@ def test_any_blocks_checkpointed_compute_what_none_do(compiled, monkeypatch):
         assert len(got) == len(expected) > 8
         for a, b in zip(got, expected):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-        if compiled:  # a backward graph at least per kind of block and checkpointing: (double, single) x (plain, ckpt)
-            kinds = {("double" if i < 2 else "single", i in blocks) for i in range(4)}
-            assert len(codes) >= len(kinds), (blocks, len(codes))
-            matmuls = sorted(c.count("aten.mm.default") + c.count("aten.addmm.default") for c in codes)
-            assert not blocks or matmuls[-1] > matmuls[0], matmuls
-            assert all("ring_attention.default(" not in c for c in codes)  # kept, not recomputed
+    if compiled:
+        names = ("FluxTransformerBlock", "FluxSingleTransformerBlock")
+        assert set(codes) == {(name, checkpointed) for name in names for checkpointed in (False, True)}, sorted(codes)
+        for name in names:
+            plain, recomputed = ([_matmuls(c) for c in codes[(name, checkpointed)]] for checkpointed in (False, True))
+            assert min(recomputed) > max(plain), (name, plain, recomputed)
+        assert all("ring_attention.default(" not in c for kind in codes for c in codes[kind])  # kept, not recomputed
+
+
+def _matmuls(code: str) -> int:
+    return code.count("aten.mm.default") + code.count("aten.addmm.default")
 
 
 def _shape(family, config: dict, resolution: int, text_tokens: int):

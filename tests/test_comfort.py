@@ -6,7 +6,6 @@ import json
 import re
 import shutil
 import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -14,7 +13,7 @@ from PIL import Image
 
 from flux_cp.data import BUNDLED_DATA, BatchSchedule, bucket_divisor, bucket_sizes, nearest_bucket
 from flux_cp.metrics import read_metrics
-from tests.launch import ROOT, losses, ok, run_args, train
+from tests.launch import ROOT, env, losses, ok, python_cmd, run_args, train
 
 
 def _common(tmp, name, steps, *extra):
@@ -149,12 +148,8 @@ def test_validation_images_with_cp_equal_those_without_and_trackers_log(tmp_path
 def test_loss_curve_command_plots_any_metrics_file(tmp_path):
     metrics = tmp_path / "m.jsonl"
     metrics.write_text("".join(json.dumps({"step": i, "loss": 1 / i}) + "\n" for i in range(1, 30)))
-    r = subprocess.run(
-        [sys.executable, "-m", "flux_cp.metrics", str(metrics), str(tmp_path / "c.png")],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    )
+    r = subprocess.run(python_cmd("-m", "flux_cp.metrics", str(metrics), str(tmp_path / "c.png")), cwd=ROOT, env=env(),
+                       capture_output=True, text=True)  # fmt: skip
     assert r.returncode == 0, r.stderr
     with Image.open(tmp_path / "c.png") as img:
         assert img.size[0] > 300

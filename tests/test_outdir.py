@@ -7,14 +7,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from flux_cp import checkpoint, manifest, outdir
 from flux_cp.errors import UsageError
-from tests.launch import ROOT, in_process
+from tests.launch import ROOT, env, in_process, python_cmd
 
 
 def _checkpoint(folder: Path, step: int) -> Path:
@@ -351,10 +350,10 @@ def test_a_second_live_run_is_kept_out_until_the_first_ends(tmp_path):
     folder = tmp_path / "out"
     outdir.claim(folder, None, False)
     code = f"from flux_cp import outdir; outdir.claim({str(folder)!r}, 'latest', False)"
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    r = subprocess.run(python_cmd("-c", code), cwd=ROOT, env=env(), capture_output=True, text=True)
     assert r.returncode != 0 and f"--output_dir {folder} is in use by another run (pid " in r.stderr, r.stderr
     outdir.release(folder)
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    r = subprocess.run(python_cmd("-c", code), cwd=ROOT, env=env(), capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
 
 

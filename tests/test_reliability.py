@@ -7,7 +7,6 @@ import os
 import shutil
 import stat
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,7 +17,19 @@ from safetensors.torch import load_file
 from flux_cp import checkpoint, diskspace, manifest, outdir
 from flux_cp.families import FLUX1
 from flux_cp.metrics import read_metrics
-from tests.launch import ROOT, env, free_port, launch_cmd, losses, max_rel_weights, ok, run_args, train
+from tests.launch import (
+    ROOT,
+    env,
+    free_port,
+    launch_cmd,
+    losses,
+    max_rel_weights,
+    ok,
+    python_cmd,
+    run_args,
+    train,
+    worker_args,
+)
 
 pytestmark = pytest.mark.e2e  # every test here launches train_flux_cp.py
 
@@ -51,30 +62,36 @@ def straight(tmp_path_factory) -> Path:
     return tmp / "straight"
 
 
-def test_kill_while_writing_a_checkpoint_keeps_the_previous_one_and_resume_is_exact(tmp_path, straight):
-    args = STRAIGHT
-    killed = train(
-        2, *_common(tmp_path, "run", 8, *args), extra_env={"FLUX_CP_FAULT": "rank=0,step=4,kind=kill_in_save"}
-    )
-    assert killed.returncode != 0
+def test_a_full_disk_a_kill_while_saving_and_a_kill_in_a_step_keep_the_complete_checkpoints_and_resume_exactly(
+    tmp_path, straight
+):
+    """The straight run's flags, interrupted three times, each resumed from `latest`: rank 0's disk fills while it
+    writes checkpoint-4 (one line, the previous checkpoint intact, nothing partial left); rank 0 is SIGKILLed while
+    writing checkpoint-4 (checkpoint-2 alone looks complete, the half-written one is left as .partial); rank 1 is
+    SIGKILLed in the middle of step 5 (checkpoint-4 written, the .partial gone). The last resume ends with the
+    uninterrupted run's losses and weights, bit for bit (schedule, flips, noise, AdamW and EMA state restored)."""
     run = tmp_path / "run"
+    args = _common(tmp_path, "run", STRAIGHT_STEPS, *STRAIGHT)
+    resume = [*args, "--resume_from_checkpoint", "latest"]
+
+    r = train(2, *args, extra_env={"FLUX_CP_FAULT": "rank=0,step=4,kind=enospc_in_save"})
+    assert r.returncode != 0
+    assert "writing checkpoint-4 failed ([Errno 28] No space left on device" in r.stderr, r.stderr[-3000:]
+    assert "checkpoint-2 is intact" in r.stderr
+    assert "flux_cp/" not in r.stderr and 'train_flux_cp.py", line' not in r.stderr, "a traceback of ours"
+    assert _complete(run) == [2] and not (run / ".checkpoint-4.partial").exists()
+
+    killed = train(2, *resume, extra_env={"FLUX_CP_FAULT": "rank=0,step=4,kind=kill_in_save"})
+    assert killed.returncode != 0
     assert _complete(run) == [2], "only the checkpoint written before the kill may look complete"
     assert (run / ".checkpoint-4.partial").is_dir(), "the half-written checkpoint should be left as .partial"
-    ok(train(2, *_common(tmp_path, "run", 8, *args, "--resume_from_checkpoint", "latest")))
-    assert losses(run) == losses(straight)
-    a, b = _weights(run), _weights(straight)
-    assert all((a[k] == b[k]).all() for k in a), "resumed weights differ from the uninterrupted run"
+
+    killed = train(2, *resume, extra_env={"FLUX_CP_FAULT": "rank=1,step=5,kind=kill"})
+    assert killed.returncode != 0
+    assert _complete(run) == [2, 4] and not (run / "checkpoint-6").exists()
     assert not (run / ".checkpoint-4.partial").exists()
 
-
-def test_resume_after_a_kill_continues_the_same_trajectory(tmp_path, straight):
-    """Rank 1 SIGKILLed in the middle of step 5 (checkpoint-4 written): resuming from `latest` gives the
-    uninterrupted run's losses and weights, bit for bit (schedule, flips, noise and AdamW state restored)."""
-    killed = train(2, *_common(tmp_path, "run", 8, *STRAIGHT), extra_env={"FLUX_CP_FAULT": "rank=1,step=5,kind=kill"})
-    assert killed.returncode != 0
-    run = tmp_path / "run"
-    assert _complete(run) == [2, 4] and not (run / "checkpoint-6").exists()
-    ok(train(2, *_common(tmp_path, "run", 8, *STRAIGHT, "--resume_from_checkpoint", "latest")))
+    ok(train(2, *resume))
     assert losses(run) == losses(straight)
     a, b = _weights(run), _weights(straight)
     assert all((a[k] == b[k]).all() for k in a), "resumed weights differ from the uninterrupted run"
@@ -151,16 +168,8 @@ def test_an_error_every_rank_raises_is_printed_once_even_when_another_rank_gets_
     that raised the same error sooner, and the other rank must not outlive the main one."""
     script = tmp_path / "agreed.py"
     script.write_text(_AGREED_ERROR)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(free_port()),
-        str(script),
-    ]
+    cmd = python_cmd("-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+                     *worker_args(script))  # fmt: skip
     t = time.monotonic()
     r = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=50)
     assert r.returncode != 0 and time.monotonic() - t < 40
@@ -206,36 +215,6 @@ def test_a_nan_loss_is_skipped_when_asked(tmp_path):
     assert [r["skipped"] for r in rows] == [False, False, True, False, False]
     w = _weights(tmp_path / "skip")
     assert all(v.isfinite().all() for v in w.values())
-
-
-def test_disk_full_while_saving_fails_cleanly_and_keeps_the_previous_checkpoint(tmp_path):
-    r = train(
-        2,
-        *_common(tmp_path, "full", 6, "--cp_size", "2", "--checkpointing_steps", "2"),
-        extra_env={"FLUX_CP_FAULT": "rank=0,step=4,kind=enospc_in_save"},
-    )
-    assert r.returncode != 0
-    assert "writing checkpoint-4 failed ([Errno 28] No space left on device" in r.stderr
-    assert "checkpoint-2 is intact" in r.stderr
-    assert "flux_cp/" not in r.stderr and 'train_flux_cp.py", line' not in r.stderr, "a traceback of ours"
-    run = tmp_path / "full"
-    assert _complete(run) == [2] and not (run / ".checkpoint-4.partial").exists()
-    ok(
-        train(
-            2,
-            *_common(
-                tmp_path,
-                "full",
-                6,
-                "--cp_size",
-                "2",
-                "--checkpointing_steps",
-                "2",
-                "--resume_from_checkpoint",
-                "latest",
-            ),
-        )
-    )
 
 
 def test_two_nodes_on_loopback_train_like_one(tmp_path, straight):
