@@ -90,12 +90,12 @@ def test_files_of_another_schema_are_refused_by_name(tmp_path):
 
 
 @pytest.mark.parametrize("family", ["flux1", "flux2"])
-def test_diffusers_cp_benchmark_runs_each_family_with_the_trainers_adapters(family, tmp_path):
+def test_diffusers_cp_benchmark_runs_each_family_with_the_trainers_adapters(family, tmp_path, monkeypatch):
     """bench_diffusers_cp --smoke (one process, CPU) writes a timed row, and its default adapters sit on the modules
     the trainer's do for the comparison the suite draws (FLUX.1: `--lora_layers` ATTENTION_TARGETS, as run.sh passes
-    it; FLUX.2: the trainer's default)."""
+    it; FLUX.2: the trainer's default). The script's `main` runs in this process, with the command line
+    `python -m benchmarks.bench_diffusers_cp` gives it (a new interpreter would add seconds of imports)."""
     import argparse
-    import subprocess
     import sys
 
     from benchmarks import bench_diffusers_cp as bench
@@ -105,8 +105,11 @@ def test_diffusers_cp_benchmark_runs_each_family_with_the_trainers_adapters(fami
     from flux_cp.lora import add_lora
 
     out = tmp_path / "d.json"
-    cmd = [sys.executable, "-m", "benchmarks.bench_diffusers_cp", "--smoke", "--no_compile", "--family", family]
-    subprocess.run([*cmd, "--out", str(out)], check=True, capture_output=True, timeout=300)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):  # one process, as `python -m` starts it
+        monkeypatch.delenv(name, raising=False)
+    argv = ["bench_diffusers_cp.py", "--smoke", "--no_compile", "--family", family, "--out", str(out)]
+    monkeypatch.setattr(sys, "argv", argv)
+    bench.main()
     data = json.loads(out.read_text())
     assert data["schema"] == schema.SCHEMA and data["benchmark"] == "diffusers_cp"
     (row,) = data["rows"]

@@ -103,6 +103,12 @@ def _pipeline_order_in(world: int, chunks: int) -> dict:
     torch._dynamo.reset()  # the chunk count is read while tracing
     options = {**inductor_options(None, cp.Tuning(), world), "fx_graph_cache": False}  # a cached graph skips passes
     compiled, codes = run_and_get_code(step, torch.compile(cp.attention, fullgraph=True, options=options))
+    return {"graphs": _exchanges_beside_attention(codes), "error": max(_rel(a, b) for a, b in zip(compiled, eager))}
+
+
+def _exchanges_beside_attention(codes: list[str]) -> list[dict]:
+    """For each generated graph (forward, backward): for each attention kernel, whether an exchange is in flight beside
+    it (launched before it, waited for after it); and how many exchanges the graph launches."""
     graphs = []
     for code in codes:
         events = []
@@ -119,26 +125,27 @@ def _pipeline_order_in(world: int, chunks: int) -> dict:
             if e == "attention":
                 beside.append(in_flight)
         graphs.append({"beside": beside, "exchanges": events.count("launch")})
-    return {"graphs": graphs, "error": max(_rel(a, b) for a, b in zip(compiled, eager))}
+    return graphs
 
 
 def test_compiled_head_chunks_pipeline_the_exchanges():
     """In 2 head chunks each attention kernel, forward and backward, has an exchange in flight beside it (the later
-    chunks' q, k, v beside the first chunk's attention, its output beside the next one's); in one chunk none has."""
-    for by_chunks in distributed.run(_pipeline_order, 2, [2, 1], timeout=300):
-        two, one = by_chunks[2], by_chunks[1]
-        assert two["error"] < 1e-6 and one["error"] < 1e-6, by_chunks
+    chunks' q, k, v beside the first chunk's attention, its output beside the next one's). In one chunk none has:
+    checked on the compiled Flux block below (one head chunk, the default)."""
+    for by_chunks in distributed.run(_pipeline_order, 2, [2], timeout=300):
+        two = by_chunks[2]
+        assert two["error"] < 1e-6, by_chunks
         assert [g["beside"] for g in two["graphs"]] == [[True, True], [True, True]], two
         assert [g["exchanges"] for g in two["graphs"]] == [6, 6], two  # q, k, v, the rest, two outputs; mirrored
-        assert [g["beside"] for g in one["graphs"]] == [[False], [False]], one
 
 
 def _compiled_block_errors(rank: int, world: int, mode: str) -> dict:
-    """A tiny Flux double block (text and image streams, RoPE, LoRA) with CP, `torch.compile(fullgraph=True)` with
-    Inductor, the `fill` scheduling pass and the exchanges' head starts (`Tuning.exchange_first`), against the same
-    block in eager mode: outputs and every parameter gradient (all-reduced over the group); what the passes did (from
-    their log records) and where the generated code gives each exchange its head start. The trainer test compiles
-    every block with the default passes (tests/test_train.py)."""
+    """A tiny Flux single block (the joint text and image sequence, RoPE, LoRA) with CP, `torch.compile(fullgraph=
+    True)` with Inductor, the `fill` scheduling pass and the exchanges' head starts (`Tuning.exchange_first`), in one
+    head chunk, against the same block in eager mode: outputs and every parameter gradient (all-reduced over the
+    group); what the passes did (from their log records), where the generated code gives each exchange its head start,
+    and which exchanges are in flight beside the attention. The trainer test compiles every block, double ones too,
+    with the default passes (tests/test_train.py); a single block is half the C++ kernels of a double one."""
     import logging
 
     from torch._inductor.utils import run_and_get_code
@@ -157,11 +164,11 @@ def _compiled_block_errors(rank: int, world: int, mode: str) -> dict:
     ids = torch.cat([inputs["txt_ids"], inputs["img_ids"]])
     rope = model.pos_embed(torch.cat([cp.shard(inputs["txt_ids"], 0, group), cp.shard(inputs["img_ids"], 0, group)]))
     assert ids.shape[0] % world == 0 and HEADS % world == 0
-    block = model.transformer_blocks[0]
+    block = model.single_transformer_blocks[0]
 
-    def run(double):
+    def run(fn):
         model.zero_grad()
-        enc, hid = double(hidden_states=hidden, encoder_hidden_states=text, temb=temb, image_rotary_emb=rope)
+        enc, hid = fn(hidden_states=hidden, encoder_hidden_states=text, temb=temb, image_rotary_emb=rope)
         (hid.square().mean() + enc.square().mean()).backward()
         grads = {}
         for n, p in model.named_parameters():
@@ -195,6 +202,7 @@ def _compiled_block_errors(rank: int, world: int, mode: str) -> dict:
         "placed": sum(int(m.split()[2]) for m in fills),
         "marked": sum(marked),
         "head_starts": _head_starts(codes),
+        "beside": [g["beside"] for g in _exchanges_beside_attention(codes)],
         "out": max(_rel(a, b) for a, b in zip(compiled_out, eager_out)),
         "grad": max(_rel(compiled_grads[n], eager_grads[n]) for n in eager_grads),
         "n_grads": len(eager_grads),
@@ -225,6 +233,7 @@ def test_flux_block_compiles_fullgraph_with_inductor_and_equals_eager():
         assert r["marked"] == r["head_starts"]["exchanges"] > 0, r  # both graphs' exchanges, forward and backward
         assert r["head_starts"]["after_each_exchange"] and r["head_starts"]["after_each_wait"], r
         assert not r["head_starts"]["flux_cp"], r  # the generated code needs cp alone
+        assert r["beside"] == [[False], [False]], r  # one head chunk: no exchange in flight beside the attention
         assert r["out"] < 1e-5 and r["grad"] < 1e-4, r
 
 

@@ -84,7 +84,8 @@ SCRIPT = textwrap.dedent(
         plain = step(model(), inputs())
         one = step(cp.apply_context_parallel(model(), None), inputs())  # one process: cp's own kernels
         assert torch.allclose(one[0], plain[0], rtol=1e-5, atol=1e-6), "cp at one process differs from diffusers"
-        mp.spawn(rank_main, args=(2, plain), nprocs=2)
+        # forked: the ranks start with this process's imports (spawned ones would import torch and diffusers again)
+        mp.start_processes(rank_main, args=(2, plain), nprocs=2, start_method="fork")
         assert "flux_cp" not in sys.modules, "flux_cp was imported"
         print("ok")
     """

@@ -261,13 +261,19 @@ def test_plan_prints_on_rank_0_only(tmp_path, monkeypatch, capsys):
 
 
 @pytest.mark.e2e
-def test_plan_under_accelerate_launch_prints_once(tmp_path):
+def test_plan_under_accelerate_launch_prints_once_and_without_the_libraries_import_noise(tmp_path):
+    """Two launched processes print one plan and write nothing. With torchao installed, transformers imports it in
+    every process once a model class loads (--plan is the earliest such load): its messages about kernels for other
+    GPUs, torch's about its enums and diffusers' about torchao checkpoints are left out (flux_cp/quiet.py, installed
+    before train_flux_cp.py imports anything else), in each process."""
     from tests.launch import ok, train
 
     r = ok(train(2, "--plan", "--pretrained_model_name_or_path", "black-forest-labs/FLUX.1-dev", "--cp_size", "2",
                  "--output_dir", str(tmp_path / "o")))  # fmt: skip
     assert r.stdout.count("plan: black-forest-labs/FLUX.1-dev (built-in config)") == 1, r.stdout
     assert r.stdout.count("suggestion: ") == 1 and not (tmp_path / "o").exists()
+    for noise in ("Failed to load", "is an Enum subclass", "Unable to import `torchao`"):
+        assert noise not in r.stderr, r.stderr
 
 
 def test_flux2_plans_count_its_own_blocks_width_and_weights():

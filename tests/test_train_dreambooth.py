@@ -45,7 +45,7 @@ def runs(tmp_path_factory) -> Path:
     out = ok(train(1, *run_args(tmp, "one", 10, *flux1)))
     (tmp / "one.log").write_text(out.stdout + out.stderr)
     # FLUX.2 [klein]: class images through Flux2KleinPipeline (true guidance against the empty prompt) under CP
-    klein = ensure_tiny_flux2_pipeline(tmp / "klein", klein=True)
+    klein = ensure_tiny_flux2_pipeline(klein=True)  # under the session's FLUX_CP_HOME, shared with other tests
     flux2 = [*_options(tmp, "klein_class", 1), "--pretrained_model_name_or_path", str(klein), "--resolution", "64",
              "--max_sequence_length", "64"]  # fmt: skip
     ok(train(2, *run_args(tmp, "klein_cp2", 4, "--cp_size", "2", *flux2)))
@@ -76,10 +76,11 @@ def test_class_images_generated_under_cp_are_the_pipeline_s(runs):
     from diffusers import Flux2KleinPipeline, FluxPipeline
 
     from flux_cp.families.flux1.tiny import ensure_tiny_pipeline
+    from flux_cp.families.flux2.tiny import ensure_tiny_flux2_pipeline
 
     for folder, pipe, resolution, tokens, count in (
         ("class", FluxPipeline.from_pretrained(ensure_tiny_pipeline()), 128, 32, 3),
-        ("klein_class", Flux2KleinPipeline.from_pretrained(runs / "klein"), 64, 64, 1),
+        ("klein_class", Flux2KleinPipeline.from_pretrained(ensure_tiny_flux2_pipeline(klein=True)), 64, 64, 1),
     ):
         files = class_images(runs / folder)
         assert [f.name[:5] for f in files] == [f"{k:05d}" for k in range(count)], files

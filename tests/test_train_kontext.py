@@ -58,6 +58,8 @@ def test_kontext_pairs_with_cp_train_like_one_process_and_the_lora_edits(tmp_pat
 
 
 def test_kontext_full_finetune_writes_a_transformer_the_pipeline_loads(tmp_path):
+    """Also FLUX.1's full fine-tuning (the same FluxTransformer2DModel, saved by the same code whatever the data): the
+    folder FluxTransformer2DModel.from_pretrained loads holds weights the training changed, most of them."""
     from diffusers import FluxKontextPipeline, FluxTransformer2DModel
 
     from flux_cp.families.flux1.tiny import ensure_tiny_pipeline
@@ -69,5 +71,9 @@ def test_kontext_full_finetune_writes_a_transformer_the_pipeline_loads(tmp_path)
     trained = FluxTransformer2DModel.from_pretrained(tmp_path / "full" / "transformer")
     path = ensure_tiny_pipeline(kontext=True)
     original = FluxKontextPipeline.from_pretrained(path)
+    pairs = list(zip(trained.named_parameters(), original.transformer.named_parameters()))
+    assert [a for (a, _), _ in pairs] == [b for _, (b, _) in pairs]
+    changed = [n for (n, a), (_, b) in pairs if not torch.equal(a, b)]
+    assert len(changed) > len(pairs) // 2, "training changed too few weights"
     pipe = FluxKontextPipeline.from_pretrained(path, transformer=trained)
     assert (_edit(pipe) - _edit(original)).abs().max().item() > 1e-4
