@@ -132,3 +132,20 @@ def test_diffusers_cp_benchmark_runs_each_family_with_the_trainers_adapters(fami
     assert adapted(theirs) == adapted(ours) and adapted(ours)
     if family == "flux2":  # every single block's fused output is among them
         assert "single_transformer_blocks.0.attn.to_out" in adapted(theirs)
+
+
+def test_the_precision_error_benchmark_measures_each_precision_against_the_unquantized_model(tmp_path):
+    """bench_precision_error --smoke (the tiny FLUX.1 on the CPU) writes one row per precision: each block stream's
+    update error and the model's, int8 closer to the unquantized model than fp8 (as at full size)."""
+    import json
+
+    from benchmarks import bench_precision_error
+
+    out = tmp_path / "precision_error.json"
+    bench_precision_error.main(["--smoke", "--precisions", "fp8,int8", "--out", str(out)])
+    rows = {r["precision"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"fp8", "int8"}
+    for r in rows.values():
+        assert len(r["block_errors"]) == 8 and 0 < r["block_min"] <= r["block_median"] <= r["block_max"] < 0.2
+        assert 0 < r["model"] < 0.2
+    assert rows["int8"]["block_max"] < rows["fp8"]["block_min"] and rows["int8"]["model"] < rows["fp8"]["model"]
