@@ -259,9 +259,9 @@ def _supervise(conn: socket.socket, server_env: dict[str, str], added: dict[str,
     if relative and request["cwd"] != os.getcwd():
         foreign.append("the folder a relative PYTHONPATH starts from")
     if _plain(request["argv"], request["env"]) is None:
-        foreign.append("python's options")
+        foreign.append("interpreter options")
     if foreign or len(fds) != 3:
-        print(f"forkserver: not forking {request['argv'][:2]}: {', '.join(foreign)} differ", file=sys.stderr)
+        print(f"forkserver: not forking {request['argv'][:2]}: its {', '.join(foreign)} differ", file=sys.stderr)
         conn.sendall(_STATUS.pack(b"N", 0))
         return
     pid = os.fork()
@@ -280,31 +280,40 @@ def _supervise(conn: socket.socket, server_env: dict[str, str], added: dict[str,
         if "numpy" in sys.modules:  # a new interpreter's global NumPy generator is seeded anew
             sys.modules["numpy"].random.seed()
         _end(_run(request["argv"]))
+    try:
+        os.setpgid(pid, pid)  # as the child does: a signal relayed before it ran that is not lost
+    except OSError:  # it has run it already
+        pass
     for fd in fds:
         os.close(fd)
-    conn.sendall(_STATUS.pack(b"S", pid))
     import select
 
     pidfd = os.pidfd_open(pid)
-    while True:
-        ready, _, _ = select.select([conn, pidfd], [], [])
-        if pidfd in ready:
-            _, status = os.waitpid(pid, 0)
-            code = os.waitstatus_to_exitcode(status)
-            conn.sendall(_STATUS.pack(b"X", code))
-            return
-        data = _recv_exact(conn, 4)
-        if len(data) < 4:  # the client was killed: so is what it ran
+    try:
+        conn.sendall(_STATUS.pack(b"S", pid))
+        while True:
+            ready, _, _ = select.select([conn, pidfd], [], [])
+            if pidfd in ready:
+                break
+            data = _recv_exact(conn, 4)
+            if len(data) < 4:  # the client was killed: so is what it ran
+                raise ConnectionResetError
             try:
-                os.killpg(pid, signal.SIGKILL)
+                os.killpg(pid, struct.unpack("!i", data)[0])
             except ProcessLookupError:
                 pass
-            os.waitpid(pid, 0)
-            return
+    except OSError:
         try:
-            os.killpg(pid, struct.unpack("!i", data)[0])
+            os.killpg(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        os.waitpid(pid, 0)
+        return
+    _, status = os.waitpid(pid, 0)
+    try:
+        conn.sendall(_STATUS.pack(b"X", os.waitstatus_to_exitcode(status)))
+    except OSError:  # the client is gone
+        pass
 
 
 def serve(path: str, root: str) -> None:
