@@ -236,27 +236,15 @@ BOUNDS = {"int8": (0.02, 0.015), "fp8": (0.08, 0.05), "nf4": (0.25, 0.15)}
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("precision", _precisions())
 def test_each_blocks_error_against_the_unquantized_model_is_bounded(family, precision):
+    from benchmarks.bench_precision_error import block_errors, record_blocks
+
     ref = _model(family, normal=True)
-    calls = []
-    hooks = [b.register_forward_hook(lambda m, args, kwargs, out: calls.append((m, args, kwargs, out)),
-                                     with_kwargs=True) for b in transformer_blocks(ref)]  # fmt: skip
-    with torch.no_grad():
-        expected = ref(**_inputs(family)).sample
-    for h in hooks:
-        h.remove()
+    calls, expected = record_blocks(ref, transformer_blocks(ref), _inputs(family))
     model = copy.deepcopy(ref)
     quantize_base(model, precision)
-    same = dict(zip(transformer_blocks(ref), transformer_blocks(model), strict=True))
     block_bound, model_bound = BOUNDS[precision]
-    for block, args, kwargs, out in calls:
-        with torch.no_grad():
-            got = same[block](*args, **kwargs)
-        inputs = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
-        out, got = (t if isinstance(t, tuple) else (t,) for t in (out, got))  # FLUX.2's single blocks: one tensor
-        for want, have in zip(out, got, strict=True):
-            x = next(t for t in inputs if t.shape == want.shape)  # the stream this output updates
-            err = ((have - want).norm() / (want - x).norm()).item()
-            assert 1e-4 < err < block_bound, f"{precision} block error {err:.4f}"
+    for err in block_errors(calls, transformer_blocks(model)):
+        assert 1e-4 < err < block_bound, f"{precision} block error {err:.4f}"
     with torch.no_grad():
         err = ((model(**_inputs(family)).sample - expected).norm() / expected.norm()).item()
     assert 1e-4 < err < model_bound, f"{precision} model error {err:.4f}"
