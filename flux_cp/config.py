@@ -353,7 +353,11 @@ class DataConfig:
         derive=lambda raw: (64,) if _is_embedded(raw) else (1024,),
         parse=_resolutions,
     )
-    repeats: int = flag(1, "How many times each image appears per epoch (the data set is repeated).")
+    repeats: int = flag(
+        1,
+        "How many times each image appears per epoch (the data set is repeated); a folder in kohya's layout "
+        "(sub-folders N_name) repeats each image N times, and this multiplies N.",
+    )
     caption_dropout: float = flag(
         0.0,
         "Probability that a training image's caption is replaced by the empty caption in a step (it then trains "
