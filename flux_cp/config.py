@@ -291,6 +291,14 @@ class LoraConfig:
         choices=LORA_FORMATS,
     )
 
+    network_weights: str | None = flag(
+        None,
+        "A LoRA file (.safetensors, in diffusers' layout, or kohya's for FLUX.1) to start the LoRA from, as kohya's "
+        "--network_weights: it must hold LoRAs on the --lora_layers of this run, of --rank, at its --lora_alpha; the "
+        "optimizer and LR schedule start fresh at step 0. (--resume_from_checkpoint continues a flux-cp checkpoint "
+        "instead.) Default: none (LoRA weights drawn from --seed).",
+    )
+
     train_text_encoder: bool = flag(
         False,
         "Also train a LoRA on the CLIP text encoder (FLUX.1 and FLUX.1 Kontext), as diffusers' FLUX.1 LoRA example: "
@@ -311,6 +319,19 @@ class LoraConfig:
                 "here holds the transformer's LoRA only; keep --lora_format diffusers (FluxPipeline.load_lora_weights "
                 "loads both) or drop --train_text_encoder"
             )
+        if self.network_weights is not None:
+            if self.full_finetune:
+                raise UsageError(
+                    "--network_weights starts a LoRA from a LoRA file; --full_finetune trains every weight and no "
+                    "LoRA: drop one of the two"
+                )
+            if self.train_text_encoder:
+                raise UsageError(
+                    "--network_weights starts the transformer's LoRA, not the text encoder's of --train_text_encoder: "
+                    "drop one of the two"
+                )
+            if not os.path.isfile(self.network_weights):
+                raise UsageError(f"--network_weights {self.network_weights}: no such file (a LoRA .safetensors file)")
         if self.full_finetune and self.lora_format != "diffusers":
             raise UsageError(
                 f"--lora_format {self.lora_format} applies to LoRA files; --full_finetune writes a transformer "
@@ -842,6 +863,10 @@ class Config:
             if check is not None:
                 check()
         check_flags(self.model.base_precision, self.lora.full_finetune)
+        if self.lora.network_weights is not None and self.train.seed_checkpoint is not None:
+            raise UsageError(
+                "--network_weights and --seed_checkpoint both set the initial LoRA weights: give one of the two"
+            )
         if not self.plan.plan:  # the planner loads nothing and runs on any machine
             check_installed(self.model.base_precision)
         if self.hub.push_to_hub:  # what would fail the upload at the end whatever the run does
