@@ -1092,7 +1092,8 @@ def _read_config_file(raw: dict, parser: _Parser, given: set[str]) -> tuple[list
     `given`, for the warnings about flags without effect. Returns the lines to print and the flags taken from it."""
     fields = {name: {f.name: f for f in dataclasses.fields(section)} for name, section in _sections()}
     sections = {name: set(flags) for name, flags in fields.items()}
-    values, notes = config_file.flag_values(raw["config"], parser, sections, parser.closest)
+    path = os.path.expanduser(raw["config"])  # as every path flag ('~' left as typed after '=': flux_cp.path_flags)
+    values, notes = config_file.flag_values(path, parser, sections, parser.closest)
     data = ("dataset_name", "instance_data_dir")
     if values.get("instance_data_dir") is not None and values.get("dataset_name") == values["instance_data_dir"]:
         del values["dataset_name"]  # run_config.json records --instance_data_dir as both

@@ -5,6 +5,7 @@ end), and a bad key or value is one line naming the file and the key."""
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 import pytest
@@ -16,9 +17,10 @@ from flux_cp.errors import UsageError
 
 # A handful of flags of every kind: a float, a list flag, a repeatable flag, a switch, a true/false flag, an int, a
 # comma-separated list, a choice.
-ARGV = ["--learning_rate", "0.0002", "--resolution", "64,128", "--validation_prompt", "a cat", "--validation_prompt",
-        "a dog", "--random_flip", "--prodigy_decouple", "false", "--rank", "4", "--lora_layers", "attn.to_q,attn.to_k",
-        "--lr_scheduler", "cosine", "--seed", "7"]  # fmt: skip
+ARGV = shlex.split(
+    "--learning_rate 0.0002 --resolution 64,128 --validation_prompt 'a cat' --validation_prompt 'a dog' "
+    "--random_flip --prodigy_decouple false --rank 4 --lora_layers attn.to_q,attn.to_k --lr_scheduler cosine --seed 7"
+)
 
 YAML = """\
 learning_rate: 2e-4          # PyYAML reads this as text: the flag's own parser makes it a number
@@ -51,9 +53,19 @@ rank = 4
 lora_layers = "attn.to_q,attn.to_k"
 """
 
-JSON = json.dumps({"learning_rate": 2e-4, "resolution": [64, 128], "validation_prompt": ["a cat", "a dog"],
-                   "random_flip": True, "prodigy_decouple": False, "rank": 4,
-                   "lora_layers": ["attn.to_q", "attn.to_k"], "lr_scheduler": "cosine", "seed": 7})  # fmt: skip
+JSON = json.dumps(
+    {
+        "learning_rate": 2e-4,
+        "resolution": [64, 128],
+        "validation_prompt": ["a cat", "a dog"],
+        "random_flip": True,
+        "prodigy_decouple": False,
+        "rank": 4,
+        "lora_layers": ["attn.to_q", "attn.to_k"],
+        "lr_scheduler": "cosine",
+        "seed": 7,
+    }
+)
 
 
 def _file(tmp_path: Path, name: str, text: str) -> str:
@@ -84,8 +96,11 @@ def test_the_command_line_wins_over_the_file(tmp_path):
 
 
 def test_null_leaves_the_default_and_false_leaves_a_switch_off(tmp_path):
-    path = _file(tmp_path, "run.json", json.dumps({"max_train_steps": None, "random_flip": False, "rank": 4,
-                                                   "validation_prompt": []}))  # fmt: skip
+    path = _file(
+        tmp_path,
+        "run.json",
+        json.dumps({"max_train_steps": None, "random_flip": False, "rank": 4, "validation_prompt": []}),
+    )
     cfg = parse_config(["--config", path])
     assert cfg.train.max_train_steps == parse_config([]).train.max_train_steps  # the demo's: nothing given
     assert cfg.data.random_flip is False and cfg.lora.rank == 4
@@ -156,6 +171,12 @@ def test_a_bad_key_or_value_names_the_file_and_the_key(tmp_path, name, text, mes
     assert f"--config {path}" in str(e.value)
 
 
+def test_a_leading_tilde_is_the_home_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    _file(tmp_path, "run.yaml", "rank: 4\n")
+    assert parse_config(["--config=~/run.yaml"]).lora.rank == 4
+
+
 def test_a_missing_file_is_named(tmp_path):
     with pytest.raises(UsageError, match=r"--config .*nope\.yaml: no such file"):
         parse_config(["--config", str(tmp_path / "nope.yaml")])
@@ -170,9 +191,8 @@ def test_run_config_json_repeats_the_run(tmp_path):
 
     from tests.launch import losses, ok, run_args, train
 
-    flags = ["--cp_size", "2", "--rank", "4", "--lora_alpha", "8", "--random_flip", "--seed", "5", "--learning_rate",
-             "1e-3", "--checkpointing_steps", "1000"]  # fmt: skip
-    ok(train(2, *run_args(tmp_path, "first", 4, *flags)))
+    flags = "--cp_size 2 --rank 4 --lora_alpha 8 --random_flip --seed 5 --learning_rate 1e-3 --checkpointing_steps 1000"
+    ok(train(2, *run_args(tmp_path, "first", 4, *flags.split())))
     recorded = tmp_path / "first" / "run_config.json"
     config = json.loads(recorded.read_text())
     assert "config" not in config and "hub_token" not in config  # the flags it gave are recorded; secrets never
