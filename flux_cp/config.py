@@ -26,7 +26,7 @@ from typing import Any
 from cp.context import OVERLAPS, Tuning
 from cp.kernels import DEFAULT_PREFERENCE, KERNELS
 
-from . import hub
+from . import config_file, hub
 from .checkpoint import saved_run
 from .errors import UsageError
 from .flag_ranges import check_ranges, given_flags, unused_flags
@@ -51,6 +51,7 @@ def flag(
     repeat: bool = False,
     secret: bool = False,
     const: Any = None,
+    record: bool = True,
 ) -> Any:
     """A dataclass field that is also the flag `--<field name>`.
 
@@ -59,9 +60,10 @@ def flag(
         flag is not given (the parser's default is then None, so "not given" is seen). parse: converts the
         command-line string (the field keeps the converted value). repeat: the flag may be given several times (a
         tuple of values). secret: kept out of `Config.flat()`, so out of run_config.json, checkpoints and trackers.
-        const: the value of the flag given without one (its value is then optional)."""
+        const: the value of the flag given without one (its value is then optional). record=False: kept out of
+        `Config.flat()` too, for a flag whose effect the other flags record (--config)."""
     meta = {"help": help, "choices": choices, "derive": derive, "parse": parse, "repeat": repeat, "secret": secret,
-            "const": const}  # fmt: skip
+            "const": const, "record": record}  # fmt: skip
     return field(default=default, metadata=meta)
 
 
@@ -289,6 +291,14 @@ class LoraConfig:
         choices=LORA_FORMATS,
     )
 
+    network_weights: str | None = flag(
+        None,
+        "A LoRA file (.safetensors, in diffusers' layout, or kohya's for FLUX.1) to start the LoRA from, as kohya's "
+        "--network_weights: it must hold LoRAs on the --lora_layers of this run, of --rank, at its --lora_alpha; the "
+        "optimizer and LR schedule start fresh at step 0. (--resume_from_checkpoint continues a flux-cp checkpoint "
+        "instead.) Default: none (LoRA weights drawn from --seed).",
+    )
+
     train_text_encoder: bool = flag(
         False,
         "Also train a LoRA on the CLIP text encoder (FLUX.1 and FLUX.1 Kontext), as diffusers' FLUX.1 LoRA example: "
@@ -309,6 +319,19 @@ class LoraConfig:
                 "here holds the transformer's LoRA only; keep --lora_format diffusers (FluxPipeline.load_lora_weights "
                 "loads both) or drop --train_text_encoder"
             )
+        if self.network_weights is not None:
+            if self.full_finetune:
+                raise UsageError(
+                    "--network_weights starts a LoRA from a LoRA file; --full_finetune trains every weight and no "
+                    "LoRA: drop one of the two"
+                )
+            if self.train_text_encoder:
+                raise UsageError(
+                    "--network_weights starts the transformer's LoRA, not the text encoder's of --train_text_encoder: "
+                    "drop one of the two"
+                )
+            if not os.path.isfile(self.network_weights):
+                raise UsageError(f"--network_weights {self.network_weights}: no such file (a LoRA .safetensors file)")
         if self.full_finetune and self.lora_format != "diffusers":
             raise UsageError(
                 f"--lora_format {self.lora_format} applies to LoRA files; --full_finetune writes a transformer "
@@ -351,7 +374,11 @@ class DataConfig:
         derive=lambda raw: (64,) if _is_embedded(raw) else (1024,),
         parse=_resolutions,
     )
-    repeats: int = flag(1, "How many times each image appears per epoch (the data set is repeated).")
+    repeats: int = flag(
+        1,
+        "How many times each image appears per epoch (the data set is repeated); a folder in kohya's layout "
+        "(sub-folders N_name) repeats each image N times, and this multiplies N.",
+    )
     caption_dropout: float = flag(
         0.0,
         "Probability that a training image's caption is replaced by the empty caption in a step (it then trains "
@@ -441,6 +468,14 @@ class DataConfig:
 class TrainConfig:
     """Optimisation: batch, steps, optimizer, schedule, loss, precision (train_flux_cp.py, flux_cp.flow)."""
 
+    config: str | None = flag(
+        None,
+        "A YAML (.yaml, .yml), TOML (.toml) or JSON (.json) file of flags by their names without '--' (flat, or in "
+        "tables named after the sections: model, data, train, lora, ...); flags on the command line win. A run's "
+        "OUTPUT_DIR/run_config.json is one: --config it with another --output_dir to repeat the run "
+        "(docs/config_files.md). Default: none.",
+        record=False,  # its flags are recorded, each under its own name
+    )
     output_dir: str = flag(
         "flux-cp-output", "Where the trained model, checkpoints, metrics, validation images and logs are written."
     )
@@ -621,7 +656,8 @@ class ParallelConfig:
     def check(self) -> None:
         if self.cp_mode == "hybrid" and self.ulysses_size is None:
             raise UsageError("--cp_mode hybrid needs --ulysses_size (the Ulysses degree, a divisor of --cp_size)")
-        if self.ulysses_size is not None and self.cp_mode not in ("hybrid", "auto"):
+        whole = self.cp_mode == "ulysses" and self.ulysses_size == self.cp_size  # as run_config.json records it
+        if self.ulysses_size is not None and self.cp_mode not in ("hybrid", "auto") and not whole:
             raise UsageError(f"--ulysses_size is only used with --cp_mode hybrid (got --cp_mode {self.cp_mode})")
         if self.ulysses_size is not None and self.cp_size % self.ulysses_size:
             raise UsageError(f"--ulysses_size {self.ulysses_size} must divide --cp_size {self.cp_size}")
@@ -827,6 +863,10 @@ class Config:
             if check is not None:
                 check()
         check_flags(self.model.base_precision, self.lora.full_finetune)
+        if self.lora.network_weights is not None and self.train.seed_checkpoint is not None:
+            raise UsageError(
+                "--network_weights and --seed_checkpoint both set the initial LoRA weights: give one of the two"
+            )
         if not self.plan.plan:  # the planner loads nothing and runs on any machine
             check_installed(self.model.base_precision)
         if self.hub.push_to_hub:  # what would fail the upload at the end whatever the run does
@@ -844,7 +884,7 @@ class Config:
             f.name: getattr(section, f.name)
             for section in self.sections()
             for f in dataclasses.fields(section)
-            if not f.metadata["secret"]
+            if not f.metadata["secret"] and f.metadata["record"]
         }
 
     def demo_lines(self) -> list[str]:
@@ -940,8 +980,15 @@ class _Parser(argparse.ArgumentParser):
             raise UsageError(f"{message}: did you mean {close[0]}?")
         raise UsageError(f"{message} ({self.prog} --help lists every flag)")
 
-    def _unknown(self, unknown: list[str]) -> str:
+    def closest(self, given: str) -> str | None:
+        """The flag `given` (--learning-rate, -learning_rate, learning_rate) stands for, or the known flag closest to
+        it (a misspelling), as `--name`; None when none is close."""
         known = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
+        name = "--" + given.lstrip("-").replace("-", "_")
+        close = [name] if name in known else difflib.get_close_matches(name, known, n=1, cutoff=0.75)
+        return close[0] if close else None
+
+    def _unknown(self, unknown: list[str]) -> str:
         flags = [u.split("=", 1)[0] for u in unknown if u.startswith("-") and len(u) > 1]
         if not flags:
             return (
@@ -950,9 +997,8 @@ class _Parser(argparse.ArgumentParser):
             )
         parts = []
         for given in flags:
-            name = "--" + given.lstrip("-").replace("-", "_")  # --learning-rate, -learning_rate
-            close = [name] if name in known else difflib.get_close_matches(name, known, n=1, cutoff=0.75)
-            parts.append(f"{given}: did you mean {close[0]}?" if close else given)
+            close = self.closest(given)
+            parts.append(f"{given}: did you mean {close}?" if close else given)
         more = "" if all("did you mean" in p for p in parts) else f" ({self.prog} --help lists every flag)"
         return f"unknown flag{'s' if len(parts) > 1 else ''} " + "; ".join(parts) + more
 
@@ -995,7 +1041,10 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_config(argv: list[str] | None = None) -> Config:
     """Parse the flags once, resolve derived defaults, check them; the Config the whole run uses."""
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
     raw = dict(vars(parser.parse_args(argv)))
+    given = given_flags(parser, argv)
+    file_notes, from_file = _read_config_file(raw, parser, given) if raw["config"] is not None else ([], set())
     off = tuple(f for f in DEMO_OFF_FLAGS if raw[f] is not None)  # given: none of them has a default before derive
     if raw["instance_data_dir"] is not None:  # diffusers' DreamBooth name of a local --dataset_name
         if raw["dataset_name"] is not None:
@@ -1021,15 +1070,45 @@ def parse_config(argv: list[str] | None = None) -> Config:
         sections[name] = section(**values)
     off = off if _is_embedded(raw) and raw[_DEMO] is None else ()
     # empty paths refused, "~" expanded (said below)
-    config, notes = as_typed(Config(**sections, demo=raw[_DEMO], demo_off=off, demo_from=demo_from))
-    config.check()
+    try:
+        config, notes = as_typed(Config(**sections, demo=raw[_DEMO], demo_off=off, demo_from=demo_from))
+        config.check()
+    except UsageError as e:
+        flag = re.match(r"--(\w+)", str(e))
+        if flag is None or flag.group(1) not in from_file:
+            raise
+        raise UsageError(f"{e} (--{flag.group(1)} is from --config {raw['config']})") from None
     if os.environ.get("RANK", "0") == "0":
-        given = given_flags(parser, sys.argv[1:] if argv is None else argv)
         for warning in unused_flags(given, config.flat()) + _setting_warnings(config, given):
             print(f"warning: {warning}", file=sys.stderr)
-        for note in notes:
+        for note in file_notes + notes:
             print(f"flux-cp: {note}", file=sys.stderr)
     return config
+
+
+def _read_config_file(raw: dict, parser: _Parser, given: set[str]) -> tuple[list[str], set[str]]:
+    """--config: the file's flags into `raw` where the command line did not give them (flux_cp.config_file); the
+    flags it sets to other than their defaults (derived ones left out: run_config.json records every flag) added to
+    `given`, for the warnings about flags without effect. Returns the lines to print and the flags taken from it."""
+    fields = {name: {f.name: f for f in dataclasses.fields(section)} for name, section in _sections()}
+    sections = {name: set(flags) for name, flags in fields.items()}
+    path = os.path.expanduser(raw["config"])  # as every path flag ('~' left as typed after '=': flux_cp.path_flags)
+    values, notes = config_file.flag_values(path, parser, sections, parser.closest)
+    data = ("dataset_name", "instance_data_dir")
+    if values.get("instance_data_dir") is not None and values.get("dataset_name") == values["instance_data_dir"]:
+        del values["dataset_name"]  # run_config.json records --instance_data_dir as both
+    if given & set(data):  # the command line names the data: the file's choice of either gives way
+        values = {k: v for k, v in values.items() if k not in data}
+    by_name = {name: f for flags in fields.values() for name, f in flags.items()}
+    taken = {name for name in values if name not in given}
+    for name in taken:
+        value = values[name]
+        raw[name] = value
+        f = by_name[name]
+        default = f.default
+        if not f.metadata["derive"] and (tuple(value) if isinstance(value, list) else value) != default:
+            given.add(name)
+    return notes, taken
 
 
 def _setting_warnings(config: Config, given: set[str]) -> list[str]:

@@ -25,6 +25,7 @@ from .config import DEFAULT_ENCODINGS_DIR
 from .errors import UsageError
 from .folders import FILE_NAME, Metadata, caption_of, list_folder, read_metadata_file
 from .images import decode
+from .kohya_folders import KohyaLayout, kohya_subfolders, list_kohya, mixed_names
 from .rng import Stream, generator
 
 if TYPE_CHECKING:
@@ -40,11 +41,12 @@ BUNDLED_DATA = Path(__file__).resolve().parent.parent / "data" / "tiny_shapes"
 class Sample:
     """One training image: `ref` is a file path (local folder) or a row index (HF data set). `references`: the
     reference images of an editing sample, in order (same kinds of value; a hub row's index once per image of its
-    list), empty for text-to-image data. FLUX.1 Kontext takes one, FLUX.2 one or more."""
+    list), empty for text-to-image data. FLUX.1 Kontext takes one, FLUX.2 one or more. `repeats`: see below."""
 
     ref: str | int
     caption: str
     references: tuple[str | int, ...] = ()
+    repeats: int = 1  # its copies per epoch before --repeats: its folder's N in kohya's layout (N_name), else 1
 
     @property
     def reference(self) -> str | int | None:
@@ -87,6 +89,13 @@ class ImageSource:
         self._reference_column = reference_column
         self._reference_list = reference_list  # a hub column holding a list of images per row
         self._digests: dict[tuple[int, bool, int], str] = {}
+        self.kohya: KohyaLayout | None = None  # a folder in kohya's layout (N_name sub-folders): what was read
+        self.warnings: tuple[str, ...] = ()  # what the listing would have a user know (said once, at start)
+
+    def copies(self) -> list[int] | None:
+        """Each sample's copies per epoch before --repeats (kohya's N_name folders); None when every one has one."""
+        counts = [s.repeats for s in self.samples]
+        return None if all(c == 1 for c in counts) else counts
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -429,11 +438,18 @@ def _open_source(data: DataConfig, meta: Metadata | None, cache_dir: str | None)
         source = ImageSource(samples, "bundled:tiny_shapes", root=BUNDLED_DATA)
     elif os.path.isdir(name):
         folder, meta = Path(name), meta or local_metadata(data)  # metadata.jsonl read once, checked, then used
+        kohya, warnings = None, ()
         if column := reference_column(data, meta):
             samples = _local_pairs(folder, column, data.caption_column, data.instance_prompt, meta)
+        elif meta is None and (subs := kohya_subfolders(folder, exclude)):  # N_name sub-folders: N repeats each
+            listed, kohya = list_kohya(folder, subs, data.instance_prompt, exclude)
+            samples = [Sample(path, caption, repeats=n) for path, caption, n in listed]
+            warnings = kohya.warnings
         else:
             samples = _local_folder(folder, data.caption_column, data.instance_prompt, exclude, meta)
+            warnings = tuple(w for w in (mixed_names(folder, exclude),) if w)
         source = ImageSource(samples, str(folder), root=folder)
+        source.kohya, source.warnings = kohya, warnings
     else:
         source = _hub_dataset(data, cache_dir)
     if len(source) == 0:
@@ -532,11 +548,11 @@ def batch_groups(buckets: list[int], counts: list[int]) -> list[int]:
 EPOCH_SAMPLES_MAX = 50_000_000
 
 
-def check_epoch_size(images: int, resolutions: int, repeats: int) -> None:
-    """Refuse an epoch too long to schedule (before any model loads), naming the factors."""
+def check_epoch_size(images: int, resolutions: int, repeats: int, what: str = "images") -> None:
+    """Refuse an epoch too long to schedule (before any model loads), naming the factors (`what`: the first's)."""
     samples = images * resolutions * repeats
     if samples > EPOCH_SAMPLES_MAX:
-        parts = [f"{images} images"] + [f"{n} {what}" for n, what in ((resolutions, "--resolution sizes"),
+        parts = [f"{images} {what}"] + [f"{n} {what}" for n, what in ((resolutions, "--resolution sizes"),
                                                                       (repeats, "--repeats")) if n > 1]  # fmt: skip
         raise UsageError(
             f"an epoch would hold {samples} samples ({' x '.join(parts)}), more than {EPOCH_SAMPLES_MAX}: lower "
@@ -546,20 +562,39 @@ def check_epoch_size(images: int, resolutions: int, repeats: int) -> None:
 
 
 class Repeats(Sequence):
-    """`base` `repeats` times over (item t is `base[t % len(base)]`), without a list of every copy: --repeats."""
+    """`base` `repeats` times over, without a list of every copy: --repeats. `counts`: each item's own copies in one
+    round (kohya's N_name folders), None for one each. A round lists its items in turns: turn k the items (in order)
+    that have more than k copies; with one count c for all, `counts` lists exactly what `repeats` c would. The round
+    repeats `repeats` times; item t is `base[self.position(t)]`."""
 
-    def __init__(self, base: Sequence[int], repeats: int):
+    def __init__(self, base: Sequence[int], repeats: int, counts: Sequence[int] | None = None):
         self.base, self.repeats = list(base), repeats
+        self.order: torch.Tensor | None = None  # a round's items' positions in `base` (None: base itself)
+        if counts is not None and any(c != 1 for c in counts):
+            counts = torch.as_tensor(list(counts), dtype=torch.long)
+            self.order = torch.cat([torch.nonzero(counts > k).flatten() for k in range(int(counts.max()))])
+
+    @property
+    def round(self) -> torch.Tensor:
+        """One round's items (`base` at the positions of `order`)."""
+        base = torch.as_tensor(self.base, dtype=torch.long)
+        return base if self.order is None else base[self.order]
 
     def __len__(self) -> int:
-        return len(self.base) * self.repeats
+        return (len(self.base) if self.order is None else len(self.order)) * self.repeats
+
+    def position(self, index: int) -> int:
+        """The position in `base` of item `index`."""
+        if not -len(self) <= index < len(self):
+            raise IndexError(index)
+        if self.order is None:
+            return index % len(self.base)
+        return int(self.order[index % len(self.order)])
 
     def __getitem__(self, index: int) -> int:
         if isinstance(index, slice):
             return [self[i] for i in range(*index.indices(len(self)))]
-        if not -len(self) <= index < len(self):
-            raise IndexError(index)
-        return self.base[index % len(self.base)]
+        return self.base[self.position(index)]
 
 
 class BatchSchedule:
@@ -570,13 +605,15 @@ class BatchSchedule:
     def __init__(self, buckets: Sequence[int], global_batch: int, seed: int):
         self.global_batch = global_batch
         self.seed = seed
-        base, repeats = (buckets.base, buckets.repeats) if isinstance(buckets, Repeats) else (list(buckets), 1)
-        size = len(base)
-        groups = torch.as_tensor(base, dtype=torch.long)
+        if isinstance(buckets, Repeats):
+            groups, repeats = buckets.round, buckets.repeats
+        else:
+            groups, repeats = torch.as_tensor(list(buckets), dtype=torch.long), 1
+        size = len(groups)
         copies = torch.arange(repeats, dtype=torch.long)[:, None] * size
-        # A group's samples in ascending order: sample i of the base in copy r is r * size + i.
+        # A group's samples in ascending order: item i of the round in copy r is r * size + i.
         self.by_bucket: dict[int, torch.Tensor] = {
-            b: (copies + torch.nonzero(groups == b).flatten()[None, :]).flatten() for b in sorted(set(base))
+            b: (copies + torch.nonzero(groups == b).flatten()[None, :]).flatten() for b in sorted(set(groups.tolist()))
         }
         self.samples = size * repeats
         self.batches_per_epoch = sum(len(v) // global_batch for v in self.by_bucket.values())

@@ -347,15 +347,21 @@ class TrainingData(Protocol):
 
 
 class Repeated:
-    """--repeats: `data` with every sample `repeats` times per epoch (sample t is `data`'s t mod its length). The
-    copies share their encodings (and so their crop); each has its own flip, noise and timestep."""
+    """--repeats and kohya's N_name folders: `data` with every sample `repeats` times per epoch, times its own count
+    of `counts` (one per sample of `data`; None: one each), as `flux_cp.data.Repeats` orders them (without counts,
+    sample t is `data`'s t mod its length). The copies share their encodings (and so their crop); each has its own
+    flip, noise and timestep."""
 
-    def __init__(self, data: TrainingData, repeats: int):
-        self.data, self.size = data, len(data.buckets)
-        self.buckets = Repeats(data.buckets, repeats)  # not a list of every copy: an epoch may hold millions
+    def __init__(self, data: TrainingData, repeats: int, counts: list[int] | None = None):
+        self.data = data
+        self.buckets = Repeats(data.buckets, repeats, counts)  # not a list of every copy: an epoch may hold millions
+
+    def position(self, index: int) -> int:
+        """The sample of `data` that sample `index` is a copy of."""
+        return self.buckets.position(index)
 
     def load(self, index: int, flip: bool, epoch: int) -> dict[str, Tensor]:
-        return self.data.load(index % self.size, flip, epoch)
+        return self.data.load(self.position(index), flip, epoch)
 
     def text(self, caption: str) -> dict[str, Tensor]:
         return self.data.text(caption)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors.torch import load_file
 
-from . import distributed, files
+from . import distributed, files, network_weights
 from .encode import component_folder, model_fingerprint
 from .errors import UsageError
 from .lora import add_lora
@@ -108,7 +108,8 @@ def load_trainee(cfg: Config, path: str, cls: type, quantized_parts: tuple[str, 
     """The transformer (diffusers class `cls`, of the model at `path`) to train and the fingerprint of its weights as
     loaded: its frozen base (the linears of `quantized_parts`) quantized with
     --base_precision (before LoRA: peft wraps each quantized linear in its LoRA layer), then LoRA adapters or every
-    weight trainable (`prepare_trainable`), then the seed checkpoint's weights (written when absent)."""
+    weight trainable (`prepare_trainable`), then the LoRA file's weights (--network_weights) or the seed checkpoint's
+    (written when absent)."""
     model, train, precision = cfg.model, cfg.train, cfg.model.base_precision
     # On the CPU first when blocks are offloaded or the base is quantized: the whole bf16 model need not fit the
     # GPU (quantize_base and offload_blocks move it there, a layer or a block at a time).
@@ -120,6 +121,8 @@ def load_trainee(cfg: Config, path: str, cls: type, quantized_parts: tuple[str, 
     if precision != "bf16":
         logger.info(quantize_base(transformer, precision, device=device, parts=quantized_parts).describe())
     prepare_trainable(transformer, cfg.lora, train.seed)
+    if cfg.lora.network_weights is not None and not cfg.lora.full_finetune:
+        logger.info(f"flux-cp: {network_weights.apply(transformer, cfg.lora)}")
     if train.seed_checkpoint:
         how = apply_seed_checkpoint(transformer, train.seed_checkpoint, is_main)
         logger.info(f"seed checkpoint {how}: {train.seed_checkpoint}")

@@ -16,7 +16,7 @@ Config = TypeVar("Config")  # flux_cp.config.Config, which parses the flags with
 
 PATHS = ("pretrained_model_name_or_path", "cache_dir", "dataset_name", "instance_data_dir", "class_data_dir",
          "encodings_dir", "output_dir", "logging_dir", "seed_checkpoint", "resume_from_checkpoint",
-         "validation_image")  # fmt: skip
+         "validation_image", "network_weights", "config")  # fmt: skip
 # Names that mean nothing when empty (a revision, a column, a repository, the LoRA's layers)
 NAMES = ("revision", "variant", "hub_model_id", "dataset_config_name", "image_column", "caption_column",
          "cond_image_column", "lora_layers")  # fmt: skip

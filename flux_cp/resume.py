@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import checkpoint, distributed, files, manifest
+from . import checkpoint, distributed, files, manifest, network_weights
 from .errors import UsageError
 from .metrics import read_metrics
 from .optim import optimizer_name
@@ -254,6 +254,7 @@ def run_identity(
         "max_sequence_length": cfg.data.max_sequence_length, "vae_encode_mode": cfg.data.vae_encode_mode,
         "optimizer": optimizer_name(cfg.train),
         "train_text_encoder": cfg.lora.train_text_encoder, "use_ema": cfg.train.use_ema,
+        "network_weights": lora and lora.network_weights and network_weights.fingerprint(lora.network_weights),
         "revision": cfg.model.revision, "variant": cfg.model.variant,
         "components": dict(sorted((components or {}).items())),
     }  # fmt: skip
@@ -299,7 +300,7 @@ def _changed_references(name: str, old: list, new: list) -> list[str]:
 
 # Keys added to the run identity later, with the value every checkpoint written before them had.
 _IDENTITY_BEFORE = {"optimizer": "adamw", "repeats": 1, "caption_dropout": 0.0, "prior": None,
-                    "train_text_encoder": False, "use_ema": False}  # fmt: skip
+                    "train_text_encoder": False, "use_ema": False, "network_weights": None}  # fmt: skip
 # Keys added later whose value earlier checkpoints did not know: compared only when the checkpoint has them.
 _IDENTITY_UNKNOWN_BEFORE = ("revision", "variant", "components")
 

@@ -75,7 +75,13 @@ def load(
     """The run's data (see the module doc). `open_source`, `encode_share`: the trainer's seams (which data set, and
     this process's share of the encoding among how many)."""
     source = open_source()  # listing errors (captions, pairs) before any model loads
-    check_epoch_size(len(source), len(shape.placements), cfg.data.repeats)
+    copies = source.copies()  # kohya's N_name folders: each image's own repeats
+    images = (sum(copies), "images with their folders' repeats") if copies else (len(source), "images")
+    check_epoch_size(images[0], len(shape.placements), cfg.data.repeats, images[1])
+    if source.kohya is not None:
+        logger.info(f"flux-cp: {source.kohya.describe(cfg.data.repeats)}")
+    for warning in source.warnings if layout.is_main else ():
+        logger.warning(f"warning: {warning}")
     if source.pairs:
         shape = _count_references(cfg, shape, source)
         k = shape.reference_counts
@@ -110,7 +116,9 @@ def load(
     samples, encoded_classes = _encoded(cfg, shape, source, classes, encoders, components, encode_share)
     global_batch = cfg.train.train_batch_size * layout.dp
     counts = [source.reference_count(t % len(source)) for t in range(len(samples.buckets))]
-    groups = Repeats(batch_groups(samples.buckets, counts), cfg.data.repeats)  # each copy in its sample's group
+    # each sample's own copies, at each of its placements (encoded sample t is image t mod the images)
+    copies = [copies[t % len(source)] for t in range(len(samples.buckets))] if copies else None
+    groups = Repeats(batch_groups(samples.buckets, counts), cfg.data.repeats, copies)  # each copy in its sample's group
     schedule = BatchSchedule(groups, global_batch, cfg.train.seed)
     if len(set(counts)) > 1 and (unfilled := schedule.unfilled()):
         n = sum(unfilled.values())
@@ -119,7 +127,7 @@ def load(
             f"aspect bucket and one number of reference images, and theirs have fewer samples than a global batch "
             f"({global_batch}); lower --train_batch_size, or give those rows as many references as others"
         )
-    repeated = Repeated(samples, cfg.data.repeats) if cfg.data.repeats > 1 else samples
+    repeated = Repeated(samples, cfg.data.repeats, copies) if cfg.data.repeats > 1 or copies else samples
     if device.type == "cuda":  # beside the plan logged at the start of the phase
         logger.info(f"encoding phase: measured peak {peak_memory_gib(device):.1f} GiB")
     return RunData(shape, source, encoders, components, noise_scheduler, repeated, classes, encoded_classes, schedule,

@@ -19,7 +19,7 @@ import torch
 
 import cp
 
-from . import hub
+from . import hub, network_weights
 from .data import check_pair_flags, check_reference_limit, local_metadata, reference_column, reference_counts
 from .encode import run_buckets
 from .errors import UsageError
@@ -230,13 +230,16 @@ def check_tokens(shape: RunShape, data: DataConfig, validation: ValidationConfig
 def check_start(cfg: Config, shape: RunShape, device_type: str) -> None:
     """What the flags ask of this run that its shape (the model, the data's metadata, the launch) or the machine
     cannot give, refused at start before anything loads (one UsageError): the family's flags and prompt window, the
-    seed checkpoint's file, the optimizer on this device and sharding, block offload and a quantized base against
-    FSDP2, reference images per target, the CP split of every sequence, the flags of pair data."""
+    seed checkpoint's file, the LoRA file of --network_weights, the optimizer on this device and sharding, block
+    offload and a quantized base against FSDP2, reference images per target, the CP split of every sequence, the
+    flags of pair data."""
     family = shape.family
     family.check(cfg)
     family.check_text(cfg, shape.model_path)
     if cfg.train.seed_checkpoint is not None:
         check_seed_checkpoint(cfg.train.seed_checkpoint)
+    if cfg.lora.network_weights is not None and not cfg.lora.full_finetune:
+        network_weights.check_start(cfg.lora, family, shape.transformer_config)
     check_optimizer(cfg.train, device_type, shape.sharded)
     check_offload(cfg.train.offload_blocks, full_finetune=cfg.lora.full_finetune, sharded=shape.sharded)
     check_sharding(cfg.model.base_precision, shape.sharded)

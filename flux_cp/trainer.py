@@ -334,7 +334,8 @@ class Trainer:
         captions = None
         if self.text is not None:  # the trained text encoder reads each sample's caption
             n, samples = len(data.source), data.source.samples
-            captions = (lambda index: samples[index % n].caption, cfg.data.class_prompt)
+            position = getattr(data.samples, "position", lambda index: index)  # a copy's sample (flux_cp.encode)
+            captions = (lambda index: samples[position(index) % n].caption, cfg.data.class_prompt)
         self.batches = Batches(data.samples, data.schedule, layout, cfg.data, cfg.train, data.noise_scheduler,
                                shape.family, shape.family.normalizer(data.encoders.vae), guidance, device,
                                self.weight_dtype, data.classes, captions)  # fmt: skip

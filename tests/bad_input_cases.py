@@ -98,6 +98,34 @@ def _foreign_seed(t: Path) -> list[str]:
     return ["--seed_checkpoint", str(t / "seed.safetensors")]
 
 
+def _config_file(t: Path, text: str) -> list[str]:
+    t.mkdir(parents=True, exist_ok=True)
+    (t / "run.yaml").write_text(text)
+    return ["--config", str(t / "run.yaml")]
+
+
+def _lora_file(t: Path, rank: int) -> Path:
+    """A LoRA file of the embedded default's layers (FLUX.1's default targets) at `rank`, as a run writes it."""
+    from flux_cp.config import LoraConfig
+    from flux_cp.families import FLUX1
+    from flux_cp.families.flux1 import DEFAULT_TARGETS
+    from flux_cp.families.flux1.tiny import tiny_transformer
+    from flux_cp.lora import save_lora
+    from flux_cp.model import prepare_trainable
+
+    t.mkdir(parents=True, exist_ok=True)
+    lora = LoraConfig(rank=rank, lora_alpha=rank, lora_layers=DEFAULT_TARGETS)
+    model = tiny_transformer()
+    prepare_trainable(model, lora, seed=0)
+    return save_lora(model, dict(model.state_dict()), str(t), lora, FLUX1)
+
+
+def _kohya_images_beside(t: Path) -> list[str]:
+    folder = _images(t / "data" / "10_sks shape", captions=False)
+    (folder.parent / "stray.png").write_bytes((folder / "00_white_circle.png").read_bytes())
+    return ["--dataset_name", str(folder.parent)]
+
+
 def _not_a_checkpoint(t: Path) -> list[str]:
     (t / "checkpoint-7").mkdir(parents=True, exist_ok=True)
     return ["--resume_from_checkpoint", str(t / "checkpoint-7")]
@@ -585,6 +613,45 @@ CASES = [
         1,
         _foreign_seed,
         "was written for other trainable weights",
+    ),
+    Case(
+        "config_file_unknown_key",
+        "a misspelt flag in a --config file",
+        1,
+        lambda t: _config_file(t, "learnig_rate: 1e-4\n"),
+        "run.yaml: unknown flag 'learnig_rate': did you mean learning_rate?",
+        flags_only=True,
+    ),
+    Case(
+        "config_file_bad_choice",
+        "a value of a --config file that is not one of the flag's choices",
+        1,
+        lambda t: _config_file(t, "train:\n  lr_scheduler: cosin\n"),
+        'run.yaml: lr_scheduler is "cosin", not one of linear, cosine, cosine_with_restarts, polynomial, constant, '
+        "constant_with_warmup: did you mean cosine?",
+        flags_only=True,
+    ),
+    Case(
+        "network_weights_other_rank",
+        "--network_weights naming a LoRA file of another rank than --rank",
+        1,
+        lambda t: ["--network_weights", str(_lora_file(t / "lora", 4)), "--rank", "8"],
+        "holds LoRAs of rank 4, this run's --rank is 8: pass --rank 4 --lora_alpha 4 as the file has them",
+    ),
+    Case(
+        "network_weights_full_finetune",
+        "--network_weights with --full_finetune",
+        1,
+        lambda t: ["--network_weights", str(_lora_file(t / "lora", 4)), "--full_finetune"],
+        "--network_weights starts a LoRA from a LoRA file; --full_finetune trains every weight and no LoRA",
+        flags_only=True,
+    ),
+    Case(
+        "kohya_layout_images_beside_the_folders",
+        "a data folder in kohya's layout (N_name sub-folders) with images beside the sub-folders",
+        1,
+        _kohya_images_beside,
+        "image(s) beside them (e.g. stray.png), which kohya does not read: move them into a sub-folder",
     ),
     Case(
         "unknown_lora_layers",

@@ -235,3 +235,92 @@ def metadata(*, rank: int, alpha: float, origin: Origin | None, guidance: bool) 
             "modelspec.date": datetime.datetime.now().replace(microsecond=0).isoformat(),
         })  # fmt: skip
     return out
+
+
+# --- reading a kohya file back (--network_weights) ----------------------------------------------------------------
+
+_KOHYA_KEY = re.compile(r"^lora_unet_(.+)\.(lora_down\.weight|lora_up\.weight|alpha)$")
+_KOHYA_BLOCK = re.compile(r"^(double|single)_blocks_(\d+)_(.+)$")
+
+
+def _diffusers_slots(name: str) -> tuple[str, tuple[str, ...]]:
+    """(diffusers prefix, the diffusers modules of its slots in row order) of the BFL module `name` (kohya's name
+    without `lora_unet_`); one slot for an unfused linear. A ValueError for a name of no FLUX.1 layer."""
+    m = _KOHYA_BLOCK.match(name)
+    if m is None:
+        glob = {v: k for k, v in _GLOBAL.items()}
+        if name not in glob:
+            raise ValueError(f"lora_unet_{name} names no FLUX.1 layer")
+        return "", (glob[name],)
+    kind, i, inner = m.groups()
+    prefix = f"transformer_blocks.{i}." if kind == "double" else f"single_transformer_blocks.{i}."
+    plain, fused = (_DOUBLE, _DOUBLE_FUSED) if kind == "double" else (_SINGLE, _SINGLE_FUSED)
+    if inner in fused:
+        return prefix, fused[inner]
+    glob = {v: k for k, v in plain.items()}
+    if inner not in glob:
+        raise ValueError(f"lora_unet_{name} names no FLUX.1 layer")
+    return prefix, (glob[inner],)
+
+
+def from_kohya(
+    state: dict[str, Tensor], linears: dict[str, tuple[int, int]], trained: set[str], rank: int
+) -> tuple[dict[str, tuple[Tensor, Tensor]], dict[str, float]]:
+    """The LoRAs of a kohya / BFL-layout FLUX.1 file `state` as diffusers modules: ({module: (lora_A, lora_B)},
+    {module: the file's scale alpha / rank there}), for a transformer whose linear layers are `linears` ({diffusers
+    module: (out, in)}) and of which the run trains `trained` at `rank`. A fused linear (q/k/v; a single block's
+    q/k/v/mlp) holds either one LoRA shared by its slots (kohya's sd-scripts: every slot gets its down matrix and its
+    rows of the up matrix) or, as `to_kohya` writes, one LoRA per slot (a block-diagonal up matrix, `rank` columns a
+    slot). Slots whose rows are zero and that the run does not train are left out; any other is returned, for the
+    caller to compare with what the run trains. A ValueError names what cannot be read."""
+    parts: dict[str, dict[str, Tensor]] = {}
+    for key, value in state.items():
+        m = _KOHYA_KEY.match(key)
+        if m is None:
+            raise ValueError(f"{key!r} is not a LoRA weight of kohya's layout (lora_unet_<layer>.lora_down/lora_up)")
+        parts.setdefault(m.group(1), {})[m.group(2)] = value
+    modules: dict[str, tuple[Tensor, Tensor]] = {}
+    scales: dict[str, float] = {}
+    for name, p in sorted(parts.items()):
+        if "lora_down.weight" not in p or "lora_up.weight" not in p:
+            raise ValueError(f"lora_unet_{name} lacks its lora_down or lora_up weight")
+        down, up = p["lora_down.weight"], p["lora_up.weight"]
+        r = down.shape[0]
+        scale = float(p["alpha"]) / r if "alpha" in p else 1.0  # no alpha: kohya's default, alpha = rank
+        prefix, slots = _diffusers_slots(name)
+        full = [prefix + s for s in slots]
+        if full == ["norm_out.linear"]:
+            up = _swap_scale_shift(up)  # its own inverse: BFL's [shift, scale] back to diffusers' [scale, shift]
+        if len(full) == 1:
+            modules[full[0]], scales[full[0]] = (down, up), scale
+            continue
+        missing = [f for f in full if f not in linears]
+        if missing:
+            raise ValueError(f"lora_unet_{name}: this model has no {', '.join(missing)}")
+        dims = [linears[f][0] for f in full]
+        if sum(dims) != up.shape[0]:
+            raise ValueError(
+                f"lora_unet_{name} has {up.shape[0]} output rows; this model's {'+'.join(full)} have {sum(dims)}"
+            )
+        rows = list(up.split(dims, dim=0))
+        present = [j for j, f in enumerate(full) if f in trained]
+        if r == rank or not present:  # one LoRA shared by the slots (kohya's sd-scripts)
+            for j, f in enumerate(full):
+                if j in present or rows[j].any():
+                    modules[f], scales[f] = (down, rows[j].contiguous()), scale
+            continue
+        if r != len(present) * rank:
+            raise ValueError(
+                f"lora_unet_{name} has rank {r}: neither --rank {rank} (one LoRA for {'/'.join(slots)}, as kohya "
+                f"trains) nor {len(present)} x {rank} (one for each of them, as flux-cp writes)"
+            )
+        for k, j in enumerate(present):  # one LoRA per slot: slot j's columns, its rows; nothing beside them
+            cols = slice(k * rank, (k + 1) * rank)
+            beside = torch.cat([rows[j][:, : cols.start], rows[j][:, cols.stop :]], dim=1)
+            if beside.any():
+                raise ValueError(f"lora_unet_{name}: its up matrix is not one LoRA per layer of {'/'.join(slots)}")
+            modules[full[j]], scales[full[j]] = (down[cols].contiguous(), rows[j][:, cols].contiguous()), scale
+        others = [full[j] for j in range(len(full)) if j not in present and rows[j].any()]
+        if others:
+            raise ValueError(f"lora_unet_{name} holds a LoRA on {', '.join(others)}, which this run does not train")
+    return modules, scales
