@@ -9,9 +9,10 @@ voluptuous, imagesize, bitsandbytes for AdamW8bit) go in a folder given by --koh
 the processes that import kohya's code (benchmarks/carry.sh prepares it).
 
 What runs is kohya's own code, in the order its training loop calls it, with only the files replaced: its
-`FluxNetworkTrainer.load_target_model` (the `--fp8_base` cast of the whole transformer to float8_e4m3fn, and
-`enable_block_swap` for `--blocks_to_swap N`) on a FLUX.1-dev-shaped `library.flux_models.Flux` whose weights are
-drawn at random (seeded, N(0, 1/fan_in)) where `flux_utils.load_flow_model` would read flux1-dev.safetensors, and
+`FluxNetworkTrainer.load_target_model` (with `--fp8_base` the whole transformer in float8_e4m3fn, which autocast
+upcasts per layer; `enable_block_swap` for `--blocks_to_swap N`) on a FLUX.1-dev-shaped `library.flux_models.Flux`
+whose weights are drawn at random (seeded, N(0, 1/fan_in)) where `flux_utils.load_flow_model` would read them (with
+`--fp8_base` as from an fp8 checkpoint, see `random_flow_model`), and
 kohya's dummy CLIP-L standing in for the text encoders and autoencoder (their outputs are cached, so the step does not
 call them); `networks.lora_flux.create_network` and `apply_to` (LoRA dim 16 on its default modules), gradient
 checkpointing, `train_util.get_optimizer` (AdamW8bit) and `get_scheduler_fix`, the fp8 / dtype casts and
@@ -128,21 +129,25 @@ def tiny_params(flux_models):
 def random_flow_model(flux_models, params, seed: int, draw_device):
     """A stand-in for `flux_utils.load_flow_model`: the Flux built on the meta device in the loaded dtype, as kohya
     builds it, its weights then drawn instead of read (N(0, 1/fan_in) matrices, unit RMSNorm scales, zero biases),
-    on `draw_device` for speed and kept on the CPU, where kohya loads them."""
+    on `draw_device` for speed and kept on the CPU, where kohya loads them. kohya asks for the file's own dtype
+    (`dtype` None) with --fp8_base: then the weights come as an fp8 checkpoint's, float8_e4m3fn, which kohya takes
+    as they are (its documented way around casting a bf16 file on the CPU, minutes for 12B weights); every weight
+    is in the dtype its cast would give, so the step is the same."""
     import torch
 
     def load_flow_model(ckpt_path, dtype, device, disable_mmap=False, model_type="flux"):
+        dtype = dtype or torch.float8_e4m3fn
         with torch.device("meta"):
-            model = flux_models.Flux(params).to(dtype or torch.bfloat16)  # the file holds bf16
+            model = flux_models.Flux(params).to(dtype)
         model = model.to_empty(device=device)
         g = torch.Generator(device=draw_device).manual_seed(seed)
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if p.ndim == 2:
                     draw = torch.randn(p.shape, generator=g, device=draw_device).mul_(p.shape[1] ** -0.5)
-                    p.copy_(draw)
                 else:
-                    p.fill_(1.0 if name.endswith(".scale") else 0.0)
+                    draw = torch.full(p.shape, 1.0 if name.endswith(".scale") else 0.0, device=draw_device)
+                p.copy_(draw.to(dtype))
         return False, model  # (is_schnell, model)
 
     return load_flow_model
