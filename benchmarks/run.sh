@@ -40,12 +40,12 @@
 #              default .whl/sd-scripts, and its wheels in .whl/kohya: benchmarks/carry.sh); diffusers' FLUX.2 example
 #              at 24 GiB (benchmarks/bench_diffusers_flux2.py: nf4, --offload, --cache_latents, 8-bit AdamW) and ours
 #              beside it (FLUX.2 [dev] nf4, offload auto, eager); diffusers' QLoRA recipe at 24 and 12 GiB.
-#              ~7 min of an H100
+#              ~8 min of an H100
 #   table      one GPU: ours on the small-GPU table's FLUX.1 rows, each capped, 1024 px: fp8 + offload auto at 24 GiB
 #              compiled and eager, README's 24 GB command as printed (bf16, --offload_blocks --compile) at 24 GiB, nf4 +
-#              offload auto + compile at 12 GiB. ~7 min of an H100
+#              offload auto + compile at 12 GiB. ~8 min of an H100
 #   table_b    one GPU: the table's other rows: FLUX.2 [klein] 4B nf4 at 12 GiB (eager), FLUX.2 [dev] fp8 + offload
-#              auto + compile under 48 GiB, and the one-GPU 2048 px default step uncapped (--compile). ~6 min of an H100
+#              auto + compile under 48 GiB, and the one-GPU 2048 px default step uncapped (--compile). ~7 min of an H100
 #   check      the GPU tests (pytest tests/gpu) and benchmarks/check_gpu.py (bf16 attention and a 4-block Flux model
 #              with CP against fp32 and bf16 without CP, every CP size the machine has)
 # EXTRA_FLAGS="..." is added to every trainer run of the sets (e.g. EXTRA_FLAGS="--cp_overlap passes" or
