@@ -22,6 +22,10 @@ PLATFORM="--only-binary=:all: --python-version 3.12 --implementation cp --platfo
   --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64
   --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any"
 
+# One version of each package: gpu_env.sh installs every top-level wheel, and two versions of one stop the install.
+rm -rf .whl/kohya
+rm -f .whl/diffusers-*.whl .whl/datasets-*.whl .whl/dill-*.whl .whl/multiprocess-*.whl .whl/torchao-*.whl \
+  .whl/bitsandbytes-*.whl
 mkdir -p .whl/kohya
 # shellcheck disable=SC2086 # PLATFORM is a list of options
 "$PY" -m pip download -q --no-deps $PLATFORM -d .whl diffusers==0.42.1 datasets==5.2.0 "dill>=0.3.0,<0.4.2" \
