@@ -4,8 +4,9 @@
 #   bash benchmarks/carry.sh [SD_SCRIPTS_REPO]
 # It downloads wheels for the GPU machine's Python (3.12, x86-64 Linux) and writes:
 #   .whl/*.whl         what the trainer and the peers' scripts need beyond that machine's packages (benchmarks/gpu_env.sh
-#                      installs them): diffusers 0.42.1, datasets 5.2.0 with dill and multiprocess, torchao 0.16.0, and
-#                      bitsandbytes 0.50.2 cut to its CUDA 13.0 and CPU libraries (43 MB -> ~2 MB)
+#                      installs them): diffusers 0.42.1 (with importlib_metadata, which it names), datasets 5.2.0 with
+#                      dill and multiprocess, torchao 0.16.0, and bitsandbytes 0.50.2 cut to its CUDA 13.0 and CPU
+#                      libraries (43 MB -> 3.6 MB)
 #   .whl/kohya/*.whl   kohya sd-scripts' pinned dependencies that differ from the machine's (transformers 4.54.1,
 #                      diffusers 0.32.1, huggingface_hub 0.34.3, tokenizers 0.21.4, toml, voluptuous, imagesize); the
 #                      peers set installs them into a folder of their own, first on the path of kohya's processes only
@@ -24,12 +25,12 @@ PLATFORM="--only-binary=:all: --python-version 3.12 --implementation cp --platfo
 
 # One version of each package: gpu_env.sh installs every top-level wheel, and two versions of one stop the install.
 rm -rf .whl/kohya
-rm -f .whl/diffusers-*.whl .whl/datasets-*.whl .whl/dill-*.whl .whl/multiprocess-*.whl .whl/torchao-*.whl \
-  .whl/bitsandbytes-*.whl
+rm -f .whl/diffusers-*.whl .whl/importlib_metadata-*.whl .whl/datasets-*.whl .whl/dill-*.whl \
+  .whl/multiprocess-*.whl .whl/torchao-*.whl .whl/bitsandbytes-*.whl
 mkdir -p .whl/kohya
 # shellcheck disable=SC2086 # PLATFORM is a list of options
-"$PY" -m pip download -q --no-deps $PLATFORM -d .whl diffusers==0.42.1 datasets==5.2.0 "dill>=0.3.0,<0.4.2" \
-  "multiprocess<0.70.20" torchao==0.16.0 bitsandbytes==0.50.2
+"$PY" -m pip download -q --no-deps $PLATFORM -d .whl diffusers==0.42.1 importlib_metadata==10.2.0 datasets==5.2.0 \
+  "dill>=0.3.0,<0.4.2" "multiprocess<0.70.20" torchao==0.16.0 bitsandbytes==0.50.2
 # shellcheck disable=SC2086
 "$PY" -m pip download -q --no-deps $PLATFORM -d .whl/kohya transformers==4.54.1 diffusers==0.32.1 \
   huggingface_hub==0.34.3 tokenizers==0.21.4 toml==0.10.2 voluptuous==0.15.2 imagesize==1.4.1
