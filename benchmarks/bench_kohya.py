@@ -9,22 +9,21 @@ voluptuous, imagesize, bitsandbytes for AdamW8bit) go in a folder given by --koh
 the processes that import kohya's code (benchmarks/carry.sh prepares it).
 
 What runs is kohya's own code, in the order its training loop calls it, with only the files replaced: its
-`FluxNetworkTrainer.load_target_model` (with `--fp8_base` the whole transformer in float8_e4m3fn, which autocast
-upcasts per layer; `enable_block_swap` for `--blocks_to_swap N`) on a FLUX.1-dev-shaped `library.flux_models.Flux`
-whose weights are drawn at random (seeded, N(0, 1/fan_in)) where `flux_utils.load_flow_model` would read them (with
-`--fp8_base` as from an fp8 checkpoint, see `random_flow_model`), and
-kohya's dummy CLIP-L standing in for the text encoders and autoencoder (their outputs are cached, so the step does not
-call them); `networks.lora_flux.create_network` and `apply_to` (LoRA dim 16 on its default modules), gradient
-checkpointing, `train_util.get_optimizer` (AdamW8bit) and `get_scheduler_fix`, the fp8 / dtype casts and
-`prepare_unet_with_accelerator` of `train_network.NetworkTrainer.train`, then per step what its loop runs:
-`process_batch` (flow-matching noise, `get_noise_pred_and_target`, the loss), `accelerator.backward`, the LoRA's
-gradient norms, `clip_grad_norm_`, the optimizer and scheduler steps, the norm logging and `loss.item()`. A batch
-is what its data loader yields with `--cache_latents --cache_text_encoder_outputs`: one 1024 px latent and 512 T5
-tokens' outputs (random, float32 as its caches hold them). Each setting runs in a process of its own, capped with
-`torch.cuda.set_per_process_memory_fraction` before anything is allocated (as benchmarks/capped.py caps the trainer).
-Per row: the peak while loading, the peak over the timed steps, the median step time after --warmup steps, and the
-kohya command line the row stands for. `--tiny`: a tiny Flux on the CPU (AdamW instead of AdamW8bit, 2 blocks
-swapped where a setting swaps), to check the script.
+`FluxNetworkTrainer.load_target_model` (with `--fp8_base` the whole transformer in float8_e4m3fn, which autocast upcasts
+per layer; `enable_block_swap` for `--blocks_to_swap N`) on a FLUX.1-dev-shaped `library.flux_models.Flux` whose weights
+are drawn at random (seeded, N(0, 1/fan_in)) where `flux_utils.load_flow_model` would read them (with `--fp8_base` as
+from an fp8 checkpoint, see `random_flow_model`), and kohya's dummy CLIP-L standing in for the text encoders and
+autoencoder (their outputs are cached, so the step does not call them); `networks.lora_flux.create_network` and
+`apply_to` (LoRA dim 16 on its default modules), gradient checkpointing, `train_util.get_optimizer` (AdamW8bit) and
+`get_scheduler_fix`, the fp8 / dtype casts and `prepare_unet_with_accelerator` of `train_network.NetworkTrainer.train`,
+then per step what its loop runs: `process_batch` (flow-matching noise, `get_noise_pred_and_target`, the loss),
+`accelerator.backward`, the LoRA's gradient norms, `clip_grad_norm_`, the optimizer and scheduler steps, the norm
+logging and `loss.item()`. A batch is what its data loader yields with `--cache_latents --cache_text_encoder_outputs`:
+one 1024 px latent and 512 T5 tokens' outputs (random, float32 as its caches hold them). Each setting runs in a process
+of its own, capped with `torch.cuda.set_per_process_memory_fraction` before anything is allocated (as
+benchmarks/capped.py caps the trainer). Per row: the peak while loading, the peak over the timed steps, the median step
+time after --warmup steps, and the kohya command line the row stands for. `--tiny`: a tiny Flux on the CPU (AdamW
+instead of AdamW8bit, 2 blocks swapped where a setting swaps), to check the script.
 """
 
 from __future__ import annotations
