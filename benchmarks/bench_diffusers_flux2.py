@@ -216,7 +216,8 @@ def one(cap: float | None, resolution: int, rank: int, steps: int, warmup: int, 
         r=rank, lora_alpha=rank, lora_dropout=0.0, init_lora_weights="gaussian", target_modules=target_modules
     )
     transformer.add_adapter(transformer_lora_config)
-    # :1425-1460: the optimizer (8-bit AdamW with --use_8bit_adam, the example's Adam defaults); :1712-1730.
+    # :1425-1460: the optimizer (8-bit AdamW with --use_8bit_adam, the example's Adam defaults); :1725-1732,
+    # its scheduler; :1735, accelerate.
     transformer_lora_parameters = list(filter(lambda p: p.requires_grad, transformer.parameters()))
     params_to_optimize = [{"params": transformer_lora_parameters, "lr": 1e-4}]
     if gpu:
@@ -314,7 +315,7 @@ def one(cap: float | None, resolution: int, rank: int, steps: int, warmup: int, 
             optimizer.step()
             lr_scheduler.step()
             optimizer.zero_grad()
-        losses.append(loss.detach().item())  # :1996, the step's log
+        losses.append(loss.detach().item())  # :1978, the step's log
 
     for i in range(warmup + steps):
         if gpu and i == warmup:
