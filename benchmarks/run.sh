@@ -34,6 +34,18 @@
 #              (random weights): FLUX.1-dev nf4 at 12 GiB, FLUX.2 [klein] 4B nf4 at 12 GiB, FLUX.2 [dev] nf4 at 24 GiB
 #              (offload auto, its 24B text encoder streamed). ~8 min of an H200
 #   small_2048 one GPU is enough: 2048 px, one rank of cp=2 (loopback peers) with an fp8 base under 24 GiB
+#   peers      one GPU: the peers' small-GPU steps, each capped, FLUX.1-dev / FLUX.2 [dev] shapes, 1024 px, random
+#              weights: kohya sd-scripts at its 24 GB setting (--fp8_base), bf16 with 8 blocks swapped at 24 GiB and its
+#              12 GB setting (--fp8_base --blocks_to_swap 16) (benchmarks/bench_kohya.py; needs SD_SCRIPTS, a checkout,
+#              default .whl/sd-scripts, and its wheels in .whl/kohya: benchmarks/carry.sh); diffusers' FLUX.2 example
+#              at 24 GiB (benchmarks/bench_diffusers_flux2.py: nf4, --offload, --cache_latents, 8-bit AdamW) and ours
+#              beside it (FLUX.2 [dev] nf4, offload auto, eager); diffusers' QLoRA recipe at 24 and 12 GiB.
+#              ~8 min of an H100
+#   table      one GPU: ours on the small-GPU table's FLUX.1 rows, each capped, 1024 px: fp8 + offload auto at 24 GiB
+#              compiled and eager, README's 24 GB command as printed (bf16, --offload_blocks --compile) at 24 GiB, nf4 +
+#              offload auto + compile at 12 GiB. ~8 min of an H100
+#   table_b    one GPU: the table's other rows: FLUX.2 [klein] 4B nf4 at 12 GiB (eager), FLUX.2 [dev] fp8 + offload
+#              auto + compile under 48 GiB, and the one-GPU 2048 px default step uncapped (--compile). ~7 min of an H100
 #   check      the GPU tests (pytest tests/gpu) and benchmarks/check_gpu.py (bf16 attention and a 4-block Flux model
 #              with CP against fp32 and bf16 without CP, every CP size the machine has)
 # EXTRA_FLAGS="..." is added to every trainer run of the sets (e.g. EXTRA_FLAGS="--cp_overlap passes" or
@@ -42,7 +54,7 @@
 # `python -m benchmarks.render RESULTS_DIR` writes RESULTS_DIR/results.md (docs/benchmarks.md, how to measure).
 set -euo pipefail
 if [ $# -lt 2 ]; then
-  sed -n '2,31p' "$0"
+  sed -n '2,54p' "$0"
   exit 2
 fi
 OUT=$1; shift
@@ -79,6 +91,21 @@ flux2_model() {  # sets MODEL: a FLUX.2 [dev]-shaped folder (config and tiny enc
   MODEL=${FLUX2_MODEL:-$(mktemp -d)/flux2-dev-shapes}
   if [ -n "$DRY" ]; then echo "+ (the model: python3 -m flux_cp.tiny --preset flux2-dev-shapes --out $MODEL)"; return; fi
   python3 -m flux_cp.tiny --preset flux2-dev-shapes --out "$MODEL" > /dev/null
+}
+
+klein_model() {  # sets KLEIN: a FLUX.2 [klein] 4B-shaped folder (config and tiny encoders; weights drawn at start)
+  KLEIN=${KLEIN_MODEL:-$(mktemp -d)/flux2-klein-shapes}
+  if [ -n "$DRY" ]; then echo "+ (the model: python3 -m flux_cp.tiny --preset flux2-klein-shapes --out $KLEIN)"; return; fi
+  python3 -m flux_cp.tiny --preset flux2-klein-shapes --out "$KLEIN" > /dev/null
+}
+
+kohya_env() {  # sets SD_SCRIPTS (a kohya-ss/sd-scripts checkout) and KOHYA_SITE (its pinned dependencies, .whl/kohya)
+  SD_SCRIPTS=${SD_SCRIPTS:-.whl/sd-scripts}
+  if [ -z "${KOHYA_SITE:-}" ] && ls .whl/kohya/*.whl >/dev/null 2>&1; then
+    KOHYA_SITE=$(mktemp -d)
+    if [ -n "$DRY" ]; then echo "+ (kohya's wheels: pip install --target $KOHYA_SITE .whl/kohya/*.whl)"; return; fi
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$KOHYA_SITE" .whl/kohya/*.whl
+  fi
 }
 
 ATTN=attn.to_k,attn.to_q,attn.to_v,attn.to_out.0,attn.add_k_proj,attn.add_q_proj,attn.add_v_proj,attn.to_add_out
@@ -178,12 +205,39 @@ for SET in "$@"; do
     small_2048)
       trainer 200 trainer_small_2048.json "--fake_peers --steps 5 --warmup 2 --timeout 190" \
         "small24_fp8_fake2_2048:1:gpu1.yaml:--cp_size 2 --resolution 2048 --gradient_checkpointing all --gpu_memory_gib 24 --base_precision fp8" ;;
+    peers)  # the new peers first: each script writes its rows as it goes
+      kohya_env
+      run 330 python3 -m benchmarks.bench_kohya --sd_scripts "$SD_SCRIPTS" ${KOHYA_SITE:+--kohya_site "$KOHYA_SITE"} \
+        --out "$OUT/kohya.json" --steps 5 --warmup 3 --timeout 105
+      run 200 python3 -m benchmarks.bench_diffusers_flux2 --out "$OUT/diffusers_flux2.json" --gpu_memory_gib 24 \
+        --steps 4 --warmup 2 --timeout 190
+      flux2_model
+      trainer 150 trainer_peers_flux2.json "--model $MODEL --steps 6 --warmup 2 --timeout 145" \
+        "small24_flux2_nf4_auto:1:gpu1.yaml:--resolution 1024 --gpu_memory_gib 24 --base_precision nf4 --offload_blocks auto"
+      run 170 python3 -m benchmarks.bench_diffusers_qlora --out "$OUT/diffusers_qlora.json" --gpu_memory_gib 24 12 \
+        --resolution 1024 --steps 5 --warmup 3 --model_dir "$(mktemp -d)/flux1-dev-shapes-random" ;;
+    table)  # small24_bf16_auto_c is README's 24 GB command as printed (bench_trainer adds its --rank 16
+            # --mixed_precision bf16 --gradient_checkpointing): give it README's flags if README's command changes
+      trainer 580 trainer_table.json "--steps 8 --warmup 3 --timeout 140" \
+        "small24_fp8_auto_c:1:gpu1.yaml:--resolution 1024 --gpu_memory_gib 24 --base_precision fp8 --offload_blocks auto --compile" \
+        "small24_fp8_auto:1:gpu1.yaml:--resolution 1024 --gpu_memory_gib 24 --base_precision fp8 --offload_blocks auto" \
+        "small24_bf16_auto_c:1:gpu1.yaml:--resolution 1024 --gpu_memory_gib 24 --offload_blocks --compile" \
+        "small12_nf4_auto_c:1:gpu1.yaml:--resolution 1024 --gpu_memory_gib 12 --base_precision nf4 --offload_blocks auto --compile" ;;
+    table_b)
+      klein_model
+      trainer 100 trainer_table_klein.json "--model $KLEIN --steps 8 --warmup 3 --timeout 95" \
+        "small12_klein_nf4_auto:1:gpu1.yaml:--resolution 1024 --gpu_memory_gib 12 --base_precision nf4 --offload_blocks auto"
+      flux2_model
+      trainer 230 trainer_table_flux2.json "--model $MODEL --steps 8 --warmup 3 --timeout 225" \
+        "small48_flux2_fp8_auto_c:1:gpu1.yaml:--resolution 1024 --gpu_memory_gib 48 --base_precision fp8 --offload_blocks auto --compile"
+      trainer 170 trainer_table_2048.json "--steps 8 --warmup 3 --timeout 165" \
+        "cp1_2048:1:gpu1.yaml:--resolution 2048 --compile" ;;
     check)
       run 400 python3 -m pytest -q -x tests/gpu
       run 300 torchrun --nproc_per_node "$N" -m benchmarks.check_gpu --out "$OUT/check_gpu.json" ;;
     *)
       echo "error: unknown set $SET (lora, lora_ro, diffusers, lora4096, full, kontext, host, flux2, flux2_cp, memory,
-      attention, small, small_b, small_full, small_2048, check)"
+      attention, small, small_b, small_full, small_2048, peers, table, table_b, check)"
       exit 2 ;;
   esac
 done

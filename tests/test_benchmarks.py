@@ -4,6 +4,7 @@ bench_trainer pairs each CP run with its one-GPU run."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -149,3 +150,155 @@ def test_the_precision_error_benchmark_measures_each_precision_against_the_unqua
         assert len(r["block_errors"]) == 8 and 0 < r["block_min"] <= r["block_median"] <= r["block_max"] < 0.2
         assert 0 < r["model"] < 0.2
     assert rows["int8"]["block_max"] < rows["fp8"]["block_min"] and rows["int8"]["model"] < rows["fp8"]["model"]
+
+
+def test_kohya_settings_are_its_documented_commands():
+    """bench_kohya's three settings are kohya's 24 GB setting (--fp8_base), bf16 with 8 blocks swapped at 24 GiB and
+    its 12 GB setting (--fp8_base --blocks_to_swap 16, 8-bit AdamW), each with the same documented flags; --tiny
+    changes values in place (kohya's parser would take a repeated flag's last value, the recorded command both)."""
+    import shlex
+
+    from benchmarks import bench_kohya as kohya
+
+    caps = {name: cap for name, (cap, _) in kohya.SETTINGS.items()}
+    assert caps == {"kohya_fp8_24gib": 24.0, "kohya_bf16_swap8_24gib": 24.0, "kohya_fp8_swap16_12gib": 12.0}
+    twelve = shlex.split(kohya.kohya_command(kohya.kohya_flags(kohya.SETTINGS["kohya_fp8_swap16_12gib"][1], False)))
+    assert twelve[:5] == ["accelerate", "launch", "--num_cpu_threads_per_process", "1", "flux_train_network.py"]
+    for flag, value in [
+        ("--blocks_to_swap", "16"),
+        ("--optimizer_type", "AdamW8bit"),
+        ("--network_dim", "16"),
+        ("--resolution", "1024,1024"),
+        ("--t5xxl_max_token_length", "512"),
+    ]:
+        assert twelve[twelve.index(flag) + 1] == value
+    assert "--fp8_base" in twelve and "--network_train_unet_only" in twelve and "--cache_latents" in twelve
+    bf16 = kohya.kohya_flags(kohya.SETTINGS["kohya_bf16_swap8_24gib"][1], False)
+    assert "--fp8_base" not in bf16 and bf16[bf16.index("--blocks_to_swap") + 1] == "8"
+    assert "--blocks_to_swap" not in kohya.kohya_flags(kohya.SETTINGS["kohya_fp8_24gib"][1], False)
+    tiny = kohya.kohya_flags(kohya.SETTINGS["kohya_fp8_swap16_12gib"][1], True)
+    full = kohya.kohya_flags(kohya.SETTINGS["kohya_fp8_swap16_12gib"][1], False)
+    assert [f for f in tiny if f.startswith("--")] == [f for f in full if f.startswith("--")]
+    assert tiny[tiny.index("--blocks_to_swap") + 1] == "2" and tiny[tiny.index("--optimizer_type") + 1] == "AdamW"
+
+
+@pytest.mark.skipif(
+    not os.environ.get("KOHYA_SD_SCRIPTS"),
+    reason="needs a kohya-ss/sd-scripts checkout in KOHYA_SD_SCRIPTS (and its dependencies: KOHYA_SITE)",
+)
+def test_kohya_step_runs_its_fp8_and_block_swap_paths_on_a_tiny_flux(tmp_path):
+    """bench_kohya --tiny: kohya's own setup and loop on a tiny Flux on the CPU for each setting: its LoRA on every
+    linear of the double and single blocks, the base cast to float8_e4m3fn with --fp8_base, blocks swapped with
+    --blocks_to_swap, finite losses, and the commit of the checkout recorded."""
+    import math
+
+    from benchmarks import bench_kohya
+
+    out = tmp_path / "kohya.json"
+    site = ["--kohya_site", os.environ["KOHYA_SITE"]] if os.environ.get("KOHYA_SITE") else []
+    bench_kohya.main(["--sd_scripts", os.environ["KOHYA_SD_SCRIPTS"], *site, "--out", str(out), "--tiny"])
+    data = json.loads(out.read_text())
+    assert data["schema"] == schema.SCHEMA and data["benchmark"] == "kohya" and data["settings"]["sd_scripts_commit"]
+    rows = {r["name"]: r for r in data["rows"]}
+    assert set(rows) == set(bench_kohya.SETTINGS)
+    for name, r in rows.items():
+        assert "error" not in r, r
+        assert r["lora_modules"] == 4 * 10 + 6 * 3  # 10 linears per double block, 3 per single block
+        assert r["base_dtype"] == ("torch.float8_e4m3fn" if "fp8" in name else "torch.bfloat16")
+        assert r["swapped_blocks"] == (2 if "swap" in name else 0)
+        assert all(math.isfinite(x) for x in r["losses"]) and r["s_per_step"] > 0
+        assert r["kohya_command"].startswith("accelerate launch --num_cpu_threads_per_process 1 flux_train_network.py")
+
+
+def test_diffusers_flux2_example_step_runs_and_trains_the_trainers_layers(tmp_path):
+    """bench_diffusers_flux2 --smoke (a tiny Flux2Transformer2DModel on the CPU): the example's step gives a timed
+    row with a finite loss, and the example's default LoRA targets adapt the modules the trainer's FLUX.2 default
+    does (the comparison the peers set draws)."""
+    import math
+
+    from benchmarks import bench_diffusers_flux2 as bench
+    from flux_cp.config import LoraConfig
+    from flux_cp.families.flux2 import FLUX2
+    from flux_cp.lora import add_lora
+
+    out = tmp_path / "flux2.json"
+    bench.main(["--smoke", "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert data["benchmark"] == "diffusers_flux2"
+    (row,) = data["rows"]
+    assert "error" not in row, row
+    assert row["s_per_step"] > 0 and row["lora_params"] > 0 and all(math.isfinite(x) for x in row["losses"])
+
+    from diffusers import Flux2Transformer2DModel
+    from peft import LoraConfig as PeftLoraConfig
+
+    config = bench.transformer_config(smoke=True)
+    theirs = Flux2Transformer2DModel(**config)
+    theirs.add_adapter(PeftLoraConfig(r=4, target_modules=bench.example_targets(config["num_single_layers"])))
+    ours = Flux2Transformer2DModel(**config)
+    add_lora(ours, LoraConfig(lora_layers=tuple(FLUX2.lora_targets(pairs=False, config=config))), seed=0)
+
+    def adapted(model):
+        return sorted(
+            n.removesuffix(".lora_A.default") for n, _ in model.named_modules() if n.endswith("lora_A.default")
+        )
+
+    assert adapted(theirs) == adapted(ours) and adapted(ours)
+
+
+def test_diffusers_flux2_weights_are_drawn_where_from_pretrained_reads_them():
+    """random_checkpoint: from_pretrained (diffusers' own loading, which quantizes on the GPU) gets seeded weights of
+    the fan-in scale, the same on every load, and diffusers' file reader is back once the block ends."""
+    from diffusers import Flux2Transformer2DModel
+    from diffusers.models import model_loading_utils
+
+    from benchmarks import bench_diffusers_flux2 as bench
+
+    config = bench.transformer_config(smoke=True)
+    reader = model_loading_utils.load_state_dict
+    loaded = []
+    for _ in range(2):
+        with bench.random_checkpoint(config, seed=0, device=torch.device("cpu")) as root:
+            loaded.append(
+                Flux2Transformer2DModel.from_pretrained(root, subfolder="transformer", torch_dtype=torch.bfloat16)
+            )
+    assert model_loading_utils.load_state_dict is reader
+    first, second = (dict(m.named_parameters()) for m in loaded)
+    weight = first["context_embedder.weight"].float()
+    assert abs(weight.std().item() * weight.shape[1] ** 0.5 - 1) < 0.2
+    norms = [n for n in first if "norm" in n and n.endswith("weight") and first[n].ndim == 1]
+    assert norms and all(torch.equal(first[n], torch.ones_like(first[n])) for n in norms)
+    assert all(torch.equal(first[n], second[n]) for n in first)
+
+
+def test_small_gpu_sets_run_only_flags_the_trainer_accepts(monkeypatch):
+    """run.sh's peers, table and table_b sets (printed by DRY_RUN=1): every trainer run's flags parse as the trainer
+    parses them, each small-GPU run is capped, and the peers' scripts are called. (Whether torchao and bitsandbytes
+    are installed is the GPU machine's matter, not the flags'.)"""
+    import shlex
+    import subprocess
+
+    from flux_cp import config
+    from flux_cp.config import parse_config
+
+    monkeypatch.setattr(config, "check_installed", lambda precision: None)
+
+    done = subprocess.run(
+        ["bash", "benchmarks/run.sh", "/tmp/dry", "peers", "table", "table_b"],
+        cwd=schema.ROOT,
+        env={**os.environ, "DRY_RUN": "1"},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    lines = done.stdout.splitlines()
+    runs = {ln.split(":", 1)[0]: shlex.split(ln.split(":", 1)[1]) for ln in lines if ": accelerate launch" in ln}
+    assert len(runs) == 8, runs  # peers 1, table 4, table_b 3
+    for name, cmd in runs.items():
+        flags = (
+            cmd[cmd.index("trainer") + 1 :] if "benchmarks.capped" in cmd else cmd[cmd.index("train_flux_cp.py") + 1 :]
+        )
+        cfg = parse_config(flags)
+        assert cfg.train.offload_blocks in ("0", "auto") and ("--gpu_memory_gib" in flags) == (name != "cp1_2048")
+    for script in ("benchmarks.bench_kohya", "benchmarks.bench_diffusers_flux2", "benchmarks.bench_diffusers_qlora"):
+        assert any(script in ln for ln in lines), script

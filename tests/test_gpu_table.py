@@ -1,0 +1,102 @@
+"""README's "Which command for my GPU" table (benchmarks/gpu_table.py): it is what the committed result files render,
+each line showing the newest row measured at its GPU size, never a failed row or one of another size."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import gpu_table, schema
+
+
+def test_readme_gpu_table_is_what_the_committed_results_render():
+    readme = gpu_table.README.read_text()
+    assert gpu_table.current_block(readme) == gpu_table.render(), (
+        "README.md's GPU table differs from the result files: python -m benchmarks.gpu_table --write"
+    )
+
+
+def _result(tmp_path, name: str, date: str, rows: list[dict], gpu_gib: float = 79.2) -> None:
+    data = schema.result("trainer", rows, command="python -m benchmarks.bench_trainer ...")
+    data["date"] = date
+    data["hardware"] = {"gpu": "NVIDIA H100 80GB HBM3", "gpus": 1, "gpu_memory_gib": gpu_gib}
+    schema.write(tmp_path / name / "trainer.json", data)
+
+
+def _line(text: str, start: str) -> str:
+    (found,) = [ln for ln in text.splitlines() if ln.startswith(start)]
+    return found
+
+
+def test_a_line_shows_the_newest_row_measured_at_its_size(tmp_path):
+    fp8 = "--resolution 1024 --gpu_memory_gib 24 --base_precision fp8 --offload_blocks auto --compile"
+    row = {"name": "small24_fp8_auto_c", "gpus": 1, "flags": fp8, "peak_gib": 19.05, "planned_peak_gib": 21.54}
+    _result(tmp_path, "a", "2026-01-01T00:00:00+00:00", [{**row, "s_per_step": 0.6}])
+    _result(tmp_path, "b", "2026-02-01T00:00:00+00:00", [{**row, "s_per_step": 0.5}])
+    _result(tmp_path, "c", "2026-03-01T00:00:00+00:00", [{**row, "error": "out of memory"}])  # failed: not shown
+    # Uncapped on a 141 GB GPU: not an 80 GB answer. Capped to 12 GiB: not a 24 GiB one.
+    _result(
+        tmp_path,
+        "d",
+        "2026-04-01T00:00:00+00:00",
+        [
+            {
+                "name": "cp1_2048",
+                "gpus": 1,
+                "flags": "--resolution 2048 --compile",
+                "s_per_step": 2.1,
+                "peak_gib": 100.0,
+            },
+            {**row, "flags": fp8.replace("24", "12"), "s_per_step": 0.4},
+        ],
+        gpu_gib=139.8,
+    )
+    fake = "--cp_size 2 --resolution 2048 --gradient_checkpointing all --gpu_memory_gib 24 --base_precision fp8"
+    _result(
+        tmp_path,
+        "e",
+        "2026-05-01T00:00:00+00:00",
+        [
+            {
+                "name": "small24_fp8_fake2_2048",
+                "gpus": 1,
+                "fake_peers": 2,
+                "flags": fake,
+                "s_per_step": 2.2,
+                "peak_gib": 16.53,
+            },
+        ],
+    )
+    (tmp_path / "e" / "other.json").write_text(json.dumps({"runs": []}))  # another format: skipped
+
+    text = gpu_table.render(gpu_table.trainer_results(tmp_path), root=tmp_path)
+    assert _line(text, "| 1 x 24 GB | FLUX.1 [dev], 1024 px (fastest)") == (
+        "| 1 x 24 GB | FLUX.1 [dev], 1024 px (fastest) | `--base_precision fp8 --offload_blocks auto --compile` | "
+        "0.500 | 19.1 (21.5) | H100, capped to 24 GiB, [2026-02-01](b/trainer.json) |"
+    )
+    assert (
+        _line(text, "| 1 x 80 GB | FLUX.1 [dev]")
+        == "| 1 x 80 GB | FLUX.1 [dev], 2048 px | `--compile` | not measured | | |"
+    )
+    assert _line(text, "| 2 x 24 GB (`ddp_cp2.yaml`) | FLUX.1") == (
+        "| 2 x 24 GB (`ddp_cp2.yaml`) | FLUX.1 [dev], 2048 px | `--cp_size 2 --gradient_checkpointing all "
+        "--base_precision fp8` | 2.200 | 16.5 | H100, capped to 24 GiB, one rank with loopback peers, "
+        "[2026-05-01](e/trainer.json) |"
+    )
+    assert len([ln for ln in text.splitlines() if ln.startswith("| ") and "GB" in ln]) == len(gpu_table.ENTRIES)
+
+
+def test_write_replaces_only_the_marked_block_and_check_sees_a_stale_one(tmp_path, monkeypatch, capsys):
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# Title\n\nbefore\n\n{gpu_table.START}\nold table\n{gpu_table.END}\n\nafter\n")
+    monkeypatch.setattr(gpu_table, "README", readme)
+    assert gpu_table.main(["--check"]) == 1
+    assert "python -m benchmarks.gpu_table --write" in capsys.readouterr().out
+    assert gpu_table.main(["--write"]) == 0
+    text = readme.read_text()
+    assert text.startswith("# Title\n\nbefore\n\n") and text.endswith(f"{gpu_table.END}\n\nafter\n")
+    assert gpu_table.current_block(text) == gpu_table.render()
+    assert gpu_table.main(["--check"]) == 0
+    with pytest.raises(ValueError, match="expected one"):
+        gpu_table.replace_block("no markers here", "table")
