@@ -29,19 +29,20 @@ Tensor = torch.Tensor
 
 # diffusers.loaders.lora_base.LORA_ADAPTER_METADATA_KEY: where load_lora_weights looks for the adapter's config.
 LORA_ADAPTER_METADATA_KEY = "lora_adapter_metadata"
-_KEY = re.compile(r"^transformer\.(.+)\.lora_([AB])\.weight$")
+_PARTS = r"(?:lora_([AB])\.weight|lora_(magnitude)_vector)"  # DoRA's magnitude: `lora_magnitude_vector`
 
 
 def lora_modules_of(state: dict[str, Tensor], prefix: str = "transformer") -> dict[str, dict[str, Tensor]]:
     """{diffusers module: {"A": lora_A, "B": lora_B}} of a diffusers-format Flux LoRA state dict (of the component
-    `prefix`: the transformer, or the text encoder trained with --train_text_encoder)."""
-    pattern = _KEY if prefix == "transformer" else re.compile(rf"^{re.escape(prefix)}\.(.+)\.lora_([AB])\.weight$")
+    `prefix`: the transformer, or the text encoder trained with --train_text_encoder); a DoRA's modules also hold
+    "magnitude" (`lora_magnitude_vector`)."""
+    pattern = re.compile(rf"^{re.escape(prefix)}\.(.+)\.{_PARTS}$")
     out: dict[str, dict[str, Tensor]] = {}
     for key, value in state.items():
         m = pattern.match(key)
         if not m:
             raise ValueError(f"not a diffusers Flux LoRA key: {key!r} (expected {prefix}.<module>.lora_A/B.weight)")
-        out.setdefault(m.group(1), {})[m.group(2)] = value
+        out.setdefault(m.group(1), {})[m.group(2) or m.group(3)] = value
     return out
 
 

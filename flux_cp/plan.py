@@ -152,9 +152,10 @@ def frozen_base(family: Family, config: dict, precision: str, dtype_bytes: int =
     return _BASES[key]
 
 
-def count_parameters(config: dict, lora_rank: int | None, lora_layers: list[str]) -> tuple[int, int, int]:
+def count_parameters(config: dict, lora_rank: int | None, lora_layers: list[str], adapter: str = "lora"
+                     ) -> tuple[int, int, int]:  # fmt: skip
     """(all base parameters, trainable parameters, parameters of the largest block), exact, on the meta device."""
-    c = for_transformer(config).count_parameters(config, lora_rank, lora_layers)
+    c = for_transformer(config).count_parameters(config, lora_rank, lora_layers, adapter)
     return c.base, c.trainable, c.largest_block
 
 
@@ -224,6 +225,7 @@ def estimate(
     precision: str = "bf16",
     offloaded: int = 0,
     text_tokens: int = 512,
+    adapter: str = "lora",
 ) -> Estimate:
     """Bytes per GPU. `tokens` per sample (image + text); FSDP (default: world > 1) shards weights, gradients
     and optimizer state over all `world` ranks; each rank holds tokens / cp of each of its `batch` samples.
@@ -232,9 +234,9 @@ def estimate(
     attention (`saved_attention_units`). `family`: default the one the config names. `optimizer`: whose state
     (flux_cp.optim.state_bytes; AdamW by default). `precision`: the frozen base's (--base_precision, LoRA);
     `offloaded`: blocks offloaded (--offload_blocks, LoRA without FSDP); `text_tokens` of the `tokens`, for the
-    FLOPs of the speed model."""
+    FLOPs of the speed model; `adapter`: --adapter's kind (its trainable parameters)."""
     family = family or for_transformer(config)
-    counts = family.count_parameters(config, lora_rank, lora_layers)
+    counts = family.count_parameters(config, lora_rank, lora_layers, adapter)
     trainable, block = counts.trainable, counts.largest_block
     fsdp = world > 1 if fsdp is None else fsdp
     shard = world if fsdp else 1
@@ -408,7 +410,7 @@ def run_estimate(cfg: Config, shape: RunShape) -> Callable[..., Estimate]:
                         weight_bytes=4 if train.mixed_precision == "no" else 2, fsdp=shape.sharded and shape.world > 1,
                         saved_attention=saved_attention_units(train, shape.cp_mode, shape.cp), family=shape.family,
                         optimizer=optimizer_name(train), precision=precision, offloaded=o,
-                        text_tokens=shape.text_tokens)  # fmt: skip
+                        text_tokens=shape.text_tokens, adapter=cfg.lora.adapter)  # fmt: skip
 
     return estimate_with
 

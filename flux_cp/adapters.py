@@ -1,0 +1,155 @@
+"""The adapter a run trains on `--lora_layers` (`--adapter`), each through peft: LoRA, DoRA
+(`LoraConfig(use_dora=True)`: LoRA plus a trained magnitude per output feature) or LoKr (`LoKrConfig`: the update is
+a Kronecker product of two small factors). What each needs of the other flags, how its file is written and loaded.
+
+Exact under CP as LoRA is: every one is a function of its weights alone (DoRA's norm of the adapted weight per output
+feature, LoKr's Kronecker product) applied to each token on its own, so every rank of a CP group computes the same
+weight update and its gradients sum over the ranks' tokens as LoRA's do (tests/test_train_adapters.py). Under FSDP2
+peft's layers read the base weight inside the block's forward, where FSDP2 has gathered it (tests/test_adapters.py).
+
+Files, `--lora_format diffusers` (the only layout that holds them):
+- DoRA: diffusers' LoRA keys plus `transformer.<module>.lora_magnitude_vector` (what `get_peft_model_state_dict`
+  gives), which `load_lora_weights` reads as DoRA (diffusers' `get_peft_kwargs`: use_dora from those keys, or from the
+  adapter metadata). ComfyUI, kohya and LyCORIS call DoRA's magnitude `dora_scale` and ComfyUI divides by the norm of
+  the base weight per output feature where peft divides by that of the adapted weight: no file of theirs holds
+  peft's DoRA, so `--lora_format kohya` is refused, and ComfyUI would leave the magnitudes out of this file.
+- LoKr: `transformer.<module>.lokr_w1` and `lokr_w2` (or `lokr_w2_a` / `lokr_w2_b` where peft factors w2 at
+  `--rank`), peft's scale alpha / rank multiplied into `lokr_w1` (the product is linear in each factor), no alpha
+  keys: diffusers' LoKr loader (`transformer.load_lora_adapter`; FLUX.2's `load_lora_weights` too) reads such a file
+  at scale 1, and so does ComfyUI, which maps these diffusers module names (`transformer.<module>`, q/k/v as rows of
+  BFL's fused linear) and applies `kron(w1, w2)` at scale 1 to a LoKr without alpha keys. FLUX.1's
+  `load_lora_weights` reads LoRA keys only: the model card's snippet loads a LoKr with `load_lora_adapter`. The
+  kohya / BFL layout fuses q, k and v into one linear, whose update separate Kronecker products of the three are
+  not: `--lora_format kohya` is refused.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from .errors import UsageError
+
+if TYPE_CHECKING:
+    from .config import LoraConfig
+
+Tensor = torch.Tensor
+
+LABELS = {"lora": "LoRA", "dora": "DoRA", "lokr": "LoKr"}
+# Name parts of the trainable parameters peft adds, by adapter (DoRA's magnitude is `lora_magnitude_vector`).
+PARAMETER_PARTS = ("lora_", "lokr_")
+
+
+def label(adapter: str) -> str:
+    """The adapter's name for people: LoRA, DoRA, LoKr."""
+    return LABELS[adapter]
+
+
+def peft_config(adapter: str, rank: int, alpha: float, dropout: float, targets: list[str]):
+    """peft's config of `adapter` on the modules `targets` (peft's suffix rule). LoRA's and DoRA's B start at zero
+    and A Gaussian (as diffusers' examples: `init_lora_weights="gaussian"`); LoKr's w1 starts at zero (peft's
+    default), so every adapter starts as the base model."""
+    if adapter == "lokr":
+        from peft import LoKrConfig  # peft at first use (its import takes seconds)
+
+        return LoKrConfig(r=rank, alpha=alpha, target_modules=targets)
+    from peft import LoraConfig as PeftLoraConfig
+
+    return PeftLoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, init_lora_weights="gaussian",
+                          target_modules=targets, use_dora=adapter == "dora")  # fmt: skip
+
+
+def is_adapter_parameter(name: str) -> bool:
+    """Whether the parameter `name` is one that peft added for an adapter (LoRA's, DoRA's or LoKr's)."""
+    return any(part in name for part in PARAMETER_PARTS)
+
+
+def check(lora: LoraConfig, base_precision: str) -> None:
+    """At start, the flags only: a UsageError for what `--adapter` cannot be combined with."""
+    adapter = lora.adapter
+    if adapter == "lora":
+        return
+    name, what = f"--adapter {adapter}", label(adapter)
+    if lora.full_finetune:
+        raise UsageError(f"{name} trains {what} adapters; --full_finetune trains every weight and no adapter: drop one "
+                         "of the two")  # fmt: skip
+    if lora.train_text_encoder:
+        raise UsageError(
+            f"{name} with --train_text_encoder: the text encoder's adapter is a LoRA only (as in diffusers' examples); "
+            "use --adapter lora or drop --train_text_encoder"
+        )
+    if lora.lora_format != "diffusers":
+        why = (
+            "kohya's, LyCORIS' and ComfyUI's DoRA (dora_scale) divides by the base weight's norm, peft's by the "
+            "adapted weight's, so no kohya file holds this DoRA"
+            if adapter == "dora"
+            else "the kohya / BFL layout fuses q, k and v into one linear, whose update separate Kronecker products of "
+            "the three are not"
+        )
+        loads = (
+            "load_lora_weights loads it" if adapter == "dora" else "ComfyUI and diffusers' load_lora_adapter load it"
+        )
+        raise UsageError(f"{name} with --lora_format {lora.lora_format}: {why}; keep --lora_format diffusers ({loads})")
+    if adapter == "lokr" and lora.lora_dropout:
+        raise UsageError(
+            f"--lora_dropout {lora.lora_dropout:g} with --adapter lokr: peft's LoKr drops no inputs (its dropouts "
+            "are of ranks and whole modules); drop --lora_dropout"
+        )
+    if adapter == "lokr" and base_precision == "nf4":
+        raise UsageError(
+            "--adapter lokr with --base_precision nf4: peft's LoKr layer shapes its update like the base weight, "
+            "which bitsandbytes stores packed; use --base_precision int8 or fp8"
+        )
+
+
+def lokr_weights(state: dict[str, Tensor], rank: int, alpha: float) -> dict[str, Tensor]:
+    """peft's LoKr state dict (`get_peft_model_state_dict`'s keys with the `transformer.` prefix) as the file holds
+    it (see the module doc): peft's scale alpha / rank multiplied into each `lokr_w1`."""
+    scale = alpha / rank
+    out = {}
+    for key, value in state.items():
+        if key.endswith((".lokr_w1_a", ".lokr_w1_b", ".lokr_t2")):  # not in peft's config written here
+            raise ValueError(f"{key}: only LoKr with a whole w1 and a whole or factored w2 is written")
+        out[key] = value * scale if key.endswith(".lokr_w1") else value
+    return out
+
+
+def load_line(adapter: str, source: str, weight_name: str) -> str:
+    """The snippet's line that loads the file `weight_name` of `source` (a folder or Hub repository) into `pipe`."""
+    if adapter == "lokr":  # FLUX.1's load_lora_weights reads LoRA keys only; the model's loader reads LoKr
+        return f'pipe.transformer.load_lora_adapter({source!r}, weight_name={weight_name!r}, prefix="transformer")'
+    return f"pipe.load_lora_weights({source!r}, weight_name={weight_name!r})"
+
+
+def description(adapter: str) -> str | None:
+    """What the model card says of a DoRA or LoKr (None for LoRA)."""
+    if adapter == "dora":
+        return (
+            "DoRA: LoRA plus a trained magnitude per output feature (peft's `use_dora`); diffusers' "
+            "`load_lora_weights` reads its `lora_magnitude_vector` keys as DoRA"
+        )
+    if adapter == "lokr":
+        return (
+            "LoKr: each update the Kronecker product of two small factors (peft's `LoKrConfig`), written with "
+            "diffusers' module names (`transformer.<layer>.lokr_w1/lokr_w2`) at scale 1; loaded with the transformer's "
+            "`load_lora_adapter`"
+        )
+    return None
+
+
+def comfyui(adapter: str, mapping: str) -> str | None:
+    """The model card's ComfyUI text for a DoRA or LoKr file (`mapping`: for which models ComfyUI maps diffusers'
+    names); None for LoRA (the card's own)."""
+    if adapter == "dora":
+        return (
+            "ComfyUI applies a DoRA magnitude only as LyCORIS' `dora_scale`, normalised by the base weight where peft "
+            "normalises by the adapted weight: it would load this file's LoRA part without its magnitudes "
+            '("lora key not loaded" for `lora_magnitude_vector`). Use it with diffusers.'
+        )
+    if adapter == "lokr":
+        return (
+            "Copy the file into `ComfyUI/models/loras/` and apply it with a *LoraLoaderModelOnly* node: ComfyUI's LoKr "
+            f"loader reads its `lokr_w1` / `lokr_w2` keys under diffusers' module names, which it maps for {mapping}."
+        )
+    return None
