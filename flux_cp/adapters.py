@@ -122,6 +122,22 @@ def load_line(adapter: str, source: str, weight_name: str) -> str:
     return f"pipe.load_lora_weights({source!r}, weight_name={weight_name!r})"
 
 
+def start_line(lora: LoraConfig) -> str | None:
+    """What the log says at the start of a DoRA or LoKr run (None for LoRA and full fine-tuning)."""
+    if lora.full_finetune or lora.adapter == "lora":
+        return None
+    how = {"dora": "LoRA plus a trained magnitude per output feature", "lokr": "a Kronecker product of two factors"}
+    loads = (
+        "pipe.transformer.load_lora_adapter and ComfyUI load it"
+        if lora.adapter == "lokr"
+        else "load_lora_weights loads it; ComfyUI would leave its magnitudes out"
+    )
+    return (
+        f"--adapter {lora.adapter}: peft's {label(lora.adapter)} ({how[lora.adapter]}) on --lora_layers, rank "
+        f"{lora.rank}, alpha {lora.lora_alpha}; the file is in diffusers' format ({loads})"
+    )
+
+
 def description(adapter: str) -> str | None:
     """What the model card says of a DoRA or LoKr (None for LoRA)."""
     if adapter == "dora":
@@ -153,3 +169,48 @@ def comfyui(adapter: str, mapping: str) -> str | None:
             f"loader reads its `lokr_w1` / `lokr_w2` keys under diffusers' module names, which it maps for {mapping}."
         )
     return None
+
+
+# --- memory, for the planner (flux_cp.plan) ----------------------------------------------------------------------
+
+_LAYERS: dict[tuple, tuple[tuple[tuple[int, int], ...], ...]] = {}
+
+
+def adapted_layers(family, config: dict, targets: list[str]) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """(in, out) features of the linears peft adapts for `targets` (its suffix rule) in a transformer of `family`
+    with `config`: one tuple per block, in the order the blocks run, then one of those outside the blocks. Built on
+    the meta device (nothing allocated)."""
+    import json
+
+    key = (family.name, json.dumps(config, sort_keys=True), tuple(targets))
+    if key not in _LAYERS:
+        with torch.device("meta"):
+            model = family.transformer_class().from_config(config)
+        adapted = {
+            id(m): (m.in_features, m.out_features)
+            for name, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and any(name == t or name.endswith("." + t) for t in targets)
+        }
+        blocks = [tuple(adapted.pop(id(m)) for m in block.modules() if id(m) in adapted) for _, block in
+                  family.blocks(model)]  # fmt: skip
+        _LAYERS[key] = (*blocks, tuple(adapted.values()))
+    return _LAYERS[key]
+
+
+def kept_bytes(adapter: str, layers: tuple[tuple[int, int], ...], weight_bytes: int) -> int:
+    """Bytes a block (or the layers outside the blocks) with these adapted `layers` keeps for its backward beyond
+    LoRA's, independent of the tokens: peft's LoKr layer builds its whole update weight and multiplies the input by
+    it, which autograd keeps in the compute dtype (`weight_bytes`; tests/test_adapters.py counts it on CPU)."""
+    return sum(i * o for i, o in layers) * weight_bytes if adapter == "lokr" else 0
+
+
+def transient_bytes(adapter: str, layers: tuple[tuple[int, int], ...], weight_bytes: int) -> int:
+    """Bytes one adapted layer of `layers` (the largest) holds for a moment in its forward, by peft's code: DoRA builds
+    an fp32 identity of its input width (and its copy in the compute dtype) to take B @ A, then the adapted weight
+    for its norm; LoKr its fp32 Kronecker product."""
+    if adapter == "dora":
+        cast = weight_bytes if weight_bytes < 4 else 0
+        return max((i * i * (4 + cast) + 2 * i * o * weight_bytes for i, o in layers), default=0)
+    if adapter == "lokr":
+        return max((i * o * 4 for i, o in layers), default=0)
+    return 0

@@ -277,6 +277,90 @@ def test_the_planner_s_counts_at_flux1_dev_size():
     assert 0 < lokr < lora / 10
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_adapter_keeps_are_what_autograd_keeps_beyond_lora(family):
+    """plan_data.json's `adapter_keeps`: the units a block keeps with DoRA or LoKr on the family's default layers,
+    less those it keeps with LoRA (tests/saved_activations.py, eager, bf16 autocast as the trainer runs)."""
+    from flux_cp import plan
+    from flux_cp.families.flux1 import DEFAULT_TARGETS
+    from tests.saved_activations import eager_units, flux2_targets
+
+    targets = DEFAULT_TARGETS if family == "flux1" else flux2_targets(2)
+    keeps = plan.ADAPTER_KEEPS["FluxTransformer2DModel" if family == "flux1" else "Flux2Transformer2DModel"]
+    lora = eager_units(family, targets)
+    for adapter in ("dora", "lokr"):
+        for kind, units in eager_units(family, targets, adapter).items():
+            assert abs(units - lora[kind] - keeps[adapter][kind]) < 0.1, (adapter, kind, units - lora[kind])
+    assert min(keeps["dora"].values()) > 5, "DoRA keeps its layers' outputs: the check would be blind"
+
+
+def test_a_lokr_layer_keeps_its_update_weight_for_the_backward():
+    """What `adapters.kept_bytes` rests on: under bf16 autocast peft's LoKr layer multiplies the input by its whole
+    update weight, which autograd keeps in bf16 (2 bytes per weight of the layer); per token it keeps no more than a
+    LoRA layer (`adapter_keeps` 0)."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    tokens, features = 64, (256, 512)
+
+    def saved(config) -> tuple[int, int]:
+        """(bytes of saved tensors with a token dimension, of saved tensors the size of the layer's weight)."""
+        model = torch.nn.ModuleDict({"net": torch.nn.Sequential(torch.nn.Linear(*features))})
+        model = model.to(torch.bfloat16).requires_grad_(False)
+        inject_adapter_in_model(config, model)
+        for p in model.parameters():
+            if p.requires_grad:
+                p.data = p.data.float()
+        x = torch.randn(tokens, features[0], dtype=torch.bfloat16, requires_grad=True)
+        owned = {p.untyped_storage().data_ptr() for p in model.parameters()} | {x.untyped_storage().data_ptr()}
+        new = {}
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in owned:
+                new[t.untyped_storage().data_ptr()] = t
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+            model["net"](x).float().sum().backward()
+        per_token = sum(t.untyped_storage().nbytes() for t in new.values() if tokens in t.shape)
+        weights = sum(t.untyped_storage().nbytes() for t in new.values() if t.numel() == features[0] * features[1])
+        return per_token, weights
+
+    targets = ["net.0"]
+    lora, lokr = saved(LoraConfig(r=2, target_modules=targets)), saved(adapters.peft_config("lokr", 2, 2, 0.0, targets))
+    assert 0 < lokr[0] <= lora[0] and lora[1] == 0  # per token: LoRA's input copy, not its r-wide intermediate
+    assert lokr[1] == adapters.kept_bytes("lokr", (features,), 2) == features[0] * features[1] * 2
+
+
+def test_the_planner_adds_what_each_adapter_keeps():
+    """FLUX.1-dev at 1024 px, rank 16: DoRA's blocks keep `adapter_keeps` units more (a checkpointed block only while
+    it is recomputed, the last one), LoKr's blocks their update weights in bf16 (the same rule as a torchao base's
+    dequantized weights); both add one layer's moment in its forward."""
+    from flux_cp import plan
+    from flux_cp.families.flux1 import DEFAULT_TARGETS
+    from flux_cp.families.flux1.tiny import FLUX1_DEV_TRANSFORMER
+
+    dev, layers = dict(FLUX1_DEV_TRANSFORMER), list(DEFAULT_TARGETS)
+
+    def activations(adapter: str, n: int) -> float:
+        return plan.estimate(dev, tokens=4608, batch=1, lora_rank=16, lora_layers=layers, world=1, cp=1,
+                             checkpointed=n, adapter=adapter).activations  # fmt: skip
+
+    shapes = adapters.adapted_layers(FLUX1, dev, layers)
+    assert len(shapes) == 58 and shapes[-1] == () and all(shapes[:57])  # 57 blocks, nothing adapted outside them
+    unit, extra = 4608 * 3072 * 2, plan.ADAPTER_KEEPS["FluxTransformer2DModel"]["dora"]
+    transient = {a: adapters.transient_bytes(a, sum(shapes, ()), 2) for a in ("dora", "lokr")}
+    assert transient["dora"] == 12288**2 * 6 + 2 * 12288 * 3072 * 2  # ff.net.2's identity, fp32 and bf16
+    assert activations("dora", 0) - activations("lora", 0) == pytest.approx(
+        unit * (19 * extra["double"] + 38 * extra["single"]) + transient["dora"])  # fmt: skip
+    assert activations("dora", 57) - activations("lora", 57) == pytest.approx(
+        unit * extra["single"] + transient["dora"]
+    )
+    kept = [adapters.kept_bytes("lokr", b, 2) for b in shapes[:57]]
+    for n in (0, 19, 57):  # FLUX.1 checkpoints from the front; the last block is held while it is recomputed
+        held = sum(kept[n:]) + (kept[-1] if n == 57 else 0)
+        assert activations("lokr", n) - activations("lora", n) == pytest.approx(held + transient["lokr"])
+
+
 def test_the_adapter_is_in_the_run_identity_and_a_resume_with_another_is_refused(tmp_path):
     from flux_cp import resume
     from flux_cp.errors import UsageError

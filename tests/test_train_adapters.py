@@ -52,8 +52,9 @@ def runs(tmp_path_factory, model) -> Path:
     ok(train(1, *_args(model, tmp, "dora_one", *DORA)))
     ok(train(2, *_args(model, tmp, "dora_cp2", *DORA, "--cp_size", "2", "--cp_mode", "ulysses")))
     ok(train(1, *_args(model, tmp, "lokr_one", *LOKR)))
-    ok(train(2, *_args(model, tmp, "lokr_cp2", *LOKR, "--cp_size", "2", "--cp_mode", "ring",
-                        "--checkpointing_steps", "5")))  # fmt: skip
+    cp2 = ok(train(2, *_args(model, tmp, "lokr_cp2", *LOKR, "--cp_size", "2", "--cp_mode", "ring",
+                             "--checkpointing_steps", "5")))  # fmt: skip
+    (tmp / "lokr_cp2.log").write_text(cp2.stdout + cp2.stderr)
     resumed = _args(model, tmp, "lokr_resumed", *LOKR, "--resume_from_checkpoint", str(tmp / "lokr_cp2" /
                     "checkpoint-5"))  # fmt: skip
     ok(train(1, *resumed))
@@ -73,6 +74,9 @@ def test_dora_and_lokr_under_cp_train_as_one_process(runs):
     for name in ("dora", "lokr"):
         config = json.loads((runs / f"{name}_cp2" / "run_config.json").read_text())
         assert config["adapter"] == name
+    log = (runs / "lokr_cp2.log").read_text()
+    assert "--adapter lokr: peft's LoKr (a Kronecker product of two factors) on --lora_layers, rank 4, alpha 8" in log
+    assert "the LoKr (diffusers format)" in log and "Load the LoKr with diffusers" in log
 
 
 def test_a_lokr_checkpoint_resumes_on_another_layout_into_the_same_trajectory(runs):
