@@ -1,7 +1,8 @@
 """The LoRA file in diffusers' format (`--lora_format diffusers`, the default) and its metadata; other layouts are
 a family's (FLUX.1's kohya / BFL layout: flux_cp/families/flux1/kohya.py).
 
-Keys `transformer.<module>.lora_A/lora_B.weight`, as `FluxPipeline.save_lora_weights` writes, and the LoRA's scale
+Keys `transformer.<module>.lora_A/lora_B.weight` (a DoRA's also `lora_magnitude_vector`; a LoKr's file is
+flux_cp.adapters'), as `FluxPipeline.save_lora_weights` writes, and the LoRA's scale
 `alpha / rank` as the family's loaders read it (`Family.lora_alpha_keys`): `transformer.<module>.alpha` keys when
 `--lora_alpha` differs from `--rank` (diffusers and ComfyUI both read these keys for FLUX.1; without them both would
 apply the LoRA at scale 1), or, for a family whose loader refuses alpha keys (FLUX.2's `Flux2Pipeline`; ComfyUI reads

@@ -12,6 +12,8 @@ The peak is at the start of the backward: everything kept, plus the temporaries 
 (`block_peak_units`). Those two are fitted to one measured peak each (FLUX.1-dev, LoRA, one H200); the other
 measured peaks check the whole estimate (tests/test_plan.py). The constants and those peaks, with their sources,
 are in plan_data.json beside this module.
+With --adapter dora or lokr each block also keeps what its adapter keeps beyond LoRA (`adapter_keeps`; LoKr's
+update weights, flux_cp.adapters.kept_bytes), with one layer's transient on top.
 The optimizer step has a peak of its own: torch's multi-tensor AdamW holds sqrt(v) for all of a rank's
 trainable parameters at once (fp32), after the activations are freed; it decides full fine-tuning's peak.
 
