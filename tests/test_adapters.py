@@ -279,18 +279,19 @@ def test_the_planner_s_counts_at_flux1_dev_size():
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_adapter_keeps_are_what_autograd_keeps_beyond_lora(family):
-    """plan_data.json's `adapter_keeps`: the units a block keeps with DoRA or LoKr on the family's default layers,
-    less those it keeps with LoRA (tests/saved_activations.py, eager, bf16 autocast as the trainer runs)."""
+    """plan_data.json's `adapter_keeps`: the units a block keeps with DoRA or LoKr on the family's default layers
+    (tests/saved_activations.py, eager, bf16 autocast as the trainer runs) less LoRA's (`block_keeps`, recounted by
+    tests/test_plan.py; both rounded to 0.1)."""
     from flux_cp import plan
     from flux_cp.families.flux1 import DEFAULT_TARGETS
     from tests.saved_activations import eager_units, flux2_targets
 
     targets = DEFAULT_TARGETS if family == "flux1" else flux2_targets(2)
-    keeps = plan.ADAPTER_KEEPS["FluxTransformer2DModel" if family == "flux1" else "Flux2Transformer2DModel"]
-    lora = eager_units(family, targets)
+    name = "FluxTransformer2DModel" if family == "flux1" else "Flux2Transformer2DModel"
+    keeps, lora = plan.ADAPTER_KEEPS[name], plan.BLOCK_KEEPS[name]["eager"]
     for adapter in ("dora", "lokr"):
         for kind, units in eager_units(family, targets, adapter).items():
-            assert abs(units - lora[kind] - keeps[adapter][kind]) < 0.1, (adapter, kind, units - lora[kind])
+            assert abs(units - lora[kind] - keeps[adapter][kind]) < 0.15, (adapter, kind, units - lora[kind])
     assert min(keeps["dora"].values()) > 5, "DoRA keeps its layers' outputs: the check would be blind"
 
 
