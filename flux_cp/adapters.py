@@ -56,8 +56,14 @@ def peft_config(adapter: str, rank: int, alpha: float, dropout: float, targets: 
         return LoKrConfig(r=rank, alpha=alpha, target_modules=targets)
     from peft import LoraConfig as PeftLoraConfig
 
-    return PeftLoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, init_lora_weights="gaussian",
-                          target_modules=targets, use_dora=adapter == "dora")  # fmt: skip
+    return PeftLoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        lora_dropout=dropout,
+        init_lora_weights="gaussian",
+        target_modules=targets,
+        use_dora=adapter == "dora",
+    )
 
 
 def is_adapter_parameter(name: str) -> bool:
@@ -72,8 +78,9 @@ def check(lora: LoraConfig, base_precision: str) -> None:
         return
     name, what = f"--adapter {adapter}", label(adapter)
     if lora.full_finetune:
-        raise UsageError(f"{name} trains {what} adapters; --full_finetune trains every weight and no adapter: drop one "
-                         "of the two")  # fmt: skip
+        raise UsageError(
+            f"{name} trains {what} adapters; --full_finetune trains every weight and no adapter: drop one of the two"
+        )
     if lora.train_text_encoder:
         raise UsageError(
             f"{name} with --train_text_encoder: the text encoder's adapter is a LoRA only (as in diffusers' examples); "
@@ -191,8 +198,9 @@ def adapted_layers(family, config: dict, targets: list[str]) -> tuple[tuple[tupl
             for name, m in model.named_modules()
             if isinstance(m, torch.nn.Linear) and any(name == t or name.endswith("." + t) for t in targets)
         }
-        blocks = [tuple(adapted.pop(id(m)) for m in block.modules() if id(m) in adapted) for _, block in
-                  family.blocks(model)]  # fmt: skip
+        blocks = [
+            tuple(adapted.pop(id(m)) for m in block.modules() if id(m) in adapted) for _, block in family.blocks(model)
+        ]
         _LAYERS[key] = (*blocks, tuple(adapted.values()))
     return _LAYERS[key]
 

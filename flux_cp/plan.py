@@ -155,8 +155,9 @@ def frozen_base(family: Family, config: dict, precision: str, dtype_bytes: int =
     return _BASES[key]
 
 
-def count_parameters(config: dict, lora_rank: int | None, lora_layers: list[str], adapter: str = "lora"
-                     ) -> tuple[int, int, int]:  # fmt: skip
+def count_parameters(
+    config: dict, lora_rank: int | None, lora_layers: list[str], adapter: str = "lora"
+) -> tuple[int, int, int]:
     """(all base parameters, trainable parameters, parameters of the largest block), exact, on the meta device."""
     c = for_transformer(config).count_parameters(config, lora_rank, lora_layers, adapter)
     return c.base, c.trainable, c.largest_block

@@ -72,14 +72,18 @@ def _inputs(family: str) -> dict:
                 txt_ids=torch.zeros(TEXT, 4, dtype=torch.long))  # fmt: skip
 
 
-def _prepared(family: str, targets: tuple[str, ...], double: int, single: int, adapter: str = "lora"
-              ) -> torch.nn.Module:  # fmt: skip
+def _prepared(
+    family: str, targets: tuple[str, ...], double: int, single: int, adapter: str = "lora"
+) -> torch.nn.Module:
     from flux_cp.adapters import peft_config
 
     model = _model(family, double, single).to(torch.bfloat16)
     model.requires_grad_(False)
-    model.add_adapter(LoraConfig(r=2, target_modules=list(targets)) if adapter == "lora" else
-                      peft_config(adapter, 2, 2, 0.0, list(targets)))  # fmt: skip
+    model.add_adapter(
+        LoraConfig(r=2, target_modules=list(targets))
+        if adapter == "lora"
+        else peft_config(adapter, 2, 2, 0.0, list(targets))
+    )
     cp.apply_context_parallel(model, None)
     for p in model.parameters():
         if p.requires_grad:
@@ -112,15 +116,14 @@ def eager_units(family: str, targets: tuple[str, ...], adapter: str = "lora") ->
     return {"double": saved(2, 1) - base, "single": saved(1, 2) - base}
 
 
-def compiled_units(family: str, targets: tuple[str, ...], checkpointed: bool = False, adapter: str = "lora"
-                   ) -> dict[str, float]:  # fmt: skip
+def compiled_units(family: str, targets: tuple[str, ...], checkpointed: bool = False) -> dict[str, float]:
     """{block kind: units a compiled block of that kind passes from its forward to its backward graph}, with the
     partitioner Inductor uses; `checkpointed`: the block checkpointed inside its graph (flux_cp.blocks)."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-    model = _prepared(family, targets, 1, 1, adapter)
+    model = _prepared(family, targets, 1, 1)
     saved: list[float] = []  # one per backward graph, compiled in the order the backward runs: single, then double
 
     def backward_compiler(gm, _inputs):

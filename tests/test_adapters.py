@@ -137,7 +137,10 @@ def test_lora_files_and_their_keys_are_unchanged_by_the_adapter_machinery(tmp_pa
     assert cfg.lora.adapter == "lora"
     sd = _saved(model, cfg, _trained(model, cfg), tmp_path)
     assert {k.rsplit(".", 1)[1] if k.endswith(".alpha") else k.rsplit(".", 2)[1] for k in sd} == {
-        "lora_A", "lora_B", "alpha"}  # fmt: skip
+        "lora_A",
+        "lora_B",
+        "alpha",
+    }
 
 
 # --- flags ----------------------------------------------------------------------------------------------------
@@ -343,8 +346,9 @@ def test_the_planner_adds_what_each_adapter_keeps():
     dev, layers = dict(FLUX1_DEV_TRANSFORMER), list(DEFAULT_TARGETS)
 
     def activations(adapter: str, n: int) -> float:
-        return plan.estimate(dev, tokens=4608, batch=1, lora_rank=16, lora_layers=layers, world=1, cp=1,
-                             checkpointed=n, adapter=adapter).activations  # fmt: skip
+        return plan.estimate(
+            dev, tokens=4608, batch=1, lora_rank=16, lora_layers=layers, world=1, cp=1, checkpointed=n, adapter=adapter
+        ).activations
 
     shapes = adapters.adapted_layers(FLUX1, dev, layers)
     assert len(shapes) == 58 and shapes[-1] == () and all(shapes[:57])  # 57 blocks, nothing adapted outside them
@@ -352,7 +356,8 @@ def test_the_planner_adds_what_each_adapter_keeps():
     transient = {a: adapters.transient_bytes(a, sum(shapes, ()), 2) for a in ("dora", "lokr")}
     assert transient["dora"] == 12288**2 * 6 + 2 * 12288 * 3072 * 2  # ff.net.2's identity, fp32 and bf16
     assert activations("dora", 0) - activations("lora", 0) == pytest.approx(
-        unit * (19 * extra["double"] + 38 * extra["single"]) + transient["dora"])  # fmt: skip
+        unit * (19 * extra["double"] + 38 * extra["single"]) + transient["dora"]
+    )
     assert activations("dora", 57) - activations("lora", 57) == pytest.approx(
         unit * extra["single"] + transient["dora"]
     )

@@ -40,8 +40,20 @@ def model(tmp_path_factory) -> Path:
 
 
 def _args(model: Path, tmp: Path, name: str, *extra: str) -> list[str]:
-    return run_args(tmp, name, STEPS, "--pretrained_model_name_or_path", str(model), "--resolution", "64",
-                    "--max_sequence_length", "32", "--seed", "3", *extra)  # fmt: skip
+    return run_args(
+        tmp,
+        name,
+        STEPS,
+        "--pretrained_model_name_or_path",
+        str(model),
+        "--resolution",
+        "64",
+        "--max_sequence_length",
+        "32",
+        "--seed",
+        "3",
+        *extra,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -52,11 +64,16 @@ def runs(tmp_path_factory, model) -> Path:
     ok(train(1, *_args(model, tmp, "dora_one", *DORA)))
     ok(train(2, *_args(model, tmp, "dora_cp2", *DORA, "--cp_size", "2", "--cp_mode", "ulysses")))
     ok(train(1, *_args(model, tmp, "lokr_one", *LOKR)))
-    cp2 = ok(train(2, *_args(model, tmp, "lokr_cp2", *LOKR, "--cp_size", "2", "--cp_mode", "ring",
-                             "--checkpointing_steps", "5")))  # fmt: skip
+    cp2 = ok(
+        train(
+            2,
+            *_args(model, tmp, "lokr_cp2", *LOKR, "--cp_size", "2", "--cp_mode", "ring", "--checkpointing_steps", "5"),
+        )
+    )
     (tmp / "lokr_cp2.log").write_text(cp2.stdout + cp2.stderr)
-    resumed = _args(model, tmp, "lokr_resumed", *LOKR, "--resume_from_checkpoint", str(tmp / "lokr_cp2" /
-                    "checkpoint-5"))  # fmt: skip
+    resumed = _args(
+        model, tmp, "lokr_resumed", *LOKR, "--resume_from_checkpoint", str(tmp / "lokr_cp2" / "checkpoint-5")
+    )
     ok(train(1, *resumed))
     return tmp
 
@@ -90,8 +107,21 @@ def test_a_resume_with_another_adapter_is_refused(runs, model, tmp_path):
     """The LoKr run's last checkpoint resumed as a LoRA: refused naming the adapter, the folder left as it was."""
     out = runs / "lokr_resumed"
     before = sorted(p.name for p in out.iterdir())
-    args = _args(model, runs, "lokr_resumed", "--rank", "4", "--lora_alpha", "8", "--learning_rate", "1e-3",
-                 "--resume_from_checkpoint", "latest", "--max_train_steps", "12")  # fmt: skip
+    args = _args(
+        model,
+        runs,
+        "lokr_resumed",
+        "--rank",
+        "4",
+        "--lora_alpha",
+        "8",
+        "--learning_rate",
+        "1e-3",
+        "--resume_from_checkpoint",
+        "latest",
+        "--max_train_steps",
+        "12",
+    )
     code, stderr = in_process(args)
     assert code != 0
     assert "incompatible run (adapter: checkpoint 'lokr', now 'lora')" in stderr, stderr[-2000:]

@@ -262,8 +262,9 @@ class Family(ABC):
         """(kind, block) of every block of `transformer`, in the order they run."""
         return [(kind, block) for kind, name, _ in self.block_lists for block in getattr(transformer, name)]
 
-    def count_parameters(self, config: dict, lora_rank: int | None, lora_layers: list[str], adapter: str = "lora"
-                         ) -> ParameterCounts:  # fmt: skip
+    def count_parameters(
+        self, config: dict, lora_rank: int | None, lora_layers: list[str], adapter: str = "lora"
+    ) -> ParameterCounts:
         """Exact counts from the transformer's config, on the meta device (nothing allocated or loaded). `adapter`:
         --adapter's kind (LoRA, DoRA or LoKr) at `lora_rank` (None: full fine-tuning)."""
         return _count(self, json.dumps(config, sort_keys=True), lora_rank, tuple(lora_layers), adapter)
@@ -283,8 +284,9 @@ class Family(ABC):
 _COUNTS: dict[tuple, ParameterCounts] = {}
 
 
-def _count(family: Family, config: str, lora_rank: int | None, lora_layers: tuple[str, ...], adapter: str = "lora"
-           ) -> ParameterCounts:  # fmt: skip
+def _count(
+    family: Family, config: str, lora_rank: int | None, lora_layers: tuple[str, ...], adapter: str = "lora"
+) -> ParameterCounts:
     key = (family.name, config, lora_rank, lora_layers, adapter)
     if key in _COUNTS:  # --plan asks for every CP size; building the model is the slow part
         return _COUNTS[key]
