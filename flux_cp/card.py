@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import files
+from . import adapters, files
 from .config import is_hub_id
 from .families import FLUX1, known_model
 from .optim import describe as describe_optimizer
@@ -84,7 +84,7 @@ def snippet(
         lines.append(f"pipe = {pipeline}.from_pretrained({load_base}, transformer=transformer, dtype=dtype)")
     else:
         lines.append(f"pipe = {pipeline}.from_pretrained({load_base}, dtype=dtype)")
-        lines.append(f"pipe.load_lora_weights({source!r}, weight_name={LORA_FILE!r})")
+        lines.append(adapters.load_line(cfg.lora.adapter, source, LORA_FILE))  # LoKr: the transformer's loader
     lines.append("pipe.to(device)")
     size = cfg.data.largest_resolution  # the size it was trained at (the pipelines' own default is 1024)
     args = f"{prompt!r}, height={size}, width={size}, num_inference_steps={cfg.validation.validation_inference_steps}"
@@ -124,6 +124,8 @@ def _comfyui(cfg: Config, base_name: str, family: Family) -> str | None:
         return None
     if cfg.lora.full_finetune:
         return family.comfyui_transformer
+    if cfg.lora.adapter != "lora":  # DoRA, LoKr: what ComfyUI makes of their keys
+        return adapters.comfyui(cfg.lora.adapter, family.comfyui_mapping)
     layout = (
         "kohya's / BFL's key names (`lora_unet_...`)"
         if cfg.lora.lora_format == "kohya"
@@ -174,7 +176,8 @@ def write_model_card(
     label = family.pairs_label if kontext else family.label
     base_name = known.model_id.split("/")[-1] if known else markdown(base or family.label)
     full = cfg.lora.full_finetune
-    kind = "full fine-tune" if full else "LoRA"
+    adapter = adapters.label(cfg.lora.adapter)  # LoRA, DoRA or LoKr
+    kind = "full fine-tune" if full else adapter
     name = repo_id or out.resolve().name
     source = repo_id or str(output_dir)
     steps = steps if steps is not None else _steps(out)
@@ -186,7 +189,8 @@ def write_model_card(
         caption = "; ".join(prompts) if prompts else " "
         widget.append({"text": caption, "output": {"url": grids[-1].relative_to(out).as_posix()}})
     tags = ["text-to-image", "diffusers-training", "diffusers", *(["lora", "template:sd-lora"] if not full else []),
-            *family.card_tags_for(kontext), "flux-cp"]  # fmt: skip
+            *([cfg.lora.adapter] if cfg.lora.adapter != "lora" else []), *family.card_tags_for(kontext),
+            "flux-cp"]  # fmt: skip
     data = ModelCardData(
         base_model=hub_base,
         library_name="diffusers",
@@ -203,7 +207,11 @@ def write_model_card(
         "Flux built locally (flux-cp's embedded default, for the demo)")
     )  # fmt: skip
     lora = cfg.lora
-    what = "a transformer fine-tuned from" if full else f"LoRA weights (rank {lora.rank}, alpha {lora.lora_alpha}) for"
+    what = (
+        "a transformer fine-tuned from"
+        if full
+        else f"{adapter} weights (rank {lora.rank}, alpha {lora.lora_alpha}) for"
+    )
     body = [
         f"# {label} {kind} - {markdown(name)}",
         "",
@@ -234,7 +242,7 @@ def write_model_card(
         ("learning rate", f"{cfg.train.learning_rate:g} ({cfg.train.lr_scheduler}, {cfg.train.lr_warmup_steps} warmup "
                           "steps)"),
         ("optimizer", describe_optimizer(cfg.train)),
-        ("training", "full fine-tuning" if full else f"LoRA rank {cfg.lora.rank}, alpha {cfg.lora.lora_alpha}, "
+        ("training", "full fine-tuning" if full else f"{adapter} rank {cfg.lora.rank}, alpha {cfg.lora.lora_alpha}, "
                      f"dropout {cfg.lora.lora_dropout:g}, layers {markdown(', '.join(cfg.lora.lora_layers))}"),
         ("mixed precision", cfg.train.mixed_precision or "accelerate's config"),
         ("context parallelism", cp + (f"; {layout}" if layout else "")),
@@ -250,6 +258,8 @@ def write_model_card(
         rows.append(("prior preservation", f"{prior}, prior loss weight {options.prior_loss_weight:g}"))
     if not full:
         rows.append(("LoRA file", f"`{LORA_FILE}`, {cfg.lora.lora_format} format"))
+        if adapters.description(cfg.lora.adapter):
+            rows.append(("adapter", adapters.description(cfg.lora.adapter)))
     body += [f"| {_cell(k)} | {_cell(v)} |" for k, v in rows] + [""]
     if grids:
         body += ["## Validation images", ""]

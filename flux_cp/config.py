@@ -26,7 +26,7 @@ from typing import Any
 from cp.context import OVERLAPS, Tuning
 from cp.kernels import DEFAULT_PREFERENCE, KERNELS
 
-from . import config_file, hub
+from . import adapters, config_file, hub
 from .checkpoint import saved_run
 from .errors import UsageError
 from .flag_ranges import check_ranges, given_flags, unused_flags
@@ -39,6 +39,7 @@ OPTIMIZERS = ("adamw", "prodigy")
 LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup")
 WEIGHTING_SCHEMES = ("none", "sigma_sqrt", "logit_normal", "mode", "cosmap")  # diffusers' examples' (flux_cp.flow)
 LORA_FORMATS = ("diffusers", "kohya")  # flux_cp.lora_format
+ADAPTERS = ("lora", "dora", "lokr")  # flux_cp.adapters
 
 
 def flag(
@@ -283,6 +284,14 @@ class LoraConfig:
         "model family: FLUX.1 the attention projections and MLPs of both streams (Kontext pairs add proj_mlp); "
         "FLUX.2 to_k,to_q,to_v,to_out.0,to_qkv_mlp_proj and every single block's attn.to_out.",
         parse=_comma_list,
+    )
+    adapter: str = flag(
+        "lora",
+        "The adapter trained on --lora_layers, through peft: lora; dora (LoRA with a trained magnitude per output "
+        "feature: --use_dora of diffusers' and SimpleTuner's scripts, LyCORIS' dora_wd); lokr (a Kronecker product: "
+        "LyCORIS' algo=lokr in kohya's and SimpleTuner's scripts, ai-toolkit's network type lokr). --rank and "
+        "--lora_alpha apply to each.",
+        choices=ADAPTERS,
     )
     lora_format: str = flag(
         "diffusers",
@@ -867,6 +876,7 @@ class Config:
             raise UsageError(
                 "--network_weights and --seed_checkpoint both set the initial LoRA weights: give one of the two"
             )
+        adapters.check(self.lora, self.model.base_precision)
         if not self.plan.plan:  # the planner loads nothing and runs on any machine
             check_installed(self.model.base_precision)
         if self.hub.push_to_hub:  # what would fail the upload at the end whatever the run does

@@ -64,7 +64,7 @@ def run_sizes(cfg: Config, family: Family, config: dict, model_dtype: torch.dtyp
     """`sizes` of a run with these flags, of a transformer of `config` of the model `family`: the trainer's disk
     checks and `--plan` alike."""
     lora = None if cfg.lora.full_finetune else cfg.lora.rank
-    counts = family.count_parameters(config, lora, list(cfg.lora.lora_layers))
+    counts = family.count_parameters(config, lora, list(cfg.lora.lora_layers), cfg.lora.adapter)
     return sizes(counts, cfg.lora.full_finetune, not cfg.checkpoints.checkpoint_weights_only, model_dtype, world,
                  optimizer_name(cfg.train))  # fmt: skip
 

@@ -189,7 +189,7 @@ _USED_ONLY = (
       "validation_image"), lambda v: bool(v.get("validation_prompt")), "without --validation_prompt"),
     (("ulysses_size",), lambda v: (v.get("cp_size") or 1) > 1,
      "at --cp_size 1 (one rank holds the whole sequence: no CP exchange runs, run_config.json records ring)"),
-    (("rank", "lora_alpha", "lora_dropout", "lora_layers"), lambda v: not v.get("full_finetune"),
+    (("rank", "lora_alpha", "lora_dropout", "lora_layers", "adapter"), lambda v: not v.get("full_finetune"),
      "with --full_finetune (it trains all weights, no LoRA)"),
     (("logit_mean", "logit_std"), lambda v: v.get("weighting_scheme") == "logit_normal",
      "without --weighting_scheme logit_normal"),

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from safetensors.torch import save_file
 
-from . import files
+from . import adapters, files
 from .errors import UsageError
 from .lora_format import Origin, adapter_metadata, metadata, scaled
 
@@ -36,15 +36,11 @@ def check_targets(transformer: torch.nn.Module, targets: list[str]) -> None:
 
 
 def add_lora(transformer: torch.nn.Module, lora: LoraConfig, seed: int) -> None:
-    """peft LoRA adapters; initialised from `seed` alone, so every layout starts from the same weights."""
-    from peft import LoraConfig as PeftLoraConfig  # peft at first use (its import takes seconds)
-
+    """peft adapters of `--adapter` (LoRA, DoRA or LoKr: flux_cp.adapters); initialised from `seed` alone, so every
+    layout starts from the same weights."""
     targets = list(lora.lora_layers)
     check_targets(transformer, targets)
-    config = PeftLoraConfig(
-        r=lora.rank, lora_alpha=lora.lora_alpha, lora_dropout=lora.lora_dropout, init_lora_weights="gaussian",
-        target_modules=targets,
-    )  # fmt: skip
+    config = adapters.peft_config(lora.adapter, lora.rank, lora.lora_alpha, lora.lora_dropout, targets)  # --adapter's
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         transformer.add_adapter(config)
@@ -69,7 +65,10 @@ def save_lora(
     weights = get_peft_model_state_dict(transformer, state_dict=state)
     weights = {f"transformer.{k}": v.detach().contiguous().cpu() for k, v in weights.items()}
     guidance = bool(dict(getattr(transformer, "config", {})).get("guidance_embeds"))
-    if lora.lora_format == "diffusers":
+    if lora.lora_format == "diffusers" and lora.adapter == "lokr":  # its own keys, scale 1 (flux_cp.adapters)
+        weights = adapters.lokr_weights(weights, lora.rank, lora.lora_alpha)
+        header = metadata(rank=lora.rank, alpha=lora.lora_alpha, adapter=None, origin=origin)
+    elif lora.lora_format == "diffusers":
         keys = family.lora_alpha_keys
         weights = scaled(weights, lora.rank, lora.lora_alpha, keys)
         peft_config = getattr(transformer, "peft_config", {}).get("default")

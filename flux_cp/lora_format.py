@@ -1,7 +1,8 @@
 """The LoRA file in diffusers' format (`--lora_format diffusers`, the default) and its metadata; other layouts are
 a family's (FLUX.1's kohya / BFL layout: flux_cp/families/flux1/kohya.py).
 
-Keys `transformer.<module>.lora_A/lora_B.weight`, as `FluxPipeline.save_lora_weights` writes, and the LoRA's scale
+Keys `transformer.<module>.lora_A/lora_B.weight` (a DoRA's also `lora_magnitude_vector`; a LoKr's file is
+flux_cp.adapters'), as `FluxPipeline.save_lora_weights` writes, and the LoRA's scale
 `alpha / rank` as the family's loaders read it (`Family.lora_alpha_keys`): `transformer.<module>.alpha` keys when
 `--lora_alpha` differs from `--rank` (diffusers and ComfyUI both read these keys for FLUX.1; without them both would
 apply the LoRA at scale 1), or, for a family whose loader refuses alpha keys (FLUX.2's `Flux2Pipeline`; ComfyUI reads
@@ -29,19 +30,20 @@ Tensor = torch.Tensor
 
 # diffusers.loaders.lora_base.LORA_ADAPTER_METADATA_KEY: where load_lora_weights looks for the adapter's config.
 LORA_ADAPTER_METADATA_KEY = "lora_adapter_metadata"
-_KEY = re.compile(r"^transformer\.(.+)\.lora_([AB])\.weight$")
+_PARTS = r"(?:lora_([AB])\.weight|lora_(magnitude)_vector)"  # DoRA's magnitude: `lora_magnitude_vector`
 
 
 def lora_modules_of(state: dict[str, Tensor], prefix: str = "transformer") -> dict[str, dict[str, Tensor]]:
     """{diffusers module: {"A": lora_A, "B": lora_B}} of a diffusers-format Flux LoRA state dict (of the component
-    `prefix`: the transformer, or the text encoder trained with --train_text_encoder)."""
-    pattern = _KEY if prefix == "transformer" else re.compile(rf"^{re.escape(prefix)}\.(.+)\.lora_([AB])\.weight$")
+    `prefix`: the transformer, or the text encoder trained with --train_text_encoder); a DoRA's modules also hold
+    "magnitude" (`lora_magnitude_vector`)."""
+    pattern = re.compile(rf"^{re.escape(prefix)}\.(.+)\.{_PARTS}$")
     out: dict[str, dict[str, Tensor]] = {}
     for key, value in state.items():
         m = pattern.match(key)
         if not m:
             raise ValueError(f"not a diffusers Flux LoRA key: {key!r} (expected {prefix}.<module>.lora_A/B.weight)")
-        out.setdefault(m.group(1), {})[m.group(2)] = value
+        out.setdefault(m.group(1), {})[m.group(2) or m.group(3)] = value
     return out
 
 

@@ -12,6 +12,8 @@ The peak is at the start of the backward: everything kept, plus the temporaries 
 (`block_peak_units`). Those two are fitted to one measured peak each (FLUX.1-dev, LoRA, one H200); the other
 measured peaks check the whole estimate (tests/test_plan.py). The constants and those peaks, with their sources,
 are in plan_data.json beside this module.
+With --adapter dora or lokr each block also keeps what its adapter keeps beyond LoRA (`adapter_keeps`; LoKr's
+update weights, flux_cp.adapters.kept_bytes), with one layer's transient on top.
 The optimizer step has a peak of its own: torch's multi-tensor AdamW holds sqrt(v) for all of a rank's
 trainable parameters at once (fp32), after the activations are freed; it decides full fine-tuning's peak.
 
@@ -43,7 +45,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import diskspace, encoding_memory
+from . import adapters, diskspace, encoding_memory
 from .blocks import attention_recomputed, checkpointed_blocks, more_blocks_than_there_are
 from .errors import UsageError
 from .families import for_transformer
@@ -64,6 +66,7 @@ DATA = json.loads((Path(__file__).parent / "plan_data.json").read_text())  # its
 BLOCK_PEAK_UNITS: float = DATA["block_peak_units"]
 BACKWARD_START_UNITS: float = DATA["backward_start_units"]
 BLOCK_KEEPS: dict[str, dict[str, dict[str, float]]] = DATA["block_keeps"]
+ADAPTER_KEEPS: dict[str, dict[str, dict[str, float]]] = DATA["adapter_keeps"]
 FSDP_GATHERED_BLOCKS: int = DATA["fsdp_gathered_blocks"]
 SAVED_ATTENTION_UNITS: dict[str, float] = DATA["saved_attention_units"]
 DEQUANTIZED_KEPT: dict[str, float] = DATA["dequantized_weights_kept"]
@@ -152,22 +155,29 @@ def frozen_base(family: Family, config: dict, precision: str, dtype_bytes: int =
     return _BASES[key]
 
 
-def count_parameters(config: dict, lora_rank: int | None, lora_layers: list[str]) -> tuple[int, int, int]:
+def count_parameters(
+    config: dict, lora_rank: int | None, lora_layers: list[str], adapter: str = "lora"
+) -> tuple[int, int, int]:
     """(all base parameters, trainable parameters, parameters of the largest block), exact, on the meta device."""
-    c = for_transformer(config).count_parameters(config, lora_rank, lora_layers)
+    c = for_transformer(config).count_parameters(config, lora_rank, lora_layers, adapter)
     return c.base, c.trainable, c.largest_block
 
 
-def block_keeps(family: Family, compiled: bool) -> dict[str, float]:
+def block_keeps(family: Family, compiled: bool, adapter: str = "lora") -> dict[str, float]:
     """Units each block kind of `family` keeps for its backward without checkpointing (plan_data.json, by transformer
-    class). A family without measured counts gets the most that any measured block keeps, for every kind of its
-    blocks: an estimate on the safe side (`unmeasured` says so)."""
+    class), with `adapter` (--adapter) what its layers keep beyond LoRA's (`adapter_keeps`, counted eager, taken for
+    compiled blocks too). A family without measured counts gets the most that any measured block keeps, for every
+    kind of its blocks: an estimate on the safe side (`unmeasured` says so)."""
     how = "compiled" if compiled else "eager"
     keeps = BLOCK_KEEPS.get(family.transformer_class_name)
+    extra = ADAPTER_KEEPS.get(family.transformer_class_name, {}).get(adapter)
+    if extra is None:
+        most = max((u for measured in ADAPTER_KEEPS.values() for u in measured.get(adapter, {}).values()), default=0)
+        extra = {kind: most for kind, _, _ in family.block_lists}
     if keeps is None:
         most = max(units for measured in BLOCK_KEEPS.values() for units in measured[how].values())
-        return {kind: most for kind, _, _ in family.block_lists}
-    return keeps[how]
+        return {kind: most + extra[kind] for kind, _, _ in family.block_lists}
+    return {kind: units + extra[kind] for kind, units in keeps[how].items()}
 
 
 def unmeasured(family: Family) -> str | None:
@@ -224,6 +234,7 @@ def estimate(
     precision: str = "bf16",
     offloaded: int = 0,
     text_tokens: int = 512,
+    adapter: str = "lora",
 ) -> Estimate:
     """Bytes per GPU. `tokens` per sample (image + text); FSDP (default: world > 1) shards weights, gradients
     and optimizer state over all `world` ranks; each rank holds tokens / cp of each of its `batch` samples.
@@ -232,13 +243,13 @@ def estimate(
     attention (`saved_attention_units`). `family`: default the one the config names. `optimizer`: whose state
     (flux_cp.optim.state_bytes; AdamW by default). `precision`: the frozen base's (--base_precision, LoRA);
     `offloaded`: blocks offloaded (--offload_blocks, LoRA without FSDP); `text_tokens` of the `tokens`, for the
-    FLOPs of the speed model."""
+    FLOPs of the speed model; `adapter`: --adapter's kind (its trainable parameters)."""
     family = family or for_transformer(config)
-    counts = family.count_parameters(config, lora_rank, lora_layers)
+    counts = family.count_parameters(config, lora_rank, lora_layers, adapter)
     trainable, block = counts.trainable, counts.largest_block
     fsdp = world > 1 if fsdp is None else fsdp
     shard = world if fsdp else 1
-    kinds, keeps = family.block_kinds(config), block_keeps(family, compiled)
+    kinds, keeps = family.block_kinds(config), block_keeps(family, compiled, adapter if lora_rank else "lora")
     blocks = sum(n for _, n in kinds)
     frozen = frozen_base(family, config, precision, weight_bytes) if lora_rank is not None else None
     offload = plan_offload(frozen.kinds, frozen.blocks, offloaded) if frozen and offloaded and not fsdp else None
@@ -255,13 +266,22 @@ def estimate(
         checkpointed = blocks if checkpointing else 0
     from_end = checkpoint_from_end(kinds, keeps)
     kept = DEQUANTIZED_KEPT[precision] * weight_bytes if frozen else 0
+    # --adapter's weight-sized memory (flux_cp.adapters): what each block keeps (LoKr's update weights), what the
+    # layers outside the blocks keep, and one layer's moment in its forward
+    layers = adapters.adapted_layers(family, config, lora_layers) if lora_rank and adapter != "lora" else ((),)
+    adapter_kept = [adapters.kept_bytes(adapter, b, weight_bytes) for b in layers]
+    adapter_fixed = adapter_kept.pop() + adapters.transient_bytes(adapter, sum(layers, ()), weight_bytes)
+    # block_peak_units (a block's recomputation) is LoRA's: a recomputed block keeps its adapter's units on top
+    recomputed = keeps[kinds[-1][0]] - block_keeps(family, compiled)[kinds[-1][0]]
 
     def activations(n: int) -> float:
-        held = unit * activation_units(kinds, keeps, n, saved_attention)
+        held = unit * activation_units(kinds, keeps, n, saved_attention) + adapter_fixed
+        chosen = checkpointed_indices(blocks, n, from_end)
         if kept:  # torchao's blocks keep their weights dequantized; a checkpointed one while it is recomputed
-            chosen = checkpointed_indices(blocks, n, from_end)
             held += kept * sum(q for i, q in enumerate(frozen.quantized) if i not in chosen or i == blocks - 1)
-        return held
+        if any(adapter_kept):  # the same rule for what an adapter keeps of its weights
+            held += sum(b for i, b in enumerate(adapter_kept) if i not in chosen or i == blocks - 1)
+        return held + (unit * recomputed if blocks - 1 in chosen else 0)
 
     n = min(checkpointed, blocks)
     speed = step_seconds(family, config, tokens=tokens, text_tokens=text_tokens, batch=batch, cp=cp,
@@ -408,7 +428,7 @@ def run_estimate(cfg: Config, shape: RunShape) -> Callable[..., Estimate]:
                         weight_bytes=4 if train.mixed_precision == "no" else 2, fsdp=shape.sharded and shape.world > 1,
                         saved_attention=saved_attention_units(train, shape.cp_mode, shape.cp), family=shape.family,
                         optimizer=optimizer_name(train), precision=precision, offloaded=o,
-                        text_tokens=shape.text_tokens)  # fmt: skip
+                        text_tokens=shape.text_tokens, adapter=cfg.lora.adapter)  # fmt: skip
 
     return estimate_with
 
@@ -563,6 +583,7 @@ def print_plan(cfg: Config) -> None:
     tokens, references = shape.largest_sequence, shape.images_per_sample - 1
     batch = cfg.train.train_batch_size * cfg.data.samples_per_slot  # prior preservation: a class image per sample
     lora = None if cfg.lora.full_finetune else cfg.lora.rank
+    trained = "full fine-tuning" if lora is None else f"{adapters.label(cfg.lora.adapter)} r{lora}"
     gpu = cfg.plan.gpu_memory_gib or (
         torch.cuda.get_device_properties(0).total_memory / GIB if torch.cuda.is_available() else 141.0
     )
@@ -573,7 +594,7 @@ def print_plan(cfg: Config) -> None:
         f"plan: {shape.config_source}, {cfg.data.largest_resolution} px{' Kontext pairs' if references == 1 else ''}"
         f"{f' with {references} references' if references > 1 else ''} ({tokens} tokens/sample), "
         f"batch {batch}/rank, "
-        f"{'full fine-tuning' if lora is None else f'LoRA r{lora}'}, {world} process(es), GPU {gpu:.0f} GiB, "
+        f"{trained}, {world} process(es), GPU {gpu:.0f} GiB, "
         + ("weights sharded over all GPUs (FSDP2)" if shape.sharded else "weights whole on every GPU (DDP)")
         + (", blocks compiled" if compiled else ", blocks eager")
         + (f", base {precision}" if lora is not None else "")

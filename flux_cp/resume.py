@@ -245,7 +245,7 @@ def run_identity(
         "model": str(cfg.model.pretrained_model_name_or_path or "embedded-tiny"),
         "transformer_init": cfg.model.transformer_init, "full_finetune": cfg.lora.full_finetune,
         "rank": lora and lora.rank, "lora_alpha": lora and lora.lora_alpha,
-        "lora_layers": lora and ",".join(lora.lora_layers),
+        "lora_layers": lora and ",".join(lora.lora_layers), "adapter": cfg.lora.adapter,
         "global_batch": samples_per_step, "data": data if isinstance(data, str) else data.fingerprint,
         "resolution": resolution[0] if len(resolution) == 1 else list(resolution),
         "repeats": cfg.data.repeats, "caption_dropout": cfg.data.caption_dropout,
@@ -299,8 +299,16 @@ def _changed_references(name: str, old: list, new: list) -> list[str]:
 
 
 # Keys added to the run identity later, with the value every checkpoint written before them had.
-_IDENTITY_BEFORE = {"optimizer": "adamw", "repeats": 1, "caption_dropout": 0.0, "prior": None,
-                    "train_text_encoder": False, "use_ema": False, "network_weights": None}  # fmt: skip
+_IDENTITY_BEFORE = {
+    "optimizer": "adamw",
+    "repeats": 1,
+    "caption_dropout": 0.0,
+    "prior": None,
+    "train_text_encoder": False,
+    "use_ema": False,
+    "network_weights": None,
+    "adapter": "lora",
+}
 # Keys added later whose value earlier checkpoints did not know: compared only when the checkpoint has them.
 _IDENTITY_UNKNOWN_BEFORE = ("revision", "variant", "components")
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from . import manifest
+from .adapters import label
 from .card import LORA_FILE, snippet
 from .checkpoint import list_checkpoints
 from .errors import UsageError
@@ -45,7 +46,7 @@ def outputs(cfg: Config, hub_url: str | None = None, tracker_urls: tuple[str, ..
     out = Path(cfg.train.output_dir)
     found: list[tuple[str, str]] = []
     if (out / LORA_FILE).is_file():
-        found.append((LORA_FILE, f"the LoRA ({cfg.lora.lora_format} format)"))
+        found.append((LORA_FILE, f"the {label(cfg.lora.adapter)} ({cfg.lora.lora_format} format)"))
     if (out / "transformer").is_dir():
         found.append(("transformer/", "the fine-tuned transformer (diffusers' format)"))
     for name, what in (("README.md", "model card"), ("README.flux-cp.md", "this run's model card (README.md is yours)"),
@@ -107,7 +108,7 @@ def summary(
     width = max((len(name) for name, _ in found if len(name) <= 40), default=0)
     lines = [f"{head}. Outputs in {out}:"]
     lines += [f"  {name.ljust(width)}  {what}" for name, what in found]
-    what = "transformer" if cfg.lora.full_finetune else "LoRA"
+    what = "transformer" if cfg.lora.full_finetune else label(cfg.lora.adapter)
     code = snippet(cfg, kontext, repo_id or str(out), cfg.model.pretrained_model_name_or_path, pipeline,
                    transformer_class)  # fmt: skip
     written = _card_written(out)

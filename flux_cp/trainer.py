@@ -24,6 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from . import blocks, diskspace, distributed, faults, metrics, optim, outdir, parallel, plan, quiet, resume, run_data
+from .adapters import start_line as adapter_line
 from .batches import Batches
 from .config import Config
 from .data import ImageSource, open_source
@@ -57,8 +58,8 @@ class StepResult:
 
 
 def recipe_lines(cfg: Config) -> list[str]:
-    """What --train_text_encoder and --use_ema change in the run, said at its start."""
-    lines = []
+    """What --adapter, --train_text_encoder and --use_ema change in the run, said at its start."""
+    lines = [line] if (line := adapter_line(cfg.lora)) else []
     if cfg.lora.train_text_encoder:
         lines.append(
             f"--train_text_encoder: a LoRA on CLIP (q_proj, k_proj, v_proj, out_proj; rank {cfg.lora.rank}) at "

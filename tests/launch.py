@@ -148,8 +148,9 @@ def losses(output_dir: str | Path) -> list[float]:
 
 def max_rel_weights(a: str | Path, b: str | Path) -> float:
     """Relative L2 error between two runs' LoRA weights, over all of them and over the B matrices alone (they start
-    at zero, so their norm is the training update itself). Per-element comparison would measure Adam's
-    normalisation of near-zero gradient elements, whose fp32 summation-order noise it scales up to the step size."""
+    at zero, so their norm is the training update itself; a LoKr's w1 likewise). Per-element comparison would measure
+    Adam's normalisation of near-zero gradient elements, whose fp32 summation-order noise it scales up to the step
+    size."""
     import torch
     from safetensors.torch import load_file
 
@@ -159,7 +160,8 @@ def max_rel_weights(a: str | Path, b: str | Path) -> float:
     def flat(w: dict, part: str) -> torch.Tensor:
         return torch.cat([w[k].flatten().double() for k in sorted(w) if part in k])
 
-    return max(((flat(wa, p) - flat(wb, p)).norm() / flat(wb, p).norm()).item() for p in ("", "lora_B"))
+    zero_start = "lora_B" if any("lora_B" in k for k in wb) else "lokr_w1"
+    return max(((flat(wa, p) - flat(wb, p)).norm() / flat(wb, p).norm()).item() for p in ("", zero_start))
 
 
 def assert_same_trajectory(a: Path, b: Path, tol: float = 1e-5) -> None:
@@ -367,6 +369,30 @@ def comfy_convert_lora_leaves(sd: dict) -> bool:
     return not (bfl_control or wan_fun or uso or krea2)
 
 
+# comfy/weight_adapter/lokr.py (Comfy-Org/ComfyUI 2bffe2f4): `LoKrAdapter.load` reads these keys under each prefix of
+# the key map (and `<x>.alpha`); `calculate_weight` builds w1 (or w1_a @ w1_b) and w2 (or w2_a @ w2_b), scales
+# kron(w1, w2) by alpha / dim where an alpha is given and a factor is factored (dim: that factor's rank), else by 1,
+# and adds it to the target (its slice) reshaped to its shape.
+COMFY_LOKR_KEYS = ("lokr_w1", "lokr_w2", "lokr_w1_a", "lokr_w1_b", "lokr_w2_a", "lokr_w2_b", "lokr_t2")
+
+
+def comfy_lokr_diff(lokr: dict, alpha=None):
+    """The weight update ComfyUI's LoKr adapter computes from a module's `lokr_*` tensors (float64)."""
+    import torch
+
+    dim = None
+    if "lokr_w1" in lokr:
+        w1 = lokr["lokr_w1"].double()
+    else:
+        dim, w1 = lokr["lokr_w1_b"].shape[0], lokr["lokr_w1_a"].double() @ lokr["lokr_w1_b"].double()
+    if "lokr_w2" in lokr:
+        w2 = lokr["lokr_w2"].double()
+    else:
+        dim, w2 = lokr["lokr_w2_b"].shape[0], lokr["lokr_w2_a"].double() @ lokr["lokr_w2_b"].double()
+    scale = alpha.item() / dim if alpha is not None and dim is not None else 1.0
+    return torch.kron(w1, w2) * scale
+
+
 def comfy_apply(sd: dict, key_map: dict[str, Target], model: dict) -> tuple[set[str], set[str], dict]:
     """What ComfyUI's LoRA loader does with the LoRA state dict `sd` on a model whose weights are `model` ({name:
     tensor}, BFL names): (keys it does not load, patches whose target the model lacks, the patched weights).
@@ -381,17 +407,23 @@ def comfy_apply(sd: dict, key_map: dict[str, Target], model: dict) -> tuple[set[
         for up, down in (("lora_up", "lora_down"), ("lora_B", "lora_A")):
             if f"{x}.{up}.weight" in sd:
                 loaded |= {f"{x}.{up}.weight", f"{x}.{down}.weight"}
-                patches[target] = (sd[f"{x}.{up}.weight"], sd[f"{x}.{down}.weight"], alpha)
+                down_ = sd[f"{x}.{down}.weight"]
+                scale = alpha.item() / down_.shape[0] if alpha is not None else 1.0
+                patches[target] = (sd[f"{x}.{up}.weight"].double() @ down_.double()) * scale
                 break
+        else:  # comfy/weight_adapter/lokr.py `LoKrAdapter`: the keys it reads, the product it applies
+            lokr = {s: sd[f"{x}.{s}"] for s in COMFY_LOKR_KEYS if f"{x}.{s}" in sd}
+            if lokr:
+                loaded |= {f"{x}.{s}" for s in lokr}
+                patches[target] = comfy_lokr_diff(lokr, alpha)
     out = {k: v.clone() for k, v in model.items()}
     missing = set()
-    for (name, rows, function), (up, down, alpha) in patches.items():
+    for (name, rows, function), diff in patches.items():
         if name not in out:
             missing.add(name)
             continue
         weight = out[name] if rows is None else out[name].narrow(0, *rows)
-        scale = alpha.item() / down.shape[0] if alpha is not None else 1.0
-        diff = (up.double() @ down.double()).reshape(weight.shape) * scale
+        diff = diff.reshape(weight.shape)
         if function == "swap_scale_shift":
             shift, scale_ = diff.chunk(2, dim=0)
             diff = torch.cat([scale_, shift], dim=0)

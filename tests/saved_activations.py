@@ -72,10 +72,18 @@ def _inputs(family: str) -> dict:
                 txt_ids=torch.zeros(TEXT, 4, dtype=torch.long))  # fmt: skip
 
 
-def _prepared(family: str, targets: tuple[str, ...], double: int, single: int) -> torch.nn.Module:
+def _prepared(
+    family: str, targets: tuple[str, ...], double: int, single: int, adapter: str = "lora"
+) -> torch.nn.Module:
+    from flux_cp.adapters import peft_config
+
     model = _model(family, double, single).to(torch.bfloat16)
     model.requires_grad_(False)
-    model.add_adapter(LoraConfig(r=2, target_modules=list(targets)))
+    model.add_adapter(
+        LoraConfig(r=2, target_modules=list(targets))
+        if adapter == "lora"
+        else peft_config(adapter, 2, 2, 0.0, list(targets))
+    )
     cp.apply_context_parallel(model, None)
     for p in model.parameters():
         if p.requires_grad:
@@ -87,11 +95,12 @@ def _is_activation(t: torch.Tensor) -> bool:
     return bool(set(t.shape) & TOKEN_SIZES)
 
 
-def eager_units(family: str, targets: tuple[str, ...]) -> dict[str, float]:
-    """{block kind: units autograd saves for one block of that kind}, from models with one more block of it."""
+def eager_units(family: str, targets: tuple[str, ...], adapter: str = "lora") -> dict[str, float]:
+    """{block kind: units autograd saves for one block of that kind}, from models with one more block of it;
+    `adapter`: --adapter's kind on `targets`."""
 
     def saved(double: int, single: int) -> float:
-        model = _prepared(family, targets, double, single)
+        model = _prepared(family, targets, double, single, adapter)
         storages = {}
 
         def pack(t):

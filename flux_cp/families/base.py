@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..adapters import is_adapter_parameter, peft_config
 from ..errors import UsageError
 from ..lora import check_targets
 from ..metrics import StepFlops, step_flops
@@ -261,9 +262,12 @@ class Family(ABC):
         """(kind, block) of every block of `transformer`, in the order they run."""
         return [(kind, block) for kind, name, _ in self.block_lists for block in getattr(transformer, name)]
 
-    def count_parameters(self, config: dict, lora_rank: int | None, lora_layers: list[str]) -> ParameterCounts:
-        """Exact counts from the transformer's config, on the meta device (nothing allocated or loaded)."""
-        return _count(self, json.dumps(config, sort_keys=True), lora_rank, tuple(lora_layers))
+    def count_parameters(
+        self, config: dict, lora_rank: int | None, lora_layers: list[str], adapter: str = "lora"
+    ) -> ParameterCounts:
+        """Exact counts from the transformer's config, on the meta device (nothing allocated or loaded). `adapter`:
+        --adapter's kind (LoRA, DoRA or LoKr) at `lora_rank` (None: full fine-tuning)."""
+        return _count(self, json.dumps(config, sort_keys=True), lora_rank, tuple(lora_layers), adapter)
 
     @abstractmethod
     def forward_flops(self, config: dict, image_tokens: int, text_tokens: int, batch: int) -> tuple[float, float]:
@@ -280,8 +284,10 @@ class Family(ABC):
 _COUNTS: dict[tuple, ParameterCounts] = {}
 
 
-def _count(family: Family, config: str, lora_rank: int | None, lora_layers: tuple[str, ...]) -> ParameterCounts:
-    key = (family.name, config, lora_rank, lora_layers)
+def _count(
+    family: Family, config: str, lora_rank: int | None, lora_layers: tuple[str, ...], adapter: str = "lora"
+) -> ParameterCounts:
+    key = (family.name, config, lora_rank, lora_layers, adapter)
     if key in _COUNTS:  # --plan asks for every CP size; building the model is the slow part
         return _COUNTS[key]
     with torch.device("meta"):
@@ -291,11 +297,9 @@ def _count(family: Family, config: str, lora_rank: int | None, lora_layers: tupl
         if lora_rank is None:
             counts = ParameterCounts(sum(base), len(base), sum(base), len(base), largest)
         else:
-            from peft import LoraConfig  # peft at first use (its import takes seconds)
-
             check_targets(model, list(lora_layers))
-            model.add_adapter(LoraConfig(r=lora_rank, lora_alpha=lora_rank, target_modules=list(lora_layers)))
-            lora = [p.numel() for n, p in model.named_parameters() if "lora_" in n]
+            model.add_adapter(peft_config(adapter, lora_rank, lora_rank, 0.0, list(lora_layers)))
+            lora = [p.numel() for n, p in model.named_parameters() if is_adapter_parameter(n)]
             counts = ParameterCounts(sum(base), len(base), sum(lora), len(lora), largest)
     _COUNTS[key] = counts
     return counts
