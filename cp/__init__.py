@@ -1,7 +1,8 @@
 """Exact context parallelism (ring, Ulysses, hybrid) for diffusion transformers, with FLUX.1 and FLUX.2 support.
 
 Public API: `CPContext` and `Tuning` (a CP group with its mode, kernels and tuning, built once at setup),
-`attention`, `shard`, `gather`; for diffusers' Flux transformers (`FluxTransformer2DModel`,
+`attention`, `shard`, `gather`; the modes (`MODES`, a registry of `Mode` objects, one module each; `register_mode`
+adds one, `auto_mode` picks one for a model's heads); for diffusers' Flux transformers (`FluxTransformer2DModel`,
 `Flux2Transformer2DModel`) `apply_context_parallel`, `remove_context_parallel`, `full_sequence_io` and the
 processors (`FluxCPAttnProcessor`; `Flux2CPAttnProcessor`, `Flux2CPParallelSelfAttnProcessor`); for other models
 `register` (their attention module class, their `CPAttnProcessor` subclass, the processor it replaces);
@@ -11,7 +12,9 @@ model pieces import diffusers when first used.
 
 from .attention import attention, validate
 from .comm import check_divisible, gather, group_rank, group_size, shard
-from .context import MODES, CPContext, Tuning
+from .context import CPContext, Tuning
+from .mode import Mode
+from .modes import DEFAULT_MODE, MODES, auto_mode, register_mode
 
 # name -> the module that defines it, imported on first use (it imports diffusers)
 _LAZY = {
@@ -34,7 +37,11 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "DEFAULT_MODE",
     "MODES",
+    "Mode",
+    "auto_mode",
+    "register_mode",
     "CPAttnProcessor",
     "CPContext",
     "Tuning",

@@ -242,7 +242,7 @@ def _forward(kernel: Kernel, q: Tensor, k: Tensor, v: Tensor, scale: float) -> t
 class KernelChoice:
     """The attention kernels in an order of preference, and what that order chose so far: for each input signature
     the first kernel that could serve it, and for each exact input shape the aux of the latest forward (the compiled
-    path's backward op, cp/ops.py, cannot receive it through the graph). A `CPContext` holds one
+    path's backward op, cp/ring.py, cannot receive it through the graph). A `CPContext` holds one
     (`CPContext.kernels`); contexts with the same order share it (`KernelChoice.of`).
 
     Without dropout the aux of one call (sequence offsets, the LSE's native shape, RNG seed and offset, which no

@@ -14,7 +14,7 @@ Input/output layout `[batch, seq_local, heads, head_dim]`; eager, the attention 
 `[batch, heads/u, seq_local * u, head_dim]`, contiguous.
 
 Under torch.compile (`ulysses_traced`) the all-to-alls are functional collectives, which the compiler traces
-and schedules, around the `cp::ring_attention` custom op (cp/ops.py), in layouts that need no copy between
+and schedules, around the `cp::ring_attention` custom op (cp/ring.py), in layouts that need no copy between
 exchange and kernel; in several head chunks the chunks form a pipeline in the order the compiler keeps (see the
 note above `_sent_first`).
 """
@@ -26,9 +26,9 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from .comm import head_start
-from .context import CallSpec
-from .ops import ring_op
-from .ring import ring_backward, ring_forward
+from .mode import Mode
+from .ring import ring_backward, ring_forward, ring_op
+from .spec import CallSpec
 
 Tensor = torch.Tensor
 
@@ -233,3 +233,68 @@ def ulysses_traced(q: Tensor, k: Tensor, v: Tensor, spec: CallSpec) -> Tensor:
         back.append(funcol.all_to_all_single_autograd(_heads_to_send(out, u), None, None, group))
     # [c, u, B, S_l, H/(c u), D] -> [B, S_l, H, D]: head (i, j, m) is head (i u + j) H/(c u) + m
     return torch.stack(back).permute(2, 3, 0, 1, 4, 5).reshape(b, s, h, d)
+
+
+# --- the mode ------------------------------------------------------------------------------------------------------
+
+
+def check_heads(heads: int, degree: int | None) -> None:
+    """Ulysses splits the heads over its group: a ValueError when `degree` does not divide them."""
+    if degree is not None and heads % degree:
+        raise ValueError(
+            f"{heads} attention heads are not divisible by the Ulysses size {degree}: Ulysses splits heads "
+            f"across ranks. Use mode 'ring', or a Ulysses size that divides {heads}."
+        )
+
+
+# What a compiled, checkpointed block keeps of an attention through Ulysses: the exchanged q, k, v, the attention's
+# output (the ring's op, over no group or the hybrid mode's ring group) and its exchange back.
+SAVED_OPS = (
+    torch.ops.cp.ring_attention.default,
+    torch.ops._c10d_functional.all_to_all_single.default,
+    torch.ops._c10d_functional_autograd.all_to_all_single.default,
+    torch.ops._c10d_functional.wait_tensor.default,
+)
+
+
+class Ulysses(Mode):
+    """All-to-all from sequence-sharded to head-sharded over the whole CP group, full-sequence attention on
+    heads/size heads, all-to-all back: the heads must divide over the group."""
+
+    name = "ulysses"
+    summary = "all-to-all over heads"
+    # First for `auto`, wherever the heads divide over the group: fewer, larger messages. Compiled, on 2 H200s, its
+    # attention beat the ring's at 16,896 and 66,048 tokens on three machines (12.36 / 173.3 against 13.62 / 180.8 ms
+    # on the latest; 12.07 / 173.8 against 13.71 / 180.2 ms; 12.25 / 174.1 against 13.59 / 181.5 ms before the
+    # exchanges moved to the kernel's layout). Eager, it matched or beat the ring at every size (LoRA step at
+    # 2048 px: 1.98 against 2.21 s; at 1024 px: 0.87 against 0.99 s; attention at 16,896 / 66,048 tokens: 12.9 / 176
+    # against 14.1 / 183 ms); on 4, at every size too (attention 3.09 / 6.86 / 90.2 ms against the ring's 6.52 /
+    # 10.5 / 95.6 ms at 4,608 / 16,896 / 66,048 tokens). One earlier run on 4 H200s had the ring ahead at 1024 px on
+    # 2 of them (0.815 against 0.893 s); the next did not reproduce it, so no exception is made for short sequences
+    # (benchmarks/archive/history.md).
+    auto_rank = 0
+    exchanges_kept = True
+    saved_ops = SAVED_OPS
+
+    def degree(self, size: int, ulysses_size: int | None) -> int:
+        if ulysses_size not in (None, size):
+            raise ValueError(f"mode 'ulysses' uses the whole CP group: ulysses_size must be None or {size}")
+        return size
+
+    def check_heads(self, heads: int, degree: int | None) -> None:
+        check_heads(heads, degree)
+
+    def auto(self, heads: int, size: int) -> tuple[str, int | None] | None:
+        return (self.name, None) if heads % size == 0 else None
+
+    def groups(self, group, degree, timeout, cp_groups):
+        return group, None
+
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, spec: CallSpec) -> Tensor:
+        return ulysses_attention(q, k, v, spec)
+
+    def traced(self, q: Tensor, k: Tensor, v: Tensor, spec: CallSpec) -> Tensor:
+        return ulysses_traced(q, k, v, spec)
+
+
+ULYSSES = Ulysses()

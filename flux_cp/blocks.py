@@ -16,7 +16,8 @@ checkpointed block's graph, which changes three things:
   graph; CUDA graphs (`--compile_mode reduce-overhead`) can then replay them, which they cannot while a
   compiled forward is called again from inside the backward;
 - the attention is not recomputed: the outputs of the CP attention op and of its sequence/head exchanges are
-  saved (`SAVED_OPS`), so the backward runs no second attention forward and no second round of exchanges.
+  saved (the CP modes' `saved_ops`, cp/modes.py), so the backward runs no second attention forward and no second
+  round of exchanges.
   The attention forward is about an eighth of a 2048 px LoRA step's FLOPs (14% less step time on 2 H200s,
   docs/benchmarks.md); what it keeps is a few tensors of the attention's size per block (`flux_cp.plan` counts
   them, `--recompute_attention` turns it off);
@@ -32,19 +33,11 @@ import functools
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-import cp.ops  # noqa: F401 - registers torch.ops.cp
 from cp import Tuning
+from cp.modes import saved_ops
 from cp.schedule import inductor_options
 
 from .families import blocks_of
-
-# Ops whose outputs a compiled, checkpointed block keeps for its backward instead of recomputing them.
-SAVED_OPS = (
-    torch.ops.cp.ring_attention.default,
-    torch.ops._c10d_functional.all_to_all_single.default,
-    torch.ops._c10d_functional_autograd.all_to_all_single.default,
-    torch.ops._c10d_functional.wait_tensor.default,
-)
 
 
 def transformer_blocks(transformer: torch.nn.Module) -> list[torch.nn.Module]:
@@ -52,8 +45,8 @@ def transformer_blocks(transformer: torch.nn.Module) -> list[torch.nn.Module]:
     return [block for _, block in blocks_of(transformer)]
 
 
-def _keep_attention(_ctx, op, *_args, **_kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+def _keep_attention(saved: tuple, _ctx, op, *_args, **_kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _recompute_all(_ctx, _op, *_args, **_kwargs) -> CheckpointPolicy:
@@ -74,10 +67,10 @@ def _recomputed(forward, *args, **kwargs):
 
 
 def checkpoint_inside(block: torch.nn.Module, keep_attention: bool = True) -> None:
-    """Make `block.forward` checkpoint itself, keeping the attention's outputs (`SAVED_OPS`) unless
+    """Make `block.forward` checkpoint itself, keeping the attention's outputs (the CP modes' `saved_ops`) unless
     `keep_attention` is False, so that a compile of the block traces the checkpoint into its graph. Module names
     and parameters are unchanged."""
-    policy = _keep_attention if keep_attention else _recompute_all
+    policy = functools.partial(_keep_attention, saved_ops()) if keep_attention else _recompute_all
     block.forward = functools.partial(_checkpointed, block.forward, policy)
 
 

@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cp.context import OVERLAPS, Tuning
+from cp.context import OVERLAPS, Tuning, refusal
 from cp.kernels import DEFAULT_PREFERENCE, KERNELS
+from cp.modes import MODES
 
 from . import adapters, config_file, hub
 from .checkpoint import saved_run
@@ -34,7 +35,6 @@ from .path_flags import as_typed
 from .precision import PRECISIONS, check_flags, check_installed
 
 # The choices of the flags that name one (the modules that use them import them from here).
-CP_MODES = ("auto", "ring", "ulysses", "hybrid")
 OPTIMIZERS = ("adamw", "prodigy")
 LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup")
 WEIGHTING_SCHEMES = ("none", "sigma_sqrt", "logit_normal", "mode", "cosmap")  # diffusers' examples' (flux_cp.flow)
@@ -44,9 +44,9 @@ ADAPTERS = ("lora", "dora", "lokr")  # flux_cp.adapters
 
 def flag(
     default: Any,
-    help: str | None = None,  # noqa: A002 - argparse's name
+    help: str | Callable[[], str] | None = None,  # noqa: A002 - argparse's name
     *,
-    choices: tuple | None = None,
+    choices: tuple | Callable[[], tuple] | None = None,
     derive: Callable[[dict], Any] | None = None,
     parse: Callable[[str], Any] | None = None,
     repeat: bool = False,
@@ -57,8 +57,10 @@ def flag(
     """A dataclass field that is also the flag `--<field name>`.
 
     help: one line for --help; a flag whose default is None or derived says what it defaults to ("Default: ..."),
-        the others get their default appended. derive: computes the value from the other raw flag values when the
-        flag is not given (the parser's default is then None, so "not given" is seen). parse: converts the
+        the others get their default appended. help and choices may be functions, called when the parser is built
+        (for those read from a registry that may grow after this module is imported: the CP modes). derive:
+        computes the value from the other raw flag values when the flag is not given (the parser's default is then
+        None, so "not given" is seen). parse: converts the
         command-line string (the field keeps the converted value). repeat: the flag may be given several times (a
         tuple of values). secret: kept out of `Config.flat()`, so out of run_config.json, checkpoints and trackers.
         const: the value of the flag given without one (its value is then optional). record=False: kept out of
@@ -646,28 +648,51 @@ class TrainConfig:
     )
 
 
+def cp_modes() -> tuple[str, ...]:
+    """--cp_mode's choices: auto and every registered CP mode (`cp.MODES`)."""
+    return ("auto", *MODES)
+
+
+def _cp_mode_help() -> str:
+    modes = ", ".join(f"{name} ({mode.summary})" if mode.summary else name for name, mode in MODES.items())
+    ranked = sorted((m for m in MODES.values() if m.auto_rank is not None), key=lambda m: m.auto_rank)
+    return (
+        f"How attention exchanges keys and values in a CP group: {modes}; auto picks the first of "
+        f"{', '.join(m.name for m in ranked)} that the model's heads and --cp_size allow."
+    )
+
+
+def _ulysses_modes() -> str:
+    """The modes that take --ulysses_size."""
+    return " or ".join(name for name, mode in MODES.items() if mode.takes_ulysses_size)
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """The CP group and collectives (flux_cp.parallel, cp)."""
 
     cp_size: int = flag(1, "Ranks that share one sample's tokens.")
-    cp_mode: str = flag(
-        "auto",
-        "How attention exchanges keys and values in a CP group: ring, ulysses (all-to-all over heads), hybrid "
-        "(Ulysses inside ring); auto picks Ulysses when the heads divide over the group, else hybrid, else ring.",
-        choices=CP_MODES,
+    cp_mode: str = flag("auto", _cp_mode_help, choices=cp_modes)
+    ulysses_size: int | None = flag(
+        None, lambda: f"Ulysses degree of the {_ulysses_modes()} mode. Default: chosen by --cp_mode auto."
     )
-    ulysses_size: int | None = flag(None, "Ulysses degree of the hybrid mode. Default: chosen by --cp_mode auto.")
     collective_timeout: float = flag(
         600.0, "Seconds before a stuck collective aborts the run (a dead rank never hangs the others)."
     )
 
     def check(self) -> None:
-        if self.cp_mode == "hybrid" and self.ulysses_size is None:
-            raise UsageError("--cp_mode hybrid needs --ulysses_size (the Ulysses degree, a divisor of --cp_size)")
-        whole = self.cp_mode == "ulysses" and self.ulysses_size == self.cp_size  # as run_config.json records it
-        if self.ulysses_size is not None and self.cp_mode not in ("hybrid", "auto") and not whole:
-            raise UsageError(f"--ulysses_size is only used with --cp_mode hybrid (got --cp_mode {self.cp_mode})")
+        mode = MODES.get(self.cp_mode)  # None: auto
+        if mode is not None and mode.takes_ulysses_size and self.ulysses_size is None:
+            raise UsageError(
+                f"--cp_mode {self.cp_mode} needs --ulysses_size (the Ulysses degree, a divisor of --cp_size)"
+            )
+        # run_config.json records the degree a mode runs itself (the whole group for Ulysses): read back, it is no
+        # request of a degree
+        own = mode is not None and not mode.takes_ulysses_size and self.ulysses_size == mode.degree(self.cp_size, None)
+        if self.ulysses_size is not None and mode is not None and not mode.takes_ulysses_size and not own:
+            raise UsageError(
+                f"--ulysses_size is only used with --cp_mode {_ulysses_modes()} (got --cp_mode {self.cp_mode})"
+            )
         if self.ulysses_size is not None and self.cp_size % self.ulysses_size:
             raise UsageError(f"--ulysses_size {self.ulysses_size} must divide --cp_size {self.cp_size}")
 
@@ -710,18 +735,17 @@ class CPTuningConfig:
         return Tuning(self.kernels, self.cp_overlap, self.cp_exchange_first, self.cp_ulysses_chunks)
 
     def check(self) -> None:
-        unknown = [k for k in self.kernels if k not in KERNELS]
-        if unknown or self.cp_kernels == "":
-            raise UsageError(
-                f"--cp_kernels {self.cp_kernels!r}: "
-                + (f"unknown kernel {', '.join(unknown)}; " if unknown else "no kernel named; ")
-                + f"choose from {', '.join(sorted(KERNELS))}"
-            )
-        if self.cp_exchange_first and self.cp_overlap == "scheduler":
-            raise UsageError(
-                "--cp_exchange_first is added beside the reordering passes, which --cp_overlap scheduler replaces: "
-                "choose another --cp_overlap or drop --cp_exchange_first"
-            )
+        if self.cp_kernels == "":
+            raise UsageError(f"--cp_kernels '': no kernel named; choose from {', '.join(sorted(KERNELS))}")
+        flags = {
+            "kernels": f"--cp_kernels {self.cp_kernels!r}",
+            "overlap": "--cp_overlap",
+            "exchange_first": "--cp_exchange_first",
+            "ulysses_chunks": "--cp_ulysses_chunks",
+        }
+        problem = refusal(self.kernels, self.cp_overlap, self.cp_exchange_first, self.cp_ulysses_chunks, flags)
+        if problem:
+            raise UsageError(problem)
 
 
 @dataclass(frozen=True)
@@ -1027,7 +1051,7 @@ def build_parser() -> argparse.ArgumentParser:
         hints = typing.get_type_hints(section)
         for f in dataclasses.fields(section):
             m, kind = f.metadata, _scalar_type(hints[f.name])
-            kw: dict[str, Any] = {"help": m["help"]}
+            kw: dict[str, Any] = {"help": m["help"]() if callable(m["help"]) else m["help"]}
             if kind is bool and not m["parse"]:  # a switch; a boolean with `parse` takes a value (true/false)
                 if f.default is not False:  # a switch turns something on; name it for that (e.g. --no_cache)
                     raise TypeError(f"{section.__name__}.{f.name}: boolean flags must default to False")
@@ -1039,7 +1063,7 @@ def build_parser() -> argparse.ArgumentParser:
                 if m["parse"] and isinstance(f.default, tuple) and not m["derive"]:
                     kw["default"] = ",".join(map(str, f.default))
                 if m["choices"]:
-                    kw["choices"] = m["choices"]
+                    kw["choices"] = m["choices"]() if callable(m["choices"]) else m["choices"]
                 if m["const"] is not None:
                     kw["nargs"], kw["const"] = "?", m["const"]
                 if m["repeat"]:

@@ -13,6 +13,8 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from cp.modes import DEFAULT_MODE
+
 from .errors import UsageError
 
 # The SD3 paper's "mode" density is a valid distribution on [0, 1] only for -1 <= scale <= 2 / (pi - 2).
@@ -188,7 +190,8 @@ _USED_ONLY = (
     (("validation_steps", "num_validation_images", "validation_resolution", "validation_inference_steps",
       "validation_image"), lambda v: bool(v.get("validation_prompt")), "without --validation_prompt"),
     (("ulysses_size",), lambda v: (v.get("cp_size") or 1) > 1,
-     "at --cp_size 1 (one rank holds the whole sequence: no CP exchange runs, run_config.json records ring)"),
+     "at --cp_size 1 (one rank holds the whole sequence: no CP exchange runs, run_config.json records "
+     f"{DEFAULT_MODE})"),
     (("rank", "lora_alpha", "lora_dropout", "lora_layers", "adapter"), lambda v: not v.get("full_finetune"),
      "with --full_finetune (it trains all weights, no LoRA)"),
     (("logit_mean", "logit_std"), lambda v: v.get("weighting_scheme") == "logit_normal",
@@ -231,9 +234,9 @@ def unused_flags(given: Iterable[str], values: Mapping[str, object]) -> list[str
             continue
         out += [f"--{f} has no effect {context}" for f in flags if f in given]
     mode = values.get("cp_mode")
-    if "cp_mode" in given and mode not in ("auto", "ring") and (values.get("cp_size") or 1) == 1:
+    if "cp_mode" in given and mode not in ("auto", DEFAULT_MODE) and (values.get("cp_size") or 1) == 1:
         out.append(f"--cp_mode {mode} has no effect at --cp_size 1 (one rank holds the whole sequence: no CP exchange "
-                   "runs, run_config.json records ring)")  # fmt: skip
+                   f"runs, run_config.json records {DEFAULT_MODE})")  # fmt: skip
     warmup, steps = values.get("lr_warmup_steps"), values.get("max_train_steps")
     if "lr_warmup_steps" in given and steps and warmup and warmup >= steps and values.get("lr_scheduler") != "constant":
         out.append(f"--lr_warmup_steps {warmup} >= --max_train_steps {steps}: the LR never reaches --learning_rate")

@@ -52,7 +52,7 @@ logger = logging.getLogger("flux_cp")
 class Layout:
     """This process's place in the dp x cp grid (from the run shape). `rank` is the process rank (the LoRA rank is
     `LoraConfig.rank`). `cp_context`: the CP group with its mode, timeout and tuning (`cp.CPContext`), built once by
-    `make_layout`; one in ring mode with the default tuning when not given."""
+    `make_layout`; one in the default mode (`cp.DEFAULT_MODE`) with the default tuning when not given."""
 
     world: int
     rank: int

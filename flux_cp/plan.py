@@ -45,6 +45,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from cp import MODES
+
 from . import adapters, diskspace, encoding_memory
 from .blocks import attention_recomputed, checkpointed_blocks, more_blocks_than_there_are
 from .errors import UsageError
@@ -556,7 +558,7 @@ def saved_attention_units(train, mode: str, cp: int) -> float:
     mode."""
     if attention_recomputed(train):
         return 0.0
-    return SAVED_ATTENTION_UNITS["exchanged" if cp > 1 and mode in ("ulysses", "hybrid") else "local"]
+    return SAVED_ATTENTION_UNITS["exchanged" if cp > 1 and MODES[mode].exchanges_kept else "local"]
 
 
 def print_disk(cfg: Config, shape: RunShape) -> None:

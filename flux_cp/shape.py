@@ -55,7 +55,7 @@ class RunShape:
     # where it was read (--plan says so)
     transformer_config: dict = field(default_factory=dict)
     config_source: str = ""
-    cp_mode: str = "ring"  # --cp_mode as the model's heads allow it (auto: `auto_mode`); "ring" without CP
+    cp_mode: str = cp.DEFAULT_MODE  # --cp_mode as the heads allow it (auto: `auto_mode`); the default without CP
     ulysses_size: int | None = None  # the Ulysses degree of that mode (None: no Ulysses exchange)
 
     @property
@@ -144,7 +144,7 @@ def choose_cp_mode(parallel: ParallelConfig, heads: int, cp_size: int) -> tuple[
     """Resolve --cp_mode (auto: `auto_mode`) and check it against the model; a UsageError if it cannot work."""
     mode, u = parallel.cp_mode, parallel.ulysses_size
     if cp_size == 1:
-        return "ring", None
+        return cp.DEFAULT_MODE, None
     if mode == "auto":
         mode, u = auto_mode(heads, cp_size)
     try:
@@ -155,26 +155,9 @@ def choose_cp_mode(parallel: ParallelConfig, heads: int, cp_size: int) -> tuple[
 
 
 def auto_mode(heads: int, cp_size: int) -> tuple[str, int | None]:
-    """The CP mode, by the H200 measurements in benchmarks/archive/history.md (the same at every sequence length):
-
-    - Ulysses when the heads divide over the group: fewer, larger messages. Compiled, on 2 H200s, its
-      attention beat the ring's at 16,896 and 66,048 tokens on three machines (12.36 / 173.3 against 13.62 /
-      180.8 ms on the latest; 12.07 / 173.8 against 13.71 / 180.2 ms; 12.25 / 174.1 against 13.59 / 181.5 ms before
-      the exchanges moved to the kernel's layout). Eager, it
-      matched or beat the ring at every size (LoRA step at 2048 px: 1.98 against 2.21 s; at 1024 px: 0.87 against
-      0.99 s; attention at 16,896 / 66,048 tokens: 12.9 / 176 against 14.1 / 183 ms); on 4, at every size too
-      (attention 3.09 / 6.86 / 90.2 ms against the ring's 6.52 / 10.5 / 95.6 ms at 4,608 / 16,896 / 66,048
-      tokens). One earlier run on 4 H200s had the ring ahead at 1024 px on 2 of them (0.815 against 0.893 s);
-      the next did not reproduce it, so no exception is made for short sequences.
-    - else hybrid with the largest Ulysses degree dividing both (at 4 ranks it sits between the two at
-      every size), else ring.
-    """
-    if heads % cp_size == 0:
-        return "ulysses", None
-    for u in range(cp_size - 1, 1, -1):
-        if cp_size % u == 0 and heads % u == 0:
-            return "hybrid", u
-    return "ring", None
+    """The CP mode `--cp_mode auto` picks for `heads` attention heads over `cp_size` ranks, and its Ulysses size: the
+    CP modes' own preferences (`cp.auto_mode`; each mode's file gives the measurements behind its place)."""
+    return cp.auto_mode(heads, cp_size)
 
 
 # --- the split: every sequence CP cuts divides by the CP size ----------------------------------------------------

@@ -123,13 +123,13 @@ def test_exchange_first_adds_the_head_starts_after_the_reordering_passes():
     ]
     assert only is head_starts
     assert len(inductor_options(None, Tuning())["reorder_for_compute_comm_overlap_passes"]) == 2  # off: no pass
-    with pytest.raises(ValueError, match="exchange_first is added by a pass beside the reordering passes"):
+    with pytest.raises(ValueError, match="exchange_first is added beside the reordering passes, which overlap sched"):
         Tuning(overlap="scheduler", exchange_first=True)
     head_start()  # no CUDA here: nothing to hold, and no error
 
 
 def test_tuning_refuses_unknown_kernels_and_chunk_counts():
-    with pytest.raises(ValueError, match="unknown attention kernels fast; choose from cpu_flash, cudnn, efficient"):
+    with pytest.raises(ValueError, match="kernels: unknown kernel fast; choose from cpu_flash, cudnn, efficient"):
         Tuning(kernels=("cudnn", "fast"))
     for bad in (0, 1.5, True):
         with pytest.raises(ValueError, match="ulysses_chunks must be a whole number >= 1"):

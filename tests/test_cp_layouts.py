@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from cp.kernels import dense_strides
-from cp.ops import ring_attention_backward_op, ring_attention_op
+from cp.ring import ring_attention_backward_op, ring_attention_op
 from cp.ulysses import _heads_to_send, _received_as_heads, _sent_first, _sent_rest
 
 

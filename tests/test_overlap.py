@@ -136,7 +136,7 @@ def test_the_cost_model_counts_the_attention_ops():
     short kernel and leave exchanges beside it counted as exposed (b=1, 12 heads, 16,896 tokens, head_dim 128)."""
     import torch
 
-    import cp.ops  # noqa: F401 - registers torch.ops.cp
+    import cp.ring  # noqa: F401 - registers torch.ops.cp
 
     x = _Buffer(1, 12, 16896, 128)
     forward = overlap._attention_flops(_Op(torch.ops.cp.ring_attention.default, x, x, x))
