@@ -27,7 +27,7 @@ from cp.context import OVERLAPS, Tuning
 from cp.kernels import DEFAULT_PREFERENCE, KERNELS
 
 from . import hub
-from .checkpoint import saved_run
+from .checkpoint import named_folder, saved_run
 from .errors import UsageError
 from .flag_ranges import check_ranges, given_flags, unused_flags
 from .path_flags import as_typed
@@ -690,7 +690,9 @@ class CheckpointConfig:
         None, "Max number of checkpoints to store (the oldest are removed). Default: keep them all."
     )
     resume_from_checkpoint: str | None = flag(
-        None, "'latest' (of --output_dir) or a checkpoint folder. Default: start from step 0."
+        None,
+        "'latest' (of --output_dir) or a checkpoint folder; a bare name (checkpoint-2) that is no folder here is one "
+        "of --output_dir, as in diffusers' examples. Default: start from step 0.",
     )
     checkpoint_weights_only: bool = flag(
         False,
@@ -1001,6 +1003,8 @@ def parse_config(argv: list[str] | None = None) -> Config:
         if raw["dataset_name"] is not None:
             raise UsageError("--dataset_name and --instance_data_dir both name the training data: give one of them")
         raw["dataset_name"] = raw["instance_data_dir"]
+    # a bare checkpoint name is a folder of --output_dir (as diffusers' examples read it), said below
+    raw["resume_from_checkpoint"], resume_note = named_folder(raw["resume_from_checkpoint"], raw["output_dir"])
     raw[_DEMO] = _demo_of(raw)  # the embedded default on a bundled data set with no step count (the README's demos)
     resumed = _resumed_demo(raw)  # ... or a resume of such a run, which keeps its settings (a step count extends it)
     if resumed is not None:
@@ -1027,7 +1031,7 @@ def parse_config(argv: list[str] | None = None) -> Config:
         given = given_flags(parser, sys.argv[1:] if argv is None else argv)
         for warning in unused_flags(given, config.flat()) + _setting_warnings(config, given):
             print(f"warning: {warning}", file=sys.stderr)
-        for note in notes:
+        for note in notes + ([resume_note] if resume_note else []):
             print(f"flux-cp: {note}", file=sys.stderr)
     return config
 
