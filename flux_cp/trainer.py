@@ -29,7 +29,7 @@ from .config import Config
 from .data import ImageSource, open_source
 from .ema import EMA
 from .errors import UsageError
-from .model import load_trainee
+from .model import load_trainee, transformer_fingerprint
 from .outputs import Outputs
 from .profiling import profiled
 from .shape import RunShape, build_shape, check_start, launched_world_size, resolved
@@ -215,16 +215,41 @@ class Trainer:
 
     def claim_output_dir(self) -> None:
         """The output folder becomes this run's, and how the run starts is decided (flux_cp.outdir, flux_cp.resume: a
-        damaged or foreign checkpoint is found now, not after the models load); every rank learns the result."""
-        outdir.claim_run(self.cfg, self.shape.model_path, self.layout.is_main)
+        damaged or foreign checkpoint, or one of a run with other flags or another batch, is found now, not after the
+        models load); every rank learns the result."""
+        known = resume.flag_identity(self.cfg, self.samples_per_step(), self.identity_buckets())
+        outdir.claim_run(self.cfg, self.shape.model_path, self.layout.is_main, known)
         resume.verify_shares(self.cfg, self.layout.rank, self.layout.world)
+
+    def samples_per_step(self) -> int:
+        """Samples of one optimizer step over all data-parallel ranks (their class images not counted)."""
+        return self.cfg.train.train_batch_size * self.layout.dp * self.cfg.train.gradient_accumulation_steps
+
+    def identity_buckets(self) -> list[tuple[int, int]] | None:
+        """The buckets the run identity records: aspect buckets, else None (square crops)."""
+        return list(self.shape.buckets) if self.cfg.data.aspect_buckets else None
 
     def load_data(self) -> None:
         """Encode the data set once (cached on disk, spread over all ranks), then free the text encoders
-        (flux_cp.run_data)."""
+        (flux_cp.run_data). A resume on another data set or a changed model is refused before any encoding."""
         self.data = data = run_data.load(self.cfg, self.shape, self.layout, self.device, self.weight_dtype,
-                                         self.accelerator.autocast, self.open_source, self.encode_share)  # fmt: skip
+                                         self.accelerator.autocast, self.open_source, self.encode_share,
+                                         self.check_resume_before_encoding)  # fmt: skip
         self.shape, self.components = data.shape, dict(data.components)
+
+    def check_resume_before_encoding(self, source: ImageSource, components: dict[str, str]) -> None:
+        """The checkpoint this run resumes against the data set and every model component (their configs and weight
+        files' content; the transformer's from its files, before it loads), before the encoding it would waste."""
+        cfg, shape = self.cfg, self.shape
+
+        def identity() -> dict:
+            transformer = transformer_fingerprint(cfg.model, shape.model_path, shape.family.transformer_class())
+            known = resume.run_identity(cfg, self.samples_per_step(), source.identity(), self.identity_buckets(),
+                                        components={**components, "transformer": transformer})  # fmt: skip
+            known.pop("prior")  # the class images are known once rendered: checked when the model is built
+            return known
+
+        resume.check_known(cfg, identity)
 
     def build_model(self) -> None:
         """The transformer to train (flux_cp.model.load_trainee: its frozen base quantized with --base_precision,
@@ -268,11 +293,9 @@ class Trainer:
             named = [(f"transformer.{n}", p) for n, p in named] + [(f"{text.name}.{n}", p)
                                                                     for n, p in text.named_parameters()]  # fmt: skip
         self.ema = EMA(named, train.ema_decay, train.ema_update_interval) if train.use_ema else None
-        samples_per_step = data.global_batch * train.gradient_accumulation_steps
-        buckets = list(shape.buckets) if cfg.data.aspect_buckets else None
         classes = data.class_source.identity() if data.class_source is not None else None
-        self.run_identity = resume.run_identity(cfg, samples_per_step, data.source.identity(), buckets, classes,
-                                                    self.components)  # fmt: skip
+        self.run_identity = resume.run_identity(cfg, self.samples_per_step(), data.source.identity(),
+                                                self.identity_buckets(), classes, self.components)  # fmt: skip
         every = cfg.checkpoints.checkpointing_steps
         if layout.is_main:
             saves = max_steps // every + (1 if max_steps % every else 0)

@@ -248,6 +248,22 @@ def _checkpoint_beyond_the_steps(t: Path) -> list[str]:
     return ["--resume_from_checkpoint", str(_checkpoint(t / "out", 4))]
 
 
+def _batch_cut_into_micro_steps(t: Path) -> list[str]:
+    """A checkpoint of the same run at --train_batch_size 2, resumed at batch 1 with 2 accumulated micro-steps (the
+    same global batch, other draws)."""
+    from flux_cp.config import parse_config
+    from flux_cp.families import FLUX1
+    from flux_cp.resume import run_identity
+    from flux_cp.shape import resolved
+
+    ckpt = _small_checkpoint(t / "out", 2)
+    cfg = resolved(parse_config(["--train_batch_size", "2", "--max_train_steps", "2"]), FLUX1, False, None)
+    meta = {"format": 1, "step": 2, "layout": "world 1 = dp 1 x cp 1", "args": cfg.flat(),
+            "run": run_identity(cfg, 2, "", None)}  # fmt: skip
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+    return ["--resume_from_checkpoint", "latest", "--train_batch_size", "1", "--gradient_accumulation_steps", "2"]
+
+
 def _lock_is_a_link(t: Path) -> list[str]:
     (t / "out").mkdir(parents=True, exist_ok=True)
     (t / "victim.txt").write_text("a file the lock must not truncate")
@@ -543,6 +559,24 @@ CASES = [
         lambda t: ["--resume_from_checkpoint", str(t / "nope")],
         "no such checkpoint folder",
         flags_only=True,
+    ),
+    Case(
+        "missing_bare_checkpoint_name",
+        "--resume_from_checkpoint checkpoint-9, a bare name that is a folder neither here nor in --output_dir",
+        1,
+        lambda t: ["--resume_from_checkpoint", "checkpoint-9"],
+        "--resume_from_checkpoint checkpoint-9: no such checkpoint folder (tried ",
+        flags_only=True,
+    ),
+    Case(
+        "resume_with_another_cut_of_the_global_batch",
+        "a checkpoint of --train_batch_size 2 resumed with --train_batch_size 1 --gradient_accumulation_steps 2",
+        1,
+        _batch_cut_into_micro_steps,
+        "(micro-steps per optimizer step (--gradient_accumulation_steps): checkpoint 1, now 2). The samples, noise "
+        "and timesteps of a step are drawn per micro-step, so another global batch or another cut of it into "
+        "micro-steps trains on other draws. To continue it as it was, resume with --train_batch_size 2 "
+        "--gradient_accumulation_steps 1 --cp_size 1 on 1 process",
     ),
     Case(
         "resume_folder_not_a_checkpoint",
