@@ -388,6 +388,37 @@ CASES = [
         "does not fit 90% of 1.0 MiB at --base_precision bf16 (planned ",
     ),
     Case(
+        "offload_blocks_beyond_the_model",
+        "--offload_blocks 99 on a model of 4 blocks",
+        1,
+        lambda t: ["--offload_blocks", "99"],
+        "--offload_blocks 99: the transformer has 4 blocks; give at most 4",
+    ),
+    Case(
+        "checkpointing_beyond_the_model",
+        "--gradient_checkpointing 99 on a model of 4 blocks (the same rule as --offload_blocks)",
+        1,
+        lambda t: ["--gradient_checkpointing", "99"],
+        "--gradient_checkpointing 99: the transformer has 4 blocks; give at most 4, or 'all'",
+    ),
+    Case(
+        "plan_offload_blocks_beyond_the_model",
+        "--plan --offload_blocks 99 on a model of 4 blocks (as the run refuses it, before a plan of '4 of 4 blocks')",
+        1,
+        lambda t: ["--plan", "--offload_blocks", "99"],
+        "--offload_blocks 99: the transformer has 4 blocks; give at most 4",
+        flags_only=True,
+    ),
+    Case(
+        "plan_cp_size_not_dividing_num_processes",
+        "--plan --num_processes 3 --cp_size 2 (the advice names --plan's own flag)",
+        1,
+        lambda t: ["--plan", "--num_processes", "3", "--cp_size", "2"],
+        "--cp_size 2 does not divide --num_processes 3: choose --cp_size from [1, 3], or plan for a multiple of 2 "
+        "processes (--num_processes)",
+        flags_only=True,
+    ),
+    Case(
         "offload_blocks_not_a_number",
         "--offload_blocks half",
         1,
