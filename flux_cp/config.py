@@ -263,6 +263,15 @@ class ModelConfig:
         """No model named: the tiny Flux built locally, trained on the bundled data set."""
         return self.pretrained_model_name_or_path is None
 
+    def check(self) -> None:
+        path = self.pretrained_model_name_or_path
+        if self.revision is not None and path is not None and os.path.isdir(path):
+            raise UsageError(
+                f"--revision {self.revision} with the local model folder {path}: a revision is a branch, tag or commit "
+                "of a hub repository, and a folder holds one version of its files (diffusers ignores --revision "
+                "there); drop --revision, or pass the hub id to load that revision"
+            )
+
 
 @dataclass(frozen=True)
 class LoraConfig:

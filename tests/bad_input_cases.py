@@ -264,6 +264,13 @@ def _batch_cut_into_micro_steps(t: Path) -> list[str]:
     return ["--resume_from_checkpoint", "latest", "--train_batch_size", "1", "--gradient_accumulation_steps", "2"]
 
 
+def _flux1(t: Path) -> str:
+    """The tiny FLUX.1 folder (built once)."""
+    from flux_cp.families import FLUX1
+
+    return FLUX1.embedded_default(pairs=False)
+
+
 def _lock_is_a_link(t: Path) -> list[str]:
     (t / "out").mkdir(parents=True, exist_ok=True)
     (t / "victim.txt").write_text("a file the lock must not truncate")
@@ -386,6 +393,14 @@ CASES = [
         1,
         lambda t: ["--gradient_checkpointing", "--offload_blocks", "--gpu_memory_gib", "0.001"],
         "does not fit 90% of 1.0 MiB at --base_precision bf16 (planned ",
+    ),
+    Case(
+        "revision_of_a_local_folder",
+        "--revision with a local model folder (diffusers ignores it there: another version than asked for)",
+        1,
+        lambda t: ["--pretrained_model_name_or_path", _flux1(t), "--revision", "v2"],
+        "with the local model folder",
+        flags_only=True,
     ),
     Case(
         "offload_blocks_beyond_the_model",
