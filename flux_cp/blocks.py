@@ -103,8 +103,10 @@ def checkpointed_blocks(value: str, total: int) -> int | None:
 def check_counts(gradient_checkpointing: str, offload_blocks: str, total: int) -> None:
     """One line when --gradient_checkpointing or --offload_blocks names more blocks than the transformer's `total`:
     a count beyond the model is a typo more often than a wish for all of them (the trainer and --plan alike)."""
-    for flag, value, other in (("--gradient_checkpointing", gradient_checkpointing, ", or 'all'"),
-                               ("--offload_blocks", offload_blocks, "")):  # fmt: skip
+    for flag, value, other in (
+        ("--gradient_checkpointing", gradient_checkpointing, ", or 'all'"),
+        ("--offload_blocks", offload_blocks, ""),
+    ):
         if value.isdigit() and int(value) > total:
             raise UsageError(f"{flag} {value}: the transformer has {total} blocks; give at most {total}{other}")
 

@@ -889,6 +889,23 @@ class Config:
         return []
 
 
+def non_default(cfg: Config) -> dict[str, Any]:
+    """{flag: value} of every flag (the secret ones aside) whose value is not its default; a derived default is taken
+    from the run's other values as parsing derives it (--lora_alpha against --rank, the demo's settings for a
+    demo)."""
+    raw = {**cfg.flat(), _DEMO: cfg.demo}
+    out = {}
+    for section in cfg.sections():
+        for f in dataclasses.fields(section):
+            if f.metadata["secret"]:
+                continue
+            value, derive = getattr(section, f.name), f.metadata["derive"]
+            default = derive(raw) if derive else f.default
+            if value != default:
+                out[f.name] = value
+    return out
+
+
 # Argument-group titles of --help, in the order sections appear there.
 _TITLES = {
     "model": "model",

@@ -116,8 +116,9 @@ def transformer_fingerprint(model: ModelConfig, path: str, cls: type) -> str:
     with init_empty_weights():
         module = cls.from_config(config)
     pretrained = model.transformer_init == "pretrained"
-    return model_fingerprint(module, component_folder(path, "transformer", model.revision, model.cache_dir)
-                             if pretrained else None)  # fmt: skip
+    return model_fingerprint(
+        module, component_folder(path, "transformer", model.revision, model.cache_dir) if pretrained else None
+    )
 
 
 def load_trainee(cfg: Config, path: str, cls: type, quantized_parts: tuple[str, ...], dtype: torch.dtype,

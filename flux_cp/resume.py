@@ -428,8 +428,15 @@ def batch_layout_change(meta: dict, cfg: Config) -> str | None:
     micro = per_device * dp
     now_per_device, now_cp = cfg.train.train_batch_size, cfg.parallel.cp_size
     now_dp = micro // now_per_device
-    changes = [f"{what} {was} -> {now}" for what, was, now in (("--train_batch_size", per_device, now_per_device),
-               ("data-parallel size", dp, now_dp), ("--cp_size", cp, now_cp)) if was != now]  # fmt: skip
+    changes = [
+        f"{what} {was} -> {now}"
+        for what, was, now in (
+            ("--train_batch_size", per_device, now_per_device),
+            ("data-parallel size", dp, now_dp),
+            ("--cp_size", cp, now_cp),
+        )
+        if was != now
+    ]
     if not changes:
         return None
     steps = f"{accumulation} micro-step{'s' if accumulation > 1 else ''}"

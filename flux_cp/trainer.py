@@ -57,8 +57,16 @@ class StepResult:
 
 
 def recipe_lines(cfg: Config) -> list[str]:
-    """What --train_text_encoder and --use_ema change in the run, said at its start."""
+    """What --transformer_init random, --train_text_encoder and --use_ema change in the run, said at its start."""
     lines = []
+    if cfg.model.transformer_init == "random":
+        model = cfg.model.pretrained_model_name_or_path or "the embedded tiny Flux"
+        trained = "fine-tuned transformer" if cfg.lora.full_finetune else "LoRA"
+        lines.append(
+            f"--transformer_init random: the transformer is built from the config of {model} with random weights "
+            f"(seed {cfg.train.seed}), not its pretrained weights: the {trained} belongs to that random base (the "
+            "model card, run_config.json and the summary say so)"
+        )
     if cfg.lora.train_text_encoder:
         lines.append(
             f"--train_text_encoder: a LoRA on CLIP (q_proj, k_proj, v_proj, out_proj; rank {cfg.lora.rank}) at "

@@ -258,8 +258,13 @@ def _batch_cut_into_micro_steps(t: Path) -> list[str]:
 
     ckpt = _small_checkpoint(t / "out", 2)
     cfg = resolved(parse_config(["--train_batch_size", "2", "--max_train_steps", "2"]), FLUX1, False, None)
-    meta = {"format": 1, "step": 2, "layout": "world 1 = dp 1 x cp 1", "args": cfg.flat(),
-            "run": run_identity(cfg, 2, "", None)}  # fmt: skip
+    meta = {
+        "format": 1,
+        "step": 2,
+        "layout": "world 1 = dp 1 x cp 1",
+        "args": cfg.flat(),
+        "run": run_identity(cfg, 2, "", None),
+    }
     (ckpt / "meta.json").write_text(json.dumps(meta))
     return ["--resume_from_checkpoint", "latest", "--train_batch_size", "1", "--gradient_accumulation_steps", "2"]
 

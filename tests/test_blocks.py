@@ -201,8 +201,11 @@ def test_a_count_of_blocks_above_the_model_s_is_refused_alike_for_checkpointing_
     from flux_cp.blocks import check_counts
     from flux_cp.errors import UsageError
 
-    with pytest.raises(UsageError, match=r"^--gradient_checkpointing 100: the transformer has 57 blocks; give at most "
-                       r"57, or 'all'$"):  # fmt: skip
+    with pytest.raises(
+        UsageError,
+        match=r"^--gradient_checkpointing 100: the transformer has 57 blocks; give at most "
+        r"57, or 'all'$",
+    ):
         check_counts("100", "0", 57)
     with pytest.raises(UsageError, match=r"^--offload_blocks 58: the transformer has 57 blocks; give at most 57$"):
         check_counts("none", "58", 57)

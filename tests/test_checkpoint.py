@@ -130,8 +130,10 @@ def test_another_cut_of_the_global_batch_into_micro_steps_is_refused_with_the_fl
 
     meta, _ = _written(["--train_batch_size", "2", "--cp_size", "2"])
     _, accumulated = _written(["--train_batch_size", "1", "--gradient_accumulation_steps", "2"])
-    advice = ("To continue it as it was, resume with --train_batch_size 2 --gradient_accumulation_steps 1 --cp_size 2 "
-              "on 2 processes (or any layout whose --train_batch_size x data-parallel size is 2)")  # fmt: skip
+    advice = (
+        "To continue it as it was, resume with --train_batch_size 2 --gradient_accumulation_steps 1 --cp_size 2 "
+        "on 2 processes (or any layout whose --train_batch_size x data-parallel size is 2)"
+    )
     with pytest.raises(UsageError) as refused:
         resume.check_compatible(meta, accumulated, tmp_path)
     assert f"incompatible run ({ACCUMULATION})." in str(refused.value)
@@ -159,9 +161,11 @@ def test_a_resume_on_another_layout_of_the_same_micro_steps_is_said_to_be_exact(
 
     meta, _ = _written(["--train_batch_size", "2", "--cp_size", "2"])
     line = resume.batch_layout_change(meta, parse_config(["--train_batch_size", "1", "--cp_size", "1"]))
-    assert line.startswith("--train_batch_size 2 -> 1, data-parallel size 1 -> 2, --cp_size 2 -> 1: exact, the same "
-                           "2 samples per micro-step (--train_batch_size x data-parallel size) and 1 micro-step per "
-                           "optimizer step")  # fmt: skip
+    assert line.startswith(
+        "--train_batch_size 2 -> 1, data-parallel size 1 -> 2, --cp_size 2 -> 1: exact, the same "
+        "2 samples per micro-step (--train_batch_size x data-parallel size) and 1 micro-step per "
+        "optimizer step"
+    )
     line = resume.batch_layout_change(meta, parse_config(["--train_batch_size", "2", "--cp_size", "4"]))
     assert line.startswith("--cp_size 2 -> 4: exact")
     assert resume.batch_layout_change(meta, parse_config(["--train_batch_size", "2", "--cp_size", "2"])) is None

@@ -153,8 +153,8 @@ def test_a_model_changed_since_the_checkpoint_is_refused_before_any_encoding(tmp
     from safetensors.torch import save_file
 
     model = Path(shutil.copytree(FLUX1.embedded_default(pairs=False), tmp_path / "model"))
-    flags = ["--pretrained_model_name_or_path", str(model), "--resolution", "64", "--max_sequence_length", "32",
-             "--output_dir", str(tmp_path / "out"), "--report_to", "none"]  # fmt: skip
+    tiny = "--resolution 64 --max_sequence_length 32 --report_to none".split()
+    flags = ["--pretrained_model_name_or_path", str(model), *tiny, "--output_dir", str(tmp_path / "out")]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as a process of its own would run it, on a machine the test workers share
     try:
@@ -170,8 +170,9 @@ def test_a_model_changed_since_the_checkpoint_is_refused_before_any_encoding(tmp
             config = json.loads((model / "vae" / "config.json").read_text())
             (model / "vae" / "config.json").write_text(json.dumps({**config, "scaling_factor": 0.5}))
         fresh = tmp_path / "fresh-cache"
-        code, stderr = in_process([*flags, "--encodings_dir", str(fresh), "--max_train_steps", "3",
-                                   "--resume_from_checkpoint", "latest"])  # fmt: skip
+        code, stderr = in_process(
+            [*flags, "--encodings_dir", str(fresh), "--max_train_steps", "3", "--resume_from_checkpoint", "latest"]
+        )
     finally:
         torch.set_num_threads(threads)
     assert code != 0
