@@ -824,6 +824,7 @@ class Config:
     demo: Demo | None = field(default=None, metadata={"resolution": True})
     demo_off: tuple[str, ...] = field(default=(), metadata={"resolution": True})
     demo_from: str | None = field(default=None, metadata={"resolution": True})
+    given: tuple[str, ...] = field(default=(), metadata={"resolution": True})  # the flags on the command line
 
     def sections(self) -> list[Any]:
         """The flag sections (model, lora, data, ...), in field order."""
@@ -1051,10 +1052,11 @@ def parse_config(argv: list[str] | None = None) -> Config:
         sections[name] = section(**values)
     off = off if _is_embedded(raw) and raw[_DEMO] is None else ()
     # empty paths refused, "~" expanded (said below)
-    config, notes = as_typed(Config(**sections, demo=raw[_DEMO], demo_off=off, demo_from=demo_from))
+    given = given_flags(parser, sys.argv[1:] if argv is None else argv)
+    parsed = Config(**sections, demo=raw[_DEMO], demo_off=off, demo_from=demo_from, given=tuple(sorted(given)))
+    config, notes = as_typed(parsed)
     config.check()
     if os.environ.get("RANK", "0") == "0":
-        given = given_flags(parser, sys.argv[1:] if argv is None else argv)
         for warning in unused_flags(given, config.flat()) + _setting_warnings(config, given):
             print(f"warning: {warning}", file=sys.stderr)
         for note in notes + ([resume_note] if resume_note else []):

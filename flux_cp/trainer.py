@@ -23,7 +23,21 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from . import blocks, diskspace, distributed, faults, metrics, optim, outdir, parallel, plan, quiet, resume, run_data
+from . import (
+    blocks,
+    diskspace,
+    distributed,
+    faults,
+    flag_ranges,
+    metrics,
+    optim,
+    outdir,
+    parallel,
+    plan,
+    quiet,
+    resume,
+    run_data,
+)
 from .batches import Batches
 from .config import Config
 from .data import ImageSource, open_source
@@ -277,6 +291,8 @@ class Trainer:
                 agreed=True,  # every rank counts the same batches
             )
         self.max_steps = max_steps = train.max_train_steps or train.num_train_epochs * steps_per_epoch
+        if train.max_train_steps is None:  # the step flags against the count only now known (else: at parse time)
+            self.check_step_flags(data.schedule.batches_per_epoch)
         self.checkpointing = plan.checkpointing_for_run(cfg, shape, self.device)
         self.text = text = None
         if cfg.lora.train_text_encoder:  # kept whole on every rank, outside prepare (flux_cp.text_encoder)
@@ -313,6 +329,18 @@ class Trainer:
             if warning:
                 logger.warning(f"warning: {warning}")
 
+    def check_step_flags(self, batches_per_epoch: int) -> None:
+        """The interval, step and count flags against the run's steps counted from its epochs (flux_cp.flag_ranges):
+        refused where the run can never give what they ask, a warning for each whose effect never happens."""
+        cfg, steps = self.cfg, f"the {self.max_steps} steps of --num_train_epochs {self.cfg.train.num_train_epochs}"
+        try:
+            flag_ranges.check_steps(cfg.flat(), self.max_steps, steps)
+        except UsageError as e:
+            raise UsageError(str(e), agreed=True) from None  # every rank counts the same batches
+        warnings = flag_ranges.step_warnings(cfg.given, cfg.flat(), self.max_steps, steps, batches_per_epoch)
+        for warning in warnings if self.layout.is_main else ():
+            logger.warning(f"warning: {warning}")
+
     def resume(self) -> int:
         """The step to start after: a compatible checkpoint's, restored on any layout, or 0. A run already finished
         (its last checkpoint at the last step, its outputs written) sets `done_before` and loads nothing."""
@@ -325,7 +353,13 @@ class Trainer:
         if found is None:
             return 0
         extra = {"ema": self.ema.state_dict()} if self.ema is not None else None
-        return resume.restore(*found, self.cfg, self.state_model, self.optimizer, self.lr_scheduler, extra)
+        step = resume.restore(*found, self.cfg, self.state_model, self.optimizer, self.lr_scheduler, extra)
+        profile = self.cfg.train.profile_step
+        if profile is not None and profile <= step and self.layout.is_main:
+            logger.warning(
+                f"warning: --profile_step {profile} is not after the resumed step {step}: nothing is profiled"
+            )
+        return step
 
     def train(self, start_step: int) -> None:
         """Every step after `start_step`, each queued on the device before the previous one is read."""

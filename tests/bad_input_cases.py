@@ -408,6 +408,23 @@ CASES = [
         flags_only=True,
     ),
     Case(
+        "profile_step_past_the_last_step",
+        "--profile_step 5 in a run of 2 steps (no step would be profiled)",
+        1,
+        lambda t: ["--profile_step", "5"],
+        "--profile_step 5 is past the last step of this run (--max_train_steps 2): no step would be profiled",
+        flags_only=True,
+    ),
+    Case(
+        "ema_never_updated",
+        "--use_ema --ema_update_interval 5 in a run of 2 steps (the output would be the initial weights)",
+        1,
+        lambda t: ["--use_ema", "--ema_update_interval", "5"],
+        "--ema_update_interval 5 > --max_train_steps 2: the EMA, the run's output with --use_ema, would never be "
+        "updated and would stay the initial weights",
+        flags_only=True,
+    ),
+    Case(
         "offload_blocks_beyond_the_model",
         "--offload_blocks 99 on a model of 4 blocks",
         1,
