@@ -245,6 +245,7 @@ def test_a_lora_of_a_random_initialised_base_is_not_published_as_one_for_the_pre
     no base_model, says the base was random-initialised from the config, gives no ComfyUI note for the pretrained
     model, and its snippet - like the summary's - rebuilds that random base before loading the LoRA; the run's start
     and run_config.json say the same."""
+    from flux_cp.lora import lora_origin
     from flux_cp.outputs import base_weights
     from flux_cp.summary import summary
     from flux_cp.trainer import recipe_lines
@@ -273,8 +274,11 @@ def test_a_lora_of_a_random_initialised_base_is_not_published_as_one_for_the_pre
         for line in recipe_lines(cfg)
     )
     assert base_weights(cfg).startswith("random-initialised from the config (seed 7)")
+    # the LoRA file's metadata names no base model either (diffusers' base_model, kohya's ss_sd_model_name)
+    assert lora_origin(cfg, kontext=False).base_model is None
     pretrained = _resolved(dev)
     assert base_weights(pretrained) == "pretrained" and not recipe_lines(pretrained)
+    assert lora_origin(pretrained, kontext=False).base_model == "black-forest-labs/FLUX.1-dev"
     assert "| base weights | pretrained |" in _parts(write_model_card(out, pretrained))[1]
 
 
