@@ -357,21 +357,23 @@ def _batch_geometry(meta: dict) -> tuple[int, int, int, int] | None:
     return per_device, total // (accumulation * per_device), cp, accumulation
 
 
-def _as_written(meta: dict) -> str:
+def _as_written(meta: dict, others: bool) -> str:
     """The flags that continue a checkpoint's run as it was written: its per-device batch and accumulation on its
-    number of processes and CP size (or any layout of the same samples per micro-step)."""
+    number of processes and CP size (or any layout of the same samples per micro-step); `others`: other settings
+    differ too."""
     geometry = _batch_geometry(meta)
+    also = " and the checkpoint's other settings" if others else ""
     if geometry is None:
         return (
-            "resume with the checkpoint's --train_batch_size, data-parallel size and --gradient_accumulation_steps, or "
-            "start a new --output_dir"
+            f"Resume with the checkpoint's --train_batch_size, data-parallel size and --gradient_accumulation_steps"
+            f"{also}, or start a new --output_dir"
         )
     per_device, dp, cp, accumulation = geometry
     processes = dp * cp
     return (
         f"To continue it as it was, resume with --train_batch_size {per_device} --gradient_accumulation_steps "
         f"{accumulation} --cp_size {cp} on {processes} process{'es' if processes > 1 else ''} (or any layout whose "
-        f"--train_batch_size x data-parallel size is {per_device * dp}), or start a new --output_dir"
+        f"--train_batch_size x data-parallel size is {per_device * dp}){also}, or start a new --output_dir"
     )
 
 
@@ -402,13 +404,12 @@ def check_compatible(meta: dict, run: dict, path: Path) -> None:
             diffs.append(f"{_LABELS.get(k, k)}: checkpoint {saved.get(k)!r}, now {v!r}")
     if not diffs:
         return
-    if any(k in run and k in saved and saved[k] != run[k] for k in _BATCH):
+    batch = sum(k in run and k in saved and saved[k] != run[k] for k in _BATCH)
+    if batch:
         then = (
             "The samples, noise and timesteps of a step are drawn per micro-step, so another global batch or another "
-            f"cut of it into micro-steps trains on other draws. {_as_written(meta)}"
+            f"cut of it into micro-steps trains on other draws. {_as_written(meta, others=len(diffs) > batch)}"
         )
-        if len(diffs) > sum(k in run and k in saved and saved[k] != run[k] for k in _BATCH):
-            then += " (with the checkpoint's other settings)"
     else:
         then = (
             "Resume with the same settings (another dp x cp layout is fine when --train_batch_size x data-parallel "

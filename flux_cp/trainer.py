@@ -266,8 +266,10 @@ class Trainer:
 
         def identity() -> dict:
             transformer = transformer_fingerprint(cfg.model, shape.model_path, shape.family.transformer_class())
-            known = resume.run_identity(cfg, self.samples_per_step(), source.identity(), self.identity_buckets(),
-                                        components={**components, "transformer": transformer})  # fmt: skip
+            components_now = {**components, "transformer": transformer}
+            known = resume.run_identity(
+                cfg, self.samples_per_step(), source.identity(), self.identity_buckets(), components=components_now
+            )
             known.pop("prior")  # the class images are known once rendered: checked when the model is built
             return known
 
@@ -278,10 +280,6 @@ class Trainer:
         LoRA or full, the seed checkpoint), made to run on the layout by `parallelize` (CP, checkpointing and
         compile, block offload, the optimizer, FSDP2 or DDP), and the LR schedule."""
         cfg, layout, train, shape = self.cfg, self.layout, self.cfg.train, self.shape
-        transformer, self.components["transformer"] = load_trainee(
-            cfg, shape.model_path, shape.family.transformer_class(), shape.family.quantized_parts, self.weight_dtype,
-            self.device, layout.is_main,
-        )  # fmt: skip
         data = self.data
         steps_per_epoch = data.schedule.batches_per_epoch // train.gradient_accumulation_steps
         if steps_per_epoch == 0 and train.max_train_steps is None:
@@ -293,6 +291,10 @@ class Trainer:
         self.max_steps = max_steps = train.max_train_steps or train.num_train_epochs * steps_per_epoch
         if train.max_train_steps is None:  # the step flags against the count only now known (else: at parse time)
             self.check_step_flags(data.schedule.batches_per_epoch)
+        transformer, self.components["transformer"] = load_trainee(
+            cfg, shape.model_path, shape.family.transformer_class(), shape.family.quantized_parts, self.weight_dtype,
+            self.device, layout.is_main,
+        )  # fmt: skip
         self.checkpointing = plan.checkpointing_for_run(cfg, shape, self.device)
         self.text = text = None
         if cfg.lora.train_text_encoder:  # kept whole on every rank, outside prepare (flux_cp.text_encoder)
