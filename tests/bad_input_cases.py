@@ -248,25 +248,33 @@ def _checkpoint_beyond_the_steps(t: Path) -> list[str]:
     return ["--resume_from_checkpoint", str(_checkpoint(t / "out", 4))]
 
 
-def _batch_cut_into_micro_steps(t: Path) -> list[str]:
-    """A checkpoint of the same run at --train_batch_size 2, resumed at batch 1 with 2 accumulated micro-steps (the
-    same global batch, other draws)."""
+def _checkpoint_with_flags(t: Path, flags: list[str]) -> Path:
+    """A checkpoint-2 in the output folder whose meta.json is that of a run of the embedded default with `flags` (its
+    run identity and flags; the state is a small model's, never loaded: the resume is refused before)."""
     from flux_cp.config import parse_config
     from flux_cp.families import FLUX1
     from flux_cp.resume import run_identity
     from flux_cp.shape import resolved
 
     ckpt = _small_checkpoint(t / "out", 2)
-    cfg = resolved(parse_config(["--train_batch_size", "2", "--max_train_steps", "2"]), FLUX1, False, None)
-    meta = {
-        "format": 1,
-        "step": 2,
-        "layout": "world 1 = dp 1 x cp 1",
-        "args": cfg.flat(),
-        "run": run_identity(cfg, 2, "", None),
-    }
+    cfg = resolved(parse_config([*flags, "--max_train_steps", "2"]), FLUX1, False, None)
+    samples = cfg.train.train_batch_size * cfg.train.gradient_accumulation_steps
+    run = run_identity(cfg, samples, "", None)
+    meta = {"format": 1, "step": 2, "layout": "world 1 = dp 1 x cp 1", "args": cfg.flat(), "run": run}
     (ckpt / "meta.json").write_text(json.dumps(meta))
+    return ckpt
+
+
+def _batch_cut_into_micro_steps(t: Path) -> list[str]:
+    """A checkpoint of the same run at --train_batch_size 2, resumed at batch 1 with 2 accumulated micro-steps (the
+    same global batch, other draws)."""
+    _checkpoint_with_flags(t, ["--train_batch_size", "2"])
     return ["--resume_from_checkpoint", "latest", "--train_batch_size", "1", "--gradient_accumulation_steps", "2"]
+
+
+def _another_seed(t: Path) -> list[str]:
+    _checkpoint_with_flags(t, ["--seed", "5"])
+    return ["--resume_from_checkpoint", "latest"]
 
 
 def _flux1(t: Path) -> str:
@@ -635,6 +643,13 @@ CASES = [
         lambda t: ["--resume_from_checkpoint", "checkpoint-9"],
         "--resume_from_checkpoint checkpoint-9: no such checkpoint folder (tried ",
         flags_only=True,
+    ),
+    Case(
+        "resume_with_another_seed",
+        "a checkpoint of --seed 5 resumed with the default seed (every draw is keyed by it)",
+        1,
+        _another_seed,
+        "comes from an incompatible run (seed: checkpoint 5, now 0)",
     ),
     Case(
         "resume_with_another_cut_of_the_global_batch",
