@@ -37,6 +37,7 @@ from cp import Tuning
 from cp.modes import saved_ops
 from cp.schedule import inductor_options
 
+from .errors import UsageError
 from .families import blocks_of
 
 
@@ -81,7 +82,8 @@ def checkpoint_eager(block: torch.nn.Module) -> None:
 
 def checkpointed_blocks(value: str, total: int) -> int | None:
     """Blocks checkpointed for a `--gradient_checkpointing` value on a transformer of `total` blocks; None for
-    `auto` (the planner decides, `flux_cp.plan.choose_checkpointing`). A number above `total` is all of them."""
+    `auto` (the planner decides, `flux_cp.plan.choose_checkpointing`). A number above `total` is refused at start
+    (`check_counts`)."""
     if value == "auto":
         return None
     if value == "all":
@@ -91,11 +93,15 @@ def checkpointed_blocks(value: str, total: int) -> int | None:
     return min(int(value), total)
 
 
-def more_blocks_than_there_are(value: str, total: int) -> str | None:
-    """What to say when `--gradient_checkpointing` names more blocks than the transformer has (all are checkpointed)."""
-    if not value.isdigit() or int(value) <= total:
-        return None
-    return f"--gradient_checkpointing {value}: the transformer has {total} blocks, all checkpointed (as with 'all')"
+def check_counts(gradient_checkpointing: str, offload_blocks: str, total: int) -> None:
+    """One line when --gradient_checkpointing or --offload_blocks names more blocks than the transformer's `total`:
+    a count beyond the model is a typo more often than a wish for all of them (the trainer and --plan alike)."""
+    for flag, value, other in (
+        ("--gradient_checkpointing", gradient_checkpointing, ", or 'all'"),
+        ("--offload_blocks", offload_blocks, ""),
+    ):
+        if value.isdigit() and int(value) > total:
+            raise UsageError(f"{flag} {value}: the transformer has {total} blocks; give at most {total}{other}")
 
 
 def attention_recomputed(train) -> bool:

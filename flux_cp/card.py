@@ -63,8 +63,10 @@ def snippet(
     pipeline = pipeline or ("FluxKontextPipeline" if kontext else "FluxPipeline")
     prompt = (cfg.validation.validation_prompt or (cfg.data.instance_prompt,))[0] or "a photo"
     load_base = repr(base) if base else f"ensure_tiny_pipeline({'kontext=True' if kontext else ''})"
+    # --transformer_init random: a LoRA belongs to the random transformer it trained on, rebuilt as the run built it
+    random_base = cfg.model.transformer_init == "random" and not cfg.lora.full_finetune
     lines = ["import torch"]
-    if cfg.lora.full_finetune:
+    if cfg.lora.full_finetune or random_base:
         lines.append(f"from diffusers import {pipeline}, {transformer_class}")
     else:
         lines.append(f"from diffusers import {pipeline}")
@@ -72,6 +74,10 @@ def snippet(
         lines.append("from diffusers.utils import load_image")
     if not base:
         lines.append("from flux_cp.tiny import ensure_tiny_pipeline  # the tiny Flux this demo trained")
+    if random_base:
+        lines.append(
+            "from flux_cp.random_weights import build_random, name_seed  # the random base the LoRA trained on"
+        )
     lines += [
         "",
         'device = "cuda" if torch.cuda.is_available() else "cpu"',
@@ -82,6 +88,15 @@ def snippet(
             f'transformer = {transformer_class}.from_pretrained({source!r}, subfolder="transformer", dtype=dtype)'
         )
         lines.append(f"pipe = {pipeline}.from_pretrained({load_base}, transformer=transformer, dtype=dtype)")
+    elif random_base:
+        lines += [
+            f"base = {load_base}",
+            f'config = dict({transformer_class}.load_config(base, subfolder="transformer"))',
+            f"transformer = build_random({transformer_class}, config, dtype, torch.device(device), "
+            f'name_seed("transformer", {cfg.train.seed}))',
+            f"pipe = {pipeline}.from_pretrained(base, transformer=transformer, dtype=dtype)",
+            f"pipe.load_lora_weights({source!r}, weight_name={LORA_FILE!r})",
+        ]
     else:
         lines.append(f"pipe = {pipeline}.from_pretrained({load_base}, dtype=dtype)")
         lines.append(adapters.load_line(cfg.lora.adapter, source, LORA_FILE))  # LoKr: the transformer's loader
@@ -97,6 +112,142 @@ def snippet(
         lines.append(f"image = pipe({args}).images[0]")
     lines.append('image.save("image.png")')
     return "\n".join(lines)
+
+
+# --base_precision, said for people
+_STORED = {
+    "fp8": "float8 (torchao, one byte per weight)",
+    "int8": "int8 (torchao, one byte per weight)",
+    "nf4": "4-bit NormalFloat (bitsandbytes, as QLoRA)",
+}
+
+
+def run_notes(cfg: Config, base: str) -> list[str]:
+    """What the trained weights rest on and what they are, where it is not the plain case (a pretrained bf16 base, the
+    raw trained weights), one sentence each for people: a random-initialised base, a quantized frozen base, the EMA
+    as the output, a text encoder's LoRA. The model card and the summary say them; the log said them at the start.
+    `base`: the base model as the text names it."""
+    full, train = cfg.lora.full_finetune, cfg.train
+    trained = "fine-tuned transformer" if full else "LoRA"
+    notes = []
+    if cfg.model.transformer_init == "random":
+        notes.append(
+            f"The transformer was random-initialised from the config of {base} (--transformer_init random, seed "
+            f"{train.seed}): the model's pretrained weights were not used, so the {trained} belongs to that random "
+            "base, not to the pretrained model."
+            + ("" if full else " The snippet below rebuilds that base and loads the LoRA into it.")
+        )
+    precision = cfg.model.base_precision
+    if precision != "bf16" and not full:
+        notes.append(
+            f"The frozen base was stored in {_STORED.get(precision, precision)} while the LoRA trained "
+            f"(--base_precision {precision}): it learned against those weights, and on the bf16 model it meets "
+            "slightly different ones."
+        )
+    if train.use_ema:
+        every = "step" if train.ema_update_interval == 1 else f"{train.ema_update_interval} steps"
+        notes.append(
+            f"The {'weights are' if full else 'LoRA is'} the exponential moving average of the trained weights "
+            f"(--use_ema: decay up to {train.ema_decay:g}, updated every {every}), "
+            "as are the validation images; the checkpoints hold the raw weights beside it."
+        )
+    if cfg.lora.train_text_encoder:
+        notes.append(
+            f"A LoRA of the CLIP text encoder trained beside the transformer's (--train_text_encoder, learning rate "
+            f"{train.text_encoder_lr:g}): the LoRA file holds it under text_encoder.* keys, and the pipeline's "
+            "load_lora_weights loads both."
+        )
+    return notes
+
+
+# Flags the card shows in rows of their own or in its snippet, and flags that say where a run's files are (local paths,
+# the upload, the planner: kept off a card that is published, as run_config.json is)
+_SHOWN = {
+    "pretrained_model_name_or_path",
+    "dataset_name",
+    "instance_data_dir",
+    "resolution",
+    "aspect_buckets",
+    "max_train_steps",
+    "num_train_epochs",
+    "train_batch_size",
+    "gradient_accumulation_steps",
+    "learning_rate",
+    "lr_scheduler",
+    "lr_warmup_steps",
+    "optimizer",
+    "use_8bit_adam",
+    "adam_beta1",
+    "adam_beta2",
+    "adam_weight_decay",
+    "adam_epsilon",
+    "prodigy_beta3",
+    "prodigy_decouple",
+    "prodigy_use_bias_correction",
+    "prodigy_safeguard_warmup",
+    "full_finetune",
+    "rank",
+    "lora_alpha",
+    "lora_dropout",
+    "lora_layers",
+    "mixed_precision",
+    "cp_size",
+    "cp_mode",
+    "seed",
+    "repeats",
+    "caption_dropout",
+    "with_prior_preservation",
+    "class_prompt",
+    "num_class_images",
+    "prior_loss_weight",
+    "lora_format",
+    "instance_prompt",
+    "validation_prompt",
+    "num_validation_images",
+    "transformer_init",
+    "base_precision",
+    "use_ema",
+    "ema_decay",
+    "ema_update_interval",
+    "train_text_encoder",
+    "text_encoder_lr",
+}
+_LOCAL = {
+    "cache_dir",
+    "class_data_dir",
+    "encodings_dir",
+    "output_dir",
+    "logging_dir",
+    "seed_checkpoint",
+    "resume_from_checkpoint",
+    "validation_image",
+    "overwrite_output_dir",
+    "report_to",
+    "push_to_hub",
+    "hub_model_id",
+    "plan",
+    "gpu_memory_gib",
+    "num_processes",
+}
+
+
+def other_settings(cfg: Config, family: Family, kontext: bool) -> list[str]:
+    """`--flag value` of every other flag whose value is not its default (config.non_default), as a command line
+    would give it (the family's own default --vae_encode_mode is no change)."""
+    from .config import non_default
+
+    out = []
+    for name, value in non_default(cfg).items():
+        if name in _SHOWN or name in _LOCAL:
+            continue
+        if name == "vae_encode_mode" and value == family.default_vae_encode_mode(kontext):
+            continue
+        if value is True:
+            out.append(f"--{name}")
+        else:
+            text = ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+            out.append(f"--{name} {text}")
+    return out
 
 
 def markdown(text: object) -> str:
@@ -132,10 +283,17 @@ def _comfyui(cfg: Config, base_name: str, family: Family) -> str | None:
         else "diffusers' key names (`transformer.<layer>.lora_A/lora_B`), which ComfyUI maps for "
         + family.comfyui_mapping
     )
+    if cfg.model.transformer_init == "random":
+        return None  # the LoRA belongs to a random transformer, not to the model a ComfyUI user has
+    held = (
+        "LoRAs of the transformer and, under text_encoder.* keys, of the CLIP text encoder (LoraLoaderModelOnly "
+        "applies the transformer's)"
+        if cfg.lora.train_text_encoder
+        else "LoRAs of the transformer only (none for the text encoders)"
+    )
     text = (
         f"Copy `{LORA_FILE}` (rename it as you like) into `ComfyUI/models/loras/` and apply it with a "
-        f"*LoraLoaderModelOnly* node to the {base_name} model. The file holds LoRAs of the transformer only (none for "
-        f"the text encoders), in {layout}."
+        f"*LoraLoaderModelOnly* node to the {base_name} model. The file holds {held}, in {layout}."
     )
     skipped = family.comfyui_skips(cfg.lora.lora_layers or ())
     if skipped:
@@ -171,7 +329,8 @@ def write_model_card(
     out = Path(output_dir)
     base = cfg.model.pretrained_model_name_or_path
     known = known_model(base)
-    hub_base = base if _is_hub_id(base) else None
+    random_init = cfg.model.transformer_init == "random"
+    hub_base = base if _is_hub_id(base) and not random_init else None  # not trained on that model's weights
     family = family or FLUX1
     label = family.pairs_label if kontext else family.label
     base_name = known.model_id.split("/")[-1] if known else markdown(base or family.label)
@@ -212,6 +371,13 @@ def write_model_card(
         if full
         else f"{adapter} weights (rank {lora.rank}, alpha {lora.lora_alpha}) for"
     )
+    if random_init:
+        what = (
+            "a transformer trained from random weights with the config of"
+            if full
+            else f"{adapter} weights (rank {lora.rank}, alpha {lora.lora_alpha}) for a random-initialised transformer "
+            "with the config of"
+        )
     body = [
         f"# {label} {kind} - {markdown(name)}",
         "",
@@ -224,14 +390,19 @@ def write_model_card(
         "training without it).",
         "",
     ]
+    for note in run_notes(cfg, base_text):
+        body += [note, ""]
     if cfg.data.instance_prompt:
         trigger = f"You should use {code_span(cfg.data.instance_prompt)} to trigger the image generation."
         body += ["## Trigger words", "", trigger, ""]
     body += ["## Training settings", "", "| setting | value |", "|---|---|"]
     cp = f"--cp_size {cfg.parallel.cp_size}, mode {cp_mode or cfg.parallel.cp_mode}"
     cp = cp if cfg.parallel.cp_size > 1 else "off (--cp_size 1)"
+    precision = cfg.model.base_precision
     rows = [
         ("base model", markdown(base) if base else "embedded tiny Flux"),
+        ("base weights", f"random-initialised from its config (--transformer_init random, seed {cfg.train.seed})"
+                         if random_init else "pretrained"),
         ("data", (markdown(cfg.data.dataset_name) if cfg.data.dataset_name else "the bundled data set")
                  + (f" ({family.pairs_label} pairs)" if kontext else "")),
         ("resolution", f"{', '.join(map(str, cfg.data.resolution))} px"
@@ -256,6 +427,22 @@ def write_model_card(
     if options.with_prior_preservation:
         prior = f"class prompt '{markdown(options.class_prompt)}', {options.num_class_images} class images"
         rows.append(("prior preservation", f"{prior}, prior loss weight {options.prior_loss_weight:g}"))
+    if not full:
+        rows.append(
+            (
+                "base precision",
+                "bf16 (as loaded)" if precision == "bf16" else f"{precision}: {_STORED.get(precision, precision)}",
+            )
+        )
+    if cfg.train.use_ema:
+        rows.append(
+            ("EMA", f"the output (decay up to {cfg.train.ema_decay:g}, every {cfg.train.ema_update_interval} steps)")
+        )
+    if lora.train_text_encoder:
+        rows.append(("text encoder", f"CLIP LoRA, learning rate {cfg.train.text_encoder_lr:g}"))
+    others = other_settings(cfg, family, kontext)
+    if others:
+        rows.append(("other settings", markdown(", ".join(others))))
     if not full:
         rows.append(("LoRA file", f"`{LORA_FILE}`, {cfg.lora.lora_format} format"))
         if adapters.description(cfg.lora.adapter):

@@ -66,6 +66,33 @@ def list_checkpoints(output_dir: str | os.PathLike) -> list[tuple[int, Path]]:
     return sorted(out)
 
 
+def named_folder(resume: str | None, output_dir: str) -> tuple[str | None, str | None]:
+    """`--resume_from_checkpoint` as the folder to resume: 'latest' and paths as given; a bare name (no folder part)
+    that is no folder here is a folder of `output_dir`, as diffusers' examples read one (checkpoint-2). Returns (the
+    value to use, the line saying which folder a bare name named, or None). A UsageError naming the paths tried when
+    a bare name names no folder, or one in each place."""
+    if resume in (None, "latest") or not resume.strip() or resume.startswith("~") or "/" in resume or os.sep in resume:
+        return resume, None  # a path: checked as given (flux_cp.config)
+    here, inside = Path(resume), Path(os.path.expanduser(output_dir)) / resume
+    if here.is_dir() and inside.is_dir() and not os.path.samefile(here, inside):
+        raise UsageError(
+            f"--resume_from_checkpoint {resume} names two folders, {here.absolute()} (from the current folder) and "
+            f"{inside} (in --output_dir): pass the path of the one to resume"
+        )
+    if here.is_dir():
+        return resume, None
+    if not inside.is_dir():
+        raise UsageError(
+            f"--resume_from_checkpoint {resume}: no such checkpoint folder (tried {here.absolute()} and {inside}, in "
+            "--output_dir)"
+        )
+    return (
+        str(inside),
+        f"--resume_from_checkpoint {resume} is {inside} (a bare name is a folder of --output_dir, as in diffusers' "
+        "examples)",
+    )
+
+
 def resolve(resume: str | None, output_dir: str) -> Path | None:
     """The checkpoint folder to resume from: None (fresh start), `latest` (None if there is none yet)."""
     if resume is None:

@@ -28,7 +28,7 @@ from cp.kernels import DEFAULT_PREFERENCE, KERNELS
 from cp.modes import MODES
 
 from . import adapters, config_file, hub
-from .checkpoint import saved_run
+from .checkpoint import named_folder, saved_run
 from .errors import UsageError
 from .flag_ranges import check_ranges, given_flags, unused_flags
 from .path_flags import as_typed
@@ -267,6 +267,15 @@ class ModelConfig:
     def embedded_default(self) -> bool:
         """No model named: the tiny Flux built locally, trained on the bundled data set."""
         return self.pretrained_model_name_or_path is None
+
+    def check(self) -> None:
+        path = self.pretrained_model_name_or_path
+        if self.revision is not None and path is not None and os.path.isdir(path):
+            raise UsageError(
+                f"--revision {self.revision} with the local model folder {path}: a revision is a branch, tag or commit "
+                "of a hub repository, and a folder holds one version of its files (diffusers ignores --revision "
+                "there); drop --revision, or pass the hub id to load that revision"
+            )
 
 
 @dataclass(frozen=True)
@@ -759,7 +768,9 @@ class CheckpointConfig:
         None, "Max number of checkpoints to store (the oldest are removed). Default: keep them all."
     )
     resume_from_checkpoint: str | None = flag(
-        None, "'latest' (of --output_dir) or a checkpoint folder. Default: start from step 0."
+        None,
+        "'latest' (of --output_dir) or a checkpoint folder; a bare name (checkpoint-2) that is no folder here is one "
+        "of --output_dir, as in diffusers' examples. Default: start from step 0.",
     )
     checkpoint_weights_only: bool = flag(
         False,
@@ -882,6 +893,7 @@ class Config:
     demo: Demo | None = field(default=None, metadata={"resolution": True})
     demo_off: tuple[str, ...] = field(default=(), metadata={"resolution": True})
     demo_from: str | None = field(default=None, metadata={"resolution": True})
+    given: tuple[str, ...] = field(default=(), metadata={"resolution": True})  # the flags on the command line
 
     def sections(self) -> list[Any]:
         """The flag sections (model, lora, data, ...), in field order."""
@@ -950,6 +962,23 @@ class Config:
             steps = f"{steps} step{'s' * (steps > 1)}" if steps else f"{epochs} epoch{'s' * (epochs > 1)}"
             return [f"the demo's settings are off ({given} given): {steps}, {lr}, as for real runs"]
         return []
+
+
+def non_default(cfg: Config) -> dict[str, Any]:
+    """{flag: value} of every flag (the secret ones aside) whose value is not its default; a derived default is taken
+    from the run's other values as parsing derives it (--lora_alpha against --rank, the demo's settings for a
+    demo)."""
+    raw = {**cfg.flat(), _DEMO: cfg.demo}
+    out = {}
+    for section in cfg.sections():
+        for f in dataclasses.fields(section):
+            if f.metadata["secret"]:
+                continue
+            value, derive = getattr(section, f.name), f.metadata["derive"]
+            default = derive(raw) if derive else f.default
+            if value != default:
+                out[f.name] = value
+    return out
 
 
 # Argument-group titles of --help, in the order sections appear there.
@@ -1084,6 +1113,8 @@ def parse_config(argv: list[str] | None = None) -> Config:
         if raw["dataset_name"] is not None:
             raise UsageError("--dataset_name and --instance_data_dir both name the training data: give one of them")
         raw["dataset_name"] = raw["instance_data_dir"]
+    # a bare checkpoint name is a folder of --output_dir (as diffusers' examples read it), said below
+    raw["resume_from_checkpoint"], resume_note = named_folder(raw["resume_from_checkpoint"], raw["output_dir"])
     raw[_DEMO] = _demo_of(raw)  # the embedded default on a bundled data set with no step count (the README's demos)
     resumed = _resumed_demo(raw)  # ... or a resume of such a run, which keeps its settings (a step count extends it)
     if resumed is not None:
@@ -1105,7 +1136,8 @@ def parse_config(argv: list[str] | None = None) -> Config:
     off = off if _is_embedded(raw) and raw[_DEMO] is None else ()
     # empty paths refused, "~" expanded (said below)
     try:
-        config, notes = as_typed(Config(**sections, demo=raw[_DEMO], demo_off=off, demo_from=demo_from))
+        parsed = Config(**sections, demo=raw[_DEMO], demo_off=off, demo_from=demo_from, given=tuple(sorted(given)))
+        config, notes = as_typed(parsed)
         config.check()
     except UsageError as e:
         flag = re.match(r"--(\w+)", str(e))
@@ -1115,7 +1147,7 @@ def parse_config(argv: list[str] | None = None) -> Config:
     if os.environ.get("RANK", "0") == "0":
         for warning in unused_flags(given, config.flat()) + _setting_warnings(config, given):
             print(f"warning: {warning}", file=sys.stderr)
-        for note in file_notes + notes:
+        for note in file_notes + notes + ([resume_note] if resume_note else []):
             print(f"flux-cp: {note}", file=sys.stderr)
     return config
 

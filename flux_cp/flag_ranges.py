@@ -10,6 +10,7 @@ bound is there, and the message repeats it.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -176,6 +177,9 @@ def check_ranges(values: Mapping[str, object], rules: Iterable[Rule] = RULES) ->
         given = values.get(flag)
         if isinstance(given, tuple) and len(given) > most:
             raise UsageError(f"--{flag} gives {len(given)} {what}: at most {most} ({why})")
+    steps = values.get("max_train_steps")
+    if isinstance(steps, int) and not isinstance(steps, bool):  # known from the flags (else the trainer checks)
+        check_steps(values, steps, f"--max_train_steps {steps}")
     lr, decay = values.get("learning_rate"), values.get("adam_weight_decay")
     if lr is not None and decay is not None and lr * decay >= 1:
         raise UsageError(
@@ -211,7 +215,15 @@ _USED_ONLY = (
      lambda v: bool(v.get("with_prior_preservation")), "without --with_prior_preservation"),
     (("text_encoder_lr", "adam_weight_decay_text_encoder"), lambda v: bool(v.get("train_text_encoder")),
      "without --train_text_encoder"),
+    (("text_encoder_lr",), lambda v: not v.get("train_text_encoder") or v.get("optimizer") != "prodigy",
+     "with --optimizer prodigy (it takes --learning_rate for both, as diffusers' example)"),
     (("ema_decay", "ema_update_interval"), lambda v: bool(v.get("use_ema")), "without --use_ema"),
+    (("num_train_epochs",), lambda v: v.get("max_train_steps") is None,
+     "with --max_train_steps (it sets the number of steps)"),
+    (("logging_dir",), lambda v: v.get("report_to") != "none", "with --report_to none (no tracker writes logs)"),
+    (("image_column", "dataset_config_name"),
+     lambda v: bool(v.get("dataset_name")) and not os.path.isdir(str(v.get("dataset_name"))),
+     "without a hub data set (--dataset_name owner/name; a local folder's metadata.jsonl names its images)"),
     (("num_processes",), lambda v: bool(v.get("plan")), "without --plan (accelerate launch sets the processes)"),
     (("hub_model_id", "hub_token"), lambda v: bool(v.get("push_to_hub")), "without --push_to_hub"),
     (("cp_overlap",), lambda v: bool((v.get("compile") or v.get("compile_mode")) and v.get("cp_size", 1) > 1),
@@ -237,9 +249,60 @@ def unused_flags(given: Iterable[str], values: Mapping[str, object]) -> list[str
     if "cp_mode" in given and mode not in ("auto", DEFAULT_MODE) and (values.get("cp_size") or 1) == 1:
         out.append(f"--cp_mode {mode} has no effect at --cp_size 1 (one rank holds the whole sequence: no CP exchange "
                    f"runs, run_config.json records {DEFAULT_MODE})")  # fmt: skip
-    warmup, steps = values.get("lr_warmup_steps"), values.get("max_train_steps")
-    if "lr_warmup_steps" in given and steps and warmup and warmup >= steps and values.get("lr_scheduler") != "constant":
-        out.append(f"--lr_warmup_steps {warmup} >= --max_train_steps {steps}: the LR never reaches --learning_rate")
+    steps = values.get("max_train_steps")
+    if steps:  # known from the flags (else from the data's epoch: the trainer says it then)
+        out += step_warnings(given, values, steps, f"--max_train_steps {steps}")
+    return out
+
+
+def check_steps(values: Mapping[str, object], max_steps: int, steps: str) -> None:
+    """A UsageError for a step flag whose effect a run of `max_steps` optimizer steps (`steps`: what set them, e.g.
+    "--max_train_steps 200") can never give, where the user clearly expected it: a profile of a step past the last,
+    and an EMA never updated (its interval beyond the run), which would make the run's output the initial weights."""
+    profile = values.get("profile_step")
+    if profile is not None and profile > max_steps:
+        raise UsageError(
+            f"--profile_step {profile} is past the last step of this run ({steps}): no step would be profiled; give a "
+            f"step from 1 to {max_steps}"
+        )
+    every = values.get("ema_update_interval")
+    if values.get("use_ema") and every is not None and every > max_steps:
+        raise UsageError(
+            f"--ema_update_interval {every} > {steps}: the EMA, the run's output with --use_ema, would never be "
+            f"updated and would stay the initial weights; give an interval of at most {max_steps}"
+        )
+
+
+def step_warnings(
+    given: Iterable[str], values: Mapping[str, object], max_steps: int, steps: str, batches_per_epoch: int | None = None
+) -> list[str]:
+    """One warning per interval or count flag given whose effect never happens in a run of `max_steps` optimizer
+    steps (`steps`: what set them), and, for a run counted in epochs (`batches_per_epoch` global batches each), an
+    accumulation that leaves batches of every epoch out of the count."""
+    given, out = set(given), []
+    every = values.get("validation_steps")
+    if "validation_steps" in given and values.get("validation_prompt") and every and every >= max_steps:
+        out.append(f"--validation_steps {every} >= {steps}: validation images are rendered at the end only")
+    every = values.get("checkpointing_steps")
+    if "checkpointing_steps" in given and every and every >= max_steps:
+        out.append(f"--checkpointing_steps {every} >= {steps}: only the final checkpoint is written")
+    limit = values.get("checkpoints_total_limit")
+    if "checkpoints_total_limit" in given and limit and every and not values.get("resume_from_checkpoint"):
+        saves = -(-max_steps // every)  # one every --checkpointing_steps, and the last
+        if saves <= limit:
+            written = f"{saves} checkpoint{'s' if saves > 1 else ''}"
+            out.append(f"--checkpoints_total_limit {limit}: this run ({steps}) writes {written}, so none is removed")
+    warmup = values.get("lr_warmup_steps")
+    if "lr_warmup_steps" in given and warmup and warmup >= max_steps and values.get("lr_scheduler") != "constant":
+        out.append(f"--lr_warmup_steps {warmup} >= {steps}: the LR never reaches --learning_rate")
+    accumulation = values.get("gradient_accumulation_steps") or 1
+    if batches_per_epoch and batches_per_epoch % accumulation:
+        epochs = values.get("num_train_epochs") or 1
+        out.append(
+            f"an epoch has {batches_per_epoch} global batches, not a multiple of --gradient_accumulation_steps "
+            f"{accumulation}: {steps} train {max_steps * accumulation} of the {epochs * batches_per_epoch} batches "
+            f"of {epochs} epoch{'s' if epochs > 1 else ''}; set --max_train_steps to choose the count"
+        )
     return out
 
 

@@ -88,7 +88,9 @@ def save_lora(
 
 
 def lora_origin(cfg: Config, kontext: bool) -> Origin:
-    """The `origin` of a run's LoRA file: its base model (--pretrained_model_name_or_path), the run's name (its
-    output folder's), the (largest) training resolution, and whether it trained on FLUX.1 Kontext pairs."""
+    """The `origin` of a run's LoRA file: its base model (--pretrained_model_name_or_path; none for a transformer
+    random-initialised from its config, which the LoRA belongs to instead), the run's name (its output folder's), the
+    (largest) training resolution, and whether it trained on FLUX.1 Kontext pairs."""
     name = Path(cfg.train.output_dir).resolve().name
-    return Origin(cfg.model.pretrained_model_name_or_path, name, cfg.data.largest_resolution, kontext)
+    base = cfg.model.pretrained_model_name_or_path if cfg.model.transformer_init == "pretrained" else None
+    return Origin(base, name, cfg.data.largest_resolution, kontext)

@@ -103,6 +103,24 @@ def load_transformer(model: ModelConfig, path: str, cls: type, dtype: torch.dtyp
     ).to(device)
 
 
+def transformer_fingerprint(model: ModelConfig, path: str, cls: type) -> str:
+    """The fingerprint `load_trainee` gives the transformer (its config and weight files' content; random weights:
+    its config alone), from its config.json and weight files without loading them (the model is built on the meta
+    device), so that a resume on a changed model is refused before any work."""
+    from accelerate import init_empty_weights
+
+    try:
+        config = cls.load_config(path, subfolder="transformer", revision=model.revision, cache_dir=model.cache_dir)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"cannot read transformer/config.json under {path}: {str(e).splitlines()[0]}") from None
+    with init_empty_weights():
+        module = cls.from_config(config)
+    pretrained = model.transformer_init == "pretrained"
+    return model_fingerprint(
+        module, component_folder(path, "transformer", model.revision, model.cache_dir) if pretrained else None
+    )
+
+
 def load_trainee(cfg: Config, path: str, cls: type, quantized_parts: tuple[str, ...], dtype: torch.dtype,
                  device: torch.device, is_main: bool) -> tuple[torch.nn.Module, str]:  # fmt: skip
     """The transformer (diffusers class `cls`, of the model at `path`) to train and the fingerprint of its weights as

@@ -355,10 +355,12 @@ def finished_line(path: Path, steps: int) -> str:
     )
 
 
-def claim_run(cfg: Config, model_path: str, is_main: bool) -> None:
+def claim_run(cfg: Config, model_path: str, is_main: bool, identity: dict | None = None) -> None:
     """`claim` the output folder for the run of `cfg` (the main process; every rank learns the result): apart from
     the model, the data set, the class images, the encoding cache and the tracker logs (flux_cp.roles), and a resume
-    needing other class images than this run's refused before any is generated; the lines to log are logged."""
+    needing other class images than this run's, or of a run whose `identity` (the keys of the run identity the flags
+    decide: flux_cp.resume.flag_identity) differs, refused before anything is set aside, loaded or generated; the
+    lines to log are logged."""
     problem, claimed = None, None
     if is_main:
         data = cfg.data
@@ -375,7 +377,10 @@ def claim_run(cfg: Config, model_path: str, is_main: bool) -> None:
 
             def accept(decision: resume.Decision) -> None:  # a resume needing other class images: refused now
                 if decision.checkpoint is not None:
-                    check_prior_resume(checkpoint.read_meta(decision.checkpoint), data, decision.checkpoint)
+                    meta = checkpoint.read_meta(decision.checkpoint)
+                    check_prior_resume(meta, data, decision.checkpoint)
+                    if identity is not None:
+                        resume.check_compatible(meta, identity, decision.checkpoint)
 
             claimed = claim(
                 cfg.train.output_dir, cfg.checkpoints.resume_from_checkpoint, cfg.train.overwrite_output_dir,

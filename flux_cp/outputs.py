@@ -32,6 +32,13 @@ if TYPE_CHECKING:
 logger = logging.getLogger("flux_cp")
 
 
+def base_weights(cfg: Config) -> str:
+    """What the transformer trained on, for run_config.json: its pretrained weights, or random ones (and how)."""
+    if cfg.model.transformer_init == "random":
+        return f"random-initialised from the config (seed {cfg.train.seed}), not the pretrained weights"
+    return "pretrained"
+
+
 @dataclass
 class Previews:
     """What validation images need once the text encoders are freed: the VAE (in `encoders`), the scheduler's
@@ -74,14 +81,15 @@ class Outputs:
 
     def record_settings(self, tuning, checkpointing) -> None:
         """run_config.json: every flag as the run resolved it, and what the run chose (the layout, the CP mode and
-        tuning, the checkpointed and offloaded blocks, the planned peak and pinned host memory)."""
+        tuning, the checkpointed and offloaded blocks, the planned peak and pinned host memory, the base weights)."""
         if not self.layout.is_main:
             return
         shape, output_dir = self.shape, self.cfg.train.output_dir
         chosen = {"layout": self.layout.describe(), "cp_mode": shape.cp_mode, "ulysses_size": shape.ulysses_size,
                   "cp_ulysses_chunks": tuning.ulysses_chunks, "checkpointed_blocks": len(checkpointing.blocks),
                   "planned_peak_gib": round(checkpointing.planned_gib, 2), "offloaded_blocks": checkpointing.offloaded,
-                  "pinned_host_gib": round(checkpointing.host_gib, 2)}  # fmt: skip
+                  "pinned_host_gib": round(checkpointing.host_gib, 2),
+                  "base_weights": base_weights(self.cfg)}  # fmt: skip
         manifest.record(output_dir, "run_config.json")
         files.write_json(Path(output_dir) / "run_config.json", {**self.cfg.flat(), **chosen})
 

@@ -48,7 +48,7 @@ import torch
 from cp import MODES
 
 from . import adapters, diskspace, encoding_memory
-from .blocks import attention_recomputed, checkpointed_blocks, more_blocks_than_there_are
+from .blocks import attention_recomputed, check_counts, checkpointed_blocks
 from .errors import UsageError
 from .families import for_transformer
 from .metrics import step_flops
@@ -463,8 +463,6 @@ def checkpointing_for_run(cfg: Config, shape: RunShape, device: torch.device) ->
     value, offload = cfg.train.gradient_checkpointing, cfg.train.offload_blocks
     if value != "none" or offload != "0":  # asked for: say what it resolved to
         logger.info(ckpt.describe(value, offload))
-    if note := more_blocks_than_there_are(value, ckpt.total):
-        logger.warning(f"warning: {note}")
     if note := unmeasured(shape.family):
         logger.info(f"flux-cp: {note}")
     if not ckpt.fits:
@@ -580,6 +578,8 @@ def print_plan(cfg: Config) -> None:
         return
     world = cfg.plan.num_processes or launched_world_size()
     shape = build_shape(cfg, max(world, cfg.parallel.cp_size), planning=True)
+    blocks = sum(n for _, n in shape.family.block_kinds(shape.transformer_config))
+    check_counts(cfg.train.gradient_checkpointing, cfg.train.offload_blocks, blocks)  # as the run refuses them
     world = shape.world
     cfg = resolved(cfg, shape.family, shape.pairs, shape.transformer_config)  # the family's default --lora_layers
     tokens, references = shape.largest_sequence, shape.images_per_sample - 1

@@ -27,6 +27,7 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -235,10 +236,11 @@ def run_identity(
     components: dict[str, str] | None = None,
 ) -> dict:
     """What a checkpoint must share with the run that resumes it: the model and trainable weights, the data and
-    what it sees (global batch per optimizer step, resolutions, buckets, repeats, caption dropout, the class images
-    of prior preservation, seed). The layout may differ. Keys are stored in every checkpoint's meta.json (`rank` is
-    the LoRA rank), so values are JSON's types (lists). `data`, `classes`: the identity of the data set and of the
-    class images (flux_cp.data.DataIdentity: relative names, contents and captions)."""
+    what it sees (global batch per optimizer step and its micro-steps, resolutions, buckets, repeats, caption
+    dropout, the class images of prior preservation, seed). The layout may differ (`batch_layout_change`). Keys are
+    stored in every checkpoint's meta.json (`rank` is the LoRA rank), so values are JSON's types (lists). `data`,
+    `classes`: the identity of the data set and of the class images (flux_cp.data.DataIdentity: relative names,
+    contents and captions)."""
     lora = None if cfg.lora.full_finetune else cfg.lora
     resolution = cfg.data.resolution  # one resolution: its number, as checkpoints have always recorded it
     identity = {
@@ -246,7 +248,8 @@ def run_identity(
         "transformer_init": cfg.model.transformer_init, "full_finetune": cfg.lora.full_finetune,
         "rank": lora and lora.rank, "lora_alpha": lora and lora.lora_alpha,
         "lora_layers": lora and ",".join(lora.lora_layers), "adapter": cfg.lora.adapter,
-        "global_batch": samples_per_step, "data": data if isinstance(data, str) else data.fingerprint,
+        "global_batch": samples_per_step, "gradient_accumulation_steps": cfg.train.gradient_accumulation_steps,
+        "data": data if isinstance(data, str) else data.fingerprint,
         "resolution": resolution[0] if len(resolution) == 1 else list(resolution),
         "repeats": cfg.data.repeats, "caption_dropout": cfg.data.caption_dropout,
         "prior": classes.fingerprint if classes is not None else None,
@@ -263,6 +266,27 @@ def run_identity(
     if classes is not None:  # kept in meta.json (a few rows): a resume with other class images names them
         identity["prior_files"] = classes.files
     return identity
+
+
+def flag_identity(cfg: Config, samples_per_step: int, buckets: list[tuple[int, int]] | None) -> dict:
+    """The keys of the run identity that the flags and the layout decide (all but the data, the class images and the
+    model's components), to refuse an incompatible checkpoint before anything loads."""
+    identity = run_identity(cfg, samples_per_step, "", buckets)
+    for key in ("data", "prior", "components"):
+        identity.pop(key)
+    return identity
+
+
+def check_known(cfg: Config, identity: Callable[[], dict]) -> None:
+    """The checkpoint the run of `cfg` resumes (if any) against the keys of this run's identity known so far
+    (`identity()`, called only when there is a checkpoint): refused before the work that would find the rest. Every
+    rank reads the same checkpoint: one rank prints a refusal."""
+    try:
+        path = checkpoint.resolve(cfg.checkpoints.resume_from_checkpoint, cfg.train.output_dir)
+        if path is not None:
+            check_compatible(checkpoint.read_meta(path), identity(), path)
+    except UsageError as e:
+        raise UsageError(str(e), agreed=True) from None
 
 
 def _data_differences(saved: list, now: list) -> str:
@@ -310,12 +334,62 @@ _IDENTITY_BEFORE = {
     "adapter": "lora",
 }
 # Keys added later whose value earlier checkpoints did not know: compared only when the checkpoint has them.
-_IDENTITY_UNKNOWN_BEFORE = ("revision", "variant", "components")
+_IDENTITY_UNKNOWN_BEFORE = ("revision", "variant", "components", "gradient_accumulation_steps")
+# How the global batch is formed: the samples of an optimizer step, and how many micro-steps they are cut into.
+# Samples, noise and timesteps are drawn per micro-step and slot of the micro-step's batch (flux_cp.batches), so
+# another cut draws others; the layout (per-device batch x data-parallel size, CP size) of a micro-step does not.
+_BATCH = ("global_batch", "gradient_accumulation_steps")
+_LABELS = {"gradient_accumulation_steps": "micro-steps per optimizer step (--gradient_accumulation_steps)"}
+
+
+def saved_identity(meta: dict) -> dict:
+    """A checkpoint's run identity, with the values of keys added since it was written where they are known (the
+    accumulation of a checkpoint written before the identity held it is in its flags)."""
+    saved = {**_IDENTITY_BEFORE, **meta["run"]}
+    accumulation = (meta.get("args") or {}).get("gradient_accumulation_steps")
+    if "gradient_accumulation_steps" not in saved and isinstance(accumulation, int):
+        saved["gradient_accumulation_steps"] = accumulation
+    return saved
+
+
+def _batch_geometry(meta: dict) -> tuple[int, int, int, int] | None:
+    """(per-device batch, data-parallel size, CP size, accumulation) a checkpoint was written with, from its run
+    identity and flags; None when they do not say (a checkpoint written by hand, or damaged)."""
+    saved, args = saved_identity(meta), meta.get("args") or {}
+    total, accumulation = saved.get("global_batch"), saved.get("gradient_accumulation_steps")
+    per_device, cp = args.get("train_batch_size"), args.get("cp_size", 1)
+    values = (total, accumulation, per_device, cp)
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values):
+        return None
+    if total % (accumulation * per_device):
+        return None
+    return per_device, total // (accumulation * per_device), cp, accumulation
+
+
+def _as_written(meta: dict, others: bool) -> str:
+    """The flags that continue a checkpoint's run as it was written: its per-device batch and accumulation on its
+    number of processes and CP size (or any layout of the same samples per micro-step); `others`: other settings
+    differ too."""
+    geometry = _batch_geometry(meta)
+    also = " and the checkpoint's other settings" if others else ""
+    if geometry is None:
+        return (
+            f"Resume with the checkpoint's --train_batch_size, data-parallel size and --gradient_accumulation_steps"
+            f"{also}, or start a new --output_dir"
+        )
+    per_device, dp, cp, accumulation = geometry
+    processes = dp * cp
+    return (
+        f"To continue it as it was, resume with --train_batch_size {per_device} --gradient_accumulation_steps "
+        f"{accumulation} --cp_size {cp} on {processes} process{'es' if processes > 1 else ''} (or any layout whose "
+        f"--train_batch_size x data-parallel size is {per_device * dp}){also}, or start a new --output_dir"
+    )
 
 
 def check_compatible(meta: dict, run: dict, path: Path) -> None:
-    """Refuse a checkpoint from an incompatible run, naming what differs and what to change."""
-    saved = {**_IDENTITY_BEFORE, **meta["run"]}
+    """Refuse a checkpoint from an incompatible run, naming what differs and what to change. `run` may hold only some
+    keys of the run identity (those known so far): only those are compared."""
+    saved = saved_identity(meta)
     diffs = []
     for k, v in run.items():
         if k in _DATA_DETAIL or (k in _IDENTITY_UNKNOWN_BEFORE and k not in saved):
@@ -336,13 +410,51 @@ def check_compatible(meta: dict, run: dict, path: Path) -> None:
         elif k == "prior" and saved.get(k) and v and saved[k] != v and isinstance(saved.get("prior_files"), list):
             diffs.append(f"class images differ ({_data_differences(saved['prior_files'], run.get('prior_files', []))})")
         elif saved.get(k) != v:
-            diffs.append(f"{k}: checkpoint {saved.get(k)!r}, now {v!r}")
-    if diffs:
-        raise UsageError(
-            f"--resume_from_checkpoint {path} comes from an incompatible run ({'; '.join(diffs)}). Resume with the "
-            "same settings (a different dp x cp layout is fine if --train_batch_size x dp x "
-            "--gradient_accumulation_steps stays the same), or start a new --output_dir."
+            diffs.append(f"{_LABELS.get(k, k)}: checkpoint {saved.get(k)!r}, now {v!r}")
+    if not diffs:
+        return
+    batch = sum(k in run and k in saved and saved[k] != run[k] for k in _BATCH)
+    if batch:
+        then = (
+            "The samples, noise and timesteps of a step are drawn per micro-step, so another global batch or another "
+            f"cut of it into micro-steps trains on other draws. {_as_written(meta, others=len(diffs) > batch)}"
         )
+    else:
+        then = (
+            "Resume with the same settings (another dp x cp layout is fine when --train_batch_size x data-parallel "
+            "size and --gradient_accumulation_steps stay the same), or start a new --output_dir"
+        )
+    raise UsageError(f"--resume_from_checkpoint {path} comes from an incompatible run ({'; '.join(diffs)}). {then}.")
+
+
+def batch_layout_change(meta: dict, cfg: Config) -> str | None:
+    """What a resume of checkpoint `meta` changes in the layout of its global batch (per-device batch, data-parallel
+    size, CP size), said as exact; None when nothing changes or the checkpoint does not say. Only called once the run
+    identity matched: the global batch and its micro-steps are the checkpoint's."""
+    geometry = _batch_geometry(meta)
+    if geometry is None:
+        return None
+    per_device, dp, cp, accumulation = geometry
+    micro = per_device * dp
+    now_per_device, now_cp = cfg.train.train_batch_size, cfg.parallel.cp_size
+    now_dp = micro // now_per_device
+    changes = [
+        f"{what} {was} -> {now}"
+        for what, was, now in (
+            ("--train_batch_size", per_device, now_per_device),
+            ("data-parallel size", dp, now_dp),
+            ("--cp_size", cp, now_cp),
+        )
+        if was != now
+    ]
+    if not changes:
+        return None
+    steps = f"{accumulation} micro-step{'s' if accumulation > 1 else ''}"
+    return (
+        f"{', '.join(changes)}: exact, the same {micro} samples per micro-step (--train_batch_size x data-parallel "
+        f"size) and {steps} per optimizer step, so the same samples, noise and timesteps and the same update (its "
+        "sums over the ranks in another order)"
+    )
 
 
 def changed_settings(saved: dict, now: dict, names: tuple[str, ...]) -> list[str]:
@@ -391,6 +503,8 @@ def restore(path: Path, meta: dict, cfg: Config, model, optimizer, lr_scheduler,
     changed = changed_settings(meta.get("args", {}), cfg.flat(), RESUMABLE_CHANGES)
     for change in changed or applied:
         logger.info(f"resume: {change} (applied from step {meta['step'] + 1})")
+    if layout := batch_layout_change(meta, cfg):
+        logger.info(f"resume: {layout}")
     if not with_optimizer:
         logger.warning(
             f"warning: {path} has no optimizer state (--checkpoint_weights_only): AdamW's moments start from "

@@ -71,9 +71,12 @@ def load(
     autocast,
     open_source: Callable[[], ImageSource],
     encode_share: Callable[[], tuple[int, int]],
+    check: Callable[[ImageSource, dict[str, str]], None] | None = None,
 ) -> RunData:
     """The run's data (see the module doc). `open_source`, `encode_share`: the trainer's seams (which data set, and
-    this process's share of the encoding among how many)."""
+    this process's share of the encoding among how many). `check(source, components)`: called once the data set
+    and the encoders' fingerprints are known, before any class image is rendered or any image encoded (a resume
+    on another data set or model is refused there)."""
     source = open_source()  # listing errors (captions, pairs) before any model loads
     copies = source.copies()  # kohya's N_name folders: each image's own repeats
     images = (sum(copies), "images with their folders' repeats") if copies else (len(source), "images")
@@ -98,6 +101,8 @@ def load(
     encoding_memory.configure(cfg, encoders, device, fixed)  # streamed text encoders, VAE tiling (logged)
     # What the encodings (their cache keys) and a resume (the run identity) know the components by: content
     components = component_fingerprints(encoders, shape.model_path, cfg.model.revision, cfg.model.cache_dir)
+    if check is not None:
+        check(source, components)
     noise_scheduler = load_scheduler(cfg.model, shape.model_path)
     if layout.is_main:  # captions the prompt encoding cuts: said once, here
         prompts = {s.caption for s in source.samples} | set(cfg.validation.validation_prompt or ())

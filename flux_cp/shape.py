@@ -20,6 +20,7 @@ import torch
 import cp
 
 from . import hub, network_weights
+from .blocks import check_counts
 from .data import check_pair_flags, check_reference_limit, local_metadata, reference_column, reference_counts
 from .encode import run_buckets
 from .errors import UsageError
@@ -126,10 +127,16 @@ def planned_sharding(full_finetune: bool) -> bool:
     return full_finetune if launched is None else launched
 
 
-def check_layout(world: int, cp_size: int) -> int:
-    """dp size for `world` processes with CP groups of `cp_size`; a UsageError that says what to change."""
+def check_layout(world: int, cp_size: int, planned: bool = False) -> int:
+    """dp size for `world` processes with CP groups of `cp_size`; a UsageError that says what to change. `planned`:
+    `world` is --plan's --num_processes (its own flag names the processes, not accelerate launch's)."""
     if world % cp_size:
         options = [c for c in range(1, world + 1) if world % c == 0]
+        if planned:
+            raise UsageError(
+                f"--cp_size {cp_size} does not divide --num_processes {world}: choose --cp_size from {options}, or "
+                f"plan for a multiple of {cp_size} processes (--num_processes)"
+            )
         raise UsageError(
             f"--cp_size {cp_size} does not divide the {world} launched processes: choose --cp_size from {options}, "
             f"or launch a multiple of {cp_size} processes (accelerate launch --num_processes)"
@@ -214,7 +221,8 @@ def check_start(cfg: Config, shape: RunShape, device_type: str) -> None:
     """What the flags ask of this run that its shape (the model, the data's metadata, the launch) or the machine
     cannot give, refused at start before anything loads (one UsageError): the family's flags and prompt window, the
     seed checkpoint's file, the LoRA file of --network_weights, the optimizer on this device and sharding, block
-    offload and a quantized base against FSDP2, reference images per target, the CP split of every sequence, the
+    offload and a quantized base against FSDP2, counts of blocks beyond the model's, reference images per target, the
+    CP split of every sequence, the
     flags of pair data."""
     family = shape.family
     family.check(cfg)
@@ -225,6 +233,8 @@ def check_start(cfg: Config, shape: RunShape, device_type: str) -> None:
         network_weights.check_start(cfg.lora, family, shape.transformer_config)
     check_optimizer(cfg.train, device_type, shape.sharded)
     check_offload(cfg.train.offload_blocks, full_finetune=cfg.lora.full_finetune, sharded=shape.sharded)
+    blocks = sum(n for _, n in family.block_kinds(shape.transformer_config))
+    check_counts(cfg.train.gradient_checkpointing, cfg.train.offload_blocks, blocks)
     check_sharding(cfg.model.base_precision, shape.sharded)
     check_text_encoder_sharding(cfg.lora.train_text_encoder, shape.sharded)
     check_reference_limit(family.max_references, family.pairs_label, cfg.validation, shape.metadata,
@@ -325,7 +335,7 @@ def build_shape(cfg: Config, world: int, planning: bool = False) -> RunShape:
     builds, the others wait). `planning` (--plan): the weights' sharding is the launch's or the README's advice, and
     a hub id's config is read without waiting on the network."""
     cp_size = cfg.parallel.cp_size
-    dp = check_layout(world, cp_size)
+    dp = check_layout(world, cp_size, planned=planning and cfg.plan.num_processes == world)
     metadata = local_metadata(cfg.data)
     column = reference_column(cfg.data, metadata)
     family, path, config, source = read_model(cfg.model, column is not None, planning)

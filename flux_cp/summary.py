@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from . import manifest
 from .adapters import label
-from .card import LORA_FILE, snippet
+from .card import LORA_FILE, run_notes, snippet
 from .checkpoint import list_checkpoints
 from .errors import UsageError
 
@@ -94,7 +94,8 @@ def summary(
     tracker_urls: tuple[str, ...] = (),
     transformer_class: str = "FluxTransformer2DModel",
 ) -> str:
-    """The closing summary of a finished run of `steps` optimizer steps. `pipeline`: diffusers' class that loads its
+    """The closing summary of a finished run of `steps` optimizer steps: its outputs, what its weights rest on where
+    it is not the plain case (flux_cp.card.run_notes), how to load them. `pipeline`: diffusers' class that loads its
     weights (the family's); `kontext`: trained on image-editing pairs; `repo_id`: where they were pushed;
     `transformer_class`: the family's transformer class (a full fine-tune's `transformer/` loads with it)."""
     out = Path(cfg.train.output_dir)
@@ -108,6 +109,7 @@ def summary(
     width = max((len(name) for name, _ in found if len(name) <= 40), default=0)
     lines = [f"{head}. Outputs in {out}:"]
     lines += [f"  {name.ljust(width)}  {what}" for name, what in found]
+    lines += run_notes(cfg, cfg.model.pretrained_model_name_or_path or "the embedded tiny Flux")
     what = "transformer" if cfg.lora.full_finetune else label(cfg.lora.adapter)
     code = snippet(cfg, kontext, repo_id or str(out), cfg.model.pretrained_model_name_or_path, pipeline,
                    transformer_class)  # fmt: skip

@@ -23,14 +23,28 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from . import blocks, diskspace, distributed, faults, metrics, optim, outdir, parallel, plan, quiet, resume, run_data
+from . import (
+    blocks,
+    diskspace,
+    distributed,
+    faults,
+    flag_ranges,
+    metrics,
+    optim,
+    outdir,
+    parallel,
+    plan,
+    quiet,
+    resume,
+    run_data,
+)
 from .adapters import start_line as adapter_line
 from .batches import Batches
 from .config import Config
 from .data import ImageSource, open_source
 from .ema import EMA
 from .errors import UsageError
-from .model import load_trainee
+from .model import load_trainee, transformer_fingerprint
 from .outputs import Outputs
 from .profiling import profiled
 from .shape import RunShape, build_shape, check_start, launched_world_size, resolved
@@ -58,8 +72,17 @@ class StepResult:
 
 
 def recipe_lines(cfg: Config) -> list[str]:
-    """What --adapter, --train_text_encoder and --use_ema change in the run, said at its start."""
+    """What --adapter, --transformer_init random, --train_text_encoder and --use_ema change in the run, said at its
+    start."""
     lines = [line] if (line := adapter_line(cfg.lora)) else []
+    if cfg.model.transformer_init == "random":
+        model = cfg.model.pretrained_model_name_or_path or "the embedded tiny Flux"
+        trained = "fine-tuned transformer" if cfg.lora.full_finetune else "LoRA"
+        lines.append(
+            f"--transformer_init random: the transformer is built from the config of {model} with random weights "
+            f"(seed {cfg.train.seed}), not its pretrained weights: the {trained} belongs to that random base (the "
+            "model card, run_config.json and the summary say so)"
+        )
     if cfg.lora.train_text_encoder:
         lines.append(
             f"--train_text_encoder: a LoRA on CLIP (q_proj, k_proj, v_proj, out_proj; rank {cfg.lora.rank}) at "
@@ -216,26 +239,49 @@ class Trainer:
 
     def claim_output_dir(self) -> None:
         """The output folder becomes this run's, and how the run starts is decided (flux_cp.outdir, flux_cp.resume: a
-        damaged or foreign checkpoint is found now, not after the models load); every rank learns the result."""
-        outdir.claim_run(self.cfg, self.shape.model_path, self.layout.is_main)
+        damaged or foreign checkpoint, or one of a run with other flags or another batch, is found now, not after the
+        models load); every rank learns the result."""
+        known = resume.flag_identity(self.cfg, self.samples_per_step(), self.identity_buckets())
+        outdir.claim_run(self.cfg, self.shape.model_path, self.layout.is_main, known)
         resume.verify_shares(self.cfg, self.layout.rank, self.layout.world)
+
+    def samples_per_step(self) -> int:
+        """Samples of one optimizer step over all data-parallel ranks (their class images not counted)."""
+        return self.cfg.train.train_batch_size * self.layout.dp * self.cfg.train.gradient_accumulation_steps
+
+    def identity_buckets(self) -> list[tuple[int, int]] | None:
+        """The buckets the run identity records: aspect buckets, else None (square crops)."""
+        return list(self.shape.buckets) if self.cfg.data.aspect_buckets else None
 
     def load_data(self) -> None:
         """Encode the data set once (cached on disk, spread over all ranks), then free the text encoders
-        (flux_cp.run_data)."""
+        (flux_cp.run_data). A resume on another data set or a changed model is refused before any encoding."""
         self.data = data = run_data.load(self.cfg, self.shape, self.layout, self.device, self.weight_dtype,
-                                         self.accelerator.autocast, self.open_source, self.encode_share)  # fmt: skip
+                                         self.accelerator.autocast, self.open_source, self.encode_share,
+                                         self.check_resume_before_encoding)  # fmt: skip
         self.shape, self.components = data.shape, dict(data.components)
+
+    def check_resume_before_encoding(self, source: ImageSource, components: dict[str, str]) -> None:
+        """The checkpoint this run resumes against the data set and every model component (their configs and weight
+        files' content; the transformer's from its files, before it loads), before the encoding it would waste."""
+        cfg, shape = self.cfg, self.shape
+
+        def identity() -> dict:
+            transformer = transformer_fingerprint(cfg.model, shape.model_path, shape.family.transformer_class())
+            components_now = {**components, "transformer": transformer}
+            known = resume.run_identity(
+                cfg, self.samples_per_step(), source.identity(), self.identity_buckets(), components=components_now
+            )
+            known.pop("prior")  # the class images are known once rendered: checked when the model is built
+            return known
+
+        resume.check_known(cfg, identity)
 
     def build_model(self) -> None:
         """The transformer to train (flux_cp.model.load_trainee: its frozen base quantized with --base_precision,
         LoRA or full, the seed checkpoint), made to run on the layout by `parallelize` (CP, checkpointing and
         compile, block offload, the optimizer, FSDP2 or DDP), and the LR schedule."""
         cfg, layout, train, shape = self.cfg, self.layout, self.cfg.train, self.shape
-        transformer, self.components["transformer"] = load_trainee(
-            cfg, shape.model_path, shape.family.transformer_class(), shape.family.quantized_parts, self.weight_dtype,
-            self.device, layout.is_main,
-        )  # fmt: skip
         data = self.data
         steps_per_epoch = data.schedule.batches_per_epoch // train.gradient_accumulation_steps
         if steps_per_epoch == 0 and train.max_train_steps is None:
@@ -245,6 +291,12 @@ class Trainer:
                 agreed=True,  # every rank counts the same batches
             )
         self.max_steps = max_steps = train.max_train_steps or train.num_train_epochs * steps_per_epoch
+        if train.max_train_steps is None:  # the step flags against the count only now known (else: at parse time)
+            self.check_step_flags(data.schedule.batches_per_epoch)
+        transformer, self.components["transformer"] = load_trainee(
+            cfg, shape.model_path, shape.family.transformer_class(), shape.family.quantized_parts, self.weight_dtype,
+            self.device, layout.is_main,
+        )  # fmt: skip
         self.checkpointing = plan.checkpointing_for_run(cfg, shape, self.device)
         self.text = text = None
         if cfg.lora.train_text_encoder:  # kept whole on every rank, outside prepare (flux_cp.text_encoder)
@@ -269,11 +321,9 @@ class Trainer:
             named = [(f"transformer.{n}", p) for n, p in named] + [(f"{text.name}.{n}", p)
                                                                     for n, p in text.named_parameters()]  # fmt: skip
         self.ema = EMA(named, train.ema_decay, train.ema_update_interval) if train.use_ema else None
-        samples_per_step = data.global_batch * train.gradient_accumulation_steps
-        buckets = list(shape.buckets) if cfg.data.aspect_buckets else None
         classes = data.class_source.identity() if data.class_source is not None else None
-        self.run_identity = resume.run_identity(cfg, samples_per_step, data.source.identity(), buckets, classes,
-                                                    self.components)  # fmt: skip
+        self.run_identity = resume.run_identity(cfg, self.samples_per_step(), data.source.identity(),
+                                                self.identity_buckets(), classes, self.components)  # fmt: skip
         every = cfg.checkpoints.checkpointing_steps
         if layout.is_main:
             saves = max_steps // every + (1 if max_steps % every else 0)
@@ -282,6 +332,18 @@ class Trainer:
             )
             if warning:
                 logger.warning(f"warning: {warning}")
+
+    def check_step_flags(self, batches_per_epoch: int) -> None:
+        """The interval, step and count flags against the run's steps counted from its epochs (flux_cp.flag_ranges):
+        refused where the run can never give what they ask, a warning for each whose effect never happens."""
+        cfg, steps = self.cfg, f"the {self.max_steps} steps of --num_train_epochs {self.cfg.train.num_train_epochs}"
+        try:
+            flag_ranges.check_steps(cfg.flat(), self.max_steps, steps)
+        except UsageError as e:
+            raise UsageError(str(e), agreed=True) from None  # every rank counts the same batches
+        warnings = flag_ranges.step_warnings(cfg.given, cfg.flat(), self.max_steps, steps, batches_per_epoch)
+        for warning in warnings if self.layout.is_main else ():
+            logger.warning(f"warning: {warning}")
 
     def resume(self) -> int:
         """The step to start after: a compatible checkpoint's, restored on any layout, or 0. A run already finished
@@ -295,7 +357,13 @@ class Trainer:
         if found is None:
             return 0
         extra = {"ema": self.ema.state_dict()} if self.ema is not None else None
-        return resume.restore(*found, self.cfg, self.state_model, self.optimizer, self.lr_scheduler, extra)
+        step = resume.restore(*found, self.cfg, self.state_model, self.optimizer, self.lr_scheduler, extra)
+        profile = self.cfg.train.profile_step
+        if profile is not None and profile <= step and self.layout.is_main:
+            logger.warning(
+                f"warning: --profile_step {profile} is not after the resumed step {step}: nothing is profiled"
+            )
+        return step
 
     def train(self, start_step: int) -> None:
         """Every step after `start_step`, each queued on the device before the previous one is read."""

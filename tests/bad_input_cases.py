@@ -276,6 +276,42 @@ def _checkpoint_beyond_the_steps(t: Path) -> list[str]:
     return ["--resume_from_checkpoint", str(_checkpoint(t / "out", 4))]
 
 
+def _checkpoint_with_flags(t: Path, flags: list[str]) -> Path:
+    """A checkpoint-2 in the output folder whose meta.json is that of a run of the embedded default with `flags` (its
+    run identity and flags; the state is a small model's, never loaded: the resume is refused before)."""
+    from flux_cp.config import parse_config
+    from flux_cp.families import FLUX1
+    from flux_cp.resume import run_identity
+    from flux_cp.shape import resolved
+
+    ckpt = _small_checkpoint(t / "out", 2)
+    cfg = resolved(parse_config([*flags, "--max_train_steps", "2"]), FLUX1, False, None)
+    samples = cfg.train.train_batch_size * cfg.train.gradient_accumulation_steps
+    run = run_identity(cfg, samples, "", None)
+    meta = {"format": 1, "step": 2, "layout": "world 1 = dp 1 x cp 1", "args": cfg.flat(), "run": run}
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+    return ckpt
+
+
+def _batch_cut_into_micro_steps(t: Path) -> list[str]:
+    """A checkpoint of the same run at --train_batch_size 2, resumed at batch 1 with 2 accumulated micro-steps (the
+    same global batch, other draws)."""
+    _checkpoint_with_flags(t, ["--train_batch_size", "2"])
+    return ["--resume_from_checkpoint", "latest", "--train_batch_size", "1", "--gradient_accumulation_steps", "2"]
+
+
+def _another_seed(t: Path) -> list[str]:
+    _checkpoint_with_flags(t, ["--seed", "5"])
+    return ["--resume_from_checkpoint", "latest"]
+
+
+def _flux1(t: Path) -> str:
+    """The tiny FLUX.1 folder (built once)."""
+    from flux_cp.families import FLUX1
+
+    return FLUX1.embedded_default(pairs=False)
+
+
 def _lock_is_a_link(t: Path) -> list[str]:
     (t / "out").mkdir(parents=True, exist_ok=True)
     (t / "victim.txt").write_text("a file the lock must not truncate")
@@ -457,6 +493,62 @@ CASES = [
         "does not fit 90% of 1.0 MiB at --base_precision bf16 (planned ",
     ),
     Case(
+        "revision_of_a_local_folder",
+        "--revision with a local model folder (diffusers ignores it there: another version than asked for)",
+        1,
+        lambda t: ["--pretrained_model_name_or_path", _flux1(t), "--revision", "v2"],
+        "with the local model folder",
+        flags_only=True,
+    ),
+    Case(
+        "profile_step_past_the_last_step",
+        "--profile_step 5 in a run of 2 steps (no step would be profiled)",
+        1,
+        lambda t: ["--profile_step", "5"],
+        "--profile_step 5 is past the last step of this run (--max_train_steps 2): no step would be profiled",
+        flags_only=True,
+    ),
+    Case(
+        "ema_never_updated",
+        "--use_ema --ema_update_interval 5 in a run of 2 steps (the output would be the initial weights)",
+        1,
+        lambda t: ["--use_ema", "--ema_update_interval", "5"],
+        "--ema_update_interval 5 > --max_train_steps 2: the EMA, the run's output with --use_ema, would never be "
+        "updated and would stay the initial weights",
+        flags_only=True,
+    ),
+    Case(
+        "offload_blocks_beyond_the_model",
+        "--offload_blocks 99 on a model of 4 blocks",
+        1,
+        lambda t: ["--offload_blocks", "99"],
+        "--offload_blocks 99: the transformer has 4 blocks; give at most 4",
+    ),
+    Case(
+        "checkpointing_beyond_the_model",
+        "--gradient_checkpointing 99 on a model of 4 blocks (the same rule as --offload_blocks)",
+        1,
+        lambda t: ["--gradient_checkpointing", "99"],
+        "--gradient_checkpointing 99: the transformer has 4 blocks; give at most 4, or 'all'",
+    ),
+    Case(
+        "plan_offload_blocks_beyond_the_model",
+        "--plan --offload_blocks 99 on a model of 4 blocks (as the run refuses it, before a plan of '4 of 4 blocks')",
+        1,
+        lambda t: ["--plan", "--offload_blocks", "99"],
+        "--offload_blocks 99: the transformer has 4 blocks; give at most 4",
+        flags_only=True,
+    ),
+    Case(
+        "plan_cp_size_not_dividing_num_processes",
+        "--plan --num_processes 3 --cp_size 2 (the advice names --plan's own flag)",
+        1,
+        lambda t: ["--plan", "--num_processes", "3", "--cp_size", "2"],
+        "--cp_size 2 does not divide --num_processes 3: choose --cp_size from [1, 3], or plan for a multiple of 2 "
+        "processes (--num_processes)",
+        flags_only=True,
+    ),
+    Case(
         "offload_blocks_not_a_number",
         "--offload_blocks half",
         1,
@@ -628,6 +720,31 @@ CASES = [
         lambda t: ["--resume_from_checkpoint", str(t / "nope")],
         "no such checkpoint folder",
         flags_only=True,
+    ),
+    Case(
+        "missing_bare_checkpoint_name",
+        "--resume_from_checkpoint checkpoint-9, a bare name that is a folder neither here nor in --output_dir",
+        1,
+        lambda t: ["--resume_from_checkpoint", "checkpoint-9"],
+        "--resume_from_checkpoint checkpoint-9: no such checkpoint folder (tried ",
+        flags_only=True,
+    ),
+    Case(
+        "resume_with_another_seed",
+        "a checkpoint of --seed 5 resumed with the default seed (every draw is keyed by it)",
+        1,
+        _another_seed,
+        "comes from an incompatible run (seed: checkpoint 5, now 0)",
+    ),
+    Case(
+        "resume_with_another_cut_of_the_global_batch",
+        "a checkpoint of --train_batch_size 2 resumed with --train_batch_size 1 --gradient_accumulation_steps 2",
+        1,
+        _batch_cut_into_micro_steps,
+        "(micro-steps per optimizer step (--gradient_accumulation_steps): checkpoint 1, now 2). The samples, noise "
+        "and timesteps of a step are drawn per micro-step, so another global batch or another cut of it into "
+        "micro-steps trains on other draws. To continue it as it was, resume with --train_batch_size 2 "
+        "--gradient_accumulation_steps 1 --cp_size 1 on 1 process",
     ),
     Case(
         "resume_folder_not_a_checkpoint",

@@ -195,11 +195,19 @@ def test_the_overlap_scheduler_needs_a_gpu_with_triton_and_is_refused_at_start_w
             check_overlap("scheduler", True, 2, "cuda")
 
 
-def test_a_checkpointing_count_above_the_blocks_is_all_of_them_and_said():
-    from flux_cp.blocks import checkpointed_blocks, more_blocks_than_there_are
+def test_a_count_of_blocks_above_the_model_s_is_refused_alike_for_checkpointing_and_offload():
+    """One rule for counts larger than the model (a typo more often than a wish): refused at start, naming the
+    model's blocks, for --gradient_checkpointing and --offload_blocks alike (the trainer and --plan call it)."""
+    from flux_cp.blocks import check_counts
+    from flux_cp.errors import UsageError
 
-    assert checkpointed_blocks("100", 57) == 57
-    assert more_blocks_than_there_are("100", 57) == (
-        "--gradient_checkpointing 100: the transformer has 57 blocks, all checkpointed (as with 'all')"
-    )
-    assert [more_blocks_than_there_are(v, 57) for v in ("57", "3", "all", "auto", "none")] == [None] * 5
+    with pytest.raises(
+        UsageError,
+        match=r"^--gradient_checkpointing 100: the transformer has 57 blocks; give at most "
+        r"57, or 'all'$",
+    ):
+        check_counts("100", "0", 57)
+    with pytest.raises(UsageError, match=r"^--offload_blocks 58: the transformer has 57 blocks; give at most 57$"):
+        check_counts("none", "58", 57)
+    for ok in (("57", "57"), ("all", "auto"), ("auto", "0"), ("none", "3")):
+        check_counts(*ok, 57)

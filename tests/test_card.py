@@ -238,3 +238,143 @@ def test_a_flux2_card_names_its_family_and_loads_its_transformer_class(tmp_path)
     pairs = _parts(write_model_card(out, lora, kontext=True, pipeline="Flux2Pipeline", family=FLUX2))[1]
     assert pairs.lstrip().startswith("# FLUX.2 [dev] LoRA") and "(FLUX.2 [dev] pairs)" in pairs
     assert "load_image(" in pairs
+
+
+def test_a_lora_of_a_random_initialised_base_is_not_published_as_one_for_the_pretrained_model(tmp_path):
+    """--transformer_init random on a model that has weights: the card (as pushed: loading from the repository) names
+    no base_model, says the base was random-initialised from the config, gives no ComfyUI note for the pretrained
+    model, and its snippet - like the summary's - rebuilds that random base before loading the LoRA; the run's start
+    and run_config.json say the same."""
+    from flux_cp.lora import lora_origin
+    from flux_cp.outputs import base_weights
+    from flux_cp.summary import summary
+    from flux_cp.trainer import recipe_lines
+
+    out = _run_folder(tmp_path)
+    dev = ["--pretrained_model_name_or_path", "black-forest-labs/FLUX.1-dev", "--output_dir", str(out)]
+    cfg = _resolved([*dev, "--transformer_init", "random", "--seed", "7"])
+    front, body = _parts(write_model_card(out, cfg, repo_id="me/random-lora"))
+    assert "base_model" not in front
+    assert "LoRA weights (rank 16, alpha 16) for a random-initialised transformer with the config of" in body
+    assert "the model's pretrained weights were not used, so the LoRA belongs to that random base" in body
+    assert "| base weights | random-initialised from its config (--transformer_init random, seed 7) |" in body
+    assert "## Use it in ComfyUI" not in body
+    text = summary(cfg, steps=200, pipeline="FluxPipeline", kontext=False, repo_id="me/random-lora")
+    assert "so the LoRA belongs to that random base, not to the pretrained model" in text
+    for code in (_code(body), textwrap.dedent(text.split("with diffusers", 1)[1].split(":\n", 1)[1])):
+        compile(code, "snippet", "exec")
+        assert (
+            'transformer = build_random(FluxTransformer2DModel, config, dtype, torch.device(device), name_seed("'
+            'transformer", 7))' in code
+        )
+        assert "FluxPipeline.from_pretrained(base, transformer=transformer, dtype=dtype)" in code
+    assert any(
+        line.startswith("--transformer_init random: the transformer is built from the config of")
+        and "not its pretrained weights" in line
+        for line in recipe_lines(cfg)
+    )
+    assert base_weights(cfg).startswith("random-initialised from the config (seed 7)")
+    # the LoRA file's metadata names no base model either (diffusers' base_model, kohya's ss_sd_model_name)
+    assert lora_origin(cfg, kontext=False).base_model is None
+    pretrained = _resolved(dev)
+    assert base_weights(pretrained) == "pretrained" and not recipe_lines(pretrained)
+    assert lora_origin(pretrained, kontext=False).base_model == "black-forest-labs/FLUX.1-dev"
+    assert "| base weights | pretrained |" in _parts(write_model_card(out, pretrained))[1]
+
+
+def test_the_random_base_snippet_rebuilds_the_transformer_the_lora_trained_on(tmp_path, monkeypatch):
+    """The snippet of a --transformer_init random card, run as it is on the tiny model (which has weights): its
+    transformer is the one the trainer built (flux_cp.model.load_transformer), not the model's pretrained weights,
+    and the LoRA goes into it."""
+    from flux_cp.families.flux1.tiny import ensure_tiny_pipeline, tiny_transformer
+    from flux_cp.lora import add_lora, lora_origin, save_lora
+    from flux_cp.model import load_transformer
+
+    out = _run_folder(tmp_path, steps=())
+    flags = "--rank 4 --validation_inference_steps 2 --transformer_init random --seed 3".split()
+    cfg = _resolved(["--output_dir", str(out), *flags])
+    model = tiny_transformer()
+    add_lora(model, cfg.lora, seed=0)
+    lora = {k: v for k, v in model.state_dict().items() if "lora_" in k}
+    save_lora(model, lora, str(out), cfg.lora, FLUX1, lora_origin(cfg, kontext=False))
+    code = _code(_parts(write_model_card(out, cfg))[1])
+    monkeypatch.chdir(tmp_path)
+    scope: dict = {}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in a process of its own on a machine the test workers share
+    try:
+        exec(code, scope)  # noqa: S102 - our own snippet
+    finally:
+        torch.set_num_threads(threads)
+    path = ensure_tiny_pipeline()
+    trained_on = load_transformer(cfg.model, path, type(model), torch.float32, torch.device("cpu"), 3)
+    rebuilt = scope["pipe"].transformer
+    assert torch.equal(rebuilt.x_embedder.weight, trained_on.x_embedder.weight)
+    assert not torch.equal(rebuilt.x_embedder.weight, tiny_transformer().x_embedder.weight)  # not the pretrained one
+    assert any("lora_A" in n for n, _ in rebuilt.named_parameters())
+    assert scope["image"].size == (64, 64)
+
+
+# flags (as typed) -> rows the card must hold, and the sentence the card and the summary both say (None: none)
+NOTES = {
+    "plain": ("", ["| base weights | pretrained |", "| base precision | bf16 (as loaded) |"], None),
+    "int8": (
+        "--base_precision int8",
+        ["| base precision | int8: int8 (torchao, one byte per weight) |"],
+        "The frozen base was stored in int8 (torchao, one byte per weight) while the LoRA trained",
+    ),
+    "nf4": (
+        "--base_precision nf4",
+        ["| base precision | nf4: 4-bit NormalFloat (bitsandbytes, as QLoRA) |"],
+        "The frozen base was stored in 4-bit NormalFloat",
+    ),
+    "ema": (
+        "--use_ema --ema_decay 0.99 --ema_update_interval 2",
+        ["| EMA | the output (decay up to 0.99, every 2 steps) |"],
+        "The LoRA is the exponential moving average of the trained weights (--use_ema: decay up to 0.99, updated "
+        "every 2 steps)",
+    ),
+    "text-encoder": (
+        "--train_text_encoder",
+        [
+            "| text encoder | CLIP LoRA, learning rate 5e-06 |",
+            "of the CLIP text encoder (LoraLoaderModelOnly applies the transformer's)",
+        ],
+        "A LoRA of the CLIP text encoder trained beside the transformer's",
+    ),
+    "other": (
+        "--weighting_scheme logit_normal --guidance_scale 1 --max_grad_norm 0.5 --random_flip --gradient_checkpointing "
+        "all --lora_alpha 8 --encodings_dir /somewhere/private",
+        [
+            "| other settings | --random_flip, --gradient_checkpointing all, --max_grad_norm 0.5, --weighting_scheme "
+            "logit_normal, --guidance_scale 1.0 |"
+        ],
+        None,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(NOTES))
+def test_the_card_and_the_summary_say_what_the_weights_rest_on_and_every_setting_changed(tmp_path, case):
+    """What differs from the plain case (a pretrained bf16 base, the raw weights) is said in the card and the
+    summary alike: a quantized base, the EMA as the output, a text encoder's LoRA; every other flag that is not at its
+    default is listed in the card (local paths aside: the card is published). The LoRA alpha shows in its own row."""
+    from flux_cp.summary import summary
+
+    typed, card, note = NOTES[case]
+    flags = typed.split()
+    out = _run_folder(tmp_path)
+    if "nf4" in flags:
+        pytest.importorskip("bitsandbytes")
+    cfg = _resolved(["--output_dir", str(out), *flags])
+    body = _parts(write_model_card(out, cfg))[1]
+    plain = body.replace("\\", "")  # markdown's escapes (--max\_grad\_norm) aside
+    for row in card:
+        assert row in plain, plain
+    text = summary(cfg, steps=200, pipeline="FluxPipeline", kontext=False)
+    if note is None:
+        assert "other settings" not in plain or flags
+        assert "/somewhere/private" not in body
+    else:
+        assert note in plain and note in text
+    assert ("alpha 8" in plain) == ("--lora_alpha" in flags)

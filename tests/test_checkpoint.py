@@ -4,6 +4,7 @@ not at all, `latest` and the total limit, and the compatibility check's message.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -105,6 +106,81 @@ def test_incompatible_runs_and_formats_are_refused_with_what_differs(tmp_path):
     (tmp_path / "meta.json").write_text(json.dumps({"format": 99}))
     with pytest.raises(UsageError, match="format 99 is not"):
         checkpoint.read_meta(tmp_path)
+
+
+ACCUMULATION = "micro-steps per optimizer step (--gradient_accumulation_steps): checkpoint 1, now 2"
+
+
+def _written(flags: list[str], dp: int = 1) -> tuple[dict, dict]:
+    """(meta.json of a checkpoint written with `flags` on `dp` data-parallel ranks, the run identity of `flags`)."""
+    from flux_cp.config import parse_config
+
+    cfg = parse_config(["--lora_layers", "attn.to_q", *flags])
+    samples = cfg.train.train_batch_size * dp * cfg.train.gradient_accumulation_steps
+    identity = resume.run_identity(cfg, samples, "abc", None)
+    return json.loads(json.dumps({"run": identity, "args": cfg.flat()})), identity
+
+
+def test_another_cut_of_the_global_batch_into_micro_steps_is_refused_with_the_flags_that_continue_the_run(tmp_path):
+    """Batch 2 resumed as batch 1 with 2 accumulated micro-steps: the same global batch, but the samples, noise and
+    timesteps are drawn per micro-step, so the run would continue on other draws. Refused naming the checkpoint's
+    per-device batch, accumulation, CP size and processes; a checkpoint written before the identity held the
+    accumulation is compared through its flags."""
+    from flux_cp.config import parse_config
+
+    meta, _ = _written(["--train_batch_size", "2", "--cp_size", "2"])
+    _, accumulated = _written(["--train_batch_size", "1", "--gradient_accumulation_steps", "2"])
+    advice = (
+        "To continue it as it was, resume with --train_batch_size 2 --gradient_accumulation_steps 1 --cp_size 2 "
+        "on 2 processes (or any layout whose --train_batch_size x data-parallel size is 2)"
+    )
+    with pytest.raises(UsageError) as refused:
+        resume.check_compatible(meta, accumulated, tmp_path)
+    assert f"incompatible run ({ACCUMULATION})." in str(refused.value)
+    assert advice in str(refused.value)
+    older = {**meta, "run": {k: v for k, v in meta["run"].items() if k != "gradient_accumulation_steps"}}
+    with pytest.raises(UsageError, match=re.escape(ACCUMULATION)):
+        resume.check_compatible(older, accumulated, tmp_path)
+    _, doubled = _written(["--train_batch_size", "2"], dp=2)  # another global batch: the same advice
+    with pytest.raises(UsageError, match=r"\(global_batch: checkpoint 2, now 4\)\. The samples") as refused:
+        resume.check_compatible(meta, doubled, tmp_path)
+    assert advice in str(refused.value)
+    # What the flags decide is compared before anything loads (flux_cp.outdir.claim_run): the same refusal
+    flags = parse_config(
+        ["--lora_layers", "attn.to_q", "--train_batch_size", "1", "--gradient_accumulation_steps", "2"]
+    )
+    with pytest.raises(UsageError, match=re.escape(ACCUMULATION)):
+        resume.check_compatible(meta, resume.flag_identity(flags, 2, None), tmp_path)
+
+
+def test_a_resume_on_another_layout_of_the_same_micro_steps_is_said_to_be_exact():
+    """Per-device batch x data-parallel size and the accumulation kept, the CP size or the split between batch and
+    ranks changed: the same draws (docs/design.md, rule 1); the resume says so in one line. The same layout: no
+    line."""
+    from flux_cp.config import parse_config
+
+    meta, _ = _written(["--train_batch_size", "2", "--cp_size", "2"])
+    line = resume.batch_layout_change(meta, parse_config(["--train_batch_size", "1", "--cp_size", "1"]))
+    assert line.startswith(
+        "--train_batch_size 2 -> 1, data-parallel size 1 -> 2, --cp_size 2 -> 1: exact, the same "
+        "2 samples per micro-step (--train_batch_size x data-parallel size) and 1 micro-step per "
+        "optimizer step"
+    )
+    line = resume.batch_layout_change(meta, parse_config(["--train_batch_size", "2", "--cp_size", "4"]))
+    assert line.startswith("--cp_size 2 -> 4: exact")
+    assert resume.batch_layout_change(meta, parse_config(["--train_batch_size", "2", "--cp_size", "2"])) is None
+    assert (
+        resume.batch_layout_change({"run": {}, "args": {}}, parse_config([])) is None
+    )  # a checkpoint that does not say
+
+
+def test_a_resume_with_another_seed_is_refused():
+    """The seed keys every draw (data order, crops, flips, noise, timesteps, the LoRA's initial weights): a resume
+    with another one would continue on other draws."""
+    meta, _ = _written(["--seed", "1"])
+    _, other = _written(["--seed", "2"])
+    with pytest.raises(UsageError, match=r"incompatible run \(seed: checkpoint 1, now 2\)"):
+        resume.check_compatible(meta, other, Path("checkpoint-2"))
 
 
 def test_other_class_images_are_named_file_by_file(tmp_path):

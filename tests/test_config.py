@@ -83,6 +83,32 @@ def test_flag_checks_name_the_flag(argv, message):
         parse_config(argv)
 
 
+def test_a_bare_checkpoint_name_is_a_folder_of_the_output_dir_and_a_path_from_here_still_works(
+    tmp_path, monkeypatch, capsys
+):
+    """`--resume_from_checkpoint checkpoint-2` as diffusers' examples read it (a folder of --output_dir), said in one
+    line; a folder of that name in the current folder is taken as given; one in both places, or in neither, is one
+    line naming the paths tried."""
+    out = tmp_path / "out"
+    (out / "checkpoint-2").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    cfg = parse_config(["--output_dir", str(out), "--resume_from_checkpoint", "checkpoint-2"])
+    assert cfg.checkpoints.resume_from_checkpoint == str(out / "checkpoint-2")
+    said = f"flux-cp: --resume_from_checkpoint checkpoint-2 is {out / 'checkpoint-2'} (a bare name is a folder of"
+    assert said in capsys.readouterr().err
+    cfg = parse_config(["--output_dir", str(out), "--resume_from_checkpoint", "out/checkpoint-2"])  # a path from here
+    assert cfg.checkpoints.resume_from_checkpoint == "out/checkpoint-2"
+    monkeypatch.chdir(out)  # the same folder both ways: not ambiguous
+    cfg = parse_config(["--output_dir", ".", "--resume_from_checkpoint", "checkpoint-2"])
+    assert cfg.checkpoints.resume_from_checkpoint == "checkpoint-2"
+    (tmp_path / "here" / "checkpoint-2").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "here")
+    with pytest.raises(UsageError, match="names two folders, .*here/checkpoint-2 .*and .*out/checkpoint-2"):
+        parse_config(["--output_dir", str(out), "--resume_from_checkpoint", "checkpoint-2"])
+    with pytest.raises(UsageError, match=r"checkpoint-3: no such checkpoint folder \(tried .*here/checkpoint-3 and "):
+        parse_config(["--output_dir", str(out), "--resume_from_checkpoint", "checkpoint-3"])
+
+
 # --- the command line ------------------------------------------------------------------------------------------
 
 

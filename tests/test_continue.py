@@ -29,12 +29,18 @@ def test_an_epoch_run_resumed_after_it_finished_changes_nothing_and_more_epochs_
     out = tmp_path / "run"
     flags = ["--output_dir", str(out), "--encodings_dir", str(tmp_path / "cache"), "--instance_data_dir", str(data),
              "--instance_prompt", "a shape", "--report_to", "none", "--validation_prompt", "a shape",
-             "--validation_inference_steps", "1", "--num_validation_images", "1"]  # fmt: skip
+             "--validation_inference_steps", "1", "--num_validation_images", "1",
+             "--checkpointing_steps", "5"]  # fmt: skip
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as a process of its own would run it, on a machine the test workers share
     try:
-        code, stderr = in_process(flags)  # one epoch of 2 images: 2 steps
+        with caplog.at_level(logging.INFO, logger="flux_cp"):
+            code, stderr = in_process(flags)  # one epoch of 2 images: 2 steps
         assert code == 0, stderr[-3000:]
+        # the interval flags are checked against the steps once the epoch's are known
+        said = "warning: --checkpointing_steps 5 >= the 2 steps of --num_train_epochs 1: only the final checkpoint"
+        assert said in caplog.text
+        caplog.clear()
         before = _files(out)
         with caplog.at_level(logging.INFO, logger="flux_cp"):
             code, stderr = in_process([*flags, "--resume_from_checkpoint", "latest"])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from flux_cp.config import build_parser, is_hub_id, parse_config
@@ -161,3 +163,95 @@ def test_flags_ignored_at_one_rank_or_without_prompts_are_named(argv, warning):
     assert not unused_flags(
         given_flags(build_parser(), ["--cp_mode", "ring"]), parse_config(["--cp_mode", "ring"]).flat()
     )
+
+
+# --- flags whose effect never happens in the run: refused where the user clearly expected it, else one warning ----
+
+NEVER = {
+    "profile past the last step": (
+        "--max_train_steps 3 --profile_step 5",
+        "--profile_step 5 is past the last step of this run (--max_train_steps 3): no step would be profiled",
+    ),
+    "EMA never updated": (
+        "--max_train_steps 3 --use_ema --ema_update_interval 5",
+        "--ema_update_interval 5 > --max_train_steps 3: the EMA, the run's output with --use_ema, would never be "
+        "updated and would stay the initial weights",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(NEVER))
+def test_a_step_the_run_never_reaches_is_refused_where_its_effect_was_clearly_wanted(case):
+    flags, message = NEVER[case]
+    with pytest.raises(UsageError, match="^" + re.escape(message)):
+        parse_config(flags.split())
+    parse_config(flags.replace("3", "5").split())  # at the last step: accepted
+
+
+MOOT = {
+    "validation at the end only": (
+        "--max_train_steps 4 --validation_prompt a --validation_steps 4",
+        "--validation_steps 4 >= --max_train_steps 4: validation images are rendered at the end only",
+    ),
+    "only the final checkpoint": (
+        "--max_train_steps 4 --checkpointing_steps 10",
+        "--checkpointing_steps 10 >= --max_train_steps 4: only the final checkpoint is written",
+    ),
+    "a limit never reached": (
+        "--max_train_steps 4 --checkpointing_steps 2 --checkpoints_total_limit 2",
+        "--checkpoints_total_limit 2: this run (--max_train_steps 4) writes 2 checkpoints, so none is removed",
+    ),
+    "epochs beside a step count": (
+        "--max_train_steps 4 --num_train_epochs 3",
+        "--num_train_epochs has no effect with --max_train_steps (it sets the number of steps)",
+    ),
+    "logs no tracker writes": (
+        "--max_train_steps 4 --report_to none --logging_dir tb",
+        "--logging_dir has no effect with --report_to none (no tracker writes logs)",
+    ),
+    "hub columns of a local folder": (
+        "--max_train_steps 4 --dataset_name data/tiny_shapes --image_column img --dataset_config_name c",
+        "--image_column has no effect without a hub data set",
+    ),
+    "text encoder LR under Prodigy": (
+        "--max_train_steps 4 --train_text_encoder --optimizer prodigy --text_encoder_lr 1e-5",
+        "--text_encoder_lr has no effect with --optimizer prodigy (it takes --learning_rate for both",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(MOOT))
+def test_a_flag_whose_effect_never_happens_in_the_run_is_said_in_one_line(case):
+    """Each flag given whose effect this run never has gets one warning; the same flag where it has one gets none."""
+    flags, warning = MOOT[case]
+    argv = flags.split()
+    warnings = unused_flags(given_flags(build_parser(), argv), parse_config(argv).flat())
+    assert [w for w in warnings if w.startswith(warning)], warnings
+
+
+def test_flags_that_take_effect_get_no_warning():
+    argv = (
+        "--max_train_steps 8 --validation_prompt a --validation_steps 4 --checkpointing_steps 2 "
+        "--checkpoints_total_limit 2 --report_to tensorboard --logging_dir tb --dataset_name owner/name "
+        "--image_column img --train_text_encoder --text_encoder_lr 1e-5 --use_ema --ema_update_interval 8 "
+        "--profile_step 8"
+    ).split()
+    assert unused_flags(given_flags(build_parser(), argv), parse_config(argv).flat()) == []
+
+
+def test_an_epoch_count_that_accumulation_does_not_divide_is_said_and_step_flags_are_checked_against_it():
+    """A run counted in epochs knows its steps once the data is listed (the trainer calls these then): an epoch of 24
+    batches with 5 accumulated micro-steps trains 4 steps, 20 of the 24 batches; the step flags are checked against
+    those 4 steps as against --max_train_steps."""
+    from flux_cp.flag_ranges import check_steps, step_warnings
+
+    argv = ["--gradient_accumulation_steps", "5", "--checkpointing_steps", "9", "--pretrained_model_name_or_path", "m"]
+    values, steps = parse_config(argv).flat(), "the 4 steps of --num_train_epochs 1"
+    assert step_warnings(given_flags(build_parser(), argv), values, 4, steps, batches_per_epoch=24) == [
+        f"--checkpointing_steps 9 >= {steps}: only the final checkpoint is written",
+        "an epoch has 24 global batches, not a multiple of --gradient_accumulation_steps 5: the 4 steps of "
+        "--num_train_epochs 1 train 20 of the 24 batches of 1 epoch; set --max_train_steps to choose the count",
+    ]
+    assert step_warnings(set(), values, 4, steps, batches_per_epoch=20) == []
+    with pytest.raises(UsageError, match=r"^--profile_step 9 is past the last step of this run \(the 4 steps of"):
+        check_steps({**values, "profile_step": 9}, 4, steps)

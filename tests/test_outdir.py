@@ -17,16 +17,22 @@ from tests.launch import ROOT, env, in_process, python_cmd
 
 
 def _checkpoint(folder: Path, step: int) -> Path:
-    """A checkpoint folder as flux-cp writes it (meta.json, and DCP metadata of no tensors: a resume reads it at
-    start; the rest of the state is not read by these tests)."""
+    """A checkpoint folder as flux-cp writes it (meta.json with the run identity `_run`'s flags decide, and DCP
+    metadata of no tensors: a resume reads them at start; the rest of the state is not read by these tests)."""
     import pickle
 
     from torch.distributed.checkpoint.metadata import Metadata
 
+    from flux_cp.config import parse_config
+    from flux_cp.families import FLUX1
+    from flux_cp.resume import flag_identity
+    from flux_cp.shape import resolved
+
     path = folder / f"checkpoint-{step}"
     (path / "state").mkdir(parents=True, exist_ok=True)
     (path / "state" / ".metadata").write_bytes(pickle.dumps(Metadata(state_dict_metadata={})))
-    meta = {"format": 1, "step": step, "run": {}, "layout": "world 1 = dp 1 x cp 1", "args": {}}
+    run = flag_identity(resolved(parse_config(["--max_train_steps", "2"]), FLUX1, False, None), 1, None)
+    meta = {"format": 1, "step": step, "run": run, "layout": "world 1 = dp 1 x cp 1", "args": {}}
     (path / "meta.json").write_text(json.dumps(meta))
     return path
 

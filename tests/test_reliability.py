@@ -21,6 +21,7 @@ from tests.launch import (
     ROOT,
     env,
     free_port,
+    in_process,
     launch_cmd,
     losses,
     max_rel_weights,
@@ -98,10 +99,11 @@ def test_a_full_disk_a_kill_while_saving_and_a_kill_in_a_step_keep_the_complete_
 
 
 def test_resume_on_other_layouts_continues_the_same_trajectory(tmp_path):
-    """Written by dp=1 x cp=2 (batch 2 per rank); resumed by dp=2 x cp=1 and by dp=2 x cp=2 over 4 processes
-    (ring; batch 1 per rank): the global batch is the same, so the remaining steps - schedule, losses and final
-    LoRA weights (fp32) - must be those of the run that wrote the checkpoint. This is also the test that dp x cp
-    over 4 processes trains as data parallelism alone does."""
+    """Written by dp=1 x cp=2 (batch 2 per rank); resumed by dp=1 x cp=1 on one process (batch 2), by dp=2 x cp=1 and
+    by dp=2 x cp=2 over 4 processes (ring; batch 1 per rank): the samples of a micro-step (batch x dp) and the
+    micro-steps of an optimizer step are the same, so the remaining steps - schedule, losses and final LoRA weights
+    (fp32) - must be those of the run that wrote the checkpoint, and each resume says in one line that it is exact.
+    This is also the test that dp x cp over 4 processes trains as data parallelism alone does."""
     sched = ["--lr_scheduler", "cosine", "--lr_warmup_steps", "2"]
     ok(
         train(
@@ -112,14 +114,17 @@ def test_resume_on_other_layouts_continues_the_same_trajectory(tmp_path):
     )  # fmt: skip
     ckpt = tmp_path / "cp2" / "checkpoint-4"
     written = [r for r in read_metrics(tmp_path / "cp2" / "metrics.jsonl") if r["step"] > 4]
-    for name, nproc, cp in (("dp2", 2, ["--cp_size", "1"]), ("dp2cp2", 4, ["--cp_size", "2", "--cp_mode", "ring"])):
-        ok(
-            train(
-                nproc,
-                *_common(tmp_path, name, 8, *cp, "--train_batch_size", "1", "--resume_from_checkpoint", str(ckpt),
-                         *sched),
-            )
-        )  # fmt: skip
+    exact = ": exact, the same 2 samples per micro-step (--train_batch_size x data-parallel size) and 1 micro-step per "
+    layouts = (
+        ("cp1", 1, ["--cp_size", "1", "--train_batch_size", "2"], "resume: --cp_size 2 -> 1"),
+        ("dp2", 2, ["--cp_size", "1", "--train_batch_size", "1"],
+         "resume: --train_batch_size 2 -> 1, data-parallel size 1 -> 2, --cp_size 2 -> 1"),
+        ("dp2cp2", 4, ["--cp_size", "2", "--cp_mode", "ring", "--train_batch_size", "1"],
+         "resume: --train_batch_size 2 -> 1, data-parallel size 1 -> 2"),
+    )  # fmt: skip
+    for name, nproc, layout, said in layouts:
+        r = ok(train(nproc, *_common(tmp_path, name, 8, *layout, "--resume_from_checkpoint", str(ckpt), *sched)))
+        assert said + exact in r.stderr, r.stderr[-3000:]
         # A fork into a new folder starts its metrics.jsonl with the source's rows up to the checkpoint.
         rows = read_metrics(tmp_path / name / "metrics.jsonl")
         assert [r["step"] for r in rows[:4]] == [1, 2, 3, 4]
@@ -138,6 +143,42 @@ def test_resume_refuses_a_different_global_batch(tmp_path, straight):
     r = train(2, *_common(tmp_path, "b", 4, "--cp_size", "1", *EMA, "--resume_from_checkpoint", ckpt))
     assert r.returncode != 0  # accelerate launch exits 1 whatever its workers' codes (ours: 2)
     assert "incompatible run (global_batch: checkpoint 1, now 2)" in r.stderr
+
+
+@pytest.mark.parametrize("changed", ["transformer", "vae"])
+def test_a_model_changed_since_the_checkpoint_is_refused_before_any_encoding(tmp_path, changed):
+    """A copy of the tiny model trains 2 steps; then one value of its transformer's weights, or its VAE's config,
+    changes in place, and the run is resumed with an empty encoding cache: refused naming the component before
+    anything is encoded (the cache stays empty), not after the whole encoding phase."""
+    from safetensors.torch import save_file
+
+    model = Path(shutil.copytree(FLUX1.embedded_default(pairs=False), tmp_path / "model"))
+    tiny = "--resolution 64 --max_sequence_length 32 --report_to none".split()
+    flags = ["--pretrained_model_name_or_path", str(model), *tiny, "--output_dir", str(tmp_path / "out")]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as a process of its own would run it, on a machine the test workers share
+    try:
+        code, stderr = in_process([*flags, "--encodings_dir", str(tmp_path / "cache"), "--max_train_steps", "2"])
+        assert code == 0, stderr[-3000:]
+        if changed == "transformer":
+            file = model / "transformer" / "diffusion_pytorch_model.safetensors"
+            weights = load_file(file)
+            name = sorted(weights)[0]
+            weights[name] = weights[name] + 1e-3
+            save_file(weights, file)
+        else:
+            config = json.loads((model / "vae" / "config.json").read_text())
+            (model / "vae" / "config.json").write_text(json.dumps({**config, "scaling_factor": 0.5}))
+        fresh = tmp_path / "fresh-cache"
+        code, stderr = in_process(
+            [*flags, "--encodings_dir", str(fresh), "--max_train_steps", "3", "--resume_from_checkpoint", "latest"]
+        )
+    finally:
+        torch.set_num_threads(threads)
+    assert code != 0
+    assert f"incompatible run (the config or weights of {changed} differ from the checkpoint's model)" in stderr
+    assert not fresh.exists() or not any(p.is_file() for p in fresh.rglob("*")), "encoded before the refusal"
+    assert "encodings:" not in stderr
 
 
 def test_a_rank_that_raises_stops_every_rank_with_its_name_and_cause(tmp_path):
