@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from . import blocks, diskspace, distributed, faults, metrics, optim, outdir, parallel, plan, quiet, resume, run_data
+from .bars import StepBar
 from .batches import Batches
 from .config import Config
 from .data import ImageSource, open_source
@@ -328,8 +328,7 @@ class Trainer:
         self.progress = optim.Progress(start_step)
         if device.type == "cuda":  # peak memory of training, not of loading and initialisation
             torch.cuda.reset_peak_memory_stats(device)
-        self.bar = tqdm(range(self.max_steps), initial=start_step, desc="steps", disable=not layout.is_main,
-                        dynamic_ncols=True)  # fmt: skip
+        self.bar = StepBar(self.max_steps, start_step, layout.is_main)
         guidance = bool(shape.transformer_config.get("guidance_embeds"))
         captions = None
         if self.text is not None:  # the trained text encoder reads each sample's caption
@@ -422,11 +421,7 @@ class Trainer:
         self.metrics.write(row)
         if self.accelerator.log_with:
             self.accelerator.log({k: v for k, v in row.items() if k != "step"}, step=step)
-        self.bar.update(1)
-        self.bar.set_postfix(
-            loss=f"{loss:.4f}", lr=f"{row['lr']:.2e}", s_step=f"{dt:.2f}", tok_s=f"{row['tokens_per_s']:.0f}",
-            **({"mfu": f"{row['mfu']:.0%}"} if self.peak else {}),
-        )  # fmt: skip
+        self.bar.step(step, loss, row["lr"], dt, row["tokens_per_s"], row.get("mfu"))
         if step < self.max_steps:  # the last step's outputs are written by `finish`, the model first
             validating, saving = self.due_after(step)
             if validating:
