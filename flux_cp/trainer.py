@@ -318,7 +318,7 @@ class Trainer:
         self.outputs = Outputs(cfg, shape, layout, self.accelerator, self.model, self.optimizer, self.lr_scheduler,
                                self.sizes, self.weight_dtype, self.run_identity, self.fault, self.max_steps,
                                data.previews, save=self.save_checkpoint, state_model=self.state_model,
-                               text=self.text, ema=self.ema)  # fmt: skip
+                               text=self.text, ema=self.ema, source=data.source)  # fmt: skip
         self.outputs.record_settings(self.tuning, self.checkpointing)
         if self.accelerator.log_with:
             flat = {**cfg.flat(), "resolution": ",".join(map(str, cfg.data.resolution))}  # trackers take scalars
