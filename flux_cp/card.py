@@ -60,16 +60,16 @@ def reference_names(count: int) -> tuple[str, ...]:
 def snippet(
     cfg: Config, kontext: bool, source: str, base: str | None, pipeline: str | None = None,
     transformer_class: str = "FluxTransformer2DModel", *, hub: bool = False,
-    references: tuple[str, ...] | None = None,
+    references: tuple[str, ...] | None = None, image_folder: str | None = None,
 ) -> str:  # fmt: skip
     """Python that loads the trained weights into diffusers' `pipeline` for `base` (None: the embedded default's tiny
     model) and renders an image at the trained size, on the GPU when there is one, else on the CPU, without the
     libraries' notices (their progress bars stay). `source`: the output folder (named by its absolute path, so that
     the lines run wherever they are pasted; the image goes into it) or, with `hub`, its Hub repository (the image goes
-    to `<repository name>.png`). `kontext`: the pipeline edits the reference images `references` (their names in the
-    folder or repository; default one `reference.png`). `transformer_class`: the class a full fine-tune's
-    `transformer/` loads with. Every value from the run (paths, hub ids, the prompt) is a Python literal (repr), so
-    no folder or prompt can add code to it."""
+    to `<repository name>.png`, or into `image_folder`: a pushed run's local output folder). `kontext`: the pipeline
+    edits the reference images `references` (their names in the folder or repository; default one `reference.png`).
+    `transformer_class`: the class a full fine-tune's `transformer/` loads with. Every value from the run (paths, hub
+    ids, the prompt) is a Python literal (repr), so no folder or prompt can add code to it."""
     pipeline = pipeline or ("FluxKontextPipeline" if kontext else "FluxPipeline")
     prompt = (cfg.validation.validation_prompt or (cfg.data.instance_prompt,))[0] or "a photo"
     references = (references if references is not None else reference_names(1)) if kontext else ()
@@ -99,6 +99,8 @@ def snippet(
     lines.append("")
     if hub:
         where, saved = "repo", repr(f"{source.split('/')[-1]}.png")
+        if image_folder is not None:
+            saved = repr(os.path.join(os.path.abspath(image_folder), "image.png"))
         lines.append(f"repo = {source!r}  # the trained weights on the Hugging Face Hub")
     else:
         where, saved = "folder", 'f"{folder}/image.png"'

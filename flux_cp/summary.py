@@ -119,7 +119,8 @@ def summary(
     lines += [f"  {name.ljust(width)}  {what}" for name, what in found]
     what = "transformer" if cfg.lora.full_finetune else "LoRA"
     code = snippet(cfg, kontext, repo_id or str(out), cfg.model.pretrained_model_name_or_path, pipeline,
-                   transformer_class, hub=bool(repo_id), references=references)  # fmt: skip
+                   transformer_class, hub=bool(repo_id), references=references,
+                   image_folder=str(out) if repo_id else None)  # fmt: skip
     written = _card_written(out)
     card = f" (also in the model card, {written})" if written else ""
     lines.append(f"Load the {what} with diffusers{card}:")

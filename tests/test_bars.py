@@ -58,6 +58,8 @@ def test_the_libraries_bars_are_off_in_a_log_file_only(monkeypatch):
     from transformers.utils import logging as transformers_logging
 
     try:
+        transformers_logging.enable_progress_bar()  # (a run in this process before turned them off: its stderr)
+        diffusers_logging.enable_progress_bar()
         monkeypatch.setattr(bars, "on_terminal", lambda: True)
         bars.plain_output()
         assert transformers_logging.is_progress_bar_enabled() and diffusers_logging.is_progress_bar_enabled()

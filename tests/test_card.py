@@ -285,3 +285,19 @@ def test_the_snippet_of_several_references_pushed_to_the_hub_loads_them_from_the
     assert f"reference = [{loads}]" in code
     assert "image = pipe(image=reference, prompt='make it red', height=" in code
     assert code.endswith("image.save('edits.png')\n")
+
+
+def test_folders_given_relative_are_named_by_their_absolute_paths(tmp_path, monkeypatch):
+    """A run launched with relative folders (as the README's FLUX.2 demo gives them): the card's lines name the base
+    model folder, the output folder and the download cache by absolute paths, so that they run from the output
+    folder as from where the run was launched."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models" / "base").mkdir(parents=True)
+    out = _run_folder(tmp_path, steps=(), name="out")
+    cfg = _resolved(["--pretrained_model_name_or_path", "models/base", "--output_dir", "out"])
+    code = _code(_parts(write_model_card("out", cfg))[1])
+    assert f"FluxPipeline.from_pretrained({str(tmp_path / 'models' / 'base')!r}, dtype=dtype)" in code
+    assert f"folder = {str(out)!r}  # the run's output folder" in code
+    hub = _resolved(["--pretrained_model_name_or_path", "someone/flux", "--cache_dir", "hf", "--revision", "v2"])
+    code = _code(_parts(write_model_card("out", hub))[1])
+    assert f"from_pretrained('someone/flux', revision='v2', cache_dir={str(tmp_path / 'hf')!r}, dtype=dtype)" in code

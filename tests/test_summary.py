@@ -60,6 +60,8 @@ def test_the_summary_lists_every_output_the_loss_change_and_how_to_load_the_lora
     assert "pipe = FluxKontextPipeline.from_pretrained(ensure_tiny_pipeline(kontext=True), " in code
     assert "pipe.load_lora_weights(repo, weight_name='pytorch_lora_weights.safetensors')" in code
     assert "repo = 'me/k'" in code and "reference = load_image(hf_hub_download(repo, 'reference.png'))" in code
+    # pushed: the weights from the Hub, the image into the local output folder (not where the run was launched)
+    assert code.rstrip().endswith(f"image.save({str(out / 'image.png')!r})")
 
 
 def test_the_summary_names_only_what_exists_and_a_transformer_folder_when_fully_fine_tuned(tmp_path):
