@@ -62,12 +62,13 @@ def outputs(
         found.append((", ".join(refs), "the reference image" + "s" * (len(refs) > 1) + " the lines below edit"))
     if (out / "validation").is_dir() and any((out / "validation").glob("step-*.png")):
         found.append(("validation/", f"validation images: {_grids(out / 'validation')}"))
-    kept = [path.name for _, path in list_checkpoints(out)]
-    if kept:
+    paths = [path for _, path in list_checkpoints(out)]
+    if paths:
+        kept = [p.name for p in paths]
         which = "latest" if len(kept) == 1 else "latest or one of them"
-        # with the LoRA file of its step (flux_cp.outputs), which the lines below load from there too
+        # with the LoRA file of its step (flux_cp.outputs; not those of versions before), which the lines load too
         holds = "each holds its step's LoRA" if len(kept) > 1 else "holds its step's LoRA"
-        lora = "" if cfg.lora.full_finetune else f"; {holds}"
+        lora = f"; {holds}" if all((p / LORA_FILE).is_file() for p in paths) else ""
         found.append((", ".join(f"{k}/" for k in kept), f"resumable: --resume_from_checkpoint {which}{lora}"))
     logs = out / cfg.validation.logging_dir
     if cfg.validation.report_to in ("tensorboard", "all") and logs.is_dir():

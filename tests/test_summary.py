@@ -27,6 +27,7 @@ def _folder(out: Path, losses: list[float], grids: int, checkpoints: tuple[int, 
     for step in checkpoints:
         (out / f"checkpoint-{step}").mkdir()
         (out / f"checkpoint-{step}" / "meta.json").write_text("{}")
+        (out / f"checkpoint-{step}" / "pytorch_lora_weights.safetensors").write_bytes(b"x")
     (out / ".checkpoint-99.partial").mkdir()  # never listed
 
 
@@ -54,6 +55,9 @@ def test_the_summary_lists_every_output_the_loss_change_and_how_to_load_the_lora
     )
     (kept,) = [line for line in lines if line.startswith("  checkpoint-5/, checkpoint-10/ ")]
     assert kept.endswith("  resumable: --resume_from_checkpoint latest or one of them; each holds its step's LoRA")
+    (out / "checkpoint-5" / "pytorch_lora_weights.safetensors").unlink()  # as an earlier version wrote it
+    again = summary(cfg, steps=10, pipeline="FluxKontextPipeline", kontext=True)
+    assert "  resumable: --resume_from_checkpoint latest or one of them\n" in again
     assert f"tensorboard --logdir {out / 'logs'}" in text
     code = _code(text)
     compile(code, "snippet", "exec")
