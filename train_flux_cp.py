@@ -28,13 +28,14 @@ from flux_cp import quiet
 
 quiet.install()  # before the imports below: libraries they import (torchao) speak while being imported
 
-from flux_cp import environment, runner  # noqa: E402
+from flux_cp import bars, environment, runner  # noqa: E402
 from flux_cp.config import parse_config  # noqa: E402
 from flux_cp.plan import print_plan  # noqa: E402
 from flux_cp.trainer import Trainer  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
+    bars.plain_output()  # a log file gets lines, not the libraries' progress bars (the tiny model's build writes one)
     cfg = parse_config(argv)  # every flag checked before anything loads
     environment.check_environment(cfg.validation.report_to)  # FLUX_CP_* values, a wandb login
     if cfg.plan.plan:  # the memory planner instead of a run

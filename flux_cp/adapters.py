@@ -128,10 +128,11 @@ def lokr_weights(state: dict[str, Tensor], rank: int, alpha: float) -> dict[str,
 
 
 def load_line(adapter: str, source: str, weight_name: str) -> str:
-    """The snippet's line that loads the file `weight_name` of `source` (a folder or Hub repository) into `pipe`."""
+    """The snippet's line that loads the file `weight_name` of `source` (Python that names a folder or Hub
+    repository: a variable of the snippet, or a literal) into `pipe`."""
     if adapter == "lokr":  # FLUX.1's load_lora_weights reads LoRA keys only; the model's loader reads LoKr
-        return f'pipe.transformer.load_lora_adapter({source!r}, weight_name={weight_name!r}, prefix="transformer")'
-    return f"pipe.load_lora_weights({source!r}, weight_name={weight_name!r})"
+        return f'pipe.transformer.load_lora_adapter({source}, weight_name={weight_name!r}, prefix="transformer")'
+    return f"pipe.load_lora_weights({source}, weight_name={weight_name!r})"
 
 
 def start_line(lora: LoraConfig) -> str | None:

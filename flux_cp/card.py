@@ -51,66 +51,110 @@ def _steps(output_dir: Path) -> int | None:
     return None
 
 
+def reference_names(count: int) -> tuple[str, ...]:
+    """The files beside the trained weights that a run's `count` reference images are copied to (its
+    --validation_image, else its first training pair's references), which the snippet of a pair run edits."""
+    return ("reference.png",) if count == 1 else tuple(f"reference-{i}.png" for i in range(1, count + 1))
+
+
 def snippet(
     cfg: Config, kontext: bool, source: str, base: str | None, pipeline: str | None = None,
-    transformer_class: str = "FluxTransformer2DModel",
+    transformer_class: str = "FluxTransformer2DModel", *, hub: bool = False,
+    references: tuple[str, ...] | None = None, image_folder: str | None = None,
 ) -> str:  # fmt: skip
-    """Python that loads the trained weights (from `source`: the output folder or its Hub repository) into diffusers'
-    `pipeline` for `base` (None: the embedded default's tiny model) and renders an image at the trained size, on the
-    GPU when there is one, else on the CPU. `kontext`: the pipeline takes a reference image. `transformer_class`: the
-    class a full fine-tune's `transformer/` loads with. Every value from the run (paths, hub ids, the prompt) is a
-    Python literal (repr), so no folder or prompt can add code to it."""
+    """Python that loads the trained weights into diffusers' `pipeline` for `base` (None: the embedded default's tiny
+    model) and renders an image at the trained size, on the GPU when there is one, else on the CPU, without the
+    libraries' notices (their progress bars stay). `source`: the output folder (named by its absolute path, so that
+    the lines run wherever they are pasted; the image goes into it) or, with `hub`, its Hub repository (the image goes
+    to `<repository name>.png`, or into `image_folder`: a pushed run's local output folder). `kontext`: the pipeline
+    edits the reference images `references` (their names in the folder or repository; default one `reference.png`).
+    `transformer_class`: the class a full fine-tune's `transformer/` loads with. Every value from the run (paths, hub
+    ids, the prompt) is a Python literal (repr), so no folder or prompt can add code to it."""
     pipeline = pipeline or ("FluxKontextPipeline" if kontext else "FluxPipeline")
     prompt = (cfg.validation.validation_prompt or (cfg.data.instance_prompt,))[0] or "a photo"
-    load_base = repr(base) if base else f"ensure_tiny_pipeline({'kontext=True' if kontext else ''})"
+    references = (references if references is not None else reference_names(1)) if kontext else ()
+    if base and os.path.isdir(base):  # a local model folder: by its absolute path too
+        base = os.path.abspath(base)
+    base_expr = repr(base) if base else f"ensure_tiny_pipeline({'kontext=True' if kontext else ''})"
     # --transformer_init random: a LoRA belongs to the random transformer it trained on, rebuilt as the run built it
     random_base = cfg.model.transformer_init == "random" and not cfg.lora.full_finetune
-    lines = ["import torch"]
-    if cfg.lora.full_finetune or random_base:
-        lines.append(f"from diffusers import {pipeline}, {transformer_class}")
-    else:
-        lines.append(f"from diffusers import {pipeline}")
-    if kontext:
+    model = cfg.model  # where the run found the base: its files there, not a second download
+    extra = config_extra = ""  # the loading arguments beside the base (a config has no variant)
+    for name, value in (("revision", model.revision), ("variant", model.variant), ("cache_dir", model.cache_dir)):
+        if base and value:
+            value = os.path.abspath(value) if name == "cache_dir" else value
+            extra += f", {name}={value!r}"
+            config_extra += f", {name}={value!r}" if name != "variant" else ""
+    load_base = base_expr + extra
+    full = cfg.lora.full_finetune
+    lines = [
+        "import logging",
+        "",
+        "logging.disable(logging.WARNING)  # the libraries' notices (progress bars stay)",
+        "",
+        "import torch",
+        f"from diffusers import {pipeline}" + (f", {transformer_class}" if full or random_base else ""),
+    ]
+    if references:
         lines.append("from diffusers.utils import load_image")
+        if hub:
+            lines.append("from huggingface_hub import hf_hub_download")
     if not base:
         lines.append("from flux_cp.tiny import ensure_tiny_pipeline  # the tiny Flux this demo trained")
     if random_base:
         lines.append(
             "from flux_cp.random_weights import build_random, name_seed  # the random base the LoRA trained on"
         )
+    lines.append("")
+    if hub:
+        where, saved = "repo", repr(f"{source.split('/')[-1]}.png")
+        if image_folder is not None:
+            saved = repr(os.path.join(os.path.abspath(image_folder), "image.png"))
+        lines.append(f"repo = {source!r}  # the trained weights on the Hugging Face Hub")
+    else:
+        where, saved = "folder", 'f"{folder}/image.png"'
+        lines.append(f"folder = {os.path.abspath(source)!r}  # the run's output folder (moved? its new path here)")
     lines += [
-        "",
         'device = "cuda" if torch.cuda.is_available() else "cpu"',
         'dtype = torch.bfloat16 if device == "cuda" else torch.float32',
     ]
-    if cfg.lora.full_finetune:
+    if full:
         lines.append(
-            f'transformer = {transformer_class}.from_pretrained({source!r}, subfolder="transformer", dtype=dtype)'
+            f'transformer = {transformer_class}.from_pretrained({where}, subfolder="transformer", dtype=dtype)'
         )
         lines.append(f"pipe = {pipeline}.from_pretrained({load_base}, transformer=transformer, dtype=dtype)")
     elif random_base:
         lines += [
-            f"base = {load_base}",
-            f'config = dict({transformer_class}.load_config(base, subfolder="transformer"))',
+            f"base = {base_expr}",
+            f'config = dict({transformer_class}.load_config(base, subfolder="transformer"{config_extra}))',
             f"transformer = build_random({transformer_class}, config, dtype, torch.device(device), "
             f'name_seed("transformer", {cfg.train.seed}))',
-            f"pipe = {pipeline}.from_pretrained(base, transformer=transformer, dtype=dtype)",
-            f"pipe.load_lora_weights({source!r}, weight_name={LORA_FILE!r})",
+            f"pipe = {pipeline}.from_pretrained(base{extra}, transformer=transformer, dtype=dtype)",
+            adapters.load_line(cfg.lora.adapter, where, LORA_FILE),
         ]
     else:
         lines.append(f"pipe = {pipeline}.from_pretrained({load_base}, dtype=dtype)")
-        lines.append(adapters.load_line(cfg.lora.adapter, source, LORA_FILE))  # LoKr: the transformer's loader
+        checkpoint = "" if hub else '  # a checkpoint\'s: f"{folder}/checkpoint-N"'
+        lines.append(adapters.load_line(cfg.lora.adapter, where, LORA_FILE) + checkpoint)  # LoKr: its own loader
     lines.append("pipe.to(device)")
     size = cfg.data.largest_resolution  # the size it was trained at (the pipelines' own default is 1024)
-    args = f"{prompt!r}, height={size}, width={size}, num_inference_steps={cfg.validation.validation_inference_steps}"
+    args = f"prompt={prompt!r}, height={size}, width={size}"
+    args += f", num_inference_steps={cfg.validation.validation_inference_steps}"
     args += f", guidance_scale={cfg.train.guidance_scale:g}"
-    if kontext:
-        if pipeline == "FluxKontextPipeline":  # it renders max_area pixels (default 1024^2), whatever height and width
-            args += f", max_area={size * size}"
-        lines.append(f'image = pipe(image=load_image("reference.png"), prompt={args}).images[0]')
+    if references:
+        loads = [
+            f"load_image(hf_hub_download(repo, {n!r}))" if hub else f'load_image(f"{{folder}}/{n}")' for n in references
+        ]
+        lines.append(f"reference = {loads[0]}" if len(loads) == 1 else f"reference = [{', '.join(loads)}]")
+        if pipeline == "FluxKontextPipeline":
+            # it renders max_area pixels (default 1024^2) whatever height and width, and would resize the reference to
+            # one of its preferred sizes (about 1024^2): both as trained instead
+            lines[-1] += "  # at the trained size, which the pipeline keeps (_auto_resize=False)"
+            args += f", max_area={size * size}, _auto_resize=False"
+        lines.append(f"image = pipe(image=reference, {args}).images[0]")
     else:
         lines.append(f"image = pipe({args}).images[0]")
-    lines.append('image.save("image.png")')
+    lines.append(f"image.save({saved})")
     return "\n".join(lines)
 
 
@@ -316,6 +360,7 @@ def write_model_card(
     pipeline: str | None = None,
     family: Family | None = None,
     filename: str = "README.md",
+    references: tuple[str, ...] | None = None,
 ) -> Path:
     """Write `<output_dir>/README.md` for the run `cfg` and return its path. `kontext`: trained on FLUX.1 Kontext
     pairs. `steps`: optimizer steps trained (default: the last step of metrics.jsonl). `layout`, `cp_mode`: the
@@ -323,7 +368,8 @@ def write_model_card(
     repository the folder goes to (the snippet loads from it; default: the output folder). `pipeline`: diffusers'
     pipeline class of the snippet (the family's; default: FluxKontextPipeline for `kontext`, else FluxPipeline).
     `family`: the model family trained (default FLUX.1); `kontext` then means its reference-image pairs. `filename`:
-    the card's name, when README.md is the user's (flux_cp.outdir.card_name)."""
+    the card's name, when README.md is the user's (flux_cp.outdir.card_name). `references`: the reference images
+    beside the weights that the snippet of a pair run edits (`snippet`)."""
     from huggingface_hub import ModelCardData  # huggingface_hub's cards at first use
 
     out = Path(output_dir)
@@ -338,7 +384,7 @@ def write_model_card(
     adapter = adapters.label(cfg.lora.adapter)  # LoRA, DoRA or LoKr
     kind = "full fine-tune" if full else adapter
     name = repo_id or out.resolve().name
-    source = repo_id or str(output_dir)
+    source, hub = repo_id or str(output_dir), bool(repo_id)
     steps = steps if steps is not None else _steps(out)
     grids = sorted((out / "validation").glob("step-*.png"))
     prompts = list(cfg.validation.validation_prompt or ())
@@ -461,7 +507,7 @@ def write_model_card(
         "## Use it with the [🧨 diffusers library](https://github.com/huggingface/diffusers)",
         "",
         "```py",
-        snippet(cfg, kontext, source, base, pipeline, family.transformer_class_name),
+        snippet(cfg, kontext, source, base, pipeline, family.transformer_class_name, hub=hub, references=references),
         "```",
         "",
         "For more details, including weighting, merging and fusing LoRAs, check the [documentation on loading LoRAs "

@@ -6,7 +6,10 @@ complete: a process killed at any moment leaves the previous checkpoints intact,
 `--resume_from_checkpoint latest` never picks a partial one. Weights and optimizer state go through
 torch.distributed.checkpoint (DCP), which reshards on load, so a run written with one layout resumes
 on another; the LR schedule and the data position are plain state (the data order is a function of
-the seed and the global micro-step alone).
+the seed and the global micro-step alone). A LoRA run's checkpoint also holds the LoRA file of its step
+(`pytorch_lora_weights.safetensors`, in the run's --lora_format, the EMA's with --use_ema: the final file's
+contents at that step), written inside it before it is complete (`write_files`), for the pipelines to load; a
+resume does not read it.
 
 Reading a checkpoint runs no code from it: torch.distributed.checkpoint unpickles its `.metadata` file and its
 non-tensor entries with plain pickle, so here the metadata goes through an unpickler that knows only DCP's own
@@ -31,6 +34,7 @@ import os
 import pickle
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -323,10 +327,13 @@ def save(
     fault=None,
     optimizer_state: bool = True,
     extra: dict | None = None,
+    write_files: Callable[[Path], object] | None = None,
 ) -> Path:
     """Write checkpoint-`step` atomically; every rank calls it. Returns the final folder. `optimizer_state`: keep
-    AdamW's moments (exact resume) or only the trainable weights. `extra`: more state, as `_state` takes it. Whether
-    the disk holds it is the caller's check (`flux_cp.diskspace.check_checkpoint`), before it calls this."""
+    AdamW's moments (exact resume) or only the trainable weights. `extra`: more state, as `_state` takes it.
+    `write_files(folder)`: writes files of the main rank's into the checkpoint before it is complete (the LoRA file
+    of the step: flux_cp.outputs), checksummed with the rest and renamed into place with it. Whether the disk holds
+    it is the caller's check (`flux_cp.diskspace.check_checkpoint`), before it calls this."""
     import torch.distributed.checkpoint as dcp
 
     root = Path(output_dir)
@@ -351,6 +358,8 @@ def save(
             run = dict(meta.get("run", {}))
             if "data_files" in run:  # one row per sample: its own file, so that meta.json stays small
                 files.write_json(partial / "data.json", {"data_files": run.pop("data_files")})
+            if write_files is not None:
+                write_files(partial)
         # Each rank its own shards (read back from the page cache), the main process the rest, all at once. No
         # collective before the one below: a rank that failed above goes straight to it.
         sums = _checksums(partial, [n for n in _files_of(partial) if _owner(n, world) == rank])

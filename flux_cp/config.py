@@ -106,6 +106,7 @@ KONTEXT_DEMO = Demo(
     validation_image=BUNDLED / "tiny_pairs" / "00_blue_circle.png",  # its pair's target is the purple circle
 )  # fmt: skip
 DEMOS = (DEMO, KONTEXT_DEMO)
+TINY_TEXT_TOKENS = 48  # --max_sequence_length of the embedded default: divisible by every CP size up to 8
 DEMO_STEPS, DEMO_LEARNING_RATE, DEMO_BATCH, DEMO_PROMPTS = DEMO.steps, DEMO.learning_rate, DEMO.batch, DEMO.prompts
 # Flags that turn a demo's settings off when given (with the embedded default): a step count, or other data.
 DEMO_OFF_FLAGS = ("max_train_steps", "num_train_epochs", "dataset_name", "instance_data_dir")
@@ -432,8 +433,9 @@ class DataConfig:
     max_sequence_length: int = flag(
         512,
         "Text-encoder tokens per prompt (<= 512; T5's for FLUX.1, Mistral's or Qwen3's for FLUX.2). Default: 512, or "
-        "32 for the tiny default.",
-        derive=lambda raw: 32 if _is_embedded(raw) else 512,
+        "48 for the tiny default.",
+        # the tiny default's: its bundled captions spelled out by the tiny tokenizer (35 tokens at most), whole
+        derive=lambda raw: TINY_TEXT_TOKENS if _is_embedded(raw) else 512,
     )
     vae_encode_mode: str | None = flag(
         None,

@@ -50,14 +50,16 @@ class Sizes:
     model: int
     model_name: str  # what the final model is: a LoRA file or a transformer folder
     optimizer_label: str = "AdamW"
+    checkpoint_lora: int = 0  # of which the LoRA file of its step (LoRA runs: flux_cp.checkpoint)
 
     def describe(self) -> str:
-        parts = f"fp32 weights {gib(self.checkpoint_weights)}" + (
-            f" + {self.optimizer_label} state {gib(self.checkpoint_optimizer)}"
-            if self.checkpoint_optimizer
-            else ", no optimizer state"
-        )
-        return f"one checkpoint {gib(self.checkpoint)} ({parts}), the final {self.model_name} {gib(self.model)}"
+        parts = [f"fp32 weights {gib(self.checkpoint_weights)}"]
+        if self.checkpoint_optimizer:
+            parts.append(f"{self.optimizer_label} state {gib(self.checkpoint_optimizer)}")
+        if self.checkpoint_lora:
+            parts.append(f"the step's LoRA file {gib(self.checkpoint_lora)}")
+        held = " + ".join(parts) + ("" if self.checkpoint_optimizer else ", no optimizer state")
+        return f"one checkpoint {gib(self.checkpoint)} ({held}), the final {self.model_name} {gib(self.model)}"
 
 
 def run_sizes(cfg: Config, family: Family, config: dict, model_dtype: torch.dtype, world: int) -> Sizes:
@@ -78,8 +80,8 @@ def sizes(
     optimizer: str = "adamw",
 ) -> Sizes:
     """Bytes of one checkpoint (trainable weights in fp32, the optimizer's state when kept: AdamW's exp_avg,
-    exp_avg_sq and step, or `optimizer`'s, flux_cp.optim.optimizer_name) and of the final model (a fp32 LoRA file, or
-    the transformer in the training dtype)."""
+    exp_avg_sq and step, or `optimizer`'s, flux_cp.optim.optimizer_name; a LoRA run's also the LoRA file of its step)
+    and of the final model (a fp32 LoRA file, or the transformer in the training dtype)."""
     n, tensors = counts.trainable, counts.trainable_tensors
     per_param, per_tensor = state_bytes(optimizer), OPTIMIZER_TENSOR_BYTES[optimizer]
     weights = n * 4 + tensors * CHECKPOINT_TENSOR_BYTES * world
@@ -93,7 +95,9 @@ def sizes(
     else:
         model = n * 4 + tensors * SAFETENSORS_TENSOR_BYTES + LORA_FIXED_BYTES
         name = "LoRA"
-    return Sizes(weights + optimizer_bytes + fixed, weights + fixed, optimizer_bytes, model, name, LABELS[optimizer])
+    lora = 0 if full_finetune else model
+    total = weights + optimizer_bytes + fixed + lora
+    return Sizes(total, weights + fixed, optimizer_bytes, model, name, LABELS[optimizer], lora)
 
 
 def gib(n: float) -> str:
@@ -144,7 +148,7 @@ def check_start(folder: str | os.PathLike, s: Sizes, saves: int, total_limit: in
     need = s.checkpoint + s.model
     if free < need:
         smaller = (
-            f"; --checkpoint_weights_only makes checkpoints of {gib(s.checkpoint_weights)}"
+            f"; --checkpoint_weights_only makes checkpoints of {gib(s.checkpoint_weights + s.checkpoint_lora)}"
             if s.checkpoint_optimizer else ""
         )  # fmt: skip
         raise UsageError(

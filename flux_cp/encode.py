@@ -26,6 +26,7 @@ from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
 from . import distributed, files
+from .bars import on_terminal
 from .data import ImageSource, Repeats, bucket_divisor, bucket_sizes, crop_box, nearest_bucket, to_pixels
 from .errors import UsageError
 from .images import DECODER_VERSION
@@ -371,11 +372,19 @@ class EncodedData:
     """The cache's table: per-sample cache keys and buckets for the whole data set (identical on every rank).
     Its crops were drawn once, at encoding time, so `load` does not depend on the epoch."""
 
-    def __init__(self, cache_dir: Path, entries: list[dict], computed: int = 0, texts: dict[str, str] | None = None):
+    def __init__(
+        self,
+        cache_dir: Path,
+        entries: list[dict],
+        computed: int = 0,
+        texts: dict[str, str] | None = None,
+        computed_texts: int = 0,
+    ):
         self.cache_dir = cache_dir
         self.entries = entries
         self.buckets = [e["bucket"] for e in entries]
-        self.computed = computed  # encodings computed by this run (the rest came from the cache)
+        self.computed = computed  # encodings computed by this run (the rest came from the cache) ...
+        self.computed_texts = computed_texts  # ... of which caption embeddings (the others are image latents)
         self.texts = texts or {}  # caption -> cache key of the captions encoded up front
 
     def text(self, caption: str) -> dict[str, Tensor]:
@@ -426,10 +435,11 @@ def encode_dataset(
     errors: list[str] = []
     pending_text: dict[str, str] = {}
     texts = {c: _sha(c, data.max_sequence_length, text_fp) for c in captions}
-    computed = 0
+    computed, text_keys = 0, []  # latents, and captions' keys, encoded here
     text_shapes = encoders.text_shapes(data.max_sequence_length)
     text_dtype = getattr(encoders, "dtype", None)  # the prompt embeddings are cached in the encoders' dtype
-    bar = tqdm(mine, desc="encoding (this rank's share)", disable=rank != 0, dynamic_ncols=True)
+    # (no bar in a log file: the line after it says what was encoded)
+    bar = tqdm(mine, desc="encoding (this rank's share)", disable=rank != 0 or not on_terminal(), dynamic_ncols=True)
     try:  # a cache that cannot be written (full disk, permissions) ends as one line, on every rank alike
         for caption, tkey in texts.items() if rank == 0 else ():
             if not _usable(cache_dir / "text" / f"{tkey}.safetensors", text_shapes, text_dtype):
@@ -475,7 +485,8 @@ def encode_dataset(
                 entries[placement * n + i] = {**entry, "text": tkey}
         # The captions after the images: the VAE is on the accelerator for the images, then each text encoder for the
         # captions (flux_cp.placement), each moved there once per TEXT_CHUNK captions rather than once per image.
-        computed += _encode_texts(encoders, pending_text, data.max_sequence_length, cache_dir)
+        text_keys = sorted(pending_text)
+        _encode_texts(encoders, pending_text, data.max_sequence_length, cache_dir)
     except OSError as e:
         where = f" ({e.filename})" if e.filename else ""
         errors.append(
@@ -492,9 +503,11 @@ def encode_dataset(
         source.note_digest(index % n, e.pop("latents_sha"))
         for j, digest in enumerate(e.pop("reference_sha", ())):
             source.note_digest(index % n, digest, True, j)
-    computed_everywhere = sum(distributed.all_gather(computed))
+    shares = distributed.all_gather((computed, text_keys))
+    # (a caption of two ranks' images is encoded by both: counted once)
+    latents, captions = sum(c for c, _ in shares), len({k for _, keys in shares for k in keys})
     table = [merged[index] for index in range(n * len(geometry.placements))]
-    return EncodedData(cache_dir, table, computed_everywhere, texts)
+    return EncodedData(cache_dir, table, latents + captions, texts, captions)
 
 
 # Captions encoded per call of `Encoders.prompts` while caching (each text encoder goes to the accelerator once per

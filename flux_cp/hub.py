@@ -17,14 +17,16 @@ from .errors import UsageError
 
 # What a push uploads, relative to the output folder (fnmatch patterns, as huggingface_hub's upload_folder takes
 # them): an allow-list of the run's final outputs, what a user publishes - the trained weights (LoRA file, or a full
-# fine-tune's transformer/ files), the model card, the validation images, the metrics and the loss curve. Anything
+# fine-tune's transformer/ files), the model card, the reference images its lines edit (a pair run's, by the names
+# flux_cp.card.reference_names gives them), the validation images, the metrics and the loss curve. Anything
 # else a run's folder holds stays local, whatever its name: checkpoints (weights, optimizer state, and data.json
 # listing every training file's name and caption), branches set aside (abandoned-*), the manifest, the lock, partial
 # writes, tracker logs, profiles, run_config.json (the run's local paths), and the user's own files.
 PUBLISHED = (
     "pytorch_lora_weights.safetensors", "README.md", "transformer/config.json",
     "transformer/diffusion_pytorch_model*.safetensors", "transformer/diffusion_pytorch_model.safetensors.index.json",
-    "validation/step-*.png", "metrics.jsonl", "loss_curve.png",
+    "validation/step-*.png", "metrics.jsonl", "loss_curve.png", "reference.png", "reference-[0-9].png",
+    "reference-[0-9][0-9].png",
 )  # fmt: skip
 
 LOGIN_HINT = "log in with `hf auth login` (or set HF_TOKEN)"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import checkpoint, diskspace, distributed, files, hub, manifest, outdir, validation
-from .card import write_model_card
+from .card import LORA_FILE, reference_names, write_model_card
 from .errors import NonFiniteError, UsageError
 from .lora import lora_origin, save_lora
 from .metrics import plot_loss_curve
@@ -74,6 +75,8 @@ class Outputs:
     state_model: torch.nn.Module | None = None  # what checkpoints hold of the weights (default: `model`)
     text: Any = None  # flux_cp.text_encoder.TrainedTextEncoder (--train_text_encoder)
     ema: Any = None  # flux_cp.ema.EMA (--use_ema): the final weights and validation images are its
+    source: Any = None  # flux_cp.data.ImageSource, the training data: a pair run's references for the card
+    references: tuple[str, ...] = ()  # the reference images written beside the weights (`write_references`)
 
     def averaged(self):
         """The EMA in the weights (--use_ema) for what the block writes or renders, the raw weights after it."""
@@ -99,10 +102,18 @@ class Outputs:
         demo = cfg.demo.name if cfg.demo else None  # a resume of a demo run keeps its settings (flux_cp.config)
         meta = {"run": self.run_identity, "layout": layout.describe(), "args": cfg.flat(), "demo": demo}
         diskspace.check_checkpoint(cfg.train.output_dir, step, self.sizes.checkpoint, layout.is_main)
+        write_files = None
+        if not cfg.lora.full_finetune:  # the step's LoRA file inside it, gathered as the final one (every rank)
+            state, text = self.trained_weights()
+
+            def write_files(folder: Path) -> Path:
+                return self.save_lora_file(folder, state, text)
+
         saved = checkpoint.save(
             cfg.train.output_dir, step, self.state_model or self.model, self.optimizer, self.lr_scheduler, meta,
             layout.is_main, cfg.checkpoints.checkpoints_total_limit, self.fault,
             optimizer_state=not cfg.checkpoints.checkpoint_weights_only, extra=self.extra_state(),
+            write_files=write_files,
         )  # fmt: skip
         logger.info(f"saved {saved}")
 
@@ -147,6 +158,7 @@ class Outputs:
         if layout.is_main:
             manifest.record(output_dir, "loss_curve.png")
             plot_loss_curve(Path(output_dir) / "metrics.jsonl", Path(output_dir) / "loss_curve.png")
+            self.write_references()
         hub_url = self.publish()
         if layout.is_main:
             self.summarize(hub_url)
@@ -156,11 +168,7 @@ class Outputs:
         """The trained weights in diffusers' format: the LoRA file (`--lora_format`) or the transformer folder, written
         into place by the main rank once the disk is known to hold them (every rank gathers them under FSDP2)."""
         cfg, output_dir, layout = self.cfg, self.cfg.train.output_dir, self.layout
-        with self.averaged():  # every rank: FSDP gathers. Copies: on the CPU the state holds the parameters themselves
-            state = full_state_dict(self.model, trainable_only=not cfg.lora.full_finetune)
-            if self.ema is not None:
-                state = {k: v.clone() for k, v in state.items()}
-            text = (self.text.lora_weights(), self.text.adapter_config()) if self.text is not None else None
+        state, text = self.trained_weights()
         bad = layout.is_main and any(not torch.isfinite(v).all() for v in state.values())
         if distributed.any_rank(bad):
             raise NonFiniteError(
@@ -179,15 +187,68 @@ class Outputs:
                     out = outdir.write_final(output_dir, "transformer",
                                              lambda d: save_full(inner, state, str(d), self.weight_dtype))  # fmt: skip
                 else:
-                    origin, family = lora_origin(cfg, kontext=self.shape.pairs), self.shape.family
-                    out = outdir.write_final(output_dir, "pytorch_lora_weights.safetensors",
-                                             lambda d: save_lora(inner, state, str(d), cfg.lora, family,
-                                                                 origin, text))  # fmt: skip
+                    out = outdir.write_final(output_dir, LORA_FILE, lambda d: self.save_lora_file(d, state, text))
                 logger.info(f"wrote {out}")
             except UsageError as e:
                 problem = str(e)
         state.clear()  # the gathered full weights: free them before the checkpoint is written
         distributed.check_all_ranks(problem is None, problem or "")
+
+    def trained_weights(self) -> tuple[dict[str, torch.Tensor], tuple | None]:
+        """The weights the run's output holds (the EMA's with --use_ema): the trainable ones as CPU tensors, complete
+        on the main rank (every rank calls it: FSDP2 gathers), and the trained text encoder's LoRA weights with its
+        adapter config (--train_text_encoder, else None)."""
+        with self.averaged():  # every rank: FSDP gathers. Copies: on the CPU the state holds the parameters themselves
+            state = full_state_dict(self.model, trainable_only=not self.cfg.lora.full_finetune)
+            if self.ema is not None:
+                state = {k: v.clone() for k, v in state.items()}
+            text = (self.text.lora_weights(), self.text.adapter_config()) if self.text is not None else None
+        return state, text
+
+    def save_lora_file(self, folder: str | os.PathLike, state: dict[str, torch.Tensor], text: tuple | None) -> Path:
+        """The LoRA file of `trained_weights` in `folder` (the main rank): the output's, and each checkpoint's."""
+        cfg, family = self.cfg, self.shape.family
+        inner = self.accelerator.unwrap_model(self.model)
+        origin = lora_origin(cfg, kontext=self.shape.pairs)
+        return save_lora(inner, state, str(folder), cfg.lora, family, origin, text)
+
+    def write_references(self) -> None:
+        """A pair run's reference images beside its weights (the main rank), for the lines of the model card and the
+        summary to edit (`reference_images`), as PNG (`flux_cp.card.reference_names`). A file of that name the run did
+        not write is the user's: kept, and the lines edit it."""
+        if not self.shape.pairs:
+            return
+        out = Path(self.cfg.train.output_dir)
+        try:  # an image that cannot be read or written now costs the lines their reference, not the run its end
+            images = self.reference_images()
+            names = reference_names(len(images)) if images else ()
+            listed = manifest.read(out) or []
+            for name, image in zip(names, images):
+                path = out / name
+                if os.path.lexists(path) and name not in listed:
+                    logger.warning(
+                        f"warning: {path} was not written by flux-cp: kept, and the model card's lines edit it"
+                    )
+                    continue
+                manifest.record(out, name)
+                files.write_with(path, lambda tmp, image=image: image.save(tmp, format="PNG"))
+        except (OSError, UsageError) as e:
+            logger.warning(f"warning: the reference images were not copied beside the weights ({e})")
+            return
+        self.references = names
+
+    def reference_images(self) -> list:
+        """The images a pair run's lines edit: its --validation_image(s), else its first training sample's references,
+        each cut as validation cuts it (`--validation_resolution` square, at least 64 px: FLUX.2's pipelines take no
+        smaller image); at most 99 (the names the Hub upload takes: flux_cp.hub.PUBLISHED)."""
+        v, source = self.cfg.validation, self.source
+        size = max(v.validation_resolution, 64)
+        if v.validation_image:
+            return [validation.reference_image(p, size) for p in v.validation_image[:99]]
+        if source is None or not len(source):
+            return []
+        loaded = (source.load(0, reference=True, ref_index=j) for j in range(min(source.reference_count(0), 99)))
+        return [validation.square(image, size) for image in loaded]
 
     def publish(self) -> str | None:
         """The model card (README.md in the output folder, as diffusers' examples write it) and, with --push_to_hub,
@@ -210,7 +271,7 @@ class Outputs:
                 path = write_model_card(
                     cfg.train.output_dir, cfg, kontext=shape.pairs, steps=self.steps, layout=self.layout.describe(),
                     cp_mode=shape.cp_mode, repo_id=repo_id, pipeline=shape.family.pipeline_class_name(shape.pairs),
-                    family=shape.family, filename=name,
+                    family=shape.family, filename=name, references=self.references,
                 )  # fmt: skip
                 manifest.note_written(output_dir, name)
                 return path
@@ -239,5 +300,6 @@ class Outputs:
         text = summary(
             cfg, steps=self.steps, pipeline=family.pipeline_class_name(pairs), kontext=pairs, hub_url=hub_url,
             repo_id=self.hub_repo_id, tracker_urls=tuple(urls), transformer_class=family.transformer_class_name,
+            references=self.references,
         )  # fmt: skip
         logger.info(text)

@@ -184,14 +184,19 @@ def _encoded(cfg: Config, shape: RunShape, source: ImageSource, classes: ImageSo
     fingerprints = encoder_fingerprints(components, encoders)
     samples = encode_dataset(source, encoders, geometry, data, seed, cache, fingerprints, *encode_share(),
                              captions=captions)  # fmt: skip
-    computed, encoded = samples.computed, None
+    computed, texts, encoded = samples.computed, samples.computed_texts, None
     if classes is not None:
         used = sorted(set(samples.buckets))
         class_data = encode_dataset(classes, encoders, ClassGeometry(geometry.buckets, used), data, seed, cache,
                                     fingerprints, *encode_share(), flips=False)  # fmt: skip
         encoded = ClassSamples(class_data, len(classes), used)
-        computed += class_data.computed
-    logger.info(f"encodings: {len(source)} samples, {computed} newly computed, cache {cache}")
+        computed, texts = computed + class_data.computed, texts + class_data.computed_texts
+    latents = computed - texts
+    logger.info(
+        f"encodings: {len(source)} samples; newly computed: {latents} image latent{'s' * (latents != 1)} (one per "
+        f"image, size and flip), {texts} caption embedding{'s' * (texts != 1)} (one per distinct caption); the rest "
+        f"read from the cache {cache}"
+    )
     trained = shape.family.trained_text_encoder if cfg.lora.train_text_encoder else None
     encoders.free_text_encoders(keep=trained[:1] if trained else ())  # the one trained stays (flux_cp.text_encoder)
     encoders.placement.release()  # the accelerator is the transformer's from here (validation borrows the VAE)

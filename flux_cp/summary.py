@@ -41,8 +41,11 @@ def _grids(folder: Path) -> str:
     return f"{len(names)} grids, {names[0]} ... {names[-1]}"
 
 
-def outputs(cfg: Config, hub_url: str | None = None, tracker_urls: tuple[str, ...] = ()) -> list[tuple[str, str]]:
-    """(name, what it is) of every output of the run that exists in its output folder, then where it went."""
+def outputs(
+    cfg: Config, hub_url: str | None = None, tracker_urls: tuple[str, ...] = (), references: tuple[str, ...] = ()
+) -> list[tuple[str, str]]:
+    """(name, what it is) of every output of the run that exists in its output folder, then where it went.
+    `references`: the reference images the run copied there (flux_cp.card.reference_names)."""
     out = Path(cfg.train.output_dir)
     found: list[tuple[str, str]] = []
     if (out / LORA_FILE).is_file():
@@ -55,13 +58,19 @@ def outputs(cfg: Config, hub_url: str | None = None, tracker_urls: tuple[str, ..
                        ("loss_curve.png", "the loss curve")):  # fmt: skip
         if (out / name).is_file():
             found.append((name, what))
+    refs = [n for n in references if (out / n).is_file()]
+    if refs:
+        found.append((", ".join(refs), "the reference image" + "s" * (len(refs) > 1) + " the lines below edit"))
     if (out / "validation").is_dir() and any((out / "validation").glob("step-*.png")):
         found.append(("validation/", f"validation images: {_grids(out / 'validation')}"))
-    kept = [path.name for _, path in list_checkpoints(out)]
-    if kept:
-        found.append((f"{kept[-1]}/", "resumable: --resume_from_checkpoint latest"))
-        if len(kept) > 1:
-            found[-1] = (", ".join(f"{k}/" for k in kept), "resumable: --resume_from_checkpoint latest or one of them")
+    paths = [path for _, path in list_checkpoints(out)]
+    if paths:
+        kept = [p.name for p in paths]
+        which = "latest" if len(kept) == 1 else "latest or one of them"
+        # with the LoRA file of its step (flux_cp.outputs; not those of versions before), which the lines load too
+        holds = "each holds its step's LoRA" if len(kept) > 1 else "holds its step's LoRA"
+        lora = f"; {holds}" if all((p / LORA_FILE).is_file() for p in paths) else ""
+        found.append((", ".join(f"{k}/" for k in kept), f"resumable: --resume_from_checkpoint {which}{lora}"))
     logs = out / cfg.validation.logging_dir
     if cfg.validation.report_to in ("tensorboard", "all") and logs.is_dir():
         found.append((f"{cfg.validation.logging_dir}/", f"tensorboard --logdir {logs}"))
@@ -93,11 +102,13 @@ def summary(
     repo_id: str | None = None,
     tracker_urls: tuple[str, ...] = (),
     transformer_class: str = "FluxTransformer2DModel",
+    references: tuple[str, ...] | None = None,
 ) -> str:
     """The closing summary of a finished run of `steps` optimizer steps: its outputs, what its weights rest on where
     it is not the plain case (flux_cp.card.run_notes), how to load them. `pipeline`: diffusers' class that loads its
     weights (the family's); `kontext`: trained on image-editing pairs; `repo_id`: where they were pushed;
-    `transformer_class`: the family's transformer class (a full fine-tune's `transformer/` loads with it)."""
+    `transformer_class`: the family's transformer class (a full fine-tune's `transformer/` loads with it);
+    `references`: the reference images the lines edit (flux_cp.card.snippet)."""
     out = Path(cfg.train.output_dir)
     change = loss_change(out / "metrics.jsonl")
     head = f"done: {steps} step{'s' * (steps != 1)}"
@@ -105,14 +116,15 @@ def summary(
         first, last, n = change
         which = "the first step against the last" if n == 1 else f"means of the first and last {n} steps"
         head += f", loss {first:.3f} -> {last:.3f} ({(last - first) / first:+.0%}, {which})"
-    found = outputs(cfg, hub_url, tracker_urls)
+    found = outputs(cfg, hub_url, tracker_urls, references or ())
     width = max((len(name) for name, _ in found if len(name) <= 40), default=0)
     lines = [f"{head}. Outputs in {out}:"]
     lines += [f"  {name.ljust(width)}  {what}" for name, what in found]
     lines += run_notes(cfg, cfg.model.pretrained_model_name_or_path or "the embedded tiny Flux")
     what = "transformer" if cfg.lora.full_finetune else label(cfg.lora.adapter)
     code = snippet(cfg, kontext, repo_id or str(out), cfg.model.pretrained_model_name_or_path, pipeline,
-                   transformer_class)  # fmt: skip
+                   transformer_class, hub=bool(repo_id), references=references,
+                   image_folder=str(out) if repo_id else None)  # fmt: skip
     written = _card_written(out)
     card = f" (also in the model card, {written})" if written else ""
     lines.append(f"Load the {what} with diffusers{card}:")

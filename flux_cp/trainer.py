@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from . import (
     blocks,
@@ -39,6 +38,7 @@ from . import (
     run_data,
 )
 from .adapters import start_line as adapter_line
+from .bars import StepBar
 from .batches import Batches
 from .config import Config
 from .data import ImageSource, open_source
@@ -387,7 +387,7 @@ class Trainer:
         self.outputs = Outputs(cfg, shape, layout, self.accelerator, self.model, self.optimizer, self.lr_scheduler,
                                self.sizes, self.weight_dtype, self.run_identity, self.fault, self.max_steps,
                                data.previews, save=self.save_checkpoint, state_model=self.state_model,
-                               text=self.text, ema=self.ema)  # fmt: skip
+                               text=self.text, ema=self.ema, source=data.source)  # fmt: skip
         self.outputs.record_settings(self.tuning, self.checkpointing)
         if self.accelerator.log_with:
             flat = {**cfg.flat(), "resolution": ",".join(map(str, cfg.data.resolution))}  # trackers take scalars
@@ -397,8 +397,7 @@ class Trainer:
         self.progress = optim.Progress(start_step)
         if device.type == "cuda":  # peak memory of training, not of loading and initialisation
             torch.cuda.reset_peak_memory_stats(device)
-        self.bar = tqdm(range(self.max_steps), initial=start_step, desc="steps", disable=not layout.is_main,
-                        dynamic_ncols=True)  # fmt: skip
+        self.bar = StepBar(self.max_steps, start_step, layout.is_main)
         guidance = bool(shape.transformer_config.get("guidance_embeds"))
         captions = None
         if self.text is not None:  # the trained text encoder reads each sample's caption
@@ -492,11 +491,7 @@ class Trainer:
         self.metrics.write(row)
         if self.accelerator.log_with:
             self.accelerator.log({k: v for k, v in row.items() if k != "step"}, step=step)
-        self.bar.update(1)
-        self.bar.set_postfix(
-            loss=f"{loss:.4f}", lr=f"{row['lr']:.2e}", s_step=f"{dt:.2f}", tok_s=f"{row['tokens_per_s']:.0f}",
-            **({"mfu": f"{row['mfu']:.0%}"} if self.peak else {}),
-        )  # fmt: skip
+        self.bar.step(step, loss, row["lr"], dt, row["tokens_per_s"], row.get("mfu"))
         if step < self.max_steps:  # the last step's outputs are written by `finish`, the model first
             validating, saving = self.due_after(step)
             if validating:

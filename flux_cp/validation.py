@@ -38,7 +38,11 @@ def _grid(images: list[np.ndarray], columns: int) -> Image.Image:
 def reference_image(path: str, resolution: int) -> Image.Image:
     """The `--validation_image` as a square training pair's reference: read by the training data's loader, resized
     and center-cropped to `resolution`^2 (the family's `reference_inputs` hands it to its pipeline)."""
-    img = ImageSource([Sample(path, "")], "--validation_image").load(0)
+    return square(ImageSource([Sample(path, "")], "--validation_image").load(0), resolution)
+
+
+def square(img: Image.Image, resolution: int) -> Image.Image:
+    """`img` resized and center-cropped to `resolution`^2, as a square training pair's reference is."""
     size = (resolution, resolution)
     (width, height), (left, top) = crop_box(img.size, size, True, torch.Generator())
     return img.resize((width, height), Image.BICUBIC).crop((left, top, left + size[0], top + size[1]))

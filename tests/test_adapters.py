@@ -79,7 +79,7 @@ def test_the_file_loads_with_the_cards_line_into_the_pipeline_as_the_trained_mod
         expected = trained(**inputs).sample
         pipe = _pipeline(family)
         base = pipe.transformer(**inputs).sample
-        exec(adapters.load_line(adapter, str(tmp_path), "pytorch_lora_weights.safetensors"), {"pipe": pipe})
+        exec(adapters.load_line(adapter, repr(str(tmp_path)), "pytorch_lora_weights.safetensors"), {"pipe": pipe})
         got = pipe.transformer(**inputs).sample
     scale = expected.abs().max()
     assert (base - expected).abs().max() / scale > 1e-3, "the adapter should change the output"

@@ -3,6 +3,8 @@ settings, a diffusers snippet that loads the weights, and a ComfyUI note."""
 
 from __future__ import annotations
 
+import fnmatch
+import logging
 import re
 import textwrap
 import warnings
@@ -12,7 +14,7 @@ import pytest
 import torch
 import yaml
 
-from flux_cp.card import write_model_card
+from flux_cp.card import reference_names, write_model_card
 from flux_cp.config import parse_config
 from flux_cp.families import FLUX1
 from flux_cp.shape import resolved
@@ -83,8 +85,11 @@ def test_lora_card_for_flux1_dev(tmp_path):
     code = _code(body)
     compile(code, "snippet", "exec")
     assert "FluxPipeline.from_pretrained('black-forest-labs/FLUX.1-dev', dtype=dtype)" in code
-    assert "pipe.load_lora_weights('me/dog-lora', weight_name='pytorch_lora_weights.safetensors')" in code
-    assert "pipe('sks dog in a bucket', height=2048, width=2048, num_inference_steps=28, guidance_scale=3.5)" in code
+    assert "repo = 'me/dog-lora'  # the trained weights on the Hugging Face Hub" in code
+    assert "pipe.load_lora_weights(repo, weight_name='pytorch_lora_weights.safetensors')\n" in code
+    call = "pipe(prompt='sks dog in a bucket', height=2048, width=2048, num_inference_steps=28, guidance_scale=3.5)"
+    assert call in code
+    assert code.endswith("image.save('dog-lora.png')\n")  # named by the repository, not a bare image.png
     assert "`ComfyUI/models/loras/`" in body and "LoraLoaderModelOnly" in body
 
 
@@ -97,9 +102,12 @@ def test_kontext_and_full_fine_tuning_cards(tmp_path):
     assert front["license_link"] == "https://huggingface.co/black-forest-labs/FLUX.1-Kontext-dev/blob/main/LICENSE.md"
     code = _code(body)
     compile(code, "snippet", "exec")
-    assert "FluxKontextPipeline.from_pretrained" in code and 'image=load_image("reference.png")' in code
-    assert "height=1024, width=1024, num_inference_steps=28, guidance_scale=3.5, max_area=1048576)" in code
-    assert f"load_lora_weights({str(out)!r}" in code  # no repository: the output folder
+    assert "FluxKontextPipeline.from_pretrained" in code and 'reference = load_image(f"{folder}/reference.png")' in code
+    call = "image = pipe(image=reference, prompt='make it red', height=1024, width=1024, num_inference_steps=28, "
+    assert call + "guidance_scale=3.5, max_area=1048576, _auto_resize=False)" in code
+    # no repository: the output folder, by its absolute path, with the image written into it
+    assert f"folder = {str(out.resolve())!r}  # the run's output folder" in code
+    assert "load_lora_weights(folder, " in code and code.endswith('image.save(f"{folder}/image.png")\n')
     assert "kohya's / BFL's key names" in body and "FLUX.1-Kontext-dev model" in body
 
     full = _resolved(["--pretrained_model_name_or_path", "black-forest-labs/FLUX.1-schnell", "--full_finetune"])
@@ -107,7 +115,7 @@ def test_kontext_and_full_fine_tuning_cards(tmp_path):
     assert front["license"] == "apache-2.0" and "lora" not in front["tags"] and TAGS <= set(front["tags"])
     code = _code(body)
     compile(code, "snippet", "exec")
-    assert f'FluxTransformer2DModel.from_pretrained({str(out)!r}, subfolder="transformer"' in code
+    assert 'FluxTransformer2DModel.from_pretrained(folder, subfolder="transformer"' in code
     assert "transformer=transformer" in code and "load_lora_weights" not in code
     assert "| optimizer steps | 7 |" in body and "merge the shards" in body
 
@@ -146,9 +154,11 @@ def test_the_demo_card_s_snippet_renders_with_the_trained_lora_at_the_trained_si
             exec(code, scope)  # noqa: S102 - our own snippet
         finally:
             torch.set_num_threads(threads)
+            logging.disable(logging.NOTSET)  # the snippet's, for its own process
     assert any("lora_A" in n for n, _ in scope["pipe"].transformer.named_parameters())
     assert scope["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
-    assert scope["image"].size == (64, 64) and (tmp_path / "image.png").is_file()
+    assert scope["image"].size == (64, 64) and (out / "image.png").is_file()  # into the output folder
+    assert not (tmp_path / "image.png").exists()
 
 
 HOSTILE = 'q", weight_name="x") if 0 else None; import os; os.system("touch PWNED"); dict(x="'
@@ -176,16 +186,24 @@ def test_folder_and_model_names_cannot_add_code_or_markup_to_the_card(tmp_path, 
     text = summary(cfg, steps=1, pipeline="FluxPipeline", kontext=False)
     for code in (_code(body), textwrap.dedent(text.split("with diffusers:\n", 1)[1])):
         tree = ast.parse(code)
-        calls = [(ast.unparse(c.func), [ast.literal_eval(a) for a in c.args if isinstance(a, ast.Constant)])
-                 for c in ast.walk(tree) if isinstance(c, ast.Call)]  # fmt: skip
-        names = sorted(name for name, _ in calls)
-        expected = ["FluxPipeline.from_pretrained", "pipe", "pipe.to", "torch.cuda.is_available", "image.save"]
-        expected += ["FluxTransformer2DModel.from_pretrained"] if full else ["pipe.load_lora_weights"]
+        found = [c for c in ast.walk(tree) if isinstance(c, ast.Call)]
+        calls = [
+            (ast.unparse(c.func), [ast.unparse(a) for a in c.args], {k.arg: ast.unparse(k.value) for k in c.keywords})
+            for c in found
+        ]
+        names = sorted(name for name, _, _ in calls)
+        expected = ["logging.disable", "FluxPipeline.from_pretrained", "pipe", "pipe.to", "torch.cuda.is_available"]
+        expected += ["image.save", "FluxTransformer2DModel.from_pretrained" if full else "pipe.load_lora_weights"]
         assert names == sorted(expected), names
-        args = dict(calls)
-        assert args["FluxPipeline.from_pretrained"] == [str(base)] and args["pipe"] == [prompt]
-        loads = args["FluxTransformer2DModel.from_pretrained" if full else "pipe.load_lora_weights"]
-        assert loads == [str(out)]
+        args = {name: (a, k) for name, a, k in calls}
+        assert args["FluxPipeline.from_pretrained"][0] == [repr(str(base))]
+        keywords = {"prompt": repr(prompt), "height": "1024", "width": "1024", "guidance_scale": "3.5"}
+        assert args["pipe"] == ([], {**keywords, "num_inference_steps": "28"})
+        loads = args["FluxTransformer2DModel.from_pretrained" if full else "pipe.load_lora_weights"][0]
+        assert loads == ["folder"]
+        constants = [n for n in ast.walk(tree) if isinstance(n, ast.Assign) and isinstance(n.value, ast.Constant)]
+        assigned = {t.id: ast.literal_eval(n.value) for n in constants for t in n.targets}
+        assert assigned["folder"] == str(out)
         assert not [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) and
                     any(a.name == "os" for a in n.names)]  # fmt: skip
     assert front["instance_prompt"] == prompt  # YAML quotes it
@@ -237,7 +255,10 @@ def test_a_flux2_card_names_its_family_and_loads_its_transformer_class(tmp_path)
     assert "Flux2Transformer2DModel.from_pretrained(" in code and "FluxTransformer2DModel" not in code
     pairs = _parts(write_model_card(out, lora, kontext=True, pipeline="Flux2Pipeline", family=FLUX2))[1]
     assert pairs.lstrip().startswith("# FLUX.2 [dev] LoRA") and "(FLUX.2 [dev] pairs)" in pairs
-    assert "load_image(" in pairs
+    code = _code(pairs)
+    compile(code, "snippet", "exec")
+    # Flux2Pipeline's first parameter is `image`: the prompt goes by name
+    assert 'reference = load_image(f"{folder}/reference.png")' in code and "pipe(image=reference, prompt=" in code
 
 
 def test_a_lora_of_a_random_initialised_base_is_not_published_as_one_for_the_pretrained_model(tmp_path):
@@ -378,3 +399,45 @@ def test_the_card_and_the_summary_say_what_the_weights_rest_on_and_every_setting
     else:
         assert note in plain and note in text
     assert ("alpha 8" in plain) == ("--lora_alpha" in flags)
+
+
+def test_the_snippet_of_several_references_pushed_to_the_hub_loads_them_from_the_repository(tmp_path):
+    """A [klein] edit of two references, pushed: the card's lines load both reference images of the run from its
+    repository (where the upload put them) in order, and name the image after the repository."""
+    from flux_cp.families import FLUX2_KLEIN
+    from flux_cp.hub import PUBLISHED
+
+    out = _run_folder(tmp_path, steps=())
+    cfg = resolved(
+        parse_config(["--output_dir", str(out), "--validation_prompt", "make it red"]), FLUX2_KLEIN, True, None
+    )
+    names = reference_names(2)
+    assert names == ("reference-1.png", "reference-2.png") and reference_names(1) == ("reference.png",)
+    assert all(any(fnmatch.fnmatch(n, p) for p in PUBLISHED) for n in (*names, "reference.png", "reference-99.png"))
+    pipeline = "Flux2KleinPipeline"
+    card = write_model_card(
+        out, cfg, kontext=True, pipeline=pipeline, family=FLUX2_KLEIN, repo_id="me/edits", references=names
+    )
+    code = _code(_parts(card)[1])
+    compile(code, "snippet", "exec")
+    assert "from huggingface_hub import hf_hub_download" in code and "repo = 'me/edits'" in code
+    loads = ", ".join(f"load_image(hf_hub_download(repo, {n!r}))" for n in names)
+    assert f"reference = [{loads}]" in code
+    assert "image = pipe(image=reference, prompt='make it red', height=" in code
+    assert code.endswith("image.save('edits.png')\n")
+
+
+def test_folders_given_relative_are_named_by_their_absolute_paths(tmp_path, monkeypatch):
+    """A run launched with relative folders (as the README's FLUX.2 demo gives them): the card's lines name the base
+    model folder, the output folder and the download cache by absolute paths, so that they run from the output
+    folder as from where the run was launched."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models" / "base").mkdir(parents=True)
+    out = _run_folder(tmp_path, steps=(), name="out")
+    cfg = _resolved(["--pretrained_model_name_or_path", "models/base", "--output_dir", "out"])
+    code = _code(_parts(write_model_card("out", cfg))[1])
+    assert f"FluxPipeline.from_pretrained({str(tmp_path / 'models' / 'base')!r}, dtype=dtype)" in code
+    assert f"folder = {str(out)!r}  # the run's output folder" in code
+    hub = _resolved(["--pretrained_model_name_or_path", "someone/flux", "--cache_dir", "hf", "--revision", "v2"])
+    code = _code(_parts(write_model_card("out", hub))[1])
+    assert f"from_pretrained('someone/flux', revision='v2', cache_dir={str(tmp_path / 'hf')!r}, dtype=dtype)" in code

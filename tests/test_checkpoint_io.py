@@ -52,18 +52,23 @@ def test_sizes_known_in_advance_match_what_is_written(tmp_path, full):
     model, opt, sched = _trained(full=full)
     counts = FLUX1.count_parameters(TRANSFORMER_CONFIG, None if full else 4, list(DEFAULT_TARGETS))
     assert counts.trainable == sum(p.numel() for _, p in trainable_parameters(model))
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    trained = {k: v for k, v in state.items() if k in {n for n, _ in trainable_parameters(model)}}
+
+    def lora_file(folder: Path) -> Path:  # a LoRA run's checkpoints hold the LoRA file of their step
+        return save_lora(model, trained, str(folder), LoraConfig(), FLUX1)
+
     for with_opt in (True, False):
         s = diskspace.sizes(counts, full, with_opt, torch.bfloat16, world=1)
-        ckpt = _save(tmp_path / f"c{with_opt}", 2, model, opt, sched, optimizer_state=with_opt)
+        writes = None if full else lora_file
+        ckpt = _save(tmp_path / f"c{with_opt}", 2, model, opt, sched, optimizer_state=with_opt, write_files=writes)
         written = _tree(ckpt)
         assert written <= s.checkpoint <= written * 1.1 + 256 * 1024, (with_opt, written, s.checkpoint)
-    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        assert (ckpt / "pytorch_lora_weights.safetensors").is_file() is not full
     if full:
         out = save_full(model, state, str(tmp_path / "model"), torch.bfloat16)
     else:
-        names = {n for n, _ in trainable_parameters(model)}
-        trained = {k: v for k, v in state.items() if k in names}
-        out = save_lora(model, trained, str(tmp_path / "model"), LoraConfig(), FLUX1)
+        out = lora_file(tmp_path / "model")
     written = _tree(out) if out.is_dir() else out.stat().st_size
     assert written <= s.model <= written * 1.1 + 2 * 2**20, (written, s.model)
 
@@ -205,8 +210,8 @@ def test_the_plan_shows_the_disk_a_run_needs(capsys):
     print_plan(parse_config(["--plan", "--checkpoints_total_limit", "2"]))
     disk = [line for line in capsys.readouterr().out.splitlines() if line.startswith("disk:")]
     assert disk == [
-        "disk: one checkpoint 1.5 MiB (fp32 weights 0.5 MiB + AdamW state 1.0 MiB), the final LoRA 0.4 MiB; keep at "
-        "least 2.0 MiB free in --output_dir (2 checkpoints kept: 5.0 MiB)"
+        "disk: one checkpoint 2.0 MiB (fp32 weights 0.5 MiB + AdamW state 1.0 MiB + the step's LoRA file 0.4 MiB), "
+        "the final LoRA 0.4 MiB; keep at least 2.4 MiB free in --output_dir (2 checkpoints kept: 6.3 MiB)"
     ]
 
 

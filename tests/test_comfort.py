@@ -21,9 +21,11 @@ def _common(tmp, name, steps, *extra):
 
 
 def _computed(result) -> int:
-    m = re.search(r"encodings: \d+ samples, (\d+) newly computed", result.stdout + result.stderr)
+    """Encodings the run computed: image latents and caption embeddings."""
+    counts = r"encodings: \d+ samples; newly computed: (\d+) image latents? \(.*?\), (\d+) caption embeddings?"
+    m = re.search(counts, result.stdout + result.stderr)
     assert m, result.stderr[-2000:]
-    return int(m.group(1))
+    return int(m.group(1)) + int(m.group(2))
 
 
 @pytest.mark.e2e

@@ -21,7 +21,7 @@ def test_every_field_is_its_flag_and_every_flag_a_field():
 def test_embedded_default_resolves_the_tiny_model_defaults():
     cfg = parse_config([])
     assert cfg.model.embedded_default
-    assert (cfg.data.resolution, cfg.data.max_sequence_length) == ((64,), 32)
+    assert (cfg.data.resolution, cfg.data.max_sequence_length) == ((64,), 48)
     assert cfg.validation.validation_resolution == 64
     assert (cfg.lora.rank, cfg.lora.lora_alpha) == (16, 16)
     assert cfg.lora.lora_layers is None  # the model family's, once the model is known (flux_cp.shape.resolved)

@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # What a push sends: the run's final outputs, and nothing else a folder of a run holds.
 PUBLISHED = {"pytorch_lora_weights.safetensors", "README.md", "metrics.jsonl", "loss_curve.png",
-             "validation/step-000000.png", "validation/step-000200.png"}  # fmt: skip
+             "validation/step-000000.png", "validation/step-000200.png", "reference-1.png",
+             "reference-2.png"}  # fmt: skip
 
 
 def _run_folder(root: Path) -> Path:
@@ -39,7 +40,8 @@ def _run_folder(root: Path) -> Path:
                 "abandoned-20250101-120000/pytorch_lora_weights.safetensors",
                 "abandoned-20250101-120000/validation/step-000300.png", "abandoned-20250101-120000/metrics.jsonl",
                 "README.flux-cp.md", "notes.txt", "validation/my_notes.txt", "cache/latents/0.safetensors",
-                "transformer.bak/config.json"):  # fmt: skip
+                "transformer.bak/config.json", "reference-old.png", "reference.jpg", "checkpoint-200/reference.png",
+                "checkpoint-200/pytorch_lora_weights.safetensors"):  # fmt: skip
         (out / rel).parent.mkdir(parents=True, exist_ok=True)
         (out / rel).write_bytes(b"")
     return out

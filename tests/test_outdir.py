@@ -443,3 +443,67 @@ def test_another_run_s_output_folder_is_no_class_folder(tmp_path):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / manifest.NAME).write_text("{}")
     _roles(tmp_path, class_dir=str(tmp_path / "out" / "class"))
+
+
+def test_a_pair_run_s_reference_images_go_beside_its_weights_and_never_over_the_user_s(tmp_path, caplog):
+    """The reference images the card's lines edit: the --validation_image (cut as validation cuts it, at least 64 px:
+    FLUX.2's pipelines take no smaller image; here at 64 for a run at 32), recorded in
+    the manifest (so --overwrite_output_dir removes them), rewritten by a later run of the folder; a file of that name
+    the user put there is kept, with a warning. Without --validation_image: the first training pair's references, in
+    order, one file each."""
+    import logging
+    from types import SimpleNamespace
+
+    import numpy as np
+    from PIL import Image
+
+    from flux_cp.config import parse_config
+    from flux_cp.data import BUNDLED_DATA
+    from flux_cp.outputs import Outputs
+    from flux_cp.validation import reference_image, square
+
+    pairs = BUNDLED_DATA.parent / "tiny_pairs"
+    image = str(pairs / "02_white_triangle.png")
+    out = tmp_path / "run"
+
+    def written(*flags: str, source=None) -> Outputs:
+        cfg = parse_config(["--output_dir", str(out), "--dataset_name", str(pairs), "--resolution", "32", *flags])
+        outputs = Outputs(cfg, SimpleNamespace(pairs=True), *[None] * 11, source=source)
+        outputs.write_references()
+        return outputs
+
+    outdir.claim(out)
+    try:
+        (out / "reference.png").write_bytes(b"mine")
+        with caplog.at_level(logging.WARNING, logger="flux_cp"):
+            kept = written("--validation_prompt", "make it red", "--validation_image", image)
+        assert (out / "reference.png").read_bytes() == b"mine" and kept.references == ("reference.png",)
+        assert "run/reference.png was not written by flux-cp: kept, and the model card's lines edit it" in caplog.text
+        (out / "reference.png").unlink()
+        written("--validation_prompt", "make it red", "--validation_image", image)
+        assert "reference.png" in manifest.read(out)
+        saved = np.asarray(Image.open(out / "reference.png"))
+        assert saved.shape == (64, 64, 3) and np.array_equal(saved, np.asarray(reference_image(image, 64)))
+        written("--validation_prompt", "make it red", "--validation_image", str(pairs / "00_blue_circle.png"))
+        assert not np.array_equal(np.asarray(Image.open(out / "reference.png")), saved)  # ours: rewritten
+        # no --validation_image: the first pair's references (two here), as files of their own
+        first = [pairs / "00_blue_circle.png", pairs / "02_white_triangle.png"]
+
+        class Pair:  # a data set of one target with two references (flux_cp.data.ImageSource's calls)
+            def __len__(self) -> int:
+                return 1
+
+            def reference_count(self, i: int) -> int:
+                return 2
+
+            def load(self, i: int, reference: bool, ref_index: int) -> Image.Image:
+                assert (i, reference) == (0, True)
+                return Image.open(first[ref_index]).convert("RGB")
+
+        two = written("--max_train_steps", "1", source=Pair())  # (not the demo, whose --validation_image is set)
+        assert two.references == ("reference-1.png", "reference-2.png")
+        for name, path in zip(two.references, first):
+            want = np.asarray(square(Image.open(path).convert("RGB"), 64))
+            assert np.array_equal(np.asarray(Image.open(out / name)), want) and name in manifest.read(out)
+    finally:
+        outdir.release(out)

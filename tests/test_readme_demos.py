@@ -12,6 +12,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ import torch
 
 from flux_cp import tiny
 from flux_cp.summary import loss_change
+from tests import snippets
 from tests.launch import ROOT, in_process, ok, train
 
 pytestmark = pytest.mark.e2e
@@ -76,8 +78,8 @@ def demo(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def others(tmp_path_factory):
-    """The README's other CPU demos: FLUX.1 Kontext, FLUX.2 [dev] and [klein]."""
-    return {marker: _run(marker, tmp_path_factory.mktemp("demo"))[0] for marker in (KONTEXT, FLUX2, KLEIN)}
+    """The README's other CPU demos: FLUX.1 Kontext, FLUX.2 [dev] and [klein] (output folder, launch)."""
+    return {marker: _run(marker, tmp_path_factory.mktemp("demo")) for marker in (KONTEXT, FLUX2, KLEIN)}
 
 
 def test_the_demo_says_its_settings_and_its_loss_falls_as_the_readme_says(demo):
@@ -96,12 +98,12 @@ def test_the_demo_says_its_settings_and_its_loss_falls_as_the_readme_says(demo):
 
 
 def test_the_other_demos_losses_fall_as_the_readme_says(others):
-    for marker, out in others.items():
+    for marker, (out, _) in others.items():
         assert _stated_after(marker) == _figures(out), marker
 
 
 def test_every_loss_figure_in_the_readme_is_one_of_these_runs(demo, others):
-    runs = {_figures(out) for out in (demo[1], *others.values())}
+    runs = {_figures(out) for out in (demo[1], *(out for out, _ in others.values()))}
     stated = set(FIGURE.findall(README))
     assert stated == runs, f"the README states {stated - runs}; these runs give {runs - stated}"
 
@@ -118,15 +120,24 @@ def _one_thread():
         torch.set_num_threads(threads)
 
 
-def test_the_demo_card_s_snippet_renders_the_trained_lora_at_the_trained_size_on_the_cpu(demo, tmp_path, monkeypatch):
-    _, out, _ = demo
-    (code,) = re.findall(r"```py\n(.*?)```", (out / "README.md").read_text(), flags=re.S)
-    monkeypatch.chdir(tmp_path)
-    scope: dict = {}
-    with _one_thread():
-        exec(code, scope)  # noqa: S102 - the card this run wrote
-    assert any("lora_A" in n for n, _ in scope["pipe"].transformer.named_parameters())
-    assert scope["image"].size == (64, 64) and (tmp_path / "image.png").is_file()
+def test_the_demo_s_lines_render_its_lora_pasted_from_its_card_or_its_log_as_the_readme_shows_them(demo):
+    """The lines that load the demo's LoRA, from its model card (in a new interpreter, from the output folder) and
+    from its log (from the repository, where it was launched): an image of 64 px in the output folder, and no library
+    notice. The README shows them as the run prints them."""
+    _, out, result = demo
+    code = snippets.check(out, result.stderr, 64, fresh=True)
+    shown = README[README.index("    Load the LoRA with diffusers (also in the model card") :].split("\n", 1)[1]
+    shown = textwrap.dedent(shown[: shown.index("\n\n## ")]).strip("\n") + "\n"
+    assert shown == code.replace(repr(str(out)), repr("/path/to/flux-cp/output/tiny")), shown
+
+
+def test_the_other_demos_lines_render_their_weights_pasted_from_the_card_or_the_log(others):
+    """FLUX.1 Kontext (the bundled pair's reference beside the LoRA), FLUX.2 [dev] text-to-image and [klein] editing
+    one reference: each demo's lines make an image of its trained size, from its card and from its log."""
+    for marker, (out, result) in others.items():
+        code = snippets.check(out, result.stderr, 64)
+        assert ("reference.png" in code) == (marker != FLUX2), marker
+        assert "load_lora_weights(folder" in code, marker
 
 
 def _files(folder: Path) -> dict[str, tuple[int, int]]:

@@ -310,7 +310,7 @@ def test_an_output_folder_belongs_to_one_run(tmp_path):
     r = ok(train(1, *_common(tmp_path, "run", 2, "--overwrite_output_dir")))
     removed = next(line for line in r.stderr.splitlines() if "removed the earlier run's outputs (" in line)
     assert "checkpoint-2, " in removed and "pytorch_lora_weights.safetensors" in removed, removed
-    assert f"cache entry {latent} cannot be read" in r.stderr and "1 newly computed" in r.stderr
+    assert f"cache entry {latent} cannot be read" in r.stderr and "newly computed: 1 image latent (" in r.stderr
     load_file(latent)
 
 
@@ -337,9 +337,9 @@ def test_a_disk_that_fills_up_stops_the_run_at_the_save_that_no_longer_fits(tmp_
     disk = s.checkpoint + s.model + 64 * 1024  # one checkpoint and the final LoRA fit, not two checkpoints
     r = train(1, *_common(tmp_path, "d", 6, "--checkpointing_steps", "2"), extra_env={"FLUX_CP_DISK_BYTES": str(disk)})
     assert r.returncode == 2, r.stderr[-3000:]
-    assert "3 checkpoints of 1.5 MiB and the final LoRA need" in r.stderr  # the warning at start
+    assert "3 checkpoints of 2.0 MiB and the final LoRA need" in r.stderr  # the warning at start
     run = tmp_path / "d"
-    assert "error: not enough disk space for checkpoint-4: it needs 1.5 MiB" in r.stderr
+    assert "error: not enough disk space for checkpoint-4: it needs 2.0 MiB" in r.stderr
     assert f"Nothing was written; {run / 'checkpoint-2'} is the last good checkpoint." in r.stderr
     assert "Traceback" not in r.stderr and _complete(run) == [2] and not (run / ".checkpoint-4.partial").exists()
 
@@ -349,6 +349,9 @@ def test_resume_applies_a_changed_learning_rate_and_says_what_a_weights_only_che
     whose weights give non-finite losses from then on. The run did not train: it exits non-zero, writes no
     checkpoint of a skipped step and no final model, and the folder keeps the earlier run's LoRA and card."""
     ok(train(1, *_common(tmp_path, "r", 2, "--checkpointing_steps", "2", "--checkpoint_weights_only")))
+    # a weights-only checkpoint holds the LoRA file of its step too
+    lora = load_file(tmp_path / "r" / "checkpoint-2" / "pytorch_lora_weights.safetensors")
+    assert lora.keys() == load_file(tmp_path / "r" / "pytorch_lora_weights.safetensors").keys()
     r = ok(train(1, *_common(tmp_path, "r", 4, "--checkpointing_steps", "2", "--checkpoint_weights_only",
                              "--resume_from_checkpoint", "latest", "--learning_rate", "5e-4")))  # fmt: skip
     assert "resume: --learning_rate 0.001 -> 0.0005" in r.stderr and "--max_train_steps 2 -> 4" in r.stderr

@@ -27,6 +27,7 @@ def _folder(out: Path, losses: list[float], grids: int, checkpoints: tuple[int, 
     for step in checkpoints:
         (out / f"checkpoint-{step}").mkdir()
         (out / f"checkpoint-{step}" / "meta.json").write_text("{}")
+        (out / f"checkpoint-{step}" / "pytorch_lora_weights.safetensors").write_bytes(b"x")
     (out / ".checkpoint-99.partial").mkdir()  # never listed
 
 
@@ -39,24 +40,32 @@ def test_the_summary_lists_every_output_the_loss_change_and_how_to_load_the_lora
     losses = [1.2, 1.1, 1.3, 1.0, 0.9, 1.0, 0.8, 0.9, 0.7, 0.9]
     _folder(out, losses, grids=6, checkpoints=(5, 10))
     cfg = parse_config(["--output_dir", str(out), "--dataset_name", "data/tiny_pairs", "--max_train_steps", "10"])
+    (out / "reference.png").write_bytes(b"x")
     text = summary(cfg, steps=10, pipeline="FluxKontextPipeline", kontext=True, hub_url="https://huggingface.co/me/k",
-                   repo_id="me/k")  # fmt: skip
+                   repo_id="me/k", references=("reference.png",))  # fmt: skip
     head, *lines = text.splitlines()
     assert head == f"done: 10 steps, loss 1.150 -> 0.800 (-30%, means of the first and last 2 steps). Outputs in {out}:"
     listed = [line.split()[0].rstrip(",") for line in lines if line.startswith("  ") and not line.startswith("    ")]
     assert listed == ["pytorch_lora_weights.safetensors", "README.md", "run_config.json", "metrics.jsonl",
-                      "loss_curve.png", "validation/", "checkpoint-5/", "logs/",
+                      "loss_curve.png", "reference.png", "validation/", "checkpoint-5/", "logs/",
                       "https://huggingface.co/me/k"]  # fmt: skip
+    assert "  reference.png                     the reference image the lines below edit" in lines
     assert (
         "  validation/                       validation images: 6 grids, step-000000.png ... step-000025.png" in lines
     )
     (kept,) = [line for line in lines if line.startswith("  checkpoint-5/, checkpoint-10/ ")]
-    assert kept.endswith("  resumable: --resume_from_checkpoint latest or one of them")
+    assert kept.endswith("  resumable: --resume_from_checkpoint latest or one of them; each holds its step's LoRA")
+    (out / "checkpoint-5" / "pytorch_lora_weights.safetensors").unlink()  # as an earlier version wrote it
+    again = summary(cfg, steps=10, pipeline="FluxKontextPipeline", kontext=True)
+    assert "  resumable: --resume_from_checkpoint latest or one of them\n" in again
     assert f"tensorboard --logdir {out / 'logs'}" in text
     code = _code(text)
     compile(code, "snippet", "exec")
     assert "pipe = FluxKontextPipeline.from_pretrained(ensure_tiny_pipeline(kontext=True), " in code
-    assert "pipe.load_lora_weights('me/k', weight_name='pytorch_lora_weights.safetensors')" in code
+    assert "pipe.load_lora_weights(repo, weight_name='pytorch_lora_weights.safetensors')" in code
+    assert "repo = 'me/k'" in code and "reference = load_image(hf_hub_download(repo, 'reference.png'))" in code
+    # pushed: the weights from the Hub, the image into the local output folder (not where the run was launched)
+    assert code.rstrip().endswith(f"image.save({str(out / 'image.png')!r})")
 
 
 def test_the_summary_names_only_what_exists_and_a_transformer_folder_when_fully_fine_tuned(tmp_path):
@@ -73,7 +82,8 @@ def test_the_summary_names_only_what_exists_and_a_transformer_folder_when_fully_
     ]
     code = _code(text)
     compile(code, "snippet", "exec")
-    assert f'FluxTransformer2DModel.from_pretrained({str(out)!r}, subfolder="transformer"' in code
+    assert f"folder = {str(out)!r}" in code
+    assert 'FluxTransformer2DModel.from_pretrained(folder, subfolder="transformer"' in code
     assert "FluxPipeline.from_pretrained('black-forest-labs/FLUX.1-dev', transformer=transformer" in code
 
 

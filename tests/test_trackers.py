@@ -1,6 +1,7 @@
 """One launch of the embedded default with wandb offline and `--lora_format kohya`: every step's scalars and the
 validation images (before training and at the end) reach the wandb run file, and the LoRA file is in kohya's
-layout, complete under ComfyUI's key rules."""
+layout, complete under ComfyUI's key rules, the same in the final checkpoint, and loaded by the lines of the model
+card and of the log."""
 
 from __future__ import annotations
 
@@ -8,10 +9,12 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 from wandb.proto import wandb_internal_pb2  # requirements-test.txt
 
+from tests import snippets
 from tests.launch import comfy_lora_prefixes, comfy_not_loaded, losses, ok, run_args, train
 
 
@@ -47,7 +50,9 @@ def test_wandb_offline_logs_scalars_and_validation_images_and_a_kohya_lora_is_wr
     args = run_args(tmp_path, "wb", 2, "--report_to", "wandb", "--lora_format", "kohya", "--lora_layers", layers,
                     "--validation_prompt", "a red circle", "--num_validation_images", "1", "--validation_steps", "2",
                     "--validation_inference_steps", "2", "--validation_resolution", "64")  # fmt: skip
-    ok(train(1, *args, extra_env={"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true"}))
+    result = ok(
+        train(1, *args, extra_env={"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true"})
+    )
     runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1, runs
     history = []
@@ -71,3 +76,12 @@ def test_wandb_offline_logs_scalars_and_validation_images_and_a_kohya_lora_is_wr
     with safe_open(str(tmp_path / "wb" / "pytorch_lora_weights.safetensors"), "pt") as f:
         header = f.metadata()
     assert (header["ss_network_module"], header["ss_base_model_version"]) == ("networks.lora_flux", "flux1")
+    # the checkpoint holds the kohya file too: the final one, at its step (written at another time)
+    in_checkpoint = tmp_path / "wb" / "checkpoint-2" / "pytorch_lora_weights.safetensors"
+    saved = load_file(in_checkpoint)
+    assert saved.keys() == lora.keys() and all(torch.equal(saved[k], lora[k]) for k in lora)
+    with safe_open(str(in_checkpoint), "pt") as f:
+        assert {**f.metadata(), "modelspec.date": None} == {**header, "modelspec.date": None}
+    # the lines of the card and the log load the kohya file into FluxPipeline (diffusers converts its keys)
+    code = snippets.check(tmp_path / "wb", result.stderr, 64)
+    assert "pipe.load_lora_weights(folder, weight_name='pytorch_lora_weights.safetensors')" in code

@@ -9,9 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from flux_cp.metrics import read_metrics
+from tests import snippets
 from tests.launch import assert_same_trajectory, ok, run_args, train
 
 pytestmark = pytest.mark.e2e  # every test here launches train_flux_cp.py
@@ -58,6 +60,8 @@ def accumulated(tmp_path_factory, model) -> Path:
     # --profile_step: a trace per rank, and the profiled step's numbers are those of the run without it
     ok(train(2, *_common(model, tmp, "cp2", 10, *CP2, "--profile_step", "4", *ACCUMULATED,
                          "--seed_checkpoint", str(tmp / "seed_cp2.safetensors"))))  # fmt: skip
+    # the first run stopped at its step 9: what its checkpoint-9's LoRA file must be
+    ok(train(1, *_common(model, tmp, "nine", 9, *ACCUMULATED)))
     return tmp
 
 
@@ -96,6 +100,37 @@ def test_the_output_is_the_ema_and_holds_the_text_encoders_lora(accumulated):
     assert ema.keys() == raw.keys() == saved.keys()
     assert all(torch.equal(saved[k], ema[k]) for k in saved)
     assert not all(torch.equal(saved[k], raw[k]) for k in saved if "lora_B" in k), "the raw weights were written"
+
+
+def test_each_checkpoint_holds_the_lora_file_of_its_step_which_the_card_s_lines_load(accumulated):
+    """checkpoint-9 of a 10-step run holds the LoRA file (the EMA's, with the text encoder's LoRA) that a run of 9
+    steps ends with, bit for bit, and the last checkpoint the run's own; the model card's lines, pointed at the
+    checkpoint as their comment says, load it into FluxPipeline (both LoRAs) and make an image of the trained size."""
+    one = accumulated / "one"
+    name = "pytorch_lora_weights.safetensors"
+
+    def content(folder: Path) -> tuple[dict, dict]:  # (safetensors writes its header's entries in any order)
+        with safe_open(str(folder / name), "pt") as f:
+            return f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+
+    def same(a: Path, b: Path) -> bool:
+        (meta_a, a), (meta_b, b) = content(a), content(b)
+        return meta_a == meta_b and a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    assert same(one / "checkpoint-9", accumulated / "nine") and same(one / "checkpoint-10", one)
+    assert not same(one / "checkpoint-9", one)
+    listed = json.loads((one / "checkpoint-9" / "meta.json").read_text())["checksums"]["files"]
+    assert name in listed  # checked on resume like the rest of the checkpoint
+    code = snippets.card_code(one)
+    hint = '# a checkpoint\'s: f"{folder}/checkpoint-N"'
+    assert f"pipe.load_lora_weights(folder, weight_name={name!r})  {hint}" in code
+    code = code.replace("load_lora_weights(folder, ", 'load_lora_weights(f"{folder}/checkpoint-9", ')
+    check = "assert any('lora' in n for n, _ in pipe.text_encoder.named_parameters())"  # CLIP's LoRA loaded too
+    code = code.replace("pipe.to(device)", f"pipe.to(device)\n{check}")
+    result = snippets.run(code, one)
+    assert result.returncode == 0, result.stderr[-5000:]
+    assert not snippets.noise(result.stdout + result.stderr), snippets.noise(result.stdout + result.stderr)
+    snippets.check_image(one / "image.png", 64)
 
 
 def test_compiled_blocks_train_like_eager_with_cp(tmp_path, model, accumulated):

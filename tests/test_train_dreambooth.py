@@ -2,7 +2,8 @@
 --caption_dropout, prior preservation with its class images generated under CP, and two resolutions (aspect buckets
 at each) train at cp=2 exactly as one process does (loss and LoRA weights); the class images are what the family's
 pipeline renders without CP (FLUX.1 and FLUX.2 [klein]). Three trainer launches, two of them with CP (the batches
-do not depend on the family: FLUX.2 [klein] runs here for its class images and empty caption)."""
+do not depend on the family: FLUX.2 [klein] runs here for its class images and empty caption; the lines that load
+its LoRA are run as pasted)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from PIL import Image
 from flux_cp.data import BUNDLED_DATA
 from flux_cp.prior import class_images
 from flux_cp.rng import Stream, generator
+from tests import snippets
 from tests.launch import assert_same_trajectory, losses, ok, run_args, train
 
 pytestmark = pytest.mark.e2e  # every test here launches train_flux_cp.py
@@ -48,7 +50,8 @@ def runs(tmp_path_factory) -> Path:
     klein = ensure_tiny_flux2_pipeline(klein=True)  # under the session's FLUX_CP_HOME, shared with other tests
     flux2 = [*_options(tmp, "klein_class", 1), "--pretrained_model_name_or_path", str(klein), "--resolution", "64",
              "--max_sequence_length", "64"]  # fmt: skip
-    ok(train(2, *run_args(tmp, "klein_cp2", 4, "--cp_size", "2", *flux2)))
+    out = ok(train(2, *run_args(tmp, "klein_cp2", 4, "--cp_size", "2", *flux2)))
+    (tmp / "klein_cp2.log").write_text(out.stdout + out.stderr)
     return tmp
 
 
@@ -90,3 +93,10 @@ def test_class_images_generated_under_cp_are_the_pipeline_s(runs):
             assert made.shape == (resolution, resolution, 3) and np.abs(made - want).max() <= 1, (folder, k)
         assert len({p.read_bytes() for p in files}) == count  # each from noise of its own
     assert len(losses(runs / "klein_cp2")) == 4  # and FLUX.2 trained on them, with its empty caption
+
+
+def test_the_klein_lora_s_lines_render_it_pasted_from_its_card_or_its_log(runs):
+    """FLUX.2 [klein] text-to-image: the lines of the model card and of the log load the LoRA into Flux2KleinPipeline
+    (the prompt by name: the pipeline's first parameter is an image) and make an image of the trained size."""
+    code = snippets.check(runs / "klein_cp2", (runs / "klein_cp2.log").read_text(), 64)
+    assert "Flux2KleinPipeline.from_pretrained(" in code and "pipe(prompt=" in code and "load_image" not in code

@@ -14,6 +14,7 @@ import pytest
 import torch
 from PIL import Image
 
+from tests import snippets
 from tests.launch import assert_same_trajectory, losses, max_rel_weights, ok, run_args, train
 
 pytestmark = pytest.mark.e2e  # every test here launches train_flux_cp.py
@@ -57,7 +58,8 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     # --no_cache: encoded live every batch (a later flag overrides an earlier one)
     full = ["--full_finetune", "--learning_rate", "1e-3", "--no_cache", "--dataset_name", str(PAIRS),
             "--checkpointing_steps", "1000", "--resolution", "48"]  # fmt: skip
-    ok(train(1, *flags("klein_full", "klein", 2, *full)))
+    out = ok(train(1, *flags("klein_full", "klein", 2, *full)))
+    (tmp / "klein_full.log").write_text(out.stdout + out.stderr)
     return {"tmp": tmp, **models}
 
 
@@ -118,3 +120,22 @@ def test_full_finetune_writes_a_transformer_folder_that_flux2_loads(runs):
     assert [a for (a, _), _ in pairs] == [b for _, (b, _) in pairs]
     changed = [n for (n, a), (_, b) in pairs if not torch.equal(a, b)]
     assert len(changed) > len(pairs) // 2, "training changed too few weights"
+
+
+def test_the_lines_of_a_full_fine_tune_on_pairs_load_its_transformer_and_edit_the_first_pair_s_reference(runs):
+    """No --validation_image: the first training pair's reference is copied beside the transformer (cut square, at
+    64 px rather than the trained 48: FLUX.2's pipelines take no smaller image); the lines of the model card and of
+    the log load the transformer into Flux2KleinPipeline and edit it, making an image of the trained size. A full
+    fine-tune's checkpoints hold no LoRA file."""
+    from flux_cp.validation import square
+
+    out = runs["tmp"] / "klein_full"
+    code = snippets.check(out, (runs["tmp"] / "klein_full.log").read_text(), 48)
+    assert 'Flux2Transformer2DModel.from_pretrained(folder, subfolder="transformer"' in code
+    assert 'reference = load_image(f"{folder}/reference.png")' in code
+    first = json.loads((PAIRS / "metadata.jsonl").read_text().splitlines()[0])
+    reference = next(v for k, v in first.items() if k != "file_name" and k.endswith("file_name"))
+    with Image.open(PAIRS / reference) as image:
+        want = np.asarray(square(image.convert("RGB"), 64))
+    assert np.array_equal(np.asarray(Image.open(out / "reference.png").convert("RGB")), want)
+    assert not (out / "checkpoint-2" / "pytorch_lora_weights.safetensors").exists()

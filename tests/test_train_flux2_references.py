@@ -17,6 +17,7 @@ import pytest
 import torch
 from PIL import Image
 
+from tests import snippets
 from tests.launch import assert_same_trajectory, in_process, ok, run_args, train
 from tests.reference_folders import references_folder
 
@@ -132,6 +133,20 @@ def test_the_lora_edits_one_reference_in_flux2_klein_pipeline_as_the_trained_mod
     after = _render(pipe, image)
     assert np.abs(after - trained).max() <= 1, np.abs(after - trained).max()
     assert np.abs(before - trained).max() > 3  # the LoRA is what makes them equal
+
+
+def test_the_lines_of_a_two_reference_run_edit_its_references_pasted_from_its_card_or_its_log(runs):
+    """The run's two --validation_image copied beside its LoRA, in order, as validation cuts them; the lines of the
+    model card and of the log load the LoRA into Flux2KleinPipeline and edit both, making an image of the trained
+    size."""
+    from flux_cp.validation import reference_image
+
+    out = runs["tmp"] / "one"
+    code = snippets.check(out, (out / "log.txt").read_text(), 64)
+    assert 'reference = [load_image(f"{folder}/reference-1.png"), load_image(f"{folder}/reference-2.png")]' in code
+    for name, path in zip(("reference-1.png", "reference-2.png"), runs["images"]):
+        saved = np.asarray(Image.open(out / name).convert("RGB"))
+        assert np.array_equal(saved, np.asarray(reference_image(path, 64))), name
 
 
 def test_a_resume_refuses_a_data_set_whose_second_reference_changed_naming_the_file(runs):

@@ -10,6 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
+from tests import snippets
 from tests.launch import assert_same_trajectory, ok, run_args, train
 
 pytestmark = pytest.mark.e2e  # every test here launches train_flux_cp.py
@@ -59,7 +60,8 @@ def test_kontext_pairs_with_cp_train_like_one_process_and_the_lora_edits(tmp_pat
 
 def test_kontext_full_finetune_writes_a_transformer_the_pipeline_loads(tmp_path):
     """Also FLUX.1's full fine-tuning (the same FluxTransformer2DModel, saved by the same code whatever the data): the
-    folder FluxTransformer2DModel.from_pretrained loads holds weights the training changed, most of them."""
+    folder FluxTransformer2DModel.from_pretrained loads holds weights the training changed, most of them, and the
+    run's lines load it."""
     from diffusers import FluxKontextPipeline, FluxTransformer2DModel
 
     from flux_cp.families.flux1.tiny import ensure_tiny_pipeline
@@ -67,7 +69,7 @@ def test_kontext_full_finetune_writes_a_transformer_the_pipeline_loads(tmp_path)
     # --no_cache: pairs encoded live, every batch (the reference with its target's crop and flip). 48 px: 9 target
     # + 9 reference tokens, which FLUX.1 data could not split over 2 ranks (9 image tokens) but a pair can.
     flags = ["--cp_size", "2", "--full_finetune", "--learning_rate", "1e-3", "--no_cache", "--resolution", "48"]
-    ok(train(2, *_pairs(tmp_path, "full", 2, *flags)))
+    result = ok(train(2, *_pairs(tmp_path, "full", 2, *flags)))
     trained = FluxTransformer2DModel.from_pretrained(tmp_path / "full" / "transformer")
     path = ensure_tiny_pipeline(kontext=True)
     original = FluxKontextPipeline.from_pretrained(path)
@@ -77,3 +79,7 @@ def test_kontext_full_finetune_writes_a_transformer_the_pipeline_loads(tmp_path)
     assert len(changed) > len(pairs) // 2, "training changed too few weights"
     pipe = FluxKontextPipeline.from_pretrained(path, transformer=trained)
     assert (_edit(pipe) - _edit(original)).abs().max().item() > 1e-4
+    # the lines of the model card and of the log: the transformer in FluxKontextPipeline, editing the first pair's
+    # reference (no --validation_image), copied beside it
+    code = snippets.check(tmp_path / "full", result.stderr, 48)
+    assert 'FluxTransformer2DModel.from_pretrained(folder, subfolder="transformer"' in code and "reference.png" in code
