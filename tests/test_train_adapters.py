@@ -152,4 +152,4 @@ def test_the_lokr_model_cards_snippet_runs_as_pasted(runs, monkeypatch):
     assert "pipe.transformer.load_lora_adapter(" in code and "LoKr" in card
     monkeypatch.chdir(runs)
     exec(compile(code, "card snippet", "exec"), {})  # noqa: S102 - the snippet is the test's subject
-    assert (runs / "image.png").is_file()
+    assert (runs / "lokr_cp2" / "image.png").is_file()  # the snippet saves into the run's output folder
