@@ -135,10 +135,16 @@ def figures(h2d_gib_per_s: float = 20.0) -> speed.Figures:
     """A 24 GB card's figures as the tests state them (not a class file's, which measurements replace)."""
     no = {"eager": 0.0, "compiled": 0.0, "graphs": 0.0}
     return speed.Figures(
-        matmul_tflops=100.0, attention_tflops=80.0, elementwise_ps={"eager": 200.0, "compiled": 0.0, "graphs": 0.0},
-        pass_ms=no, dequant_ms_per_gweight={p: {m: (5.0, 0.0) for m in no} for p in ("fp8", "int8", "nf4")},
-        h2d_gib_per_s=h2d_gib_per_s, link_gib_per_s=20.0, step_ms=no, compile_s=60.0,
-    )  # fmt: skip
+        matmul_tflops=100.0,
+        attention_tflops=80.0,
+        elementwise_ps={"eager": 200.0, "compiled": 0.0, "graphs": 0.0},
+        pass_ms=no,
+        dequant_ms_per_gweight={p: {m: (5.0, 0.0) for m in no} for p in ("fp8", "int8", "nf4")},
+        h2d_gib_per_s=h2d_gib_per_s,
+        link_gib_per_s=20.0,
+        step_ms=no,
+        compile_s=60.0,
+    )
 
 
 def _pick(h2d_gib_per_s: float, gib: float, resolution: int):
@@ -177,8 +183,11 @@ def test_auto_with_nothing_that_fits_is_refused_at_start_naming_the_precision_th
     message = str(e.value)
     assert "\n" not in message and e.value.agreed
     assert message.startswith("FLUX.1 does not fit 90% of 12.0 GiB at --base_precision bf16 (planned ")
-    named = re.search(r"with every block checkpointed and 57 of 57 blocks offloaded\); --base_precision (\w+) fits: "
-                      r".* s/step by the speed model: add --base_precision (\w+) \(", message)  # fmt: skip
+    named = re.search(
+        r"with every block checkpointed and 57 of 57 blocks offloaded\); --base_precision (\w+) fits: "
+        r".* s/step by the speed model: add --base_precision (\w+) \(",
+        message,
+    )
     assert named and named.group(1) == named.group(2) != "bf16", message
     # counts given by hand run as given (a warning at the start of training); no GPU and no --gpu_memory_gib: nothing
     by_hand, _ = _run("--resolution", "2048", "--gradient_checkpointing", "all", "--gpu_memory_gib", "12")
@@ -218,10 +227,15 @@ def test_plan_prints_base_precision_offload_and_pinned_host_memory(capsys):
     cfg, _ = _run("--plan", "--resolution", "2048", "--gradient_checkpointing", "--gpu_memory_gib", "12")
     plan.print_plan(cfg)
     out = capsys.readouterr().out
-    assert "these flags at --cp_size 1 (compile off): do not fit: FLUX.1 does not fit 90% of 12.0 GiB at " \
-        "--base_precision bf16" in out, out
-    assert re.search(r"at --base_precision bf16 \(planned [^)]*\); --base_precision (fp8|int8|nf4)( --offload_blocks auto)? "
-                     r"fits: ", out), out
+    assert (
+        "these flags at --cp_size 1 (compile off): do not fit: FLUX.1 does not fit 90% of 12.0 GiB at "
+        "--base_precision bf16" in out
+    ), out
+    assert re.search(
+        r"at --base_precision bf16 \(planned [^)]*\); --base_precision (fp8|int8|nf4)( --offload_blocks auto)? "
+        r"fits: ",
+        out,
+    ), out
 
 
 def test_plan_on_several_gpus_compares_ddp_with_a_quantized_base_and_fsdp2(capsys):
