@@ -330,27 +330,45 @@ def fit(rows: Sequence[Planned], base: dict, groups: list[tuple[str, list[str]]]
 # --- measuring on this GPU ------------------------------------------------------------------------------------
 
 
-def calibrate(resolutions: Sequence[int], precisions: Sequence[str], modes: Sequence[str], base_figures):
-    """(the raw timings of each resolution, the figures derived from all of them)."""
+def calibrate(
+    resolutions: Sequence[int], precisions: Sequence[str], modes: Sequence[str], base_figures, models: Models
+):
+    """(the raw timings of each resolution, the figures derived from all of them). FLUX.1-dev's blocks as a run of
+    the suite's flags plans them (the `flux1-dev-shapes` preset), measured through the cache such a run reads
+    (flux_cp.speed_measure: FLUX_CP_HOME/speed/), so that the runs after it measure nothing again."""
     import torch
 
     from flux_cp import speed_measure
-    from flux_cp.families import FLUX1
-    from flux_cp.families.flux1.tiny import FLUX1_DEV_TRANSFORMER
+    from flux_cp.config import parse_config
+    from flux_cp.shape import build_shape, resolved
 
     device = torch.device("cuda", torch.cuda.current_device())
     raws = []
     for res in resolutions:
+        argv = [
+            "--plan",
+            "--pretrained_model_name_or_path",
+            models.path("flux1-dev-shapes"),
+            *TRAINER_FLAGS,
+            "--resolution",
+            str(res),
+        ]
+        cfg = parse_config(argv)
+        shape = build_shape(cfg, 1, planning=True)
+        cfg = resolved(cfg, shape.family, shape.pairs, shape.transformer_config)
         request = speed_measure.Request(
-            FLUX1,
-            dict(FLUX1_DEV_TRANSFORMER),
-            tokens=(res // 16) ** 2 + 512,
-            text_tokens=512,
+            shape.family,
+            dict(shape.transformer_config),
+            tokens=shape.largest_sequence,
+            text_tokens=shape.text_tokens,
             batch=1,
             precisions=tuple(precisions),
             modes=tuple(modes),
+            lora_rank=16,
+            lora_layers=tuple(cfg.lora.lora_layers),
         )
-        raws.append((res, speed_measure.measure_blocks(request, device)))
+        speed_measure.figures_for(request, device, base_figures)
+        raws.append((res, json.loads(speed_measure.cached_path(request, device).read_text())))
     return raws, speed_measure.derive(pooled(raws), base_figures, "measured")
 
 
@@ -409,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.check or a.fit:
         files = a.check or a.fit
         gpu_class = a.gpu_class or speed.class_of_gpu(schema.load(files[0])["hardware"].get("gpu") or "")
-        if gpu_class is None:
+        if gpu_class is None and not (a.check and a.out):
             p.error("--gpu_class: the files' GPU is of no known class")
     if a.check:
         figures = (
@@ -477,16 +495,17 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         p.error("measuring needs a CUDA GPU (--check and --fit run anywhere)")
     gpu = torch.cuda.get_device_name()
-    name = a.gpu_class or speed.class_of_gpu(gpu)
+    name = a.gpu_class if a.gpu_class in speed.CLASSES else speed.class_of_gpu(gpu)
     out = a.out or (str(speed.class_file(name)) if name else None)
     if out is None:
         p.error(f"{gpu} is of no known class: give --out")
-    base = class_data(name) if name else class_data("h100")
+    base = class_data(name or "h100")  # what is not measured: the class's, or an H100's for another GPU
     raws, figures = calibrate(
         [int(r) for r in a.resolutions.split(",")],
         a.precisions.split(","),
         a.modes.split(","),
         speed.Figures.from_json(base["figures"], sources=base.get("sources")),
+        models,
     )
     sources = {k: (f"measured on {gpu}: {command}" if v == "measured" else v) for k, v in figures.sources.items()}
     write_class(

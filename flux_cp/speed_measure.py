@@ -58,6 +58,7 @@ class Request:
     lora_layers: tuple[str, ...] = ()
 
     def key(self, device: torch.device) -> dict:
+        """What the timings depend on besides the precision and mode: one cache file per key."""
         return {
             "version": VERSION,
             "gpu": device_name(device),
@@ -67,11 +68,13 @@ class Request:
             "tokens": self.tokens,
             "text_tokens": self.text_tokens,
             "batch": self.batch,
-            "precisions": sorted(self.precisions),
-            "modes": sorted(self.modes),
             "lora_rank": self.lora_rank,
             "lora_layers": sorted(self.lora_layers),
         }
+
+    def pairs(self) -> list[tuple[str, str]]:
+        """(precision, mode) of every block timing it needs: bf16's too, which the others are measured against."""
+        return [(p, m) for p in dict.fromkeys(("bf16", *self.precisions)) for m in self.modes]
 
 
 def cached_path(request: Request, device: torch.device) -> Path:
@@ -79,30 +82,47 @@ def cached_path(request: Request, device: torch.device) -> Path:
     return cache_dir() / f"{hashlib.sha256(text.encode()).hexdigest()[:24]}.json"
 
 
+def _read(path: Path) -> dict | None:
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None  # none yet, or damaged: measured (again)
+    return raw if isinstance(raw, dict) and "blocks" in raw else None
+
+
+def _missing(raw: dict | None, request: Request) -> list[tuple[str, str]]:
+    if raw is None:
+        return request.pairs()
+    return [(p, m) for p, m in request.pairs() if m not in raw["blocks"].get(p, {}) and p not in raw.get("skipped", {})]
+
+
 def figures_for(
     request: Request,
     device: torch.device,
     base: speed.Figures,
-    measure: Callable[[Request, torch.device], dict] | None = None,
+    measure: Callable[..., dict] | None = None,
 ) -> speed.Figures:
-    """This GPU's figures for `request`: read from the cache, else measured (and cached). `base`: the figures for
-    what is not measured. `measure`: the timing routine (tests give a fake one)."""
+    """This GPU's figures for `request`: from the cache, the timings it lacks measured and added to it. `base`: the
+    figures for what is not measured. `measure`: the timing routine (`measure_blocks`; tests give a fake one)."""
     path = cached_path(request, device)
-    if path.is_file():
-        try:
-            raw = json.loads(path.read_text())
-            return derive(raw, base, f"measured on this GPU ({raw['gpu']}; cached: {path})")
-        except (OSError, ValueError, KeyError):
-            pass  # a damaged file: measured again below
+    raw = _read(path)
+    missing = _missing(raw, request)
+    if not missing:
+        return derive(raw, base, f"measured on this GPU ({raw['gpu']}; cached: {path})")
     start = time.perf_counter()
-    raw = (measure or measure_blocks)(request, device)
-    raw["key"] = request.key(device)
+    new = (measure or measure_blocks)(request, device, pairs=missing, known=raw)
+    if raw is not None:  # what was measured before stays: the rates, and the other pairs' timings
+        for p, by_mode in new["blocks"].items():
+            raw["blocks"].setdefault(p, {}).update(by_mode)
+        raw.setdefault("skipped", {}).update(new.get("skipped", {}))
+        new = raw
+    new["key"] = request.key(device)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(raw, indent=1, default=str) + "\n")
+    tmp.write_text(json.dumps(new, indent=1, default=str) + "\n")
     os.replace(tmp, path)
     took = time.perf_counter() - start
-    return derive(raw, base, f"measured on this GPU ({raw['gpu']}, in {took:.0f} s; cached: {path})")
+    return derive(new, base, f"measured on this GPU ({new['gpu']}, in {took:.0f} s; cached: {path})")
 
 
 def derive(raw: dict, base: speed.Figures, describe: str) -> speed.Figures:
@@ -343,8 +363,15 @@ def _time_block(
     return {"forward": _median(forward), "backward": _median(backward), "first": first}
 
 
-def measure_blocks(request: Request, device: torch.device, repeats: int = 5) -> dict:
-    """The timings behind the figures (`derive`): every kind of block at every precision and mode of `request`."""
+def measure_blocks(
+    request: Request,
+    device: torch.device,
+    pairs: Sequence[tuple[str, str]] | None = None,
+    known: dict | None = None,
+    repeats: int = 5,
+) -> dict:
+    """The timings behind the figures (`derive`): every kind of block at each (precision, mode) of `pairs` (default:
+    the request's), and the rates, unless `known` (an earlier measurement of the same shapes) has them."""
     from . import plan
     from .blocks import transformer_blocks
     from .precision import PACKAGES, _version
@@ -368,40 +395,34 @@ def measure_blocks(request: Request, device: torch.device, repeats: int = 5) -> 
             b.kind, {"linear": b.linear, "attention": b.attention, "features": b.features, "weights": b.weights}
         )
     heads, head_dim = config["num_attention_heads"], config["attention_head_dim"]
-    raw = {
-        "gpu": device_name(device),
-        "kinds": kinds,
-        "matmul_tflops": matmul_tflops(device, request.batch * request.tokens, hidden, dtype),
-        "attention_tflops": attention_tflops(device, request.batch, heads, request.tokens, head_dim, dtype),
-        "h2d_gib_per_s": h2d_gib_per_s(
-            device,
-            max(
-                b.nbytes
-                for b in plan.step_blocks(
-                    family,
-                    config,
-                    tokens=request.tokens,
-                    text_tokens=request.text_tokens,
-                    batch=request.batch,
-                    cp=1,
-                    precision="bf16",
-                )[0]
-            ),
-        ),
-        "blocks": {},
-        "skipped": {},
-    }
+    raw = {"gpu": device_name(device), "kinds": kinds, "blocks": {}, "skipped": {}}
+    if known is not None:
+        raw.update({k: known[k] for k in ("matmul_tflops", "attention_tflops", "h2d_gib_per_s")})
+    else:
+        plain, _ = plan.step_blocks(
+            family,
+            config,
+            tokens=request.tokens,
+            text_tokens=request.text_tokens,
+            batch=request.batch,
+            cp=1,
+            precision="bf16",
+        )
+        raw["matmul_tflops"] = matmul_tflops(device, request.batch * request.tokens, hidden, dtype)
+        raw["attention_tflops"] = attention_tflops(device, request.batch, heads, request.tokens, head_dim, dtype)
+        raw["h2d_gib_per_s"] = h2d_gib_per_s(device, max(b.nbytes for b in plain))
     if device.type == "cuda":
         autocast = lambda: torch.autocast("cuda", dtype=dtype)  # noqa: E731
     else:
         autocast = lambda: torch.autocast("cpu", dtype=dtype)  # noqa: E731
     inputs = _inputs(request, device, dtype)
-    for precision in dict.fromkeys(("bf16", *request.precisions)):
+    todo = request.pairs() if pairs is None else list(pairs)
+    for precision in dict.fromkeys(p for p, _ in todo):
         package = PACKAGES.get(precision)
         if package and _version(package[0]) is None:
             raw["skipped"][precision] = f"{package[0]} is not installed"
             continue
-        for how in request.modes:
+        for how in [m for p, m in todo if p == precision]:
             model = _one_of_each(request, precision, device, dtype)
             calls = _block_calls(model, family, inputs, autocast)
             if how != "eager":

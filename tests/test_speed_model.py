@@ -228,35 +228,47 @@ def _request() -> speed_measure.Request:
     )
 
 
-def test_measured_figures_are_cached_by_gpu_torch_shapes_precisions_and_modes(tmp_path, monkeypatch):
-    """A second plan reads the first one's measurement (and says so); other shapes are measured again."""
+def test_measured_figures_are_cached_by_gpu_torch_and_shapes_and_filled_by_precision_and_mode(tmp_path, monkeypatch):
+    """A second plan of the same shapes reads the first one's measurement (and says so); one that needs another
+    precision or mode measures only that (bf16 is there already); other shapes are measured anew."""
     monkeypatch.setenv("FLUX_CP_HOME", str(tmp_path))
     base = speed.load_class("h100")
     measured = []
 
-    def fake(request, device):
-        measured.append(request.tokens)
+    def fake(request, device, pairs=None, known=None):
+        measured.append((request.tokens, sorted(pairs), known is not None))
         times = {"forward": 0.01, "backward": 0.02, "first": 0.03}
         kinds = {k: {"linear": 1e9, "attention": 1e8, "features": 1e5, "weights": 1000} for k in ("double", "single")}
+        blocks = {}
+        for p, m in pairs:
+            blocks.setdefault(p, {})[m] = {k: times for k in kinds}
         return {
             "gpu": "a GPU",
             "kinds": kinds,
             "matmul_tflops": 300.0,
             "attention_tflops": 200.0,
             "h2d_gib_per_s": 25.0,
-            "blocks": {"bf16": {"eager": {k: times for k in kinds}}},
+            "blocks": blocks,
         }
 
     request, cpu = _request(), torch.device("cpu")
     first = speed_measure.figures_for(request, cpu, base, fake)
     again = speed_measure.figures_for(request, cpu, base, fake)
-    assert measured == [96] and first.to_json() == again.to_json()
+    assert measured == [(96, [("bf16", "eager"), ("int8", "eager")], False)] and first.to_json() == again.to_json()
     path = speed_measure.cached_path(request, cpu)
     assert path.is_file() and path.parent == tmp_path / "speed"
     assert first.describe.startswith("measured on this GPU (a GPU, in ") and again.describe.endswith(f"cached: {path})")
     assert (again.matmul_tflops, again.h2d_gib_per_s, again.step_ms) == (300.0, 25.0, base.step_ms)
+    more = dataclasses.replace(request, precisions=("fp8",), modes=("eager", "compiled"))
+    speed_measure.figures_for(more, cpu, base, fake)
+    assert measured[1] == (96, [("bf16", "compiled"), ("fp8", "compiled"), ("fp8", "eager")], True)
+    assert speed_measure.cached_path(more, cpu) == path and set(json.loads(path.read_text())["blocks"]) == {
+        "bf16",
+        "int8",
+        "fp8",
+    }
     speed_measure.figures_for(dataclasses.replace(request, tokens=128), cpu, base, fake)
-    assert measured == [96, 128]
+    assert measured[2][0] == 128 and len(measured) == 3
 
 
 def test_the_timing_routine_runs_the_blocks_as_a_run_prepares_them():
