@@ -186,7 +186,8 @@ def print_answer(
         settings += compared(cfg, shape, gpu, host, encoding_fits, others)
         chosen = best(settings, steps)
     gpus = f"{shape.world} GPU{'s' if shape.world > 1 else ''} of {gpu:.0f} GiB"
-    host_text = f"{host / plan.GIB / plan.HOST_MARGIN:.0f} GiB" if host is not None else "unknown (--host_memory_gib)"
+    machine = host * plan.local_processes(shape) / plan.HOST_MARGIN if host is not None else None  # `host`: a process's
+    host_text = f"{machine / plan.GIB:.0f} GiB" if machine is not None else "unknown (--host_memory_gib)"
     if chosen is None:
         print(
             f"recommended for {gpus} (host memory {host_text}): nothing fits; use more GPUs (--num_processes, CP "
