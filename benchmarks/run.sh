@@ -39,7 +39,7 @@
 #              RESULTS_DIR/speed_data/CLASS.json (copy it over flux_cp/speed_data/ to keep it), then the 24 GiB rows of
 #              the small-GPU table (fp8 and bf16 with offload compiled, fp8 eager) predicted with it beside their
 #              measured steps (RESULTS_DIR/speed_check.json; the set fails when one is off by more than 15% or out of
-#              order). ~8 min of an H100
+#              order). ~9 min of an H100 (SPEED_PRECISIONS=bf16,fp8 measures fewer precisions)
 #   check      the GPU tests (pytest tests/gpu) and benchmarks/check_gpu.py (bf16 attention and a 4-block Flux model
 #              with CP against fp32 and bf16 without CP, every CP size the machine has)
 # EXTRA_FLAGS="..." is added to every trainer run of the sets (e.g. EXTRA_FLAGS="--cp_overlap passes" or
@@ -48,7 +48,7 @@
 # `python -m benchmarks.render RESULTS_DIR` writes RESULTS_DIR/results.md (docs/benchmarks.md, how to measure).
 set -euo pipefail
 if [ $# -lt 2 ]; then
-  sed -n '2,37p' "$0"
+  sed -n '2,48p' "$0"
   exit 2
 fi
 OUT=$1; shift
@@ -187,13 +187,13 @@ for SET in "$@"; do
     speed)
       CLASS=cpu
       [ -n "$DRY" ] || CLASS=$(python3 -c 'import torch; from flux_cp.speed import class_of_gpu; print(class_of_gpu(torch.cuda.get_device_name()) or "other")')
-      run 300 python3 -m benchmarks.bench_speed_model --gpu_class "$CLASS" --out "$OUT/speed_data/$CLASS.json" \
-        --results "$OUT/speed_model.json" --resolutions 1024
-      trainer 400 trainer_speed.json "--steps 5 --warmup 2 --timeout 130" \
+      run 280 python3 -m benchmarks.bench_speed_model --gpu_class "$CLASS" --out "$OUT/speed_data/$CLASS.json" \
+        --results "$OUT/speed_model.json" --resolutions 1024 --precisions "${SPEED_PRECISIONS:-bf16,fp8,int8,nf4}"
+      trainer 300 trainer_speed.json "--steps 5 --warmup 2 --timeout 110" \
         "small24_fp8_auto_c:1:gpu1.yaml:--resolution 1024 --gpu_memory_gib 24 --base_precision fp8 --offload_blocks auto --compile" \
         "small24_bf16_auto_c:1:gpu1.yaml:--resolution 1024 --gpu_memory_gib 24 --offload_blocks auto --compile" \
         "small24_fp8_auto:1:gpu1.yaml:--resolution 1024 --gpu_memory_gib 24 --base_precision fp8 --offload_blocks auto --compile off"
-      run 120 python3 -m benchmarks.bench_speed_model --check "$OUT/trainer_speed.json" \
+      run 90 python3 -m benchmarks.bench_speed_model --check "$OUT/trainer_speed.json" \
         --out "$OUT/speed_data/$CLASS.json" --results "$OUT/speed_check.json" ;;
     check)
       run 400 python3 -m pytest -q -x tests/gpu

@@ -818,8 +818,8 @@ class PlanConfig:
     )
     host_memory_gib: float | None = flag(
         None,
-        "For --plan and --offload_blocks auto: host memory (CPU RAM) in GiB of one machine, 90% of which the pinned "
-        "homes of offloaded blocks may take, shared by its processes. Default: this machine's available memory.",
+        "For --plan and --offload_blocks auto: host memory (CPU RAM) in GiB of one machine, of which the pinned homes "
+        "of offloaded blocks may take nine tenths, shared by its processes. Default: this machine's available memory.",
     )
     gpu_class: str = flag(
         "auto",

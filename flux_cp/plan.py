@@ -601,14 +601,12 @@ def print_plan(cfg: Config, argv: Sequence[str] | None = None) -> None:
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda" and cfg.plan.gpu_class == "auto":
         print("speed: timing this GPU's blocks (once for these shapes; cached)...", flush=True)
-    figures = speed_measure.choose(
-        cfg,
-        shape,
-        device,
-        gpu,
-        PRECISIONS if not cfg.lora.full_finetune else ("bf16",),
-        ("eager", speed.mode(True, cfg.train.compile_mode)),
-    )
+    # Eager blocks at every precision (seconds), compiled ones at bf16 and the flags' (compiling takes tens of
+    # seconds a precision): the other precisions' compiled dequantization is the GPU class's.
+    every = PRECISIONS if not cfg.lora.full_finetune else ("bf16",)
+    compiled_mode = speed.mode(True, cfg.train.compile_mode)
+    wanted = [(every, ("eager",)), ((cfg.model.base_precision,), (compiled_mode,))]
+    figures = speed_measure.choose(cfg, shape, device, gpu, wanted)
     host = host_limit(local_processes(shape), cfg.plan.host_memory_gib)
     with speed.using(figures):
         _print_plan(cfg, shape, gpu, host)

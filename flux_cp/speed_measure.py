@@ -466,30 +466,32 @@ def choose(
     shape,
     device: torch.device,
     gpu_gib: float | None,
-    precisions: Sequence[str],
-    modes: Sequence[str],
+    wanted: Sequence[tuple[Sequence[str], Sequence[str]]],
     measure: bool = True,
 ) -> speed.Figures:
     """The figures a plan (or a run's auto choices) uses: a named --gpu_class's; on a CUDA GPU this GPU's, measured for
-    the run's blocks at these precisions and modes (cached; `measure` False: its class's); else the class of
-    `gpu_gib`."""
+    the run's blocks at each (precisions, modes) of `wanted` (cached; `measure` False: its class's); else the class
+    of `gpu_gib`. What is not measured stays the class's."""
     base = speed.load_class(class_name(cfg.plan.gpu_class, device, gpu_gib))
     if cfg.plan.gpu_class != "auto" or device.type != "cuda" or not measure:
         return base
     cp = shape.cp
     lora = None if cfg.lora.full_finetune else cfg.lora.rank
-    request = Request(
-        shape.family,
-        dict(shape.transformer_config),
-        tokens=-(-shape.largest_sequence // cp),
-        text_tokens=-(-shape.text_tokens // cp),
-        batch=cfg.train.train_batch_size * cfg.data.samples_per_slot,
-        precisions=tuple(precisions),
-        modes=tuple(modes),
-        lora_rank=lora,
-        lora_layers=tuple(cfg.lora.lora_layers or ()),
-    )
-    return figures_for(request, device, base)
+    figures = base
+    for precisions, modes in wanted:  # one cache file: each request adds its timings to the earlier ones
+        request = Request(
+            shape.family,
+            dict(shape.transformer_config),
+            tokens=-(-shape.largest_sequence // cp),
+            text_tokens=-(-shape.text_tokens // cp),
+            batch=cfg.train.train_batch_size * cfg.data.samples_per_slot,
+            precisions=tuple(precisions),
+            modes=tuple(modes),
+            lora_rank=lora,
+            lora_layers=tuple(cfg.lora.lora_layers or ()),
+        )
+        figures = figures_for(request, device, base)
+    return figures
 
 
 def agreed(make: Callable[[], speed.Figures], is_main: bool) -> speed.Figures:

@@ -248,11 +248,11 @@ class Trainer:
         precision = (cfg.model.base_precision,)
         if needs:
             figures = speed_measure.agreed(
-                lambda: speed_measure.choose(cfg, shape, device, gpu, precision, modes), self.layout.is_main
+                lambda: speed_measure.choose(cfg, shape, device, gpu, [(precision, modes)]), self.layout.is_main
             )
             logger.info(f"flux-cp: speed model: {figures.describe}")
         else:
-            figures = speed_measure.choose(cfg, shape, device, gpu, precision, modes, measure=False)
+            figures = speed_measure.choose(cfg, shape, device, gpu, [(precision, modes)], measure=False)
         speed.use(figures)
         host = plan.host_limit(plan.local_processes(shape), cfg.plan.host_memory_gib)
         cfg, choice = compiling.decide(cfg, shape, device, gpu, host)
