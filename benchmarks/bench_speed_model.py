@@ -5,10 +5,11 @@ predictions against measured steps, or fit figures to measured steps where no me
     python -m benchmarks.bench_speed_model --check RESULTS/trainer_small.json [--gpu_class h100] [--tolerance 0.15]
     python -m benchmarks.bench_speed_model --fit FILE [FILE ...] --gpu_class h100 --free GROUPS --out FILE
 
-Measure (a CUDA GPU): flux_cp/speed_measure.py's timings of FLUX.1-dev's blocks (random weights, LoRA r16 on the
-default layers) at each --resolutions (one sample, 512 text tokens), every --precisions in every --modes, and the
-host-to-GPU copy rate; the figures derived from them (speed_measure.derive, pooled over the resolutions) replace the
-class file's, which keeps what was not measured (the step outside the blocks, the link between GPUs) with its source.
+Measure (a CUDA GPU; `--smoke`: the tiny FLUX.1 on the CPU, to check the command runs): flux_cp/speed_measure.py's
+timings of FLUX.1-dev's blocks (random weights, LoRA r16 on the default layers) at each --resolutions (one sample, 512
+text tokens), every --precisions in every --modes, and the host-to-GPU copy rate; the figures derived from them
+(speed_measure.derive, pooled over the resolutions) replace the class file's, which keeps what was not measured (the
+step outside the blocks, the link between GPUs) with its source.
 
 Check: every row of the result files (bench_trainer's schema) that has a step time and the blocks its run
 checkpointed (and offloaded, when its flags offload) is planned again with the same flags (train_flux_cp.py --plan's
@@ -331,28 +332,30 @@ def fit(rows: Sequence[Planned], base: dict, groups: list[tuple[str, list[str]]]
 
 
 def calibrate(
-    resolutions: Sequence[int], precisions: Sequence[str], modes: Sequence[str], base_figures, models: Models
+    resolutions: Sequence[int],
+    precisions: Sequence[str],
+    modes: Sequence[str],
+    base_figures,
+    models: Models,
+    device=None,
+    preset: str = "flux1-dev-shapes",
+    flags: Sequence[str] = (),
 ):
     """(the raw timings of each resolution, the figures derived from all of them). FLUX.1-dev's blocks as a run of
     the suite's flags plans them (the `flux1-dev-shapes` preset), measured through the cache such a run reads
-    (flux_cp.speed_measure: FLUX_CP_HOME/speed/), so that the runs after it measure nothing again."""
+    (flux_cp.speed_measure: FLUX_CP_HOME/speed/), so that the runs after it measure nothing again. `device`: the
+    first GPU by default (the CPU, the tiny preset and `flags` for --smoke)."""
     import torch
 
     from flux_cp import speed_measure
     from flux_cp.config import parse_config
     from flux_cp.shape import build_shape, resolved
 
-    device = torch.device("cuda", torch.cuda.current_device())
+    device = device or torch.device("cuda", torch.cuda.current_device())
     raws = []
     for res in resolutions:
-        argv = [
-            "--plan",
-            "--pretrained_model_name_or_path",
-            models.path("flux1-dev-shapes"),
-            *TRAINER_FLAGS,
-            "--resolution",
-            str(res),
-        ]
+        argv = ["--plan", "--pretrained_model_name_or_path", models.path(preset), *TRAINER_FLAGS, *flags]
+        argv += ["--resolution", str(res)]
         cfg = parse_config(argv)
         shape = build_shape(cfg, 1, planning=True)
         cfg = resolved(cfg, shape.family, shape.pairs, shape.transformer_config)
@@ -418,6 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--resolutions", default="1024,2048")
     p.add_argument("--precisions", default="bf16,fp8,int8,nf4")
     p.add_argument("--modes", default="eager,compiled")
+    p.add_argument("--smoke", action="store_true", help="measure: the tiny FLUX.1 on the CPU, eager (a test)")
     a = p.parse_args(argv)
     from flux_cp import speed
 
@@ -492,20 +496,31 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     import torch
 
-    if not torch.cuda.is_available():
-        p.error("measuring needs a CUDA GPU (--check and --fit run anywhere)")
-    gpu = torch.cuda.get_device_name()
-    name = a.gpu_class if a.gpu_class in speed.CLASSES else speed.class_of_gpu(gpu)
+    if a.smoke:  # the tiny FLUX.1 on the CPU, eager: that the command runs (its figures mean nothing)
+        if not a.out:
+            p.error("--smoke needs --out (a class file written there, never flux_cp/speed_data/)")
+        gpu, name, device = "cpu (smoke)", None, torch.device("cpu")
+        resolutions, modes, preset, flags = [64], ["eager"], "tiny", ["--max_sequence_length", "32"]
+    else:
+        if not torch.cuda.is_available():
+            p.error("measuring needs a CUDA GPU (--check and --fit run anywhere)")
+        gpu, device = torch.cuda.get_device_name(), None
+        name = a.gpu_class if a.gpu_class in speed.CLASSES else speed.class_of_gpu(gpu)
+        resolutions, modes = [int(r) for r in a.resolutions.split(",")], a.modes.split(",")
+        preset, flags = "flux1-dev-shapes", []
     out = a.out or (str(speed.class_file(name)) if name else None)
     if out is None:
         p.error(f"{gpu} is of no known class: give --out")
     base = class_data(name or "h100")  # what is not measured: the class's, or an H100's for another GPU
     raws, figures = calibrate(
-        [int(r) for r in a.resolutions.split(",")],
+        resolutions,
         a.precisions.split(","),
-        a.modes.split(","),
+        modes,
         speed.Figures.from_json(base["figures"], sources=base.get("sources")),
         models,
+        device,
+        preset,
+        flags,
     )
     sources = {k: (f"measured on {gpu}: {command}" if v == "measured" else v) for k, v in figures.sources.items()}
     write_class(

@@ -285,3 +285,24 @@ def test_the_timing_routine_runs_the_blocks_as_a_run_prepares_them():
     assert fig.matmul_tflops == raw["matmul_tflops"] > 0 and fig.attention_tflops > 0
     assert fig.elementwise_ps["eager"] >= 0 and len(fig.dequant("int8", "eager")) == 2
     assert fig.h2d_gib_per_s == speed.load_class("h100").h2d_gib_per_s  # not measured here: the class's
+
+
+def test_the_calibration_command_runs_and_writes_a_class_file(tmp_path, monkeypatch):
+    """`python -m benchmarks.bench_speed_model --smoke`: the measuring branch of the command, on the tiny FLUX.1 on
+    the CPU (its figures mean nothing), writes a class file the planner loads, and the raw timings in the suite's
+    schema."""
+    from benchmarks import schema
+
+    monkeypatch.setenv("FLUX_CP_HOME", str(tmp_path / "home"))
+    out, results = tmp_path / "smoke.json", tmp_path / "speed_model.json"
+    argv = ["--smoke", "--out", str(out), "--results", str(results), "--precisions", "bf16"]
+    assert bench.main(argv) == 0
+    data = json.loads(out.read_text())
+    assert data["status"] == "measured" and data["gpu"] == "cpu (smoke)"
+    fig = speed.Figures.from_json(data["figures"])
+    assert fig.matmul_tflops > 0 and data["sources"]["matmul_tflops"].startswith("measured on cpu (smoke): python -m")
+    rows = schema.load(results)["rows"]
+    assert {(r["precision"], r["mode"], r["kind"]) for r in rows} == {
+        ("bf16", "eager", "double"),
+        ("bf16", "eager", "single"),
+    }
