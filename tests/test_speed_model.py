@@ -271,19 +271,25 @@ def test_measured_figures_are_cached_by_gpu_torch_and_shapes_and_filled_by_preci
     assert measured[2][0] == 128 and len(measured) == 3
 
 
-def test_the_timing_routine_runs_the_blocks_as_a_run_prepares_them():
+def test_the_timing_routine_runs_the_blocks_as_a_run_prepares_them(monkeypatch):
     """On the CPU with the tiny FLUX.1: both kinds of block, bf16 and int8 (torchao's weight-only layers, as
-    --base_precision quantizes), LoRA on the default layers; the figures derived from the timings are finite and the
-    bf16 block's work beyond its matrix products is the elementwise figure."""
+    --base_precision quantizes), LoRA on the default layers, eager and compiled (Dynamo with its eager backend here:
+    Inductor's C++ kernels take minutes on a CPU); the figures derived from the timings are finite and the bf16
+    block's work beyond its matrix products is the elementwise figure."""
     pytest.importorskip("torchao")
-    raw = speed_measure.measure_blocks(_request(), torch.device("cpu"), repeats=1)
+    compile_ = torch.nn.Module.compile
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: compile_(self, backend="eager"))
+    request = dataclasses.replace(_request(), modes=("eager", "compiled"))
+    raw = speed_measure.measure_blocks(request, torch.device("cpu"), repeats=1)
     assert set(raw["blocks"]) == {"bf16", "int8"} and raw["h2d_gib_per_s"] is None  # no GPU: no copies timed
     for by_mode in raw["blocks"].values():
-        for t in by_mode["eager"].values():
+        assert set(by_mode) == {"eager", "compiled"}
+        for t in (*by_mode["eager"].values(), *by_mode["compiled"].values()):
             assert 0 < t["forward"] and 0 < t["backward"] and t["first"] > 0
     fig = speed_measure.derive(raw, speed.load_class("h100"), "measured")
     assert fig.matmul_tflops == raw["matmul_tflops"] > 0 and fig.attention_tflops > 0
-    assert fig.elementwise_ps["eager"] >= 0 and len(fig.dequant("int8", "eager")) == 2
+    assert fig.elementwise_ps["eager"] >= 0 and fig.elementwise_ps["compiled"] >= 0
+    assert fig.sources["dequant_ms_per_gweight.int8.compiled"] == "measured" and len(fig.dequant("int8", "eager")) == 2
     assert fig.h2d_gib_per_s == speed.load_class("h100").h2d_gib_per_s  # not measured here: the class's
 
 
