@@ -588,7 +588,7 @@ def print_plan(cfg: Config, argv: Sequence[str] | None = None) -> None:
     --cp_size's, run as one plain process), and again at each CP size listed. Then the flags' own row, the command
     recommended for these GPUs and the settings behind it (flux_cp.recommend; `argv`: the flags as given, which
     the command repeats)."""
-    from . import recommend, speed_measure
+    from . import compiling, recommend, speed_measure
 
     if int(os.environ.get("RANK", "0")) != 0:
         return
@@ -609,7 +609,9 @@ def print_plan(cfg: Config, argv: Sequence[str] | None = None) -> None:
     figures = speed_measure.choose(cfg, shape, device, gpu, wanted)
     host = host_limit(local_processes(shape), cfg.plan.host_memory_gib)
     with speed.using(figures):
-        _print_plan(cfg, shape, gpu, host)
+        # the flags as a GPU run would take them: --compile auto decided (flux_cp.compiling)
+        decided, _ = compiling.decide(cfg, shape, torch.device("cuda"), gpu, host)
+        _print_plan(decided, shape, gpu, host, given_compile=cfg.train.compile)
         recommend.print_answer(cfg, shape, gpu, host, print_encoding(cfg, shape, gpu * GIB, quiet=True), argv)
         print(
             f"figures are estimates: planned peaks within ~15% of measured ones ({1 - MARGIN:.0%} of each GPU kept "
@@ -618,8 +620,9 @@ def print_plan(cfg: Config, argv: Sequence[str] | None = None) -> None:
         )
 
 
-def _print_plan(cfg: Config, shape: RunShape, gpu: float, host: float | None) -> None:
-    """The header, the disk and the encoding phase, and the memory of these flags at each CP size."""
+def _print_plan(cfg: Config, shape: RunShape, gpu: float, host: float | None, given_compile: str = "") -> None:
+    """The header, the disk and the encoding phase, and the memory of these flags at each CP size (`given_compile`:
+    --compile as given, when `cfg` holds what auto decided)."""
     world = shape.world
     tokens, references = shape.largest_sequence, shape.images_per_sample - 1
     batch = cfg.train.train_batch_size * cfg.data.samples_per_slot  # prior preservation: a class image per sample
@@ -632,7 +635,8 @@ def _print_plan(cfg: Config, shape: RunShape, gpu: float, host: float | None) ->
         f"batch {batch}/rank, "
         f"{'full fine-tuning' if lora is None else f'LoRA r{lora}'}, {world} process(es), GPU {gpu:.0f} GiB, "
         + ("weights sharded over all GPUs (FSDP2)" if shape.sharded else "weights whole on every GPU (DDP)")
-        + f", --compile {cfg.train.compile_mode or cfg.train.compile}"
+        + f", --compile {cfg.train.compile_mode or given_compile or cfg.train.compile}"
+        + (f" (a GPU run: {cfg.train.compile})" if given_compile == "auto" and not cfg.train.compile_mode else "")
         + (f", base {precision}" if lora is not None else "")
         + (f", --offload_blocks {offload}" if offload != "0" else "")
     )
