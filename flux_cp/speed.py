@@ -102,8 +102,19 @@ def class_file(name: str) -> Path:
 
 
 def load_class(name: str) -> Figures:
-    """The figures of a GPU class (speed_data/NAME.json), described with their status and file."""
+    """The figures of a GPU class (speed_data/NAME.json), described with their status and file; read once per
+    version of the file (the planner asks for them at every setting it estimates)."""
     path = class_file(name)
+    key = (name, path.stat().st_mtime_ns)
+    if key not in _LOADED:
+        _LOADED[key] = _load(name, path)
+    return _LOADED[key]
+
+
+_LOADED: dict[tuple[str, int], Figures] = {}
+
+
+def _load(name: str, path: Path) -> Figures:
     data = json.loads(path.read_text())
     status = {
         "measured": "measured on it",
