@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = parse_config(argv)  # every flag checked before anything loads
     environment.check_environment(cfg.validation.report_to)  # FLUX_CP_* values, a wandb login
     if cfg.plan.plan:  # the memory planner instead of a run
-        print_plan(cfg)
+        print_plan(cfg, sys.argv[1:] if argv is None else argv)  # its recommended command repeats the flags
         return 0
     Trainer(cfg).run()
     return 0

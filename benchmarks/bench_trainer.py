@@ -144,10 +144,10 @@ def finish(job: dict, work: Path, steps: int, warmup: int, timeout: float) -> di
             with open(trace, "rb") as src, gzip.open(job["log_path"].with_suffix(".trace.json.gz"), "wb") as dst:
                 shutil.copyfileobj(src, dst)
     run_config = work / job["name"] / "run_config.json"
-    if run_config.is_file():  # what the trainer resolved: the blocks checkpointed and offloaded, the planned peak
+    if run_config.is_file():  # what the trainer resolved: blocks checkpointed and offloaded, planned peak, compile
         chosen = json.loads(run_config.read_text())
         result.update({k: chosen[k] for k in ("checkpointed_blocks", "planned_peak_gib", "offloaded_blocks",
-                                              "pinned_host_gib") if k in chosen})  # fmt: skip
+                                              "pinned_host_gib", "compile") if k in chosen})  # fmt: skip
     timed = [r for r in got if r["step"] > warmup][: steps - warmup]
     result["wall_s"] = round(time.time() - job["t0"], 1)
     if len(timed) < 2:

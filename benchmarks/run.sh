@@ -46,6 +46,12 @@
 #              offload auto + compile at 12 GiB. ~8 min of an H100
 #   table_b    one GPU: the table's other rows: FLUX.2 [klein] 4B nf4 at 12 GiB (eager), FLUX.2 [dev] fp8 + offload
 #              auto + compile under 48 GiB, and the one-GPU 2048 px default step uncapped (--compile). ~7 min of an H100
+#   speed      one GPU is enough: the planner's speed model (benchmarks/bench_speed_model.py): this GPU class's figures
+#              measured (FLUX.1-dev's blocks at 1024 px, every base precision, eager and compiled), written to
+#              RESULTS_DIR/speed_data/CLASS.json (copy it over flux_cp/speed_data/ to keep it), then the 24 GiB rows of
+#              the small-GPU table (fp8 and bf16 with offload compiled, fp8 eager) predicted with it beside their
+#              measured steps (RESULTS_DIR/speed_check.json; the set fails when one is off by more than 15% or out of
+#              order). ~9 min of an H100 (SPEED_PRECISIONS=bf16,fp8 measures fewer precisions)
 #   check      the GPU tests (pytest tests/gpu) and benchmarks/check_gpu.py (bf16 attention and a 4-block Flux model
 #              with CP against fp32 and bf16 without CP, every CP size the machine has)
 # EXTRA_FLAGS="..." is added to every trainer run of the sets (e.g. EXTRA_FLAGS="--cp_overlap passes" or
@@ -54,7 +60,7 @@
 # `python -m benchmarks.render RESULTS_DIR` writes RESULTS_DIR/results.md (docs/benchmarks.md, how to measure).
 set -euo pipefail
 if [ $# -lt 2 ]; then
-  sed -n '2,54p' "$0"
+  sed -n '2,60p' "$0"
   exit 2
 fi
 OUT=$1; shift
@@ -186,13 +192,13 @@ for SET in "$@"; do
         "small24_fp8_auto_c:1:gpu1.yaml:--resolution 1024 --gpu_memory_gib 24 --base_precision fp8 --offload_blocks auto --compile" ;;
     small_b)
       trainer 470 trainer_small_b.json "--steps 5 --warmup 2 --timeout 130" \
-        "small12_nf4:1:gpu1.yaml:--resolution 1024 --gpu_memory_gib 12 --base_precision nf4 --gradient_checkpointing all" \
+        "small12_nf4:1:gpu1.yaml:--resolution 1024 --gpu_memory_gib 12 --base_precision nf4 --gradient_checkpointing all --compile off" \
         "small12_nf4_all_c:1:gpu1.yaml:--resolution 1024 --gpu_memory_gib 12 --base_precision nf4 --gradient_checkpointing all --compile" \
         "small24_bf16_auto_c:1:gpu1.yaml:--resolution 1024 --gpu_memory_gib 24 --offload_blocks auto --compile" \
-        "small16_int8_auto:1:gpu1.yaml:--resolution 1024 --gpu_memory_gib 16 --base_precision int8 --offload_blocks auto"
+        "small16_int8_auto:1:gpu1.yaml:--resolution 1024 --gpu_memory_gib 16 --base_precision int8 --offload_blocks auto --compile off"
       run 110 python3 -m benchmarks.bench_precision_error --out "$OUT/precision_error.json" ;;
     small_full)  # every component at full size, random weights (python -m flux_cp.tiny --preset ...-full-shapes)
-      V="--validation_prompt a_red_circle --num_validation_images 1 --validation_inference_steps 2 --validation_steps 2"
+      V="--validation_prompt a_red_circle --num_validation_images 1 --validation_inference_steps 2 --validation_steps 2 --compile off"
       for P in flux1-dev flux2-klein flux2-dev; do
         [ -n "$DRY" ] || python3 -m flux_cp.tiny --preset "$P-full-shapes" --out "/tmp/full-$P" > /dev/null
       done
@@ -204,7 +210,7 @@ for SET in "$@"; do
         "full24_flux2_nf4:1:gpu1.yaml:--resolution 1024 --gpu_memory_gib 24 --base_precision nf4 --offload_blocks auto $V" ;;
     small_2048)
       trainer 200 trainer_small_2048.json "--fake_peers --steps 5 --warmup 2 --timeout 190" \
-        "small24_fp8_fake2_2048:1:gpu1.yaml:--cp_size 2 --resolution 2048 --gradient_checkpointing all --gpu_memory_gib 24 --base_precision fp8" ;;
+        "small24_fp8_fake2_2048:1:gpu1.yaml:--cp_size 2 --resolution 2048 --gradient_checkpointing all --gpu_memory_gib 24 --base_precision fp8 --compile off" ;;
     peers)  # the new peers first: each script writes its rows as it goes
       kohya_env
       run 330 python3 -m benchmarks.bench_kohya --sd_scripts "$SD_SCRIPTS" ${KOHYA_SITE:+--kohya_site "$KOHYA_SITE"} \
@@ -232,12 +238,23 @@ for SET in "$@"; do
         "small48_flux2_fp8_auto_c:1:gpu1.yaml:--resolution 1024 --gpu_memory_gib 48 --base_precision fp8 --offload_blocks auto --compile"
       trainer 170 trainer_table_2048.json "--steps 8 --warmup 3 --timeout 165" \
         "cp1_2048:1:gpu1.yaml:--resolution 2048 --compile" ;;
+    speed)
+      CLASS=cpu
+      [ -n "$DRY" ] || CLASS=$(python3 -c 'import torch; from flux_cp.speed import class_of_gpu; print(class_of_gpu(torch.cuda.get_device_name()) or "other")')
+      run 280 python3 -m benchmarks.bench_speed_model --gpu_class "$CLASS" --out "$OUT/speed_data/$CLASS.json" \
+        --results "$OUT/speed_model.json" --resolutions 1024 --precisions "${SPEED_PRECISIONS:-bf16,fp8,int8,nf4}"
+      trainer 300 trainer_speed.json "--steps 5 --warmup 2 --timeout 110" \
+        "small24_fp8_auto_c:1:gpu1.yaml:--resolution 1024 --gpu_memory_gib 24 --base_precision fp8 --offload_blocks auto --compile" \
+        "small24_bf16_auto_c:1:gpu1.yaml:--resolution 1024 --gpu_memory_gib 24 --offload_blocks auto --compile" \
+        "small24_fp8_auto:1:gpu1.yaml:--resolution 1024 --gpu_memory_gib 24 --base_precision fp8 --offload_blocks auto --compile off"
+      run 90 python3 -m benchmarks.bench_speed_model --check "$OUT/trainer_speed.json" \
+        --out "$OUT/speed_data/$CLASS.json" --results "$OUT/speed_check.json" ;;
     check)
       run 400 python3 -m pytest -q -x tests/gpu
       run 300 torchrun --nproc_per_node "$N" -m benchmarks.check_gpu --out "$OUT/check_gpu.json" ;;
     *)
       echo "error: unknown set $SET (lora, lora_ro, diffusers, lora4096, full, kontext, host, flux2, flux2_cp, memory,
-      attention, small, small_b, small_full, small_2048, peers, table, table_b, check)"
+      attention, small, small_b, small_full, small_2048, peers, table, table_b, speed, check)"
       exit 2 ;;
   esac
 done

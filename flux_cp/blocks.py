@@ -104,11 +104,16 @@ def check_counts(gradient_checkpointing: str, offload_blocks: str, total: int) -
             raise UsageError(f"{flag} {value}: the transformer has {total} blocks; give at most {total}{other}")
 
 
+def compiled(train) -> bool:
+    """Whether a run with these training flags (`TrainConfig`) compiles its blocks: --compile on, or a --compile_mode.
+    --compile auto is decided at the start of a run (flux_cp.compiling.decide) and counts as off until then."""
+    return train.compile == "on" or bool(train.compile_mode)
+
+
 def attention_recomputed(train) -> bool:
     """Whether a checkpointed block of a run with these training flags (`TrainConfig`) computes its attention
     forward twice: eager blocks always do; compiled ones keep its outputs unless --recompute_attention."""
-    compiled = bool(train.compile or train.compile_mode)
-    return not compiled or train.recompute_attention
+    return not compiled(train) or train.recompute_attention
 
 
 @functools.cache  # asked before every forward of a step

@@ -199,6 +199,17 @@ def _checkpointing(text: str) -> str:
     raise argparse.ArgumentTypeError(f"{text!r}: give auto, all, none or a number of blocks")
 
 
+def _on_off_auto(text: str) -> str:
+    """--compile's value: on, off or auto (true/false, yes/no and 1/0 also read as on/off)."""
+    value = text.strip().lower()
+    if value == "auto":
+        return value
+    try:
+        return "on" if boolean(value) else "off"
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give on, off or auto") from None
+
+
 def _offload_blocks(text: str) -> str:
     """--offload_blocks' value: auto, or a number of blocks (kept as text: "12"; none is "0")."""
     value = text.strip().lower()
@@ -643,7 +654,14 @@ class TrainConfig:
         "start from identical parameters. Default: none (weights drawn from --seed).",
     )
     on_nonfinite: str = flag("stop", "What to do when the loss or gradient norm is NaN/inf.", choices=("stop", "skip"))
-    compile: bool = flag(False, "torch.compile each transformer block.")
+    compile: str = flag(
+        "auto",
+        "torch.compile each transformer block: 'on' (the flag given alone), 'off', or 'auto': on for a GPU run whose "
+        "steps save more time than compiling takes by the planner's speed model (the log says why; --plan shows both), "
+        "off on the CPU. A compile that fails at the first step falls back to eager blocks with one line.",
+        parse=_on_off_auto,
+        const="on",
+    )
     recompute_attention: bool = flag(
         False,
         "With --gradient_checkpointing and --compile: recompute the attention (and its CP exchanges) in the backward "
@@ -657,6 +675,13 @@ class TrainConfig:
         "Default: torch.compile's own mode with --compile, else none.",
         choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
     )
+
+    def check(self) -> None:
+        if self.compile == "off" and self.compile_mode:
+            raise UsageError(
+                f"--compile off with --compile_mode {self.compile_mode}: a compile mode compiles the blocks; drop one "
+                "of the two"
+            )
 
 
 def cp_modes() -> tuple[str, ...]:
@@ -872,6 +897,18 @@ class PlanConfig:
         "For --plan: the processes (GPUs) to plan for, as accelerate launch's --num_processes; with 2 or more and "
         "LoRA, --plan also compares DDP with a quantized base against FSDP2 with a bf16 one. Default: the launched "
         "processes (WORLD_SIZE), else --cp_size.",
+    )
+    host_memory_gib: float | None = flag(
+        None,
+        "For --plan and --offload_blocks auto: host memory (CPU RAM) in GiB of one machine, of which the pinned homes "
+        "of offloaded blocks may take nine tenths, shared by its processes. Default: this machine's available memory.",
+    )
+    gpu_class: str = flag(
+        "auto",
+        "For --plan and auto's choices: whose speed figures predict step times (flux_cp/speed_data/): 'auto' measures "
+        "this GPU (cached), or without one takes the class of --gpu_memory_gib (up to 32 GiB a 24 GB card's, "
+        "rtx4090; up to 100 an h100; else an h200); or name one.",
+        choices=("auto", "h100", "h200", "rtx4090"),
     )
 
 

@@ -155,6 +155,7 @@ RULES = (
     Rule("validation_inference_steps", 1, 1000, why="the scheduler has 1000 timesteps"),
     Rule("gpu_memory_gib", 0, 4096, low_open=True, why="GiB per GPU"),
     Rule("num_processes", 1, 65536, why="processes to plan for"),
+    Rule("host_memory_gib", 0, 1 << 20, low_open=True, why="GiB of host memory"),
 )
 
 
@@ -226,15 +227,19 @@ _USED_ONLY = (
      "without a hub data set (--dataset_name owner/name; a local folder's metadata.jsonl names its images)"),
     (("num_processes",), lambda v: bool(v.get("plan")), "without --plan (accelerate launch sets the processes)"),
     (("hub_model_id", "hub_token"), lambda v: bool(v.get("push_to_hub")), "without --push_to_hub"),
-    (("cp_overlap",), lambda v: bool((v.get("compile") or v.get("compile_mode")) and v.get("cp_size", 1) > 1),
+    (("cp_overlap",), lambda v: _may_compile(v) and v.get("cp_size", 1) > 1,
      "without --compile and --cp_size > 1 (it orders a compiled block's CP exchanges)"),
     (("cp_exchange_first", "cp_ulysses_chunks"), lambda v: v.get("cp_size", 1) > 1,
      "with --cp_size 1 (no CP exchanges)"),
     (("recompute_attention",),
-     lambda v: v.get("gradient_checkpointing", "none") not in ("none", "0") and bool(v.get("compile")
-                                                                                  or v.get("compile_mode")),
+     lambda v: v.get("gradient_checkpointing", "none") not in ("none", "0") and _may_compile(v),
      "without --gradient_checkpointing and --compile (eager checkpointing always recomputes the attention)"),
 )  # fmt: skip
+
+
+def _may_compile(values: Mapping[str, object]) -> bool:
+    """Whether the blocks may be compiled (--compile auto decides at start: on for a GPU run where it pays)."""
+    return values.get("compile", "auto") != "off" or bool(values.get("compile_mode"))
 
 
 def unused_flags(given: Iterable[str], values: Mapping[str, object]) -> list[str]:

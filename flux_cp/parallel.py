@@ -27,7 +27,7 @@ import cp
 from cp.kernels import KERNELS
 from cp.ulysses import used_chunks
 
-from .blocks import prepare_blocks, uses_cuda_graphs
+from .blocks import compiled, prepare_blocks, uses_cuda_graphs
 from .errors import UsageError
 from .model import trainable_parameters
 from .offload import (
@@ -153,7 +153,7 @@ def cp_tuning(cfg: Config, shape: RunShape, device_type: str) -> tuple[cp.Tuning
     warnings for what is used otherwise than given."""
     tuning = cfg.cp_tuning
     warnings = [check_kernels(tuning.kernels, device_type)]
-    check_overlap(tuning.cp_overlap, bool(cfg.train.compile or cfg.train.compile_mode), shape.cp, device_type)
+    check_overlap(tuning.cp_overlap, compiled(cfg.train), shape.cp, device_type)
     chunks = 1
     if shape.cp > 1:
         chunks, warning = ulysses_chunks(tuning.cp_ulysses_chunks, shape.heads, shape.cp_mode, shape.ulysses_size)
@@ -265,7 +265,7 @@ def parallelize(
             logger.warning(advice)
     checkpointed = checkpointing.blocks if checkpointing is not None and accelerator is not None else range(0)
     prepare_blocks(transformer, checkpointed=checkpointed, recompute_attention=train.recompute_attention,
-                   compile=bool(train.compile or train.compile_mode), compile_mode=train.compile_mode, cp=layout.cp,
+                   compile=compiled(train), compile_mode=train.compile_mode, cp=layout.cp,
                    tuning=layout.cp_context.tuning)  # fmt: skip
     if accelerator is None:
         return Parallelized(transformer)

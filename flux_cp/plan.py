@@ -24,11 +24,9 @@ blocks' frozen bytes off the GPU and puts its slots on it (flux_cp.offload.plan_
 memory per process.
 
 `auto` (--gradient_checkpointing and --offload_blocks) is one decision, here: of the settings (blocks checkpointed,
-blocks offloaded) whose planned peak fits, the one with the least modelled step time (`step_seconds`: the step's
-executed FLOPs at an achieved throughput, times a dequantization factor per precision, plus the copies of offloaded
-blocks, or FSDP2's all-gathers, that the compute beside them does not hide). Its constants (`speed` in
-plan_data.json) are stated, not measured. It never changes --base_precision; when nothing fits, the start of a run
-and --plan name the precision that would (`suggestion`).
+blocks offloaded) whose planned peak fits, the one with the least modelled step time (`step_seconds`: flux_cp.speed,
+with the figures of this GPU measured, or of a GPU class). It never changes --base_precision; when nothing fits, the
+start of a run and --plan name the precision that would (`suggestion`).
 """
 
 from __future__ import annotations
@@ -47,11 +45,10 @@ import torch
 
 from cp import MODES
 
-from . import adapters, diskspace, encoding_memory
-from .blocks import attention_recomputed, check_counts, checkpointed_blocks
+from . import adapters, diskspace, encoding_memory, speed
+from .blocks import attention_recomputed, check_counts, checkpointed_blocks, compiled
 from .errors import UsageError
 from .families import for_transformer
-from .metrics import step_flops
 from .offload import OffloadPlan, available_host_memory, offload_count, plan_offload
 from .optim import optimizer_name, state_bytes
 from .precision import PRECISIONS, base_bytes, block_bytes
@@ -72,7 +69,6 @@ ADAPTER_KEEPS: dict[str, dict[str, dict[str, float]]] = DATA["adapter_keeps"]
 FSDP_GATHERED_BLOCKS: int = DATA["fsdp_gathered_blocks"]
 SAVED_ATTENTION_UNITS: dict[str, float] = DATA["saved_attention_units"]
 DEQUANTIZED_KEPT: dict[str, float] = DATA["dequantized_weights_kept"]
-SPEED: dict = DATA["speed"]  # not measured: plan_data.json's notes say how to measure each
 MARGIN = 0.9  # of the GPU's memory a plan may use: the estimates are within ~10% of measured peaks
 HOST_MARGIN = 0.9  # of the host memory available that pinned offload homes may take (flux_cp.offload)
 
@@ -237,6 +233,7 @@ def estimate(
     offloaded: int = 0,
     text_tokens: int = 512,
     adapter: str = "lora",
+    how: str | None = None,
 ) -> Estimate:
     """Bytes per GPU. `tokens` per sample (image + text); FSDP (default: world > 1) shards weights, gradients
     and optimizer state over all `world` ranks; each rank holds tokens / cp of each of its `batch` samples.
@@ -245,7 +242,8 @@ def estimate(
     attention (`saved_attention_units`). `family`: default the one the config names. `optimizer`: whose state
     (flux_cp.optim.state_bytes; AdamW by default). `precision`: the frozen base's (--base_precision, LoRA);
     `offloaded`: blocks offloaded (--offload_blocks, LoRA without FSDP); `text_tokens` of the `tokens`, for the
-    FLOPs of the speed model; `adapter`: --adapter's kind (its trainable parameters)."""
+    FLOPs of the speed model; `adapter`: --adapter's kind (its trainable parameters); `how`: the blocks' execution
+    mode for the speed model (default: `compiled`'s, without CUDA graphs)."""
     family = family or for_transformer(config)
     counts = family.count_parameters(config, lora_rank, lora_layers, adapter)
     trainable, block = counts.trainable, counts.largest_block
@@ -286,54 +284,86 @@ def estimate(
         return held + (unit * recomputed if blocks - 1 in chosen else 0)
 
     n = min(checkpointed, blocks)
-    speed = step_seconds(family, config, tokens=tokens, text_tokens=text_tokens, batch=batch, cp=cp,
-                         lora=lora_rank is not None, checkpointed=n, blocks=blocks,
+    timed = step_seconds(family, config, tokens=tokens, text_tokens=text_tokens, batch=batch, cp=cp,
+                         lora=lora_rank is not None, checkpointed=checkpointed_indices(blocks, n, from_end),
                          attention_recomputed=saved_attention == 0, precision=precision, offload=offload,
-                         kinds=frozen.kinds if frozen else (),
-                         gathered=(frozen.blocks if frozen else None) if fsdp and world > 1 else None,
-                         world=world)  # fmt: skip
+                         gathered_from=world if fsdp and world > 1 else 1, dtype_bytes=weight_bytes,
+                         how=how or speed.mode(compiled, None))  # fmt: skip
     return Estimate(weights, grads, optimizer_bytes, activations(n), activations(0), activations(blocks),
                     step_temporaries, n, blocks, len(offload.offloaded) if offload else 0,
-                    offload.host_bytes if offload else 0.0, precision, *speed)  # fmt: skip
+                    offload.host_bytes if offload else 0.0, precision, *timed)  # fmt: skip
+
+
+def step_blocks(
+    family: Family,
+    config: dict,
+    *,
+    tokens: int,
+    text_tokens: int,
+    batch: int,
+    cp: int,
+    precision: str,
+    dtype_bytes: int = 2,
+) -> tuple[list[speed.Block], float]:
+    """The blocks of a micro-step on a rank as the speed model takes them (their FLOPs on the rank's share of the
+    tokens, flux_cp.families' forward_flops split evenly over the blocks as it counts them; their quantized weights
+    and frozen bytes at `precision`), and the forward FLOPs of the linear layers outside the blocks."""
+    key = (family.name, json.dumps(config, sort_keys=True), tokens, text_tokens, batch, cp, precision, dtype_bytes)
+    if key not in _STEP_BLOCKS:  # --plan asks for every setting it compares
+        _STEP_BLOCKS[key] = _step_blocks(family, config, tokens, text_tokens, batch, cp, precision, dtype_bytes)
+    return _STEP_BLOCKS[key]
+
+
+_STEP_BLOCKS: dict[tuple, tuple[list[speed.Block], float]] = {}
+
+
+def _step_blocks(
+    family: Family, config: dict, tokens: int, text_tokens: int, batch: int, cp: int, precision: str, dtype_bytes: int
+) -> tuple[list[speed.Block], float]:
+    text = min(text_tokens, tokens)
+    linear, attention = family.forward_flops(config, tokens - text, text, batch)
+    outside, _ = family.forward_flops(
+        {**config, **{key: 0 for _, _, key in family.block_lists}}, tokens - text, text, batch
+    )
+    frozen = frozen_base(family, config, precision, dtype_bytes)
+    n = len(frozen.kinds)
+    # one byte per weight at fp8 (and a scale per row): the count of the quantized weights, near enough
+    weights = frozen_base(family, config, "fp8", dtype_bytes).quantized if precision != "bf16" else (0,) * n
+    features = batch * tokens * family.hidden_size(config) / cp
+    blocks = [
+        speed.Block(kind, (linear - outside) / n / cp, attention / n / cp, features, w, b)
+        for kind, w, b in zip(frozen.kinds, weights, frozen.blocks)
+    ]
+    return blocks, outside / cp
 
 
 def step_seconds(family: Family, config: dict, *, tokens: int, text_tokens: int, batch: int, cp: int, lora: bool,
-                 checkpointed: int, blocks: int, attention_recomputed: bool, precision: str = "bf16",
-                 offload: OffloadPlan | None = None, kinds: Sequence[str] = (), gathered: Sequence[int] | None = None,
-                 world: int = 1) -> tuple[float, float]:  # fmt: skip
+                 checkpointed: Sequence[int], attention_recomputed: bool, precision: str = "bf16",
+                 offload: OffloadPlan | None = None, gathered_from: int = 1, dtype_bytes: int = 2,
+                 how: str = "compiled") -> tuple[float, float]:  # fmt: skip
     """(modelled seconds of one micro-step on a rank, those of the same step at bf16 with nothing checkpointed or
-    offloaded). The compute: the step's executed FLOPs (flux_cp.metrics.step_flops, a rank's share of the tokens)
-    at `speed.achieved_tflops`, times `speed.dequant_step_factor` of the precision. Copies overlap it: each offloaded
-    block (`offload`; `kinds`: every block's kind) is copied into its slot while the blocks since the slot's last
-    occupant compute (with offloaded blocks spread evenly, about 2 x blocks/offloaded - 1 of its kind), in the
-    forward and again in the backward, at `speed.pcie_gib_per_s`; only what that compute does not cover costs time.
-    Under FSDP2 (`gathered`: the frozen bytes of every block, gathered from `world` ranks) each block is all-gathered
-    at `speed.gpu_link_gib_per_s` while the block before it computes, forward and backward. Stated constants, not
-    measured (plan_data.json)."""
-    text = min(text_tokens, tokens)
-    linear, attention = family.forward_flops(config, tokens - text, text, batch)
-    flops_per_s = SPEED["achieved_tflops"] * 1e12 * cp  # a rank computes 1/cp of every sample's FLOPs
-    share = checkpointed / blocks if blocks else 0.0
-    executed = step_flops(linear, attention, lora, share, share if attention_recomputed else 0.0).executed
-    ideal = step_flops(linear, attention, lora, 0.0, 0.0).executed / flops_per_s
-    compute = executed / flops_per_s * SPEED["dequant_step_factor"][precision]
-    forward = (linear + attention) / flops_per_s * SPEED["dequant_step_factor"][precision] / max(blocks, 1)
-    backward = compute / max(blocks, 1) - forward  # per block, its recomputation included (on average)
-    stall = 0.0
-    if offload is not None:
-        for group in offload.groups:
-            copies = len(group) - offload.slots_of(group)  # per pass: the slots' first (last) blocks stay
-            if copies <= 0:
-                continue
-            copy = max(offload.block_bytes[i] for i in group) / (SPEED["pcie_gib_per_s"] * GIB)
-            of_kind = sum(k == kinds[group[0]] for k in kinds)
-            window = max(1.0, 2 * of_kind / len(group) - 1)  # blocks computing while a copy runs
-            stall += copies * (max(0.0, copy - window * forward) + max(0.0, copy - window * backward))
-    if gathered is not None and world > 1:
-        for size in gathered:
-            gather = size * (world - 1) / world / (SPEED["gpu_link_gib_per_s"] * GIB)
-            stall += max(0.0, gather - forward) + max(0.0, gather - backward)
-    return compute + stall, ideal
+    offloaded) by the speed model in use (flux_cp.speed.active: this GPU's figures, or a GPU class's). `how`: the
+    blocks' execution mode (flux_cp.speed.MODES); `offload`: the blocks offloaded; `gathered_from`: FSDP2's ranks."""
+    fig = speed.active()
+    shape = dict(tokens=tokens, text_tokens=text_tokens, batch=batch, cp=cp)
+    blocks, outside = step_blocks(family, config, precision=precision, dtype_bytes=dtype_bytes, **shape)
+    groups = offload.groups if offload is not None else ()
+    step = speed.step_seconds(
+        fig,
+        blocks,
+        precision=precision,
+        how=how,
+        lora=lora,
+        checkpointed=checkpointed,
+        attention_recomputed=attention_recomputed,
+        outside_flops=outside,
+        offloaded=groups,
+        slots=offload.slots if offload is not None else 2,
+        gathered_from=gathered_from,
+    )
+    plain, _ = step_blocks(family, config, precision="bf16", dtype_bytes=dtype_bytes, **shape)
+    ideal = speed.step_seconds(fig, plain, precision="bf16", how=how, lora=lora, outside_flops=outside)
+    return step.seconds, ideal.seconds
 
 
 def choose(estimate_with: Callable[[int, int], Estimate], gpu_bytes: float, checkpointed: Sequence[int],
@@ -399,6 +429,7 @@ class Checkpointing:
     cost: float = 1.0  # modelled step time against the whole bf16 base on the GPU with nothing recomputed
     precision: str = "bf16"
     setting: str = ""  # `Estimate.describe`
+    seconds: float = 0.0  # modelled seconds of a micro-step (flux_cp.speed)
 
     def describe(self, value: str, offload: str = "0") -> str:
         n = len(self.blocks)
@@ -411,7 +442,7 @@ class Checkpointing:
             line += (f"; block offload{' auto' if offload == 'auto' else ''}: {self.offloaded} of {self.total} blocks "
                      f"({self.host_gib:.1f} GiB of pinned host memory per process)")  # fmt: skip
         if self.precision != "bf16" or self.offloaded or n:
-            line += f"; modelled step time ~{self.cost:.2f}x (base {self.precision}, docs/small_gpus.md)"
+            line += f"; modelled step ~{self.seconds:.2f} s (base {self.precision}, docs/small_gpus.md)"
         return line
 
 
@@ -426,7 +457,7 @@ def run_estimate(cfg: Config, shape: RunShape) -> Callable[..., Estimate]:
         return estimate(shape.transformer_config, tokens=shape.largest_sequence,
                         batch=train.train_batch_size * cfg.data.samples_per_slot, lora_rank=lora,
                         lora_layers=list(cfg.lora.lora_layers), world=shape.world, cp=shape.cp, checkpointed=n,
-                        compiled=bool(train.compile or train.compile_mode),
+                        compiled=compiled(train), how=speed.mode(compiled(train), train.compile_mode),
                         weight_bytes=4 if train.mixed_precision == "no" else 2, fsdp=shape.sharded and shape.world > 1,
                         saved_attention=saved_attention_units(train, shape.cp_mode, shape.cp), family=shape.family,
                         optimizer=optimizer_name(train), precision=precision, offloaded=o,
@@ -443,9 +474,10 @@ def gpu_memory_gib(cfg: Config, device: torch.device) -> float | None:
     return gpu
 
 
-def host_limit(processes: int) -> float | None:
-    """Pinned host bytes one of `processes` processes of this machine may take (flux_cp.offload refuses more)."""
-    available = available_host_memory()
+def host_limit(processes: int, given_gib: float | None = None) -> float | None:
+    """Pinned host bytes one of `processes` processes of this machine may take (flux_cp.offload refuses more): of
+    --host_memory_gib when given, else of the memory available now (None: unknown)."""
+    available = given_gib * GIB if given_gib is not None else available_host_memory()
     return None if available is None else HOST_MARGIN * available / max(processes, 1)
 
 
@@ -459,7 +491,7 @@ def checkpointing_for_run(cfg: Config, shape: RunShape, device: torch.device) ->
     offloaded), within the host memory pinned homes may take. Logged, with what the choice rests on; run_config.json
     records it."""
     gpu = gpu_memory_gib(cfg, device)
-    ckpt = checkpointing_for(cfg, shape, gpu, host_limit(local_processes(shape)))
+    ckpt = checkpointing_for(cfg, shape, gpu, host_limit(local_processes(shape), cfg.plan.host_memory_gib))
     value, offload = cfg.train.gradient_checkpointing, cfg.train.offload_blocks
     if value != "none" or offload != "0":  # asked for: say what it resolved to
         logger.info(ckpt.describe(value, offload))
@@ -479,7 +511,7 @@ def check_fits(cfg: Config, shape: RunShape, device: torch.device) -> None:
     gpu = gpu_memory_gib(cfg, device)
     if gpu is None:
         return
-    ckpt = checkpointing_for(cfg, shape, gpu, host_limit(local_processes(shape)))
+    ckpt = checkpointing_for(cfg, shape, gpu, host_limit(local_processes(shape), cfg.plan.host_memory_gib))
     if not ckpt.fits:
         raise UsageError(does_not_fit(cfg, shape, ckpt), agreed=True)  # every rank plans alike
 
@@ -492,8 +524,8 @@ def does_not_fit(cfg: Config, shape: RunShape, ckpt: Checkpointing) -> str:
     better = suggestion(cfg, shape, gpu)
     if better is not None:
         flags, alt = better
-        return (f"{line}; {flags} fits: {_size(alt.planned_gib)} with {alt.setting}, ~{alt.cost:.1f}x the step "
-                f"time (planner's model): add {flags} (docs/small_gpus.md), or use more GPUs (--cp_size)")  # fmt: skip
+        return (f"{line}; {flags} fits: {_size(alt.planned_gib)} with {alt.setting}, ~{alt.seconds:.2f} s/step by the "
+                f"speed model: add {flags} (docs/small_gpus.md), or use more GPUs (--cp_size)")  # fmt: skip
     return f"{line}; no --base_precision fits either: use more GPUs (--cp_size) or a lower --resolution"
 
 
@@ -545,10 +577,10 @@ def checkpointing_for(cfg: Config, shape: RunShape, gpu_gib: float | None,
     else:
         e, fits = choose(estimate_with, gpu_gib * GIB, ns, os_, host_bytes)
     kinds = family.block_kinds(shape.transformer_config)
-    from_end = checkpoint_from_end(kinds, block_keeps(family, bool(train.compile or train.compile_mode)))
+    from_end = checkpoint_from_end(kinds, block_keeps(family, compiled(train)))
     blocks = checkpointed_indices(e.blocks, e.checkpointed, from_end)
     return Checkpointing(blocks, e.blocks, e.total / GIB, gpu_gib, fits, e.offloaded, e.host / GIB, e.cost,
-                         e.precision, e.describe())  # fmt: skip
+                         e.precision, e.describe(), e.seconds)  # fmt: skip
 
 
 def saved_attention_units(train, mode: str, cp: int) -> float:
@@ -570,26 +602,54 @@ def print_disk(cfg: Config, shape: RunShape) -> None:
     )
 
 
-def print_plan(cfg: Config) -> None:
+def print_plan(cfg: Config, argv: Sequence[str] | None = None) -> None:
     """The plan, printed once: under `accelerate launch` every rank runs this, and all but rank 0 return at once. The
     run shape is the trainer's (flux_cp.shape.build_shape), for the launched processes (or --num_processes, or
-    --cp_size's, run as one plain process), and again at each CP size listed."""
+    --cp_size's, run as one plain process), and again at each CP size listed. Then the flags' own row, the command
+    recommended for these GPUs and the settings behind it (flux_cp.recommend; `argv`: the flags as given, which
+    the command repeats)."""
+    from . import compiling, recommend, speed_measure
+
     if int(os.environ.get("RANK", "0")) != 0:
         return
     world = cfg.plan.num_processes or launched_world_size()
     shape = build_shape(cfg, max(world, cfg.parallel.cp_size), planning=True)
     blocks = sum(n for _, n in shape.family.block_kinds(shape.transformer_config))
     check_counts(cfg.train.gradient_checkpointing, cfg.train.offload_blocks, blocks)  # as the run refuses them
-    world = shape.world
     cfg = resolved(cfg, shape.family, shape.pairs, shape.transformer_config)  # the family's default --lora_layers
+    gpu = cfg.plan.gpu_memory_gib or (
+        torch.cuda.get_device_properties(0).total_memory / GIB if torch.cuda.is_available() else 141.0
+    )
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda" and cfg.plan.gpu_class == "auto":
+        print("speed: timing this GPU's blocks (once for these shapes; cached)...", flush=True)
+    # Eager blocks at every precision (seconds), compiled ones at bf16 and the flags' (compiling takes tens of
+    # seconds a precision): the other precisions' compiled dequantization is the GPU class's.
+    every = PRECISIONS if not cfg.lora.full_finetune else ("bf16",)
+    compiled_mode = speed.mode(True, cfg.train.compile_mode)
+    wanted = [(every, ("eager",)), ((cfg.model.base_precision,), (compiled_mode,))]
+    figures = speed_measure.choose(cfg, shape, device, gpu, wanted)
+    host = host_limit(local_processes(shape), cfg.plan.host_memory_gib)
+    with speed.using(figures):
+        # the flags as a GPU run would take them: --compile auto decided (flux_cp.compiling)
+        decided, _ = compiling.decide(cfg, shape, torch.device("cuda"), gpu, host)
+        _print_plan(decided, shape, gpu, host, given_compile=cfg.train.compile)
+        recommend.print_answer(cfg, shape, gpu, host, print_encoding(cfg, shape, gpu * GIB, quiet=True), argv)
+        print(
+            f"figures are estimates: planned peaks within ~15% of measured ones ({1 - MARGIN:.0%} of each GPU kept "
+            "free), step times within ~15% of the steps measured on the GPU classes of flux_cp/speed_data "
+            "(docs/small_gpus.md)"
+        )
+
+
+def _print_plan(cfg: Config, shape: RunShape, gpu: float, host: float | None, given_compile: str = "") -> None:
+    """The header, the disk and the encoding phase, and the memory of these flags at each CP size (`given_compile`:
+    --compile as given, when `cfg` holds what auto decided)."""
+    world = shape.world
     tokens, references = shape.largest_sequence, shape.images_per_sample - 1
     batch = cfg.train.train_batch_size * cfg.data.samples_per_slot  # prior preservation: a class image per sample
     lora = None if cfg.lora.full_finetune else cfg.lora.rank
     trained = "full fine-tuning" if lora is None else f"{adapters.label(cfg.lora.adapter)} r{lora}"
-    gpu = cfg.plan.gpu_memory_gib or (
-        torch.cuda.get_device_properties(0).total_memory / GIB if torch.cuda.is_available() else 141.0
-    )
-    compiled = bool(cfg.train.compile or cfg.train.compile_mode)
     value, offload = cfg.train.gradient_checkpointing, cfg.train.offload_blocks
     precision = cfg.model.base_precision
     print(
@@ -598,10 +658,13 @@ def print_plan(cfg: Config) -> None:
         f"batch {batch}/rank, "
         f"{trained}, {world} process(es), GPU {gpu:.0f} GiB, "
         + ("weights sharded over all GPUs (FSDP2)" if shape.sharded else "weights whole on every GPU (DDP)")
-        + (", blocks compiled" if compiled else ", blocks eager")
+        + f", --compile {cfg.train.compile_mode or given_compile or cfg.train.compile}"
+        + (f" (a GPU run: {cfg.train.compile})" if given_compile == "auto" and not cfg.train.compile_mode else "")
         + (f", base {precision}" if lora is not None else "")
         + (f", --offload_blocks {offload}" if offload != "0" else "")
     )
+    fig = speed.active()
+    print(f"speed model: {fig.describe} (--gpu_class h100|h200|rtx4090 for another GPU's)")
     print_disk(cfg, shape)
     encoding = print_encoding(cfg, shape, gpu * GIB)
     if note := unmeasured(shape.family):
@@ -609,70 +672,33 @@ def print_plan(cfg: Config) -> None:
     print(
         f"{'cp':>3} {'world':>5} {'weights':>8} {'grads':>7} {'adam':>7} {'act.ckpt':>9} {'act.full':>9} "
         f"{'total(ckpt)':>12} {'total(no ckpt)':>15} {'ckpt ' + value:>12} {'offload':>8} {'total':>7} "
-        f"{'time':>6}  fits"
+        f"{'s/step':>7}  fits"
     )
-    fits_at = None
     sizes = sorted({c for c in (1, 2, 4, 8, 16) if c <= max(world, 8)} | {shape.cp})
     for c in sizes:  # the shape at each CP size: its world, and the mode the heads allow there
         at = shape_at(cfg, shape, c, world)
-        e = checkpointing_for(cfg, at, gpu)
+        e = checkpointing_for(cfg, at, gpu, host)
         est = run_estimate(cfg, at)(len(e.blocks), e.offloaded)
-        auto = checkpointing_for(_auto(cfg), at, gpu)
         ck, full = est.total_with(est.activations_with_ckpt) / GIB, est.total_with(est.activations_without_ckpt) / GIB
-        if auto.fits and encoding and fits_at is None:  # the run's peak: both phases
-            fits_at = (c, auto)
         print(
             f"{c:>3} {at.world:>5} {est.weights / GIB:>8.1f} {est.grads / GIB:>7.1f} {est.optimizer / GIB:>7.1f} "
             f"{est.activations_with_ckpt / GIB:>9.1f} {est.activations_without_ckpt / GIB:>9.1f} {ck:>12.1f} "
             f"{full:>15.1f} {f'{len(e.blocks)}/{e.total}':>12} {f'{e.offloaded}/{e.total}':>8} {e.planned_gib:>7.1f} "
-            f"{e.cost:>5.2f}x  " + ("yes" if e.fits and encoding else "no")
+            f"{e.seconds:>7.2f}  " + ("yes" if e.fits and encoding else "no")
         )
     print_memory_lines(cfg, shape, gpu)
-    own = checkpointing_for(_auto(cfg), shape, gpu)
-    if not own.fits:  # what the start of a run with auto would say
-        print(f"at --cp_size {shape.cp}: {does_not_fit(_auto(cfg), shape, own)}")
-    if world > 1 and lora is not None:
-        print_layouts(cfg, shape, gpu)
-    if fits_at is None:
-        better = suggestion(_auto(cfg), shape, gpu)
-        print(
-            "suggestion: nothing listed fits; "
-            + (f"{better[0]} fits at --cp_size {shape.cp}: {better[1].planned_gib:.1f} GiB with {better[1].setting}, "
-               f"~{better[1].cost:.2f}x the step time; or " if better else "")
-            + "use more GPUs"
-            + (
-                " (FSDP shards the weights over all of them)"
-                if shape.sharded
-                else ", or an fsdp2_* config to shard the weights"
-            )
-        )  # fmt: skip
-        return
-    c, auto = fits_at
-    mode, u = auto_mode(shape.heads, c) if c > 1 else ("none", None)
-    n = len(auto.blocks)
-    extra = (" --gradient_checkpointing" if n else "") + (" --offload_blocks" if auto.offloaded else "")
-    print(
-        f"suggestion: --cp_size {c}{extra}"
-        + (f" (auto mode: {mode}" + (f", ulysses {u}" if u else "") + ")" if c > 1 else "")
-        + (
-            f" (auto: {auto.setting}"
-            + (f", {auto.host_gib:.1f} GiB of pinned host memory per process" if auto.offloaded else "")
-            + f", ~{auto.cost:.2f}x the step time)"
-            if n or auto.offloaded
-            else ""
-        )
-        + f"; figures are estimates within ~15% of measured peaks (GiB per GPU; {1 - MARGIN:.0%} headroom kept)."
-    )
 
 
-def print_encoding(cfg: Config, shape: RunShape, gpu_bytes: float) -> bool:
+def print_encoding(cfg: Config, shape: RunShape, gpu_bytes: float, quiet: bool = False) -> bool:
     """The encoding phase's and validation decode's planned peaks (flux_cp.encoding_memory), from the components'
-    configs; whether the encoding phase fits (a run fits when both it and the training step do)."""
+    configs; whether the encoding phase fits (a run fits when both it and the training step do). `quiet`: only
+    whether it fits."""
     p = encoding_memory.plan_from_configs(cfg, shape, gpu_bytes, run_estimate(cfg, shape)(None).fixed)
     if p is None:
-        print("encoding phase: not planned (the text encoders' and VAE's configs are not on this machine)")
+        if not quiet:
+            print("encoding phase: not planned (the text encoders' and VAE's configs are not on this machine)")
         return True
-    for line in p.lines():
+    for line in () if quiet else p.lines():
         print(line)
     return p.encoding_bytes <= encoding_memory.MARGIN * gpu_bytes
 
@@ -684,15 +710,8 @@ def shape_at(cfg: Config, shape: RunShape, cp: int, world: int) -> RunShape:
     return dataclasses.replace(shape, world=w, dp=w // cp, cp=cp, cp_mode=mode)
 
 
-def _auto(cfg: Config) -> Config:
-    """The flags with `auto` for checkpointing, and for offload where it applies (LoRA)."""
-    offload = cfg.train.offload_blocks if cfg.lora.full_finetune else "auto"
-    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, gradient_checkpointing="auto",
-                                                              offload_blocks=offload))  # fmt: skip
-
-
 def print_memory_lines(cfg: Config, shape: RunShape, gpu: float) -> None:
-    """The frozen base at each --base_precision, the pinned host memory of the run's offload, the speed model."""
+    """The frozen base at each --base_precision, and the pinned host memory of the run's offload."""
     if cfg.lora.full_finetune:
         return
     dtype = 4 if cfg.train.mixed_precision == "no" else 2
@@ -711,34 +730,3 @@ def print_memory_lines(cfg: Config, shape: RunShape, gpu: float) -> None:
               f"{ckpt.host_gib:.2f} GiB of pinned host memory per process"
               + (f" ({ckpt.host_gib * processes:.2f} GiB for the {processes} processes of a machine)"
                  if processes > 1 else "") + " (CPU RAM the run needs beside its own)")  # fmt: skip
-    print(f"speed model (not measured, plan_data.json): host-to-GPU copies at {SPEED['pcie_gib_per_s']:g} GiB/s, "
-          f"compute at {SPEED['achieved_tflops']:g} TFLOP/s, quantized base x"
-          + "/".join(f"{SPEED['dequant_step_factor'][p]:g} ({p})" for p in PRECISIONS[1:])
-          + "; 'time' is the step against the whole bf16 base on the GPU with nothing recomputed")  # fmt: skip
-
-
-def print_layouts(cfg: Config, shape: RunShape, gpu: float) -> None:
-    """LoRA on several GPUs: DDP with the whole base on every GPU at each --base_precision against FSDP2 sharding a
-    bf16 base, at the run's dp x cp, by the planner's model (memory and modelled step time)."""
-    auto = _auto(cfg)
-    rows = []
-    for p in PRECISIONS:
-        c = dataclasses.replace(auto, model=dataclasses.replace(cfg.model, base_precision=p))
-        rows.append((f"DDP, base {p} (whole on every GPU)", f"a ddp_* config with --base_precision {p}",
-                     checkpointing_for(c, dataclasses.replace(shape, sharded=False), gpu)))  # fmt: skip
-    bf16 = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, base_precision="bf16"),
-                               train=dataclasses.replace(cfg.train, gradient_checkpointing="auto",
-                                                         offload_blocks="0"))  # fmt: skip
-    rows.append(("FSDP2, base bf16 (sharded over the GPUs)", "an fsdp2_* config",
-                 checkpointing_for(bf16, dataclasses.replace(shape, sharded=True), gpu)))  # fmt: skip
-    print(f"layouts on {shape.world} GPUs of {gpu:.0f} GiB (dp {shape.dp} x cp {shape.cp}), by the planner's model:")
-    for label, _, c in rows:
-        fit = (f"fits, {c.planned_gib:.1f} GiB with {c.setting}, ~{c.cost:.2f}x the step time" if c.fits
-               else f"does not fit (least {c.planned_gib:.1f} GiB, with {c.setting})")  # fmt: skip
-        print(f"  {label}: {fit}")
-    fitting = [(c.cost, i, label, how) for i, (label, how, c) in enumerate(rows) if c.fits]
-    if fitting:
-        _, _, label, how = min(fitting)
-        print(f"  fastest that fits: {label.split(' (')[0]} ({how})")
-    else:
-        print("  none fits: use more GPUs or a lower --resolution")

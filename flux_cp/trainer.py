@@ -13,6 +13,7 @@ group), `open_source` and `encode_share` (the data source and who encodes it), `
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -24,6 +25,7 @@ import torch
 
 from . import (
     blocks,
+    compiling,
     diskspace,
     distributed,
     faults,
@@ -36,6 +38,8 @@ from . import (
     quiet,
     resume,
     run_data,
+    speed,
+    speed_measure,
 )
 from .adapters import start_line as adapter_line
 from .bars import StepBar
@@ -124,6 +128,8 @@ class Trainer:
     ema: EMA | None  # --use_ema: the EMA of every trained weight
     state_model: torch.nn.Module  # what checkpoints hold the weights of: the model, and the text encoder beside it
     checkpointing: plan.Checkpointing  # --gradient_checkpointing resolved: which blocks recompute
+    compile_guard: compiling.FirstStep | None  # compiled blocks: their first step, which falls back to eager ones
+    compile_time: compiling.CompileTime
     max_steps: int
     run_identity: dict  # what a checkpoint must match to be resumed by this run
     # train: per-step machinery
@@ -222,6 +228,7 @@ class Trainer:
         if cfg.train.allow_tf32 and torch.cuda.is_available():
             torch.backends.cuda.matmul.allow_tf32 = True
         self.device = self.accelerator.device
+        self.cfg = cfg = self.plan_speed(cfg, shape)  # the speed model's figures, and --compile auto decided by them
         plan.check_fits(cfg, shape, self.device)  # auto with nothing that fits: refused before any model loads
         self.weight_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
             self.accelerator.mixed_precision, torch.float32
@@ -236,6 +243,33 @@ class Trainer:
             except UsageError as e:
                 problem = str(e)
         distributed.check_all_ranks(problem is None, problem or "")
+
+    def plan_speed(self, cfg: Config, shape: RunShape) -> Config:
+        """The figures the planner predicts step times with (flux_cp.speed): on a GPU where a choice rests on them
+        (--compile auto, --offload_blocks auto) this GPU's, measured once for the run's blocks (cached on disk) by the
+        main process for every rank; else a GPU class's. Then --compile auto decided with them (flux_cp.compiling)."""
+        device, train = self.device, cfg.train
+        gpu = plan.gpu_memory_gib(cfg, device)
+        needs = device.type == "cuda" and "auto" in (train.compile, train.offload_blocks)
+        modes = (
+            ("eager", speed.mode(True, train.compile_mode))
+            if train.compile == "auto"
+            else (speed.mode(blocks.compiled(train), train.compile_mode),)
+        )
+        precision = (cfg.model.base_precision,)
+        if needs:
+            figures = speed_measure.agreed(
+                lambda: speed_measure.choose(cfg, shape, device, gpu, [(precision, modes)]), self.layout.is_main
+            )
+            logger.info(f"flux-cp: speed model: {figures.describe}")
+        else:
+            figures = speed_measure.choose(cfg, shape, device, gpu, [(precision, modes)], measure=False)
+        speed.use(figures)
+        host = plan.host_limit(plan.local_processes(shape), cfg.plan.host_memory_gib)
+        cfg, choice = compiling.decide(cfg, shape, device, gpu, host)
+        if choice.line:
+            logger.info(f"flux-cp: {choice.line}")
+        return cfg
 
     def claim_output_dir(self) -> None:
         """The output folder becomes this run's, and how the run starts is decided (flux_cp.outdir, flux_cp.resume: a
@@ -309,6 +343,7 @@ class Trainer:
             make_optimizer=lambda p: optim.make_optimizer(train, p, data.global_batch, text_params),
         )  # fmt: skip
         self.model, self.optimizer, self.offload = ready.model, ready.optimizer, ready.offload
+        compiled = blocks.compiled(train)
         self.lr_scheduler = optim.make_lr_scheduler(train, ready.base_optimizer, max_steps)
         # After prepare: FSDP2 replaces the parameters with sharded ones (the optimizer is remapped by accelerate;
         # a list taken before would clip and measure gradients that no longer exist).
@@ -321,6 +356,13 @@ class Trainer:
             named = [(f"transformer.{n}", p) for n, p in named] + [(f"{text.name}.{n}", p)
                                                                     for n, p in text.named_parameters()]  # fmt: skip
         self.ema = EMA(named, train.ema_decay, train.ema_update_interval) if train.use_ema else None
+        trained = self.params + (list(text.parameters()) if text is not None else [])
+        self.compile_guard = (
+            compiling.FirstStep(blocks.transformer_blocks(inner), trained, self.accelerator, self.device)
+            if compiled
+            else None
+        )
+        self.compile_time = compiling.CompileTime(compiled)
         classes = data.class_source.identity() if data.class_source is not None else None
         self.run_identity = resume.run_identity(cfg, self.samples_per_step(), data.source.identity(),
                                                 self.identity_buckets(), classes, self.components)  # fmt: skip
@@ -369,10 +411,12 @@ class Trainer:
         """Every step after `start_step`, each queued on the device before the previous one is read."""
         self.start_loop(start_step)
         queued = None  # the previous step, read once this one is queued behind it
+        guard = self.compile_guard  # the first step compiles the blocks: a failure falls back to eager ones
         for step in range(start_step + 1, self.max_steps + 1):
             profile = step == self.cfg.train.profile_step
             with profiled(profile, self.cfg.train.output_dir, self.layout.rank, self.layout.is_main):
-                result = self.train_step(step)
+                result = self.train_step(step) if guard is None else guard.run(functools.partial(self.train_step, step))
+            guard = None
             if queued is not None:
                 self.after_step(queued)
             queued = result
@@ -489,6 +533,9 @@ class Trainer:
             row["mfu"] = result.flops.model / dt / layout.world / self.peak
             row["hfu"] = result.flops.executed / dt / layout.world / self.peak
         self.metrics.write(row)
+        fell_back = self.compile_guard is not None and self.compile_guard.fell_back is not None
+        if line := self.compile_time.step_done(dt, fell_back):
+            logger.info(f"flux-cp: {line}")
         if self.accelerator.log_with:
             self.accelerator.log({k: v for k, v in row.items() if k != "step"}, step=step)
         self.bar.step(step, loss, row["lr"], dt, row["tokens_per_s"], row.get("mfu"))

@@ -99,7 +99,7 @@ def test_estimates_of_compiled_trainer_runs_are_within_10_percent_of_their_h200_
     for r in rows:
         flags = r["flags"].split()
         train = SimpleNamespace(
-            compile="--compile" in flags,
+            compile="on" if "--compile" in flags else "off",
             compile_mode="reduce-overhead" if "--compile_mode" in flags else None,
             recompute_attention="--recompute_attention" in flags,
         )
@@ -122,8 +122,8 @@ def test_estimates_of_compiled_trainer_runs_are_within_10_percent_of_their_h200_
         assert abs(predicted - r["peak_gib"]) / r["peak_gib"] < 0.10, (r["name"], predicted, r["peak_gib"])
 
 
-def test_plan_flag_prints_a_table_and_a_suggestion_without_training(tmp_path, capsys):
-    """`train_flux_cp.py --plan` (its entry point, in this process): a table and a suggestion, no run."""
+def test_plan_flag_prints_a_table_and_a_recommendation_without_training(tmp_path, capsys):
+    """`train_flux_cp.py --plan` (its entry point, in this process): a table and a recommendation, no run."""
     import train_flux_cp
     from flux_cp.families.flux1.tiny import write_flux1_dev_shapes
 
@@ -132,8 +132,8 @@ def test_plan_flag_prints_a_table_and_a_suggestion_without_training(tmp_path, ca
             "141", "--full_finetune", "--output_dir", str(tmp_path / "o")]  # fmt: skip
     assert train_flux_cp.main(argv) == 0
     out = capsys.readouterr().out
-    assert "suggestion: --cp_size" in out, out
-    assert not (tmp_path / "o").exists(), "--plan must not start a run"
+    assert "recommended for 1 GPU of 141 GiB" in out and "nothing fits; use more GPUs" in out, out
+    assert "settings compared" in out and not (tmp_path / "o").exists(), "--plan must not start a run"
 
 
 # --- --plan on the command line: offline for the known ids, one line for the rest, printed once ---------------
@@ -157,7 +157,7 @@ def test_plan_works_offline_for_the_known_flux1_ids(model, tmp_path, monkeypatch
     argv = ["--plan", "--pretrained_model_name_or_path", model_id, "--resolution", "2048", "--gpu_memory_gib", "141"]
     assert train_flux_cp.main(argv) == 0
     out = capsys.readouterr().out
-    assert out.startswith(f"plan: {model_id} (built-in config), 2048 px") and "suggestion: --cp_size" in out, out
+    assert out.startswith(f"plan: {model_id} (built-in config), 2048 px") and "recommended for 1 GPU" in out, out
 
 
 def test_the_known_configs_are_flux1_dev_s_and_schnell_s_lacks_only_the_guidance_embedding():
@@ -271,7 +271,7 @@ def test_plan_under_accelerate_launch_prints_once_and_without_the_libraries_impo
     r = ok(train(2, "--plan", "--pretrained_model_name_or_path", "black-forest-labs/FLUX.1-dev", "--cp_size", "2",
                  "--output_dir", str(tmp_path / "o")))  # fmt: skip
     assert r.stdout.count("plan: black-forest-labs/FLUX.1-dev (built-in config)") == 1, r.stdout
-    assert r.stdout.count("suggestion: ") == 1 and not (tmp_path / "o").exists()
+    assert r.stdout.count("recommended for ") == 1 and not (tmp_path / "o").exists()
     for noise in ("Failed to load", "is an Enum subclass", "Unable to import `torchao`"):
         assert noise not in r.stderr, r.stderr
 
