@@ -238,3 +238,29 @@ def test_a_flux2_card_names_its_family_and_loads_its_transformer_class(tmp_path)
     pairs = _parts(write_model_card(out, lora, kontext=True, pipeline="Flux2Pipeline", family=FLUX2))[1]
     assert pairs.lstrip().startswith("# FLUX.2 [dev] LoRA") and "(FLUX.2 [dev] pairs)" in pairs
     assert "load_image(" in pairs
+
+
+def test_control_characters_of_prompts_and_names_are_escaped_in_the_card_and_its_snippet_keeps_the_prompt(tmp_path):
+    """`cat README.md` (and the Hub page) runs no terminal escape from a prompt, folder or data set name: every
+    control character of the card is written as its escape, while the snippet's literals stay valid Python equal to
+    the prompt, and the front matter's YAML reads back the prompt itself."""
+    import ast
+
+    evil = "a \x1b[2J\x1b[31mred\x07 dog\r\u202e"
+    out = tmp_path / f"out{evil}"
+    (tmp_path / f"data{evil}").mkdir()
+    (out / "validation").mkdir(parents=True)
+    (out / "validation" / "step-000001.png").write_bytes(b"\x89PNG")
+    cfg = _resolved(["--output_dir", str(out), "--validation_prompt", evil, "--instance_prompt", evil,
+                     "--dataset_name", str(tmp_path / f"data{evil}"), "--with_prior_preservation",
+                     "--class_data_dir", str(tmp_path / "class"), "--class_prompt", evil])  # fmt: skip
+    for name in ("README.md", "README.flux-cp.md"):
+        path = write_model_card(out, cfg, filename=name)
+        text = path.read_text()
+        assert all(c.isprintable() or c == "\n" for c in text), [c for c in text if not c.isprintable() and c != "\n"]
+        front, body = _parts(path)
+        assert front["instance_prompt"] == evil and front["widget"][0]["text"] == evil
+        calls = {ast.unparse(c.func): c for c in ast.walk(ast.parse(_code(body))) if isinstance(c, ast.Call)}
+        assert ast.literal_eval(calls["pipe"].args[0]) == evil
+        # the prose shows the prompt with its escapes written out (Markdown-escaped: a backslash is doubled)
+        assert "1. a \\\\x1b\\[2J\\\\x1b\\[31mred\\\\x07 dog" in body, body
