@@ -738,6 +738,11 @@ class ValidationConfig:
     )
     logging_dir: str = flag("logs", "Tracker folder, relative to --output_dir.")
 
+    @property
+    def writes_logs(self) -> bool:
+        """Whether a tracker writes files into --logging_dir: TensorBoard, and wandb (its wandb/ folder)."""
+        return self.report_to != "none"
+
     def check(self) -> None:
         if self.validation_resolution % 16:
             raise UsageError(f"--validation_resolution {self.validation_resolution} must be a multiple of 16")

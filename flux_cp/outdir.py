@@ -289,7 +289,10 @@ def write_final(output_dir: str | os.PathLike, name: str, write: Callable[[Path]
             shutil.rmtree(old, ignore_errors=True)
             os.rename(final, old)
             os.rename(written, final)
-            shutil.rmtree(old)
+            # flux-cp's files of the earlier version go; a user's files in it move into the new one
+            if kept := manifest.carry_over(old, final, manifest.owned(name)):
+                shown = ", ".join(kept[:5]) + (f" and {len(kept) - 5} more" if len(kept) > 5 else "")
+                logger.warning(f"{final}: kept {shown}, which flux-cp did not write, in the new {name}")
         else:
             os.replace(written, final)
     except (OSError, SafetensorError) as e:  # safetensors' I/O failures are not OSErrors
@@ -363,8 +366,7 @@ def claim_run(cfg: Config, model_path: str, is_main: bool) -> None:
     if is_main:
         data = cfg.data
         try:
-            trackers = cfg.validation.report_to in ("tensorboard", "all")  # the ones writing into --logging_dir
-            logs = cfg.validation.logging_dir if trackers else None
+            logs = cfg.validation.logging_dir if cfg.validation.writes_logs else None
             classes = data.class_data_dir if data.with_prior_preservation else None
             data_flag = ("--instance_data_dir" if data.instance_data_dir else "--dataset_name" if data.dataset_name
                          else "the bundled data set")  # fmt: skip

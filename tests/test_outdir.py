@@ -107,14 +107,12 @@ def test_overwrite_removes_only_what_the_manifest_lists(tmp_path):
 
 def test_overwrite_removes_only_flux_cp_s_files_from_the_folders_a_user_may_add_to(tmp_path):
     """validation/, profile/ and the tracker folder: the run wrote files into them, a user may add theirs (notes,
-    an encoding cache put inside the logs); only flux-cp's files go, and the folders stay listed. Folders written
-    whole (checkpoints, transformer/) go whole."""
+    an encoding cache put inside the logs); only flux-cp's files go, and the folders stay listed."""
     folder = tmp_path / "out"
     outdir.claim(folder, logging_dir="tb")
     written = ["validation/step-000002.png", "profile/rank0.json", "profile/rank0_summary.json",
                "tb/flux-cp/events.out.tfevents.1.host", "tb/flux-cp/1700000000.1/events.out.tfevents.2.host",
-               "tb/flux-cp/1700000000.1/hparams.yml", "checkpoint-2/meta.json", "checkpoint-2/notes.txt",
-               "transformer/config.json"]  # fmt: skip
+               "tb/flux-cp/1700000000.1/hparams.yml", "checkpoint-2/meta.json", "transformer/config.json"]  # fmt: skip
     theirs = ["validation/my_notes.txt", "tb/cache/latents/0.safetensors", "profile/readme.md"]
     for rel in written + theirs:
         manifest.record(folder, rel.split("/")[0])
@@ -130,6 +128,65 @@ def test_overwrite_removes_only_flux_cp_s_files_from_the_folders_a_user_may_add_
     assert claimed.notes == ["--overwrite_output_dir: kept profile/readme.md, tb/cache/latents/0.safetensors, "
                              "validation/link.png, validation/my_notes.txt, which flux-cp did not write"]  # fmt: skip
     assert sorted(manifest.read(folder)) == ["profile", "tb", "validation"]  # the run writes into them again
+    outdir.release(folder)
+
+
+def test_overwrite_keeps_a_user_s_file_wherever_it_is_in_the_run_s_folders(tmp_path):
+    """Checkpoints, a branch set aside, the final transformer/ and the tracker folder (TensorBoard's and wandb's files)
+    lose flux-cp's files only: a file the run did not write is kept where it is and reported, and its folder stays
+    listed, so the next overwrite looks at it again."""
+    folder = tmp_path / "out"
+    outdir.claim(folder, logging_dir="logs")
+    run = "logs/wandb/offline-run-20250101_120000-abc123"
+    written = ["checkpoint-2/meta.json", "checkpoint-2/train.pt", "checkpoint-2/state/.metadata",
+               "checkpoint-2/state/__0_0.distcp", "checkpoint-2/data.json", "transformer/config.json",
+               "transformer/diffusion_pytorch_model.safetensors", "abandoned-20250101-120000/checkpoint-4/meta.json",
+               "abandoned-20250101-120000/loss_curve.png", "abandoned-20250101-120000/validation/step-000004.png",
+               f"{run}/run-abc123.wandb", f"{run}/files/config.yaml", f"{run}/logs/debug.log",
+               ".checkpoint-6.partial/state/__0_0.distcp"]  # fmt: skip
+    theirs = ["checkpoint-2/notes.txt", "checkpoint-2/state/mine.pt", "transformer/README.md",
+              "abandoned-20250101-120000/why.txt", "abandoned-20250101-120000/checkpoint-4/eval.json",
+              "logs/wandb/notes.md", "validation/sub/step-000001.png"]  # fmt: skip
+    for rel in written + theirs:
+        manifest.record(folder, rel.split("/")[0])
+        (folder / rel).parent.mkdir(parents=True, exist_ok=True)
+        (folder / rel).write_text(rel)
+    (folder / "logs" / "wandb" / "latest-run").symlink_to(folder / run)  # wandb's own links: removed, not followed
+    (tmp_path / "core.log").write_text("wandb's service log")
+    (folder / run / "logs" / "debug-core.log").symlink_to(tmp_path / "core.log")
+    claimed = outdir.claim(folder, None, True, logging_dir="logs")
+    left = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() or p.is_symlink())
+    assert left == sorted([manifest.NAME, outdir.LOCK_NAME, *theirs])
+    assert claimed.notes == [f"--overwrite_output_dir: kept {', '.join(sorted(theirs)[:5])} and 2 more, which "
+                             "flux-cp did not write"]  # fmt: skip
+    assert (tmp_path / "core.log").read_text() == "wandb's service log"
+    assert sorted(manifest.read(folder)) == ["abandoned-20250101-120000", "checkpoint-2", "logs", "transformer",
+                                             "validation"]  # fmt: skip
+    outdir.release(folder)
+
+
+def test_a_user_s_file_in_an_output_written_again_moves_into_the_new_one(tmp_path):
+    """The final transformer/ written again (a resumed run that finishes again), and a checkpoint pruned by
+    --checkpoints_total_limit: flux-cp's files are replaced or removed, a user's file stays."""
+    folder = tmp_path / "out"
+    outdir.claim(folder)
+    (folder / "transformer").mkdir()
+    (folder / "transformer" / "config.json").write_text("old")
+    (folder / "transformer" / "NOTES.md").write_text("mine")
+
+    def write(staging: Path) -> Path:
+        (staging / "transformer").mkdir()
+        (staging / "transformer" / "config.json").write_text("new")
+        return staging / "transformer"
+
+    outdir.write_final(folder, "transformer", write)
+    assert sorted(p.name for p in (folder / "transformer").iterdir()) == ["NOTES.md", "config.json"]
+    assert (folder / "transformer" / "config.json").read_text() == "new"
+    assert not any(p.name.startswith(".transformer") for p in folder.iterdir())
+    old = _checkpoint(folder, 2)
+    (old / "notes.txt").write_text("mine")
+    assert checkpoint._remove(old) == [old / "notes.txt"]
+    assert sorted(p.name for p in old.iterdir()) == ["notes.txt"]
     outdir.release(folder)
 
 
