@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 from safetensors import SafetensorError
 
 from . import checkpoint, distributed, files, manifest, resume, roles
+from .config import DEFAULT_ENCODINGS_DIR
 from .data import BUNDLED_DATA, encodings_folder
 from .errors import UsageError
 from .prior import check_resume as check_prior_resume
@@ -373,7 +374,8 @@ def claim_run(cfg: Config, model_path: str, is_main: bool) -> None:
             encodings = None if data.no_cache else encodings_folder(data)
             roles.check(cfg.train.output_dir, model=model_path, data=data.dataset_name or str(BUNDLED_DATA),
                         data_flag=data_flag, bundled=BUNDLED_DATA.parent, class_dir=classes, encodings=encodings,
-                        logs=logs)  # fmt: skip
+                        logs=logs, default_encodings=os.path.expanduser(DEFAULT_ENCODINGS_DIR),
+                        cache_dir=cfg.model.cache_dir)  # fmt: skip
 
             def accept(decision: resume.Decision) -> None:  # a resume needing other class images: refused now
                 if decision.checkpoint is not None:
@@ -382,8 +384,8 @@ def claim_run(cfg: Config, model_path: str, is_main: bool) -> None:
             claimed = claim(
                 cfg.train.output_dir, cfg.checkpoints.resume_from_checkpoint, cfg.train.overwrite_output_dir,
                 logging_dir=logs, max_train_steps=cfg.train.max_train_steps, accept=accept,
-                apart={"--pretrained_model_name_or_path": model_path, data_flag: data.dataset_name or str(BUNDLED_DATA),
-                       "--class_data_dir": classes},
+                apart={"--pretrained_model_name_or_path": model_path,
+                       data_flag: data.dataset_name or str(BUNDLED_DATA)},
             )  # fmt: skip
             if encodings is not None:
                 check_writable(Path(encodings), "--encodings_dir")

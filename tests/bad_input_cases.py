@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from flux_cp.data import BUNDLED_DATA
+from flux_cp.roles import CHECKOUT
 
 
 @dataclass
@@ -931,7 +932,44 @@ CASES = [
             "--class_prompt",
             "a shape",
         ],  # fmt: skip
-        "holds --class_data_dir",
+        "is inside --output_dir",
+    ),
+    Case(
+        "class_data_dir_is_the_new_output_dir",
+        "--class_data_dir and --output_dir the same folder, before it exists",
+        1,
+        lambda t: [
+            "--with_prior_preservation",
+            "--class_data_dir",
+            str(t / "x"),
+            "--class_prompt",
+            "a shape",
+            "--output_dir",
+            str(t / "x"),
+        ],  # fmt: skip
+        "--class_data_dir {t}/x is --output_dir {t}/x: the class images need a folder of their own",
+    ),
+    Case(
+        "output_dir_in_flux_cp_s_own_files",
+        "--output_dir inside the flux-cp checkout's own code",
+        1,
+        lambda t: ["--output_dir", str(CHECKOUT / "cp" / "run")],
+        "is inside {checkout}/cp, one of flux-cp's own files",
+    ),
+    Case(
+        "output_dir_in_pip_s_cache",
+        "--output_dir inside pip's cache",
+        1,
+        lambda t: ["--output_dir", str(t / "pip" / "run")],
+        "--output_dir {t}/pip/run is inside pip's cache",
+        env={"PIP_CACHE_DIR": "{t}/pip"},
+    ),
+    Case(
+        "output_dir_inside_another_model",
+        "--output_dir inside a model folder other than the one trained (by its model_index.json)",
+        1,
+        lambda t: ["--output_dir", str(_model_folder(t) / "lora")],
+        "is inside a model folder",
     ),
     Case(
         "class_data_dir_is_instance_data_dir",

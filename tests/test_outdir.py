@@ -423,7 +423,7 @@ def _roles(tmp_path: Path, **kw) -> None:
     for name in ("model", "data", "bundled"):
         (tmp_path / name).mkdir(exist_ok=True)
     args = {"model": str(tmp_path / "model"), "data": str(tmp_path / "data"), "bundled": tmp_path / "bundled", **kw}
-    roles.check(str(tmp_path / "out"), **args)
+    roles.check(args.pop("output_dir", str(tmp_path / "out")), **args)
 
 
 @pytest.mark.parametrize(
@@ -490,7 +490,91 @@ def test_another_run_s_output_folder_is_no_class_folder(tmp_path):
     )
     with pytest.raises(UsageError, match="is the output folder of another run"):
         _roles(tmp_path, class_dir=str(legacy))
-    # this run's own output folder is outdir's to refuse ("--output_dir ... holds --class_data_dir")
+    # this run's own output folder: refused as such
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / manifest.NAME).write_text("{}")
-    _roles(tmp_path, class_dir=str(tmp_path / "out" / "class"))
+    with pytest.raises(
+        UsageError, match=f"^--class_data_dir {tmp_path}/out/class is inside --output_dir {tmp_path}/out:"
+    ):
+        _roles(tmp_path, class_dir=str(tmp_path / "out" / "class"))
+
+
+def test_the_class_folder_and_the_output_folder_are_apart_whether_they_exist_or_not(tmp_path):
+    """The same flags are refused before the folders exist and after (a resume): one inside the other either way,
+    through a link too."""
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    x, link, real = tmp_path / "x", tmp_path / "link", tmp_path / "real"
+    cases = [(x, x, "is"), (x / "class", x, "is inside"), (x, x / "out", "holds"), (link / "c", real, "is inside"),
+             (real / "c", link / "c" / "..", "is inside")]  # fmt: skip
+    for class_dir, out, how in cases:
+        for exists in (False, True):
+            if exists:
+                for folder in (class_dir, out):
+                    os.makedirs(folder, exist_ok=True)
+            with pytest.raises(UsageError, match=f"^--class_data_dir {class_dir} {how} --output_dir "):
+                _roles(tmp_path, class_dir=str(class_dir), output_dir=str(out))
+
+
+def test_no_class_folder_is_an_encoding_cache(tmp_path):
+    """Not this run's cache, nor the default one (another run's), nor any folder holding a cache's entries."""
+    default = tmp_path / "home" / "encodings"
+    with pytest.raises(UsageError, match="is the default encoding cache"):
+        _roles(tmp_path, class_dir=str(default), default_encodings=str(default))
+    with pytest.raises(UsageError, match="is inside the default encoding cache"):
+        _roles(tmp_path, class_dir=str(default / "latents"), default_encodings=str(default))
+    other = tmp_path / "classes" / "elsewhere"
+    (other / "latents").mkdir(parents=True)
+    (other / "latents" / f"{'0' * 32}.safetensors").write_bytes(b"x")
+    for class_dir, how in ((other, "is"), (other / "latents", "is inside"), (other.parent, "holds")):
+        with pytest.raises(UsageError, match=f"^--class_data_dir {class_dir} {how} an encoding cache"):
+            _roles(tmp_path, class_dir=str(class_dir))
+
+
+def test_no_folder_a_run_writes_goes_into_a_folder_another_tool_owns(tmp_path, monkeypatch):
+    """The output folder, the class folder, the cache and the tracker folder, by resolved path: the Hugging Face and
+    pip caches, the Python environment, flux-cp's own files; by content: a model folder, another run's folder."""
+    import sysconfig
+
+    from huggingface_hub import constants
+
+    from flux_cp import roles
+
+    monkeypatch.setattr(constants, "HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("PIP_CACHE_DIR", str(tmp_path / "pip"))
+    site = sysconfig.get_paths()["purelib"]
+    (tmp_path / "models" / "flux").mkdir(parents=True)
+    (tmp_path / "models" / "flux" / "model_index.json").write_text("{}")
+    (tmp_path / "runs" / "a").mkdir(parents=True)
+    (tmp_path / "runs" / "a" / manifest.NAME).write_text("{}")
+    root = roles.CHECKOUT
+    refused = [
+        (dict(output_dir=str(tmp_path / "hf" / "run")), "--output_dir {t}/hf/run is inside the Hugging Face cache"),
+        (dict(class_dir=str(tmp_path / "pip")), "--class_data_dir {t}/pip is pip's cache"),
+        (dict(encodings=os.path.join(site, "cache")), "is inside the Python environment's packages"),
+        (dict(output_dir=str(root)), "is flux-cp's own checkout"),
+        (dict(output_dir=str(root / "flux_cp")), f"is {root}/flux_cp, one of flux-cp's own files"),
+        (dict(output_dir=str(root / "data" / "mine")), f"is inside {root}/data, one of flux-cp's own files"),
+        (dict(output_dir=str(tmp_path / "models" / "flux" / "lora")), "is inside a model folder ({t}/models/flux: it "
+                                                                        "holds model_index.json)"),
+        (dict(encodings=str(tmp_path / "models" / "flux")), "is a model folder"),
+        (dict(output_dir=str(tmp_path / "runs" / "a" / "b")), "is inside the output folder of another run"),
+        (dict(logs=str(tmp_path / "runs" / "a" / "tb")), "is inside the output folder of another run"),
+    ]  # fmt: skip
+    for kw, message in refused:
+        with pytest.raises(UsageError) as e:
+            _roles(tmp_path, **kw)
+        assert message.format(t=tmp_path) in str(e.value), (kw, str(e.value))
+    _roles(tmp_path, output_dir=str(root / "flux-cp-output"))  # a new folder of the checkout: the default's place
+    _roles(tmp_path, output_dir=str(tmp_path / "runs" / "a"))  # the run's own folder (a resume)
+    _roles(tmp_path, output_dir=str(tmp_path / "runs" / "a"), logs="tb")  # its tracker folder inside it
+
+
+def test_flux_cp_s_own_files_are_every_entry_its_repository_tracks():
+    from flux_cp import roles
+
+    if not (roles.CHECKOUT / ".git").exists():
+        pytest.skip("not a git checkout")
+    r = subprocess.run(["git", "ls-files"], cwd=roles.CHECKOUT, capture_output=True, text=True, check=True)
+    tracked = {line.split("/")[0] for line in r.stdout.splitlines()}
+    assert tracked <= set(roles.CHECKOUT_ENTRIES), sorted(tracked - set(roles.CHECKOUT_ENTRIES))
