@@ -377,8 +377,10 @@ def save(
             older = [p for s, p in list_checkpoints(output_dir) if s < step]
             for old in older[: max(0, len(older) - (total_limit - 1))]:
                 if kept := _remove(old):  # a user's files are kept, and the folder stays listed (with them)
-                    logger.warning(f"--checkpoints_total_limit: removed {old.name} but kept {_shown(kept)}, which "
-                                   "flux-cp did not write")  # fmt: skip
+                    logger.warning(
+                        f"--checkpoints_total_limit: removed {old.name} but kept {_shown(kept)}, which "
+                        "flux-cp did not write"
+                    )
                 else:
                     manifest.forget(root, old.name)
     distributed.barrier()

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .encode import TEXT_BATCH, component_folder
+from .errors import UsageError
 
 if TYPE_CHECKING:
     from .config import Config
@@ -314,11 +315,15 @@ def plan_from_configs(cfg: Config, shape: RunShape, gpu_bytes: float | None,
         folder = component_folder(shape.model_path, name, model.revision, model.cache_dir)
         if folder is None or not (folder / "config.json").is_file():
             return None
-        with init_empty_weights():
-            if hasattr(cls, "config_class"):
-                m = cls._from_config(cls.config_class.from_pretrained(folder), dtype=dtype)
-            else:  # the VAE's weights are counted in `dtype` (diffusers warns about a cast)
-                m = cls.from_config(dict(cls.load_config(folder)))
+        try:
+            with init_empty_weights():
+                if hasattr(cls, "config_class"):
+                    m = cls._from_config(cls.config_class.from_pretrained(folder), dtype=dtype)
+                else:  # the VAE's weights are counted in `dtype` (diffusers warns about a cast)
+                    m = cls.from_config(dict(cls.load_config(folder)))
+        except (OSError, ValueError, RuntimeError, TypeError, IndexError, KeyError, ZeroDivisionError) as e:
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise UsageError(f"{folder}/config.json: {cls.__name__} cannot be built from it ({first})") from None
         built[name] = m
     vae = built.pop("vae")
     texts = {name: text_encoder_shape(m) for name, m in built.items()}

@@ -42,12 +42,24 @@ def pipeline_class(path: str, revision: str | None, cache_dir: str | None = None
 def load_component(cls, path: str, subfolder: str, revision: str | None, **kwargs):
     """`cls.from_pretrained` of one component (subfolder) of the model at `path`; kwargs go to it (`cache_dir`: the
     download cache, --cache_dir). A failure is one UsageError line."""
+    from safetensors import SafetensorError
+
     try:
         return cls.from_pretrained(path, subfolder=subfolder, revision=revision, **kwargs)
-    except (OSError, ValueError) as e:
-        raise UsageError(
-            f"cannot load {subfolder} from --pretrained_model_name_or_path {path}: {str(e).splitlines()[0]}"
-        ) from None
+    # What a damaged or foreign folder raises from inside the libraries (a weight of another shape, a config of
+    # sizes that do not fit together, a damaged file): one line naming the component
+    except (
+        OSError,
+        ValueError,
+        RuntimeError,
+        TypeError,
+        IndexError,
+        KeyError,
+        ZeroDivisionError,
+        SafetensorError,
+    ) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise UsageError(f"cannot load {subfolder} from --pretrained_model_name_or_path {path}: {first}") from None
 
 
 def load_part(cls, path: str, subfolder: str, model: ModelConfig, weights_dtype: torch.dtype, **kwargs):

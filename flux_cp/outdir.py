@@ -372,10 +372,18 @@ def claim_run(cfg: Config, model_path: str, is_main: bool) -> None:
             data_flag = ("--instance_data_dir" if data.instance_data_dir else "--dataset_name" if data.dataset_name
                          else "the bundled data set")  # fmt: skip
             encodings = None if data.no_cache else encodings_folder(data)
-            roles.check(cfg.train.output_dir, model=model_path, data=data.dataset_name or str(BUNDLED_DATA),
-                        data_flag=data_flag, bundled=BUNDLED_DATA.parent, class_dir=classes, encodings=encodings,
-                        logs=logs, default_encodings=os.path.expanduser(DEFAULT_ENCODINGS_DIR),
-                        cache_dir=cfg.model.cache_dir)  # fmt: skip
+            roles.check(
+                cfg.train.output_dir,
+                model=model_path,
+                data=data.dataset_name or str(BUNDLED_DATA),
+                data_flag=data_flag,
+                bundled=BUNDLED_DATA.parent,
+                class_dir=classes,
+                encodings=encodings,
+                logs=logs,
+                default_encodings=os.path.expanduser(DEFAULT_ENCODINGS_DIR),
+                cache_dir=cfg.model.cache_dir,
+            )
 
             def accept(decision: resume.Decision) -> None:  # a resume needing other class images: refused now
                 if decision.checkpoint is not None:

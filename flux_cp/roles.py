@@ -39,9 +39,25 @@ _HIDDEN_OUTPUT = re.compile(r"^\.(.+)\.(partial|old)$")
 # flux-cp's own files: the entries of its checkout (where it runs from one). A run writes into a new folder of the
 # checkout (the default --output_dir is one, relative to the current folder), never into these.
 CHECKOUT = Path(__file__).resolve().parent.parent
-CHECKOUT_ENTRIES = (".ci", ".git", ".gitignore", "README.md", "accelerate_configs", "benchmarks", "cp", "data", "docs",
-                    "flux_cp", "pyproject.toml", "requirements-cpu.txt", "requirements-test.txt", "requirements.txt",
-                    "tests", "tools", "train_flux_cp.py")  # fmt: skip
+CHECKOUT_ENTRIES = (
+    ".ci",
+    ".git",
+    ".gitignore",
+    "README.md",
+    "accelerate_configs",
+    "benchmarks",
+    "cp",
+    "data",
+    "docs",
+    "flux_cp",
+    "pyproject.toml",
+    "requirements-cpu.txt",
+    "requirements-test.txt",
+    "requirements.txt",
+    "tests",
+    "tools",
+    "train_flux_cp.py",
+)
 # An encoding cache's own folders (flux_cp.encode): entries named by a 32-digit hex key
 _CACHE_PARTS = ("latents", "text")
 _CACHE_ENTRY = re.compile(r"^[0-9a-f]{32}\.safetensors$")
@@ -110,8 +126,10 @@ def _tool_folders(cache_dir: str | None) -> list[tuple[str, Path]]:
     """(what, folder) of the folders other tools own: download and package caches, the Python environment."""
     from huggingface_hub import constants
 
-    found = [("the Hugging Face cache (HF_HOME)", constants.HF_HOME),
-             ("the Hugging Face hub cache (HF_HUB_CACHE)", constants.HF_HUB_CACHE)]  # fmt: skip
+    found = [
+        ("the Hugging Face cache (HF_HOME)", constants.HF_HOME),
+        ("the Hugging Face hub cache (HF_HUB_CACHE)", constants.HF_HUB_CACHE),
+    ]
     if os.environ.get("HF_DATASETS_CACHE"):
         found.append(("the data sets cache (HF_DATASETS_CACHE)", os.environ["HF_DATASETS_CACHE"]))
     if cache_dir:
@@ -127,8 +145,14 @@ def _tool_folders(cache_dir: str | None) -> list[tuple[str, Path]]:
     return [(what, resolved(folder)) for what, folder in found]
 
 
-def foreign_owner(path: str | os.PathLike, *, own_run: str | os.PathLike | None = None, runs: bool = True,
-                  cache_dir: str | None = None, skip: tuple[str, ...] = ()) -> str | None:  # fmt: skip
+def foreign_owner(
+    path: str | os.PathLike,
+    *,
+    own_run: str | os.PathLike | None = None,
+    runs: bool = True,
+    cache_dir: str | None = None,
+    skip: tuple[str, ...] = (),
+) -> str | None:
     """How `path` (a folder a run writes, which need not exist) lies in a folder another tool owns, e.g. 'is inside
     pip's cache (~/.cache/pip)', else None. `own_run`: this run's output folder, which it may be or lie in; `runs`:
     whether another run's output folder counts; `cache_dir`: --cache_dir; `skip`: folders whose relation to `path` is
@@ -224,8 +248,12 @@ def check(
                                      ("the bundled data", str(bundled))) if p and os.path.isdir(p)}  # fmt: skip
     logs_path = os.path.join(output_dir, logs) if logs is not None else None
     if class_dir is not None:
-        others = {**local, **({"--encodings_dir": encodings} if encodings else {}),
-                  **({"--logging_dir": logs_path} if logs_path else {}), "--output_dir": output_dir}  # fmt: skip
+        others = {
+            **local,
+            **({"--encodings_dir": encodings} if encodings else {}),
+            **({"--logging_dir": logs_path} if logs_path else {}),
+            "--output_dir": output_dir,
+        }
         for flag, other in others.items():
             how = relation(class_dir, other)
             if how:
@@ -271,14 +299,21 @@ def check(
                                  "the encoding cache")  # fmt: skip
     # Last, what the lines above do not name: folders of other tools (the model and the data are named above, and the
     # output folder's relation to them by flux_cp.outdir)
-    written = [("--output_dir", output_dir, output_dir), ("--class_data_dir", class_dir, class_dir),
-               ("--logging_dir", logs, logs_path), ("--encodings_dir", encodings, encodings)]  # fmt: skip
+    written = [
+        ("--output_dir", output_dir, output_dir),
+        ("--class_data_dir", class_dir, class_dir),
+        ("--logging_dir", logs, logs_path),
+        ("--encodings_dir", encodings, encodings),
+    ]
     for flag, value, path in written:
         # (the encodings in --cache_dir: its deprecated use, kept for this release)
         if path is None or (flag == "--encodings_dir" and cache_dir and relation(path, cache_dir) == "is"):
             continue
-        how = foreign_owner(path, own_run=output_dir, runs=flag != "--class_data_dir", cache_dir=cache_dir,
-                            skip=tuple(local.values()))  # fmt: skip
+        how = foreign_owner(
+            path, own_run=output_dir, runs=flag != "--class_data_dir", cache_dir=cache_dir, skip=tuple(local.values())
+        )
         if how is not None:
-            raise UsageError(f"--{flag[2:]} {value} {how}: flux-cp writes there, and that folder is not its own; "
-                             "choose another folder")  # fmt: skip
+            raise UsageError(
+                f"--{flag[2:]} {value} {how}: flux-cp writes there, and that folder is not its own; "
+                "choose another folder"
+            )

@@ -169,6 +169,25 @@ def _model_of_escaped_classes(t: Path) -> list[str]:
     return ["--pretrained_model_name_or_path", str(folder)]
 
 
+def _edited_model(t: Path, component: str, edits: dict) -> list[str]:
+    """A copy of the tiny FLUX.1 folder with `edits` made to a component's config.json."""
+    import shutil
+
+    from flux_cp.families import FLUX1
+
+    folder = Path(shutil.copytree(FLUX1.embedded_default(pairs=False), t / "edited"))
+    config = json.loads((folder / component / "config.json").read_text())
+    (folder / component / "config.json").write_text(json.dumps({**config, **edits}))
+    return ["--pretrained_model_name_or_path", str(folder)]
+
+
+def _truncated_weights(t: Path) -> list[str]:
+    args = _edited_model(t, "transformer", {})
+    weights = Path(args[1]) / "transformer" / "diffusion_pytorch_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    return args
+
+
 def _output_dir_is_the_model(t: Path) -> list[str]:
     model = str(_model_folder(t))
     return [
@@ -946,7 +965,7 @@ CASES = [
             "a shape",
             "--output_dir",
             str(t / "x"),
-        ],  # fmt: skip
+        ],
         "--class_data_dir {t}/x is --output_dir {t}/x: the class images need a folder of their own",
     ),
     Case(
@@ -970,6 +989,34 @@ CASES = [
         1,
         lambda t: ["--output_dir", str(_model_folder(t) / "lora")],
         "is inside a model folder",
+    ),
+    Case(
+        "negative_attention_heads",
+        "a transformer config with num_attention_heads -4",
+        1,
+        lambda t: _edited_model(t, "transformer", {"num_attention_heads": -4}),
+        "edited/transformer/config.json: num_attention_heads is -4; it must be an integer from 1 to 240",
+    ),
+    Case(
+        "zero_attention_head_dim",
+        "a transformer config with attention_head_dim 0",
+        1,
+        lambda t: _edited_model(t, "transformer", {"attention_head_dim": 0}),
+        "edited/transformer/config.json: attention_head_dim is 0; it must be an integer from 1",
+    ),
+    Case(
+        "negative_vae_channels",
+        "a VAE config with latent_channels -4",
+        1,
+        lambda t: _edited_model(t, "vae", {"latent_channels": -4}),
+        "edited/vae/config.json: latent_channels is -4; it must be an integer from 1",
+    ),
+    Case(
+        "truncated_transformer_weights",
+        "a transformer weight file cut short (an interrupted download)",
+        1,
+        _truncated_weights,
+        "diffusion_pytorch_model.safetensors is not a whole safetensors file",
     ),
     Case(
         "class_data_dir_is_instance_data_dir",

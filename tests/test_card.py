@@ -251,9 +251,23 @@ def test_control_characters_of_prompts_and_names_are_escaped_in_the_card_and_its
     (tmp_path / f"data{evil}").mkdir()
     (out / "validation").mkdir(parents=True)
     (out / "validation" / "step-000001.png").write_bytes(b"\x89PNG")
-    cfg = _resolved(["--output_dir", str(out), "--validation_prompt", evil, "--instance_prompt", evil,
-                     "--dataset_name", str(tmp_path / f"data{evil}"), "--with_prior_preservation",
-                     "--class_data_dir", str(tmp_path / "class"), "--class_prompt", evil])  # fmt: skip
+    cfg = _resolved(
+        [
+            "--output_dir",
+            str(out),
+            "--validation_prompt",
+            evil,
+            "--instance_prompt",
+            evil,
+            "--dataset_name",
+            str(tmp_path / f"data{evil}"),
+            "--with_prior_preservation",
+            "--class_data_dir",
+            str(tmp_path / "class"),
+            "--class_prompt",
+            evil,
+        ]
+    )
     for name in ("README.md", "README.flux-cp.md"):
         path = write_model_card(out, cfg, filename=name)
         text = path.read_text()

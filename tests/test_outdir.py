@@ -110,9 +110,16 @@ def test_overwrite_removes_only_flux_cp_s_files_from_the_folders_a_user_may_add_
     an encoding cache put inside the logs); only flux-cp's files go, and the folders stay listed."""
     folder = tmp_path / "out"
     outdir.claim(folder, logging_dir="tb")
-    written = ["validation/step-000002.png", "profile/rank0.json", "profile/rank0_summary.json",
-               "tb/flux-cp/events.out.tfevents.1.host", "tb/flux-cp/1700000000.1/events.out.tfevents.2.host",
-               "tb/flux-cp/1700000000.1/hparams.yml", "checkpoint-2/meta.json", "transformer/config.json"]  # fmt: skip
+    written = [
+        "validation/step-000002.png",
+        "profile/rank0.json",
+        "profile/rank0_summary.json",
+        "tb/flux-cp/events.out.tfevents.1.host",
+        "tb/flux-cp/1700000000.1/events.out.tfevents.2.host",
+        "tb/flux-cp/1700000000.1/hparams.yml",
+        "checkpoint-2/meta.json",
+        "transformer/config.json",
+    ]
     theirs = ["validation/my_notes.txt", "tb/cache/latents/0.safetensors", "profile/readme.md"]
     for rel in written + theirs:
         manifest.record(folder, rel.split("/")[0])
@@ -138,15 +145,31 @@ def test_overwrite_keeps_a_user_s_file_wherever_it_is_in_the_run_s_folders(tmp_p
     folder = tmp_path / "out"
     outdir.claim(folder, logging_dir="logs")
     run = "logs/wandb/offline-run-20250101_120000-abc123"
-    written = ["checkpoint-2/meta.json", "checkpoint-2/train.pt", "checkpoint-2/state/.metadata",
-               "checkpoint-2/state/__0_0.distcp", "checkpoint-2/data.json", "transformer/config.json",
-               "transformer/diffusion_pytorch_model.safetensors", "abandoned-20250101-120000/checkpoint-4/meta.json",
-               "abandoned-20250101-120000/loss_curve.png", "abandoned-20250101-120000/validation/step-000004.png",
-               f"{run}/run-abc123.wandb", f"{run}/files/config.yaml", f"{run}/logs/debug.log",
-               ".checkpoint-6.partial/state/__0_0.distcp"]  # fmt: skip
-    theirs = ["checkpoint-2/notes.txt", "checkpoint-2/state/mine.pt", "transformer/README.md",
-              "abandoned-20250101-120000/why.txt", "abandoned-20250101-120000/checkpoint-4/eval.json",
-              "logs/wandb/notes.md", "validation/sub/step-000001.png"]  # fmt: skip
+    written = [
+        "checkpoint-2/meta.json",
+        "checkpoint-2/train.pt",
+        "checkpoint-2/state/.metadata",
+        "checkpoint-2/state/__0_0.distcp",
+        "checkpoint-2/data.json",
+        "transformer/config.json",
+        "transformer/diffusion_pytorch_model.safetensors",
+        "abandoned-20250101-120000/checkpoint-4/meta.json",
+        "abandoned-20250101-120000/loss_curve.png",
+        "abandoned-20250101-120000/validation/step-000004.png",
+        f"{run}/run-abc123.wandb",
+        f"{run}/files/config.yaml",
+        f"{run}/logs/debug.log",
+        ".checkpoint-6.partial/state/__0_0.distcp",
+    ]
+    theirs = [
+        "checkpoint-2/notes.txt",
+        "checkpoint-2/state/mine.pt",
+        "transformer/README.md",
+        "abandoned-20250101-120000/why.txt",
+        "abandoned-20250101-120000/checkpoint-4/eval.json",
+        "logs/wandb/notes.md",
+        "validation/sub/step-000001.png",
+    ]
     for rel in written + theirs:
         manifest.record(folder, rel.split("/")[0])
         (folder / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -157,11 +180,17 @@ def test_overwrite_keeps_a_user_s_file_wherever_it_is_in_the_run_s_folders(tmp_p
     claimed = outdir.claim(folder, None, True, logging_dir="logs")
     left = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() or p.is_symlink())
     assert left == sorted([manifest.NAME, outdir.LOCK_NAME, *theirs])
-    assert claimed.notes == [f"--overwrite_output_dir: kept {', '.join(sorted(theirs)[:5])} and 2 more, which "
-                             "flux-cp did not write"]  # fmt: skip
+    assert claimed.notes == [
+        f"--overwrite_output_dir: kept {', '.join(sorted(theirs)[:5])} and 2 more, which flux-cp did not write"
+    ]
     assert (tmp_path / "core.log").read_text() == "wandb's service log"
-    assert sorted(manifest.read(folder)) == ["abandoned-20250101-120000", "checkpoint-2", "logs", "transformer",
-                                             "validation"]  # fmt: skip
+    assert sorted(manifest.read(folder)) == [
+        "abandoned-20250101-120000",
+        "checkpoint-2",
+        "logs",
+        "transformer",
+        "validation",
+    ]
     outdir.release(folder)
 
 
@@ -505,8 +534,13 @@ def test_the_class_folder_and_the_output_folder_are_apart_whether_they_exist_or_
     (tmp_path / "real").mkdir()
     (tmp_path / "link").symlink_to(tmp_path / "real")
     x, link, real = tmp_path / "x", tmp_path / "link", tmp_path / "real"
-    cases = [(x, x, "is"), (x / "class", x, "is inside"), (x, x / "out", "holds"), (link / "c", real, "is inside"),
-             (real / "c", link / "c" / "..", "is inside")]  # fmt: skip
+    cases = [
+        (x, x, "is"),
+        (x / "class", x, "is inside"),
+        (x, x / "out", "holds"),
+        (link / "c", real, "is inside"),
+        (real / "c", link / "c" / "..", "is inside"),
+    ]
     for class_dir, out, how in cases:
         for exists in (False, True):
             if exists:
@@ -555,12 +589,14 @@ def test_no_folder_a_run_writes_goes_into_a_folder_another_tool_owns(tmp_path, m
         (dict(output_dir=str(root)), "is flux-cp's own checkout"),
         (dict(output_dir=str(root / "flux_cp")), f"is {root}/flux_cp, one of flux-cp's own files"),
         (dict(output_dir=str(root / "data" / "mine")), f"is inside {root}/data, one of flux-cp's own files"),
-        (dict(output_dir=str(tmp_path / "models" / "flux" / "lora")), "is inside a model folder ({t}/models/flux: it "
-                                                                        "holds model_index.json)"),
+        (
+            dict(output_dir=str(tmp_path / "models" / "flux" / "lora")),
+            "is inside a model folder ({t}/models/flux: it holds model_index.json)",
+        ),
         (dict(encodings=str(tmp_path / "models" / "flux")), "is a model folder"),
         (dict(output_dir=str(tmp_path / "runs" / "a" / "b")), "is inside the output folder of another run"),
         (dict(logs=str(tmp_path / "runs" / "a" / "tb")), "is inside the output folder of another run"),
-    ]  # fmt: skip
+    ]
     for kw, message in refused:
         with pytest.raises(UsageError) as e:
             _roles(tmp_path, **kw)

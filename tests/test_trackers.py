@@ -85,14 +85,23 @@ def test_wandb_writes_into_the_run_s_tracker_folder_and_an_overwrite_removes_it_
     cwd.mkdir()
     args = run_args(tmp_path, "out", 1, "--report_to", "wandb")
     variables = {k: v for k, v in env(WANDB_MODE="offline", WANDB_SILENT="true").items() if k != "WANDB_DIR"}
-    first = ok(subprocess.run(launch_cmd(1, *args), cwd=cwd, env=variables, capture_output=True, text=True,
-                              timeout=600))  # fmt: skip
+    first = ok(
+        subprocess.run(launch_cmd(1, *args), cwd=cwd, env=variables, capture_output=True, text=True, timeout=600)
+    )
     assert not (cwd / "wandb").exists(), sorted(p.name for p in cwd.iterdir())
     (run,) = (tmp_path / "out" / "logs" / "wandb").glob("offline-run-*")
     assert list(run.glob("run-*.wandb"))
     assert f"wandb: this run's files are in {run}" in first.stderr, first.stderr[-3000:]
-    second = ok(subprocess.run(launch_cmd(1, *args, "--overwrite_output_dir"), cwd=cwd, env=variables,
-                               capture_output=True, text=True, timeout=600))  # fmt: skip
+    second = ok(
+        subprocess.run(
+            launch_cmd(1, *args, "--overwrite_output_dir"),
+            cwd=cwd,
+            env=variables,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+    )
     assert not run.exists()
     assert "which flux-cp did not write" not in second.stderr, second.stderr[-3000:]
     assert len(list((tmp_path / "out" / "logs" / "wandb").glob("offline-run-*"))) == 1
