@@ -89,7 +89,8 @@ def load(
             logger.warning(warning)
     encoders = shape.family.load_encoders(cfg.model, shape.model_path, dtype, device)
     fixed = plan.run_estimate(cfg, shape)(None).fixed  # what stays on the GPU beside validation's decode
-    encoding_memory.configure(cfg, encoders, device, fixed)  # streamed text encoders, VAE tiling (logged)
+    trained = encoding_memory.trained_text_encoders(cfg, shape.family)  # stays whole: it trains every step
+    encoding_memory.configure(cfg, encoders, device, fixed, trained)  # streamed text encoders, VAE tiling (logged)
     # What the encodings (their cache keys) and a resume (the run identity) know the components by: content
     components = component_fingerprints(encoders, shape.model_path, cfg.model.revision, cfg.model.cache_dir)
     noise_scheduler = load_scheduler(cfg.model, shape.model_path)
@@ -179,7 +180,7 @@ def _encoded(cfg: Config, shape: RunShape, source: ImageSource, classes: ImageSo
         encoded = ClassSamples(class_data, len(classes), used)
         computed += class_data.computed
     logger.info(f"encodings: {len(source)} samples, {computed} newly computed, cache {cache}")
-    trained = shape.family.trained_text_encoder if cfg.lora.train_text_encoder else None
-    encoders.free_text_encoders(keep=trained[:1] if trained else ())  # the one trained stays (flux_cp.text_encoder)
+    trained = encoding_memory.trained_text_encoders(cfg, shape.family)
+    encoders.free_text_encoders(keep=trained)  # the one trained stays (flux_cp.text_encoder)
     encoders.placement.release()  # the accelerator is the transformer's from here (validation borrows the VAE)
     return samples, encoded
