@@ -103,7 +103,9 @@ def load(
     previews = _previews(cfg, shape, encoders, noise_scheduler, device)
     classes = None
     if cfg.data.with_prior_preservation:  # the class images, generated with the base model where missing
-        made = generate_class_images(cfg, shape, layout, encoders, noise_scheduler.config, dtype, device, autocast)
+        made = generate_class_images(
+            cfg, shape, layout, encoders, noise_scheduler.config, dtype, device, autocast, components
+        )
         if made:
             logger.info(f"generated {made} class images in {generated_folder(Path(cfg.data.class_data_dir))}")
         classes = class_source(Path(cfg.data.class_data_dir), cfg.data.class_prompt, cfg.data.num_class_images)
