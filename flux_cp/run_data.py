@@ -30,6 +30,7 @@ from .encode import (
     component_fingerprints,
     encode_dataset,
     encoder_fingerprints,
+    tokenizer_fingerprints,
 )
 from .errors import UsageError
 from .metrics import peak_memory_gib
@@ -171,7 +172,9 @@ def _encoded(cfg: Config, shape: RunShape, source: ImageSource, classes: ImageSo
         live = LiveData(classes, encoders, ClassGeometry(geometry.buckets, used), data, seed)
         return samples, ClassSamples(live, len(classes), used)
     cache = Path(encodings_folder(data))
-    fingerprints = encoder_fingerprints(components, encoders)
+    model = cfg.model
+    tokenizers = tokenizer_fingerprints(encoders, shape.model_path, model.revision, model.cache_dir)
+    fingerprints = encoder_fingerprints(components, encoders, tokenizers, model.variant)
     samples = encode_dataset(source, encoders, geometry, data, seed, cache, fingerprints, *encode_share(),
                              captions=captions)  # fmt: skip
     computed, encoded = samples.computed, None

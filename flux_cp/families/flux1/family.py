@@ -47,6 +47,7 @@ class Flux1Encoders(Encoders):
     """FLUX.1's VAE, CLIP (pooled embedding) and T5 (token embeddings)."""
 
     text_keys = ("prompt_embeds", "pooled_prompt_embeds")
+    tokenizer_folders = ("tokenizer_2", "tokenizer")
 
     def __init__(self, vae, clip, tokenizer, t5, tokenizer_2, device: torch.device, dtype: torch.dtype):
         # T5 first: the order of the fingerprints in the text cache key

@@ -120,6 +120,8 @@ class Flux2Encoders(Encoders):
     embedding is three hidden layers of the language model stacked on the feature axis, as the pipeline's
     `encode_prompt` (`flux_cp.flux2_recipe.encode_prompts`)."""
 
+    tokenizer_folders = ("tokenizer",)  # its chat template too
+
     def __init__(self, vae, text_encoder, tokenizer, klein: bool, is_distilled: bool, device: torch.device,
                  dtype: torch.dtype):  # fmt: skip
         super().__init__(vae, {"text_encoder": text_encoder}, device, dtype)
