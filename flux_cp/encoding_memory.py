@@ -327,6 +327,9 @@ def plan_from_configs(cfg: Config, shape: RunShape, gpu_bytes: float | None,
     component's config is not on this machine (a hub model not downloaded)."""
     import torch
     from accelerate import init_empty_weights
+    from huggingface_hub.errors import StrictDataclassError
+
+    from .model import cause
 
     model = cfg.model
     dtype = torch.float32 if cfg.train.mixed_precision == "no" else torch.bfloat16
@@ -341,9 +344,17 @@ def plan_from_configs(cfg: Config, shape: RunShape, gpu_bytes: float | None,
                     m = cls._from_config(cls.config_class.from_pretrained(folder), dtype=dtype)
                 else:  # the VAE's weights are counted in `dtype` (diffusers warns about a cast)
                     m = cls.from_config(dict(cls.load_config(folder)))
-        except (OSError, ValueError, RuntimeError, TypeError, IndexError, KeyError, ZeroDivisionError) as e:
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            raise UsageError(f"{folder}/config.json: {cls.__name__} cannot be built from it ({first})") from None
+        except (
+            OSError,
+            ValueError,
+            RuntimeError,
+            TypeError,
+            IndexError,
+            KeyError,
+            ZeroDivisionError,
+            StrictDataclassError,
+        ) as e:
+            raise UsageError(f"{folder}/config.json: {cls.__name__} cannot be built from it ({cause(e)})") from None
         built[name] = m
     vae = built.pop("vae")
     texts = {name: text_encoder_shape(m) for name, m in built.items()}

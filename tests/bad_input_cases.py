@@ -181,6 +181,12 @@ def _edited_model(t: Path, component: str, edits: dict) -> list[str]:
     return ["--pretrained_model_name_or_path", str(folder)]
 
 
+def _listed_model_index(t: Path) -> Path:
+    folder = _model_folder(t)
+    (folder / "model_index.json").write_text("[1, 2]")
+    return folder
+
+
 def _truncated_weights(t: Path) -> list[str]:
     args = _edited_model(t, "transformer", {})
     weights = Path(args[1]) / "transformer" / "diffusion_pytorch_model.safetensors"
@@ -221,6 +227,16 @@ def _checkpoint(folder: Path, step: int) -> Path:
     meta = {"format": 1, "step": step, "layout": "world 1 = dp 1 x cp 1", "run": {}, "args": {}}
     (path / "meta.json").write_text(json.dumps(meta))
     return path
+
+
+def _demo_checkpoint_of_odd_types(t: Path) -> list[str]:
+    """A checkpoint of the demo whose meta.json holds a learning rate that is no number (a resumed demo keeps it)."""
+    from flux_cp.config import DEMO
+
+    ckpt = _checkpoint(t / "out", 2)
+    meta = json.loads((ckpt / "meta.json").read_text())
+    (ckpt / "meta.json").write_text(json.dumps({**meta, "demo": DEMO.name, "args": {"learning_rate": "fast"}}))
+    return ["--resume_from_checkpoint", "latest"]
 
 
 def _flux2(t: Path, template: str | None = None) -> list[str]:
@@ -1017,6 +1033,28 @@ CASES = [
         1,
         _truncated_weights,
         "diffusion_pytorch_model.safetensors is not a whole safetensors file",
+    ),
+    Case(
+        "demo_checkpoint_of_odd_types",
+        "a resumed demo run whose checkpoint's meta.json holds a learning rate that is no number",
+        1,
+        _demo_checkpoint_of_odd_types,
+        "meta.json's args.learning_rate is 'fast', not a value of --learning_rate",
+        flags_only=True,
+    ),
+    Case(
+        "model_index_not_an_object",
+        "a model folder whose model_index.json is a JSON list",
+        1,
+        lambda t: ["--pretrained_model_name_or_path", str(_listed_model_index(t))],
+        "its model_index.json is a JSON list, not an object of settings",
+    ),
+    Case(
+        "text_encoder_config_of_a_wrong_type",
+        "a text encoder config.json with a setting of the wrong type (hidden_act 5)",
+        1,
+        lambda t: _edited_model(t, "text_encoder", {"hidden_act": 5}),
+        "cannot load text_encoder from --pretrained_model_name_or_path",
     ),
     Case(
         "class_data_dir_is_instance_data_dir",

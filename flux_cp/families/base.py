@@ -417,15 +417,26 @@ def declared_classes(path: str, revision: str | None, cache_dir: str | None = No
         config_name = "config.json"
 
     first, names = None, []
-    for read in (
-        lambda: DiffusionPipeline.load_config(path, revision=revision, cache_dir=cache_dir),
-        lambda: AnyModelConfig.load_config(path, subfolder="transformer", revision=revision, cache_dir=cache_dir),
+    for file, read in (
+        ("model_index.json", lambda: DiffusionPipeline.load_config(path, revision=revision, cache_dir=cache_dir)),
+        (
+            "transformer/config.json",
+            lambda: AnyModelConfig.load_config(path, subfolder="transformer", revision=revision, cache_dir=cache_dir),
+        ),
     ):
         try:
-            names.append(read().get("_class_name"))
+            config = read()
         except (OSError, ValueError) as e:
             first = first or (str(e).strip().splitlines() or [type(e).__name__])[0]
             names.append(None)
+            continue
+        if not isinstance(config, dict):
+            kind = type(config).__name__
+            raise UsageError(
+                f"--pretrained_model_name_or_path {path}: its {file} is a JSON {kind}, not an object of settings: pass "
+                "a diffusers-layout folder of a FLUX model"
+            )
+        names.append(config.get("_class_name"))
     if not any(names):
         if first is None:  # both read, neither names a class
             raise UsageError(
