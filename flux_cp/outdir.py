@@ -372,6 +372,7 @@ def claim_run(cfg: Config, model_path: str, is_main: bool) -> None:
             data_flag = ("--instance_data_dir" if data.instance_data_dir else "--dataset_name" if data.dataset_name
                          else "the bundled data set")  # fmt: skip
             encodings = None if data.no_cache else encodings_folder(data)
+            seed = cfg.train.seed_checkpoint
             roles.check(
                 cfg.train.output_dir,
                 model=model_path,
@@ -383,6 +384,7 @@ def claim_run(cfg: Config, model_path: str, is_main: bool) -> None:
                 logs=logs,
                 default_encodings=os.path.expanduser(DEFAULT_ENCODINGS_DIR),
                 cache_dir=cfg.model.cache_dir,
+                seed=seed if seed and not os.path.lexists(seed) else None,
             )
 
             def accept(decision: resume.Decision) -> None:  # a resume needing other class images: refused now

@@ -14,7 +14,8 @@ created:
   images, and is not the encoding cache (nor, inside the output folder, holds it or lies in it).
 - `--encodings_dir` (when the cache is used) is not the output folder, one of its outputs or the tracker folder, nor
   the model folder, the training data folder or inside the model.
-- No folder the run writes (the output folder, the class images, the cache, the tracker logs) is or lies inside a
+- No folder the run writes (the output folder, the class images, the cache, the tracker logs, and the seed
+  checkpoint it writes) is or lies inside a
   folder another tool owns (`foreign_owner`): a download or package cache (the Hugging Face cache, pip's), the Python
   environment, flux-cp's own files, a model folder (by its content: model_index.json, or a model's config.json), or
   another run's output folder (by its manifest or records).
@@ -237,13 +238,15 @@ def check(
     logs: str | None = None,
     default_encodings: str | None = None,
     cache_dir: str | None = None,
+    seed: str | None = None,
 ) -> None:
     """Refuse folders whose roles collide (see the module's text), with one line naming both. `model`, `data`: the
     local model and data folders (None or a hub id: skipped), `data_flag` the flag naming the data; `bundled`: the
     folder of the bundled data sets;
     `class_dir`: --class_data_dir with prior preservation; `encodings`: the cache folder when used; `logs`:
     --logging_dir as given (relative to the output folder) when a tracker writes it; `default_encodings`: the default
-    cache folder (another run's, which no class folder may be); `cache_dir`: --cache_dir."""
+    cache folder (another run's, which no class folder may be); `cache_dir`: --cache_dir; `seed`: --seed_checkpoint
+    when the run writes it (it does not exist yet)."""
     local = {flag: p for flag, p in (("--pretrained_model_name_or_path", model), (data_flag, data),
                                      ("the bundled data", str(bundled))) if p and os.path.isdir(p)}  # fmt: skip
     logs_path = os.path.join(output_dir, logs) if logs is not None else None
@@ -304,7 +307,16 @@ def check(
         ("--class_data_dir", class_dir, class_dir),
         ("--logging_dir", logs, logs_path),
         ("--encodings_dir", encodings, encodings),
+        ("--seed_checkpoint", seed, seed),
     ]
+    if seed is not None:  # a file the run writes: in none of the run's outputs, nor in the model or the data
+        _not_an_output("--seed_checkpoint", seed, seed, output_dir, "name a file of its own")
+        for flag, other in local.items():
+            if relation(seed, other) == "is inside":
+                raise UsageError(
+                    f"--seed_checkpoint {seed} is inside {flag} {other}: the run would write it there; name a file of "
+                    "its own"
+                )
     for flag, value, path in written:
         # (the encodings in --cache_dir: its deprecated use, kept for this release)
         if path is None or (flag == "--encodings_dir" and cache_dir and relation(path, cache_dir) == "is"):

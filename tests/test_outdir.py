@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -601,6 +602,15 @@ def test_no_folder_a_run_writes_goes_into_a_folder_another_tool_owns(tmp_path, m
         with pytest.raises(UsageError) as e:
             _roles(tmp_path, **kw)
         assert message.format(t=tmp_path) in str(e.value), (kw, str(e.value))
+    seeds = [
+        (str(tmp_path / "model" / "seed.safetensors"), "is inside --pretrained_model_name_or_path"),
+        (str(tmp_path / "out" / "checkpoint-2" / "seed.safetensors"), "is in checkpoint-2, one of the run's own"),
+        (os.path.join(site, "seed.safetensors"), "is inside the Python environment's packages"),
+    ]
+    for seed, message in seeds:
+        with pytest.raises(UsageError, match=f"^--seed_checkpoint {re.escape(seed)} {message}"):
+            _roles(tmp_path, seed=seed)
+    _roles(tmp_path, seed=str(tmp_path / "out" / "seed.safetensors"))  # the output folder may hold it
     _roles(tmp_path, output_dir=str(root / "flux-cp-output"))  # a new folder of the checkout: the default's place
     _roles(tmp_path, output_dir=str(tmp_path / "runs" / "a"))  # the run's own folder (a resume)
     _roles(tmp_path, output_dir=str(tmp_path / "runs" / "a"), logs="tb")  # its tracker folder inside it

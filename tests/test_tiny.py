@@ -122,3 +122,18 @@ def test_the_command_line_refuses_a_folder_of_the_user_s_before_building(tmp_pat
     assert tiny.main([*flags, "--out", "."]) == 2
     assert os.listdir(victim) == ["notes.txt"]
     assert sorted(os.listdir(tmp_path)) == ["victim"]  # nothing written beside it (no lock, no build)
+
+
+def test_the_command_line_writes_no_model_into_a_folder_another_tool_owns(tmp_path, monkeypatch, capsys):
+    from flux_cp import roles
+
+    monkeypatch.setenv("PIP_CACHE_DIR", str(tmp_path / "pip"))
+    for out, how in (
+        (tmp_path / "pip" / "tiny", "is inside pip's cache"),
+        (roles.CHECKOUT / "docs" / "tiny", "is inside " + str(roles.CHECKOUT / "docs")),
+    ):
+        assert tiny.main(["--out", str(out)]) == 2
+        assert capsys.readouterr().err.startswith(f"error: --out {out} {how}")
+        assert not out.exists()
+    built = tmp_path / "tiny"
+    assert tiny.main(["--out", str(built)]) == 0 and tiny.main(["--out", str(built)]) == 0  # its own: reused
