@@ -1,10 +1,10 @@
 """Which entries of an output folder a flux-cp run wrote: the manifest `.flux_cp_manifest.json`.
 
 `--overwrite_output_dir` deletes the entries listed here and nothing else, so a folder (or file) flux-cp did not
-create is never deleted, whatever its name. Folders written whole (checkpoints, the final `transformer/`, a branch
-set aside) are removed whole; from the folders a run writes files into and a user may add to (validation/, profile/,
-the tracker folder) only the files flux-cp writes there are removed (`remove`). The manifest also records the hash
-of a file a user may edit (the model card) when the run wrote it, so that an edit is seen and kept (`edited`).
+create is never deleted, whatever its name. From a folder entry (a checkpoint, the final `transformer/`, a branch set
+aside, validation/, profile/, the tracker folder) only the files flux-cp writes there are removed (`owned`, `remove`):
+a user's file is kept wherever it is, and named. The manifest also records the hash of a file a user may edit (the
+model card) when the run wrote it, so that an edit is seen and kept (`edited`).
 
 Each writer records its entry just before creating it (checkpoints, the final model, metrics.jsonl, run_config.json,
 the loss curve, the model card, validation/, profile/, the tracker folder when it is inside the output folder); the
