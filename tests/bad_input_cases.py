@@ -105,7 +105,7 @@ def _not_a_checkpoint(t: Path) -> list[str]:
 
 
 def _foreign_checkpoint(t: Path) -> list[str]:
-    ckpt = _small_checkpoint(t, 2)
+    ckpt = _small_checkpoint(t / "other", 2)  # another run's folder, beside the output folder
     meta = {"format": 1, "step": 2, "layout": "world 1 = dp 1 x cp 1", "run": {"rank": 4, "full_finetune": False}}
     (ckpt / "meta.json").write_text(json.dumps(meta))
     return ["--resume_from_checkpoint", str(ckpt), "--rank", "8"]
