@@ -15,10 +15,9 @@ created:
 - `--encodings_dir` (when the cache is used) is not the output folder, one of its outputs or the tracker folder, nor
   the model folder, the training data folder or inside the model.
 - No folder the run writes (the output folder, the class images, the cache, the tracker logs, and the seed
-  checkpoint it writes) is or lies inside a
-  folder another tool owns (`foreign_owner`): a download or package cache (the Hugging Face cache, pip's), the Python
-  environment, flux-cp's own files, a model folder (by its content: model_index.json, or a model's config.json), or
-  another run's output folder (by its manifest or records).
+  checkpoint it writes) is or lies inside a folder another tool owns (`foreign_owner`): a download or package cache
+  (the Hugging Face cache, pip's), the Python environment, flux-cp's own files, a model folder (by its content:
+  model_index.json, or a model's config.json), or another run's output folder (by its manifest or records).
 """
 
 from __future__ import annotations
@@ -143,7 +142,10 @@ def _tool_folders(cache_dir: str | None) -> list[tuple[str, Path]]:
         found.append(("the Python environment's packages (site-packages)", paths[key]))
     if sys.prefix != sys.base_prefix:  # a virtual environment: all of it is the environment's
         found.append(("the Python environment (sys.prefix)", sys.prefix))
-    return [(what, resolved(folder)) for what, folder in found]
+    # A cache or environment set to the current folder, the home folder or one above them owns not all of them
+    broad = {resolved(os.getcwd()), resolved(os.path.expanduser("~"))}
+    broad |= {parent for folder in list(broad) for parent in folder.parents}
+    return [(what, resolved(folder)) for what, folder in found if resolved(folder) not in broad]
 
 
 def foreign_owner(

@@ -612,6 +612,8 @@ def test_no_folder_a_run_writes_goes_into_a_folder_another_tool_owns(tmp_path, m
             _roles(tmp_path, seed=seed)
     _roles(tmp_path, seed=str(tmp_path / "out" / "seed.safetensors"))  # the output folder may hold it
     _roles(tmp_path, output_dir=str(root / "flux-cp-output"))  # a new folder of the checkout: the default's place
+    monkeypatch.chdir(tmp_path)
+    _roles(tmp_path, output_dir=str(tmp_path / "out2"), cache_dir=".")  # a cache in the current folder: not all its
     _roles(tmp_path, output_dir=str(tmp_path / "runs" / "a"))  # the run's own folder (a resume)
     _roles(tmp_path, output_dir=str(tmp_path / "runs" / "a"), logs="tb")  # its tracker folder inside it
 
