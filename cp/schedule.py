@@ -28,9 +28,11 @@ The generated code imports nothing but torch and `cp`.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 from typing import Any, NamedTuple
 
 from .context import Tuning, group_by_name
@@ -43,6 +45,11 @@ COVERED = 0.9  # an exchange counts as hidden once compute for 90% of its estima
 OVERSHOOTS = (None, 2.0)  # the policies tried: see fill_exchanges
 
 log = logging.getLogger(__name__)
+
+# The passes' own code, as their version: Inductor's graph cache (on disk, kept between runs) keys a compiled graph
+# by its config, where the passes are named by reference, not by their code; with this in their arguments, a graph
+# compiled with another version of them is compiled again rather than reused.
+PASSES_VERSION = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
 
 
 def _bytes(snode) -> int:
@@ -108,10 +115,11 @@ class NodeKinds(NamedTuple):
     exchange_cost: Callable[[Any], float]  # seconds
 
 
-def fill_exchanges(snodes: list, cp: int = 2) -> list:
+def fill_exchanges(snodes: list, cp: int = 2, version: str = "") -> list:
     """Reorder Inductor scheduler nodes: after each collective, ready compute until the exchange is covered. Two
     policies are tried (take whatever is ready next; or leave a node much longer than the exchange for a later
-    one) and the order whose exchanges the cost model finds least exposed is kept, Inductor's own order included."""
+    one) and the order whose exchanges the cost model finds least exposed is kept, Inductor's own order included.
+    `version`: `PASSES_VERSION`, for the cache key only."""
     try:
         from torch._inductor.utils import contains_collective, contains_wait
 
@@ -192,10 +200,11 @@ def fill(nodes: list, kinds: NodeKinds, overshoot: float | None = None) -> tuple
     return order, moved
 
 
-def head_starts(snodes: list) -> list:
+def head_starts(snodes: list, version: str = "") -> list:
     """An Inductor pass, after the reordering ones, that changes no order: the generated code calls
     `cp.comm.head_start` right after launching each collective and right after each wait (`Tuning.exchange_first`),
-    so that a ready exchange kernel is dispatched before the compute behind it."""
+    so that a ready exchange kernel is dispatched before the compute behind it. `version`: `PASSES_VERSION`, for the
+    cache key only."""
     try:
         from torch._inductor.utils import contains_collective, contains_wait
 
@@ -251,11 +260,11 @@ def inductor_options(mode: str | None, tuning: Tuning | str = "fill", cp_size: i
     elif tuning.overlap == "compute":
         passes = ["reorder_compute_for_overlap"]
     elif tuning.overlap == "fill":
-        passes = ["raise_comms", functools.partial(fill_exchanges, cp=cp_size)]
+        passes = ["raise_comms", functools.partial(fill_exchanges, cp=cp_size, version=PASSES_VERSION)]
     elif tuning.overlap == "scheduler":
         options["aten_distributed_optimizations.enable_overlap_scheduling"] = True
     if tuning.exchange_first:
-        passes.append(head_starts)
+        passes.append(functools.partial(head_starts, version=PASSES_VERSION))
     if passes:
         options["reorder_for_compute_comm_overlap"] = True
         options["reorder_for_compute_comm_overlap_passes"] = passes

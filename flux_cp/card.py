@@ -19,6 +19,7 @@ from . import adapters, files
 from .config import is_hub_id
 from .families import FLUX1, known_model
 from .optim import describe as describe_optimizer
+from .terminal import printable
 
 if TYPE_CHECKING:
     from .config import Config
@@ -297,8 +298,8 @@ def other_settings(cfg: Config, family: Family, kontext: bool) -> list[str]:
 def markdown(text: object) -> str:
     """`text` as literal Markdown text on one line, for a value from the run's flags and files (folder names, prompts,
     data set names) put inside a sentence or a table cell: every character that inline Markdown or HTML reads as
-    markup is escaped."""
-    out = " ".join(str(text).splitlines())
+    markup is escaped, and every control character written as its escape (`\\x1b`: `cat README.md` runs none)."""
+    out = printable(" ".join(str(text).splitlines()))
     return "".join("\\" + c if c in _MARKUP else c for c in out)
 
 
@@ -306,8 +307,9 @@ _MARKUP = set("\\`*_[]<>|&~$")  # inline markup: emphasis, code, links and image
 
 
 def code_span(text: object) -> str:
-    """`text` as an inline code span, whatever backticks it holds (Markdown shows code spans literally)."""
-    out = " ".join(str(text).splitlines())
+    """`text` as an inline code span, whatever backticks it holds (Markdown shows code spans literally), its control
+    characters escaped."""
+    out = printable(" ".join(str(text).splitlines()))
     fence = "`" * (max((len(r) for r in re.findall(r"`+", out)), default=0) + 1)
     pad = " " if out.startswith("`") or out.endswith("`") or not out.strip() else ""
     return f"{fence}{pad}{out}{pad}{fence}"
@@ -524,6 +526,9 @@ def write_model_card(
         body += ["## License", "", f"Please adhere to the licensing terms of the base model, {known.model_id}: "
                  f"[{known.license_name or known.license}]({link}).", ""]  # fmt: skip
     text = f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(body).replace("\n\n\n", "\n\n")
+    # Whatever else reached the text: its control characters escaped too (the front matter's YAML and the snippet's
+    # Python literals escape theirs already, so this changes nothing there)
+    text = printable(text, keep="\n")
     path = out / filename
     files.write_text(path, text)
     return path

@@ -30,10 +30,10 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import logging
 import os
 import pickle
 import re
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -41,6 +41,8 @@ import torch
 
 from . import distributed, files, manifest
 from .errors import UsageError
+
+logger = logging.getLogger("flux_cp")
 
 FORMAT = 1
 _NAME = re.compile(r"^checkpoint-(\d+)$")
@@ -395,7 +397,12 @@ def save(
         )
     if is_main:
         manifest.record(root, final.name)
-        _remove(final)  # same step written again after a resume: replace it atomically enough
+        if final.is_symlink():
+            final.unlink()
+        # The same step written again after a resume: a user's files in the old folder move into the new one
+        kept = manifest.carry_over(final, partial, manifest.owned(final.name))
+        if kept:
+            logger.warning(f"{final}: kept {_shown(kept)}, which flux-cp did not write, in the new {final.name}")
         os.rename(partial, final)
         manifest.forget(root, partial.name)
         fd = os.open(root, os.O_RDONLY)
@@ -405,18 +412,30 @@ def save(
             # Only checkpoints older than this one: the newest of the run that writes is never pruned.
             older = [p for s, p in list_checkpoints(output_dir) if s < step]
             for old in older[: max(0, len(older) - (total_limit - 1))]:
-                _remove(old)
-                manifest.forget(root, old.name)
+                if kept := _remove(old):  # a user's files are kept, and the folder stays listed (with them)
+                    logger.warning(
+                        f"--checkpoints_total_limit: removed {old.name} but kept {_shown(kept)}, which "
+                        "flux-cp did not write"
+                    )
+                else:
+                    manifest.forget(root, old.name)
     distributed.barrier()
     return final
 
 
-def _remove(path: Path) -> None:
-    """Remove a checkpoint folder; a link in its place is unlinked, never followed."""
+def _shown(paths: list) -> str:
+    names = [str(p) for p in paths]
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+
+def _remove(path: Path) -> list[Path]:
+    """Remove what flux-cp wrote in a checkpoint folder (a link in its place is unlinked, never followed); returns
+    the files kept, a user's."""
     if path.is_symlink():
         path.unlink()
-    elif path.exists():
-        shutil.rmtree(path, ignore_errors=True)
+    elif path.is_dir():
+        return manifest.remove_owned(path, manifest.owned(path.name))
+    return []
 
 
 # The classes a DCP `.metadata` pickle refers to (torch 2.x): its own records, torch.Size, dtypes and layouts,

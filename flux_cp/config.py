@@ -33,6 +33,7 @@ from .errors import UsageError
 from .flag_ranges import check_ranges, given_flags, unused_flags
 from .path_flags import as_typed
 from .precision import PRECISIONS, check_flags, check_installed
+from .terminal import printable
 
 # The choices of the flags that name one (the modules that use them import them from here).
 OPTIMIZERS = ("adamw", "prodigy")
@@ -150,13 +151,36 @@ def _resumed_demo(raw: dict) -> tuple[Demo, str, dict] | None:
     path, meta = saved
     args = meta.get("args") or {}
     # Checkpoints name their demo; older ones are recognised by the demo's batch and validation prompts.
-    was = meta.get("demo", demo.name if (args.get("train_batch_size"), tuple(args.get("validation_prompt") or ())) ==
+    prompts = args.get("validation_prompt")
+    prompts = tuple(prompts) if isinstance(prompts, list) else prompts
+    was = meta.get("demo", demo.name if (args.get("train_batch_size"), prompts or ()) ==
                    (demo.batch, demo.prompts) else None)  # fmt: skip
     if was != demo.name or args.get("pretrained_model_name_or_path") is not None:
         return None
     kept = {f: tuple(args[f]) if isinstance(args[f], list) else args[f]
             for f in DEMO_FLAGS if raw[f] is None and f in args}  # fmt: skip
+    for flag, value in kept.items():
+        if not _DEMO_FLAG_TYPES[flag](value):
+            raise UsageError(
+                f"--resume_from_checkpoint {path}: meta.json's args.{flag} is {printable(repr(value))[:80]}, not a "
+                f"value of --{flag}; the checkpoint is damaged or was not written by train_flux_cp.py: give --{flag}, "
+                "or resume from another checkpoint-N folder"
+            )
     return demo, str(path), kept
+
+
+def _strings(value: object) -> bool:
+    return value is None or (isinstance(value, tuple) and all(isinstance(v, str) for v in value))
+
+
+# What each of DEMO_FLAGS may hold, as a resumed demo takes it from its checkpoint's meta.json
+_DEMO_FLAG_TYPES = {
+    "max_train_steps": lambda v: v is None or (type(v) is int),
+    "learning_rate": lambda v: type(v) in (int, float),
+    "train_batch_size": lambda v: type(v) is int,
+    "validation_prompt": _strings,
+    "validation_image": _strings,
+}
 
 
 def boolean(text: str) -> bool:
@@ -844,6 +868,11 @@ class ValidationConfig:
         "tensorboard", "The integration to report results and logs to.", choices=("tensorboard", "wandb", "all", "none")
     )
     logging_dir: str = flag("logs", "Tracker folder, relative to --output_dir.")
+
+    @property
+    def writes_logs(self) -> bool:
+        """Whether a tracker writes files into --logging_dir: TensorBoard, and wandb (its wandb/ folder)."""
+        return self.report_to != "none"
 
     def check(self) -> None:
         if self.validation_resolution % 16:

@@ -50,6 +50,7 @@ class Encoders(ABC):
 
     text_keys: tuple[str, ...] = ("prompt_embeds",)  # what `prompts` returns: the keys of a cached text entry
     text_recipe: str = ""  # what else decides the prompt embeddings (e.g. the hidden layers read): in their cache key
+    tokenizer_folders: tuple[str, ...] = ()  # the model folder's tokenizers: their files' content is in the text key
 
     def __init__(self, vae: torch.nn.Module, text_encoders: dict[str, torch.nn.Module], device: torch.device,
                  dtype: torch.dtype):  # fmt: skip
@@ -198,13 +199,42 @@ def component_fingerprints(encoders: Encoders, path: str, revision: str | None, 
     return {name: model_fingerprint(m, component_folder(path, name, revision, cache_dir)) for name, m in parts.items()}
 
 
-def encoder_fingerprints(components: dict[str, str], encoders: Encoders) -> tuple[str, str]:
+def files_fingerprint(folder: Path | None) -> str:
+    """The content of every file in `folder` (a tokenizer's vocabulary, merges, chat template: small), hashed whole;
+    "" for none."""
+    if folder is None:
+        return ""
+    h = hashlib.sha256()
+    for file in sorted(p for p in folder.iterdir() if p.is_file()):
+        h.update(f"{file.name}\0".encode())
+        with open(file, "rb") as f:
+            while block := f.read(2**20):
+                h.update(block)
+    return h.hexdigest()[:16]
+
+
+def tokenizer_fingerprints(encoders: Encoders, path: str, revision: str | None, cache_dir: str | None = None) -> str:
+    """The content of the model's tokenizers (`Encoders.tokenizer_folders`): another vocabulary or template gives
+    other token ids, so other prompt embeddings."""
+    return "".join(
+        files_fingerprint(component_folder(path, name, revision, cache_dir)) for name in encoders.tokenizer_folders
+    )
+
+
+def encoder_fingerprints(
+    components: dict[str, str], encoders: Encoders, tokenizers: str = "", variant: str | None = None
+) -> tuple[str, str]:
     """(VAE, text encoders) fingerprints: the cache keys of latents and of prompt embeddings include them (every
-    text encoder's, in the family's order, and its `text_recipe`; the VAE's with whether it encodes in tiles).
-    `components`: `component_fingerprints`."""
+    text encoder's, in the family's order, its `text_recipe` and the tokenizers' content; the VAE's with whether it
+    encodes in tiles and the precision it computes in, which the latents, cached in fp32, do not show; both with the
+    weights' --variant, whose files the components' fingerprints do not tell apart from the others of their folder).
+    `components`: `component_fingerprints`; `tokenizers`: `tokenizer_fingerprints`."""
     text = "".join(components[name] for name in encoders.text_encoders)
     tiled = ":tiled" if getattr(encoders, "tiled_encode", False) else ""  # tiles blend: other latents (--vae_tiling)
-    return components["vae"] + tiled, text + encoders.text_recipe
+    dtype = getattr(encoders, "dtype", None)
+    computed = f":{str(dtype).removeprefix('torch.')}" if dtype is not None else ""
+    weights = f":variant={variant}" if variant else ""
+    return components["vae"] + tiled + computed + weights, text + encoders.text_recipe + tokenizers + weights
 
 
 def run_buckets(

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .encode import TEXT_BATCH, component_folder
+from .errors import UsageError
 
 if TYPE_CHECKING:
     from .config import Config
@@ -213,13 +214,18 @@ class EncodingPlan:
 
 def encoding_plan(texts: dict[str, TextEncoderShape], vae: VaeShape, *, dtype_bytes: int, tokens: int,
                   resolution: int, validation_resolution: int | None, offload: str, tiling: str,
-                  gpu_bytes: float | None, decode_budget: float | None, batch: int) -> EncodingPlan:  # fmt: skip
+                  gpu_bytes: float | None, decode_budget: float | None, batch: int,
+                  trained: tuple[str, ...] = ()) -> EncodingPlan:  # fmt: skip
     """The plan of an encoding phase (module doc): `texts` {name: shape} in the order they run, `tokens` per caption,
     square images of `resolution` (the largest) and `validation_resolution` (None: no validation images), the flags'
-    values, the GPU's bytes (None: nothing to fit) and what validation's decode may use beside the transformer."""
+    values, the GPU's bytes (None: nothing to fit) and what validation's decode may use beside the transformer.
+    `trained`: the text encoders trained (--train_text_encoder), never streamed: they run whole every step."""
     streamed, reasons, peaks = {}, {}, []
     for name, t in texts.items():
-        streamed[name], reasons[name] = offload_choice(offload, t, batch, tokens, dtype_bytes, gpu_bytes)
+        if name in trained:
+            streamed[name], reasons[name] = False, "--train_text_encoder trains it whole on the accelerator"
+        else:
+            streamed[name], reasons[name] = offload_choice(offload, t, batch, tokens, dtype_bytes, gpu_bytes)
         peak = text_peak_bytes(t, batch, tokens, dtype_bytes, streamed[name])
         peaks.append((peak, f"{t.label}{', streamed from host memory' if streamed[name] else ''}, {batch} captions x "
                             f"{tokens} tokens"))  # fmt: skip
@@ -261,25 +267,40 @@ def decode_budget(gpu_bytes: float | None, training_fixed: float) -> float | Non
     return None if gpu_bytes is None else MARGIN * gpu_bytes - training_fixed
 
 
-def plan_for(cfg: Config, texts: dict[str, TextEncoderShape], vae: VaeShape, dtype_bytes: int,
-             gpu_bytes: float | None, training_fixed: float) -> EncodingPlan:  # fmt: skip
+def plan_for(
+    cfg: Config,
+    texts: dict[str, TextEncoderShape],
+    vae: VaeShape,
+    dtype_bytes: int,
+    gpu_bytes: float | None,
+    training_fixed: float,
+    trained: tuple[str, ...] = (),
+) -> EncodingPlan:
     """The encoding plan of a run of these flags (`training_fixed`: the training's weights, gradients and optimizer
-    state, which validation's decode shares the GPU with)."""
+    state, which validation's decode shares the GPU with; `trained`: the text encoders it trains)."""
     v = cfg.validation
     return encoding_plan(texts, vae, dtype_bytes=dtype_bytes, tokens=cfg.data.max_sequence_length,
                          resolution=cfg.data.largest_resolution,
                          validation_resolution=v.validation_resolution if v.validation_prompt else None,
                          offload=cfg.model.text_encoder_offload, tiling=cfg.model.vae_tiling, gpu_bytes=gpu_bytes,
-                         decode_budget=decode_budget(gpu_bytes, training_fixed), batch=TEXT_BATCH)  # fmt: skip
+                         decode_budget=decode_budget(gpu_bytes, training_fixed), batch=TEXT_BATCH,
+                         trained=trained)  # fmt: skip
 
 
-def configure(cfg: Config, encoders, device, training_fixed: float) -> EncodingPlan:
-    """Apply the plan to loaded encoders (flux_cp.encode.Encoders): stream the text encoders it streams, set the VAE's
-    tiling for encoding and for decoding, keep every component on the accelerator for --no_cache; log the choices and
-    warn when the encoding phase's planned peak exceeds the GPU."""
+def trained_text_encoders(cfg: Config, family) -> tuple[str, ...]:
+    """The text encoders a run trains (--train_text_encoder: the family's)."""
+    trained = family.trained_text_encoder if cfg.lora.train_text_encoder else None
+    return trained[:1] if trained else ()
+
+
+def configure(cfg: Config, encoders, device, training_fixed: float, trained: tuple[str, ...] = ()) -> EncodingPlan:
+    """Apply the plan to loaded encoders (flux_cp.encode.Encoders): stream the text encoders it streams (never one
+    in `trained`, which trains whole on the accelerator), set the VAE's tiling for encoding and for decoding, keep
+    every component on the accelerator for --no_cache; log the choices and warn when the encoding phase's planned peak
+    exceeds the GPU."""
     gpu = gpu_bytes_of(cfg, device)
     texts = {name: text_encoder_shape(m) for name, m in encoders.text_encoders.items()}
-    plan = plan_for(cfg, texts, vae_shape(encoders.vae), dtype_size(encoders.dtype), gpu, training_fixed)
+    plan = plan_for(cfg, texts, vae_shape(encoders.vae), dtype_size(encoders.dtype), gpu, training_fixed, trained)
     for name, streamed in plan.streamed.items():
         if streamed:
             encoders.placement.stream(name)
@@ -306,6 +327,9 @@ def plan_from_configs(cfg: Config, shape: RunShape, gpu_bytes: float | None,
     component's config is not on this machine (a hub model not downloaded)."""
     import torch
     from accelerate import init_empty_weights
+    from huggingface_hub.errors import StrictDataclassError
+
+    from .model import cause
 
     model = cfg.model
     dtype = torch.float32 if cfg.train.mixed_precision == "no" else torch.bfloat16
@@ -314,12 +338,32 @@ def plan_from_configs(cfg: Config, shape: RunShape, gpu_bytes: float | None,
         folder = component_folder(shape.model_path, name, model.revision, model.cache_dir)
         if folder is None or not (folder / "config.json").is_file():
             return None
-        with init_empty_weights():
-            if hasattr(cls, "config_class"):
-                m = cls._from_config(cls.config_class.from_pretrained(folder), dtype=dtype)
-            else:  # the VAE's weights are counted in `dtype` (diffusers warns about a cast)
-                m = cls.from_config(dict(cls.load_config(folder)))
+        try:
+            with init_empty_weights():
+                if hasattr(cls, "config_class"):
+                    m = cls._from_config(cls.config_class.from_pretrained(folder), dtype=dtype)
+                else:  # the VAE's weights are counted in `dtype` (diffusers warns about a cast)
+                    m = cls.from_config(dict(cls.load_config(folder)))
+        except (
+            OSError,
+            ValueError,
+            RuntimeError,
+            TypeError,
+            IndexError,
+            KeyError,
+            ZeroDivisionError,
+            StrictDataclassError,
+        ) as e:
+            raise UsageError(f"{folder}/config.json: {cls.__name__} cannot be built from it ({cause(e)})") from None
         built[name] = m
     vae = built.pop("vae")
     texts = {name: text_encoder_shape(m) for name, m in built.items()}
-    return plan_for(cfg, texts, vae_shape(vae, dtype_size(dtype)), dtype_size(dtype), gpu_bytes, training_fixed)
+    return plan_for(
+        cfg,
+        texts,
+        vae_shape(vae, dtype_size(dtype)),
+        dtype_size(dtype),
+        gpu_bytes,
+        training_fixed,
+        trained_text_encoders(cfg, shape.family),
+    )

@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 from . import adapters, files
 from .errors import UsageError
 from .lora_format import Origin, adapter_metadata, metadata, scaled
+from .terminal import printable
 
 if TYPE_CHECKING:
     from .config import Config, LoraConfig
@@ -91,6 +92,6 @@ def lora_origin(cfg: Config, kontext: bool) -> Origin:
     """The `origin` of a run's LoRA file: its base model (--pretrained_model_name_or_path; none for a transformer
     random-initialised from its config, which the LoRA belongs to instead), the run's name (its output folder's), the
     (largest) training resolution, and whether it trained on FLUX.1 Kontext pairs."""
-    name = Path(cfg.train.output_dir).resolve().name
+    name = printable(Path(cfg.train.output_dir).resolve().name)  # shown by the tools that read the file's metadata
     base = cfg.model.pretrained_model_name_or_path if cfg.model.transformer_init == "pretrained" else None
-    return Origin(base, name, cfg.data.largest_resolution, kontext)
+    return Origin(printable(base) if base else base, name, cfg.data.largest_resolution, kontext)

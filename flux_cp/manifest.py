@@ -1,10 +1,10 @@
 """Which entries of an output folder a flux-cp run wrote: the manifest `.flux_cp_manifest.json`.
 
 `--overwrite_output_dir` deletes the entries listed here and nothing else, so a folder (or file) flux-cp did not
-create is never deleted, whatever its name. Folders written whole (checkpoints, the final `transformer/`, a branch
-set aside) are removed whole; from the folders a run writes files into and a user may add to (validation/, profile/,
-the tracker folder) only the files flux-cp writes there are removed (`remove`). The manifest also records the hash
-of a file a user may edit (the model card) when the run wrote it, so that an edit is seen and kept (`edited`).
+create is never deleted, whatever its name. From a folder entry (a checkpoint, the final `transformer/`, a branch set
+aside, validation/, profile/, the tracker folder) only the files flux-cp writes there are removed (`owned`, `remove`):
+a user's file is kept wherever it is, and named. The manifest also records the hash of a file a user may edit (the
+model card) when the run wrote it, so that an edit is seen and kept (`edited`).
 
 Each writer records its entry just before creating it (checkpoints, the final model, metrics.jsonl, run_config.json,
 the loss curve, the model card, validation/, profile/, the tracker folder when it is inside the output folder); the
@@ -24,7 +24,7 @@ import hashlib
 import json
 import os
 import re
-import shutil
+from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 
 from . import files
@@ -163,24 +163,93 @@ def _under_listed(name: str, entries: list[str]) -> bool:
     return any(PurePosixPath(*parts[:i]).as_posix() in entries for i in range(1, len(parts)))
 
 
-# Folder entries flux-cp writes whole (by renaming a complete folder into place): removed whole.
-def _whole(entry: str) -> bool:
+# What flux-cp writes inside each kind of folder entry, as paths relative to the entry (`owned`). Everything else
+# in them is a user's: kept and reported, wherever it is.
+_CHECKPOINT_FILES = r"(meta\.json|train\.pt|data\.json|state/(\.metadata|__\d+_\d+\.distcp))"
+_MODEL_FILES = r"(config\.json|diffusion_pytorch_model(-\d+-of-\d+)?\.safetensors(\.index\.json)?)"
+_WANDB_RUN = r"(.+/)?wandb/(offline-)?run-\d{8}_\d{6}-[^/]+/.+"  # a wandb run's folder, under the tracker folder
+_OWNED = {
+    "checkpoint": re.compile(rf"^{_CHECKPOINT_FILES}$"),
+    "transformer": re.compile(rf"^{_MODEL_FILES}$"),
+    "abandoned": re.compile(
+        rf"^(checkpoint-\d+/{_CHECKPOINT_FILES}|transformer/{_MODEL_FILES}|validation/step-\d+\.png|"
+        r"pytorch_lora_weights\.safetensors|loss_curve\.png|metrics\.jsonl)$"
+    ),
+    "validation": re.compile(r"^step-\d+\.png$"),
+    "profile": re.compile(r"^rank\d+(_summary)?\.json$"),
+    # TensorBoard's event files (accelerate's tracker writes them in a subfolder per project), wandb's run folders
+    "tracker": re.compile(rf"^((.+/)?(events\.out\.tfevents\.[^/]+|hparams\.yml)|{_WANDB_RUN})$"),
+}
+# Links flux-cp's trackers make (wandb's, to its newest run and logs, and in a run's folder to its service's log):
+# unlinking one never touches what it points to
+_OWNED_LINKS = re.compile(rf"^((.+/)?wandb/(latest-run|debug\.log|debug-internal\.log)|{_WANDB_RUN})$")
+
+
+def _kind(entry: str) -> str | None:
+    """The kind of folder entry `entry` is (`_OWNED`'s keys), None for a temporary folder of a write in progress
+    (`.checkpoint-N.partial`, `.transformer.partial`...), which holds nothing but what flux-cp wrote into it."""
     name = PurePosixPath(entry).parts[0]
-    return bool(CHECKPOINT.match(name) or ABANDONED.match(name) or name == "transformer" or
-                re.match(r"^\..+\.(partial|old)$", name))  # fmt: skip
+    if re.match(r"^\..+\.(partial|old)$", name):
+        return None
+    if CHECKPOINT.match(name):
+        return "checkpoint"
+    if ABANDONED.match(name):
+        return "abandoned"
+    return name if name in ("transformer", "validation", "profile") else "tracker"
 
 
-def _ours(entry: str) -> re.Pattern:
-    """The files flux-cp writes into the folder entry `entry`, one a user may add files to: the validation images,
-    the profiler's traces, or (any other folder entry: the tracker folder) TensorBoard's event files."""
-    return {"validation": _VALIDATION_FILE, "profile": _PROFILE_FILE}.get(entry, _TRACKER_FILE)
+def owned(entry: str) -> Callable[[str, bool], bool]:
+    """Whether a path inside the folder entry `entry` (relative to it; and whether it is a link) is a file flux-cp
+    writes there."""
+    kind = _kind(entry)
+    if kind is None:
+        return lambda rel, link: not link
+    pattern = _OWNED[kind]
+    return lambda rel, link: bool(_OWNED_LINKS.match(rel) if link else pattern.match(rel))
+
+
+def remove_owned(path: Path, ours: Callable[[str, bool], bool]) -> list[Path]:
+    """Delete the files of the folder `path` that `ours` names (relative to `path`), then the folders left empty
+    (`path` too); links are unlinked when `ours` names them, never followed. Returns the paths kept."""
+    kept = []
+    for root, dirs, names in os.walk(path, topdown=False):  # links are not followed: listed as names
+        for name in [*names, *(d for d in dirs if (Path(root) / d).is_symlink())]:
+            p = Path(root) / name
+            if ours(p.relative_to(path).as_posix(), p.is_symlink()):
+                p.unlink()
+            else:
+                kept.append(p)
+        for name in dirs:
+            d = Path(root) / name
+            if d.is_dir() and not d.is_symlink() and not any(d.iterdir()):
+                d.rmdir()
+    if not any(path.iterdir()):
+        path.rmdir()
+    return sorted(kept)
+
+
+def carry_over(old: Path, new: Path, ours: Callable[[str, bool], bool]) -> list[str]:
+    """Before the folder `new` takes the place of `old` (the same output written again): delete what flux-cp wrote in
+    `old` and move what else it holds (a user's files) into `new`, at the same paths, then remove `old` when that
+    empties it. Returns the paths moved (relative)."""
+    if not old.is_dir() or old.is_symlink():
+        return []
+    moved = []
+    for p in remove_owned(old, ours):
+        rel = p.relative_to(old)
+        if not os.path.lexists(new / rel):
+            (new / rel).parent.mkdir(parents=True, exist_ok=True)
+            os.rename(p, new / rel)
+            moved.append(rel.as_posix())
+    if old.is_dir():
+        remove_owned(old, lambda rel, link: False)  # the folders the moves emptied
+    return sorted(moved)
 
 
 def remove(folder: Path, entry: str) -> list[str]:
-    """Delete one entry of `folder`: a link or file is unlinked (a link is never followed), a folder written whole
-    removed with what is in it; from a folder the run wrote files into only flux-cp's files are removed (then the
-    folders left empty). Returns the files kept (paths relative to `folder`). An entry below a link (`logs` ->
-    elsewhere, then `logs/x`) is refused."""
+    """Delete one entry of `folder`: a link or file is unlinked (a link is never followed); from a folder only the
+    files flux-cp writes there (`owned`) are removed, then the folders left empty. Returns the files kept (paths
+    relative to `folder`). An entry below a link (`logs` -> elsewhere, then `logs/x`) is refused."""
     check_entry(entry)
     path = folder / entry
     parent = folder
@@ -190,35 +259,17 @@ def remove(folder: Path, entry: str) -> list[str]:
             raise UsageError(f"--output_dir {folder}: {entry} lies behind the link {parent}: not removing it")
     if path.is_symlink() or (path.exists() and not path.is_dir()):
         path.unlink()
-    elif path.is_dir() and _whole(entry):
-        shutil.rmtree(path)
     elif path.is_dir():
-        ours, kept = _ours(entry), []
-        for root, dirs, names in os.walk(path, topdown=False):  # links are not followed: listed as names, kept
-            for name in names:
-                p = Path(root) / name
-                if ours.match(name) and not p.is_symlink():
-                    p.unlink()
-                else:
-                    kept.append(p.relative_to(folder).as_posix())
-            for name in dirs:
-                d = Path(root) / name
-                if d.is_symlink():
-                    kept.append(d.relative_to(folder).as_posix())
-                elif not any(d.iterdir()):
-                    d.rmdir()
-        if not any(path.iterdir()):
-            path.rmdir()
-        return sorted(kept)
+        return [p.relative_to(folder).as_posix() for p in remove_owned(path, owned(entry))]
     return []
 
 
 # --- folders of versions before the manifest --------------------------------------------------------------
 
 _DCP_FILE = re.compile(r"^(\.metadata|__\d+_\d+\.distcp)$")
-_MODEL_FILE = re.compile(r"^(config\.json|diffusion_pytorch_model(-\d+-of-\d+)?\.safetensors(\.index\.json)?)$")
-_VALIDATION_FILE = re.compile(r"^step-\d+\.png$")
-_PROFILE_FILE = re.compile(r"^rank\d+(_summary)?\.json$")
+_MODEL_FILE = re.compile(rf"^{_MODEL_FILES}$")
+_VALIDATION_FILE = _OWNED["validation"]
+_PROFILE_FILE = _OWNED["profile"]
 _TRACKER_FILE = re.compile(r"^(events\.out\.tfevents\..+|hparams\.yml)$")
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from . import files, manifest
+from .terminal import printable
 
 
 @dataclass(frozen=True)
@@ -169,7 +170,8 @@ def plot_loss_curve(metrics_path: str | os.PathLike, out_png: str | os.PathLike,
         ax.plot(steps, smooth, lw=1.6, label=f"mean of last {k}")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("flow-matching loss")
-    ax.set_title(title or str(metrics_path))
+    # The title is a path: its control characters escaped, and its `$` taken as text, not as the start of math
+    ax.set_title(printable(title or str(metrics_path)).replace("$", r"\$"))
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

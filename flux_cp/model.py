@@ -34,20 +34,41 @@ def pipeline_class(path: str, revision: str | None, cache_dir: str | None = None
     from diffusers import DiffusionPipeline
 
     try:
-        return DiffusionPipeline.load_config(path, revision=revision, cache_dir=cache_dir).get("_class_name")
+        config = DiffusionPipeline.load_config(path, revision=revision, cache_dir=cache_dir)
     except (OSError, ValueError):
         return None
+    return config.get("_class_name") if isinstance(config, dict) else None
 
 
 def load_component(cls, path: str, subfolder: str, revision: str | None, **kwargs):
     """`cls.from_pretrained` of one component (subfolder) of the model at `path`; kwargs go to it (`cache_dir`: the
     download cache, --cache_dir). A failure is one UsageError line."""
+    from huggingface_hub.errors import StrictDataclassError
+    from safetensors import SafetensorError
+
     try:
         return cls.from_pretrained(path, subfolder=subfolder, revision=revision, **kwargs)
-    except (OSError, ValueError) as e:
-        raise UsageError(
-            f"cannot load {subfolder} from --pretrained_model_name_or_path {path}: {str(e).splitlines()[0]}"
-        ) from None
+    # What a damaged or foreign folder raises from inside the libraries (a weight of another shape, a config of
+    # sizes that do not fit together or of a wrong type, a damaged file): one line naming the component
+    except (
+        OSError,
+        ValueError,
+        RuntimeError,
+        TypeError,
+        IndexError,
+        KeyError,
+        ZeroDivisionError,
+        SafetensorError,
+        StrictDataclassError,
+    ) as e:
+        raise UsageError(f"cannot load {subfolder} from --pretrained_model_name_or_path {path}: {cause(e)}") from None
+
+
+def cause(e: BaseException) -> str:
+    """An error's message on one line: its first line, with the next when the first only introduces it (ends in
+    ':')."""
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()] or [type(e).__name__]
+    return " ".join(lines[:2]) if lines[0].endswith(":") and len(lines) > 1 else lines[0]
 
 
 def load_part(cls, path: str, subfolder: str, model: ModelConfig, weights_dtype: torch.dtype, **kwargs):
@@ -71,11 +92,17 @@ def transformer_config(path: str, cls: type, revision: str | None, cache_dir: st
     """The transformer's config.json (of diffusers class `cls`), with the class's defaults for what it leaves out (as
     the model gets them)."""
     try:
-        config = dict(cls.load_config(path, subfolder="transformer", revision=revision, cache_dir=cache_dir))
+        config = cls.load_config(path, subfolder="transformer", revision=revision, cache_dir=cache_dir)
     except (OSError, ValueError) as e:
         first = str(e).splitlines()[0]
         raise UsageError(f"cannot load transformer from --pretrained_model_name_or_path {path}: {first}") from None
-    return with_class_defaults(config, cls)
+    if not isinstance(config, dict):
+        kind = type(config).__name__
+        raise UsageError(
+            f"--pretrained_model_name_or_path {path}: its transformer/config.json is a JSON {kind}, not an object of "
+            "settings"
+        )
+    return with_class_defaults(dict(config), cls)
 
 
 def with_class_defaults(config: dict, cls: type) -> dict:

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 from safetensors import SafetensorError
 
 from . import checkpoint, distributed, files, manifest, resume, roles
+from .config import DEFAULT_ENCODINGS_DIR
 from .data import BUNDLED_DATA, encodings_folder
 from .errors import UsageError
 from .prior import check_resume as check_prior_resume
@@ -289,7 +290,10 @@ def write_final(output_dir: str | os.PathLike, name: str, write: Callable[[Path]
             shutil.rmtree(old, ignore_errors=True)
             os.rename(final, old)
             os.rename(written, final)
-            shutil.rmtree(old)
+            # flux-cp's files of the earlier version go; a user's files in it move into the new one
+            if kept := manifest.carry_over(old, final, manifest.owned(name)):
+                shown = ", ".join(kept[:5]) + (f" and {len(kept) - 5} more" if len(kept) > 5 else "")
+                logger.warning(f"{final}: kept {shown}, which flux-cp did not write, in the new {name}")
         else:
             os.replace(written, final)
     except (OSError, SafetensorError) as e:  # safetensors' I/O failures are not OSErrors
@@ -365,15 +369,25 @@ def claim_run(cfg: Config, model_path: str, is_main: bool, identity: dict | None
     if is_main:
         data = cfg.data
         try:
-            trackers = cfg.validation.report_to in ("tensorboard", "all")  # the ones writing into --logging_dir
-            logs = cfg.validation.logging_dir if trackers else None
+            logs = cfg.validation.logging_dir if cfg.validation.writes_logs else None
             classes = data.class_data_dir if data.with_prior_preservation else None
             data_flag = ("--instance_data_dir" if data.instance_data_dir else "--dataset_name" if data.dataset_name
                          else "the bundled data set")  # fmt: skip
             encodings = None if data.no_cache else encodings_folder(data)
-            roles.check(cfg.train.output_dir, model=model_path, data=data.dataset_name or str(BUNDLED_DATA),
-                        data_flag=data_flag, bundled=BUNDLED_DATA.parent, class_dir=classes, encodings=encodings,
-                        logs=logs)  # fmt: skip
+            seed = cfg.train.seed_checkpoint
+            roles.check(
+                cfg.train.output_dir,
+                model=model_path,
+                data=data.dataset_name or str(BUNDLED_DATA),
+                data_flag=data_flag,
+                bundled=BUNDLED_DATA.parent,
+                class_dir=classes,
+                encodings=encodings,
+                logs=logs,
+                default_encodings=os.path.expanduser(DEFAULT_ENCODINGS_DIR),
+                cache_dir=cfg.model.cache_dir,
+                seed=seed if seed and not os.path.lexists(seed) else None,
+            )
 
             def accept(decision: resume.Decision) -> None:  # a resume needing other class images: refused now
                 if decision.checkpoint is not None:
@@ -385,8 +399,8 @@ def claim_run(cfg: Config, model_path: str, is_main: bool, identity: dict | None
             claimed = claim(
                 cfg.train.output_dir, cfg.checkpoints.resume_from_checkpoint, cfg.train.overwrite_output_dir,
                 logging_dir=logs, max_train_steps=cfg.train.max_train_steps, accept=accept,
-                apart={"--pretrained_model_name_or_path": model_path, data_flag: data.dataset_name or str(BUNDLED_DATA),
-                       "--class_data_dir": classes},
+                apart={"--pretrained_model_name_or_path": model_path,
+                       data_flag: data.dataset_name or str(BUNDLED_DATA)},
             )  # fmt: skip
             if encodings is not None:
                 check_writable(Path(encodings), "--encodings_dir")

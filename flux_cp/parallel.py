@@ -123,6 +123,23 @@ def _accelerator(parallel: ParallelConfig, train: TrainConfig, validation: Valid
     )
 
 
+def tracker_init_kwargs(train: TrainConfig, validation: ValidationConfig) -> dict[str, dict]:
+    """accelerate's `init_kwargs` of the trackers: wandb writes its `wandb/` folder into the run's tracker folder, as
+    TensorBoard does (wandb itself would write it into the current folder), unless WANDB_DIR names a place."""
+    if validation.report_to not in ("wandb", "all") or os.environ.get("WANDB_DIR"):
+        return {}
+    return {"wandb": {"dir": os.path.join(train.output_dir, validation.logging_dir)}}
+
+
+def wandb_folder(accelerator) -> str | None:
+    """The folder of this process's wandb run (`.../wandb/run-...`), None without one."""
+    try:
+        run = accelerator.get_tracker("wandb", unwrap=True)
+        return os.path.dirname(run.dir) if getattr(run, "dir", None) else None
+    except Exception:  # noqa: BLE001 - no wandb tracker (or not on this process): nothing to say
+        return None
+
+
 def make_layout(accelerator, shape: RunShape, timeout_s: float, tuning: cp.Tuning | None = None) -> Layout:
     """This rank's layout and its CP context, built once in the shape's CP mode: the CP group (the mesh's 'cp'
     dimension under FSDP2, else made here), with `timeout_s` for the sub-groups its mode creates (the hybrid mode's:

@@ -7,6 +7,10 @@ subfolder `generated/`, which a marker file (`.flux_cp_class_images.json`) marks
 it is the user's, listed like their other images, and never written. The class images are the user's (sorted by
 name) followed by the generated ones (by index), so a generated image never takes the place of one of theirs.
 
+The marker also holds the key of what rendered the generated images (`class_key`: the model's configs and weights'
+content, the class prompt, the size, the seed, the precision, the scheduler): generated images of another key are
+never used, but rendered again (those of the other key removed, as flux-cp's own), which the log says.
+
 Generation runs before the training data is encoded, through the model family's validation pipeline with CP across
 each group (`flux_cp.validation.render`), the class images split over the data-parallel ranks. Generated image k
 starts from noise keyed by the seed and k (flux_cp.rng), so the images do not depend on the layout, and each is
@@ -60,9 +64,17 @@ def _ours(folder: Path) -> bool:
     return marker.is_file() and not marker.is_symlink()
 
 
-def _generated(folder: Path) -> dict[int, Path]:
-    """The generated class images of `folder` by index (none when generated/ is not flux-cp's)."""
-    if not _ours(folder):
+def _marked_key(folder: Path) -> str | None:
+    """The key of the generated images the marker records (None: none recorded, as before keys)."""
+    marker = files.read_json(generated_folder(folder) / MARKER) if _ours(folder) else None
+    key = marker.get("key") if isinstance(marker, dict) else None
+    return key if isinstance(key, str) else None
+
+
+def _generated(folder: Path, key: str | None = None) -> dict[int, Path]:
+    """The generated class images of `folder` by index (none when generated/ is not flux-cp's, or, given a `key`,
+    when they were rendered for another one)."""
+    if not _ours(folder) or (key is not None and _marked_key(folder) != key):
         return {}
     found = {}
     for p in sorted(image_files(generated_folder(folder)), reverse=True):  # the first name of an index wins
@@ -100,20 +112,57 @@ def generated_name(index: int, image) -> str:
     return f"{index:05d}-{hashlib.sha1(image.tobytes()).hexdigest()}.png"
 
 
-def missing(folder: Path, wanted: int) -> tuple[int, list[int]]:
+def missing(folder: Path, wanted: int, key: str | None = None) -> tuple[int, list[int]]:
     """(class images present among the first `wanted`, the indices of the generated images still to render): the
-    user's images count first, generated image k fills place (user's count + k)."""
+    user's images count first, generated image k fills place (user's count + k). `key`: only generated images of
+    that key count."""
     folder = Path(folder)
     own = len(_own_images(folder))
     needed = max(0, wanted - own)
-    generated = _generated(folder)
+    generated = _generated(folder, key)
     todo = [k for k in range(needed) if k not in generated]
     return min(own, wanted) + needed - len(todo), todo
 
 
-def missing_count(folder: Path, wanted: int, is_main: bool) -> tuple[int, list[int]]:
+def missing_count(folder: Path, wanted: int, is_main: bool, key: str | None = None) -> tuple[int, list[int]]:
     """`missing`, as the main process sees the folder (every rank gets its answer)."""
-    return distributed.all_gather(missing(folder, wanted) if is_main else None)[0]
+    return distributed.all_gather(missing(folder, wanted, key) if is_main else None)[0]
+
+
+# Bump when how class images are rendered changes (the pipeline call, its steps and guidance, the file written), so
+# that images rendered before are rendered again.
+GENERATION_VERSION = 1
+
+
+def class_key(
+    cfg: Config, shape: RunShape, components: dict[str, str] | None, scheduler_config: dict, weight_dtype: torch.dtype
+) -> str:
+    """What rendered the generated class images, as a key: the model (the transformer's config and weights' content,
+    the other components' fingerprints), the class prompt and its text tokens, the size, the seed, the precision and
+    the scheduler."""
+    from .encode import component_folder, weights_fingerprint
+
+    model, data = cfg.model, cfg.data
+    config = {k: v for k, v in (getattr(shape, "transformer_config", None) or {}).items() if not k.startswith("_")}
+    if model.transformer_init == "pretrained":
+        weights = weights_fingerprint(
+            component_folder(shape.model_path, "transformer", model.revision, model.cache_dir)
+        )
+    else:
+        weights = "random"  # built from the config and the seed
+    parts = {
+        "version": GENERATION_VERSION,
+        "transformer": [config, weights, model.variant],
+        "components": components or {},
+        "prompt": data.class_prompt,
+        "text_tokens": shape.text_tokens,
+        "resolution": data.largest_resolution,
+        "seed": cfg.train.seed,
+        "dtype": str(weight_dtype),
+        "base_precision": model.base_precision,
+        "scheduler": {k: v for k, v in dict(scheduler_config).items() if not k.startswith("_")},
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def check_generated_folder(folder: Path) -> None:
@@ -151,24 +200,47 @@ def check_resume(meta: dict, data: DataConfig, path: Path) -> None:
         )
 
 
-def _mark(target: Path, prompt: str) -> None:
+def _mark(target: Path, prompt: str, key: str) -> int:
+    """Mark generated/ as flux-cp's, for images of `key`; images of another key there are removed first (flux-cp's
+    own, rendered for other settings). Returns how many were removed."""
     target.mkdir(parents=True, exist_ok=True)
-    if not (target / MARKER).exists():
-        text = json.dumps({"written_by": "flux-cp", "what": "class images generated for --with_prior_preservation",
-                           "class_prompt": prompt}, indent=2)  # fmt: skip
-        files.write_text(target / MARKER, text + "\n")
+    stale = [] if _marked_key(target.parent) == key else list(_generated(target.parent).values())
+    for path in stale:
+        path.unlink()
+    text = json.dumps(
+        {
+            "written_by": "flux-cp",
+            "what": "class images generated for --with_prior_preservation",
+            "class_prompt": prompt,
+            "key": key,
+        },
+        indent=2,
+    )
+    files.write_text(target / MARKER, text + "\n")
+    return len(stale)
 
 
-def generate_class_images(cfg: Config, shape: RunShape, layout: Layout, encoders: Encoders, scheduler_config: dict,
-                          weight_dtype: torch.dtype, device: torch.device, autocast) -> int:  # fmt: skip
+def generate_class_images(
+    cfg: Config,
+    shape: RunShape,
+    layout: Layout,
+    encoders: Encoders,
+    scheduler_config: dict,
+    weight_dtype: torch.dtype,
+    device: torch.device,
+    autocast,
+    components: dict[str, str] | None = None,
+) -> int:
     """Fill `--class_data_dir` up to `--num_class_images`: the missing ones rendered by the base model with the
     family's validation pipeline (its default steps and guidance, as diffusers' examples call it) at the largest
     `--resolution`, CP across each group, split over the data-parallel ranks, into generated/ (each group's first
-    rank writes each of its images as soon as it is rendered). Returns how many were generated. Every rank calls
-    it."""
+    rank writes each of its images as soon as it is rendered). Generated images of other settings (`class_key`;
+    `components`: the fingerprints of the model's other components) are rendered again. Returns how many were
+    generated. Every rank calls it."""
     data = cfg.data
     folder = Path(data.class_data_dir)
-    have, indices = missing_count(folder, data.num_class_images, layout.is_main)
+    key = class_key(cfg, shape, components, scheduler_config, weight_dtype)
+    have, indices = missing_count(folder, data.num_class_images, layout.is_main, key)
     if not indices:
         return 0
     resolution = data.largest_resolution  # its tokens split over the CP group: checked at start (shape.check_tokens)
@@ -179,7 +251,12 @@ def generate_class_images(cfg: Config, shape: RunShape, layout: Layout, encoders
     if layout.is_main:
         try:
             check_generated_folder(folder)
-            _mark(target, data.class_prompt)
+            if removed := _mark(target, data.class_prompt, key):
+                logger.info(
+                    f"prior preservation: the {removed} class images generated in {target} before were "
+                    "rendered with other settings (model, class prompt, size, seed, precision or scheduler): "
+                    "rendering them again"
+                )
         except UsageError as e:
             problem = str(e)
         except OSError as e:

@@ -30,6 +30,7 @@ from .encode import (
     component_fingerprints,
     encode_dataset,
     encoder_fingerprints,
+    tokenizer_fingerprints,
 )
 from .errors import UsageError
 from .metrics import peak_memory_gib
@@ -98,7 +99,8 @@ def load(
             logger.warning(warning)
     encoders = shape.family.load_encoders(cfg.model, shape.model_path, dtype, device)
     fixed = plan.run_estimate(cfg, shape)(None).fixed  # what stays on the GPU beside validation's decode
-    encoding_memory.configure(cfg, encoders, device, fixed)  # streamed text encoders, VAE tiling (logged)
+    trained = encoding_memory.trained_text_encoders(cfg, shape.family)  # stays whole: it trains every step
+    encoding_memory.configure(cfg, encoders, device, fixed, trained)  # streamed text encoders, VAE tiling (logged)
     # What the encodings (their cache keys) and a resume (the run identity) know the components by: content
     components = component_fingerprints(encoders, shape.model_path, cfg.model.revision, cfg.model.cache_dir)
     if check is not None:
@@ -113,7 +115,9 @@ def load(
     previews = _previews(cfg, shape, encoders, noise_scheduler, device)
     classes = None
     if cfg.data.with_prior_preservation:  # the class images, generated with the base model where missing
-        made = generate_class_images(cfg, shape, layout, encoders, noise_scheduler.config, dtype, device, autocast)
+        made = generate_class_images(
+            cfg, shape, layout, encoders, noise_scheduler.config, dtype, device, autocast, components
+        )
         if made:
             logger.info(f"generated {made} class images in {generated_folder(Path(cfg.data.class_data_dir))}")
         classes = class_source(Path(cfg.data.class_data_dir), cfg.data.class_prompt, cfg.data.num_class_images)
@@ -181,7 +185,9 @@ def _encoded(cfg: Config, shape: RunShape, source: ImageSource, classes: ImageSo
         live = LiveData(classes, encoders, ClassGeometry(geometry.buckets, used), data, seed)
         return samples, ClassSamples(live, len(classes), used)
     cache = Path(encodings_folder(data))
-    fingerprints = encoder_fingerprints(components, encoders)
+    model = cfg.model
+    tokenizers = tokenizer_fingerprints(encoders, shape.model_path, model.revision, model.cache_dir)
+    fingerprints = encoder_fingerprints(components, encoders, tokenizers, model.variant)
     samples = encode_dataset(source, encoders, geometry, data, seed, cache, fingerprints, *encode_share(),
                              captions=captions)  # fmt: skip
     computed, texts, encoded = samples.computed, samples.computed_texts, None
@@ -197,7 +203,7 @@ def _encoded(cfg: Config, shape: RunShape, source: ImageSource, classes: ImageSo
         f"image, size and flip), {texts} caption embedding{'s' * (texts != 1)} (one per distinct caption); the rest "
         f"read from the cache {cache}"
     )
-    trained = shape.family.trained_text_encoder if cfg.lora.train_text_encoder else None
-    encoders.free_text_encoders(keep=trained[:1] if trained else ())  # the one trained stays (flux_cp.text_encoder)
+    trained = encoding_memory.trained_text_encoders(cfg, shape.family)
+    encoders.free_text_encoders(keep=trained)  # the one trained stays (flux_cp.text_encoder)
     encoders.placement.release()  # the accelerator is the transformer's from here (validation borrows the VAE)
     return samples, encoded

@@ -80,7 +80,7 @@ def _tell_the_launcher(line: str) -> None:
 
 def _main_rank_says(line: str) -> None:
     _say(line)
-    _tell_the_launcher(line)
+    _tell_the_launcher(printable(line))  # the launcher prints it on the terminal too
 
 
 def run(main: Callable[[], int]) -> int:

@@ -26,6 +26,7 @@ from .encode import run_buckets
 from .errors import UsageError
 from .families import FLUX1, Family, detect, for_transformer, known_model, known_models
 from .model import check_seed_checkpoint, transformer_config, with_class_defaults
+from .model_config import check_model
 from .offload import check_offload
 from .optim import check_optimizer
 from .precision import check_sharding
@@ -322,9 +323,12 @@ def read_model(model: ModelConfig, pairs: bool, planning: bool = False) -> tuple
         if planning and not os.path.isdir(path):
             config, source = transformer_config_offline(path, model.revision, model.cache_dir)
             family = for_transformer(config)
-            return family, path, with_class_defaults(config, family.transformer_class()), source
+            config = with_class_defaults(config, family.transformer_class())
+            check_model(family, path, config, model)  # what is on this machine of it
+            return family, path, config, source
         family = detect(path, model.revision, model.cache_dir)
     config = transformer_config(path, family.transformer_class(), model.revision, model.cache_dir)
+    check_model(family, path, config, model)  # before anything is built from its configs
     return family, path, config, path
 
 

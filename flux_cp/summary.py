@@ -74,6 +74,8 @@ def outputs(
     logs = out / cfg.validation.logging_dir
     if cfg.validation.report_to in ("tensorboard", "all") and logs.is_dir():
         found.append((f"{cfg.validation.logging_dir}/", f"tensorboard --logdir {logs}"))
+    if cfg.validation.report_to in ("wandb", "all") and (logs / "wandb").is_dir():
+        found.append((f"{cfg.validation.logging_dir}/wandb/", "wandb's files (offline runs: wandb sync)"))
     if (out / "profile").is_dir():
         found.append(("profile/", "the profiled step's traces and summary"))
     found += [(url, "the run in wandb") for url in tracker_urls]

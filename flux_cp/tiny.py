@@ -9,7 +9,9 @@ import argparse
 import sys
 from pathlib import Path
 
+from . import roles
 from .errors import UsageError
+from .families.builder import MARKER
 from .families.flux1.tiny import ensure_tiny_pipeline, write_flux1_dev_full_shapes, write_flux1_dev_shapes
 from .families.flux2.tiny import ensure_tiny_flux2_pipeline, write_flux2_full_shapes, write_flux2_shapes
 
@@ -45,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _build(p, a) -> Path:
+    # A download cache, the Python environment, flux-cp's own files, a model (but one this builder made)...
+    if not (Path(a.out) / MARKER).is_file() and (how := roles.foreign_owner(a.out)):
+        raise UsageError(f"--out {a.out} {how}, which is not this builder's: choose another folder")
     family = a.family or ("flux1-kontext" if a.kontext else "flux1")
     if a.kontext and family != "flux1-kontext":
         p.error(f"--kontext is --family flux1-kontext; it does not combine with --family {family}")

@@ -436,7 +436,12 @@ class Trainer:
         if self.accelerator.log_with:
             flat = {**cfg.flat(), "resolution": ",".join(map(str, cfg.data.resolution))}  # trackers take scalars
             hparams = {k: v for k, v in flat.items() if isinstance(v, (int, float, str, bool))}
-            self.accelerator.init_trackers("flux-cp", config=hparams)
+            kwargs = parallel.tracker_init_kwargs(cfg.train, cfg.validation)
+            if layout.is_main and "wandb" in kwargs:  # (a tracker folder outside the output folder is not made yet)
+                os.makedirs(kwargs["wandb"]["dir"], exist_ok=True)
+            self.accelerator.init_trackers("flux-cp", config=hparams, init_kwargs=kwargs)
+            if layout.is_main and (where := parallel.wandb_folder(self.accelerator)):
+                logger.info(f"wandb: this run's files are in {where}")
         self.metrics = metrics.MetricsLog(cfg.train.output_dir, start_step, layout.is_main)
         self.progress = optim.Progress(start_step)
         if device.type == "cuda":  # peak memory of training, not of loading and initialisation

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from flux_cp.data import BUNDLED_DATA
+from flux_cp.roles import CHECKOUT
 
 
 @dataclass
@@ -132,7 +133,7 @@ def _not_a_checkpoint(t: Path) -> list[str]:
 
 
 def _foreign_checkpoint(t: Path) -> list[str]:
-    ckpt = _small_checkpoint(t, 2)
+    ckpt = _small_checkpoint(t / "other", 2)  # another run's folder, beside the output folder
     meta = {"format": 1, "step": 2, "layout": "world 1 = dp 1 x cp 1", "run": {"rank": 4, "full_finetune": False}}
     (ckpt / "meta.json").write_text(json.dumps(meta))
     return ["--resume_from_checkpoint", str(ckpt), "--rank", "8"]
@@ -196,6 +197,31 @@ def _model_of_escaped_classes(t: Path) -> list[str]:
     return ["--pretrained_model_name_or_path", str(folder)]
 
 
+def _edited_model(t: Path, component: str, edits: dict) -> list[str]:
+    """A copy of the tiny FLUX.1 folder with `edits` made to a component's config.json."""
+    import shutil
+
+    from flux_cp.families import FLUX1
+
+    folder = Path(shutil.copytree(FLUX1.embedded_default(pairs=False), t / "edited"))
+    config = json.loads((folder / component / "config.json").read_text())
+    (folder / component / "config.json").write_text(json.dumps({**config, **edits}))
+    return ["--pretrained_model_name_or_path", str(folder)]
+
+
+def _listed_model_index(t: Path) -> Path:
+    folder = _model_folder(t)
+    (folder / "model_index.json").write_text("[1, 2]")
+    return folder
+
+
+def _truncated_weights(t: Path) -> list[str]:
+    args = _edited_model(t, "transformer", {})
+    weights = Path(args[1]) / "transformer" / "diffusion_pytorch_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    return args
+
+
 def _output_dir_is_the_model(t: Path) -> list[str]:
     model = str(_model_folder(t))
     return [
@@ -229,6 +255,16 @@ def _checkpoint(folder: Path, step: int) -> Path:
     meta = {"format": 1, "step": step, "layout": "world 1 = dp 1 x cp 1", "run": {}, "args": {}}
     (path / "meta.json").write_text(json.dumps(meta))
     return path
+
+
+def _demo_checkpoint_of_odd_types(t: Path) -> list[str]:
+    """A checkpoint of the demo whose meta.json holds a learning rate that is no number (a resumed demo keeps it)."""
+    from flux_cp.config import DEMO
+
+    ckpt = _checkpoint(t / "out", 2)
+    meta = json.loads((ckpt / "meta.json").read_text())
+    (ckpt / "meta.json").write_text(json.dumps({**meta, "demo": DEMO.name, "args": {"learning_rate": "fast"}}))
+    return ["--resume_from_checkpoint", "latest"]
 
 
 def _flux2(t: Path, template: str | None = None) -> list[str]:
@@ -1196,7 +1232,94 @@ CASES = [
             "--class_prompt",
             "a shape",
         ],  # fmt: skip
-        "holds --class_data_dir",
+        "is inside --output_dir",
+    ),
+    Case(
+        "class_data_dir_is_the_new_output_dir",
+        "--class_data_dir and --output_dir the same folder, before it exists",
+        1,
+        lambda t: [
+            "--with_prior_preservation",
+            "--class_data_dir",
+            str(t / "x"),
+            "--class_prompt",
+            "a shape",
+            "--output_dir",
+            str(t / "x"),
+        ],
+        "--class_data_dir {t}/x is --output_dir {t}/x: the class images need a folder of their own",
+    ),
+    Case(
+        "output_dir_in_flux_cp_s_own_files",
+        "--output_dir inside the flux-cp checkout's own code",
+        1,
+        lambda t: ["--output_dir", str(CHECKOUT / "cp" / "run")],
+        "is inside {checkout}/cp, one of flux-cp's own files",
+    ),
+    Case(
+        "output_dir_in_pip_s_cache",
+        "--output_dir inside pip's cache",
+        1,
+        lambda t: ["--output_dir", str(t / "pip" / "run")],
+        "--output_dir {t}/pip/run is inside pip's cache",
+        env={"PIP_CACHE_DIR": "{t}/pip"},
+    ),
+    Case(
+        "output_dir_inside_another_model",
+        "--output_dir inside a model folder other than the one trained (by its model_index.json)",
+        1,
+        lambda t: ["--output_dir", str(_model_folder(t) / "lora")],
+        "is inside a model folder",
+    ),
+    Case(
+        "negative_attention_heads",
+        "a transformer config with num_attention_heads -4",
+        1,
+        lambda t: _edited_model(t, "transformer", {"num_attention_heads": -4}),
+        "edited/transformer/config.json: num_attention_heads is -4; it must be an integer from 1 to 240",
+    ),
+    Case(
+        "zero_attention_head_dim",
+        "a transformer config with attention_head_dim 0",
+        1,
+        lambda t: _edited_model(t, "transformer", {"attention_head_dim": 0}),
+        "edited/transformer/config.json: attention_head_dim is 0; it must be an integer from 1",
+    ),
+    Case(
+        "negative_vae_channels",
+        "a VAE config with latent_channels -4",
+        1,
+        lambda t: _edited_model(t, "vae", {"latent_channels": -4}),
+        "edited/vae/config.json: latent_channels is -4; it must be an integer from 1",
+    ),
+    Case(
+        "truncated_transformer_weights",
+        "a transformer weight file cut short (an interrupted download)",
+        1,
+        _truncated_weights,
+        "diffusion_pytorch_model.safetensors is not a whole safetensors file",
+    ),
+    Case(
+        "demo_checkpoint_of_odd_types",
+        "a resumed demo run whose checkpoint's meta.json holds a learning rate that is no number",
+        1,
+        _demo_checkpoint_of_odd_types,
+        "meta.json's args.learning_rate is 'fast', not a value of --learning_rate",
+        flags_only=True,
+    ),
+    Case(
+        "model_index_not_an_object",
+        "a model folder whose model_index.json is a JSON list",
+        1,
+        lambda t: ["--pretrained_model_name_or_path", str(_listed_model_index(t))],
+        "its model_index.json is a JSON list, not an object of settings",
+    ),
+    Case(
+        "text_encoder_config_of_a_wrong_type",
+        "a text encoder config.json with a setting of the wrong type (hidden_act 5)",
+        1,
+        lambda t: _edited_model(t, "text_encoder", {"hidden_act": 5}),
+        "cannot load text_encoder from --pretrained_model_name_or_path",
     ),
     Case(
         "class_data_dir_is_instance_data_dir",

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import pytest
 
+from flux_cp.roles import CHECKOUT
 from tests.bad_input_cases import CASES
 from tests.launch import in_process, train
 
@@ -19,6 +21,11 @@ from tests.launch import in_process, train
 def first_error(stderr: str) -> str:
     lines = [ln.strip() for ln in stderr.splitlines() if ln.strip().startswith(("error:", "train_flux_cp.py: error"))]
     return lines[0] if lines else "(no error line)"
+
+
+def _scratch(text: str, folder: Path) -> str:
+    """A case's message or variable with `{t}` standing for its scratch folder, `{checkout}` for flux-cp's."""
+    return text.replace("{t}", str(folder)).replace("{checkout}", str(CHECKOUT))
 
 
 @pytest.mark.parametrize(
@@ -43,10 +50,11 @@ def test_bad_input_gets_a_clear_message(case, tmp_path, monkeypatch, record_prop
     # it reports); flag errors always here.
     if case.flags_only or (case.nproc == 1 and not os.environ.get("FLUX_CP_LAUNCH_BAD_INPUTS")):
         for key, value in case.env.items():
-            monkeypatch.setenv(key, value)
+            monkeypatch.setenv(key, _scratch(value, tmp_path))
         returncode, stderr = in_process([*base, *args])
     else:
-        r = train(case.nproc, *base, *args, timeout=300, extra_env=case.env)
+        variables = {key: _scratch(value, tmp_path) for key, value in case.env.items()}
+        r = train(case.nproc, *base, *args, timeout=300, extra_env=variables)
         returncode, stderr = r.returncode, r.stderr
     took = time.monotonic() - start
     for key, value in (("what", case.what), ("nproc", case.nproc), ("flags", " ".join(args)),
@@ -54,7 +62,7 @@ def test_bad_input_gets_a_clear_message(case, tmp_path, monkeypatch, record_prop
                        ("scratch", str(tmp_path))):  # fmt: skip
         record_property(key, value)
     assert returncode != 0
-    assert case.expect in stderr, stderr[-3000:]
+    assert _scratch(case.expect, tmp_path) in stderr, stderr[-3000:]
     # What the error quotes from files cannot act on the terminal (flux_cp.terminal)
     assert "\x1b" not in first_error(stderr)
     # Ours: one line starting with "error:" (argparse: its usage line and "error:"). No frame of our code.

@@ -12,7 +12,7 @@ from torch._dynamo.backends.common import aot_autograd
 
 import cp
 from cp import Tuning
-from cp.schedule import inductor_options
+from cp.schedule import PASSES_VERSION, inductor_options
 from flux_cp.blocks import checkpoint_inside
 from tests import distributed
 
@@ -104,7 +104,8 @@ def test_inductor_options_add_the_overlap_passes_to_the_compile_mode():
     compute = inductor_options(None, Tuning(overlap="compute"))
     assert compute["reorder_for_compute_comm_overlap_passes"] == ["reorder_compute_for_overlap"]
     raise_comms, fill = inductor_options(None, Tuning(), 4)["reorder_for_compute_comm_overlap_passes"]
-    assert raise_comms == "raise_comms" and fill.func.__name__ == "fill_exchanges" and fill.keywords == {"cp": 4}
+    assert raise_comms == "raise_comms" and fill.func.__name__ == "fill_exchanges"
+    assert fill.keywords == {"cp": 4, "version": PASSES_VERSION}
     scheduler = inductor_options(None, Tuning(overlap="scheduler"))
     assert scheduler == {"aten_distributed_optimizations.enable_overlap_scheduling": True}
     with pytest.raises(ValueError, match="unknown overlap 'sometimes'; choose one of fill, passes, compute"):
@@ -112,16 +113,40 @@ def test_inductor_options_add_the_overlap_passes_to_the_compile_mode():
     assert inductor_options("reduce-overhead", Tuning(), 1) == {"triton.cudagraphs": True}  # no CP: no exchanges
 
 
+def test_a_compiled_graph_s_cache_key_holds_the_code_of_our_scheduling_passes(monkeypatch):
+    """Inductor's graph cache (on disk, between runs) keys a graph by its config, where our passes are named by
+    reference: their code's digest is in their arguments, so another version of them compiles the graph again."""
+    import hashlib
+    import inspect
+
+    import torch._inductor.config as inductor_config
+    from torch._inductor.codecache import FxGraphCachePickler
+
+    from cp import schedule
+
+    assert PASSES_VERSION == hashlib.sha256(inspect.getsource(schedule).encode()).hexdigest()[:16]
+
+    def key() -> bytes:
+        with inductor_config.patch(inductor_options(None, Tuning(exchange_first=True), 2)):
+            config = inductor_config.save_config_portable()
+        return FxGraphCachePickler(torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph())).dumps(config)
+
+    before = key()
+    assert key() == before
+    monkeypatch.setattr(schedule, "PASSES_VERSION", "edited")
+    assert key() != before
+
+
 def test_exchange_first_adds_the_head_starts_after_the_reordering_passes():
     from cp.comm import head_start
     from cp.schedule import head_starts
 
     *_, fill, after = inductor_options(None, Tuning(exchange_first=True), 2)["reorder_for_compute_comm_overlap_passes"]
-    assert fill.func.__name__ == "fill_exchanges" and after is head_starts
+    assert fill.func.__name__ == "fill_exchanges" and after.func is head_starts
     (only,) = inductor_options(None, Tuning(overlap="none", exchange_first=True))[
         "reorder_for_compute_comm_overlap_passes"
     ]
-    assert only is head_starts
+    assert only.func is head_starts
     assert len(inductor_options(None, Tuning())["reorder_for_compute_comm_overlap_passes"]) == 2  # off: no pass
     with pytest.raises(ValueError, match="exchange_first is added beside the reordering passes, which overlap sched"):
         Tuning(overlap="scheduler", exchange_first=True)

@@ -38,10 +38,12 @@ class _Encoders:
         return {"prompt_embeds": (max_len, 8), "pooled_prompt_embeds": (8,)}
 
 
-def _encode(cache, encoders):
+def _encode(cache, encoders, fingerprints=("v", "t")):
     data = DataConfig(resolution=64, max_sequence_length=8)
     source = open_source(data)
-    return encode_dataset(source, encoders, Geometry(training_buckets(64, 1, False)), data, 0, cache, ("v", "t"), 0, 1)
+    return encode_dataset(
+        source, encoders, Geometry(training_buckets(64, 1, False)), data, 0, cache, fingerprints, 0, 1
+    )
 
 
 def test_a_damaged_entry_is_recomputed_and_one_broken_later_names_its_file(tmp_path, caplog):
@@ -162,3 +164,37 @@ def test_a_component_is_known_by_its_config_and_the_content_of_its_weights(tmp_p
     (snap / "diffusion_pytorch_model.safetensors").unlink()
     (snap / "diffusion_pytorch_model.safetensors").symlink_to(blobs / "0ther")
     assert weights_fingerprint(snap) != linked  # same bytes here, another content hash by name: the hub's word
+
+
+def test_the_cache_keys_hold_the_vae_s_precision_the_tokenizers_and_the_weights_variant(tmp_path):
+    """Latents are cached in fp32 whatever precision the VAE computed them in; a tokenizer gives the token ids the
+    text encoders embed; --variant picks other weight files of the same folders. Each changed alone: what it made is
+    computed again (the run's log line counts it), the rest reused."""
+    from flux_cp.encode import encoder_fingerprints, files_fingerprint
+
+    class Encoders(_Encoders):
+        text_encoders = {"text_encoder": None}
+        text_recipe = ""
+
+        def __init__(self, dtype):
+            super().__init__()
+            self.dtype = dtype
+
+    components = {"vae": "v", "text_encoder": "t"}
+    (tmp_path / "tokenizer").mkdir()
+    (tmp_path / "tokenizer" / "vocab.json").write_text('{"a": 0}')
+    tokenizer = files_fingerprint(tmp_path / "tokenizer")
+    cache = tmp_path / "cache"
+    texts = len({s.caption for s in open_source(DataConfig()).samples})
+    first = _encode(cache, _Encoders(), encoder_fingerprints(components, Encoders(torch.float32), tokenizer))
+    assert first.computed == 24 + texts
+    assert (
+        _encode(cache, _Encoders(), encoder_fingerprints(components, Encoders(torch.float32), tokenizer)).computed == 0
+    )
+    bf16 = encoder_fingerprints(components, Encoders(torch.bfloat16), tokenizer)
+    assert _encode(cache, _Encoders(), bf16).computed == 24  # latents of the VAE in bf16; the texts' key unchanged
+    (tmp_path / "tokenizer" / "vocab.json").write_text('{"a": 1}')
+    other = encoder_fingerprints(components, Encoders(torch.float32), files_fingerprint(tmp_path / "tokenizer"))
+    assert _encode(cache, _Encoders(), other).computed == texts
+    variant = encoder_fingerprints(components, Encoders(torch.float32), tokenizer, variant="fp16")
+    assert _encode(cache, _Encoders(), variant).computed == 24 + texts

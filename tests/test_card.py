@@ -327,6 +327,7 @@ def test_the_random_base_snippet_rebuilds_the_transformer_the_lora_trained_on(tm
         exec(code, scope)  # noqa: S102 - our own snippet
     finally:
         torch.set_num_threads(threads)
+        logging.disable(logging.NOTSET)  # the snippet's, for its own process
     path = ensure_tiny_pipeline()
     trained_on = load_transformer(cfg.model, path, type(model), torch.float32, torch.device("cpu"), 3)
     rebuilt = scope["pipe"].transformer
@@ -441,3 +442,44 @@ def test_folders_given_relative_are_named_by_their_absolute_paths(tmp_path, monk
     hub = _resolved(["--pretrained_model_name_or_path", "someone/flux", "--cache_dir", "hf", "--revision", "v2"])
     code = _code(_parts(write_model_card("out", hub))[1])
     assert f"from_pretrained('someone/flux', revision='v2', cache_dir={str(tmp_path / 'hf')!r}, dtype=dtype)" in code
+
+
+def test_control_characters_of_prompts_and_names_are_escaped_in_the_card_and_its_snippet_keeps_the_prompt(tmp_path):
+    """`cat README.md` (and the Hub page) runs no terminal escape from a prompt, folder or data set name: every
+    control character of the card is written as its escape, while the snippet's literals stay valid Python equal to
+    the prompt, and the front matter's YAML reads back the prompt itself."""
+    import ast
+
+    evil = "a \x1b[2J\x1b[31mred\x07 dog\r\u202e"
+    out = tmp_path / f"out{evil}"
+    (tmp_path / f"data{evil}").mkdir()
+    (out / "validation").mkdir(parents=True)
+    (out / "validation" / "step-000001.png").write_bytes(b"\x89PNG")
+    cfg = _resolved(
+        [
+            "--output_dir",
+            str(out),
+            "--validation_prompt",
+            evil,
+            "--instance_prompt",
+            evil,
+            "--dataset_name",
+            str(tmp_path / f"data{evil}"),
+            "--with_prior_preservation",
+            "--class_data_dir",
+            str(tmp_path / "class"),
+            "--class_prompt",
+            evil,
+        ]
+    )
+    for name in ("README.md", "README.flux-cp.md"):
+        path = write_model_card(out, cfg, filename=name)
+        text = path.read_text()
+        assert all(c.isprintable() or c == "\n" for c in text), [c for c in text if not c.isprintable() and c != "\n"]
+        front, body = _parts(path)
+        assert front["instance_prompt"] == evil and front["widget"][0]["text"] == evil
+        calls = {ast.unparse(c.func): c for c in ast.walk(ast.parse(_code(body))) if isinstance(c, ast.Call)}
+        prompt = next(k.value for k in calls["pipe"].keywords if k.arg == "prompt")  # by name: FLUX.2's first is image
+        assert ast.literal_eval(prompt) == evil
+        # the prose shows the prompt with its escapes written out (Markdown-escaped: a backslash is doubled)
+        assert "1. a \\\\x1b\\[2J\\\\x1b\\[31mred\\\\x07 dog" in body, body

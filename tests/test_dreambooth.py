@@ -424,6 +424,96 @@ def test_generated_class_images_are_written_as_rendered_so_an_interrupted_genera
     assert [p.name[:5] for p in class_images(folder)] == ["mine.", "00000", "00001", "00002", "00003"]
 
 
+def test_generated_class_images_of_other_settings_are_rendered_again_and_the_log_says_so(tmp_path, monkeypatch, caplog):
+    """The generated images are keyed by what rendered them: another class prompt, size, seed or model renders them
+    again (those of the other settings removed, flux-cp's own), and the log says so; the same settings reuse them."""
+    import logging
+    import types
+
+    from flux_cp import prior
+    from flux_cp.config import parse_config
+    from flux_cp.families import FLUX1
+    from flux_cp.prior import generate_class_images
+
+    folder = tmp_path / "class"
+
+    def render(
+        transformer,
+        encoders,
+        scheduler_config,
+        embeds,
+        layout,
+        family,
+        autocast,
+        jobs,
+        resolution,
+        on_image=None,
+        **call,
+    ):
+        for job, (_, gen) in enumerate(jobs):
+            on_image(job, np.full((8, 8, 3), torch.randint(0, 255, (1,), generator=gen).item(), dtype=np.uint8))
+        return {}
+
+    transformer = types.SimpleNamespace(requires_grad_=lambda on: None, config={"num_attention_heads": 4})
+    monkeypatch.setattr(prior, "render", render)
+    monkeypatch.setattr(prior, "load_transformer", lambda *a: transformer)
+    monkeypatch.setattr(prior, "parallelize", lambda t, *a, **k: types.SimpleNamespace(model=t))
+    family = types.SimpleNamespace(
+        image_tokens=FLUX1.image_tokens, validation_embeds=lambda *a: {}, transformer_class=lambda: None
+    )
+    shape = types.SimpleNamespace(family=family, text_tokens=8, model_path="m", transformer_config={"num_layers": 2})
+    layout = types.SimpleNamespace(is_main=True, cp=1, cp_rank=0, cp_context=None)
+    encoders = types.SimpleNamespace(placement=types.SimpleNamespace(release=lambda: None))
+
+    def generate(flags=(), components=None, config=None, dtype=torch.float32, scheduler=None) -> int:
+        cfg = parse_config(
+            [
+                "--with_prior_preservation",
+                "--class_data_dir",
+                str(folder),
+                "--class_prompt",
+                "a dog",
+                "--num_class_images",
+                "3",
+                "--resolution",
+                "32",
+                "--seed",
+                "7",
+                *flags,
+            ]
+        )
+        there = types.SimpleNamespace(**{**vars(shape), **({"transformer_config": config} if config else {})})
+        return generate_class_images(
+            cfg,
+            there,
+            layout,
+            encoders,
+            scheduler or {"shift": 3.0},
+            dtype,
+            torch.device("cpu"),
+            None,
+            components or {"vae": "v1"},
+        )
+
+    caplog.set_level(logging.INFO, logger="flux_cp")
+    assert generate() == 3 and generate() == 0  # the same settings: reused
+    changes = [
+        dict(flags=("--class_prompt", "a cat")),
+        dict(flags=("--resolution", "64")),
+        dict(flags=("--seed", "8")),
+        dict(components={"vae": "v2"}),
+        dict(config={"num_layers": 3}),
+        dict(scheduler={"shift": 1.0}),
+        dict(dtype=torch.bfloat16),
+    ]
+    for change in changes:
+        caplog.clear()
+        assert generate(**change) == 3, change
+        assert "the 3 class images generated in" in caplog.text and "rendering them again" in caplog.text, change
+        assert len(class_images(folder)) == 3  # the other settings' images removed: flux-cp's own
+    assert generate(**changes[-1]) == 0
+
+
 def test_class_images_are_encoded_in_every_bucket_the_training_images_use(tmp_path):
     for k in range(2):
         Image.new("RGB", (40 + 8 * k, 32), (60 * k, 0, 0)).save(tmp_path / f"{k}.png")

@@ -551,3 +551,15 @@ def test_a_flux2_lora_with_alpha_other_than_rank_renders_the_trained_models_outp
     scale = expected.abs().max()
     assert (base - expected).abs().max() / scale > 1e-3, "the LoRA should change the output"
     assert (got - expected).abs().max() / scale < 1e-5
+
+
+def test_the_lora_file_s_title_and_base_model_hold_no_control_characters(tmp_path):
+    """The run's name (its output folder's) and the base model's go into the file's metadata, which model browsers
+    show: their control characters are written as escapes."""
+    from flux_cp.config import parse_config
+    from flux_cp.lora import lora_origin
+
+    out, base = tmp_path / "run\x1b[2J", tmp_path / "model\x07"
+    base.mkdir()
+    origin = lora_origin(parse_config(["--output_dir", str(out), "--pretrained_model_name_or_path", str(base)]), False)
+    assert origin.title == "run\\x1b[2J" and origin.base_model == f"{tmp_path}/model\\x07"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -113,14 +114,19 @@ def test_overwrite_removes_only_what_the_manifest_lists(tmp_path):
 
 def test_overwrite_removes_only_flux_cp_s_files_from_the_folders_a_user_may_add_to(tmp_path):
     """validation/, profile/ and the tracker folder: the run wrote files into them, a user may add theirs (notes,
-    an encoding cache put inside the logs); only flux-cp's files go, and the folders stay listed. Folders written
-    whole (checkpoints, transformer/) go whole."""
+    an encoding cache put inside the logs); only flux-cp's files go, and the folders stay listed."""
     folder = tmp_path / "out"
     outdir.claim(folder, logging_dir="tb")
-    written = ["validation/step-000002.png", "profile/rank0.json", "profile/rank0_summary.json",
-               "tb/flux-cp/events.out.tfevents.1.host", "tb/flux-cp/1700000000.1/events.out.tfevents.2.host",
-               "tb/flux-cp/1700000000.1/hparams.yml", "checkpoint-2/meta.json", "checkpoint-2/notes.txt",
-               "transformer/config.json"]  # fmt: skip
+    written = [
+        "validation/step-000002.png",
+        "profile/rank0.json",
+        "profile/rank0_summary.json",
+        "tb/flux-cp/events.out.tfevents.1.host",
+        "tb/flux-cp/1700000000.1/events.out.tfevents.2.host",
+        "tb/flux-cp/1700000000.1/hparams.yml",
+        "checkpoint-2/meta.json",
+        "transformer/config.json",
+    ]
     theirs = ["validation/my_notes.txt", "tb/cache/latents/0.safetensors", "profile/readme.md"]
     for rel in written + theirs:
         manifest.record(folder, rel.split("/")[0])
@@ -136,6 +142,87 @@ def test_overwrite_removes_only_flux_cp_s_files_from_the_folders_a_user_may_add_
     assert claimed.notes == ["--overwrite_output_dir: kept profile/readme.md, tb/cache/latents/0.safetensors, "
                              "validation/link.png, validation/my_notes.txt, which flux-cp did not write"]  # fmt: skip
     assert sorted(manifest.read(folder)) == ["profile", "tb", "validation"]  # the run writes into them again
+    outdir.release(folder)
+
+
+def test_overwrite_keeps_a_user_s_file_wherever_it_is_in_the_run_s_folders(tmp_path):
+    """Checkpoints, a branch set aside, the final transformer/ and the tracker folder (TensorBoard's and wandb's files)
+    lose flux-cp's files only: a file the run did not write is kept where it is and reported, and its folder stays
+    listed, so the next overwrite looks at it again."""
+    folder = tmp_path / "out"
+    outdir.claim(folder, logging_dir="logs")
+    run = "logs/wandb/offline-run-20250101_120000-abc123"
+    written = [
+        "checkpoint-2/meta.json",
+        "checkpoint-2/train.pt",
+        "checkpoint-2/state/.metadata",
+        "checkpoint-2/state/__0_0.distcp",
+        "checkpoint-2/data.json",
+        "transformer/config.json",
+        "transformer/diffusion_pytorch_model.safetensors",
+        "abandoned-20250101-120000/checkpoint-4/meta.json",
+        "abandoned-20250101-120000/loss_curve.png",
+        "abandoned-20250101-120000/validation/step-000004.png",
+        f"{run}/run-abc123.wandb",
+        f"{run}/files/config.yaml",
+        f"{run}/logs/debug.log",
+        ".checkpoint-6.partial/state/__0_0.distcp",
+    ]
+    theirs = [
+        "checkpoint-2/notes.txt",
+        "checkpoint-2/state/mine.pt",
+        "transformer/README.md",
+        "abandoned-20250101-120000/why.txt",
+        "abandoned-20250101-120000/checkpoint-4/eval.json",
+        "logs/wandb/notes.md",
+        "validation/sub/step-000001.png",
+    ]
+    for rel in written + theirs:
+        manifest.record(folder, rel.split("/")[0])
+        (folder / rel).parent.mkdir(parents=True, exist_ok=True)
+        (folder / rel).write_text(rel)
+    (folder / "logs" / "wandb" / "latest-run").symlink_to(folder / run)  # wandb's own links: removed, not followed
+    (tmp_path / "core.log").write_text("wandb's service log")
+    (folder / run / "logs" / "debug-core.log").symlink_to(tmp_path / "core.log")
+    claimed = outdir.claim(folder, None, True, logging_dir="logs")
+    left = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() or p.is_symlink())
+    assert left == sorted([manifest.NAME, outdir.LOCK_NAME, *theirs])
+    assert claimed.notes == [
+        f"--overwrite_output_dir: kept {', '.join(sorted(theirs)[:5])} and 2 more, which flux-cp did not write"
+    ]
+    assert (tmp_path / "core.log").read_text() == "wandb's service log"
+    assert sorted(manifest.read(folder)) == [
+        "abandoned-20250101-120000",
+        "checkpoint-2",
+        "logs",
+        "transformer",
+        "validation",
+    ]
+    outdir.release(folder)
+
+
+def test_a_user_s_file_in_an_output_written_again_moves_into_the_new_one(tmp_path):
+    """The final transformer/ written again (a resumed run that finishes again), and a checkpoint pruned by
+    --checkpoints_total_limit: flux-cp's files are replaced or removed, a user's file stays."""
+    folder = tmp_path / "out"
+    outdir.claim(folder)
+    (folder / "transformer").mkdir()
+    (folder / "transformer" / "config.json").write_text("old")
+    (folder / "transformer" / "NOTES.md").write_text("mine")
+
+    def write(staging: Path) -> Path:
+        (staging / "transformer").mkdir()
+        (staging / "transformer" / "config.json").write_text("new")
+        return staging / "transformer"
+
+    outdir.write_final(folder, "transformer", write)
+    assert sorted(p.name for p in (folder / "transformer").iterdir()) == ["NOTES.md", "config.json"]
+    assert (folder / "transformer" / "config.json").read_text() == "new"
+    assert not any(p.name.startswith(".transformer") for p in folder.iterdir())
+    old = _checkpoint(folder, 2)
+    (old / "notes.txt").write_text("mine")
+    assert checkpoint._remove(old) == [old / "notes.txt"]
+    assert sorted(p.name for p in old.iterdir()) == ["notes.txt"]
     outdir.release(folder)
 
 
@@ -372,7 +459,7 @@ def _roles(tmp_path: Path, **kw) -> None:
     for name in ("model", "data", "bundled"):
         (tmp_path / name).mkdir(exist_ok=True)
     args = {"model": str(tmp_path / "model"), "data": str(tmp_path / "data"), "bundled": tmp_path / "bundled", **kw}
-    roles.check(str(tmp_path / "out"), **args)
+    roles.check(args.pop("output_dir", str(tmp_path / "out")), **args)
 
 
 @pytest.mark.parametrize(
@@ -439,10 +526,13 @@ def test_another_run_s_output_folder_is_no_class_folder(tmp_path):
     )
     with pytest.raises(UsageError, match="is the output folder of another run"):
         _roles(tmp_path, class_dir=str(legacy))
-    # this run's own output folder is outdir's to refuse ("--output_dir ... holds --class_data_dir")
+    # this run's own output folder: refused as such
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / manifest.NAME).write_text("{}")
-    _roles(tmp_path, class_dir=str(tmp_path / "out" / "class"))
+    with pytest.raises(
+        UsageError, match=f"^--class_data_dir {tmp_path}/out/class is inside --output_dir {tmp_path}/out:"
+    ):
+        _roles(tmp_path, class_dir=str(tmp_path / "out" / "class"))
 
 
 def test_a_pair_run_s_reference_images_go_beside_its_weights_and_never_over_the_user_s(tmp_path, caplog):
@@ -507,3 +597,102 @@ def test_a_pair_run_s_reference_images_go_beside_its_weights_and_never_over_the_
             assert np.array_equal(np.asarray(Image.open(out / name)), want) and name in manifest.read(out)
     finally:
         outdir.release(out)
+
+
+def test_the_class_folder_and_the_output_folder_are_apart_whether_they_exist_or_not(tmp_path):
+    """The same flags are refused before the folders exist and after (a resume): one inside the other either way,
+    through a link too."""
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    x, link, real = tmp_path / "x", tmp_path / "link", tmp_path / "real"
+    cases = [
+        (x, x, "is"),
+        (x / "class", x, "is inside"),
+        (x, x / "out", "holds"),
+        (link / "c", real, "is inside"),
+        (real / "c", link / "c" / "..", "is inside"),
+    ]
+    for class_dir, out, how in cases:
+        for exists in (False, True):
+            if exists:
+                for folder in (class_dir, out):
+                    os.makedirs(folder, exist_ok=True)
+            with pytest.raises(UsageError, match=f"^--class_data_dir {class_dir} {how} --output_dir "):
+                _roles(tmp_path, class_dir=str(class_dir), output_dir=str(out))
+
+
+def test_no_class_folder_is_an_encoding_cache(tmp_path):
+    """Not this run's cache, nor the default one (another run's), nor any folder holding a cache's entries."""
+    default = tmp_path / "home" / "encodings"
+    with pytest.raises(UsageError, match="is the default encoding cache"):
+        _roles(tmp_path, class_dir=str(default), default_encodings=str(default))
+    with pytest.raises(UsageError, match="is inside the default encoding cache"):
+        _roles(tmp_path, class_dir=str(default / "latents"), default_encodings=str(default))
+    other = tmp_path / "classes" / "elsewhere"
+    (other / "latents").mkdir(parents=True)
+    (other / "latents" / f"{'0' * 32}.safetensors").write_bytes(b"x")
+    for class_dir, how in ((other, "is"), (other / "latents", "is inside"), (other.parent, "holds")):
+        with pytest.raises(UsageError, match=f"^--class_data_dir {class_dir} {how} an encoding cache"):
+            _roles(tmp_path, class_dir=str(class_dir))
+
+
+def test_no_folder_a_run_writes_goes_into_a_folder_another_tool_owns(tmp_path, monkeypatch):
+    """The output folder, the class folder, the cache and the tracker folder, by resolved path: the Hugging Face and
+    pip caches, the Python environment, flux-cp's own files; by content: a model folder, another run's folder."""
+    import sysconfig
+
+    from huggingface_hub import constants
+
+    from flux_cp import roles
+
+    monkeypatch.setattr(constants, "HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("PIP_CACHE_DIR", str(tmp_path / "pip"))
+    site = sysconfig.get_paths()["purelib"]
+    (tmp_path / "models" / "flux").mkdir(parents=True)
+    (tmp_path / "models" / "flux" / "model_index.json").write_text("{}")
+    (tmp_path / "runs" / "a").mkdir(parents=True)
+    (tmp_path / "runs" / "a" / manifest.NAME).write_text("{}")
+    root = roles.CHECKOUT
+    refused = [
+        (dict(output_dir=str(tmp_path / "hf" / "run")), "--output_dir {t}/hf/run is inside the Hugging Face cache"),
+        (dict(class_dir=str(tmp_path / "pip")), "--class_data_dir {t}/pip is pip's cache"),
+        (dict(encodings=os.path.join(site, "cache")), "is inside the Python environment's packages"),
+        (dict(output_dir=str(root)), "is flux-cp's own checkout"),
+        (dict(output_dir=str(root / "flux_cp")), f"is {root}/flux_cp, one of flux-cp's own files"),
+        (dict(output_dir=str(root / "data" / "mine")), f"is inside {root}/data, one of flux-cp's own files"),
+        (
+            dict(output_dir=str(tmp_path / "models" / "flux" / "lora")),
+            "is inside a model folder ({t}/models/flux: it holds model_index.json)",
+        ),
+        (dict(encodings=str(tmp_path / "models" / "flux")), "is a model folder"),
+        (dict(output_dir=str(tmp_path / "runs" / "a" / "b")), "is inside the output folder of another run"),
+        (dict(logs=str(tmp_path / "runs" / "a" / "tb")), "is inside the output folder of another run"),
+    ]
+    for kw, message in refused:
+        with pytest.raises(UsageError) as e:
+            _roles(tmp_path, **kw)
+        assert message.format(t=tmp_path) in str(e.value), (kw, str(e.value))
+    seeds = [
+        (str(tmp_path / "model" / "seed.safetensors"), "is inside --pretrained_model_name_or_path"),
+        (str(tmp_path / "out" / "checkpoint-2" / "seed.safetensors"), "is in checkpoint-2, one of the run's own"),
+        (os.path.join(site, "seed.safetensors"), "is inside the Python environment's packages"),
+    ]
+    for seed, message in seeds:
+        with pytest.raises(UsageError, match=f"^--seed_checkpoint {re.escape(seed)} {message}"):
+            _roles(tmp_path, seed=seed)
+    _roles(tmp_path, seed=str(tmp_path / "out" / "seed.safetensors"))  # the output folder may hold it
+    _roles(tmp_path, output_dir=str(root / "flux-cp-output"))  # a new folder of the checkout: the default's place
+    monkeypatch.chdir(tmp_path)
+    _roles(tmp_path, output_dir=str(tmp_path / "out2"), cache_dir=".")  # a cache in the current folder: not all its
+    _roles(tmp_path, output_dir=str(tmp_path / "runs" / "a"))  # the run's own folder (a resume)
+    _roles(tmp_path, output_dir=str(tmp_path / "runs" / "a"), logs="tb")  # its tracker folder inside it
+
+
+def test_flux_cp_s_own_files_are_every_entry_its_repository_tracks():
+    from flux_cp import roles
+
+    if not (roles.CHECKOUT / ".git").exists():
+        pytest.skip("not a git checkout")
+    r = subprocess.run(["git", "ls-files"], cwd=roles.CHECKOUT, capture_output=True, text=True, check=True)
+    tracked = {line.split("/")[0] for line in r.stdout.splitlines()}
+    assert tracked <= set(roles.CHECKOUT_ENTRIES), sorted(tracked - set(roles.CHECKOUT_ENTRIES))

@@ -44,3 +44,31 @@ def test_log_lines_are_escaped_but_keep_their_newlines():
     # newlines stay (the summary has several lines): values from files are escaped whole where they are logged
     assert stream.getvalue() == ("resumed from c (written with Flux\\x1b[2J\\x1b[31mPipeline\\r\\u202egnp.\nerror: "
                                  "forged)\ndone: 2 steps\n  README.md  model card\n")  # fmt: skip
+
+
+def test_the_error_line_given_to_the_launcher_is_escaped_too(tmp_path, monkeypatch, capsys):
+    """accelerate launch (torchrun's agent) prints the error file's message in its own report, on the terminal."""
+    import json
+
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
+
+    def main() -> int:
+        raise UsageError(f"a {EVIL}")
+
+    assert runner.run(main) == 2
+    message = json.loads((tmp_path / "error.json").read_text())["message"]
+    assert message == "error: a Flux\\x1b[2J\\x1b[31mPipeline\\r\\u202egnp.\\nerror: forged"
+    assert message.isprintable()
+
+
+def test_the_loss_curve_of_a_folder_named_with_escapes_and_dollars_is_drawn(tmp_path):
+    """The curve's title is the metrics file's path: a `$...$` in it is text (not mathtext, which fails on a
+    malformed formula at the end of a run), and its control characters are escaped."""
+    import json
+
+    from flux_cp.metrics import plot_loss_curve
+
+    out = tmp_path / "run$\\frac$ \x1b[2J"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in (1, 2)))
+    assert plot_loss_curve(out / "metrics.jsonl", out / "loss_curve.png").stat().st_size > 0

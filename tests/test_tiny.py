@@ -48,6 +48,37 @@ def test_a_folder_built_before_the_marker_is_reused_and_never_written(tmp_path):
     assert _calls(folder)[1] == [] and sorted(p.name for p in folder.iterdir()) == before
 
 
+def test_a_folder_built_by_another_version_of_its_recipe_is_built_again_and_the_log_says_so(tmp_path, caplog):
+    """The marker holds the key of the recipe's version (its builder's code and configs): a change to them builds the
+    folder again, in place of the earlier build (the builder's own); the same version reuses it."""
+    import logging
+    import shutil
+
+    from flux_cp.families.builder import recipe_key
+
+    builder = tmp_path / "builder.py"
+    builder.write_text("CONFIG = dict(num_layers=2)\n")
+    recipe = Recipe("test-v1", "FluxPipeline", {"num_layers": 2}, str(builder))
+    folder, built = tmp_path / "model", []
+
+    def build() -> list[Path]:
+        built.clear()
+        build_once(folder, lambda tmp: (built.append(tmp), _write(tmp)), recipe)
+        return built
+
+    caplog.set_level(logging.INFO, logger="flux_cp")
+    assert len(build()) == 1 and build() == []
+    builder.write_text("CONFIG = dict(num_layers=2, in_channels=8)\n")  # the recipe changed, its name did not
+    (folder / "transformer" / "extra.txt").write_text("of the earlier build")
+    assert len(build()) == 1 and f"{folder} was built by another version of test-v1: built again" in caplog.text
+    assert not (folder / "transformer" / "extra.txt").exists()
+    assert json.loads((folder / MARKER).read_text())["key"] == recipe_key(recipe) and build() == []
+    (folder / MARKER).write_text(json.dumps({"recipe": "test-v1"}))  # built before the marker held a key
+    assert len(build()) == 1
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".model") and not p.name.endswith(".lock")]
+    shutil.rmtree(folder)
+
+
 @pytest.mark.parametrize("what", ["notes", "other_recipe", "other_model", "file"])
 def test_any_other_folder_is_refused_and_left_as_it_was(tmp_path, what):
     folder = tmp_path / "victim"
@@ -91,3 +122,18 @@ def test_the_command_line_refuses_a_folder_of_the_user_s_before_building(tmp_pat
     assert tiny.main([*flags, "--out", "."]) == 2
     assert os.listdir(victim) == ["notes.txt"]
     assert sorted(os.listdir(tmp_path)) == ["victim"]  # nothing written beside it (no lock, no build)
+
+
+def test_the_command_line_writes_no_model_into_a_folder_another_tool_owns(tmp_path, monkeypatch, capsys):
+    from flux_cp import roles
+
+    monkeypatch.setenv("PIP_CACHE_DIR", str(tmp_path / "pip"))
+    for out, how in (
+        (tmp_path / "pip" / "tiny", "is inside pip's cache"),
+        (roles.CHECKOUT / "docs" / "tiny", "is inside " + str(roles.CHECKOUT / "docs")),
+    ):
+        assert tiny.main(["--out", str(out)]) == 2
+        assert capsys.readouterr().err.startswith(f"error: --out {out} {how}")
+        assert not out.exists()
+    built = tmp_path / "tiny"
+    assert tiny.main(["--out", str(built)]) == 0 and tiny.main(["--out", str(built)]) == 0  # its own: reused

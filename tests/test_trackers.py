@@ -85,3 +85,37 @@ def test_wandb_offline_logs_scalars_and_validation_images_and_a_kohya_lora_is_wr
     # the lines of the card and the log load the kohya file into FluxPipeline (diffusers converts its keys)
     code = snippets.check(tmp_path / "wb", result.stderr, 64)
     assert "pipe.load_lora_weights(folder, weight_name='pytorch_lora_weights.safetensors')" in code
+
+
+@pytest.mark.e2e
+def test_wandb_writes_into_the_run_s_tracker_folder_and_an_overwrite_removes_it_there(tmp_path):
+    """Without WANDB_DIR, wandb's files go to --logging_dir (inside the output folder), not into the current folder,
+    and the log says where; --overwrite_output_dir then removes them as the run's, naming no file as a user's."""
+    import subprocess
+
+    from tests.launch import env, launch_cmd
+
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    args = run_args(tmp_path, "out", 1, "--report_to", "wandb")
+    variables = {k: v for k, v in env(WANDB_MODE="offline", WANDB_SILENT="true").items() if k != "WANDB_DIR"}
+    first = ok(
+        subprocess.run(launch_cmd(1, *args), cwd=cwd, env=variables, capture_output=True, text=True, timeout=600)
+    )
+    assert not (cwd / "wandb").exists(), sorted(p.name for p in cwd.iterdir())
+    (run,) = (tmp_path / "out" / "logs" / "wandb").glob("offline-run-*")
+    assert list(run.glob("run-*.wandb"))
+    assert f"wandb: this run's files are in {run}" in first.stderr, first.stderr[-3000:]
+    second = ok(
+        subprocess.run(
+            launch_cmd(1, *args, "--overwrite_output_dir"),
+            cwd=cwd,
+            env=variables,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+    )
+    assert not run.exists()
+    assert "which flux-cp did not write" not in second.stderr, second.stderr[-3000:]
+    assert len(list((tmp_path / "out" / "logs" / "wandb").glob("offline-run-*"))) == 1

@@ -200,3 +200,16 @@ def test_initial_weights_do_not_depend_on_the_layout_and_seed_checkpoint_round_t
     lora_a = sorted(k for k in a if "lora_A" in k)
     saved_a = sorted(k for k in saved if "lora_A" in k)
     assert len(lora_a) == len(saved_a) and all(torch.equal(a[x], saved[y]) for x, y in zip(lora_a, saved_a))
+
+
+def test_a_trained_clip_stays_whole_while_t5_streams_and_trains_as_without_offload(tmp_path, model):
+    """--train_text_encoder with --text_encoder_offload on: T5 is streamed from host memory for the encoding, CLIP (the
+    one trained, every step) is kept whole: the run is the run without offload, loss for loss and weight for weight."""
+    args = ["--learning_rate", "1e-3", "--train_text_encoder", "--text_encoder_lr", "1e-3"]
+    streamed = ok(train(1, *_common(model, tmp_path, "streamed", 10, *args, "--text_encoder_offload", "on")))
+    assert "text_encoder_2: streamed from host memory (--text_encoder_offload on)" in streamed.stderr
+    assert "text_encoder: whole on the accelerator when in use (--train_text_encoder trains it whole" in streamed.stderr
+    ok(train(1, *_common(model, tmp_path, "whole", 10, *args, "--text_encoder_offload", "off")))
+    assert_same_trajectory(tmp_path / "streamed", tmp_path / "whole", tol=1e-6)
+    lora = load_file(tmp_path / "streamed" / "pytorch_lora_weights.safetensors")
+    assert any(k.startswith("text_encoder.") for k in lora)

@@ -33,6 +33,88 @@ if TYPE_CHECKING:
 Tensor = torch.Tensor
 
 
+# The sizes of a FLUX VAE's config (AutoencoderKL, AutoencoderKLFlux2), the largest about ten times the released ones'
+VAE_SIZES = {
+    "in_channels": (1, 30),
+    "out_channels": (1, 30),
+    "latent_channels": (1, 320),
+    "block_out_channels": (1, 5120),
+    "decoder_block_out_channels": (1, 5120),
+    "layers_per_block": (1, 20),
+    "norm_num_groups": (1, 320),
+    "sample_size": (1, 10240),
+    "patch_size": (1, 16),
+}
+
+
+def vae_rules(vae: dict) -> list[tuple[str, str, str]]:
+    """What a VAE config breaks that building it would fail on: one block per channel count, channels in groups."""
+    out = []
+    channels = vae.get("block_out_channels")
+    for key in ("down_block_types", "up_block_types"):
+        kinds = vae.get(key)
+        if isinstance(channels, (list, tuple)) and isinstance(kinds, (list, tuple)) and len(kinds) != len(channels):
+            out.append(("vae", key, f"lists {len(kinds)} blocks and block_out_channels {len(channels)} channel counts"))
+    groups = vae.get("norm_num_groups")
+    if isinstance(channels, (list, tuple)) and isinstance(groups, int) and any(c % groups for c in channels):
+        out.append(("vae", "block_out_channels", f"{list(channels)} do not all divide into norm_num_groups {groups}"))
+    return out
+
+
+def vae_weight_shapes(vae: dict, latent_default: int) -> dict[str, tuple[int, ...]]:
+    """The shapes of a FLUX VAE's first and last convolutions for its config (those its config gives)."""
+    channels, latent = vae.get("block_out_channels"), vae.get("latent_channels", latent_default)
+    decoder = vae.get("decoder_block_out_channels") or channels
+    if not (isinstance(channels, (list, tuple)) and channels and isinstance(decoder, (list, tuple)) and decoder):
+        return {}
+    return {
+        "encoder.conv_in.weight": (channels[0], vae.get("in_channels", 3), 3, 3),
+        "encoder.conv_out.weight": (2 * latent, channels[-1], 3, 3),
+        "decoder.conv_in.weight": (decoder[-1], latent, 3, 3),
+        "decoder.conv_out.weight": (vae.get("out_channels", 3), decoder[0], 3, 3),
+    }
+
+
+def rope_rules(transformer: dict) -> list[tuple[str, str, str]]:
+    """RoPE turns pairs of a head's channels, over the whole head; the transformer predicts what it is fed (its
+    packed input's width, one token per patch of the latent packed by the trainer)."""
+    out = []
+    axes, head = transformer.get("axes_dims_rope"), transformer.get("attention_head_dim")
+    if isinstance(axes, (list, tuple)) and isinstance(head, int):
+        if sum(axes) != head:
+            out.append(
+                (
+                    "transformer",
+                    "axes_dims_rope",
+                    f"{list(axes)} adds up to {sum(axes)}, not attention_head_dim "
+                    f"{head}: RoPE turns the whole of a head",
+                )
+            )
+        elif any(a % 2 for a in axes):
+            odd = f"{list(axes)} holds an odd size: RoPE turns pairs of channels"
+            out.append(("transformer", "axes_dims_rope", odd))
+    if transformer.get("patch_size") not in (1, None):
+        out.append(
+            (
+                "transformer",
+                "patch_size",
+                f"is {transformer['patch_size']}: the trainer packs the latent's 2x2 "
+                "patches itself, for a transformer of patch_size 1 (as every released FLUX model)",
+            )
+        )
+    out_channels, in_channels = transformer.get("out_channels"), transformer.get("in_channels")
+    if out_channels is not None and out_channels != in_channels:
+        out.append(
+            (
+                "transformer",
+                "out_channels",
+                f"is {out_channels}, not in_channels {in_channels}: the "
+                "transformer predicts a latent of its input's width",
+            )
+        )
+    return out
+
+
 @dataclass(frozen=True)
 class ParameterCounts:
     """Parameters of the transformer (`base`) and of what trains (LoRA adapters, or all of it), with tensor counts,
@@ -90,6 +172,9 @@ class Family(ABC):
     # --train_text_encoder: (the text encoder trained, the transformer's forward argument its output feeds, the
     # pipeline's argument and cached encoding of the same); None: the family trains no text encoder
     trained_text_encoder: tuple[str, str, str] | None = None
+    # The sizes in each component's config.json (component folder -> {key: (smallest, largest)}; a dotted key is
+    # nested, a float bound a number rather than an integer), checked before anything is built (flux_cp.model_config)
+    config_sizes: dict[str, dict[str, tuple[float, float]]] = {}
 
     # --- components -----------------------------------------------------------------------------------------
 
@@ -105,6 +190,23 @@ class Family(ABC):
         """{component folder: class} of the text encoders, in the order they encode, and of the VAE (`vae`): what
         the encoding phase's memory is planned from (flux_cp.encoding_memory)."""
         return {}
+
+    def config_rules(self, configs: dict[str, dict]) -> list[tuple[str, str, str]]:
+        """(component, key, what is wrong) for each rule across the keys and components' configs (`configs`:
+        component -> its config.json, the transformer's with its class's defaults) that they break."""
+        return []
+
+    def weight_shapes(self, component: str, config: dict) -> dict[str, tuple[int, ...]]:
+        """The shapes that tensors of the component's weight files have for its `config` (those present in the files
+        are compared: flux_cp.model_config)."""
+        return {}
+
+    def weight_layers(self, component: str) -> tuple[tuple[str, str, bool], ...]:
+        """(tensor name prefix of layer N, with `{}` for N; config key of the layer count; whether the files must hold
+        exactly that many, or at least) of the component's weight files. The transformer's are its block lists."""
+        if component == "transformer":
+            return tuple((f"{name}.{{}}", key, True) for _, name, key in self.block_lists)
+        return ()
 
     def card_tags_for(self, pairs: bool) -> list[str]:
         """The model card's tags for this family (and its editing pairs)."""
@@ -291,7 +393,11 @@ def _count(
     if key in _COUNTS:  # --plan asks for every CP size; building the model is the slow part
         return _COUNTS[key]
     with torch.device("meta"):
-        model = family.transformer_class().from_config(json.loads(config))
+        try:
+            model = family.transformer_class().from_config(json.loads(config))
+        except (ValueError, RuntimeError, TypeError, IndexError, KeyError, ZeroDivisionError) as e:
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise UsageError(f"the transformer cannot be built from its config.json ({first})") from None
         base = [p.numel() for p in model.parameters()]
         largest = max(sum(p.numel() for p in b.parameters()) for _, b in family.blocks(model))
         if lora_rank is None:
@@ -315,15 +421,26 @@ def declared_classes(path: str, revision: str | None, cache_dir: str | None = No
         config_name = "config.json"
 
     first, names = None, []
-    for read in (
-        lambda: DiffusionPipeline.load_config(path, revision=revision, cache_dir=cache_dir),
-        lambda: AnyModelConfig.load_config(path, subfolder="transformer", revision=revision, cache_dir=cache_dir),
+    for file, read in (
+        ("model_index.json", lambda: DiffusionPipeline.load_config(path, revision=revision, cache_dir=cache_dir)),
+        (
+            "transformer/config.json",
+            lambda: AnyModelConfig.load_config(path, subfolder="transformer", revision=revision, cache_dir=cache_dir),
+        ),
     ):
         try:
-            names.append(read().get("_class_name"))
+            config = read()
         except (OSError, ValueError) as e:
             first = first or (str(e).strip().splitlines() or [type(e).__name__])[0]
             names.append(None)
+            continue
+        if not isinstance(config, dict):
+            kind = type(config).__name__
+            raise UsageError(
+                f"--pretrained_model_name_or_path {path}: its {file} is a JSON {kind}, not an object of settings: pass "
+                "a diffusers-layout folder of a FLUX model"
+            )
+        names.append(config.get("_class_name"))
     if not any(names):
         if first is None:  # both read, neither names a class
             raise UsageError(

@@ -1,12 +1,15 @@
 """Building a local model folder once, for the tiny models of every family (tests, the embedded default) and the
 full-size shapes presets: where they are built (`home`), the lock that lets every rank of a launch ask at once, the
-marker that names the recipe a folder was built by (a folder without it is the user's and is never written), and the
-byte-level vocabulary the tiny tokenizers share. No downloads."""
+marker that names the recipe a folder was built by and the key of its version (a folder without it is the user's and
+is never written; one of another version of the recipe is built again), and the byte-level vocabulary the tiny
+tokenizers share. No downloads."""
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -16,6 +19,8 @@ from pathlib import Path
 
 from ..errors import UsageError
 from ..files import apply_umask, read_json
+
+logger = logging.getLogger("flux_cp")
 
 
 def home() -> Path:
@@ -44,11 +49,23 @@ MARKER = ".flux_cp_tiny.json"
 @dataclass(frozen=True)
 class Recipe:
     """What a built folder holds: the recipe's `name` (with its version), the pipeline class model_index.json
-    names and the transformer config it carries (to recognise a copy built before the marker existed)."""
+    names and the transformer config it carries (to recognise a copy built before the marker existed). `builder`:
+    the module that builds it, whose code and configs are part of the recipe's key (`recipe_key`)."""
 
     name: str
     pipeline: str
     transformer: dict
+    builder: str = ""
+
+
+def recipe_key(recipe: Recipe) -> str:
+    """The key of what builds a recipe's folder: its name, pipeline and transformer config, and the content of the
+    module that builds it and of this one (their configs and code: any change to them builds the folder again)."""
+    h = hashlib.sha256(json.dumps([recipe.name, recipe.pipeline, recipe.transformer], default=str).encode())
+    for module in (recipe.builder, __file__):
+        if module:
+            h.update(Path(module).read_bytes())
+    return h.hexdigest()[:16]
 
 
 def _plain(value: object) -> object:
@@ -56,21 +73,31 @@ def _plain(value: object) -> object:
 
 
 def _is_built(path: Path, recipe: Recipe) -> bool:
-    """`path` holds the model `recipe` builds: written by build_once (its marker), or by a version before the
-    marker (model_index.json and the transformer's config are the recipe's)."""
+    """`path` holds the model `recipe` builds: written by build_once (its marker, with this version's key), or by a
+    version before the marker (model_index.json and the transformer's config are the recipe's)."""
     if not (path / "model_index.json").is_file():
         return False
     marker = read_json(path / MARKER)
     if marker is not None:
-        return isinstance(marker, dict) and marker.get("recipe") == recipe.name
+        return (
+            isinstance(marker, dict) and marker.get("recipe") == recipe.name and marker.get("key") == recipe_key(recipe)
+        )
     index, config = read_json(path / "model_index.json"), read_json(path / "transformer" / "config.json")
     return (isinstance(index, dict) and index.get("_class_name") == recipe.pipeline and isinstance(config, dict)
             and all(config.get(k) == _plain(v) for k, v in recipe.transformer.items()))  # fmt: skip
 
 
+def _stale(path: Path, recipe: Recipe) -> bool:
+    """`path` holds the model of this recipe built by another version of it (its marker names the recipe, with
+    another key): build_once's own, to build again."""
+    marker = read_json(path / MARKER) if not path.is_symlink() else None
+    return isinstance(marker, dict) and marker.get("recipe") == recipe.name and marker.get("key") != recipe_key(recipe)
+
+
 def _check_target(path: Path, recipe: Recipe) -> bool:
-    """Whether `path` holds the model already (True), or is new or empty (False, to build); any other folder is
-    refused with a UsageError: the builder writes only into a new or empty folder, or one it built before."""
+    """Whether `path` holds the model already (True), or is new or empty or built by another version of the recipe
+    (False, to build); any other folder is refused with a UsageError: the builder writes only into a new or empty
+    folder, or one it built before."""
     if _is_built(path, recipe):
         return True
     if not os.path.lexists(path):
@@ -78,7 +105,7 @@ def _check_target(path: Path, recipe: Recipe) -> bool:
     if path.is_symlink() or not path.is_dir():
         raise UsageError(f"--out {path} is {'a link' if path.is_symlink() else 'a file'}: choose a new or empty folder")
     names = sorted(p.name for p in path.iterdir())
-    if not names:
+    if not names or _stale(path, recipe):
         return False
     marker = read_json(path / MARKER)
     if isinstance(marker, dict) and (path / "model_index.json").is_file():
@@ -112,13 +139,20 @@ def build_once(path: Path, write: Callable[[Path], None], recipe: Recipe) -> Pat
         if _check_target(path, recipe):
             return path
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+        old = path.parent / f".{path.name}.old"
         try:
             write(tmp)
-            (tmp / MARKER).write_text(json.dumps({"written_by": "flux_cp.tiny", "recipe": recipe.name}) + "\n")
+            marker = {"written_by": "flux_cp.tiny", "recipe": recipe.name, "key": recipe_key(recipe)}
+            (tmp / MARKER).write_text(json.dumps(marker) + "\n")
             apply_umask(tmp)
+            if _stale(path, recipe):  # this builder's, of another version: replaced whole
+                logger.info(f"{path} was built by another version of {recipe.name}: built again")
+                shutil.rmtree(old, ignore_errors=True)
+                os.rename(path, old)
             os.rename(tmp, path)  # replaces an empty folder; a folder filled meanwhile makes it fail
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(old, ignore_errors=True)
     return path
 
 

@@ -18,7 +18,7 @@ from ...data import to_pixels
 from ...encode import Encoders, in_batches, truncation_line
 from ...model import load_component, load_part
 from ...terminal import printable
-from ..base import Family
+from ..base import VAE_SIZES, Family, rope_rules, vae_rules, vae_weight_shapes
 from . import kohya, tokens
 from .known import KNOWN
 from .tiny import ensure_tiny_pipeline
@@ -47,6 +47,7 @@ class Flux1Encoders(Encoders):
     """FLUX.1's VAE, CLIP (pooled embedding) and T5 (token embeddings)."""
 
     text_keys = ("prompt_embeds", "pooled_prompt_embeds")
+    tokenizer_folders = ("tokenizer_2", "tokenizer")
 
     def __init__(self, vae, clip, tokenizer, t5, tokenizer_2, device: torch.device, dtype: torch.dtype):
         # T5 first: the order of the fingerprints in the text cache key
@@ -126,6 +127,44 @@ def forward_flops(config: dict, image_tokens: int, text_tokens: int, batch: int)
     return float(linear), float(attention)
 
 
+# FLUX.1's config sizes (flux_cp.model_config): each (smallest, largest), the largest about ten times FLUX.1 [dev]'s
+# (its transformer, the VAE, CLIP ViT-L/14's text tower, the T5 v1.1 XXL encoder)
+CONFIG_SIZES = {
+    "transformer": {
+        "patch_size": (1, 16),
+        "in_channels": (1, 640),
+        "out_channels": (1, 640),
+        "num_layers": (0, 200),
+        "num_single_layers": (0, 400),
+        "attention_head_dim": (1, 1280),
+        "num_attention_heads": (1, 240),
+        "joint_attention_dim": (1, 40960),
+        "pooled_projection_dim": (1, 7680),
+        "axes_dims_rope": (1, 1280),
+    },
+    "vae": VAE_SIZES,
+    "text_encoder": {
+        "vocab_size": (1, 494080),
+        "hidden_size": (1, 7680),
+        "intermediate_size": (1, 30720),
+        "num_hidden_layers": (1, 120),
+        "num_attention_heads": (1, 120),
+        "max_position_embeddings": (1, 770),
+        "projection_dim": (1, 7680),
+    },
+    "text_encoder_2": {
+        "vocab_size": (1, 321280),
+        "d_model": (1, 40960),
+        "d_kv": (1, 640),
+        "d_ff": (1, 102400),
+        "num_layers": (1, 240),
+        "num_heads": (1, 640),
+        "relative_attention_num_buckets": (1, 320),
+        "relative_attention_max_distance": (1, 1280),
+    },
+}
+
+
 class Flux1(Family):
     name = "flux1"
     label = "FLUX.1"
@@ -141,6 +180,7 @@ class Flux1(Family):
     comfyui_mapping = "Flux"
     known = KNOWN
     trained_text_encoder = ("text_encoder", "pooled_projections", "pooled_prompt_embeds")  # CLIP, as diffusers' example
+    config_sizes = CONFIG_SIZES
     comfyui_transformer = (
         "`transformer/` is in diffusers' layout, in shards of at most 10 GB. ComfyUI's *Load Diffusion Model* node "
         "reads one `.safetensors` file from `ComfyUI/models/diffusion_models/` and converts diffusers' key names "
@@ -164,6 +204,56 @@ class Flux1(Family):
             return super().lora_layout(fmt, state, lora, origin, guidance)
         weights = kohya.to_kohya(state, lora.rank, lora.lora_alpha)
         return weights, kohya.metadata(rank=lora.rank, alpha=lora.lora_alpha, origin=origin, guidance=guidance)
+
+    def config_rules(self, configs: dict[str, dict]) -> list[tuple[str, str, str]]:
+        t, vae, clip, t5 = (configs.get(k, {}) for k in ("transformer", "vae", "text_encoder", "text_encoder_2"))
+        out = rope_rules(t) + vae_rules(vae)
+        feeds = (
+            ("in_channels", vae, "latent_channels", 4, "4 x the VAE's latent_channels (2x2 patches)"),
+            ("joint_attention_dim", t5, "d_model", 1, "the T5 encoder's d_model (text_encoder_2)"),
+            ("pooled_projection_dim", clip, "hidden_size", 1, "the CLIP encoder's hidden_size (text_encoder)"),
+        )
+        for key, other, other_key, times, what in feeds:
+            if isinstance(other.get(other_key), int) and t.get(key) != times * other[other_key]:
+                out.append(("transformer", key, f"is {t.get(key)}, not {what}: {times * other[other_key]}"))
+        return out
+
+    def weight_shapes(self, component: str, config: dict) -> dict[str, tuple[int, ...]]:
+        c = config
+        if component == "transformer":
+            inner, head = c["num_attention_heads"] * c["attention_head_dim"], c["attention_head_dim"]
+            return {
+                "x_embedder.weight": (inner, c["in_channels"]),
+                "context_embedder.weight": (inner, c["joint_attention_dim"]),
+                "time_text_embed.text_embedder.linear_1.weight": (inner, c["pooled_projection_dim"]),
+                "proj_out.weight": (c["patch_size"] ** 2 * (c.get("out_channels") or c["in_channels"]), inner),
+                "transformer_blocks.0.attn.to_q.weight": (inner, inner),
+                "transformer_blocks.0.attn.norm_q.weight": (head,),
+                "single_transformer_blocks.0.attn.norm_q.weight": (head,),
+            }
+        if component == "vae":
+            return vae_weight_shapes(c, 4)
+        if component == "text_encoder" and isinstance(c.get("hidden_size"), int):
+            embeds = {"token_embedding": c.get("vocab_size"), "position_embedding": c.get("max_position_embeddings")}
+            return {
+                f"{prefix}embeddings.{name}.weight": (rows, c["hidden_size"])
+                for name, rows in embeds.items()
+                if isinstance(rows, int)
+                for prefix in ("text_model.", "")
+            }
+        if component == "text_encoder_2" and isinstance(c.get("vocab_size"), int) and isinstance(c.get("d_model"), int):
+            return {name: (c["vocab_size"], c["d_model"]) for name in ("shared.weight", "encoder.embed_tokens.weight")}
+        return {}
+
+    def weight_layers(self, component: str) -> tuple[tuple[str, str, bool], ...]:
+        layers = {
+            "text_encoder": (
+                ("text_model.encoder.layers.{}", "num_hidden_layers", False),
+                ("encoder.layers.{}", "num_hidden_layers", False),
+            ),
+            "text_encoder_2": (("encoder.block.{}", "num_layers", False),),
+        }
+        return layers.get(component, super().weight_layers(component))
 
     def encoder_classes(self) -> dict[str, type]:
         from diffusers import AutoencoderKL

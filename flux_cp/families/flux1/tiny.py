@@ -193,7 +193,7 @@ def ensure_tiny_pipeline(path: str | os.PathLike | None = None, kontext: bool = 
     """Return a folder holding the tiny pipeline (or its Kontext variant) in diffusers layout, building it once."""
     path = Path(path) if path else default_cache_dir(kontext)
     recipe = Recipe(f"tiny-flux1{'-kontext' if kontext else ''}-v{TINY_VERSION}",
-                    "FluxKontextPipeline" if kontext else "FluxPipeline", TRANSFORMER_CONFIG)  # fmt: skip
+                    "FluxKontextPipeline" if kontext else "FluxPipeline", TRANSFORMER_CONFIG, __file__)  # fmt: skip
     return build_once(path, lambda tmp: build_tiny_pipeline(kontext=kontext).save_pretrained(tmp), recipe)
 
 
@@ -203,7 +203,7 @@ def write_flux1_dev_full_shapes(path: str | os.PathLike, kontext: bool = False) 
     random weights): the encoding phase and validation at full size, for benchmarks without downloads. The tokenizers
     and the scheduler are the tiny folder's. `kontext`: saved as a FluxKontextPipeline."""
     recipe = Recipe(f"flux1-dev-full-shapes{'-kontext' if kontext else ''}-v{TINY_VERSION}",
-                    "FluxKontextPipeline" if kontext else "FluxPipeline", FLUX1_DEV_TRANSFORMER)  # fmt: skip
+                    "FluxKontextPipeline" if kontext else "FluxPipeline", FLUX1_DEV_TRANSFORMER, __file__)  # fmt: skip
     return build_once(Path(path), lambda tmp: _write_flux1_dev_full_shapes(tmp, kontext), recipe)
 
 
@@ -239,7 +239,7 @@ def write_flux1_dev_shapes(path: str | os.PathLike, kontext: bool = False) -> Pa
     `kontext`: the same folder as a FluxKontextPipeline (FLUX.1 Kontext [dev] has FLUX.1-dev's transformer
     config). Written like the tiny folder (`build_once`): only into a new or empty folder, or one built before."""
     recipe = Recipe(f"flux1-dev-shapes{'-kontext' if kontext else ''}-v{TINY_VERSION}",
-                    "FluxKontextPipeline" if kontext else "FluxPipeline", FLUX1_DEV_TRANSFORMER)  # fmt: skip
+                    "FluxKontextPipeline" if kontext else "FluxPipeline", FLUX1_DEV_TRANSFORMER, __file__)  # fmt: skip
     return build_once(Path(path), lambda tmp: _write_flux1_dev_shapes(tmp, kontext), recipe)
 
 

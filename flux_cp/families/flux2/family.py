@@ -25,9 +25,9 @@ from ...encode import Encoders, in_batches, truncation_line
 from ...errors import UsageError
 from ...model import load_component, load_part
 from ...terminal import printable
-from ..base import Family
+from ..base import VAE_SIZES, Family, rope_rules, vae_rules, vae_weight_shapes
 from . import recipe
-from .tiny import ensure_tiny_flux2_pipeline
+from .tiny import FLUX2_LATENT_CHANNELS, ensure_tiny_flux2_pipeline
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -119,6 +119,8 @@ class Flux2Encoders(Encoders):
     """FLUX.2's VAE (its batch-norm statistics kept in fp32) and its text encoder with tokenizer: the prompt
     embedding is three hidden layers of the language model stacked on the feature axis, as the pipeline's
     `encode_prompt` (`flux_cp.flux2_recipe.encode_prompts`)."""
+
+    tokenizer_folders = ("tokenizer",)  # its chat template too
 
     def __init__(self, vae, text_encoder, tokenizer, klein: bool, is_distilled: bool, device: torch.device,
                  dtype: torch.dtype):  # fmt: skip
@@ -224,6 +226,47 @@ COMFYUI_UNMAPPED = (
 )  # fmt: skip
 
 
+# The language models' sizes: Mistral Small 3.1 24B ([dev]) and Qwen3-8B ([klein] 9B), about ten times over
+_LM_SIZES = {
+    "vocab_size": (1, 1520000),
+    "hidden_size": (1, 51200),
+    "intermediate_size": (1, 327680),
+    "num_hidden_layers": (1, 400),
+    "num_attention_heads": (1, 320),
+    "num_key_value_heads": (1, 320),
+    "head_dim": (1, 1280),
+    "max_position_embeddings": (1, 1310720),
+}
+# FLUX.2's config sizes (flux_cp.model_config): each (smallest, largest), the largest about ten times FLUX.2 [dev]'s
+# (its transformer, the VAE, and the text encoder: [dev]'s Mistral 3 with its Pixtral vision tower, [klein]'s Qwen3)
+CONFIG_SIZES = {
+    "transformer": {
+        "patch_size": (1, 16),
+        "in_channels": (1, 1280),
+        "out_channels": (1, 1280),
+        "num_layers": (0, 100),
+        "num_single_layers": (0, 480),
+        "attention_head_dim": (1, 1280),
+        "num_attention_heads": (1, 480),
+        "joint_attention_dim": (1, 153600),
+        "timestep_guidance_channels": (1, 2560),
+        "mlp_ratio": (0.0, 40.0),
+        "axes_dims_rope": (1, 1280),
+    },
+    "vae": VAE_SIZES,
+    "text_encoder": {
+        **_LM_SIZES,
+        **{f"text_config.{k}": v for k, v in _LM_SIZES.items()},
+        "vision_config.hidden_size": (1, 10240),
+        "vision_config.num_hidden_layers": (1, 240),
+        "vision_config.num_attention_heads": (1, 160),
+        "vision_config.intermediate_size": (1, 40960),
+        "vision_config.image_size": (1, 15400),
+        "vision_config.patch_size": (1, 140),
+    },
+}
+
+
 class Flux2(Family):
     """FLUX.2 [dev] (`klein=False`) or [klein]."""
 
@@ -241,6 +284,7 @@ class Flux2(Family):
         "tested here)."
     )
     comfyui_unmapped = COMFYUI_UNMAPPED
+    config_sizes = CONFIG_SIZES
     # its blocks, and the modulation linears they share (quantized like the blocks' own)
     quantized_parts = ("transformer_blocks", "single_transformer_blocks", "double_stream_modulation_img",
                        "double_stream_modulation_txt", "single_stream_modulation")  # fmt: skip
@@ -262,6 +306,54 @@ class Flux2(Family):
 
     def embedded_default(self, pairs: bool) -> str:
         return str(ensure_tiny_flux2_pipeline(klein=self.klein))
+
+    def config_rules(self, configs: dict[str, dict]) -> list[tuple[str, str, str]]:
+        t, vae, text = (configs.get(k, {}) for k in ("transformer", "vae", "text_encoder"))
+        out = rope_rules(t) + vae_rules(vae)
+        latent = vae.get("latent_channels", FLUX2_LATENT_CHANNELS) if vae else None
+        if isinstance(latent, int) and t.get("in_channels") != 4 * latent:
+            out.append(
+                (
+                    "transformer",
+                    "in_channels",
+                    f"is {t.get('in_channels')}, not 4 x the VAE's latent_channels (2x2 patches): {4 * latent}",
+                )
+            )
+        width = (text.get("text_config") or text).get("hidden_size") if isinstance(text, dict) else None
+        if isinstance(width, int) and t.get("joint_attention_dim") != 3 * width:
+            out.append(
+                (
+                    "transformer",
+                    "joint_attention_dim",
+                    f"is {t.get('joint_attention_dim')}, not 3 x the text "
+                    f"encoder's hidden_size (three of its layers stacked): {3 * width}",
+                )
+            )
+        return out
+
+    def weight_shapes(self, component: str, config: dict) -> dict[str, tuple[int, ...]]:
+        c = config
+        if component == "transformer":
+            inner, head = c["num_attention_heads"] * c["attention_head_dim"], c["attention_head_dim"]
+            return {
+                "x_embedder.weight": (inner, c["in_channels"]),
+                "context_embedder.weight": (inner, c["joint_attention_dim"]),
+                "proj_out.weight": (c["patch_size"] ** 2 * (c.get("out_channels") or c["in_channels"]), inner),
+                "transformer_blocks.0.attn.to_q.weight": (inner, inner),
+                "transformer_blocks.0.attn.norm_q.weight": (head,),
+                "single_transformer_blocks.0.attn.norm_q.weight": (head,),
+            }
+        if component == "vae":
+            return vae_weight_shapes(c, FLUX2_LATENT_CHANNELS)
+        text = c.get("text_config") if isinstance(c.get("text_config"), dict) else c
+        if component == "text_encoder" and all(isinstance(text.get(k), int) for k in ("vocab_size", "hidden_size")):
+            names = (
+                "model.embed_tokens.weight",
+                "language_model.model.embed_tokens.weight",
+                "model.language_model.embed_tokens.weight",
+            )
+            return {name: (text["vocab_size"], text["hidden_size"]) for name in names}
+        return {}
 
     def encoder_classes(self) -> dict[str, type]:
         from diffusers import AutoencoderKLFlux2

@@ -284,7 +284,7 @@ def ensure_tiny_flux2_pipeline(path: str | os.PathLike | None = None, klein: boo
     path = Path(path) if path else default_flux2_cache_dir(klein)
     recipe = Recipe(f"tiny-flux2{'-klein' if klein else ''}-v{TINY_FLUX2_VERSION}",
                     "Flux2KleinPipeline" if klein else "Flux2Pipeline",
-                    {**TRANSFORMER_CONFIG, "guidance_embeds": not klein})  # fmt: skip
+                    {**TRANSFORMER_CONFIG, "guidance_embeds": not klein}, __file__)  # fmt: skip
     return build_once(path, lambda tmp: build_tiny_flux2_pipeline(klein=klein).save_pretrained(tmp), recipe)
 
 
@@ -296,7 +296,7 @@ def write_flux2_shapes(path: str | os.PathLike, klein: bool = False) -> Path:
     folder (`flux_cp.tiny.build_once`): only into a new or empty folder, or one built before."""
     config = FLUX2_KLEIN_4B_TRANSFORMER if klein else FLUX2_DEV_TRANSFORMER
     recipe = Recipe(f"flux2-{'klein' if klein else 'dev'}-shapes-v{TINY_FLUX2_VERSION}",
-                    "Flux2KleinPipeline" if klein else "Flux2Pipeline", config)  # fmt: skip
+                    "Flux2KleinPipeline" if klein else "Flux2Pipeline", config, __file__)  # fmt: skip
     return build_once(Path(path), lambda tmp: _write_flux2_shapes(tmp, klein), recipe)
 
 
@@ -340,7 +340,7 @@ def write_flux2_full_shapes(path: str | os.PathLike, klein: bool = False) -> Pat
     folder's."""
     config = FLUX2_KLEIN_4B_TRANSFORMER if klein else FLUX2_DEV_TRANSFORMER
     recipe = Recipe(f"flux2-{'klein' if klein else 'dev'}-full-shapes-v{TINY_FLUX2_VERSION}",
-                    "Flux2KleinPipeline" if klein else "Flux2Pipeline", config)  # fmt: skip
+                    "Flux2KleinPipeline" if klein else "Flux2Pipeline", config, __file__)  # fmt: skip
     return build_once(Path(path), lambda tmp: _write_flux2_full_shapes(tmp, klein), recipe)
 
 
