@@ -9,8 +9,7 @@ import torch.distributed as dist
 
 from .comm import group_size
 from .context import CPContext
-from .modes import DEFAULT_MODE, MODES, degree, get
-from .spec import CallSpec, name_of
+from .mode import DEFAULT_MODE, MODES, CallSpec, degree, get, name_of
 
 Tensor = torch.Tensor
 

@@ -16,7 +16,7 @@ checkpointed block's graph, which changes three things:
   graph; CUDA graphs (`--compile_mode reduce-overhead`) can then replay them, which they cannot while a
   compiled forward is called again from inside the backward;
 - the attention is not recomputed: the outputs of the CP attention op and of its sequence/head exchanges are
-  saved (the CP modes' `saved_ops`, cp/modes.py), so the backward runs no second attention forward and no second
+  saved (the CP modes' `saved_ops`, cp/mode.py), so the backward runs no second attention forward and no second
   round of exchanges.
   The attention forward is about an eighth of a 2048 px LoRA step's FLOPs (14% less step time on 2 H200s,
   docs/benchmarks.md); what it keeps is a few tensors of the attention's size per block (`flux_cp.plan` counts
@@ -34,7 +34,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from cp import Tuning
-from cp.modes import saved_ops
+from cp.mode import saved_ops
 from cp.schedule import inductor_options
 
 from .errors import UsageError

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cp.context import OVERLAPS, Tuning, refusal
 from cp.kernels import DEFAULT_PREFERENCE, KERNELS
-from cp.modes import MODES
+from cp.mode import MODES
+from cp.tuning import OVERLAPS, Tuning, refusal
 
 from . import adapters, config_file, hub
 from .checkpoint import named_folder, saved_run

@@ -14,7 +14,7 @@ import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from cp.modes import DEFAULT_MODE
+from cp.mode import DEFAULT_MODE
 
 from .errors import UsageError
 
