@@ -157,7 +157,7 @@ def init_loopback(size: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     from flux_cp.config import parse_config
-    from flux_cp.parallel import Layout
+    from flux_cp.layout import Layout
     from flux_cp.trainer import Trainer, logger
 
     cfg = parse_config(sys.argv[1:] if argv is None else argv)

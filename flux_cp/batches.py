@@ -22,9 +22,10 @@ from .pairs import PairSplit, image_segment, target_loss
 from .rng import Stream, generator
 
 if TYPE_CHECKING:
+    from flux_cp.layout import Layout
+
     from .config import DataConfig, TrainConfig
     from .families import Family
-    from .parallel import Layout
     from .prior import ClassSamples
 
 Tensor = torch.Tensor

@@ -29,6 +29,7 @@ The values computed are the same either way, for any N; only which of them are k
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
@@ -153,3 +154,35 @@ def prepare_blocks(
                 checkpoint_eager(block)
         if compile:
             block.compile(options=options)
+
+
+@dataclass(frozen=True)
+class Checkpointing:
+    """A run's `--gradient_checkpointing` and `--offload_blocks` resolved: which blocks are checkpointed, how many are
+    offloaded, and the plan behind the choice."""
+
+    blocks: range  # indices of the checkpointed blocks, in the order the blocks run
+    total: int  # blocks of the transformer
+    planned_gib: float  # the planned peak per GPU with them
+    gpu_gib: float | None  # the memory it was fitted to (None: no GPU and no --gpu_memory_gib)
+    fits: bool
+    offloaded: int = 0  # blocks offloaded (flux_cp.offload applies them)
+    host_gib: float = 0.0  # pinned host memory per process for them
+    cost: float = 1.0  # modelled step time against the whole bf16 base on the GPU with nothing recomputed
+    precision: str = "bf16"
+    setting: str = ""  # `Estimate.describe`
+    seconds: float = 0.0  # modelled seconds of a micro-step (flux_cp.speed)
+
+    def describe(self, value: str, offload: str = "0") -> str:
+        n = len(self.blocks)
+        which = "" if n in (0, self.total) else f" ({'the last' if self.blocks.start else 'the first'} {n})"
+        gpu = f" of {self.gpu_gib:.1f} GiB" if self.gpu_gib else ""
+        how = f"{value}: " if value == "auto" else ""
+        peak = f"planned peak {self.planned_gib:.1f} GiB{gpu}"
+        line = f"gradient checkpointing {how}{n} of {self.total} blocks{which}, {peak}"
+        if offload != "0":
+            line += (f"; block offload{' auto' if offload == 'auto' else ''}: {self.offloaded} of {self.total} blocks "
+                     f"({self.host_gib:.1f} GiB of pinned host memory per process)")  # fmt: skip
+        if self.precision != "bf16" or self.offloaded or n:
+            line += f"; modelled step ~{self.seconds:.2f} s (base {self.precision}, docs/small_gpus.md)"
+        return line

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 from PIL import Image
 
@@ -502,31 +501,6 @@ def crop_box(size: tuple[int, int], target: tuple[int, int], center: bool, gen: 
         left = int(torch.randint(0, rw - tw + 1, (1,), generator=gen))
         top = int(torch.randint(0, rh - th + 1, (1,), generator=gen))
     return (rw, rh), (left, top)
-
-
-# A resize to cover the target larger than this many times the target's pixels resizes the crop alone (to_pixels).
-WHOLE_RESIZE_LIMIT = 16
-
-
-def to_pixels(img: Image.Image, target: tuple[int, int], resized: tuple[int, int], offset, flip: bool) -> torch.Tensor:
-    """Resize to `resized`, crop `target` at `offset`, optionally flip; `[3, h, w]` in [-1, 1].
-
-    An extreme aspect ratio makes the cover size huge (1 x 100,000 px to a 1024 px square: 1024 x 102,400,000 px,
-    300 GB): then only the crop box, in the image's own coordinates, is resized to the target (the same bicubic
-    filter at the same positions; values within one level of resizing the whole, from floating-point rounding).
-    Ordinary images (cover size up to WHOLE_RESIZE_LIMIT times the target) are resized whole, as always."""
-    left, top = offset
-    (tw, th), (rw, rh) = target, resized
-    if rw * rh <= WHOLE_RESIZE_LIMIT * tw * th:
-        img = img.resize(resized, Image.BICUBIC)
-        img = img.crop((left, top, left + tw, top + th))
-    else:
-        sx, sy = img.width / rw, img.height / rh
-        img = img.resize(target, Image.BICUBIC, box=(left * sx, top * sy, (left + tw) * sx, (top + th) * sy))
-    if flip:
-        img = img.transpose(Image.FLIP_LEFT_RIGHT)
-    arr = np.asarray(img, dtype=np.float32) / 127.5 - 1.0
-    return torch.from_numpy(arr).permute(2, 0, 1).contiguous()
 
 
 # --- which samples make up each batch ------------------------------------------------------------------

@@ -22,12 +22,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from . import checkpoint, distributed
+from .counts import ParameterCounts, parameter_counts
 from .errors import UsageError
 from .optim import LABELS, optimizer_name, state_bytes
 
 if TYPE_CHECKING:
     from .config import Config
-    from .families import Family, ParameterCounts
+    from .families import Family
 
 GIB = 2**30
 CHECKPOINT_TENSOR_BYTES = 2048  # torch.save record of one tensor in a DCP shard file, per writing rank
@@ -66,7 +67,7 @@ def run_sizes(cfg: Config, family: Family, config: dict, model_dtype: torch.dtyp
     """`sizes` of a run with these flags, of a transformer of `config` of the model `family`: the trainer's disk
     checks and `--plan` alike."""
     lora = None if cfg.lora.full_finetune else cfg.lora.rank
-    counts = family.count_parameters(config, lora, list(cfg.lora.lora_layers), cfg.lora.adapter)
+    counts = parameter_counts(family, config, lora, list(cfg.lora.lora_layers), cfg.lora.adapter)
     return sizes(counts, cfg.lora.full_finetune, not cfg.checkpoints.checkpoint_weights_only, model_dtype, world,
                  optimizer_name(cfg.train))  # fmt: skip
 

@@ -9,14 +9,8 @@ image. `--no_cache` encodes every batch live instead (per-epoch random crops, en
 
 from __future__ import annotations
 
-import gc
 import hashlib
-import json
 import logging
-import os
-from abc import ABC, abstractmethod
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -25,13 +19,15 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
+from flux_cp.data import ImageSource, Repeats, bucket_divisor, bucket_sizes, crop_box, nearest_bucket
+from flux_cp.images import to_pixels
+
 from . import distributed, files
 from .bars import on_terminal
-from .data import ImageSource, Repeats, bucket_divisor, bucket_sizes, crop_box, nearest_bucket, to_pixels
 from .errors import UsageError
+from .families.components import component_folder, files_fingerprint, model_fingerprint
+from .families.encoders import Encoders
 from .images import DECODER_VERSION
-from .placement import Placement
-from .random_weights import WEIGHT_SUFFIXES
 from .rng import Stream, generator
 from .terminal import printable
 
@@ -44,173 +40,11 @@ Tensor = torch.Tensor
 logger = logging.getLogger("flux_cp")
 
 
-class Encoders(ABC):
-    """A model family's VAE and text encoders, as the encoding cache and the live data path use them. A family
-    subclasses it with its prompt encoding (`prompts`, returning `text_keys`, of `text_shapes`)."""
-
-    text_keys: tuple[str, ...] = ("prompt_embeds",)  # what `prompts` returns: the keys of a cached text entry
-    text_recipe: str = ""  # what else decides the prompt embeddings (e.g. the hidden layers read): in their cache key
-    tokenizer_folders: tuple[str, ...] = ()  # the model folder's tokenizers: their files' content is in the text key
-
-    def __init__(self, vae: torch.nn.Module, text_encoders: dict[str, torch.nn.Module], device: torch.device,
-                 dtype: torch.dtype):  # fmt: skip
-        self.vae, self.device, self.dtype = vae, device, dtype
-        # name -> model, in the order their fingerprints enter the text cache key
-        self.text_encoders: dict[str, torch.nn.Module] = dict(text_encoders)
-        # one component at a time on the accelerator (flux_cp.placement); the families load them into host memory
-        self.placement = Placement({"vae": vae, **self.text_encoders}, device)
-        # --vae_tiling resolved: whether the VAE encodes (training and reference images) and decodes (validation
-        # images) in tiles (flux_cp.encoding_memory.vae_tiling_choice)
-        self.tiled_encode = self.tiled_decode = False
-
-    @abstractmethod
-    def prompts(self, captions: list[str], max_sequence_length: int) -> dict[str, Tensor]:
-        """The captions' encodings `{name: [B, ...]}`, named as the pipeline's arguments (`text_keys`)."""
-
-    @abstractmethod
-    def text_shapes(self, max_sequence_length: int) -> dict[str, tuple[int, ...]]:
-        """The shape of each of one caption's encodings (`text_keys`): what a usable cache entry holds."""
-
-    @torch.no_grad()
-    def latents(self, pixels: Tensor) -> tuple[Tensor, Tensor]:
-        """Mean and std of the VAE latent distribution (fp32, before any normalisation)."""
-        with self.placement.use("vae"), self.vae_tiles(self.tiled_encode):
-            dist_ = self.vae.encode(pixels.to(self.device, self.vae.dtype)).latent_dist
-            return dist_.mean.float(), dist_.std.float()
-
-    @contextmanager
-    def vae_tiles(self, tiled: bool) -> Iterator[None]:
-        """The VAE in tiles (diffusers' `use_tiling`: tiles that overlap and blend) or whole, for the body."""
-        before = getattr(self.vae, "use_tiling", False)
-        self.vae.use_tiling = tiled
-        try:
-            yield
-        finally:
-            self.vae.use_tiling = before
-
-    def latent_shape(self, size: tuple[int, int]) -> tuple[int, ...]:
-        """`[C, h, w]` of the latent distribution's mean (and std) of an image of `size` (w, h)."""
-        config = self.vae.config
-        factor = 2 ** (len(config.block_out_channels) - 1)
-        return (config.latent_channels, size[1] // factor, size[0] // factor)
-
-    def truncation_warnings(self, captions: list[str], max_sequence_length: int) -> list[str]:
-        """One line per window of the prompt encoding that cuts captions, saying how many it cuts."""
-        return []
-
-    def trained_text(self, module: torch.nn.Module, captions: list[str]) -> Tensor:
-        """The output of the text encoder `module` (being trained, --train_text_encoder) for `captions`, with its
-        gradients: what the family's `trained_text_encoder` feeds the transformer."""
-        raise NotImplementedError(f"{type(self).__name__} trains no text encoder")
-
-    def free_text_encoders(self, keep: tuple[str, ...] = ()) -> None:
-        """Free the text encoders but those named in `keep` (one being trained), which leave the placement for the
-        accelerator: they run in every step from here."""
-        for name in list(self.text_encoders):
-            self.placement.forget(name)
-            if name in keep:
-                self.text_encoders[name].to(self.device)
-            else:
-                del self.text_encoders[name]
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-
-
-def truncation_line(lengths: list[int], limit: int, window: str, remedy: str) -> str | None:
-    """`warning: N of M captions do not fit in <window> ...` for captions of `lengths` tokens in a window of `limit`
-    (None: every caption fits)."""
-    over = [n for n in lengths if n > limit]
-    if not over:
-        return None
-    return (
-        f"warning: {len(over)} of {len(lengths)} captions do not fit in {window} and are cut there (the longest needs "
-        f"{max(over)} tokens): {remedy}"
-    )
-
-
-# A component's weight files are identified by content: where the hub cache holds them, by their blob's name (the
-# content's SHA-256); elsewhere by their size, their safetensors header (names, shapes, dtypes, offsets) and
-# FINGERPRINT_BLOCKS blocks of FINGERPRINT_BLOCK bytes spread through each file: a copied folder keeps its identity,
-# weights saved again (any training changes them all) get another. Hashing every byte of tens of GB at each start
-# would cost tens of seconds.
-FINGERPRINT_BLOCKS = 64
-FINGERPRINT_BLOCK = 64 * 1024
-
-
-def component_folder(path: str, subfolder: str, revision: str | None, cache_dir: str | None = None) -> Path | None:
-    """The local folder of a model component: `path/subfolder` of a model folder, or the hub cache's snapshot of a hub
-    id (no network: it was just loaded from there); None when there is none."""
-    if os.path.isdir(path):
-        folder = Path(path) / subfolder
-        return folder if folder.is_dir() else None
-    try:
-        from huggingface_hub import snapshot_download
-
-        root = snapshot_download(path, revision=revision, cache_dir=cache_dir, local_files_only=True,
-                                 allow_patterns=[f"{subfolder}/*"])  # fmt: skip
-    except Exception:  # noqa: BLE001 - not in the cache: the component is identified by its config alone
-        return None
-    folder = Path(root) / subfolder
-    return folder if folder.is_dir() else None
-
-
-def weights_fingerprint(folder: Path | None) -> str:
-    """The content identity of the weight files in `folder` ("" for none; see FINGERPRINT_BLOCKS)."""
-    if folder is None:
-        return ""
-    h = hashlib.sha256()
-    for file in sorted(p for p in folder.iterdir() if p.name.endswith(WEIGHT_SUFFIXES) and p.is_file()):
-        real = Path(os.path.realpath(file))
-        h.update(f"{file.name}\0".encode())
-        if real.parent.name == "blobs":  # huggingface_hub's cache: the blob is named by its content's hash
-            h.update(real.name.encode())
-            continue
-        size = real.stat().st_size
-        h.update(f"{size}\0".encode())
-        with open(real, "rb") as f:
-            if file.suffix == ".safetensors" and size >= 8:
-                n = min(int.from_bytes(f.read(8), "little"), size - 8, 64 * 2**20)
-                h.update(f.read(n))
-            for k in range(FINGERPRINT_BLOCKS):
-                f.seek(size * k // FINGERPRINT_BLOCKS)
-                h.update(f.read(FINGERPRINT_BLOCK))
-    return h.hexdigest()[:16]
-
-
-def model_fingerprint(module: torch.nn.Module, folder: Path | None) -> str:
-    """Identifies a component: its config (what it computes) and the content of its weight files in `folder`
-    (`component_folder`; `weights_fingerprint`). Neither the path it was loaded from nor the files' times."""
-    h = hashlib.sha256()
-    cfg = getattr(module, "config", None)
-    if cfg is not None:
-        d = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg)
-        for key in ("_name_or_path", "_commit_hash", "transformers_version", "_diffusers_version"):
-            d.pop(key, None)
-        h.update(json.dumps(d, sort_keys=True, default=str).encode())
-    h.update(weights_fingerprint(folder).encode())
-    return h.hexdigest()[:16]
-
-
 def component_fingerprints(encoders: Encoders, path: str, revision: str | None, cache_dir: str | None = None
                            ) -> dict[str, str]:  # fmt: skip
     """{component: fingerprint} of the VAE and every text encoder (named as the model folder's subfolders)."""
     parts = {"vae": encoders.vae, **encoders.text_encoders}
     return {name: model_fingerprint(m, component_folder(path, name, revision, cache_dir)) for name, m in parts.items()}
-
-
-def files_fingerprint(folder: Path | None) -> str:
-    """The content of every file in `folder` (a tokenizer's vocabulary, merges, chat template: small), hashed whole;
-    "" for none."""
-    if folder is None:
-        return ""
-    h = hashlib.sha256()
-    for file in sorted(p for p in folder.iterdir() if p.is_file()):
-        h.update(f"{file.name}\0".encode())
-        with open(file, "rb") as f:
-            while block := f.read(2**20):
-                h.update(block)
-    return h.hexdigest()[:16]
 
 
 def tokenizer_fingerprints(encoders: Encoders, path: str, revision: str | None, cache_dir: str | None = None) -> str:
@@ -543,17 +377,6 @@ def encode_dataset(
 # Captions encoded per call of `Encoders.prompts` while caching (each text encoder goes to the accelerator once per
 # call), and per forward of a text encoder within it (its activations: flux_cp.encoding_memory).
 TEXT_CHUNK = 256
-TEXT_BATCH = 16
-
-
-def in_batches(encode, captions: list[str], size: int = TEXT_BATCH) -> dict[str, Tensor]:
-    """`encode(batch)` ({name: [b, ...]}) of `captions` in batches of `size`, concatenated: where they are for one
-    batch, in host memory for several (a chunk's encodings would take the accelerator's room: 1 GiB for 256
-    captions of T5-XXL at 512 tokens)."""
-    if len(captions) <= size:
-        return encode(captions)
-    parts = [{n: t.cpu() for n, t in encode(captions[i : i + size]).items()} for i in range(0, len(captions), size)]
-    return {name: torch.cat([p[name] for p in parts]) for name in parts[0]}
 
 
 def _encode_texts(encoders: Encoders, pending: dict[str, str], max_len: int, cache_dir: Path) -> int:

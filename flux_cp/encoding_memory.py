@@ -22,7 +22,9 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .encode import TEXT_BATCH, component_folder
+from flux_cp.families.components import component_folder
+from flux_cp.families.encoders import TEXT_BATCH
+
 from .errors import UsageError
 
 if TYPE_CHECKING:
@@ -294,7 +296,7 @@ def trained_text_encoders(cfg: Config, family) -> tuple[str, ...]:
 
 
 def configure(cfg: Config, encoders, device, training_fixed: float, trained: tuple[str, ...] = ()) -> EncodingPlan:
-    """Apply the plan to loaded encoders (flux_cp.encode.Encoders): stream the text encoders it streams (never one
+    """Apply the plan to loaded encoders (`Encoders`): stream the text encoders it streams (never one
     in `trained`, which trains whole on the accelerator), set the VAE's tiling for encoding and for decoding, keep
     every component on the accelerator for --no_cache; log the choices and warn when the encoding phase's planned peak
     exceeds the GPU."""
@@ -329,7 +331,7 @@ def plan_from_configs(cfg: Config, shape: RunShape, gpu_bytes: float | None,
     from accelerate import init_empty_weights
     from huggingface_hub.errors import StrictDataclassError
 
-    from .model import cause
+    from flux_cp.families.components import cause
 
     model = cfg.model
     dtype = torch.float32 if cfg.train.mixed_precision == "no" else torch.bfloat16

@@ -4,7 +4,6 @@ LoRA files are written by flux_cp.lora)."""
 
 from __future__ import annotations
 
-import inspect
 import logging
 import os
 from pathlib import Path
@@ -13,12 +12,14 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors.torch import load_file
 
+from flux_cp.families.components import component_folder, model_fingerprint
+
 from . import distributed, files, network_weights
-from .encode import component_folder, model_fingerprint
 from .errors import UsageError
+from .families.components import load_component
 from .lora import add_lora
 from .precision import quantize_base
-from .random_weights import build_random, has_weight_files, name_seed
+from .random_weights import build_random, name_seed
 
 if TYPE_CHECKING:
     from .config import Config, LoraConfig, ModelConfig
@@ -26,89 +27,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("flux_cp")
 
 Tensor = torch.Tensor
-
-
-def pipeline_class(path: str, revision: str | None, cache_dir: str | None = None) -> str | None:
-    """The pipeline class a model folder or hub id declares in model_index.json (e.g. FluxKontextPipeline);
-    None when there is none to read (a bare transformer folder, no network). `cache_dir`: the download cache."""
-    from diffusers import DiffusionPipeline
-
-    try:
-        config = DiffusionPipeline.load_config(path, revision=revision, cache_dir=cache_dir)
-    except (OSError, ValueError):
-        return None
-    return config.get("_class_name") if isinstance(config, dict) else None
-
-
-def load_component(cls, path: str, subfolder: str, revision: str | None, **kwargs):
-    """`cls.from_pretrained` of one component (subfolder) of the model at `path`; kwargs go to it (`cache_dir`: the
-    download cache, --cache_dir). A failure is one UsageError line."""
-    from huggingface_hub.errors import StrictDataclassError
-    from safetensors import SafetensorError
-
-    try:
-        return cls.from_pretrained(path, subfolder=subfolder, revision=revision, **kwargs)
-    # What a damaged or foreign folder raises from inside the libraries (a weight of another shape, a config of
-    # sizes that do not fit together or of a wrong type, a damaged file): one line naming the component
-    except (
-        OSError,
-        ValueError,
-        RuntimeError,
-        TypeError,
-        IndexError,
-        KeyError,
-        ZeroDivisionError,
-        SafetensorError,
-        StrictDataclassError,
-    ) as e:
-        raise UsageError(f"cannot load {subfolder} from --pretrained_model_name_or_path {path}: {cause(e)}") from None
-
-
-def cause(e: BaseException) -> str:
-    """An error's message on one line: its first line, with the next when the first only introduces it (ends in
-    ':')."""
-    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()] or [type(e).__name__]
-    return " ".join(lines[:2]) if lines[0].endswith(":") and len(lines) > 1 else lines[0]
-
-
-def load_part(cls, path: str, subfolder: str, model: ModelConfig, weights_dtype: torch.dtype, **kwargs):
-    """A component other than the transformer (VAE, text encoder) into host memory: `load_component`, or with
-    `--transformer_init random` and a component folder holding a config but no weight files (the full-size shapes
-    presets of flux_cp.tiny) built from that config with random weights in `weights_dtype`, the same in every run
-    (flux_cp.random_weights)."""
-    if model.transformer_init == "random":
-        folder = component_folder(path, subfolder, model.revision, model.cache_dir)
-        if folder is not None and (folder / "config.json").is_file() and not has_weight_files(folder):
-            if hasattr(cls, "config_class"):  # transformers
-                config = cls.config_class.from_pretrained(folder)
-            else:
-                config = dict(cls.load_config(folder))
-            logger.info(f"{subfolder}: no weights in {folder}, built from its config with random weights")
-            return build_random(cls, config, weights_dtype, torch.device("cpu"), name_seed(subfolder))
-    return load_component(cls, path, subfolder, model.revision, **kwargs)
-
-
-def transformer_config(path: str, cls: type, revision: str | None, cache_dir: str | None) -> dict:
-    """The transformer's config.json (of diffusers class `cls`), with the class's defaults for what it leaves out (as
-    the model gets them)."""
-    try:
-        config = cls.load_config(path, subfolder="transformer", revision=revision, cache_dir=cache_dir)
-    except (OSError, ValueError) as e:
-        first = str(e).splitlines()[0]
-        raise UsageError(f"cannot load transformer from --pretrained_model_name_or_path {path}: {first}") from None
-    if not isinstance(config, dict):
-        kind = type(config).__name__
-        raise UsageError(
-            f"--pretrained_model_name_or_path {path}: its transformer/config.json is a JSON {kind}, not an object of "
-            "settings"
-        )
-    return with_class_defaults(dict(config), cls)
-
-
-def with_class_defaults(config: dict, cls: type) -> dict:
-    """`config` with `cls`'s defaults for the arguments it leaves out."""
-    parameters = inspect.signature(cls.__init__).parameters.values()
-    return {**{p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty}, **config}
 
 
 def load_transformer(model: ModelConfig, path: str, cls: type, dtype: torch.dtype, device: torch.device, seed: int):

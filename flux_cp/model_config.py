@@ -20,7 +20,8 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .encode import component_folder
+from flux_cp.families.components import component_folder
+
 from .errors import UsageError
 from .terminal import printable
 

@@ -31,7 +31,7 @@ from . import checkpoint, distributed, files, manifest, resume, roles
 from .config import DEFAULT_ENCODINGS_DIR
 from .data import BUNDLED_DATA, encodings_folder
 from .errors import UsageError
-from .prior import check_resume as check_prior_resume
+from .resume import check_prior_resume
 
 if TYPE_CHECKING:
     from .config import Config

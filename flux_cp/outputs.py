@@ -25,9 +25,10 @@ from .model import full_state_dict, save_full
 from .summary import summary
 
 if TYPE_CHECKING:
+    from flux_cp.layout import Layout
+
     from .config import Config
     from .faults import Fault
-    from .parallel import Layout
     from .shape import RunShape
 
 logger = logging.getLogger("flux_cp")
@@ -38,17 +39,6 @@ def base_weights(cfg: Config) -> str:
     if cfg.model.transformer_init == "random":
         return f"random-initialised from the config (seed {cfg.train.seed}), not the pretrained weights"
     return "pretrained"
-
-
-@dataclass
-class Previews:
-    """What validation images need once the text encoders are freed: the VAE (in `encoders`), the scheduler's
-    config, the validation prompts' encodings and, for pairs, the pipeline's arguments for the reference they edit."""
-
-    encoders: Any
-    scheduler_config: dict
-    embeds: dict[str, torch.Tensor]
-    reference: dict | None = None
 
 
 @dataclass
@@ -69,7 +59,7 @@ class Outputs:
     run_identity: dict
     fault: Fault
     steps: int  # the run's last step
-    previews: Previews | None  # None: no --validation_prompt
+    previews: validation.Previews | None  # None: no --validation_prompt
     save: Callable[[int], None] | None = None
     hub_repo_id: str | None = None  # the Hub repository the outputs were pushed to (rank 0)
     state_model: torch.nn.Module | None = None  # what checkpoints hold of the weights (default: `model`)

@@ -27,8 +27,9 @@ import cp
 from cp.kernels import KERNELS
 from cp.ulysses import used_chunks
 
-from .blocks import compiled, prepare_blocks, uses_cuda_graphs
+from .blocks import Checkpointing, compiled, prepare_blocks, uses_cuda_graphs
 from .errors import UsageError
+from .layout import Layout, cp_group_ranks
 from .model import trainable_parameters
 from .offload import (
     BlockOffload,
@@ -39,45 +40,12 @@ from .offload import (
     offload_blocks,
     offload_count,
 )
-from .plan import Checkpointing
 
 if TYPE_CHECKING:
     from .config import Config, ParallelConfig, TrainConfig, ValidationConfig
     from .shape import RunShape
 
 logger = logging.getLogger("flux_cp")
-
-
-@dataclass
-class Layout:
-    """This process's place in the dp x cp grid (from the run shape). `rank` is the process rank (the LoRA rank is
-    `LoraConfig.rank`). `cp_context`: the CP group with its mode, timeout and tuning (`cp.CPContext`), built once by
-    `make_layout`; one in the default mode (`cp.DEFAULT_MODE`) with the default tuning when not given."""
-
-    world: int
-    rank: int
-    cp: int
-    dp: int
-    dp_rank: int
-    cp_rank: int
-    cp_group: dist.ProcessGroup | None
-    cp_context: cp.CPContext | None = None
-
-    def __post_init__(self) -> None:
-        if self.cp_context is None:
-            self.cp_context = cp.CPContext(self.cp_group)
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    def describe(self) -> str:
-        return f"world {self.world} = dp {self.dp} x cp {self.cp}"
-
-
-def cp_group_ranks(world: int, cp_size: int) -> list[list[int]]:
-    """The global ranks of every CP group: neighbouring ranks, the data sampler's `dp_rank = rank // cp`."""
-    return [list(range(d * cp_size, (d + 1) * cp_size)) for d in range(world // cp_size)]
 
 
 def make_accelerator(parallel: ParallelConfig, train: TrainConfig, validation: ValidationConfig, shape: RunShape):

@@ -46,7 +46,8 @@ import torch
 from cp import MODES
 
 from . import adapters, diskspace, encoding_memory, speed
-from .blocks import attention_recomputed, check_counts, checkpointed_blocks, compiled
+from .blocks import Checkpointing, attention_recomputed, check_counts, checkpointed_blocks, compiled
+from .counts import parameter_counts
 from .errors import UsageError
 from .families import for_transformer
 from .offload import OffloadPlan, available_host_memory, offload_count, plan_offload
@@ -157,7 +158,7 @@ def count_parameters(
     config: dict, lora_rank: int | None, lora_layers: list[str], adapter: str = "lora"
 ) -> tuple[int, int, int]:
     """(all base parameters, trainable parameters, parameters of the largest block), exact, on the meta device."""
-    c = for_transformer(config).count_parameters(config, lora_rank, lora_layers, adapter)
+    c = parameter_counts(for_transformer(config), config, lora_rank, lora_layers, adapter)
     return c.base, c.trainable, c.largest_block
 
 
@@ -245,7 +246,7 @@ def estimate(
     FLOPs of the speed model; `adapter`: --adapter's kind (its trainable parameters); `how`: the blocks' execution
     mode for the speed model (default: `compiled`'s, without CUDA graphs)."""
     family = family or for_transformer(config)
-    counts = family.count_parameters(config, lora_rank, lora_layers, adapter)
+    counts = parameter_counts(family, config, lora_rank, lora_layers, adapter)
     trainable, block = counts.trainable, counts.largest_block
     fsdp = world > 1 if fsdp is None else fsdp
     shard = world if fsdp else 1
@@ -412,38 +413,6 @@ def offload_options(value: str, allowed: bool, base: FrozenBase | None) -> list[
     if not allowed or base is None:
         return [0]
     return [0] + [k for k in range(1, len(base.blocks) + 1) if plan_offload(base.kinds, base.blocks, k).saved_bytes > 0]
-
-
-@dataclass(frozen=True)
-class Checkpointing:
-    """A run's `--gradient_checkpointing` and `--offload_blocks` resolved: which blocks are checkpointed, how many are
-    offloaded, and the plan behind the choice."""
-
-    blocks: range  # indices of the checkpointed blocks, in the order the blocks run
-    total: int  # blocks of the transformer
-    planned_gib: float  # the planned peak per GPU with them
-    gpu_gib: float | None  # the memory it was fitted to (None: no GPU and no --gpu_memory_gib)
-    fits: bool
-    offloaded: int = 0  # blocks offloaded (flux_cp.offload applies them)
-    host_gib: float = 0.0  # pinned host memory per process for them
-    cost: float = 1.0  # modelled step time against the whole bf16 base on the GPU with nothing recomputed
-    precision: str = "bf16"
-    setting: str = ""  # `Estimate.describe`
-    seconds: float = 0.0  # modelled seconds of a micro-step (flux_cp.speed)
-
-    def describe(self, value: str, offload: str = "0") -> str:
-        n = len(self.blocks)
-        which = "" if n in (0, self.total) else f" ({'the last' if self.blocks.start else 'the first'} {n})"
-        gpu = f" of {self.gpu_gib:.1f} GiB" if self.gpu_gib else ""
-        how = f"{value}: " if value == "auto" else ""
-        peak = f"planned peak {self.planned_gib:.1f} GiB{gpu}"
-        line = f"gradient checkpointing {how}{n} of {self.total} blocks{which}, {peak}"
-        if offload != "0":
-            line += (f"; block offload{' auto' if offload == 'auto' else ''}: {self.offloaded} of {self.total} blocks "
-                     f"({self.host_gib:.1f} GiB of pinned host memory per process)")  # fmt: skip
-        if self.precision != "bf16" or self.offloaded or n:
-            line += f"; modelled step ~{self.seconds:.2f} s (base {self.precision}, docs/small_gpus.md)"
-        return line
 
 
 def run_estimate(cfg: Config, shape: RunShape) -> Callable[..., Estimate]:

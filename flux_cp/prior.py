@@ -42,9 +42,11 @@ from .rng import Stream, generator
 from .validation import render
 
 if TYPE_CHECKING:
-    from .config import Config, DataConfig
-    from .encode import Encoders, TrainingData
-    from .parallel import Layout
+    from flux_cp.encode import TrainingData
+    from flux_cp.families.encoders import Encoders
+    from flux_cp.layout import Layout
+
+    from .config import Config
     from .shape import RunShape
 
 logger = logging.getLogger("flux_cp")
@@ -140,7 +142,7 @@ def class_key(
     """What rendered the generated class images, as a key: the model (the transformer's config and weights' content,
     the other components' fingerprints), the class prompt and its text tokens, the size, the seed, the precision and
     the scheduler."""
-    from .encode import component_folder, weights_fingerprint
+    from flux_cp.families.components import component_folder, weights_fingerprint
 
     model, data = cfg.model, cfg.data
     config = {k: v for k, v in (getattr(shape, "transformer_config", None) or {}).items() if not k.startswith("_")}
@@ -176,27 +178,6 @@ def check_generated_folder(folder: Path) -> None:
             f"--class_data_dir {folder}: {GENERATED}/ holds files flux-cp did not write (no {MARKER}), and flux-cp "
             f"writes the class images it generates there: rename that folder, or give --num_class_images at most the "
             "number of class images the folder holds"
-        )
-
-
-def check_resume(meta: dict, data: DataConfig, path: Path) -> None:
-    """Before anything is generated: a resume needs the class images its checkpoint trained with. A checkpoint of
-    a run without prior preservation, or with another number of class images, is refused, naming the counts."""
-    if not data.with_prior_preservation:
-        return
-    run, args = meta.get("run", {}), meta.get("args", {})
-    if run.get("prior") is None:
-        raise UsageError(
-            f"--resume_from_checkpoint {path} was trained without --with_prior_preservation: resume it without it, "
-            "or start a new --output_dir"
-        )
-    rows = run.get("prior_files")
-    count = len(rows) if isinstance(rows, list) else args.get("num_class_images")
-    if isinstance(count, int) and count != data.num_class_images:
-        raise UsageError(
-            f"--resume_from_checkpoint {path} was trained with {count} class images, and this run asks for "
-            f"--num_class_images {data.num_class_images}: resume with --num_class_images {count} (nothing is "
-            "generated), or start a new --output_dir"
         )
 
 

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from . import compiling, plan, speed
+from .blocks import Checkpointing
 from .precision import INSTALL, PACKAGES, PRECISIONS
 
 if TYPE_CHECKING:
@@ -41,7 +42,7 @@ class Setting:
     cp: int
     world: int
     samples: int  # per optimizer step
-    chosen: plan.Checkpointing  # the blocks checkpointed and offloaded, the planned peak, the modelled step
+    chosen: Checkpointing  # the blocks checkpointed and offloaded, the planned peak, the modelled step
     fits: bool
 
     @property

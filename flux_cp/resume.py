@@ -39,7 +39,7 @@ from .optim import optimizer_name
 from .terminal import printable
 
 if TYPE_CHECKING:
-    from .config import Config
+    from .config import Config, DataConfig
     from .data import DataIdentity
 
 logger = logging.getLogger("flux_cp")
@@ -511,3 +511,24 @@ def restore(path: Path, meta: dict, cfg: Config, model, optimizer, lr_scheduler,
             "zero, so the next steps differ from an uninterrupted run"
         )
     return meta["step"]
+
+
+def check_prior_resume(meta: dict, data: DataConfig, path: Path) -> None:
+    """Before anything is generated: a resume needs the class images its checkpoint trained with. A checkpoint of
+    a run without prior preservation, or with another number of class images, is refused, naming the counts."""
+    if not data.with_prior_preservation:
+        return
+    run, args = meta.get("run", {}), meta.get("args", {})
+    if run.get("prior") is None:
+        raise UsageError(
+            f"--resume_from_checkpoint {path} was trained without --with_prior_preservation: resume it without it, "
+            "or start a new --output_dir"
+        )
+    rows = run.get("prior_files")
+    count = len(rows) if isinstance(rows, list) else args.get("num_class_images")
+    if isinstance(count, int) and count != data.num_class_images:
+        raise UsageError(
+            f"--resume_from_checkpoint {path} was trained with {count} class images, and this run asks for "
+            f"--num_class_images {data.num_class_images}: resume with --num_class_images {count} (nothing is "
+            "generated), or start a new --output_dir"
+        )

@@ -11,6 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from flux_cp.families.components import pipeline_class
+from flux_cp.model import load_scheduler
+
 from . import encoding_memory, plan, validation
 from .data import (
     BatchSchedule,
@@ -34,16 +37,16 @@ from .encode import (
 )
 from .errors import UsageError
 from .metrics import peak_memory_gib
-from .model import load_scheduler, pipeline_class
-from .outputs import Previews
 from .prior import ClassSamples, class_source, generate_class_images, generated_folder
 from .shape import RunShape, check_tokens
+from .validation import Previews
 
 if TYPE_CHECKING:
     import torch
 
+    from flux_cp.layout import Layout
+
     from .config import Config
-    from .parallel import Layout
 
 logger = logging.getLogger("flux_cp")
 

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 import torch
 
 import cp
+from flux_cp.families.components import transformer_config, with_class_defaults
+from flux_cp.model import check_seed_checkpoint
 
 from . import hub, network_weights
 from .blocks import check_counts
@@ -25,7 +27,6 @@ from .data import check_pair_flags, check_reference_limit, local_metadata, refer
 from .encode import run_buckets
 from .errors import UsageError
 from .families import FLUX1, Family, detect, for_transformer, known_model, known_models
-from .model import check_seed_checkpoint, transformer_config, with_class_defaults
 from .model_config import check_model
 from .offload import check_offload
 from .optim import check_optimizer

@@ -5,7 +5,7 @@
            + what offload's copies and FSDP2's all-gathers add where the compute beside them does not hide them
 
 A block's pass costs its linear layers' FLOPs at `matmul_tflops`, its attention's at `attention_tflops` (the backward
-2.5x the forward's FLOPs: flux_cp.metrics.step_flops), its elementwise work (norms, RoPE, modulation, activations,
+2.5x the forward's FLOPs: families/flops.py), its elementwise work (norms, RoPE, modulation, activations,
 residuals: per token and hidden feature, `elementwise_ps`), the dequantization of a quantized base per weight
 (`dequant_ms_per_gweight`) and a fixed `pass_ms`. What compiling changes is per execution mode: `eager`, `compiled`
 (--compile) and `graphs` (CUDA graphs, --compile_mode reduce-overhead); the matrix products and the attention kernel
@@ -35,7 +35,7 @@ MODES = ("eager", "compiled", "graphs")
 CLASSES = ("h100", "h200", "rtx4090")  # the files of speed_data/
 DATA = Path(__file__).parent / "speed_data"
 # The attention backward's FLOPs against its forward's: 4 matmuls of the forward's 2, and the scores again inside
-# flash-style kernels (flux_cp.metrics.step_flops counts it the same way).
+# flash-style kernels (flux_cp.families.flops.step_flops counts it the same way).
 ATTENTION_BACKWARD = 2.5
 # GPU names (torch.cuda.get_device_name) to classes: the first entry contained in the name wins.
 NAMES = (("H200", "h200"), ("GH200", "h200"), ("H100", "h100"), ("4090", "rtx4090"))

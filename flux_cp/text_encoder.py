@@ -20,8 +20,9 @@ from .errors import UsageError
 from .rng import Stream, generator
 
 if TYPE_CHECKING:
+    from flux_cp.families.encoders import Encoders
+
     from .config import LoraConfig
-    from .encode import Encoders
 
 Tensor = torch.Tensor
 

@@ -48,6 +48,8 @@ from .config import Config
 from .data import ImageSource, open_source
 from .ema import EMA
 from .errors import UsageError
+from .families.flops import NO_FLOPS, StepFlops
+from .layout import Layout
 from .model import load_trainee, transformer_fingerprint
 from .outputs import Outputs
 from .profiling import profiled
@@ -71,7 +73,7 @@ class StepResult:
     skipped: torch.Tensor
     lr: float  # the schedule's LR after this step, as diffusers' examples log it
     tokens: int
-    flops: metrics.StepFlops
+    flops: StepFlops
     end: Any  # metrics.StepTimer.mark() after the step's update
 
 
@@ -110,7 +112,7 @@ class Trainer:
     shape: RunShape
     tuning: Any  # cp.Tuning: the CP tuning this device and model run
     accelerator: Any
-    layout: parallel.Layout
+    layout: Layout
     device: torch.device
     weight_dtype: torch.dtype  # the frozen weights' and the inputs' dtype (mixed precision)
     sizes: diskspace.Sizes  # of one checkpoint and of the final model, from parameter counts
@@ -127,7 +129,7 @@ class Trainer:
     text: TrainedTextEncoder | None  # --train_text_encoder: the text encoder's LoRA, trained beside the transformer
     ema: EMA | None  # --use_ema: the EMA of every trained weight
     state_model: torch.nn.Module  # what checkpoints hold the weights of: the model, and the text encoder beside it
-    checkpointing: plan.Checkpointing  # --gradient_checkpointing resolved: which blocks recompute
+    checkpointing: blocks.Checkpointing  # --gradient_checkpointing resolved: which blocks recompute
     compile_guard: compiling.FirstStep | None  # compiled blocks: their first step, which falls back to eager ones
     compile_time: compiling.CompileTime
     max_steps: int
@@ -151,7 +153,7 @@ class Trainer:
     def launched_world_size(self) -> int:
         return launched_world_size()
 
-    def make_layout(self, accelerator) -> parallel.Layout:
+    def make_layout(self, accelerator) -> Layout:
         """The layout and its CP context, in the mode and with the tuning decided in `setup`."""
         return parallel.make_layout(accelerator, self.shape, self.cfg.parallel.collective_timeout, self.tuning)
 
@@ -472,7 +474,7 @@ class Trainer:
         cfg, accelerator, model, family = self.cfg, self.accelerator, self.model, self.shape.family
         accum = cfg.train.gradient_accumulation_steps
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
-        tokens, flops = 0, metrics.NO_FLOPS
+        tokens, flops = 0, NO_FLOPS
         recomputed = len(self.checkpointing.blocks) / self.checkpointing.total  # share of the blocks
         samples = self.data.global_batch * cfg.data.samples_per_slot  # with their class images (prior preservation)
         for micro in range(accum):

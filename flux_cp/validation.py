@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,10 +21,11 @@ from . import distributed, files, manifest
 from .data import ImageSource, Sample, crop_box
 
 if TYPE_CHECKING:
+    from flux_cp.families.encoders import Encoders
+    from flux_cp.layout import Layout
+
     from .config import ValidationConfig
-    from .encode import Encoders
     from .families import Family
-    from .parallel import Layout
 
 
 def _grid(images: list[np.ndarray], columns: int) -> Image.Image:
@@ -147,3 +149,14 @@ def save_and_log(
             prompts = [p for p in validation.validation_prompt for _ in range(validation.num_validation_images)]
             tracker.log({"validation": [wandb.Image(im, caption=c) for im, c in zip(images, prompts)]}, step=step)
     return path
+
+
+@dataclass
+class Previews:
+    """What validation images need once the text encoders are freed: the VAE (in `encoders`), the scheduler's
+    config, the validation prompts' encodings and, for pairs, the pipeline's arguments for the reference they edit."""
+
+    encoders: Any
+    scheduler_config: dict
+    embeds: dict[str, torch.Tensor]
+    reference: dict | None = None

@@ -13,7 +13,7 @@ from flux_cp.batches import Batches
 from flux_cp.config import DataConfig, TrainConfig
 from flux_cp.data import BatchSchedule
 from flux_cp.families import FLUX1
-from flux_cp.parallel import Layout
+from flux_cp.layout import Layout
 
 C, H, W, L, D = 4, 8, 12, 8, 32  # latent channels and size, text tokens and width
 

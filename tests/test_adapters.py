@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 from flux_cp import adapters
 from flux_cp.config import parse_config
+from flux_cp.counts import parameter_counts
 from flux_cp.families import FLUX1, FLUX2, of_model
 from flux_cp.shape import resolved
 from tests.launch import comfy_apply, comfy_flux2_key_map, comfy_flux2_weights, comfy_lokr_diff, comfy_lora_prefixes
@@ -259,7 +260,7 @@ def test_the_planner_counts_the_trainable_parameters_the_trainer_adds(family, ad
     cfg = _cfg(family, "--adapter", adapter, "--rank", "4", config=config)
     _trained(model, cfg)
     params = trainable_parameters(model)
-    counts = of_model(model).count_parameters(config, 4, list(cfg.lora.lora_layers), adapter)
+    counts = parameter_counts(of_model(model), config, 4, list(cfg.lora.lora_layers), adapter)
     assert (counts.trainable, counts.trainable_tensors) == (sum(p.numel() for _, p in params), len(params))
 
 

@@ -15,6 +15,7 @@ from diffusers.optimization import get_scheduler
 
 from flux_cp import checkpoint, diskspace, resume
 from flux_cp.config import LoraConfig
+from flux_cp.counts import parameter_counts
 from flux_cp.errors import UsageError
 from flux_cp.families import FLUX1
 from flux_cp.families.flux1 import DEFAULT_TARGETS
@@ -50,7 +51,7 @@ def _save(out: Path, step: int, model, opt, sched, **kw) -> Path:
 @pytest.mark.parametrize("full", [False, True], ids=["lora", "full"])
 def test_sizes_known_in_advance_match_what_is_written(tmp_path, full):
     model, opt, sched = _trained(full=full)
-    counts = FLUX1.count_parameters(TRANSFORMER_CONFIG, None if full else 4, list(DEFAULT_TARGETS))
+    counts = parameter_counts(FLUX1, TRANSFORMER_CONFIG, None if full else 4, list(DEFAULT_TARGETS))
     assert counts.trainable == sum(p.numel() for _, p in trainable_parameters(model))
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     trained = {k: v for k, v in state.items() if k in {n for n, _ in trainable_parameters(model)}}
@@ -76,7 +77,7 @@ def test_sizes_known_in_advance_match_what_is_written(tmp_path, full):
 def test_flux1_dev_full_finetuning_needs_a_143_gb_checkpoint_and_is_refused_on_a_128_gb_disk(tmp_path, monkeypatch):
     from flux_cp.families.flux1.tiny import FLUX1_DEV_TRANSFORMER
 
-    counts = FLUX1.count_parameters(FLUX1_DEV_TRANSFORMER, None, [])
+    counts = parameter_counts(FLUX1, FLUX1_DEV_TRANSFORMER, None, [])
     assert counts.trainable == 11_901_408_320
     s = diskspace.sizes(counts, True, True, torch.bfloat16, world=2)
     assert 142.8e9 < s.checkpoint < 142.9e9 and 23.8e9 < s.model < 23.9e9
@@ -390,7 +391,7 @@ def test_changed_prodigy_settings_are_applied_on_resume(tmp_path):
 @pytest.mark.parametrize("name", ["prodigy", "adamw8bit"])
 def test_checkpoint_sizes_of_prodigy_and_8bit_adamw_are_known_in_advance(tmp_path, name):
     model, opt, sched = _with(name, 2)
-    counts = FLUX1.count_parameters(TRANSFORMER_CONFIG, 4, list(DEFAULT_TARGETS))
+    counts = parameter_counts(FLUX1, TRANSFORMER_CONFIG, 4, list(DEFAULT_TARGETS))
     s = diskspace.sizes(counts, False, True, torch.bfloat16, world=1, optimizer=name)
     written = _tree(_save(tmp_path, 2, model, opt, sched))
     assert written <= s.checkpoint, (written, s)
@@ -410,7 +411,7 @@ def test_8bit_adamw_state_of_flux1_dev_is_a_quarter_of_adamws():
 
         sizes = [p.numel() for p in FluxTransformer2DModel.from_config(FLUX1_DEV_TRANSFORMER).parameters()]
     exact = sum(2 * v + 2 * 4 * -(-v // 256) + 2 * 256 * 4 if v >= 4096 else 8 * v for v in sizes)
-    counts = FLUX1.count_parameters(FLUX1_DEV_TRANSFORMER, None, [])
+    counts = parameter_counts(FLUX1, FLUX1_DEV_TRANSFORMER, None, [])
     eight, adamw = (diskspace.sizes(counts, True, True, torch.bfloat16, 2, optimizer=o) for o in ("adamw8bit", "adamw"))
     assert exact <= eight.checkpoint_optimizer <= exact * 1.001 + len(sizes) * 64 * 1024
     assert 0.25 < eight.checkpoint_optimizer / adamw.checkpoint_optimizer < 0.26

@@ -12,7 +12,7 @@ import torch
 
 import cp
 from flux_cp import plan
-from flux_cp.blocks import checkpointed_blocks, prepare_blocks
+from flux_cp.blocks import Checkpointing, checkpointed_blocks, prepare_blocks
 from flux_cp.config import parse_config
 from flux_cp.errors import UsageError
 from tests.distributed import flux_inputs, flux_model
@@ -127,7 +127,7 @@ def test_auto_fits_the_memory_given_with_the_planner_margin():
 
     shape = _shape(FLUX1, dict(FLUX1_DEV_TRANSFORMER), 2048, 512)
 
-    def choice(gib: float | None) -> plan.Checkpointing:
+    def choice(gib: float | None) -> Checkpointing:
         return plan.checkpointing_for(cfg, shape, gib)
 
     assert len(choice(None).blocks) == 0  # no GPU and no --gpu_memory_gib: nothing to fit

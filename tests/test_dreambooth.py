@@ -30,7 +30,7 @@ from flux_cp.prior import (
     missing,
     missing_count,
 )
-from flux_cp.prior import check_resume as check_prior_resume
+from flux_cp.resume import check_prior_resume
 from flux_cp.rng import Stream, generator
 from flux_cp.shape import check_tokens
 from tests.fakes import D, FakeData, L, make_batches

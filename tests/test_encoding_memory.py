@@ -22,8 +22,9 @@ from flux_cp.data import open_source
 from flux_cp.encode import Geometry, encode_dataset, training_buckets
 from flux_cp.errors import UsageError
 from flux_cp.families import FLUX1, FLUX2, FLUX2_KLEIN
+from flux_cp.families.components import load_part
 from flux_cp.families.flux1.tiny import FLUX1_T5, FLUX1_VAE, ensure_tiny_pipeline
-from flux_cp.model import load_part, load_transformer
+from flux_cp.model import load_transformer
 from flux_cp.placement import Placement
 from flux_cp.random_weights import build_random, hashed_uniform_
 

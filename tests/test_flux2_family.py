@@ -24,7 +24,7 @@ from flux_cp.families.flux2.family import load_tokenizer
 from flux_cp.families.flux2.recipe import text_ids
 from flux_cp.families.flux2.tiny import FLUX2_KLEIN_4B_TRANSFORMER, default_flux2_cache_dir
 from flux_cp.flow import per_sample_draws
-from flux_cp.parallel import Layout
+from flux_cp.layout import Layout
 from flux_cp.rng import Stream, generator
 from tests.flux2_example import Args, example_step
 

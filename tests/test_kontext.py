@@ -236,8 +236,8 @@ def test_pair_micro_batches_hold_target_then_reference_and_cp_chunks_keep_the_lo
 
 
 def test_the_pipeline_class_tells_kontext_models_apart(tmp_path):
+    from flux_cp.families.components import pipeline_class
     from flux_cp.families.flux1.tiny import ensure_tiny_pipeline
-    from flux_cp.model import pipeline_class
 
     kontext = ensure_tiny_pipeline(kontext=True)
     assert pipeline_class(str(kontext), None) == "FluxKontextPipeline"  # pairs train it without a warning
@@ -367,7 +367,7 @@ def test_pair_loss_and_gradients_equal_the_kontext_examples_with_default_flags(s
     from flux_cp.families import FLUX1
     from flux_cp.families.flux1.tiny import build_tiny_pipeline
     from flux_cp.flow import per_sample_draws
-    from flux_cp.parallel import Layout
+    from flux_cp.layout import Layout
     from flux_cp.rng import Stream, generator
 
     pipe = build_tiny_pipeline(kontext=True)

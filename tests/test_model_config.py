@@ -14,7 +14,7 @@ import pytest
 from flux_cp.config import ModelConfig
 from flux_cp.errors import UsageError
 from flux_cp.families import FLUX1, FLUX2, FLUX2_KLEIN
-from flux_cp.model import transformer_config, with_class_defaults
+from flux_cp.families.components import transformer_config, with_class_defaults
 from flux_cp.model_config import check_model, safetensors_shapes
 from tests.launch import env, launch_cmd
 

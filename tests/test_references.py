@@ -18,13 +18,14 @@ import cp.comm
 from flux_cp import resume
 from flux_cp.batches import Batches
 from flux_cp.config import DataConfig, ModelConfig, TrainConfig, ValidationConfig, parse_config
-from flux_cp.data import BatchSchedule, batch_groups, check_reference_limit, crop_box, open_source, to_pixels
+from flux_cp.data import BatchSchedule, batch_groups, check_reference_limit, crop_box, open_source
 from flux_cp.encode import Geometry, LiveData, encode_dataset, reference_key
 from flux_cp.errors import UsageError
 from flux_cp.families import FLUX1, FLUX2
 from flux_cp.flow import per_sample_draws
 from flux_cp.folders import read_metadata_file
-from flux_cp.parallel import Layout
+from flux_cp.images import to_pixels
+from flux_cp.layout import Layout
 from flux_cp.rng import Stream, generator
 from flux_cp.shape import build_shape, check_tokens
 from tests.flux2_recipe_steps import flow_loss

@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from flux_cp import checkpoint, diskspace, manifest, outdir
+from flux_cp.counts import parameter_counts
 from flux_cp.families import FLUX1
 from flux_cp.metrics import read_metrics
 from tests.launch import (
@@ -332,7 +333,7 @@ def test_a_disk_that_fills_up_stops_the_run_at_the_save_that_no_longer_fits(tmp_
     from flux_cp.families.flux1 import DEFAULT_TARGETS
     from flux_cp.families.flux1.tiny import TRANSFORMER_CONFIG
 
-    counts = FLUX1.count_parameters(TRANSFORMER_CONFIG, 16, list(DEFAULT_TARGETS))
+    counts = parameter_counts(FLUX1, TRANSFORMER_CONFIG, 16, list(DEFAULT_TARGETS))
     s = diskspace.sizes(counts, False, True, torch.float32, world=1)
     disk = s.checkpoint + s.model + 64 * 1024  # one checkpoint and the final LoRA fit, not two checkpoints
     r = train(1, *_common(tmp_path, "d", 6, "--checkpointing_steps", "2"), extra_env={"FLUX_CP_DISK_BYTES": str(disk)})

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import torch
 
+from flux_cp.families.base import Family, transformer_class_name
+from flux_cp.families.known import KnownModel
+
 from . import base
-from .base import Family, KnownModel, ParameterCounts, transformer_class_name
 from .flux1 import FLUX1
 from .flux2 import FLUX2, FLUX2_KLEIN
 
@@ -67,6 +69,6 @@ def known_models() -> list[KnownModel]:
 
 
 __all__ = [
-    "FAMILIES", "FLUX1", "FLUX2", "FLUX2_KLEIN", "Family", "ParameterCounts", "blocks_of", "detect", "for_transformer",
+    "FAMILIES", "FLUX1", "FLUX2", "FLUX2_KLEIN", "Family", "blocks_of", "detect", "for_transformer",
     "KnownModel", "known_model", "known_models", "of_model", "register", "transformer_class_name",
 ]  # fmt: skip

@@ -9,25 +9,24 @@ is written in, the model card's tags and what ComfyUI does with the outputs. A f
 
 from __future__ import annotations
 
-import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from ..adapters import is_adapter_parameter, peft_config
+from flux_cp.families.flops import StepFlops, step_flops
+
 from ..errors import UsageError
-from ..lora import check_targets
-from ..metrics import StepFlops, step_flops
 from ..terminal import printable
+from .known import KnownModel
 
 if TYPE_CHECKING:
     from PIL import Image
 
+    from flux_cp.families.encoders import Encoders
+
     from ..config import Config, LoraConfig, ModelConfig
-    from ..encode import Encoders
     from ..lora_format import Origin
 
 Tensor = torch.Tensor
@@ -115,31 +114,6 @@ def rope_rules(transformer: dict) -> list[tuple[str, str, str]]:
     return out
 
 
-@dataclass(frozen=True)
-class ParameterCounts:
-    """Parameters of the transformer (`base`) and of what trains (LoRA adapters, or all of it), with tensor counts,
-    and the parameters of its largest block (what FSDP gathers at once)."""
-
-    base: int
-    base_tensors: int
-    trainable: int
-    trainable_tensors: int
-    largest_block: int
-
-
-@dataclass(frozen=True)
-class KnownModel:
-    """A model on the Hugging Face Hub that a family knows without downloading anything: its transformer config (so
-    `--plan` works offline for it), pipeline and license (the model card)."""
-
-    model_id: str
-    transformer: dict  # transformer/config.json's fields
-    pipeline: str  # model_index.json's _class_name
-    license: str  # the Hub's license identifier
-    license_name: str | None = None  # for license "other"
-    license_link: str | None = None
-
-
 class Family(ABC):
     """One kind of FLUX model. Subclasses fill in the class attributes and the methods below; nothing here loads
     a model until asked."""
@@ -214,7 +188,7 @@ class Family(ABC):
 
     @abstractmethod
     def load_encoders(self, model: ModelConfig, path: str, dtype: torch.dtype, device: torch.device) -> Encoders:
-        """The VAE and the text encoders (a `flux_cp.encode.Encoders`: `prompts`, `latents`, `free_text_encoders`)."""
+        """The VAE and the text encoders (an `Encoders`: `prompts`, `latents`, `free_text_encoders`)."""
 
     def check(self, cfg: Config) -> None:
         """Flags this family cannot honour: a UsageError naming the flag (before anything loads)."""
@@ -364,51 +338,16 @@ class Family(ABC):
         """(kind, block) of every block of `transformer`, in the order they run."""
         return [(kind, block) for kind, name, _ in self.block_lists for block in getattr(transformer, name)]
 
-    def count_parameters(
-        self, config: dict, lora_rank: int | None, lora_layers: list[str], adapter: str = "lora"
-    ) -> ParameterCounts:
-        """Exact counts from the transformer's config, on the meta device (nothing allocated or loaded). `adapter`:
-        --adapter's kind (LoRA, DoRA or LoKr) at `lora_rank` (None: full fine-tuning)."""
-        return _count(self, json.dumps(config, sort_keys=True), lora_rank, tuple(lora_layers), adapter)
-
     @abstractmethod
     def forward_flops(self, config: dict, image_tokens: int, text_tokens: int, batch: int) -> tuple[float, float]:
         """(linear layers, attention) matmul FLOPs of one forward of `batch` samples of these token counts."""
 
     def step_flops(self, config: dict, image_tokens: int, text_tokens: int, batch: int, lora: bool, ckpt: float,
                    attn_recomputed: float) -> StepFlops:  # fmt: skip
-        """Model and executed FLOPs of one micro-step (`flux_cp.metrics.step_flops`; `ckpt`, `attn_recomputed`: the
+        """Model and executed FLOPs of one micro-step (`flops.step_flops`; `ckpt`, `attn_recomputed`: the
         share of the blocks that recompute their forward, their attention)."""
         linear, attention = self.forward_flops(config, image_tokens, text_tokens, batch)
         return step_flops(linear, attention, lora, ckpt, attn_recomputed)
-
-
-_COUNTS: dict[tuple, ParameterCounts] = {}
-
-
-def _count(
-    family: Family, config: str, lora_rank: int | None, lora_layers: tuple[str, ...], adapter: str = "lora"
-) -> ParameterCounts:
-    key = (family.name, config, lora_rank, lora_layers, adapter)
-    if key in _COUNTS:  # --plan asks for every CP size; building the model is the slow part
-        return _COUNTS[key]
-    with torch.device("meta"):
-        try:
-            model = family.transformer_class().from_config(json.loads(config))
-        except (ValueError, RuntimeError, TypeError, IndexError, KeyError, ZeroDivisionError) as e:
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            raise UsageError(f"the transformer cannot be built from its config.json ({first})") from None
-        base = [p.numel() for p in model.parameters()]
-        largest = max(sum(p.numel() for p in b.parameters()) for _, b in family.blocks(model))
-        if lora_rank is None:
-            counts = ParameterCounts(sum(base), len(base), sum(base), len(base), largest)
-        else:
-            check_targets(model, list(lora_layers))
-            model.add_adapter(peft_config(adapter, lora_rank, lora_rank, 0.0, list(lora_layers)))
-            lora = [p.numel() for n, p in model.named_parameters() if is_adapter_parameter(n)]
-            counts = ParameterCounts(sum(base), len(base), sum(lora), len(lora), largest)
-    _COUNTS[key] = counts
-    return counts
 
 
 def declared_classes(path: str, revision: str | None, cache_dir: str | None = None) -> tuple[str | None, str | None]:

@@ -15,7 +15,7 @@ from flux_cp.batches import Batches
 from flux_cp.config import DataConfig, TrainConfig
 from flux_cp.data import BatchSchedule
 from flux_cp.families import FLUX1
-from flux_cp.parallel import Layout
+from flux_cp.layout import Layout
 from tests.fakes import FakeData, step_fused_and_reference
 
 pytestmark = [

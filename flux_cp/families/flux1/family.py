@@ -14,9 +14,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ...data import to_pixels
-from ...encode import Encoders, in_batches, truncation_line
-from ...model import load_component, load_part
+from flux_cp.families.components import load_component, load_part
+from flux_cp.families.encoders import Encoders, in_batches, truncation_line
+from flux_cp.images import to_pixels
+
 from ...terminal import printable
 from ..base import VAE_SIZES, Family, rope_rules, vae_rules, vae_weight_shapes
 from . import kohya, tokens
