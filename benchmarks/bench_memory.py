@@ -19,7 +19,7 @@ cap, one GPU at --variant_resolution (default 1024) with `--gradient_checkpointi
 beside a precision, where the cap needs it), each a row of the variants table (RESULTS/memory_variants.json): the
 planner's pick (blocks checkpointed and offloaded), its planned peak and modelled step time against the measured peak
 and step time. They check the planner's peaks with a quantized base or offload (flux_cp/plan_data.json) and its
-speed model (flux_cp/speed.py). `--variants_only` runs them alone.
+speed model (flux_cp/plan/speed.py). `--variants_only` runs them alone.
 
     python -m benchmarks.bench_memory --out RESULTS/memory.json --variants_only --base_precision fp8,int8,nf4 \
         --offload_blocks auto --variant_caps 24,16
@@ -57,10 +57,10 @@ def plan_cell(layout: str, resolution: int, cap: float | None, gpu_gib: float, m
     """The planner's `Checkpointing` for a cell, as the trainer computes it (`margin`: of the memory usable; `extra`:
     a variant's flags, e.g. --base_precision int8; `config`: the transformer's, FLUX.1-dev's by default; `flags`: the
     runs' common flags)."""
-    from flux_cp import plan
-    from flux_cp.config import parse_config
+    from flux_cp.config.flags import parse_config
     from flux_cp.families import FLUX1
     from flux_cp.families.flux1.tiny import FLUX1_DEV_TRANSFORMER
+    from flux_cp.plan import memory as plan
     from flux_cp.shape import RunShape, resolved
 
     config = dict(config or FLUX1_DEV_TRANSFORMER)

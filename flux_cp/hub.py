@@ -13,12 +13,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from .errors import UsageError
+from flux_cp.errors import UsageError
 
 # What a push uploads, relative to the output folder (fnmatch patterns, as huggingface_hub's upload_folder takes
 # them): an allow-list of the run's final outputs, what a user publishes - the trained weights (LoRA file, or a full
 # fine-tune's transformer/ files), the model card, the reference images its lines edit (a pair run's, by the names
-# flux_cp.card.reference_names gives them), the validation images, the metrics and the loss curve. Anything
+# flux_cp.outputs.card.reference_names gives them), the validation images, the metrics and the loss curve. Anything
 # else a run's folder holds stays local, whatever its name: checkpoints (weights, optimizer state, and data.json
 # listing every training file's name and caption), branches set aside (abandoned-*), the manifest, the lock, partial
 # writes, tracker logs, profiles, run_config.json (the run's local paths), and the user's own files.
@@ -118,7 +118,7 @@ def push_to_hub(
     name, in the token owner's namespace, as diffusers' examples do), creating it when missing. `token`: None uses
     huggingface_hub's own (HF_TOKEN, the stored login). Only the files `PUBLISHED` names are sent.
     `on_repo(repo_id)`: called with the repository's full id (`owner/name`) once it exists, before the upload (to
-    write the model card naming it: flux_cp.card). Call it on one process. Returns the repository's URL. A hub
+    write the model card naming it: flux_cp.outputs.card). Call it on one process. Returns the repository's URL. A hub
     that cannot be reached or refuses the token is a one-line UsageError."""
     from huggingface_hub import HfApi
     from huggingface_hub.errors import HfHubHTTPError

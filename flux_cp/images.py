@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageCms, ImageOps, UnidentifiedImageError
 
-from .errors import UsageError
+from flux_cp.errors import UsageError
 
 DECODER_VERSION = 2
 BACKGROUND = (255, 255, 255)

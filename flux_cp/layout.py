@@ -1,5 +1,5 @@
 """This process's place in the dp x cp grid of a run: its ranks, its CP group and the CP context built for it
-(`flux_cp.parallel.make_layout` builds it once at setup; the data path, validation and the outputs read it)."""
+(`flux_cp.model.parallel.make_layout` builds it once at setup; the data path, validation and the outputs read it)."""
 
 from __future__ import annotations
 

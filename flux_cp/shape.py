@@ -18,24 +18,30 @@ from typing import TYPE_CHECKING
 import torch
 
 import cp
+from flux_cp import hub
+from flux_cp.data.encode import run_buckets
+from flux_cp.data.sources import (
+    check_pair_flags,
+    check_reference_limit,
+    local_metadata,
+    reference_column,
+    reference_counts,
+)
+from flux_cp.errors import UsageError
+from flux_cp.families import FLUX1, Family, detect, for_transformer, known_model, known_models
 from flux_cp.families.components import transformer_config, with_class_defaults
-from flux_cp.model import check_seed_checkpoint
-
-from . import hub, network_weights
-from .blocks import check_counts
-from .data import check_pair_flags, check_reference_limit, local_metadata, reference_column, reference_counts
-from .encode import run_buckets
-from .errors import UsageError
-from .families import FLUX1, Family, detect, for_transformer, known_model, known_models
-from .model_config import check_model
-from .offload import check_offload
-from .optim import check_optimizer
-from .precision import check_sharding
-from .text_encoder import check_sharding as check_text_encoder_sharding
+from flux_cp.families.model_config import check_model
+from flux_cp.model import network_weights
+from flux_cp.model.blocks import check_counts
+from flux_cp.model.loading import check_seed_checkpoint
+from flux_cp.model.offload import check_offload
+from flux_cp.model.optim import check_optimizer
+from flux_cp.model.precision import check_sharding
+from flux_cp.model.text_encoder import check_sharding as check_text_encoder_sharding
 
 if TYPE_CHECKING:
-    from .config import Config, DataConfig, ModelConfig, ParallelConfig, ValidationConfig
-    from .folders import Metadata
+    from flux_cp.config.flags import Config, DataConfig, ModelConfig, ParallelConfig, ValidationConfig
+    from flux_cp.data.folders import Metadata
 
 
 @dataclass(frozen=True)

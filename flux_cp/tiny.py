@@ -9,11 +9,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from . import roles
-from .errors import UsageError
-from .families.builder import MARKER
-from .families.flux1.tiny import ensure_tiny_pipeline, write_flux1_dev_full_shapes, write_flux1_dev_shapes
-from .families.flux2.tiny import ensure_tiny_flux2_pipeline, write_flux2_full_shapes, write_flux2_shapes
+from flux_cp.errors import UsageError
+from flux_cp.families.builder import MARKER
+from flux_cp.families.flux1.tiny import ensure_tiny_pipeline, write_flux1_dev_full_shapes, write_flux1_dev_shapes
+from flux_cp.families.flux2.tiny import ensure_tiny_flux2_pipeline, write_flux2_full_shapes, write_flux2_shapes
+from flux_cp.outputs import roles
 
 __all__ = ["ensure_tiny_pipeline", "main"]
 

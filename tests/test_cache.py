@@ -8,9 +8,9 @@ import torch
 from safetensors.torch import load_file
 
 from flux_cp import files
-from flux_cp.config import DataConfig
-from flux_cp.data import open_source
-from flux_cp.encode import Geometry, encode_dataset, training_buckets
+from flux_cp.config.flags import DataConfig
+from flux_cp.data.encode import Geometry, encode_dataset, training_buckets
+from flux_cp.data.sources import open_source
 from flux_cp.errors import UsageError
 
 
@@ -170,7 +170,7 @@ def test_the_cache_keys_hold_the_vae_s_precision_the_tokenizers_and_the_weights_
     """Latents are cached in fp32 whatever precision the VAE computed them in; a tokenizer gives the token ids the
     text encoders embed; --variant picks other weight files of the same folders. Each changed alone: what it made is
     computed again (the run's log line counts it), the rest reused."""
-    from flux_cp.encode import encoder_fingerprints
+    from flux_cp.data.encode import encoder_fingerprints
     from flux_cp.families.components import files_fingerprint
 
     class Encoders(_Encoders):

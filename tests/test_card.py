@@ -14,9 +14,9 @@ import pytest
 import torch
 import yaml
 
-from flux_cp.card import reference_names, write_model_card
-from flux_cp.config import parse_config
+from flux_cp.config.flags import parse_config
 from flux_cp.families import FLUX1
+from flux_cp.outputs.card import reference_names, write_model_card
 from flux_cp.shape import resolved
 
 TAGS = {"text-to-image", "diffusers-training", "flux", "flux-cp"}
@@ -134,7 +134,7 @@ def test_the_demo_card_s_snippet_renders_with_the_trained_lora_at_the_trained_si
     """The snippet of the embedded default's card, run as it is on this CPU machine: the base it names loads, the LoRA
     file written by the trainer's save_lora goes into it, and the image has the size the model was trained at."""
     from flux_cp.families.flux1.tiny import tiny_transformer
-    from flux_cp.lora import add_lora, lora_origin, save_lora
+    from flux_cp.model.lora import add_lora, lora_origin, save_lora
 
     out = _run_folder(tmp_path, steps=())
     cfg = _resolved(["--rank", "4", "--output_dir", str(out), "--validation_inference_steps", "2"])
@@ -171,7 +171,7 @@ def test_folder_and_model_names_cannot_add_code_or_markup_to_the_card(tmp_path, 
     card's prose shows them as text."""
     import ast
 
-    from flux_cp.summary import summary
+    from flux_cp.outputs.summary import summary
 
     out = tmp_path / f"output{HOSTILE}`<b>"
     base = tmp_path / f"model'{HOSTILE}\\"
@@ -266,10 +266,10 @@ def test_a_lora_of_a_random_initialised_base_is_not_published_as_one_for_the_pre
     no base_model, says the base was random-initialised from the config, gives no ComfyUI note for the pretrained
     model, and its snippet - like the summary's - rebuilds that random base before loading the LoRA; the run's start
     and run_config.json say the same."""
-    from flux_cp.lora import lora_origin
-    from flux_cp.outputs import base_weights
-    from flux_cp.summary import summary
-    from flux_cp.trainer import recipe_lines
+    from flux_cp.model.lora import lora_origin
+    from flux_cp.outputs.summary import summary
+    from flux_cp.run.output_phase import base_weights
+    from flux_cp.run.trainer import recipe_lines
 
     out = _run_folder(tmp_path)
     dev = ["--pretrained_model_name_or_path", "black-forest-labs/FLUX.1-dev", "--output_dir", str(out)]
@@ -305,11 +305,11 @@ def test_a_lora_of_a_random_initialised_base_is_not_published_as_one_for_the_pre
 
 def test_the_random_base_snippet_rebuilds_the_transformer_the_lora_trained_on(tmp_path, monkeypatch):
     """The snippet of a --transformer_init random card, run as it is on the tiny model (which has weights): its
-    transformer is the one the trainer built (flux_cp.model.load_transformer), not the model's pretrained weights,
-    and the LoRA goes into it."""
+    transformer is the one the trainer built (flux_cp.model.loading.load_transformer), not the model's pretrained
+    weights, and the LoRA goes into it."""
     from flux_cp.families.flux1.tiny import ensure_tiny_pipeline, tiny_transformer
-    from flux_cp.lora import add_lora, lora_origin, save_lora
-    from flux_cp.model import load_transformer
+    from flux_cp.model.loading import load_transformer
+    from flux_cp.model.lora import add_lora, lora_origin, save_lora
 
     out = _run_folder(tmp_path, steps=())
     flags = "--rank 4 --validation_inference_steps 2 --transformer_init random --seed 3".split()
@@ -381,7 +381,7 @@ def test_the_card_and_the_summary_say_what_the_weights_rest_on_and_every_setting
     """What differs from the plain case (a pretrained bf16 base, the raw weights) is said in the card and the
     summary alike: a quantized base, the EMA as the output, a text encoder's LoRA; every other flag that is not at its
     default is listed in the card (local paths aside: the card is published). The LoRA alpha shows in its own row."""
-    from flux_cp.summary import summary
+    from flux_cp.outputs.summary import summary
 
     typed, card, note = NOTES[case]
     flags = typed.split()

@@ -13,15 +13,16 @@ import pytest
 import torch
 from diffusers.optimization import get_scheduler
 
-from flux_cp import checkpoint, diskspace, resume
-from flux_cp.config import LoraConfig
-from flux_cp.counts import parameter_counts
+from flux_cp.config.flags import LoraConfig
 from flux_cp.errors import UsageError
 from flux_cp.families import FLUX1
 from flux_cp.families.flux1 import DEFAULT_TARGETS
 from flux_cp.families.flux1.tiny import TRANSFORMER_CONFIG, tiny_transformer
-from flux_cp.lora import save_lora
-from flux_cp.model import prepare_trainable, save_full, trainable_parameters
+from flux_cp.model.loading import prepare_trainable, save_full, trainable_parameters
+from flux_cp.model.lora import save_lora
+from flux_cp.outputs import checkpoint, resume
+from flux_cp.plan import diskspace
+from flux_cp.plan.counts import parameter_counts
 
 
 def _tree(path: Path) -> int:
@@ -101,7 +102,7 @@ def test_a_save_that_does_not_fit_stops_before_writing_and_keeps_the_last_good_c
     size = _tree(first)
     monkeypatch.setenv("FLUX_CP_DISK_BYTES", str(size + size // 2))  # a disk holding only this folder
     with pytest.raises(UsageError) as e:
-        diskspace.check_checkpoint(tmp_path, 4, size, is_main=True)  # before each save (flux_cp.outputs)
+        diskspace.check_checkpoint(tmp_path, 4, size, is_main=True)  # before each save (flux_cp.run.output_phase)
     assert str(e.value).startswith(f"not enough disk space for checkpoint-4: it needs {diskspace.gib(size)}")
     assert f"Nothing was written; {first} is the last good checkpoint." in str(e.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2"]
@@ -194,7 +195,7 @@ def test_a_checkpoint_without_optimizer_state_restores_weights_and_schedule(tmp_
 def test_a_checkpoint_exception_outside_our_checkpoint_code_still_ends_as_one_line(capsys):
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from flux_cp.runner import run
+    from flux_cp.run.runner import run
 
     def main() -> int:
         raise CheckpointException("save", {0: (RuntimeError("unexpected pos 6841792 vs 6841680"), None)})
@@ -205,8 +206,8 @@ def test_a_checkpoint_exception_outside_our_checkpoint_code_still_ends_as_one_li
 
 
 def test_the_plan_shows_the_disk_a_run_needs(capsys):
-    from flux_cp.config import parse_config
-    from flux_cp.plan import print_plan
+    from flux_cp.config.flags import parse_config
+    from flux_cp.plan.memory import print_plan
 
     print_plan(parse_config(["--plan", "--checkpoints_total_limit", "2"]))
     disk = [line for line in capsys.readouterr().out.splitlines() if line.startswith("disk:")]
@@ -295,8 +296,8 @@ def test_a_checkpoint_path_leading_outside_its_state_folder_is_refused_before_it
 def test_a_changed_data_set_is_named_file_by_file(tmp_path):
     """The data set is identified by relative names, contents and captions; a resume onto another data set says
     which files differ. The checkpoint keeps the rows in data.json (meta.json stays small)."""
-    from flux_cp.config import parse_config
-    from flux_cp.data import DataIdentity
+    from flux_cp.config.flags import parse_config
+    from flux_cp.data.sources import DataIdentity
 
     def identity(rows):
         return DataIdentity("fp-" + str(hash(str(rows))), rows, "legacy")
@@ -330,8 +331,8 @@ def test_a_changed_data_set_is_named_file_by_file(tmp_path):
 
 def _with(name: str, steps: int, **flags):
     """The tiny LoRA trained `steps` steps by the trainer's optimizer `name` (a quadratic pull of every weight to 1)."""
-    from flux_cp.config import TrainConfig
-    from flux_cp.optim import make_optimizer
+    from flux_cp.config.flags import TrainConfig
+    from flux_cp.model.optim import make_optimizer
 
     if name == "adamw8bit":
         pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed (pip install -e .[optim])")
@@ -418,7 +419,7 @@ def test_8bit_adamw_state_of_flux1_dev_is_a_quarter_of_adamws():
 
 
 def test_the_optimizer_is_part_of_a_runs_identity(tmp_path):
-    from flux_cp.config import parse_config
+    from flux_cp.config.flags import parse_config
     from flux_cp.families import FLUX1
     from flux_cp.shape import resolved
 
@@ -440,7 +441,7 @@ def test_a_seed_checkpoint_that_cannot_be_one_is_refused_before_the_model_loads(
     from safetensors.torch import save_file
 
     from flux_cp.errors import UsageError
-    from flux_cp.model import check_seed_checkpoint
+    from flux_cp.model.loading import check_seed_checkpoint
 
     check_seed_checkpoint(str(tmp_path / "new" / "seed.safetensors"))  # absent: written there later
     save_file({"w": torch.zeros(2)}, tmp_path / "seed.safetensors")

@@ -1,6 +1,6 @@
-"""Per-block activation checkpointing (`--gradient_checkpointing auto|all|none|N`, flux_cp/blocks.py): any number of
-checkpointed blocks, eager or compiled (a mix of checkpointed and plain compiled blocks), computes what no
-checkpointing computes; `auto` takes the planner's choice (flux_cp/plan.py) and the run records it."""
+"""Per-block activation checkpointing (`--gradient_checkpointing auto|all|none|N`, flux_cp/model/blocks.py): any number
+of checkpointed blocks, eager or compiled (a mix of checkpointed and plain compiled blocks), computes what no
+checkpointing computes; `auto` takes the planner's choice (flux_cp/plan/memory.py) and the run records it."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import cp
-from flux_cp import plan
-from flux_cp.blocks import Checkpointing, checkpointed_blocks, prepare_blocks
-from flux_cp.config import parse_config
+from flux_cp.config.flags import parse_config
 from flux_cp.errors import UsageError
+from flux_cp.model.blocks import Checkpointing, checkpointed_blocks, prepare_blocks
+from flux_cp.plan import memory as plan
 from tests.distributed import flux_inputs, flux_model
 from tests.launch import losses, ok, run_args, train
 
@@ -67,7 +67,7 @@ def _graphs(monkeypatch) -> dict[tuple[str, bool], list[str]]:
         return backends[kind]
 
     def compile_with_kind(self, **kw):
-        checkpointed = isinstance(self.__dict__.get("forward"), functools.partial)  # flux_cp.blocks.checkpoint_inside
+        checkpointed = isinstance(self.__dict__.get("forward"), functools.partial)  # blocks.checkpoint_inside
         return compile_(self, backend=backend((type(self).__name__, checkpointed)))
 
     compile_ = torch.nn.Module.compile
@@ -187,7 +187,7 @@ def _fsdp2_gradients(blocks: range) -> list[torch.Tensor]:
     them), eager, with `blocks` checkpointed per block (gathered to full tensors)."""
     from torch.distributed.fsdp import fully_shard
 
-    from flux_cp.blocks import transformer_blocks
+    from flux_cp.model.blocks import transformer_blocks
 
     model = flux_model()
     cp.apply_context_parallel(model, None)

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from flux_cp.config import Config, DataConfig, LoraConfig, build_parser, parse_config
+from flux_cp.config.flags import Config, DataConfig, LoraConfig, build_parser, parse_config
 from flux_cp.errors import UsageError
 
 
@@ -160,7 +160,7 @@ def test_command_line_mistakes_get_one_line(argv, message):
 def test_a_mistake_prints_one_line_once_under_a_launcher(capfd, monkeypatch):
     """Through the trainer's exit path: one `error:` line on rank 0 and nothing on the other ranks (no usage
     block), exit code 2."""
-    from flux_cp import runner
+    from flux_cp.run import runner
 
     for rank, expected in (("0", ["error: unknown flag --learnig_rate: did you mean --learning_rate?"]), ("1", [])):
         monkeypatch.setenv("RANK", rank)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from flux_cp.config import DEMO_BATCH, DEMO_LEARNING_RATE, DEMO_PROMPTS, DEMO_STEPS, KONTEXT_DEMO, parse_config
-from flux_cp.data import BUNDLED_DATA
+from flux_cp.config.flags import DEMO_BATCH, DEMO_LEARNING_RATE, DEMO_PROMPTS, DEMO_STEPS, KONTEXT_DEMO, parse_config
+from flux_cp.data.sources import BUNDLED_DATA
 from flux_cp.errors import UsageError
 
 
@@ -150,7 +150,7 @@ def test_a_resumed_run_that_was_not_the_demo_keeps_the_usual_defaults(tmp_path):
 
 
 def test_a_finished_run_is_known_from_its_last_checkpoint_and_outputs(tmp_path):
-    from flux_cp.outdir import finished
+    from flux_cp.outputs.outdir import finished
 
     out = tmp_path / "tiny"
     assert finished("latest", out, 200) is None
@@ -163,7 +163,7 @@ def test_a_finished_run_is_known_from_its_last_checkpoint_and_outputs(tmp_path):
     assert finished("latest", out, 200) == last and finished(str(last), out, 200) == last
     assert finished("latest", out, 220) is None and finished(None, out, 200) is None  # extended; not a resume
     assert finished(str(out / "checkpoint-100"), out, 200) is None  # an earlier checkpoint: a branch
-    from flux_cp import outdir
+    from flux_cp.outputs import outdir
 
     outdir.claim(out, "latest")  # a live run in the folder: its start says the folder is in use, not this
     try:
@@ -176,8 +176,8 @@ def test_a_finished_run_is_known_from_its_last_checkpoint_and_outputs(tmp_path):
 def test_a_refused_resume_is_printed_once_under_a_launcher(tmp_path, capfd, monkeypatch):
     """Every rank reads the same checkpoint and holds the same run identity, so the refusal is agreed: the main rank
     prints it, the others nothing (it was printed once per rank)."""
-    from flux_cp import runner
-    from flux_cp.trainer import Trainer
+    from flux_cp.run import runner
+    from flux_cp.run.trainer import Trainer
 
     out = tmp_path / "tiny"
     _checkpoint(out, 4, {}, run={"global_batch": 4})

@@ -14,12 +14,10 @@ import pytest
 import torch
 from PIL import Image
 
-from flux_cp.config import DataConfig, parse_config
-from flux_cp.data import BUNDLED_DATA, BatchSchedule, Repeats, bucket_divisor, check_epoch_size, open_source
-from flux_cp.encode import ClassGeometry, Geometry, LiveData, Repeated, encode_dataset, run_buckets
-from flux_cp.errors import UsageError
-from flux_cp.flag_ranges import unused_flags
-from flux_cp.prior import (
+from flux_cp.config.flags import DataConfig, parse_config
+from flux_cp.config.ranges import unused_flags
+from flux_cp.data.encode import ClassGeometry, Geometry, LiveData, Repeated, encode_dataset, run_buckets
+from flux_cp.data.prior import (
     MARKER,
     ClassSamples,
     check_generated_folder,
@@ -30,7 +28,9 @@ from flux_cp.prior import (
     missing,
     missing_count,
 )
-from flux_cp.resume import check_prior_resume
+from flux_cp.data.sources import BUNDLED_DATA, BatchSchedule, Repeats, bucket_divisor, check_epoch_size, open_source
+from flux_cp.errors import UsageError
+from flux_cp.outputs.resume import check_prior_resume
 from flux_cp.rng import Stream, generator
 from flux_cp.shape import check_tokens
 from tests.fakes import D, FakeData, L, make_batches
@@ -115,7 +115,7 @@ def test_buckets_of_several_resolutions_divide_by_the_cp_size_at_each():
 
 
 def test_a_resolution_of_several_that_does_not_split_over_the_cp_group_is_refused():
-    from flux_cp.config import ValidationConfig
+    from flux_cp.config.flags import ValidationConfig
     from flux_cp.families import FLUX1
     from flux_cp.shape import RunShape
 
@@ -380,10 +380,10 @@ def test_generated_class_images_are_written_as_rendered_so_an_interrupted_genera
     only the other two, from the same noise keys (the seed and the image's index)."""
     import types
 
-    from flux_cp import prior
-    from flux_cp.config import parse_config
+    from flux_cp.config.flags import parse_config
+    from flux_cp.data import prior
+    from flux_cp.data.prior import generate_class_images
     from flux_cp.families import FLUX1
-    from flux_cp.prior import generate_class_images
 
     folder = tmp_path / "class"
     folder.mkdir()
@@ -430,10 +430,10 @@ def test_generated_class_images_of_other_settings_are_rendered_again_and_the_log
     import logging
     import types
 
-    from flux_cp import prior
-    from flux_cp.config import parse_config
+    from flux_cp.config.flags import parse_config
+    from flux_cp.data import prior
+    from flux_cp.data.prior import generate_class_images
     from flux_cp.families import FLUX1
-    from flux_cp.prior import generate_class_images
 
     folder = tmp_path / "class"
 

@@ -221,7 +221,8 @@ def test_a_family_added_by_one_module_trains_through_the_trainer_with_cp_and_off
 
 if __name__ == "__main__":  # `train_flux_cp.py` with the test DiT's family registered
     import train_flux_cp
-    from flux_cp import families, runner
+    from flux_cp import families
+    from flux_cp.run import runner
 
     families.register(DIT)
     sys.exit(runner.run(train_flux_cp.main))

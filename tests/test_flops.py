@@ -10,10 +10,10 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from flux_cp import metrics
 from flux_cp.families import FLUX1, flops
 from flux_cp.families.flux1.tiny import tiny_transformer
 from flux_cp.families.flux1.tokens import image_ids, pack_latents, text_ids
+from flux_cp.outputs import metrics
 
 PER_SAMPLE = ("norm1.linear", "norm1_context.linear", "norm.linear", "norm_out.linear", "time_text_embed")
 

@@ -11,12 +11,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flux_cp.config import DataConfig
-from flux_cp.data import open_source, reference_column
+from flux_cp.config.flags import DataConfig
+from flux_cp.data.pairs import PairSplit, image_segment, target_loss
+from flux_cp.data.sources import open_source, reference_column
 from flux_cp.errors import UsageError
 from flux_cp.families import FLUX1
 from flux_cp.families.flux1.tokens import pack_latents, reference_ids
-from flux_cp.pairs import PairSplit, image_segment, target_loss
 from tests.fakes import C, FakeData, H, W, make_batches
 
 
@@ -165,8 +165,8 @@ def test_hub_rows_without_a_reference_are_refused(monkeypatch):
 
 
 def test_plan_counts_kontext_pair_sequences(capsys):
-    from flux_cp.config import parse_config
-    from flux_cp.plan import print_plan
+    from flux_cp.config.flags import parse_config
+    from flux_cp.plan.memory import print_plan
 
     print_plan(parse_config(["--plan", "--dataset_name", str(PAIRS), "--resolution", "1024",
                              "--max_sequence_length", "512", "--gpu_memory_gib", "141"]))  # fmt: skip
@@ -175,7 +175,7 @@ def test_plan_counts_kontext_pair_sequences(capsys):
 
 
 def test_pairs_need_only_target_plus_reference_tokens_to_divide():
-    from flux_cp.config import parse_config
+    from flux_cp.config.flags import parse_config
     from flux_cp.shape import build_shape, check_tokens
 
     def check(*flags: str) -> None:
@@ -361,12 +361,12 @@ def test_pair_loss_and_gradients_equal_the_kontext_examples_with_default_flags(s
 
     from diffusers import FlowMatchEulerDiscreteScheduler
 
-    from flux_cp.batches import Batches
-    from flux_cp.config import DataConfig, TrainConfig
-    from flux_cp.data import BatchSchedule
+    from flux_cp.config.flags import DataConfig, TrainConfig
+    from flux_cp.data.batches import Batches
+    from flux_cp.data.flow import per_sample_draws
+    from flux_cp.data.sources import BatchSchedule
     from flux_cp.families import FLUX1
     from flux_cp.families.flux1.tiny import build_tiny_pipeline
-    from flux_cp.flow import per_sample_draws
     from flux_cp.layout import Layout
     from flux_cp.rng import Stream, generator
 

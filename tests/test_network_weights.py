@@ -10,16 +10,16 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from flux_cp import network_weights
-from flux_cp.config import LoraConfig, parse_config
+from flux_cp.config.flags import LoraConfig, parse_config
 from flux_cp.errors import UsageError
 from flux_cp.families import FLUX1, FLUX2
 from flux_cp.families.flux1 import DEFAULT_TARGETS
 from flux_cp.families.flux1.kohya import from_kohya, to_kohya
 from flux_cp.families.flux1.tiny import TRANSFORMER_CONFIG, tiny_transformer
-from flux_cp.lora import save_lora
-from flux_cp.model import prepare_trainable, trainable_parameters
-from flux_cp.resume import run_identity
+from flux_cp.model import network_weights
+from flux_cp.model.loading import prepare_trainable, trainable_parameters
+from flux_cp.model.lora import save_lora
+from flux_cp.outputs.resume import run_identity
 
 
 def _lora(rank: int = 4, alpha: int = 4, layers=DEFAULT_TARGETS, fmt: str = "diffusers", path=None) -> LoraConfig:

@@ -1,4 +1,4 @@
-"""Exact block offload (`--offload_blocks`, flux_cp/offload.py), on CPU: the same code path as on a GPU with the
+"""Exact block offload (`--offload_blocks`, flux_cp/model/offload.py), on CPU: the same code path as on a GPU with the
 copies run when issued. A tiny FLUX.1 and FLUX.2 with LoRA, offloaded blocks sharing few slots, trains bit for bit
 as without offload (outputs, losses, LoRA gradients and weights; two optimizer steps, gradient accumulation, a
 no_grad forward between steps, eager checkpointing either way, compiled blocks); the debug check sees the right
@@ -10,11 +10,11 @@ import pytest
 import torch
 
 import cp
-from flux_cp.blocks import prepare_blocks
-from flux_cp.config import LoraConfig, parse_config
+from flux_cp.config.flags import LoraConfig, parse_config
 from flux_cp.errors import UsageError
-from flux_cp.model import prepare_trainable
-from flux_cp.offload import (
+from flux_cp.model.blocks import prepare_blocks
+from flux_cp.model.loading import prepare_trainable
+from flux_cp.model.offload import (
     BlockOffload,
     block_kinds,
     check_host_memory,

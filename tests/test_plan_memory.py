@@ -9,11 +9,12 @@ import re
 import pytest
 import torch
 
-from flux_cp import plan, speed
 from flux_cp.errors import UsageError
 from flux_cp.families import FLUX1
 from flux_cp.families.flux1.tiny import FLUX1_DEV_TRANSFORMER
-from flux_cp.offload import plan_offload
+from flux_cp.model.offload import plan_offload
+from flux_cp.plan import memory as plan
+from flux_cp.plan import speed
 
 DEV = "black-forest-labs/FLUX.1-dev"
 GIB = plan.GIB
@@ -31,7 +32,7 @@ def _offline(monkeypatch, tmp_path):
 
 def _run(*flags: str, world: int = 1):
     """(resolved flags, run shape) of a FLUX.1-dev LoRA run planned for `world` processes."""
-    from flux_cp.config import parse_config
+    from flux_cp.config.flags import parse_config
     from flux_cp.shape import build_shape, resolved
 
     cfg = parse_config(["--pretrained_model_name_or_path", DEV, *flags])
@@ -49,8 +50,8 @@ def _estimate(precision: str = "bf16", checkpointed: int = 0, offloaded: int = 0
 
 
 def test_the_frozen_base_is_counted_per_block_at_each_precision():
-    """Per block and outside the blocks, by flux_cp.precision's rule; the totals are docs/small_gpus.md's."""
-    from flux_cp.precision import base_bytes
+    """Per block and outside the blocks, by flux_cp.model.precision's rule; the totals are docs/small_gpus.md's."""
+    from flux_cp.model.precision import base_bytes
 
     config = dict(FLUX1_DEV_TRANSFORMER)
     bases = {p: plan.frozen_base(FLUX1, config, p) for p in ("bf16", "fp8", "int8", "nf4")}
@@ -82,7 +83,7 @@ def test_torchao_weight_only_linears_keep_a_dequantized_copy_of_their_weight_for
     """What `dequantized_weights_kept` rests on: torchao's fp8 / int8 linear dequantizes above autograd, which saves
     the bf16 copy (2 bytes per weight) for the input's gradient; a bf16 linear saves its own weight (no copy)."""
     pytest.importorskip("torchao")
-    from flux_cp.precision import quantize_base
+    from flux_cp.model.precision import quantize_base
 
     class Model(torch.nn.Module):
         def __init__(self):

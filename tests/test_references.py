@@ -15,17 +15,17 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, Flux2Pipeline
 
 import cp.comm
-from flux_cp import resume
-from flux_cp.batches import Batches
-from flux_cp.config import DataConfig, ModelConfig, TrainConfig, ValidationConfig, parse_config
-from flux_cp.data import BatchSchedule, batch_groups, check_reference_limit, crop_box, open_source
-from flux_cp.encode import Geometry, LiveData, encode_dataset, reference_key
+from flux_cp.config.flags import DataConfig, ModelConfig, TrainConfig, ValidationConfig, parse_config
+from flux_cp.data.batches import Batches
+from flux_cp.data.encode import Geometry, LiveData, encode_dataset, reference_key
+from flux_cp.data.flow import per_sample_draws
+from flux_cp.data.folders import read_metadata_file
+from flux_cp.data.sources import BatchSchedule, batch_groups, check_reference_limit, crop_box, open_source
 from flux_cp.errors import UsageError
 from flux_cp.families import FLUX1, FLUX2
-from flux_cp.flow import per_sample_draws
-from flux_cp.folders import read_metadata_file
 from flux_cp.images import to_pixels
 from flux_cp.layout import Layout
+from flux_cp.outputs import resume
 from flux_cp.rng import Stream, generator
 from flux_cp.shape import build_shape, check_tokens
 from tests.flux2_recipe_steps import flow_loss
@@ -363,7 +363,7 @@ def test_the_loss_covers_the_target_tokens_only_and_cp_chunks_keep_it(dev, monke
 
 
 def test_the_plan_counts_every_reference(dev, tmp_path, capsys):
-    from flux_cp.plan import print_plan
+    from flux_cp.plan.memory import print_plan
 
     folder = references_folder(tmp_path / "d", n=2, counts=[1, 3])
     model = str(FLUX2.embedded_default(pairs=False))

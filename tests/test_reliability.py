@@ -14,10 +14,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from flux_cp import checkpoint, diskspace, manifest, outdir
-from flux_cp.counts import parameter_counts
+from flux_cp import manifest
 from flux_cp.families import FLUX1
-from flux_cp.metrics import read_metrics
+from flux_cp.outputs import checkpoint, outdir
+from flux_cp.outputs.metrics import read_metrics
+from flux_cp.plan import diskspace
+from flux_cp.plan.counts import parameter_counts
 from tests.launch import (
     ROOT,
     env,
@@ -194,7 +196,7 @@ def test_a_rank_that_raises_stops_every_rank_with_its_name_and_cause(tmp_path):
 _AGREED_ERROR = """
 import os, sys, time
 from flux_cp.errors import UsageError
-from flux_cp.runner import run
+from flux_cp.run.runner import run
 
 def main():
     if os.environ["RANK"] == "0":

@@ -1,6 +1,6 @@
-"""The planner's speed model (flux_cp/speed.py): the committed GPU classes' figures against the steps measured on those
-GPUs, the offload and FSDP2 schedules it plays out, which figures a plan uses, and the measured figures' cache. On
-the CPU, nothing measured here: the timing routine itself runs on the tiny model (flux_cp/speed_measure.py)."""
+"""The planner's speed model (flux_cp/plan/speed.py): the committed GPU classes' figures against the steps measured on
+those GPUs, the offload and FSDP2 schedules it plays out, which figures a plan uses, and the measured figures' cache. On
+the CPU, nothing measured here: the timing routine itself runs on the tiny model (flux_cp/plan/speed_measure.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from benchmarks import bench_speed_model as bench
-from flux_cp import speed, speed_measure
+from flux_cp.plan import speed, speed_measure
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "archive" / "results"
@@ -73,8 +73,8 @@ def test_on_an_h100_fp8_with_offload_is_predicted_faster_than_bf16_with_offload_
 def test_the_recommendation_on_an_h100_capped_to_24_gib_is_fp8_compiled_with_offload(monkeypatch):
     """What --plan --gpu_class h100 --gpu_memory_gib 24 recommends for FLUX.1-dev at 1024 px, with host memory for
     the offloaded blocks."""
-    from flux_cp import recommend
-    from flux_cp.config import parse_config
+    from flux_cp.config.flags import parse_config
+    from flux_cp.plan import recommend
     from flux_cp.shape import build_shape, resolved
 
     cfg = parse_config(
@@ -180,8 +180,8 @@ def test_which_class_stands_for_a_gpu():
 
 
 def test_plan_on_the_cpu_says_whose_figures_it_used_and_plans_host_memory(capsys):
-    from flux_cp.config import parse_config
-    from flux_cp.plan import print_plan
+    from flux_cp.config.flags import parse_config
+    from flux_cp.plan.memory import print_plan
 
     argv = [
         "--plan",

@@ -1,5 +1,5 @@
 """How a run ends: a summary of every output it wrote and the diffusers lines that load the weights, without the
-libraries' noise (flux_cp.summary, flux_cp.quiet). The trainer's own end is checked in test_run_outputs.py."""
+libraries' noise (flux_cp.outputs.summary, flux_cp.quiet). The trainer's own end is checked in test_run_outputs.py."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import warnings
 from pathlib import Path
 
 from flux_cp import quiet
-from flux_cp.config import parse_config
-from flux_cp.summary import loss_change, summary
+from flux_cp.config.flags import parse_config
+from flux_cp.outputs.summary import loss_change, summary
 
 
 def _folder(out: Path, losses: list[float], grids: int, checkpoints: tuple[int, ...]) -> None:

@@ -32,8 +32,18 @@ PACKAGES = ("cp", "flux_cp")
 # A module's phase is the one with the longest prefix it has (a package or a module, by dotted name).
 Phases = list[tuple[str, tuple[str, ...]]]  # (phase, module prefixes), in order
 PHASES: Phases = [
-    ("cp", ("cp",)),
-    ("ground", ("flux_cp.base", "flux_cp")),
+    ("cp", ("cp",)),  # the CP library, which knows nothing of flux_cp
+    ("ground", ("flux_cp",)),  # the modules at flux_cp/'s top: errors, files, terminal, images, layout, hub, ...
+    ("config", ("flux_cp.config",)),  # the flags
+    ("families", ("flux_cp.families",)),  # what is specific to a model family
+    ("data", ("flux_cp.data",)),  # sources, buckets, batch schedule, encodings and their cache, micro-batches
+    ("shape", ("flux_cp.shape",)),  # the run shape: what kind of run this is
+    ("model", ("flux_cp.model",)),  # loading, adapters, precision, offload, blocks, parallelize, optimizer
+    ("loss", ("flux_cp.loss",)),  # the objective
+    ("plan", ("flux_cp.plan",)),  # memory, disk and speed models, --compile auto, --plan's report
+    ("outputs", ("flux_cp.outputs",)),  # output folder, checkpoints, resume, validation, metrics, card, summary
+    # the run's phases, and the commands users run (python -m flux_cp.tiny / .metrics / .profiling)
+    ("run", ("flux_cp.run", "flux_cp.tiny", "flux_cp.metrics", "flux_cp.profiling")),
 ]
 
 

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import torch
 
+from flux_cp.families import base
 from flux_cp.families.base import Family, transformer_class_name
+from flux_cp.families.flux1 import FLUX1
+from flux_cp.families.flux2 import FLUX2, FLUX2_KLEIN
 from flux_cp.families.known import KnownModel
-
-from . import base
-from .flux1 import FLUX1
-from .flux2 import FLUX2, FLUX2_KLEIN
 
 FAMILIES: list[Family] = [FLUX1, FLUX2, FLUX2_KLEIN]
 

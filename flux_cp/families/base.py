@@ -15,19 +15,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from flux_cp.errors import UsageError
 from flux_cp.families.flops import StepFlops, step_flops
-
-from ..errors import UsageError
-from ..terminal import printable
-from .known import KnownModel
+from flux_cp.families.known import KnownModel
+from flux_cp.terminal import printable
 
 if TYPE_CHECKING:
     from PIL import Image
 
+    from flux_cp.config.flags import Config, LoraConfig, ModelConfig
     from flux_cp.families.encoders import Encoders
-
-    from ..config import Config, LoraConfig, ModelConfig
-    from ..lora_format import Origin
+    from flux_cp.families.lora_format import Origin
 
 Tensor = torch.Tensor
 
@@ -132,7 +130,7 @@ class Family(ABC):
     # config key of its length). Checkpointing, compile, offload, the planner and parameter counts walk them.
     block_lists: tuple[tuple[str, str, str], ...] = ()
     # The LoRA file's scale alpha / rank: alpha keys beside the weights (True), or multiplied into lora_B for
-    # loaders that refuse alpha keys (flux_cp.lora_format)
+    # loaders that refuse alpha keys (flux_cp.families.lora_format)
     lora_alpha_keys: bool = True
     lora_layouts: tuple[str, ...] = ("diffusers",)  # the --lora_format values it writes (`lora_layout`)
     card_tags: tuple[str, ...] = ()  # the model card's tags for the family ...
@@ -147,7 +145,8 @@ class Family(ABC):
     # pipeline's argument and cached encoding of the same); None: the family trains no text encoder
     trained_text_encoder: tuple[str, str, str] | None = None
     # The sizes in each component's config.json (component folder -> {key: (smallest, largest)}; a dotted key is
-    # nested, a float bound a number rather than an integer), checked before anything is built (flux_cp.model_config)
+    # nested, a float bound a number rather than an integer), checked before anything is built
+    # (flux_cp.families.model_config)
     config_sizes: dict[str, dict[str, tuple[float, float]]] = {}
 
     # --- components -----------------------------------------------------------------------------------------
@@ -162,7 +161,7 @@ class Family(ABC):
 
     def encoder_classes(self) -> dict[str, type]:
         """{component folder: class} of the text encoders, in the order they encode, and of the VAE (`vae`): what
-        the encoding phase's memory is planned from (flux_cp.encoding_memory)."""
+        the encoding phase's memory is planned from (flux_cp.plan.encoding)."""
         return {}
 
     def config_rules(self, configs: dict[str, dict]) -> list[tuple[str, str, str]]:
@@ -172,7 +171,7 @@ class Family(ABC):
 
     def weight_shapes(self, component: str, config: dict) -> dict[str, tuple[int, ...]]:
         """The shapes that tensors of the component's weight files have for its `config` (those present in the files
-        are compared: flux_cp.model_config)."""
+        are compared: flux_cp.families.model_config)."""
         return {}
 
     def weight_layers(self, component: str) -> tuple[tuple[str, str, bool], ...]:
@@ -280,7 +279,8 @@ class Family(ABC):
     def reference_inputs(self, image: Image.Image | list[Image.Image], encoders: Encoders, device: torch.device
                          ) -> dict:  # fmt: skip
         """The validation pipeline's keyword arguments for editing `image` (the `--validation_image`, already cut to
-        `--validation_resolution`^2 by `flux_cp.validation.reference_image`; a list of them when it is given several
+        `--validation_resolution`^2 by `flux_cp.outputs.validation.reference_image`; a list of them when it is given
+        several
         times, for a family that takes several references)."""
 
     # --- the token sequence ----------------------------------------------------------------------------------
@@ -331,7 +331,7 @@ class Family(ABC):
     @property
     def quantized_parts(self) -> tuple[str, ...]:
         """The transformer's top-level modules whose linears --base_precision quantizes: its block lists (the rest,
-        embedders and final layer, stays as loaded: flux_cp.precision)."""
+        embedders and final layer, stays as loaded: flux_cp.model.precision)."""
         return tuple(name for _, name, _ in self.block_lists)
 
     def blocks(self, transformer: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:

@@ -1,7 +1,7 @@
 """FLUX.1 [dev] / [schnell] and FLUX.1 Kontext [dev]: `FluxTransformer2DModel` with CLIP + T5 text encoders and
 the 16-channel `AutoencoderKL`. Kontext is the same transformer fed the reference image's tokens after the
-target's (flux_cp/pairs.py, with `tokens.reference_ids`); which of the two a run trains follows from its data (pairs
-or single images).
+target's (flux_cp/data/pairs.py, with `tokens.reference_ids`); which of the two a run trains follows from its data
+(pairs or single images).
 
 The recipe follows diffusers' Flux training examples: latents `(x - shift_factor) * scaling_factor`, 2x2 patches
 packed into tokens (`FluxPipeline._pack_latents`), position ids `(0, row, column)` for image tokens and zeros for
@@ -14,21 +14,20 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from flux_cp.families.base import VAE_SIZES, Family, rope_rules, vae_rules, vae_weight_shapes
 from flux_cp.families.components import load_component, load_part
 from flux_cp.families.encoders import Encoders, in_batches, truncation_line
+from flux_cp.families.flux1 import kohya, tokens
+from flux_cp.families.flux1.known import KNOWN
+from flux_cp.families.flux1.tiny import ensure_tiny_pipeline
 from flux_cp.images import to_pixels
-
-from ...terminal import printable
-from ..base import VAE_SIZES, Family, rope_rules, vae_rules, vae_weight_shapes
-from . import kohya, tokens
-from .known import KNOWN
-from .tiny import ensure_tiny_pipeline
+from flux_cp.terminal import printable
 
 if TYPE_CHECKING:
     from PIL import Image
 
-    from ...config import LoraConfig, ModelConfig
-    from ...lora_format import Origin
+    from flux_cp.config.flags import LoraConfig, ModelConfig
+    from flux_cp.families.lora_format import Origin
 
 Tensor = torch.Tensor
 
@@ -128,8 +127,8 @@ def forward_flops(config: dict, image_tokens: int, text_tokens: int, batch: int)
     return float(linear), float(attention)
 
 
-# FLUX.1's config sizes (flux_cp.model_config): each (smallest, largest), the largest about ten times FLUX.1 [dev]'s
-# (its transformer, the VAE, CLIP ViT-L/14's text tower, the T5 v1.1 XXL encoder)
+# FLUX.1's config sizes (flux_cp.families.model_config): each (smallest, largest), the largest about ten times FLUX.1
+# [dev]'s (its transformer, the VAE, CLIP ViT-L/14's text tower, the T5 v1.1 XXL encoder)
 CONFIG_SIZES = {
     "transformer": {
         "patch_size": (1, 16),

@@ -21,19 +21,18 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from flux_cp.errors import UsageError
+from flux_cp.families.base import VAE_SIZES, Family, rope_rules, vae_rules, vae_weight_shapes
 from flux_cp.families.components import load_component, load_part
 from flux_cp.families.encoders import Encoders, in_batches, truncation_line
-
-from ...errors import UsageError
-from ...terminal import printable
-from ..base import VAE_SIZES, Family, rope_rules, vae_rules, vae_weight_shapes
-from . import recipe
-from .tiny import FLUX2_LATENT_CHANNELS, ensure_tiny_flux2_pipeline
+from flux_cp.families.flux2 import recipe
+from flux_cp.families.flux2.tiny import FLUX2_LATENT_CHANNELS, ensure_tiny_flux2_pipeline
+from flux_cp.terminal import printable
 
 if TYPE_CHECKING:
     from PIL import Image
 
-    from ...config import Config, ModelConfig
+    from flux_cp.config.flags import Config, ModelConfig
 
 Tensor = torch.Tensor
 
@@ -238,8 +237,9 @@ _LM_SIZES = {
     "head_dim": (1, 1280),
     "max_position_embeddings": (1, 1310720),
 }
-# FLUX.2's config sizes (flux_cp.model_config): each (smallest, largest), the largest about ten times FLUX.2 [dev]'s
-# (its transformer, the VAE, and the text encoder: [dev]'s Mistral 3 with its Pixtral vision tower, [klein]'s Qwen3)
+# FLUX.2's config sizes (flux_cp.families.model_config): each (smallest, largest), the largest about ten times FLUX.2
+# [dev]'s (its transformer, the VAE, and the text encoder: [dev]'s Mistral 3 with its Pixtral vision tower, [klein]'s
+# Qwen3)
 CONFIG_SIZES = {
     "transformer": {
         "patch_size": (1, 16),

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from ...files import write_json
-from ..builder import SCHEDULER_CONFIG, TINY_VAE_LAYERS, Recipe, build_once, bytes_to_unicode, home
-from .recipe import DEV_TEXT_LAYERS, KLEIN_TEXT_LAYERS
+from flux_cp.families.builder import SCHEDULER_CONFIG, TINY_VAE_LAYERS, Recipe, build_once, bytes_to_unicode, home
+from flux_cp.families.flux2.recipe import DEV_TEXT_LAYERS, KLEIN_TEXT_LAYERS
+from flux_cp.files import write_json
 
 # Bump when the recipe below changes, so cached copies are rebuilt.
 TINY_FLUX2_VERSION = 1
