@@ -29,7 +29,7 @@ from flux_cp import quiet
 quiet.install()  # before the imports below: libraries they import (torchao) speak while being imported
 
 from flux_cp import bars  # noqa: E402
-from flux_cp.config.flags import parse_config  # noqa: E402
+from flux_cp.config.parser import parse_config  # noqa: E402
 from flux_cp.plan.memory import print_plan  # noqa: E402
 from flux_cp.run import environment, runner  # noqa: E402
 from flux_cp.run.trainer import Trainer  # noqa: E402

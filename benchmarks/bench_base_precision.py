@@ -36,7 +36,7 @@ def one(precision: str, from_cpu: bool, compile: bool, steps: int, warmup: int, 
 
     import cp
     from flux_cp import quiet
-    from flux_cp.config.flags import parse_config
+    from flux_cp.config.parser import parse_config
     from flux_cp.families import FLUX1
     from flux_cp.families.flux1.tiny import FLUX1_DEV_TRANSFORMER, TRANSFORMER_CONFIG
     from flux_cp.families.flux1.tokens import image_ids, text_ids

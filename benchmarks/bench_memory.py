@@ -57,7 +57,7 @@ def plan_cell(layout: str, resolution: int, cap: float | None, gpu_gib: float, m
     """The planner's `Checkpointing` for a cell, as the trainer computes it (`margin`: of the memory usable; `extra`:
     a variant's flags, e.g. --base_precision int8; `config`: the transformer's, FLUX.1-dev's by default; `flags`: the
     runs' common flags)."""
-    from flux_cp.config.flags import parse_config
+    from flux_cp.config.parser import parse_config
     from flux_cp.families import FLUX1
     from flux_cp.families.flux1.tiny import FLUX1_DEV_TRANSFORMER
     from flux_cp.plan import memory as plan

@@ -16,7 +16,7 @@ import time
 import torch
 
 import cp
-from flux_cp.config.flags import LoraConfig
+from flux_cp.config.training import LoraConfig
 from flux_cp.families.flux1 import DEFAULT_TARGETS
 from flux_cp.families.flux1.tokens import image_ids, pack_latents, text_ids
 from flux_cp.model.blocks import prepare_blocks

@@ -124,7 +124,7 @@ class Planned:
 
 def planned(data: dict, row: dict, models: Models) -> Planned | None:
     """The row planned as its run was (None: no step time, or not known which blocks it checkpointed/offloaded)."""
-    from flux_cp.config.flags import parse_config
+    from flux_cp.config.parser import parse_config
     from flux_cp.plan import memory as plan
     from flux_cp.shape import build_shape, resolved
 
@@ -347,7 +347,7 @@ def calibrate(
     first GPU by default (the CPU, the tiny preset and `flags` for --smoke)."""
     import torch
 
-    from flux_cp.config.flags import parse_config
+    from flux_cp.config.parser import parse_config
     from flux_cp.plan import speed_measure
     from flux_cp.shape import build_shape, resolved
 

@@ -156,7 +156,7 @@ def init_loopback(size: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from flux_cp.config.flags import parse_config
+    from flux_cp.config.parser import parse_config
     from flux_cp.layout import Layout
     from flux_cp.run.trainer import Trainer, logger
 

@@ -40,7 +40,8 @@ from flux_cp.model.precision import check_sharding
 from flux_cp.model.text_encoder import check_sharding as check_text_encoder_sharding
 
 if TYPE_CHECKING:
-    from flux_cp.config.flags import Config, DataConfig, ModelConfig, ParallelConfig, ValidationConfig
+    from flux_cp.config.flags import Config, ParallelConfig, ValidationConfig
+    from flux_cp.config.training import DataConfig, ModelConfig
     from flux_cp.data.folders import Metadata
 
 

@@ -107,7 +107,7 @@ def _config_file(t: Path, text: str) -> list[str]:
 
 def _lora_file(t: Path, rank: int) -> Path:
     """A LoRA file of the embedded default's layers (FLUX.1's default targets) at `rank`, as a run writes it."""
-    from flux_cp.config.flags import LoraConfig
+    from flux_cp.config.training import LoraConfig
     from flux_cp.families import FLUX1
     from flux_cp.families.flux1 import DEFAULT_TARGETS
     from flux_cp.families.flux1.tiny import tiny_transformer
@@ -259,7 +259,7 @@ def _checkpoint(folder: Path, step: int) -> Path:
 
 def _demo_checkpoint_of_odd_types(t: Path) -> list[str]:
     """A checkpoint of the demo whose meta.json holds a learning rate that is no number (a resumed demo keeps it)."""
-    from flux_cp.config.flags import DEMO
+    from flux_cp.config.demo import DEMO
 
     ckpt = _checkpoint(t / "out", 2)
     meta = json.loads((ckpt / "meta.json").read_text())
@@ -315,7 +315,7 @@ def _checkpoint_beyond_the_steps(t: Path) -> list[str]:
 def _checkpoint_with_flags(t: Path, flags: list[str]) -> Path:
     """A checkpoint-2 in the output folder whose meta.json is that of a run of the embedded default with `flags` (its
     run identity and flags; the state is a small model's, never loaded: the resume is refused before)."""
-    from flux_cp.config.flags import parse_config
+    from flux_cp.config.parser import parse_config
     from flux_cp.families import FLUX1
     from flux_cp.outputs.resume import run_identity
     from flux_cp.shape import resolved

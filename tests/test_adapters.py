@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from flux_cp.config.flags import parse_config
+from flux_cp.config.parser import parse_config
 from flux_cp.families import FLUX1, FLUX2, of_model
 from flux_cp.model import adapters
 from flux_cp.plan.counts import parameter_counts

@@ -100,7 +100,7 @@ def test_diffusers_cp_benchmark_runs_each_family_with_the_trainers_adapters(fami
     import sys
 
     from benchmarks import bench_diffusers_cp as bench
-    from flux_cp.config.flags import LoraConfig
+    from flux_cp.config.training import LoraConfig
     from flux_cp.families.flux1 import ATTENTION_TARGETS
     from flux_cp.families.flux2 import FLUX2
     from flux_cp.model.lora import add_lora
@@ -217,7 +217,7 @@ def test_diffusers_flux2_example_step_runs_and_trains_the_trainers_layers(tmp_pa
     import math
 
     from benchmarks import bench_diffusers_flux2 as bench
-    from flux_cp.config.flags import LoraConfig
+    from flux_cp.config.training import LoraConfig
     from flux_cp.families.flux2 import FLUX2
     from flux_cp.model.lora import add_lora
 
@@ -279,7 +279,7 @@ def test_small_gpu_sets_run_only_flags_the_trainer_accepts(monkeypatch):
     import subprocess
 
     from flux_cp.config import flags as config
-    from flux_cp.config.flags import parse_config
+    from flux_cp.config.parser import parse_config
 
     monkeypatch.setattr(config, "check_installed", lambda precision: None)
 

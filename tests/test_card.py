@@ -14,7 +14,7 @@ import pytest
 import torch
 import yaml
 
-from flux_cp.config.flags import parse_config
+from flux_cp.config.parser import parse_config
 from flux_cp.families import FLUX1
 from flux_cp.outputs.card import reference_names, write_model_card
 from flux_cp.shape import resolved

@@ -13,7 +13,8 @@ import pytest
 import torch
 from diffusers.optimization import get_scheduler
 
-from flux_cp.config.flags import LoraConfig
+from flux_cp import checkpoint_folders
+from flux_cp.config.training import LoraConfig
 from flux_cp.errors import UsageError
 from flux_cp.families import FLUX1
 from flux_cp.families.flux1 import DEFAULT_TARGETS
@@ -206,7 +207,7 @@ def test_a_checkpoint_exception_outside_our_checkpoint_code_still_ends_as_one_li
 
 
 def test_the_plan_shows_the_disk_a_run_needs(capsys):
-    from flux_cp.config.flags import parse_config
+    from flux_cp.config.parser import parse_config
     from flux_cp.plan.memory import print_plan
 
     print_plan(parse_config(["--plan", "--checkpoints_total_limit", "2"]))
@@ -238,7 +239,7 @@ def test_every_field_of_meta_json_is_checked(tmp_path, meta, message):
     with pytest.raises(
         UsageError, match=re.escape(f"--resume_from_checkpoint {tmp_path}: ") + ".*" + re.escape(message)
     ):
-        checkpoint.read_meta(tmp_path)
+        checkpoint_folders.read_meta(tmp_path)
 
 
 def _small(seed: int):
@@ -296,7 +297,7 @@ def test_a_checkpoint_path_leading_outside_its_state_folder_is_refused_before_it
 def test_a_changed_data_set_is_named_file_by_file(tmp_path):
     """The data set is identified by relative names, contents and captions; a resume onto another data set says
     which files differ. The checkpoint keeps the rows in data.json (meta.json stays small)."""
-    from flux_cp.config.flags import parse_config
+    from flux_cp.config.parser import parse_config
     from flux_cp.data.sources import DataIdentity
 
     def identity(rows):
@@ -311,7 +312,7 @@ def test_a_changed_data_set_is_named_file_by_file(tmp_path):
     model, opt, sched = _small(0)
     meta = {"run": resume.run_identity(cfg, 1, identity(before), None), "layout": "x", "args": {}}
     ckpt = checkpoint.save(str(tmp_path), 2, model, opt, sched, meta, True, None)
-    saved = checkpoint.read_meta(ckpt)
+    saved = checkpoint_folders.read_meta(ckpt)
     assert "data_files" not in saved["run"] and (ckpt / "data.json").is_file()
     resume.check_compatible(saved, resume.run_identity(cfg, 1, identity(before), None), ckpt)
     with pytest.raises(UsageError) as e:
@@ -331,7 +332,7 @@ def test_a_changed_data_set_is_named_file_by_file(tmp_path):
 
 def _with(name: str, steps: int, **flags):
     """The tiny LoRA trained `steps` steps by the trainer's optimizer `name` (a quadratic pull of every weight to 1)."""
-    from flux_cp.config.flags import TrainConfig
+    from flux_cp.config.training import TrainConfig
     from flux_cp.model.optim import make_optimizer
 
     if name == "adamw8bit":
@@ -419,7 +420,7 @@ def test_8bit_adamw_state_of_flux1_dev_is_a_quarter_of_adamws():
 
 
 def test_the_optimizer_is_part_of_a_runs_identity(tmp_path):
-    from flux_cp.config.flags import parse_config
+    from flux_cp.config.parser import parse_config
     from flux_cp.families import FLUX1
     from flux_cp.shape import resolved
 
@@ -461,7 +462,7 @@ def test_a_seed_checkpoint_that_cannot_be_one_is_refused_before_the_model_loads(
 def test_every_file_of_a_checkpoint_has_its_size_and_checksum_in_meta_json(tmp_path):
     model, opt, sched = _trained()
     ckpt = _save(tmp_path, 2, model, opt, sched)
-    meta = checkpoint.read_meta(ckpt)
+    meta = checkpoint_folders.read_meta(ckpt)
     listed = meta["checksums"]["files"]
     on_disk = sorted(p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*") if p.is_file() and p.name != "meta.json")
     assert sorted(listed) == on_disk and "state/.metadata" in listed and "train.pt" in listed
@@ -493,7 +494,7 @@ def test_a_damaged_checkpoint_is_refused_at_resume_naming_the_file(tmp_path, mon
         name = next((ckpt / "state").glob("*.distcp")).relative_to(ckpt).as_posix()
         monkeypatch.setattr(checkpoint, "_SMALL", 0)  # the tiny shard checked as a large one is
     _damage(ckpt / name, how)
-    meta = checkpoint.read_meta(ckpt)
+    meta = checkpoint_folders.read_meta(ckpt)
     why = {"truncated": "bytes, ", "flipped": "the checksum differs", "missing": "missing"}[how]
     expected = rf"^--resume_from_checkpoint {re.escape(str(ckpt))}: {re.escape(name)} is damaged \(.*{why}"
     if name.endswith(".distcp") and how == "flipped":
@@ -511,14 +512,14 @@ def test_a_checkpoint_written_before_checksums_still_has_its_metadata_read_at_st
     meta = json.loads((ckpt / "meta.json").read_text())
     del meta["checksums"]
     (ckpt / "meta.json").write_text(json.dumps(meta))
-    checkpoint.verify_quick(ckpt, checkpoint.read_meta(ckpt))
+    checkpoint.verify_quick(ckpt, checkpoint_folders.read_meta(ckpt))
     _damage(ckpt / "state" / ".metadata", "truncated")
     with pytest.raises(UsageError, match=r"state/.metadata is damaged \(it cannot be read: UnpicklingError"):
-        checkpoint.verify_quick(ckpt, checkpoint.read_meta(ckpt))
+        checkpoint.verify_quick(ckpt, checkpoint_folders.read_meta(ckpt))
     meta["checksums"] = {"algorithm": "xxh3_128", "files": {"train.pt": {"bytes": "12"}}}
     (ckpt / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(UsageError, match="meta.json's 'checksums' is not a list of files"):
-        checkpoint.read_meta(ckpt)
+        checkpoint_folders.read_meta(ckpt)
 
 
 def test_non_finite_values_in_a_loaded_checkpoint_are_named_as_such(tmp_path):

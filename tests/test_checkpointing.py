@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import cp
-from flux_cp.config.flags import parse_config
+from flux_cp.config.parser import parse_config
 from flux_cp.errors import UsageError
 from flux_cp.model.blocks import Checkpointing, checkpointed_blocks, prepare_blocks
 from flux_cp.plan import memory as plan

@@ -165,7 +165,7 @@ def test_hub_data_sets_are_read_through_datasets(monkeypatch):
 
     import datasets
 
-    from flux_cp.config.flags import DataConfig
+    from flux_cp.config.training import DataConfig
     from flux_cp.data.sources import open_source
     from flux_cp.errors import UsageError
 

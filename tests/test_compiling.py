@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from flux_cp.config.flags import parse_config
+from flux_cp.config.parser import parse_config
 from flux_cp.errors import UsageError
 from flux_cp.outputs.metrics import read_metrics
 from flux_cp.plan import compiling, speed

@@ -6,7 +6,9 @@ import dataclasses
 
 import pytest
 
-from flux_cp.config.flags import Config, DataConfig, LoraConfig, build_parser, parse_config
+from flux_cp.config.flags import Config
+from flux_cp.config.parser import build_parser, parse_config
+from flux_cp.config.training import DataConfig, LoraConfig
 from flux_cp.errors import UsageError
 
 

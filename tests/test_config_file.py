@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from flux_cp.config.file import RUN_CHOICES
-from flux_cp.config.flags import parse_config
+from flux_cp.config.parser import parse_config
 from flux_cp.data.sources import BUNDLED_DATA
 from flux_cp.errors import UsageError
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
-from flux_cp.config.flags import DataConfig
+from flux_cp.config.training import DataConfig
 from flux_cp.data.sources import BUNDLED_DATA, crop_box, open_source, reference_column
 from flux_cp.errors import UsageError
 from flux_cp.images import to_pixels

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from flux_cp.config.flags import DEMO_BATCH, DEMO_LEARNING_RATE, DEMO_PROMPTS, DEMO_STEPS, KONTEXT_DEMO, parse_config
+from flux_cp.config.demo import DEMO_BATCH, DEMO_LEARNING_RATE, DEMO_PROMPTS, DEMO_STEPS, KONTEXT_DEMO
+from flux_cp.config.parser import parse_config
 from flux_cp.data.sources import BUNDLED_DATA
 from flux_cp.errors import UsageError
 

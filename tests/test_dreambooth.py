@@ -14,8 +14,9 @@ import pytest
 import torch
 from PIL import Image
 
-from flux_cp.config.flags import DataConfig, parse_config
+from flux_cp.config.parser import parse_config
 from flux_cp.config.ranges import unused_flags
+from flux_cp.config.training import DataConfig
 from flux_cp.data.encode import ClassGeometry, Geometry, LiveData, Repeated, encode_dataset, run_buckets
 from flux_cp.data.prior import (
     MARKER,
@@ -380,7 +381,7 @@ def test_generated_class_images_are_written_as_rendered_so_an_interrupted_genera
     only the other two, from the same noise keys (the seed and the image's index)."""
     import types
 
-    from flux_cp.config.flags import parse_config
+    from flux_cp.config.parser import parse_config
     from flux_cp.data import prior
     from flux_cp.data.prior import generate_class_images
     from flux_cp.families import FLUX1
@@ -430,7 +431,7 @@ def test_generated_class_images_of_other_settings_are_rendered_again_and_the_log
     import logging
     import types
 
-    from flux_cp.config.flags import parse_config
+    from flux_cp.config.parser import parse_config
     from flux_cp.data import prior
     from flux_cp.data.prior import generate_class_images
     from flux_cp.families import FLUX1

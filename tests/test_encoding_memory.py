@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from flux_cp import tiny
-from flux_cp.config.flags import DataConfig, ModelConfig
+from flux_cp.config.training import DataConfig, ModelConfig
 from flux_cp.data.encode import Geometry, encode_dataset, training_buckets
 from flux_cp.data.sources import open_source
 from flux_cp.errors import UsageError
@@ -258,7 +258,7 @@ def test_the_full_shapes_preset_writes_every_component_s_config_at_full_size_and
             vae["use_quant_conv"], vae["use_post_quant_conv"]) == (16, [128, 256, 512, 512], 0.3611, 0.1159, False,
                                                                   False)  # fmt: skip
     # the planner counts them on the meta device: T5-XXL's encoder is 4.9B parameters (9.1 GiB in bf16)
-    from flux_cp.config.flags import parse_config
+    from flux_cp.config.parser import parse_config
     from flux_cp.plan.memory import print_plan
 
     print_plan(parse_config(["--plan", "--pretrained_model_name_or_path", str(full_flux1), "--gpu_memory_gib", "24",

@@ -6,7 +6,8 @@ import re
 
 import pytest
 
-from flux_cp.config.flags import build_parser, is_hub_id, parse_config
+from flux_cp.config.fields import is_hub_id
+from flux_cp.config.parser import build_parser, parse_config
 from flux_cp.config.ranges import RULES, given_flags, unused_flags
 from flux_cp.errors import UsageError
 

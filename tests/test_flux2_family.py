@@ -15,7 +15,8 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline, Flux2Pipeline
 
 import cp
-from flux_cp.config.flags import DataConfig, ModelConfig, TrainConfig, parse_config
+from flux_cp.config.parser import parse_config
+from flux_cp.config.training import DataConfig, ModelConfig, TrainConfig
 from flux_cp.data.batches import Batches
 from flux_cp.data.flow import per_sample_draws
 from flux_cp.data.sources import BatchSchedule

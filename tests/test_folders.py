@@ -171,7 +171,7 @@ def test_every_path_column_of_pair_metadata_is_checked(tmp_path):
 
 def test_the_encoding_cache_inside_the_data_folder_is_not_listed(tmp_path):
     """(An output folder inside the data folder is refused: tests/test_outdir.py.)"""
-    from flux_cp.config.flags import DataConfig
+    from flux_cp.config.training import DataConfig
     from flux_cp.data.sources import open_source
 
     d = _folder(tmp_path)

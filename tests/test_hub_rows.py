@@ -9,7 +9,7 @@ import datasets
 import pytest
 from PIL import Image
 
-from flux_cp.config.flags import DataConfig
+from flux_cp.config.training import DataConfig
 from flux_cp.data.sources import open_source
 from flux_cp.errors import UsageError
 

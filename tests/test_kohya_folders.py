@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flux_cp.config.flags import DataConfig
+from flux_cp.config.training import DataConfig
 from flux_cp.data.encode import Repeated
 from flux_cp.data.kohya_folders import kohya_subfolders, list_kohya, mixed_names
 from flux_cp.data.sources import BUNDLED_DATA, BatchSchedule, Repeats, open_source

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flux_cp.config.flags import DataConfig
+from flux_cp.config.training import DataConfig
 from flux_cp.data.pairs import PairSplit, image_segment, target_loss
 from flux_cp.data.sources import open_source, reference_column
 from flux_cp.errors import UsageError
@@ -165,7 +165,7 @@ def test_hub_rows_without_a_reference_are_refused(monkeypatch):
 
 
 def test_plan_counts_kontext_pair_sequences(capsys):
-    from flux_cp.config.flags import parse_config
+    from flux_cp.config.parser import parse_config
     from flux_cp.plan.memory import print_plan
 
     print_plan(parse_config(["--plan", "--dataset_name", str(PAIRS), "--resolution", "1024",
@@ -175,7 +175,7 @@ def test_plan_counts_kontext_pair_sequences(capsys):
 
 
 def test_pairs_need_only_target_plus_reference_tokens_to_divide():
-    from flux_cp.config.flags import parse_config
+    from flux_cp.config.parser import parse_config
     from flux_cp.shape import build_shape, check_tokens
 
     def check(*flags: str) -> None:
@@ -361,7 +361,7 @@ def test_pair_loss_and_gradients_equal_the_kontext_examples_with_default_flags(s
 
     from diffusers import FlowMatchEulerDiscreteScheduler
 
-    from flux_cp.config.flags import DataConfig, TrainConfig
+    from flux_cp.config.training import DataConfig, TrainConfig
     from flux_cp.data.batches import Batches
     from flux_cp.data.flow import per_sample_draws
     from flux_cp.data.sources import BatchSchedule

@@ -211,7 +211,7 @@ def _save_trained_lora(model, cfg, tmp_path, origin=None):
 
 def _saved(tmp_path, argv: list[str], origin=None):
     """A LoRA file written by `save_lora` for the flags `argv` (the tiny transformer, B non-zero)."""
-    from flux_cp.config.flags import parse_config
+    from flux_cp.config.parser import parse_config
     from flux_cp.families import FLUX1
     from flux_cp.shape import resolved
 
@@ -239,7 +239,7 @@ def _loaded_adapter(path):
 def test_diffusers_file_carries_the_adapter_metadata_diffusers_builds_the_adapter_from(tmp_path):
     import json
 
-    from flux_cp.config.flags import parse_config
+    from flux_cp.config.parser import parse_config
     from flux_cp.families import FLUX1
     from flux_cp.model.lora import lora_origin
     from flux_cp.shape import resolved
@@ -352,7 +352,7 @@ def test_kohya_problem_names_what_diffusers_would_drop_and_accepts_what_it_reads
 
 
 def test_check_export_refuses_at_start_in_one_line():
-    from flux_cp.config.flags import parse_config
+    from flux_cp.config.parser import parse_config
     from flux_cp.errors import UsageError
     from flux_cp.families import FLUX1
     from flux_cp.families.flux1.kohya import check_export
@@ -403,7 +403,7 @@ def _from_bfl(config: dict, bfl: dict[str, torch.Tensor]):
 def _flux2_saved(tmp_path, klein: bool, argv: list[str]):
     """A FLUX.2 transformer on random BFL weights, its LoRA for the flags `argv` (the family's default targets, B
     non-zero) and the file `save_lora` writes: (config, BFL weights, transformer, path)."""
-    from flux_cp.config.flags import parse_config
+    from flux_cp.config.parser import parse_config
     from flux_cp.families import FLUX2, FLUX2_KLEIN
     from flux_cp.shape import resolved
 
@@ -509,7 +509,7 @@ def test_a_flux2_lora_with_alpha_other_than_rank_renders_the_trained_models_outp
     holds the trained peft LoRA (rank 4, alpha 8)."""
     import json
 
-    from flux_cp.config.flags import parse_config
+    from flux_cp.config.parser import parse_config
     from flux_cp.families import FLUX2, FLUX2_KLEIN
     from flux_cp.families.flux2.tiny import build_tiny_flux2_pipeline
     from flux_cp.model.lora import add_lora, save_lora
@@ -556,7 +556,7 @@ def test_a_flux2_lora_with_alpha_other_than_rank_renders_the_trained_models_outp
 def test_the_lora_file_s_title_and_base_model_hold_no_control_characters(tmp_path):
     """The run's name (its output folder's) and the base model's go into the file's metadata, which model browsers
     show: their control characters are written as escapes."""
-    from flux_cp.config.flags import parse_config
+    from flux_cp.config.parser import parse_config
     from flux_cp.model.lora import lora_origin
 
     out, base = tmp_path / "run\x1b[2J", tmp_path / "model\x07"

@@ -11,7 +11,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import cp
-from flux_cp.config.flags import ParallelConfig, build_parser, parse_config
+from flux_cp.config.flags import ParallelConfig
+from flux_cp.config.parser import build_parser, parse_config
 from flux_cp.errors import UsageError
 from flux_cp.shape import auto_mode, choose_cp_mode
 from tests import distributed

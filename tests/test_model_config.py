@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from flux_cp.config.flags import ModelConfig
+from flux_cp.config.training import ModelConfig
 from flux_cp.errors import UsageError
 from flux_cp.families import FLUX1, FLUX2, FLUX2_KLEIN
 from flux_cp.families.components import transformer_config, with_class_defaults

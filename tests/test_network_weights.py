@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from flux_cp.config.flags import LoraConfig, parse_config
+from flux_cp.config.parser import parse_config
+from flux_cp.config.training import LoraConfig
 from flux_cp.errors import UsageError
 from flux_cp.families import FLUX1, FLUX2
 from flux_cp.families.flux1 import DEFAULT_TARGETS

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import cp
-from flux_cp.config.flags import LoraConfig, parse_config
+from flux_cp.config.parser import parse_config
+from flux_cp.config.training import LoraConfig
 from flux_cp.errors import UsageError
 from flux_cp.model.blocks import prepare_blocks
 from flux_cp.model.loading import prepare_trainable

@@ -21,7 +21,7 @@ def _setup(kind: str = "sgd"):
     if kind == "sgd":  # not fused: apply_update reads the flag on the host
         optimizer = torch.optim.SGD([p], lr=0.1)
     else:  # the trainer's optimizers: AdamW is fused (the flag stays on the device), Prodigy reads it on the host
-        from flux_cp.config.flags import TrainConfig
+        from flux_cp.config.training import TrainConfig
         from flux_cp.model.optim import make_optimizer
 
         optimizer = make_optimizer(TrainConfig(learning_rate=0.1, optimizer=OPTIMIZER[kind]), [p], global_batch=1)
@@ -99,7 +99,7 @@ def _bnb_or_skip() -> None:
 
 
 def _trainer_optimizer(name: str, params: list, lr: float = 0.1):
-    from flux_cp.config.flags import TrainConfig
+    from flux_cp.config.training import TrainConfig
     from flux_cp.model.optim import make_optimizer
 
     if name == "adamw8bit":
@@ -158,7 +158,7 @@ def test_prodigy_is_built_as_diffusers_builds_it_and_says_nothing(capsys):
     prodigyopt's own "Using decoupled weight decay" line (every rank, every run) is left out, nothing else."""
     from prodigyopt import Prodigy
 
-    from flux_cp.config.flags import parse_config
+    from flux_cp.config.parser import parse_config
     from flux_cp.model.optim import describe, make_optimizer
 
     cfg = parse_config(["--optimizer", "prodigy", "--adam_beta1", "0.8", "--prodigy_beta3", "0.95",
@@ -189,7 +189,7 @@ def test_the_line_filter_keeps_every_other_line(capsys):
 
 
 def test_optimizer_flags_take_diffusers_names_and_values():
-    from flux_cp.config.flags import parse_config
+    from flux_cp.config.parser import parse_config
 
     train = parse_config([]).train
     assert (train.optimizer, train.use_8bit_adam, train.prodigy_beta3) == ("adamw", False, None)
@@ -207,7 +207,7 @@ def test_optimizer_flags_take_diffusers_names_and_values():
 
 
 def test_prodigy_warnings_as_diffusers_gives_them(capsys):
-    from flux_cp.config.flags import parse_config
+    from flux_cp.config.parser import parse_config
 
     parse_config(["--optimizer", "prodigy", "--learning_rate", "1e-4"])
     assert "warning: --learning_rate 0.0001 is low for --optimizer prodigy" in capsys.readouterr().err
@@ -220,7 +220,7 @@ def test_prodigy_warnings_as_diffusers_gives_them(capsys):
 
 
 def test_a_missing_optimizer_package_is_one_line_before_anything_loads(monkeypatch):
-    from flux_cp.config.flags import parse_config
+    from flux_cp.config.parser import parse_config
     from flux_cp.model.optim import check_optimizer
 
     # Checked at the start of a run (flux_cp.run.trainer), before any model loads; the planner (--plan) loads none.
@@ -236,7 +236,7 @@ def test_a_missing_optimizer_package_is_one_line_before_anything_loads(monkeypat
 
 
 def test_8bit_adamw_needs_a_cuda_device_and_neither_optional_optimizer_takes_fsdp(monkeypatch):
-    from flux_cp.config.flags import TrainConfig
+    from flux_cp.config.training import TrainConfig
     from flux_cp.model.optim import check_optimizer
 
     if not torch.cuda.is_available():  # this machine

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from flux_cp import manifest
+from flux_cp import checkpoint_folders, manifest
 from flux_cp.errors import UsageError
 from flux_cp.outputs import checkpoint, outdir
 from tests.launch import ROOT, env, in_process, python_cmd
@@ -25,7 +25,7 @@ def _checkpoint(folder: Path, step: int) -> Path:
 
     from torch.distributed.checkpoint.metadata import Metadata
 
-    from flux_cp.config.flags import parse_config
+    from flux_cp.config.parser import parse_config
     from flux_cp.families import FLUX1
     from flux_cp.outputs.resume import flag_identity
     from flux_cp.shape import resolved
@@ -385,7 +385,7 @@ def test_resuming_an_earlier_checkpoint_sets_the_later_branch_aside(tmp_path):
                                                           "pytorch_lora_weights.safetensors", "validation"]  # fmt: skip
     assert sorted(p.name for p in (aside[0] / "validation").iterdir()) == ["step-000004.png", "step-000006.png"]
     assert sorted(p.name for p in (folder / "validation").iterdir()) == ["step-000000.png", "step-000002.png"]
-    assert checkpoint.resolve("latest", str(folder)) == folder / "checkpoint-2"  # `latest` is the live branch
+    assert checkpoint_folders.resolve("latest", str(folder)) == folder / "checkpoint-2"  # `latest` is the live branch
     assert aside[0].name in manifest.read(folder) and "checkpoint-4" not in manifest.read(folder)
 
 
@@ -548,7 +548,7 @@ def test_a_pair_run_s_reference_images_go_beside_its_weights_and_never_over_the_
     import numpy as np
     from PIL import Image
 
-    from flux_cp.config.flags import parse_config
+    from flux_cp.config.parser import parse_config
     from flux_cp.data.sources import BUNDLED_DATA
     from flux_cp.outputs.validation import reference_image, square
     from flux_cp.run.output_phase import Outputs

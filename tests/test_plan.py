@@ -206,7 +206,7 @@ def test_a_cached_config_comes_first_and_an_unknown_id_offline_is_one_line(tmp_p
 
 def test_the_plan_reads_a_hub_config_from_the_download_cache_that_cache_dir_names(tmp_path, monkeypatch):
     """--cache_dir is where a diffusers user's models are: --plan looks there, offline too."""
-    from flux_cp.config.flags import parse_config
+    from flux_cp.config.parser import parse_config
     from flux_cp.errors import UsageError
 
     _offline(monkeypatch, tmp_path)

@@ -13,16 +13,16 @@ import sys
 import pytest
 import torch
 
+from flux_cp.config.fields import PRECISIONS
+from flux_cp.config.training import check_base_precision
 from flux_cp.errors import UsageError
+from flux_cp.extras import PACKAGES
 from flux_cp.families.flux1.tiny import FLUX1_DEV_TRANSFORMER, tiny_transformer
 from flux_cp.families.flux2.tiny import FLUX2_DEV_TRANSFORMER, tiny_flux2_transformer
 from flux_cp.model.blocks import transformer_blocks
 from flux_cp.model.precision import (
-    PACKAGES,
-    PRECISIONS,
     QUANTIZED,
     base_bytes,
-    check_flags,
     check_installed,
     check_sharding,
     is_quantized,
@@ -85,7 +85,7 @@ def _inputs(family: str) -> dict:
 
 
 def _lora_config(family: str, model: torch.nn.Module):
-    from flux_cp.config.flags import parse_config
+    from flux_cp.config.parser import parse_config
     from flux_cp.shape import resolved
 
     return resolved(parse_config(["--rank", "4"]), _family(family), False, dict(model.config)).lora
@@ -288,9 +288,9 @@ def test_full_size_bytes_per_parameter_as_the_docs_give_them():
 
 
 def test_refusals_say_what_to_change(monkeypatch):
-    from flux_cp.config.flags import parse_config
+    from flux_cp.config.parser import parse_config
 
-    check_flags("bf16", True)
+    check_base_precision("bf16", True)
     with pytest.raises(UsageError, match=r"^--base_precision nf4 stores the frozen base weights in 4 bits for LoRA; "
                                          r"--full_finetune trains every weight"):  # fmt: skip
         parse_config(["--base_precision", "nf4", "--full_finetune", "--plan"])
@@ -311,14 +311,14 @@ def test_refusals_say_what_to_change(monkeypatch):
     )
     parse_config(["--base_precision", "nf4", "--plan"])  # the planner loads nothing: no package needed
     check_installed("bf16")
-    monkeypatch.setattr("flux_cp.model.precision._version", lambda package: "0.15.0")
+    monkeypatch.setattr("flux_cp.extras.version", lambda package: "0.15.0")
     with pytest.raises(UsageError, match=r"^--base_precision int8 needs torchao >= 0.16 \(found 0.15.0\): pip "
                                          r"install -U 'torchao>=0.16' \(or pip install -e .\[quant\]\)$"):  # fmt: skip
         check_installed("int8")
 
 
 def test_the_flag_is_recorded_and_may_change_on_resume():
-    from flux_cp.config.flags import parse_config
+    from flux_cp.config.parser import parse_config
     from flux_cp.outputs.resume import RESUMABLE_CHANGES
 
     assert parse_config([]).flat()["base_precision"] == "bf16"

@@ -15,7 +15,9 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, Flux2Pipeline
 
 import cp.comm
-from flux_cp.config.flags import DataConfig, ModelConfig, TrainConfig, ValidationConfig, parse_config
+from flux_cp.config.flags import ValidationConfig
+from flux_cp.config.parser import parse_config
+from flux_cp.config.training import DataConfig, ModelConfig, TrainConfig
 from flux_cp.data.batches import Batches
 from flux_cp.data.encode import Geometry, LiveData, encode_dataset, reference_key
 from flux_cp.data.flow import per_sample_draws

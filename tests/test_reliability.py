@@ -14,9 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from flux_cp import manifest
+from flux_cp import checkpoint_folders, manifest
 from flux_cp.families import FLUX1
-from flux_cp.outputs import checkpoint, outdir
+from flux_cp.outputs import outdir
 from flux_cp.outputs.metrics import read_metrics
 from flux_cp.plan import diskspace
 from flux_cp.plan.counts import parameter_counts
@@ -403,8 +403,8 @@ def test_a_resume_from_an_earlier_checkpoint_branches_and_overwrite_removes_only
     assert [row["step"] for row in rows] == [1, 2, 3, 4, 5, 6] and rows[:2] == first[:2]
     assert [row["lr"] for row in rows] == [1e-3, 1e-3, 5e-4, 5e-4, 5e-4, 5e-4]
     assert _complete(run) == [6]
-    latest = checkpoint.resolve("latest", str(run))
-    assert latest == run / "checkpoint-6" and checkpoint.read_meta(latest)["args"]["learning_rate"] == 5e-4
+    latest = checkpoint_folders.resolve("latest", str(run))
+    assert latest == run / "checkpoint-6" and checkpoint_folders.read_meta(latest)["args"]["learning_rate"] == 5e-4
     (run / "notes.txt").write_text("mine")
     (run / "my_validation").mkdir()
     removed = outdir.claim(run, None, True).removed

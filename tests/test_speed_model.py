@@ -73,7 +73,7 @@ def test_on_an_h100_fp8_with_offload_is_predicted_faster_than_bf16_with_offload_
 def test_the_recommendation_on_an_h100_capped_to_24_gib_is_fp8_compiled_with_offload(monkeypatch):
     """What --plan --gpu_class h100 --gpu_memory_gib 24 recommends for FLUX.1-dev at 1024 px, with host memory for
     the offloaded blocks."""
-    from flux_cp.config.flags import parse_config
+    from flux_cp.config.parser import parse_config
     from flux_cp.plan import recommend
     from flux_cp.shape import build_shape, resolved
 
@@ -180,7 +180,7 @@ def test_which_class_stands_for_a_gpu():
 
 
 def test_plan_on_the_cpu_says_whose_figures_it_used_and_plans_host_memory(capsys):
-    from flux_cp.config.flags import parse_config
+    from flux_cp.config.parser import parse_config
     from flux_cp.plan.memory import print_plan
 
     argv = [

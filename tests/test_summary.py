@@ -11,7 +11,7 @@ import warnings
 from pathlib import Path
 
 from flux_cp import quiet
-from flux_cp.config.flags import parse_config
+from flux_cp.config.parser import parse_config
 from flux_cp.outputs.summary import loss_change, summary
 
 

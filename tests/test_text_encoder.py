@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-from flux_cp.config.flags import TrainConfig
+from flux_cp.config.training import TrainConfig
 from flux_cp.errors import UsageError
 from flux_cp.families.lora_format import metadata, scaled
 from flux_cp.model.optim import clip_grad_norm, make_optimizer

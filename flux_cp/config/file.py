@@ -162,7 +162,7 @@ def _value(action: argparse.Action, key: str, value: Any, where: str) -> Any:
     if isinstance(action, argparse._StoreTrueAction):
         if isinstance(value, bool):
             return value
-        from flux_cp.config.flags import boolean  # the flags' true/false words
+        from flux_cp.config.fields import boolean  # the flags' true/false words
 
         try:
             return boolean(str(value))

@@ -21,7 +21,7 @@ from flux_cp.data.sources import BatchSchedule
 from flux_cp.rng import Stream, generator
 
 if TYPE_CHECKING:
-    from flux_cp.config.flags import DataConfig, TrainConfig
+    from flux_cp.config.training import DataConfig, TrainConfig
     from flux_cp.data.prior import ClassSamples
     from flux_cp.families import Family
     from flux_cp.layout import Layout

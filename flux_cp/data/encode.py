@@ -32,7 +32,7 @@ from flux_cp.terminal import printable
 if TYPE_CHECKING:
     from PIL import Image
 
-    from flux_cp.config.flags import DataConfig
+    from flux_cp.config.training import DataConfig
 
 Tensor = torch.Tensor
 logger = logging.getLogger("flux_cp")

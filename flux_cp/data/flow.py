@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from flux_cp.config.flags import TrainConfig
+    from flux_cp.config.training import TrainConfig
 
 Tensor = torch.Tensor
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 from PIL import Image
 
-from flux_cp.config.flags import DEFAULT_ENCODINGS_DIR
+from flux_cp.config.fields import DEFAULT_ENCODINGS_DIR
 from flux_cp.data.folders import FILE_NAME, Metadata, caption_of, list_folder, read_metadata_file
 from flux_cp.data.kohya_folders import KohyaLayout, kohya_subfolders, list_kohya, mixed_names
 from flux_cp.errors import UsageError
@@ -28,7 +28,8 @@ from flux_cp.images import decode
 from flux_cp.rng import Stream, generator
 
 if TYPE_CHECKING:
-    from flux_cp.config.flags import DataConfig, ValidationConfig
+    from flux_cp.config.flags import ValidationConfig
+    from flux_cp.config.training import DataConfig
 
 BUNDLED_DATA = Path(__file__).resolve().parents[2] / "data" / "tiny_shapes"
 

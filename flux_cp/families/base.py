@@ -23,7 +23,8 @@ from flux_cp.terminal import printable
 if TYPE_CHECKING:
     from PIL import Image
 
-    from flux_cp.config.flags import Config, LoraConfig, ModelConfig
+    from flux_cp.config.flags import Config
+    from flux_cp.config.training import LoraConfig, ModelConfig
     from flux_cp.families.encoders import Encoders
     from flux_cp.families.lora_format import Origin
 

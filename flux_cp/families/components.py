@@ -18,7 +18,7 @@ from flux_cp.errors import UsageError
 from flux_cp.random_weights import WEIGHT_SUFFIXES, build_random, has_weight_files, name_seed
 
 if TYPE_CHECKING:
-    from flux_cp.config.flags import ModelConfig
+    from flux_cp.config.training import ModelConfig
 
 logger = logging.getLogger("flux_cp")
 

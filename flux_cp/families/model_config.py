@@ -25,7 +25,7 @@ from flux_cp.families.components import component_folder
 from flux_cp.terminal import printable
 
 if TYPE_CHECKING:
-    from flux_cp.config.flags import ModelConfig
+    from flux_cp.config.training import ModelConfig
     from flux_cp.families import Family
 
 HEADER_LIMIT = 100 * 2**20  # safetensors' own limit on a header's size

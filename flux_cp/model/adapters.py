@@ -29,14 +29,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from flux_cp.errors import UsageError
+from flux_cp.config.fields import ADAPTER_LABELS
 
 if TYPE_CHECKING:
-    from flux_cp.config.flags import LoraConfig
+    from flux_cp.config.training import LoraConfig
 
 Tensor = torch.Tensor
 
-LABELS = {"lora": "LoRA", "dora": "DoRA", "lokr": "LoKr"}
+LABELS = ADAPTER_LABELS
 # Name parts of the trainable parameters peft adds, by adapter (DoRA's magnitude is `lora_magnitude_vector`).
 PARAMETER_PARTS = ("lora_", "lokr_")
 
@@ -69,50 +69,6 @@ def peft_config(adapter: str, rank: int, alpha: float, dropout: float, targets: 
 def is_adapter_parameter(name: str) -> bool:
     """Whether the parameter `name` is one that peft added for an adapter (LoRA's, DoRA's or LoKr's)."""
     return any(part in name for part in PARAMETER_PARTS)
-
-
-def check(lora: LoraConfig, base_precision: str) -> None:
-    """At start, the flags only: a UsageError for what `--adapter` cannot be combined with."""
-    adapter = lora.adapter
-    if adapter == "lora":
-        return
-    name, what = f"--adapter {adapter}", label(adapter)
-    if lora.full_finetune:
-        raise UsageError(
-            f"{name} trains {what} adapters; --full_finetune trains every weight and no adapter: drop one of the two"
-        )
-    if lora.network_weights is not None:
-        raise UsageError(
-            f"{name} with --network_weights: a LoRA file holds no {what} weights (a {what} adapter would start half "
-            "from the file and half at random); use --adapter lora or drop --network_weights"
-        )
-    if lora.train_text_encoder:
-        raise UsageError(
-            f"{name} with --train_text_encoder: the text encoder's adapter is a LoRA only (as in diffusers' examples); "
-            "use --adapter lora or drop --train_text_encoder"
-        )
-    if lora.lora_format != "diffusers":
-        why = (
-            "kohya's, LyCORIS' and ComfyUI's DoRA (dora_scale) divides by the base weight's norm, peft's by the "
-            "adapted weight's, so no kohya file holds this DoRA"
-            if adapter == "dora"
-            else "the kohya / BFL layout fuses q, k and v into one linear, whose update separate Kronecker products of "
-            "the three are not"
-        )
-        loads = (
-            "load_lora_weights loads it" if adapter == "dora" else "ComfyUI and diffusers' load_lora_adapter load it"
-        )
-        raise UsageError(f"{name} with --lora_format {lora.lora_format}: {why}; keep --lora_format diffusers ({loads})")
-    if adapter == "lokr" and lora.lora_dropout:
-        raise UsageError(
-            f"--lora_dropout {lora.lora_dropout:g} with --adapter lokr: peft's LoKr drops no inputs (its dropouts "
-            "are of ranks and whole modules); drop --lora_dropout"
-        )
-    if adapter == "lokr" and base_precision == "nf4":
-        raise UsageError(
-            "--adapter lokr with --base_precision nf4: peft's LoKr layer shapes its update like the base weight, "
-            "which bitsandbytes stores packed; use --base_precision int8 or fp8"
-        )
 
 
 def lokr_weights(state: dict[str, Tensor], rank: int, alpha: float) -> dict[str, Tensor]:

@@ -21,7 +21,8 @@ from flux_cp.model.precision import quantize_base
 from flux_cp.random_weights import build_random, name_seed
 
 if TYPE_CHECKING:
-    from flux_cp.config.flags import Config, LoraConfig, ModelConfig
+    from flux_cp.config.flags import Config
+    from flux_cp.config.training import LoraConfig, ModelConfig
 
 logger = logging.getLogger("flux_cp")
 

@@ -17,7 +17,8 @@ from flux_cp.model import adapters
 from flux_cp.terminal import printable
 
 if TYPE_CHECKING:
-    from flux_cp.config.flags import Config, LoraConfig
+    from flux_cp.config.flags import Config
+    from flux_cp.config.training import LoraConfig
 
 
 class LoraLayouts(Protocol):

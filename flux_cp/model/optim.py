@@ -5,7 +5,6 @@ gradient norm (`--on_nonfinite`)."""
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import logging
 import math
@@ -16,15 +15,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from flux_cp.errors import NonFiniteError, UsageError
+from flux_cp.extras import OPTIMIZER_INSTALL as INSTALL
+from flux_cp.extras import OPTIMIZER_PACKAGES as PACKAGES
+from flux_cp.extras import installed
 
 if TYPE_CHECKING:
-    from flux_cp.config.flags import TrainConfig
+    from flux_cp.config.training import TrainConfig
 
 logger = logging.getLogger("flux_cp")
-
-# The optional packages behind --optimizer prodigy and --use_8bit_adam (pyproject's `optim` extra).
-PACKAGES = {"prodigy": "prodigyopt", "adamw8bit": "bitsandbytes"}
-INSTALL = "pip install -e .[optim]"
 
 
 # Bytes of an optimizer's state per trainable parameter. AdamW: two fp32 moments. Prodigy: two moments, its running
@@ -48,12 +46,6 @@ def optimizer_name(train: TrainConfig) -> str:
     return train.optimizer
 
 
-def _installed(module: str) -> bool:
-    if module in sys.modules:  # imported already, or blocked (None)
-        return sys.modules[module] is not None
-    return importlib.util.find_spec(module) is not None
-
-
 def check_optimizer(train: TrainConfig, device: str | None = None, sharded: bool = False) -> None:
     """One line when the chosen optimizer cannot run here, before anything loads: 8-bit AdamW off a CUDA GPU, a
     missing package, or either optional optimizer with FSDP. `device`: the training device's type once known (None:
@@ -67,7 +59,7 @@ def check_optimizer(train: TrainConfig, device: str | None = None, sharded: bool
         where = "the CPU" if on == "cpu" else on
         raise UsageError(f"--use_8bit_adam needs a CUDA GPU (bitsandbytes' 8-bit AdamW); this run trains on {where}: "
                          "drop --use_8bit_adam", agreed=True)  # fmt: skip
-    if not _installed(PACKAGES[name]):
+    if not installed(PACKAGES[name]):
         raise UsageError(
             f"{flag} needs the {PACKAGES[name]} package: {INSTALL} (or pip install {PACKAGES[name]})", agreed=True
         )

@@ -41,7 +41,8 @@ from flux_cp.model.offload import (
 )
 
 if TYPE_CHECKING:
-    from flux_cp.config.flags import Config, ParallelConfig, TrainConfig, ValidationConfig
+    from flux_cp.config.flags import Config, ParallelConfig, ValidationConfig
+    from flux_cp.config.training import TrainConfig
     from flux_cp.shape import RunShape
 
 logger = logging.getLogger("flux_cp")

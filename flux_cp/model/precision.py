@@ -32,19 +32,17 @@ output.
 from __future__ import annotations
 
 import functools
-import importlib.metadata
-import importlib.util
 import math
-import sys
 import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
 
+from flux_cp.config.fields import PRECISION_BITS, PRECISIONS
 from flux_cp.errors import UsageError
+from flux_cp.extras import check_installed
 
-PRECISIONS = ("bf16", "fp8", "int8", "nf4")
 QUANTIZED = PRECISIONS[1:]
 # Top-level modules whose linears are quantized by default (the rest of a transformer keeps the dtype it was loaded
 # in): FLUX.1's and FLUX.2's (a model family names its own: `Family.quantized_parts`).
@@ -52,10 +50,6 @@ QUANTIZED_PARTS = (
     "transformer_blocks", "single_transformer_blocks",  # FLUX.1 and FLUX.2
     "double_stream_modulation_img", "double_stream_modulation_txt", "single_stream_modulation",  # FLUX.2
 )  # fmt: skip
-# The package of each precision and the oldest version accepted: peft's LoRA layers for torchao need 0.16;
-# bitsandbytes 0.50 is the one tested (and the `optim` extra's floor).
-PACKAGES = {"fp8": ("torchao", "0.16"), "int8": ("torchao", "0.16"), "nf4": ("bitsandbytes", "0.50")}
-INSTALL = "pip install -e .[quant]"
 NF4_BLOCK = 64  # weights per absmax (bitsandbytes' default blocksize for 4 bits)
 NF4_STATS_BLOCK = 256  # absmax values per fp32 scale (bitsandbytes' double quantization)
 # Per layer: the NF4 code (16 fp32), the absmax quantization's code (256 fp32) and its offset (one fp32).
@@ -63,36 +57,6 @@ NF4_LAYER_BYTES = 16 * 4 + 256 * 4 + 4
 
 
 # --- checks: one line each, before anything loads -------------------------------------------------------------
-
-
-def check_flags(precision: str, full_finetune: bool) -> None:
-    """The flags alone: a quantized base holds frozen weights, which full fine-tuning would train."""
-    if precision != "bf16" and full_finetune:
-        raise UsageError(
-            f"--base_precision {precision} stores the frozen base weights in {bits(precision)} bits for LoRA; "
-            "--full_finetune trains every weight, which needs them in full precision: drop --base_precision (or "
-            "--full_finetune to train a LoRA)"
-        )
-
-
-def check_installed(precision: str) -> None:
-    """The package behind `precision` is installed, at a version it was tested with (pip's command when not)."""
-    if precision not in PACKAGES:
-        return
-    package, oldest = PACKAGES[precision]
-    found = _version(package)
-    if found is None:
-        raise UsageError(
-            f"--base_precision {precision} needs the {package} package: {INSTALL} (or pip install "
-            f"'{package}>={oldest}')",
-            agreed=True,
-        )
-    if _older(found, oldest):
-        raise UsageError(
-            f"--base_precision {precision} needs {package} >= {oldest} (found {found}): pip install -U "
-            f"'{package}>={oldest}' (or {INSTALL})",
-            agreed=True,
-        )
 
 
 def check_sharding(precision: str, sharded: bool) -> None:
@@ -110,25 +74,7 @@ def check_sharding(precision: str, sharded: bool) -> None:
 
 
 def bits(precision: str) -> int:
-    return {"bf16": 16, "fp8": 8, "int8": 8, "nf4": 4}[precision]
-
-
-def _version(package: str) -> str | None:
-    """The installed version; None when not importable, "" when importable without a version (a source tree)."""
-    if package in sys.modules and sys.modules[package] is None:  # blocked (tests: as if not installed)
-        return None
-    if importlib.util.find_spec(package) is None:
-        return None
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return ""
-
-
-def _older(found: str, oldest: str) -> bool:
-    from packaging.version import Version
-
-    return bool(found) and Version(found) < Version(oldest)
+    return PRECISION_BITS[precision]
 
 
 # --- which linears, and quantizing them ------------------------------------------------------------------------

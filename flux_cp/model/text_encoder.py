@@ -20,7 +20,7 @@ from flux_cp.errors import UsageError
 from flux_cp.rng import Stream, generator
 
 if TYPE_CHECKING:
-    from flux_cp.config.flags import LoraConfig
+    from flux_cp.config.training import LoraConfig
     from flux_cp.families.encoders import Encoders
 
 Tensor = torch.Tensor

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from flux_cp import files
-from flux_cp.config.flags import is_hub_id
+from flux_cp.config.fields import is_hub_id
 from flux_cp.families import FLUX1, known_model
 from flux_cp.model import adapters
 from flux_cp.model.optim import describe as describe_optimizer

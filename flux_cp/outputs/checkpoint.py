@@ -40,12 +40,10 @@ from pathlib import Path
 import torch
 
 from flux_cp import distributed, files, manifest
+from flux_cp.checkpoint_folders import FORMAT, check_inside, list_checkpoints, listed_files
 from flux_cp.errors import UsageError
 
 logger = logging.getLogger("flux_cp")
-
-FORMAT = 1
-_NAME = re.compile(r"^checkpoint-(\d+)$")
 
 
 def _fsync_tree(path: Path) -> None:
@@ -60,119 +58,6 @@ def _fsync_tree(path: Path) -> None:
         os.close(fd)
 
 
-def list_checkpoints(output_dir: str | os.PathLike) -> list[tuple[int, Path]]:
-    """Complete checkpoints (a `meta.json` inside), oldest first."""
-    out = []
-    root = Path(output_dir)
-    if root.is_dir():
-        for p in root.iterdir():
-            m = _NAME.match(p.name)
-            if m and (p / "meta.json").is_file():
-                out.append((int(m.group(1)), p))
-    return sorted(out)
-
-
-def named_folder(resume: str | None, output_dir: str) -> tuple[str | None, str | None]:
-    """`--resume_from_checkpoint` as the folder to resume: 'latest' and paths as given; a bare name (no folder part)
-    that is no folder here is a folder of `output_dir`, as diffusers' examples read one (checkpoint-2). Returns (the
-    value to use, the line saying which folder a bare name named, or None). A UsageError naming the paths tried when
-    a bare name names no folder, or one in each place."""
-    if resume in (None, "latest") or not resume.strip() or resume.startswith("~") or "/" in resume or os.sep in resume:
-        return resume, None  # a path: checked as given (flux_cp.config.flags)
-    here, inside = Path(resume), Path(os.path.expanduser(output_dir)) / resume
-    if here.is_dir() and inside.is_dir() and not os.path.samefile(here, inside):
-        raise UsageError(
-            f"--resume_from_checkpoint {resume} names two folders, {here.absolute()} (from the current folder) and "
-            f"{inside} (in --output_dir): pass the path of the one to resume"
-        )
-    if here.is_dir():
-        return resume, None
-    if not inside.is_dir():
-        raise UsageError(
-            f"--resume_from_checkpoint {resume}: no such checkpoint folder (tried {here.absolute()} and {inside}, in "
-            "--output_dir)"
-        )
-    return (
-        str(inside),
-        f"--resume_from_checkpoint {resume} is {inside} (a bare name is a folder of --output_dir, as in diffusers' "
-        "examples)",
-    )
-
-
-def resolve(resume: str | None, output_dir: str) -> Path | None:
-    """The checkpoint folder to resume from: None (fresh start), `latest` (None if there is none yet)."""
-    if resume is None:
-        return None
-    if resume == "latest":
-        found = list_checkpoints(output_dir)
-        return found[-1][1] if found else None
-    path = Path(resume)
-    if not (path / "meta.json").is_file():
-        raise UsageError(
-            f"--resume_from_checkpoint {resume} is not a complete checkpoint (no meta.json): pass a checkpoint-N "
-            "folder written by train_flux_cp.py, or 'latest'"
-        )
-    return path
-
-
-def saved_run(resume: str | None, output_dir: str | os.PathLike) -> tuple[Path, dict] | None:
-    """(the checkpoint `--resume_from_checkpoint resume` names, its meta.json) when it can be read, else None (no
-    resume, no checkpoint yet, or a damaged one: the resume itself then says what is wrong). Reads only."""
-    if resume is None:
-        return None
-    try:
-        path = resolve(resume, str(output_dir))
-        return (path, read_meta(path)) if path is not None else None
-    except UsageError:
-        return None
-
-
-def read_meta(path: Path) -> dict:
-    """A checkpoint's meta.json, every field this code reads checked (a damaged or foreign file is named)."""
-    try:
-        check_inside(path / "meta.json", path)
-        with open(path / "meta.json", encoding="utf-8") as f:
-            meta = json.load(f)
-    except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8, or a path outside the checkpoint
-        raise UsageError(f"--resume_from_checkpoint {path}: meta.json cannot be read ({e})") from None
-    if not isinstance(meta, dict):
-        raise UsageError(f"--resume_from_checkpoint {path}: meta.json is a JSON {type(meta).__name__}, not an object")
-    if meta.get("format") != FORMAT:
-        raise UsageError(f"--resume_from_checkpoint {path}: format {meta.get('format')} is not {FORMAT}")
-    fields = (("step", int), ("run", dict), ("layout", str), ("args", dict), ("optimizer_state", bool),
-              ("checksums", dict))  # fmt: skip
-    for key, kind in fields:
-        value = meta.get(key)
-        # written since a later version; absent means the default (no checksums: written before them)
-        missing_ok = key in ("args", "optimizer_state", "checksums")
-        bad = (value is None and not missing_ok) or (value is not None and type(value) is not kind)
-        if bad or (key == "step" and value < 0):
-            raise UsageError(
-                f"--resume_from_checkpoint {path}: meta.json has no valid '{key}' (got {value!r}); the checkpoint is "
-                "damaged or was not written by train_flux_cp.py: resume from another checkpoint-N folder"
-            )
-    if "checksums" in meta and _listed(meta) is None:
-        raise UsageError(
-            f"--resume_from_checkpoint {path}: meta.json's 'checksums' is not a list of files with their sizes and "
-            "checksums; the checkpoint is damaged or was not written by train_flux_cp.py: resume from another "
-            "checkpoint-N folder"
-        )
-    return meta
-
-
-def _listed(meta: dict) -> dict[str, dict] | None:
-    """{relative name: {"bytes", "hash"}} of a checkpoint's meta.json (None: none, or malformed)."""
-    sums = meta.get("checksums")
-    if not isinstance(sums, dict) or sums.get("algorithm") not in ("xxh3_128", "sha256"):
-        return None
-    listed = sums.get("files")
-    ok = isinstance(listed, dict) and all(
-        isinstance(k, str) and isinstance(v, dict) and type(v.get("bytes")) is int and isinstance(v.get("hash"), str)
-        for k, v in listed.items()
-    )
-    return listed if ok else None
-
-
 def _damaged(path: Path, name: str, why: str) -> UsageError:
     return UsageError(
         f"--resume_from_checkpoint {path}: {name} is damaged ({why}): resume from another checkpoint-N folder, or copy "
@@ -184,7 +69,7 @@ def verify_quick(path: Path, meta: dict) -> None:
     """Before any model loads (one process): every file meta.json lists is there with its size, the small ones
     (DCP's .metadata, train.pt, data.json) with their checksum, and DCP's metadata reads. A UsageError names the
     damaged file. Checkpoints written before checksums get the last check only."""
-    listed = _listed(meta) if "checksums" in meta else None
+    listed = listed_files(meta) if "checksums" in meta else None
     for name, info in (listed or {}).items():
         file = path / name
         try:
@@ -209,7 +94,7 @@ def verify_quick(path: Path, meta: dict) -> None:
 def verify_shared(path: Path, meta: dict, rank: int, world: int) -> str | None:
     """The checksums of the large files (the shards), each rank a share of them (every rank calls it): the problem
     this rank found, or None. Checkpoints without checksums: None."""
-    listed = _listed(meta) if "checksums" in meta else None
+    listed = listed_files(meta) if "checksums" in meta else None
     large = sorted(n for n, info in (listed or {}).items() if info["bytes"] > _SMALL)
     for name in large[rank::world]:
         try:
@@ -498,13 +383,6 @@ def _safe_planner():
             super().load_bytes(read_item, io.BytesIO(data))
 
     return SafePlanner()
-
-
-def check_inside(path: Path, root: Path) -> None:
-    """A ValueError unless `path` (links followed) lies inside `root`: a checkpoint is read from its own folder."""
-    real, base = os.path.realpath(path), os.path.realpath(root)
-    if os.path.commonpath([real, base]) != base:
-        raise ValueError(f"{path} leads outside {root} (to {real}): the checkpoint is damaged or was tampered with")
 
 
 # Optimizer hyperparameters a resumed run takes from its flags rather than from the checkpoint (those its optimizer

@@ -27,11 +27,11 @@ from typing import TYPE_CHECKING
 
 from safetensors import SafetensorError
 
-from flux_cp import distributed, files, manifest
-from flux_cp.config.flags import DEFAULT_ENCODINGS_DIR
+from flux_cp import checkpoint_folders, distributed, files, manifest
+from flux_cp.config.fields import DEFAULT_ENCODINGS_DIR
 from flux_cp.data.sources import BUNDLED_DATA, encodings_folder
 from flux_cp.errors import UsageError
-from flux_cp.outputs import checkpoint, resume, roles
+from flux_cp.outputs import resume, roles
 from flux_cp.outputs.resume import check_prior_resume
 
 if TYPE_CHECKING:
@@ -299,7 +299,7 @@ def write_final(output_dir: str | os.PathLike, name: str, write: Callable[[Path]
             os.replace(written, final)
     except (OSError, SafetensorError) as e:  # safetensors' I/O failures are not OSErrors
         why = getattr(e, "strerror", None) or e
-        found = checkpoint.list_checkpoints(root)
+        found = checkpoint_folders.list_checkpoints(root)
         then = (
             f"Free disk space, then resume with --resume_from_checkpoint latest: it restarts from step {found[-1][0]} "
             f"({found[-1][1]}, the last good checkpoint) and writes it again at the end"
@@ -322,7 +322,7 @@ def finished(
     after it (a run stopped on its way out, before those, is finished by resuming it), and no live run in the folder
     (`claimed`: this process holds the folder). Else None. Reads only."""
     folder = Path(output_dir)
-    found = checkpoint.list_checkpoints(folder)
+    found = checkpoint_folders.list_checkpoints(folder)
     if resume_from is None or steps is None or not found:
         return None
     path = found[-1][1]
@@ -392,7 +392,7 @@ def claim_run(cfg: Config, model_path: str, is_main: bool, identity: dict | None
 
             def accept(decision: resume.Decision) -> None:  # a resume needing other class images: refused now
                 if decision.checkpoint is not None:
-                    meta = checkpoint.read_meta(decision.checkpoint)
+                    meta = checkpoint_folders.read_meta(decision.checkpoint)
                     check_prior_resume(meta, data, decision.checkpoint)
                     if identity is not None:
                         resume.check_compatible(meta, identity, decision.checkpoint)

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from flux_cp import distributed, files, manifest
+from flux_cp import checkpoint_folders, distributed, files, manifest
 from flux_cp.errors import UsageError
 from flux_cp.model import network_weights
 from flux_cp.model.optim import optimizer_name
@@ -41,7 +41,8 @@ from flux_cp.outputs.metrics import read_metrics
 from flux_cp.terminal import printable
 
 if TYPE_CHECKING:
-    from flux_cp.config.flags import Config, DataConfig
+    from flux_cp.config.flags import Config
+    from flux_cp.config.training import DataConfig
     from flux_cp.data.sources import DataIdentity
 
 logger = logging.getLogger("flux_cp")
@@ -115,7 +116,7 @@ def decide(
             "pass one of the two"
         )
     if resume == "latest":
-        found = checkpoint.list_checkpoints(folder)
+        found = checkpoint_folders.list_checkpoints(folder)
         if not found:
             if earlier:
                 raise UsageError(
@@ -126,12 +127,12 @@ def decide(
             return Decision("new")
         path = found[-1][1]
     else:
-        path = checkpoint.resolve(resume, str(folder))
-    meta = checkpoint.read_meta(path)
+        path = checkpoint_folders.resolve(resume, str(folder))
+    meta = checkpoint_folders.read_meta(path)
     step = meta["step"]
     check_steps(step, max_train_steps, path)
     if path.resolve().parent == folder.resolve():
-        later = tuple(p for s, p in checkpoint.list_checkpoints(folder) if s > step)
+        later = tuple(p for s, p in checkpoint_folders.list_checkpoints(folder) if s > step)
         checkpoint.verify_quick(path, meta)  # sizes, the small files' checksums: a damaged checkpoint named now
         return Decision("branch" if later else "continue", path, step, later)
     if earlier and not overwrite:
@@ -284,9 +285,9 @@ def check_known(cfg: Config, identity: Callable[[], dict]) -> None:
     (`identity()`, called only when there is a checkpoint): refused before the work that would find the rest. Every
     rank reads the same checkpoint: one rank prints a refusal."""
     try:
-        path = checkpoint.resolve(cfg.checkpoints.resume_from_checkpoint, cfg.train.output_dir)
+        path = checkpoint_folders.resolve(cfg.checkpoints.resume_from_checkpoint, cfg.train.output_dir)
         if path is not None:
-            check_compatible(checkpoint.read_meta(path), identity(), path)
+            check_compatible(checkpoint_folders.read_meta(path), identity(), path)
     except UsageError as e:
         raise UsageError(str(e), agreed=True) from None
 
@@ -470,9 +471,9 @@ def changed_settings(saved: dict, now: dict, names: tuple[str, ...]) -> list[str
 def verify_shares(cfg: Config, rank: int, world: int) -> None:
     """The checkpoint the run of `cfg` resumes, checked against the checksums written with it, every rank a share of
     its shards (before any model loads: a damaged checkpoint is refused naming the file)."""
-    path = checkpoint.resolve(cfg.checkpoints.resume_from_checkpoint, cfg.train.output_dir)
+    path = checkpoint_folders.resolve(cfg.checkpoints.resume_from_checkpoint, cfg.train.output_dir)
     if path is not None:
-        problem = checkpoint.verify_shared(path, checkpoint.read_meta(path), rank, world)
+        problem = checkpoint.verify_shared(path, checkpoint_folders.read_meta(path), rank, world)
         distributed.check_all_ranks(problem is None, problem or "")
 
 
@@ -482,8 +483,8 @@ def checkpoint_of(cfg: Config, run: dict, max_steps: int) -> tuple[Path, dict] |
     checkpoint and holds the same run identity: one rank prints a refusal."""
     resume, output_dir = cfg.checkpoints.resume_from_checkpoint, cfg.train.output_dir
     try:
-        path = checkpoint.resolve(resume, output_dir)
-        meta = checkpoint.read_meta(path) if path is not None else None
+        path = checkpoint_folders.resolve(resume, output_dir)
+        meta = checkpoint_folders.read_meta(path) if path is not None else None
         if meta is not None:
             check_compatible(meta, run, path)
             check_steps(meta["step"], max_steps, path, "--max_train_steps, or --num_train_epochs")

@@ -9,10 +9,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from flux_cp import manifest
+from flux_cp.checkpoint_folders import list_checkpoints
 from flux_cp.errors import UsageError
 from flux_cp.model.adapters import label
 from flux_cp.outputs.card import LORA_FILE, run_notes, snippet
-from flux_cp.outputs.checkpoint import list_checkpoints
 
 if TYPE_CHECKING:
     from flux_cp.config.flags import Config

@@ -21,10 +21,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from flux_cp import distributed
+from flux_cp import checkpoint_folders, distributed
 from flux_cp.errors import UsageError
 from flux_cp.model.optim import LABELS, optimizer_name, state_bytes
-from flux_cp.outputs import checkpoint
 from flux_cp.plan.counts import ParameterCounts, parameter_counts
 
 if TYPE_CHECKING:
@@ -187,7 +186,7 @@ def check_write(folder: str | os.PathLike, need: int, what: str, kept: str, resu
 def check_checkpoint(output_dir: str | os.PathLike, step: int, need: int, is_main: bool) -> None:
     """Before checkpoint-`step` is written (every rank calls it): a UsageError, the same on every rank, when the disk
     cannot hold its `need` bytes; nothing is written then and the last good checkpoint is kept."""
-    prev = checkpoint.list_checkpoints(output_dir)
+    prev = checkpoint_folders.list_checkpoints(output_dir)
     kept = f"{prev[-1][1]} is the last good checkpoint" if prev else "no checkpoint was written before"
     short = None
     if is_main:

@@ -44,13 +44,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from cp import MODES
+from flux_cp.config.fields import PRECISIONS
 from flux_cp.errors import UsageError
 from flux_cp.families import for_transformer
 from flux_cp.model import adapters
 from flux_cp.model.blocks import Checkpointing, attention_recomputed, check_counts, checkpointed_blocks, compiled
 from flux_cp.model.offload import OffloadPlan, available_host_memory, offload_count, plan_offload
 from flux_cp.model.optim import optimizer_name, state_bytes
-from flux_cp.model.precision import PRECISIONS, base_bytes, block_bytes
+from flux_cp.model.precision import base_bytes, block_bytes
 from flux_cp.plan import diskspace, speed
 from flux_cp.plan import encoding as encoding_memory
 from flux_cp.plan.counts import parameter_counts

@@ -21,8 +21,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from flux_cp.config.fields import PRECISIONS
+from flux_cp.extras import INSTALL, PACKAGES
 from flux_cp.model.blocks import Checkpointing
-from flux_cp.model.precision import INSTALL, PACKAGES, PRECISIONS
 from flux_cp.plan import compiling, speed
 from flux_cp.plan import memory as plan
 
@@ -127,7 +128,7 @@ def user_flags(argv: Sequence[str] | None, cfg: Config) -> list[str]:
         if cfg.data.dataset_name:
             out += ["--dataset_name", cfg.data.dataset_name]
         return out + ["--resolution", ",".join(map(str, cfg.data.resolution))]
-    from flux_cp.config.flags import build_parser
+    from flux_cp.config.parser import build_parser
 
     actions = {o: a for a in build_parser()._actions for o in a.option_strings}
     out, i = [], 0

@@ -265,7 +265,7 @@ def _one_of_each(request: Request, precision: str, device: torch.device, dtype: 
     """The family's transformer with one block of each kind, random weights, the base at `precision` and LoRA
     added, with the CP attention processors (one rank), as a run prepares them."""
     import cp
-    from flux_cp.config.flags import LoraConfig
+    from flux_cp.config.training import LoraConfig
     from flux_cp.model.loading import prepare_trainable
     from flux_cp.model.precision import quantize_base
     from flux_cp.random_weights import build_random
@@ -371,8 +371,8 @@ def measure_blocks(
 ) -> dict:
     """The timings behind the figures (`derive`): every kind of block at each (precision, mode) of `pairs` (default:
     the request's), and the rates, unless `known` (an earlier measurement of the same shapes) has them."""
+    from flux_cp.extras import PACKAGES, version
     from flux_cp.model.blocks import transformer_blocks
-    from flux_cp.model.precision import PACKAGES, _version
     from flux_cp.plan import memory as plan
     from flux_cp.plan.speed import mode as _mode  # noqa: F401 - the modes' names
 
@@ -418,7 +418,7 @@ def measure_blocks(
     todo = request.pairs() if pairs is None else list(pairs)
     for precision in dict.fromkeys(p for p, _ in todo):
         package = PACKAGES.get(precision)
-        if package and _version(package[0]) is None:
+        if package and version(package[0]) is None:
             raw["skipped"][precision] = f"{package[0]} is not installed"
             continue
         for how in [m for p, m in todo if p == precision]:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from flux_cp import distributed, files, hub, manifest
+from flux_cp import checkpoint_folders, distributed, files, hub, manifest
 from flux_cp.errors import NonFiniteError, UsageError
 from flux_cp.model.loading import full_state_dict, save_full
 from flux_cp.model.lora import lora_origin, save_lora
@@ -138,7 +138,7 @@ class Outputs:
         (flux_cp.model.optim.Progress): a run that did not train keeps the folder's earlier outputs."""
         output_dir, layout = self.cfg.train.output_dir, self.layout
         # Every rank decides alike from the reduced losses; the main rank names the checkpoints in its message.
-        found = [s for s, _ in checkpoint.list_checkpoints(output_dir)] if layout.is_main else []
+        found = [s for s, _ in checkpoint_folders.list_checkpoints(output_dir)] if layout.is_main else []
         failure = progress.failure(found, output_dir)
         if failure:
             raise NonFiniteError(failure)
@@ -170,7 +170,7 @@ class Outputs:
         if layout.is_main:
             inner = self.accelerator.unwrap_model(self.model)
             try:
-                prev = checkpoint.list_checkpoints(output_dir)
+                prev = checkpoint_folders.list_checkpoints(output_dir)
                 kept = f"{prev[-1][1]} is the last good checkpoint" if prev else "no checkpoint was written"
                 diskspace.check_write(output_dir, self.sizes.model, f"the final {self.sizes.model_name}", kept,
                                       resumable=bool(prev))  # fmt: skip

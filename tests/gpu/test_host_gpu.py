@@ -11,7 +11,7 @@ import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
-from flux_cp.config.flags import DataConfig, TrainConfig
+from flux_cp.config.training import DataConfig, TrainConfig
 from flux_cp.data.batches import Batches
 from flux_cp.data.sources import BatchSchedule
 from flux_cp.families import FLUX1
@@ -62,7 +62,7 @@ def test_the_fused_adamw_on_the_gpu_steps_like_the_reference_adamw():
 def test_the_end_of_a_step_is_queued_without_waiting_for_the_gpu():
     """clip_grad_norm, apply_update (a non-finite step dropped on the device) and StepTimer.mark make no host
     synchronisation (torch's sync debug mode turns one into an error); the values they leave are right."""
-    from flux_cp.config.flags import TrainConfig
+    from flux_cp.config.training import TrainConfig
     from flux_cp.model.optim import apply_update, clip_grad_norm, make_optimizer
     from flux_cp.outputs.metrics import StepTimer
 

@@ -22,7 +22,7 @@ import torch
 
 import cp
 from cp import Tuning
-from flux_cp.config.flags import LoraConfig
+from flux_cp.config.training import LoraConfig
 from flux_cp.families.flux1 import DEFAULT_TARGETS
 from flux_cp.model.blocks import prepare_blocks, step_begins
 from flux_cp.model.loading import prepare_trainable

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _optimizer(params):
-    from flux_cp.config.flags import TrainConfig
+    from flux_cp.config.training import TrainConfig
     from flux_cp.model.optim import make_optimizer
 
     opt = make_optimizer(TrainConfig(use_8bit_adam=True, learning_rate=1e-2), params, global_batch=1)
@@ -64,7 +64,7 @@ def test_a_dropped_step_leaves_8bit_adamw_as_it_was():
 
 
 def test_8bit_adamw_state_resumes_exactly(tmp_path):
-    from flux_cp.config.flags import LoraConfig
+    from flux_cp.config.training import LoraConfig
     from flux_cp.families.flux1.tiny import tiny_transformer
     from flux_cp.model.loading import prepare_trainable, trainable_parameters
     from flux_cp.outputs import checkpoint

@@ -26,7 +26,7 @@ from flux_cp.terminal import printable
 if TYPE_CHECKING:
     from PIL import Image
 
-    from flux_cp.config.flags import LoraConfig, ModelConfig
+    from flux_cp.config.training import LoraConfig, ModelConfig
     from flux_cp.families.lora_format import Origin
 
 Tensor = torch.Tensor

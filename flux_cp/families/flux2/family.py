@@ -32,7 +32,8 @@ from flux_cp.terminal import printable
 if TYPE_CHECKING:
     from PIL import Image
 
-    from flux_cp.config.flags import Config, ModelConfig
+    from flux_cp.config.flags import Config
+    from flux_cp.config.training import ModelConfig
 
 Tensor = torch.Tensor
 
