@@ -30,7 +30,7 @@ quiet.install()  # before the imports below: libraries they import (torchao) spe
 
 from flux_cp import bars  # noqa: E402
 from flux_cp.config.parser import parse_config  # noqa: E402
-from flux_cp.plan.memory import print_plan  # noqa: E402
+from flux_cp.plan.report import print_plan  # noqa: E402
 from flux_cp.run import environment, runner  # noqa: E402
 from flux_cp.run.trainer import Trainer  # noqa: E402
 

@@ -1,8 +1,10 @@
-"""Uploading a run's final outputs to the Hugging Face Hub (`--push_to_hub`), as diffusers' training examples do:
-create the model repository (or reuse it) and upload the output folder's published files (`PUBLISHED`). Failures
-the user can fix (no token, a refused token, no network, offline mode) are one UsageError line; the calls that
-tell first (`whoami`, `create_repo`) make one attempt, so an unreachable hub fails in well under a second
-instead of after huggingface_hub's retries.
+"""The Hugging Face Hub: its offline mode and tokens; a model's config read from the local HF cache or in one short
+attempt from the Hub (`read_cached_json`, `read_json`: what --plan reads of a hub id without downloading the model);
+and uploading a run's final outputs (`--push_to_hub`), as diffusers' training examples do: create the model
+repository (or reuse it) and upload the output folder's published files (`PUBLISHED`). Failures the user can fix (no
+token, a refused token, no network, offline mode) are one UsageError line; the calls that tell first (`whoami`,
+`create_repo`) make one attempt, so an unreachable hub fails in well under a second instead of after
+huggingface_hub's retries.
 
 Only huggingface_hub is imported here (no torch), so a push can also run on its own:
 `python -c "from flux_cp.hub import push_to_hub; push_to_hub('OUTPUT_DIR', 'me/my-lora', None)"`.
@@ -54,6 +56,46 @@ def offline() -> bool:
     from huggingface_hub import constants
 
     return bool(constants.HF_HUB_OFFLINE) or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+
+
+def read_cached_json(
+    repo_id: str, filename: str, revision: str | None = None, cache_dir: str | None = None
+) -> dict | None:
+    """A hub repository's JSON file from the local HF cache (`cache_dir`: --cache_dir's, else the default), None when
+    it is not there; a ValueError when `repo_id` is no hub id."""
+    import json
+
+    import huggingface_hub  # the hub client at first use
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        cached = huggingface_hub.try_to_load_from_cache(repo_id, filename, cache_dir=cache_dir, revision=revision)
+    except HFValidationError as e:
+        raise ValueError(str(e)) from None
+    if not isinstance(cached, str):
+        return None
+    with open(cached) as f:
+        return json.load(f)
+
+
+def read_json(repo_id: str, filename: str, revision: str | None = None, cache_dir: str | None = None) -> dict:
+    """A hub repository's JSON file from the Hub in one attempt with a short timeout (hf_hub_download alone retries for
+    ~30 s when the hub is unreachable), kept in the download cache; an OSError saying why on one line when it cannot be
+    read."""
+    import json
+
+    import httpx  # the hub client's transport, at first use
+    import huggingface_hub
+    from huggingface_hub.errors import HfHubHTTPError
+
+    try:
+        url = huggingface_hub.hf_hub_url(repo_id, filename, revision=revision)
+        huggingface_hub.get_hf_file_metadata(url, timeout=10)
+        local = huggingface_hub.hf_hub_download(repo_id, filename, revision=revision, cache_dir=cache_dir)
+    except (HfHubHTTPError, httpx.HTTPError, OSError, ValueError) as e:
+        raise OSError(" ".join(str(e).split())[:200] or type(e).__name__) from None
+    with open(local) as f:
+        return json.load(f)
 
 
 def repo_name(hub_model_id: str | None, output_dir: str) -> str:

@@ -21,8 +21,6 @@ import cp
 from flux_cp import hub
 from flux_cp.data.encode import run_buckets
 from flux_cp.data.sources import (
-    check_pair_flags,
-    check_reference_limit,
     local_metadata,
     reference_column,
     reference_counts,
@@ -31,13 +29,6 @@ from flux_cp.errors import UsageError
 from flux_cp.families import FLUX1, Family, detect, for_transformer, known_model, known_models
 from flux_cp.families.components import transformer_config, with_class_defaults
 from flux_cp.families.model_config import check_model
-from flux_cp.model import network_weights
-from flux_cp.model.blocks import check_counts
-from flux_cp.model.loading import check_seed_checkpoint
-from flux_cp.model.offload import check_offload
-from flux_cp.model.optim import check_optimizer
-from flux_cp.model.precision import check_sharding
-from flux_cp.model.text_encoder import check_sharding as check_text_encoder_sharding
 
 if TYPE_CHECKING:
     from flux_cp.config.flags import Config, ParallelConfig, ValidationConfig
@@ -226,32 +217,6 @@ def check_tokens(shape: RunShape, data: DataConfig, validation: ValidationConfig
             ) from None
 
 
-def check_start(cfg: Config, shape: RunShape, device_type: str) -> None:
-    """What the flags ask of this run that its shape (the model, the data's metadata, the launch) or the machine
-    cannot give, refused at start before anything loads (one UsageError): the family's flags and prompt window, the
-    seed checkpoint's file, the LoRA file of --network_weights, the optimizer on this device and sharding, block
-    offload and a quantized base against FSDP2, counts of blocks beyond the model's, reference images per target, the
-    CP split of every sequence, the
-    flags of pair data."""
-    family = shape.family
-    family.check(cfg)
-    family.check_text(cfg, shape.model_path)
-    if cfg.train.seed_checkpoint is not None:
-        check_seed_checkpoint(cfg.train.seed_checkpoint)
-    if cfg.lora.network_weights is not None and not cfg.lora.full_finetune:
-        network_weights.check_start(cfg.lora, family, shape.transformer_config)
-    check_optimizer(cfg.train, device_type, shape.sharded)
-    check_offload(cfg.train.offload_blocks, full_finetune=cfg.lora.full_finetune, sharded=shape.sharded)
-    blocks = sum(n for _, n in family.block_kinds(shape.transformer_config))
-    check_counts(cfg.train.gradient_checkpointing, cfg.train.offload_blocks, blocks)
-    check_sharding(cfg.model.base_precision, shape.sharded)
-    check_text_encoder_sharding(cfg.lora.train_text_encoder, shape.sharded)
-    check_reference_limit(family.max_references, family.pairs_label, cfg.validation, shape.metadata,
-                          shape.reference_column)  # fmt: skip
-    check_tokens(shape, cfg.data, cfg.validation)
-    check_pair_flags(cfg.data, cfg.validation, shape.pairs)
-
-
 # --- the shape --------------------------------------------------------------------------------------------------
 
 
@@ -280,16 +245,12 @@ def transformer_config_offline(path: str, revision: str | None = None, cache_dir
             return json.loads((Path(path) / file).read_text(encoding="utf-8")), path
         except (OSError, ValueError) as e:
             raise UsageError(f"{flag}: cannot read {file} there ({str(e).splitlines()[0]})") from None
-    import huggingface_hub  # the hub client at first use
-    from huggingface_hub.errors import HFValidationError
-
     try:
-        cached = huggingface_hub.try_to_load_from_cache(path, file, cache_dir=cache_dir, revision=revision)
-    except HFValidationError:
+        cached = hub.read_cached_json(path, file, revision, cache_dir)
+    except ValueError:
         raise UsageError(f"{flag}: no such folder (and not a hub id like owner/name)") from None
-    if isinstance(cached, str):
-        with open(cached) as f:
-            return json.load(f), f"{path} (local HF cache)"
+    if cached is not None:
+        return cached, f"{path} (local HF cache)"
     known = known_model(path)
     if known is not None:
         return dict(known.transformer), f"{known.model_id} (built-in config)"
@@ -303,21 +264,13 @@ def transformer_config_offline(path: str, revision: str | None = None, cache_dir
             f"{flag}: not a local folder, and its {file} is not in the local HF cache (HF_HUB_OFFLINE is set): "
             f"pass the model's folder, {offline_ids}"
         )
-    import httpx  # the hub client's transport, at first use
-    from huggingface_hub.errors import HfHubHTTPError
-
-    try:  # one attempt with a short timeout (hf_hub_download alone retries for ~30 s when the hub is unreachable)
-        url = huggingface_hub.hf_hub_url(path, file, revision=revision)
-        huggingface_hub.get_hf_file_metadata(url, timeout=10)
-        local = huggingface_hub.hf_hub_download(path, file, revision=revision, cache_dir=cache_dir)
-    except (HfHubHTTPError, httpx.HTTPError, OSError, ValueError) as e:
-        why = " ".join(str(e).split())[:200] or type(e).__name__
+    try:
+        return hub.read_json(path, file, revision, cache_dir), path
+    except OSError as e:
         raise UsageError(
             f"{flag}: not a local folder or in the local HF cache, and {file} could not be read from the Hugging Face "
-            f"Hub ({why}): pass the model's folder, {offline_ids}"
+            f"Hub ({e}): pass the model's folder, {offline_ids}"
         ) from None
-    with open(local) as f:
-        return json.load(f), path
 
 
 def read_model(model: ModelConfig, pairs: bool, planning: bool = False) -> tuple[Family, str, dict, str]:

@@ -208,7 +208,7 @@ def test_a_checkpoint_exception_outside_our_checkpoint_code_still_ends_as_one_li
 
 def test_the_plan_shows_the_disk_a_run_needs(capsys):
     from flux_cp.config.parser import parse_config
-    from flux_cp.plan.memory import print_plan
+    from flux_cp.plan.report import print_plan
 
     print_plan(parse_config(["--plan", "--checkpoints_total_limit", "2"]))
     disk = [line for line in capsys.readouterr().out.splitlines() if line.startswith("disk:")]

@@ -382,9 +382,9 @@ def test_generated_class_images_are_written_as_rendered_so_an_interrupted_genera
     import types
 
     from flux_cp.config.parser import parse_config
-    from flux_cp.data import prior
-    from flux_cp.data.prior import generate_class_images
     from flux_cp.families import FLUX1
+    from flux_cp.run import class_images as generation
+    from flux_cp.run.class_images import generate_class_images
 
     folder = tmp_path / "class"
     folder.mkdir()
@@ -403,9 +403,9 @@ def test_generated_class_images_are_written_as_rendered_so_an_interrupted_genera
         return {}
 
     transformer = types.SimpleNamespace(requires_grad_=lambda on: None, config={"num_attention_heads": 4})
-    monkeypatch.setattr(prior, "render", render)
-    monkeypatch.setattr(prior, "load_transformer", lambda *a: transformer)
-    monkeypatch.setattr(prior, "parallelize", lambda t, *a, **k: types.SimpleNamespace(model=t))
+    monkeypatch.setattr(generation, "render", render)
+    monkeypatch.setattr(generation, "load_transformer", lambda *a: transformer)
+    monkeypatch.setattr(generation, "parallelize", lambda t, *a, **k: types.SimpleNamespace(model=t))
     family = types.SimpleNamespace(
         image_tokens=FLUX1.image_tokens, validation_embeds=lambda *a: {}, transformer_class=lambda: None
     )
@@ -432,9 +432,9 @@ def test_generated_class_images_of_other_settings_are_rendered_again_and_the_log
     import types
 
     from flux_cp.config.parser import parse_config
-    from flux_cp.data import prior
-    from flux_cp.data.prior import generate_class_images
     from flux_cp.families import FLUX1
+    from flux_cp.run import class_images as generation
+    from flux_cp.run.class_images import generate_class_images
 
     folder = tmp_path / "class"
 
@@ -456,9 +456,9 @@ def test_generated_class_images_of_other_settings_are_rendered_again_and_the_log
         return {}
 
     transformer = types.SimpleNamespace(requires_grad_=lambda on: None, config={"num_attention_heads": 4})
-    monkeypatch.setattr(prior, "render", render)
-    monkeypatch.setattr(prior, "load_transformer", lambda *a: transformer)
-    monkeypatch.setattr(prior, "parallelize", lambda t, *a, **k: types.SimpleNamespace(model=t))
+    monkeypatch.setattr(generation, "render", render)
+    monkeypatch.setattr(generation, "load_transformer", lambda *a: transformer)
+    monkeypatch.setattr(generation, "parallelize", lambda t, *a, **k: types.SimpleNamespace(model=t))
     family = types.SimpleNamespace(
         image_tokens=FLUX1.image_tokens, validation_embeds=lambda *a: {}, transformer_class=lambda: None
     )

@@ -259,7 +259,7 @@ def test_the_full_shapes_preset_writes_every_component_s_config_at_full_size_and
                                                                   False)  # fmt: skip
     # the planner counts them on the meta device: T5-XXL's encoder is 4.9B parameters (9.1 GiB in bf16)
     from flux_cp.config.parser import parse_config
-    from flux_cp.plan.memory import print_plan
+    from flux_cp.plan.report import print_plan
 
     print_plan(parse_config(["--plan", "--pretrained_model_name_or_path", str(full_flux1), "--gpu_memory_gib", "24",
                              "--validation_prompt", "x", "--validation_resolution", "4096",

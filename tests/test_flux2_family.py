@@ -395,7 +395,7 @@ def test_lora_layers_comfyui_skips_are_warned_about_at_start(folders, tmp_path, 
 def test_the_memory_plan_counts_flux2_with_its_own_blocks(folders, capsys):
     """--plan of a FLUX.2 folder: the family's parameter counts and blocks (the tiny [dev] has 2 + 2), and a
     suggestion."""
-    from flux_cp.plan.memory import print_plan
+    from flux_cp.plan.report import print_plan
 
     print_plan(parse_config(["--plan", "--pretrained_model_name_or_path", str(folders[False]), "--gpu_memory_gib", "80",
                              "--gradient_checkpointing"]))  # fmt: skip

@@ -166,7 +166,7 @@ def test_hub_rows_without_a_reference_are_refused(monkeypatch):
 
 def test_plan_counts_kontext_pair_sequences(capsys):
     from flux_cp.config.parser import parse_config
-    from flux_cp.plan.memory import print_plan
+    from flux_cp.plan.report import print_plan
 
     print_plan(parse_config(["--plan", "--dataset_name", str(PAIRS), "--resolution", "1024",
                              "--max_sequence_length", "512", "--gpu_memory_gib", "141"]))  # fmt: skip

@@ -11,6 +11,7 @@ import torch
 from flux_cp.families.flux1 import ATTENTION_TARGETS, DEFAULT_TARGETS
 from flux_cp.families.flux1.tiny import FLUX1_DEV_TRANSFORMER
 from flux_cp.plan import memory as plan
+from flux_cp.plan import report
 from flux_cp.shape import transformer_config_offline
 
 ATTN_LORA = list(ATTENTION_TARGETS)
@@ -217,7 +218,7 @@ def test_the_plan_reads_a_hub_config_from_the_download_cache_that_cache_dir_name
     assert got["num_layers"] == 3
     cfg = parse_config(["--plan", "--pretrained_model_name_or_path", "someone/flux-finetune", "--cache_dir",
                         str(tmp_path / "downloads")])  # fmt: skip
-    plan.print_plan(cfg)  # reads the config from there (else: the one-line error above)
+    report.print_plan(cfg)  # reads the config from there (else: the one-line error above)
 
 
 def test_an_unreachable_hub_is_one_line_after_one_attempt(tmp_path, monkeypatch):

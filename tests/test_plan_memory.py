@@ -14,7 +14,7 @@ from flux_cp.families import FLUX1
 from flux_cp.families.flux1.tiny import FLUX1_DEV_TRANSFORMER
 from flux_cp.model.offload import plan_offload
 from flux_cp.plan import memory as plan
-from flux_cp.plan import speed
+from flux_cp.plan import report, speed
 
 DEV = "black-forest-labs/FLUX.1-dev"
 GIB = plan.GIB
@@ -218,7 +218,7 @@ def test_full_fine_tuning_and_fsdp2_are_offered_no_quantized_base():
 def test_plan_prints_base_precision_offload_and_pinned_host_memory(capsys):
     for gib in (12, 16, 24, 48, 80, 33.5):
         cfg, _ = _run("--plan", "--resolution", "1024", "--offload_blocks", "--gpu_memory_gib", str(gib))
-        plan.print_plan(cfg)
+        report.print_plan(cfg)
         out = capsys.readouterr().out
         assert f"GPU {gib:.0f} GiB" in out and "base bf16, --offload_blocks auto" in out
         assert "base precision bf16: 22.17 GiB of frozen weights per GPU (fp8 11.16, int8 11.16, nf4 5.81" in out
@@ -226,7 +226,7 @@ def test_plan_prints_base_precision_offload_and_pinned_host_memory(capsys):
         assert "recommended for 1 GPU of" in out and "settings compared" in out
         assert gib > 40 or "GiB of pinned host memory per process" in out, out
     cfg, _ = _run("--plan", "--resolution", "2048", "--gradient_checkpointing", "--gpu_memory_gib", "12")
-    plan.print_plan(cfg)
+    report.print_plan(cfg)
     out = capsys.readouterr().out
     assert (
         "these flags at --cp_size 1 (compile off): do not fit: FLUX.1 does not fit 90% of 12.0 GiB at "
@@ -243,7 +243,7 @@ def test_plan_on_several_gpus_compares_ddp_with_a_quantized_base_and_fsdp2(capsy
     for n in (2, 4):
         cfg, _ = _run("--plan", "--resolution", "2048", "--cp_size", str(n), "--num_processes", str(n),
                       "--gpu_memory_gib", "24")  # fmt: skip
-        plan.print_plan(cfg)
+        report.print_plan(cfg)
         out = capsys.readouterr().out
         assert f"{n} process(es)" in out and f"recommended for {n} GPUs of 24 GiB" in out, out
         for row in ("bf16 DDP on", "fp8 DDP on", "nf4 DDP off", "bf16 FSDP2 on"):

@@ -365,7 +365,7 @@ def test_the_loss_covers_the_target_tokens_only_and_cp_chunks_keep_it(dev, monke
 
 
 def test_the_plan_counts_every_reference(dev, tmp_path, capsys):
-    from flux_cp.plan.memory import print_plan
+    from flux_cp.plan.report import print_plan
 
     folder = references_folder(tmp_path / "d", n=2, counts=[1, 3])
     model = str(FLUX2.embedded_default(pairs=False))

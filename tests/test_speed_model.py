@@ -181,7 +181,7 @@ def test_which_class_stands_for_a_gpu():
 
 def test_plan_on_the_cpu_says_whose_figures_it_used_and_plans_host_memory(capsys):
     from flux_cp.config.parser import parse_config
-    from flux_cp.plan.memory import print_plan
+    from flux_cp.plan.report import print_plan
 
     argv = [
         "--plan",

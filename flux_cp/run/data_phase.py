@@ -22,7 +22,7 @@ from flux_cp.data.encode import (
     encoder_fingerprints,
     tokenizer_fingerprints,
 )
-from flux_cp.data.prior import ClassSamples, class_source, generate_class_images, generated_folder
+from flux_cp.data.prior import ClassSamples, class_source, generated_folder
 from flux_cp.data.sources import (
     BatchSchedule,
     ImageSource,
@@ -40,6 +40,7 @@ from flux_cp.outputs.metrics import peak_memory_gib
 from flux_cp.outputs.validation import Previews
 from flux_cp.plan import encoding as encoding_memory
 from flux_cp.plan import memory as plan
+from flux_cp.run.class_images import generate_class_images
 from flux_cp.shape import RunShape, check_tokens
 
 if TYPE_CHECKING:
