@@ -43,7 +43,7 @@ def one(precision: str, from_cpu: bool, compile: bool, steps: int, warmup: int, 
     from flux_cp.model.blocks import prepare_blocks, transformer_blocks
     from flux_cp.model.loading import prepare_trainable
     from flux_cp.model.precision import base_bytes, quantize_base
-    from flux_cp.shape import resolved
+    from flux_cp.shape.build import resolved
 
     quiet.install()
     config, resolution, text = (TRANSFORMER_CONFIG, 64, 32) if smoke else (FLUX1_DEV_TRANSFORMER, 1024, 512)

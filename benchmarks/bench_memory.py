@@ -61,7 +61,8 @@ def plan_cell(layout: str, resolution: int, cap: float | None, gpu_gib: float, m
     from flux_cp.families import FLUX1
     from flux_cp.families.flux1.tiny import FLUX1_DEV_TRANSFORMER
     from flux_cp.plan import memory as plan
-    from flux_cp.shape import RunShape, resolved
+    from flux_cp.shape.build import resolved
+    from flux_cp.shape.run_shape import RunShape
 
     config = dict(config or FLUX1_DEV_TRANSFORMER)
     flags = ["--plan", "--resolution", str(resolution), "--gradient_checkpointing", "--mixed_precision", "bf16",

@@ -126,7 +126,7 @@ def planned(data: dict, row: dict, models: Models) -> Planned | None:
     """The row planned as its run was (None: no step time, or not known which blocks it checkpointed/offloaded)."""
     from flux_cp.config.parser import parse_config
     from flux_cp.plan import memory as plan
-    from flux_cp.shape import build_shape, resolved
+    from flux_cp.shape.build import build_shape, resolved
 
     if not row.get("s_per_step") or row.get("checkpointed_blocks") is None:
         return None
@@ -349,7 +349,7 @@ def calibrate(
 
     from flux_cp.config.parser import parse_config
     from flux_cp.plan import speed_measure
-    from flux_cp.shape import build_shape, resolved
+    from flux_cp.shape.build import build_shape, resolved
 
     device = device or torch.device("cuda", torch.cuda.current_device())
     raws = []

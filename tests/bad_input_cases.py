@@ -318,7 +318,7 @@ def _checkpoint_with_flags(t: Path, flags: list[str]) -> Path:
     from flux_cp.config.parser import parse_config
     from flux_cp.families import FLUX1
     from flux_cp.outputs.resume import run_identity
-    from flux_cp.shape import resolved
+    from flux_cp.shape.build import resolved
 
     ckpt = _small_checkpoint(t / "out", 2)
     cfg = resolved(parse_config([*flags, "--max_train_steps", "2"]), FLUX1, False, None)

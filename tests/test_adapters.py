@@ -14,7 +14,7 @@ from flux_cp.config.parser import parse_config
 from flux_cp.families import FLUX1, FLUX2, of_model
 from flux_cp.model import adapters
 from flux_cp.plan.counts import parameter_counts
-from flux_cp.shape import resolved
+from flux_cp.shape.build import resolved
 from tests.launch import comfy_apply, comfy_flux2_key_map, comfy_flux2_weights, comfy_lokr_diff, comfy_lora_prefixes
 
 FAMILIES = ["flux1", "flux2"]

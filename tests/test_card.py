@@ -17,7 +17,7 @@ import yaml
 from flux_cp.config.parser import parse_config
 from flux_cp.families import FLUX1
 from flux_cp.outputs.card import reference_names, write_model_card
-from flux_cp.shape import resolved
+from flux_cp.shape.build import resolved
 
 TAGS = {"text-to-image", "diffusers-training", "flux", "flux-cp"}
 

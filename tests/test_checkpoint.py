@@ -88,7 +88,7 @@ def test_a_failed_save_removes_its_partial_folder_and_names_the_intact_one(tmp_p
 def test_a_run_is_compatible_with_its_own_checkpoint_after_the_json_round_trip(tmp_path):
     from flux_cp.config.parser import parse_config
     from flux_cp.families import FLUX1
-    from flux_cp.shape import resolved
+    from flux_cp.shape.build import resolved
 
     cfg = resolved(parse_config(["--aspect_buckets", "--resolution", "128"]), FLUX1, False, None)  # as the trainer
     identity = resume.run_identity(cfg, 2, "abc", [(128, 128), (112, 144)])
@@ -190,7 +190,7 @@ def test_other_class_images_are_named_file_by_file(tmp_path):
     from flux_cp.config.parser import parse_config
     from flux_cp.data.sources import DataIdentity
     from flux_cp.families import FLUX1
-    from flux_cp.shape import resolved
+    from flux_cp.shape.build import resolved
 
     flags = ["--with_prior_preservation", "--class_data_dir", str(tmp_path), "--class_prompt", "a dog"]
     cfg = resolved(parse_config(flags), FLUX1, False, None)  # as the trainer holds the flags

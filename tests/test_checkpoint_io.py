@@ -304,7 +304,7 @@ def test_a_changed_data_set_is_named_file_by_file(tmp_path):
         return DataIdentity("fp-" + str(hash(str(rows))), rows, "legacy")
 
     from flux_cp.families import FLUX1
-    from flux_cp.shape import resolved
+    from flux_cp.shape.build import resolved
 
     before = [["a.png", "c1", "t1"], ["b.png", "c2", "t2"], ["c.png", "c3", "t3"]]
     after = [["a.png", "c1", "t9"], ["b.png", "cX", "t2"], ["d.png", "c4", "t4"]]
@@ -422,7 +422,7 @@ def test_8bit_adamw_state_of_flux1_dev_is_a_quarter_of_adamws():
 def test_the_optimizer_is_part_of_a_runs_identity(tmp_path):
     from flux_cp.config.parser import parse_config
     from flux_cp.families import FLUX1
-    from flux_cp.shape import resolved
+    from flux_cp.shape.build import resolved
 
     adamw = resume.run_identity(resolved(parse_config([]), FLUX1, False, None), 4, "data", None)
     prodigy = resume.run_identity(resolved(parse_config(["--optimizer", "prodigy"]), FLUX1, False, None), 4,

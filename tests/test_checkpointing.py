@@ -22,7 +22,7 @@ from tests.launch import losses, ok, run_args, train
 def _resolved(argv: list[str]):
     """The flags as the trainer holds them once the model is known (FLUX.1's default LoRA layers filled in)."""
     from flux_cp.families import FLUX1
-    from flux_cp.shape import resolved
+    from flux_cp.shape.build import resolved
 
     return resolved(parse_config(argv), FLUX1, False, None)
 
@@ -111,7 +111,7 @@ def _matmuls(code: str) -> int:
 
 def _shape(family, config: dict, resolution: int, text_tokens: int):
     """The run shape of one process training `config` on square `resolution` samples (no CP, DDP)."""
-    from flux_cp.shape import RunShape
+    from flux_cp.shape.run_shape import RunShape
 
     return RunShape(family, "m", None, None, ((resolution, resolution),), ((0,),), text_tokens, 1, 1, 1, False,
                     transformer_config=config)  # fmt: skip

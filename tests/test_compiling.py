@@ -50,7 +50,7 @@ def _figures(compile_s: float = 60.0) -> speed.Figures:
 
 
 def _plan(*flags: str):
-    from flux_cp.shape import build_shape, resolved
+    from flux_cp.shape.build import build_shape, resolved
 
     cfg = parse_config(
         [

@@ -230,7 +230,7 @@ def test_cp_advice_warns_only_where_cp_was_measured_no_faster_than_one_gpu():
 
 
 def test_auto_mode_follows_the_measured_rules():
-    from flux_cp.shape import auto_mode
+    from flux_cp.shape.run_shape import auto_mode
 
     assert auto_mode(24, 2) == ("ulysses", None)  # 1024 and 2048 px on 2 GPUs alike
     assert auto_mode(24, 4) == ("ulysses", None)

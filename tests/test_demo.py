@@ -90,7 +90,7 @@ def test_the_log_says_which_demo_settings_apply_or_which_flag_turned_them_off():
 def test_every_copy_of_the_config_keeps_what_the_log_says_about_the_demo():
     """The trainer holds `resolved()`'s copy (the family's defaults filled in): the demo's line is its to say."""
     from flux_cp.families import FLUX1
-    from flux_cp.shape import resolved
+    from flux_cp.shape.build import resolved
 
     for argv in ([], ["--max_train_steps", "3"], ["--dataset_name", "data/tiny_pairs"]):
         cfg = parse_config(argv)

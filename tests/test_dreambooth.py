@@ -17,10 +17,9 @@ from PIL import Image
 from flux_cp.config.parser import parse_config
 from flux_cp.config.ranges import unused_flags
 from flux_cp.config.training import DataConfig
-from flux_cp.data.encode import ClassGeometry, Geometry, LiveData, Repeated, encode_dataset, run_buckets
+from flux_cp.data.encode import ClassGeometry, ClassSamples, Geometry, LiveData, Repeated, encode_dataset, run_buckets
 from flux_cp.data.prior import (
     MARKER,
-    ClassSamples,
     check_generated_folder,
     class_images,
     class_source,
@@ -33,7 +32,7 @@ from flux_cp.data.sources import BUNDLED_DATA, BatchSchedule, Repeats, bucket_di
 from flux_cp.errors import UsageError
 from flux_cp.outputs.resume import check_prior_resume
 from flux_cp.rng import Stream, generator
-from flux_cp.shape import check_tokens
+from flux_cp.shape.run_shape import check_tokens
 from tests.fakes import D, FakeData, L, make_batches
 
 EMPTY = {"prompt_embeds": torch.full((L, D), 7.0), "pooled_prompt_embeds": torch.full((D,), 7.0)}
@@ -118,7 +117,7 @@ def test_buckets_of_several_resolutions_divide_by_the_cp_size_at_each():
 def test_a_resolution_of_several_that_does_not_split_over_the_cp_group_is_refused():
     from flux_cp.config.flags import ValidationConfig
     from flux_cp.families import FLUX1
-    from flux_cp.shape import RunShape
+    from flux_cp.shape.run_shape import RunShape
 
     shape = RunShape(FLUX1, "m", None, None, ((32, 32), (48, 48)), ((0,), (1,)), 32, 2, 1, 2, False)
     with pytest.raises(UsageError, match="^--resolution 48 gives 9 image tokens, not divisible by --cp_size 2"):

@@ -176,7 +176,8 @@ def test_plan_counts_kontext_pair_sequences(capsys):
 
 def test_pairs_need_only_target_plus_reference_tokens_to_divide():
     from flux_cp.config.parser import parse_config
-    from flux_cp.shape import build_shape, check_tokens
+    from flux_cp.shape.build import build_shape
+    from flux_cp.shape.run_shape import check_tokens
 
     def check(*flags: str) -> None:
         cfg = parse_config(["--resolution", "1040", "--max_sequence_length", "512", *flags])

@@ -213,7 +213,7 @@ def _saved(tmp_path, argv: list[str], origin=None):
     """A LoRA file written by `save_lora` for the flags `argv` (the tiny transformer, B non-zero)."""
     from flux_cp.config.parser import parse_config
     from flux_cp.families import FLUX1
-    from flux_cp.shape import resolved
+    from flux_cp.shape.build import resolved
 
     cfg = resolved(parse_config(argv), FLUX1, False, None)
     model = tiny_transformer(seed=0)
@@ -242,7 +242,7 @@ def test_diffusers_file_carries_the_adapter_metadata_diffusers_builds_the_adapte
     from flux_cp.config.parser import parse_config
     from flux_cp.families import FLUX1
     from flux_cp.model.lora import lora_origin
-    from flux_cp.shape import resolved
+    from flux_cp.shape.build import resolved
 
     argv = ["--pretrained_model_name_or_path", "black-forest-labs/FLUX.1-dev", "--output_dir", str(tmp_path / "dog")]
     origin = lora_origin(resolved(parse_config(argv), FLUX1, False, None), kontext=False)
@@ -356,7 +356,7 @@ def test_check_export_refuses_at_start_in_one_line():
     from flux_cp.errors import UsageError
     from flux_cp.families import FLUX1
     from flux_cp.families.flux1.kohya import check_export
-    from flux_cp.shape import resolved
+    from flux_cp.shape.build import resolved
 
     tiny = dict(TRANSFORMER_CONFIG)
     with pytest.raises(UsageError, match=r"^--lora_format kohya: diffusers' kohya loader splits .* or leave those "):
@@ -405,7 +405,7 @@ def _flux2_saved(tmp_path, klein: bool, argv: list[str]):
     non-zero) and the file `save_lora` writes: (config, BFL weights, transformer, path)."""
     from flux_cp.config.parser import parse_config
     from flux_cp.families import FLUX2, FLUX2_KLEIN
-    from flux_cp.shape import resolved
+    from flux_cp.shape.build import resolved
 
     config = _flux2_config(klein)
     bfl = _bfl_flux2(config)
@@ -513,7 +513,7 @@ def test_a_flux2_lora_with_alpha_other_than_rank_renders_the_trained_models_outp
     from flux_cp.families import FLUX2, FLUX2_KLEIN
     from flux_cp.families.flux2.tiny import build_tiny_flux2_pipeline
     from flux_cp.model.lora import add_lora, save_lora
-    from flux_cp.shape import resolved
+    from flux_cp.shape.build import resolved
 
     def pipeline():
         pipe = build_tiny_flux2_pipeline(klein=klein)

@@ -28,7 +28,7 @@ def _checkpoint(folder: Path, step: int) -> Path:
     from flux_cp.config.parser import parse_config
     from flux_cp.families import FLUX1
     from flux_cp.outputs.resume import flag_identity
-    from flux_cp.shape import resolved
+    from flux_cp.shape.build import resolved
 
     path = folder / f"checkpoint-{step}"
     (path / "state").mkdir(parents=True, exist_ok=True)

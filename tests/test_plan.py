@@ -12,7 +12,7 @@ from flux_cp.families.flux1 import ATTENTION_TARGETS, DEFAULT_TARGETS
 from flux_cp.families.flux1.tiny import FLUX1_DEV_TRANSFORMER
 from flux_cp.plan import memory as plan
 from flux_cp.plan import report
-from flux_cp.shape import transformer_config_offline
+from flux_cp.shape.build import transformer_config_offline
 
 ATTN_LORA = list(ATTENTION_TARGETS)
 

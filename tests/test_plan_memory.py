@@ -33,7 +33,7 @@ def _offline(monkeypatch, tmp_path):
 def _run(*flags: str, world: int = 1):
     """(resolved flags, run shape) of a FLUX.1-dev LoRA run planned for `world` processes."""
     from flux_cp.config.parser import parse_config
-    from flux_cp.shape import build_shape, resolved
+    from flux_cp.shape.build import build_shape, resolved
 
     cfg = parse_config(["--pretrained_model_name_or_path", DEV, *flags])
     shape = build_shape(cfg, max(world, cfg.parallel.cp_size), planning=True)

@@ -86,7 +86,7 @@ def _inputs(family: str) -> dict:
 
 def _lora_config(family: str, model: torch.nn.Module):
     from flux_cp.config.parser import parse_config
-    from flux_cp.shape import resolved
+    from flux_cp.shape.build import resolved
 
     return resolved(parse_config(["--rank", "4"]), _family(family), False, dict(model.config)).lora
 

@@ -29,7 +29,8 @@ from flux_cp.images import to_pixels
 from flux_cp.layout import Layout
 from flux_cp.outputs import resume
 from flux_cp.rng import Stream, generator
-from flux_cp.shape import build_shape, check_tokens
+from flux_cp.shape.build import build_shape
+from flux_cp.shape.run_shape import check_tokens
 from tests.flux2_recipe_steps import flow_loss
 from tests.reference_folders import PAIRS, references_folder, rows_of_pairs
 

@@ -75,7 +75,7 @@ def test_the_recommendation_on_an_h100_capped_to_24_gib_is_fp8_compiled_with_off
     the offloaded blocks."""
     from flux_cp.config.parser import parse_config
     from flux_cp.plan import recommend
-    from flux_cp.shape import build_shape, resolved
+    from flux_cp.shape.build import build_shape, resolved
 
     cfg = parse_config(
         [

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-import cp
+from cp.comm import shard
 from flux_cp.data.encode import TrainingData, reference_count, reference_key
 from flux_cp.data.flow import loss_weighting, per_sample_draws
 from flux_cp.data.pairs import PairSplit, image_segment, target_loss
@@ -22,8 +22,8 @@ from flux_cp.rng import Stream, generator
 
 if TYPE_CHECKING:
     from flux_cp.config.training import DataConfig, TrainConfig
-    from flux_cp.data.prior import ClassSamples
-    from flux_cp.families import Family
+    from flux_cp.data.encode import ClassSamples
+    from flux_cp.families.base import Family
     from flux_cp.layout import Layout
 
 Tensor = torch.Tensor
@@ -166,15 +166,15 @@ class Batches:
                                         [tuple(r.shape[-2:]) for r in refs], family)  # fmt: skip
             pair = PairSplit(target.shape[1], hidden.shape[1] - target.shape[1], self.layout.cp)
         text = {k: v.to(dt) for k, v in stack.items() if k not in ("latent_mean", "latent_std")}
-        text["prompt_embeds"] = cp.shard(text["prompt_embeds"], 1, group)
+        text["prompt_embeds"] = shard(text["prompt_embeds"], 1, group)
         inputs = family.transformer_inputs(
-            hidden=cp.shard(hidden, 1, group).to(dt), img_ids=cp.shard(ids, 0, group), text=text,
-            txt_ids=cp.shard(family.text_ids(embeds.shape[1], dev), 0, group), timestep=draws["timesteps"] / 1000.0,
+            hidden=shard(hidden, 1, group).to(dt), img_ids=shard(ids, 0, group), text=text,
+            txt_ids=shard(family.text_ids(embeds.shape[1], dev), 0, group), timestep=draws["timesteps"] / 1000.0,
             guidance=torch.full((len(slots),), a.guidance_scale, device=dev) if self.guidance else None,
         )  # fmt: skip
         return MicroBatch(
             inputs=inputs,
-            target=target if pair else cp.shard(target, 1, group),
+            target=target if pair else shard(target, 1, group),
             weighting=self._to_device(weighting).view(-1, 1, 1),
             epoch=epoch,
             image_tokens=hidden.shape[1],

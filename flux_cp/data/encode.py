@@ -422,3 +422,14 @@ class LiveData:
             pixels = to_pixels(self.source.load(i, reference=True, ref_index=j), target, resized, offset, flip)
             out[reference_key(j)] = self.encoders.latents(pixels[None])[0][0]
         return out
+
+
+class ClassSamples:
+    """The class images' encodings: `data` holds class image c in the p-th of the buckets the training images use
+    (`used`) at index `p * count + c` (flux_cp.data.encode.ClassGeometry)."""
+
+    def __init__(self, data: TrainingData, count: int, used: list[int]):
+        self.data, self.count, self.used = data, count, list(used)
+
+    def load(self, image: int, bucket: int, epoch: int) -> dict[str, torch.Tensor]:
+        return self.data.load(self.used.index(bucket) * self.count + image, False, epoch)

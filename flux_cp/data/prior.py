@@ -20,15 +20,13 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-
 from flux_cp import distributed, files
 from flux_cp.data.folders import image_files
 from flux_cp.data.sources import ImageSource, Sample
 from flux_cp.errors import UsageError
 
 if TYPE_CHECKING:
-    from flux_cp.data.encode import TrainingData
+    pass
 
 logger = logging.getLogger("flux_cp")
 
@@ -124,14 +122,3 @@ def check_generated_folder(folder: Path) -> None:
             f"writes the class images it generates there: rename that folder, or give --num_class_images at most the "
             "number of class images the folder holds"
         )
-
-
-class ClassSamples:
-    """The class images' encodings: `data` holds class image c in the p-th of the buckets the training images use
-    (`used`) at index `p * count + c` (flux_cp.data.encode.ClassGeometry)."""
-
-    def __init__(self, data: TrainingData, count: int, used: list[int]):
-        self.data, self.count, self.used = data, count, list(used)
-
-    def load(self, image: int, bucket: int, epoch: int) -> dict[str, torch.Tensor]:
-        return self.data.load(self.used.index(bucket) * self.count + image, False, epoch)

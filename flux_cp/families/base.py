@@ -1,6 +1,7 @@
-"""The `Family` interface: what the rest of flux-cp asks of a model family, and how a model folder names its
-family (the pipeline class of its model_index.json where a family claims it, else the `_class_name` of its
-transformer's config).
+"""The `Family` interface: what the rest of flux-cp asks of a model family; how a model folder names its family (the
+pipeline class of its model_index.json where a family claims it, else the `_class_name` of its transformer's config);
+and the registry of the families a run may train (the package registers the built-in ones, flux_cp/families/
+__init__.py; `register` adds others).
 
 Everything that differs between families is asked here, never by the family's name or class: the transformer's
 block lists (blocks.py, offload, the planner, parameter counts), the LoRA file's scale convention and the layouts it
@@ -398,7 +399,7 @@ def transformer_class_name(path: str, revision: str | None) -> str:
     return transformer or pipeline or ""
 
 
-def detect(path: str, revision: str | None, families: tuple[Family, ...], cache_dir: str | None = None) -> Family:
+def _detect(path: str, revision: str | None, families: tuple[Family, ...], cache_dir: str | None = None) -> Family:
     """The family of the model at `path` (a folder or hub id): the one whose pipelines include the pipeline class
     of its model_index.json, else the first whose transformer class its transformer/config.json names; a UsageError
     naming the classes and the supported ones when no family claims them."""
@@ -413,3 +414,56 @@ def detect(path: str, revision: str | None, families: tuple[Family, ...], cache_
     supported = ", ".join(f"{f.label} ({', '.join(f.pipeline_class_names[:1] + (f.transformer_class_name,))})"
                           for f in families)  # fmt: skip
     raise UsageError(f"--pretrained_model_name_or_path {path} is a {declared}; flux-cp trains {supported}")
+
+
+# --- the registry -----------------------------------------------------------------------------------------------
+
+# The families flux-cp trains, in the order they were registered (the package registers the built-in ones,
+# flux_cp/families/__init__.py; `register` adds others).
+FAMILIES: list[Family] = []
+
+
+def register(family: Family) -> None:
+    """Train `family`'s models too: `detect` recognises their folders, and every module asking a family of a model
+    finds it. Call it in every process of a run before the trainer starts (its CP processors registered with
+    `cp.register` by then)."""
+    if family not in FAMILIES:
+        FAMILIES.append(family)
+
+
+def detect(path: str, revision: str | None = None, cache_dir: str | None = None) -> Family:
+    """The family of the model folder or hub id `path`: its pipeline class decides where a family names it (FLUX.2
+    [dev] and [klein] share the transformer class), else its transformer class (a UsageError naming the classes if
+    no family trains them). `cache_dir`: the download cache."""
+    return _detect(path, revision, tuple(FAMILIES), cache_dir)
+
+
+def for_transformer(config: dict) -> Family:
+    """The family whose transformer a transformer config describes (its `_class_name`; when it names none, the first
+    family registered, FLUX.1, as the built-in configs of the known FLUX.1 models)."""
+    name = config.get("_class_name")
+    return next((f for f in FAMILIES if f.transformer_class_name == name), FAMILIES[0])
+
+
+def of_model(transformer: torch.nn.Module) -> Family:
+    """The family of a transformer (by its class, also under peft's adapters)."""
+    names = {cls.__name__ for cls in type(transformer).__mro__}
+    found = next((f for f in FAMILIES if f.transformer_class_name in names), None)
+    if found is None:
+        raise ValueError(f"no registered model family trains a {type(transformer).__name__}")
+    return found
+
+
+def blocks_of(transformer: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """(kind, block) of every block of a transformer, in the order they run (`Family.blocks`)."""
+    return of_model(transformer).blocks(transformer)
+
+
+def known_model(name: str | None) -> KnownModel | None:
+    """What a registered family knows of a hub id offline (`Family.known_model`), else None."""
+    return next((k for f in FAMILIES if (k := f.known_model(name)) is not None), None)
+
+
+def known_models() -> list[KnownModel]:
+    """Every hub id a registered family knows offline."""
+    return [k for f in FAMILIES for k in f.known]

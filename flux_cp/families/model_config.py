@@ -26,7 +26,7 @@ from flux_cp.terminal import printable
 
 if TYPE_CHECKING:
     from flux_cp.config.training import ModelConfig
-    from flux_cp.families import Family
+    from flux_cp.families.base import Family
 
 HEADER_LIMIT = 100 * 2**20  # safetensors' own limit on a header's size
 CONFIG_LIMIT = 2**20  # a config.json larger than this is no model's

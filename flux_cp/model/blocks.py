@@ -34,11 +34,11 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from cp import Tuning
 from cp.mode import saved_ops
 from cp.schedule import inductor_options
+from cp.tuning import Tuning
 from flux_cp.errors import UsageError
-from flux_cp.families import blocks_of
+from flux_cp.families.base import blocks_of
 
 
 def transformer_blocks(transformer: torch.nn.Module) -> list[torch.nn.Module]:

@@ -55,7 +55,7 @@ import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from flux_cp.errors import UsageError
-from flux_cp.families import blocks_of
+from flux_cp.families.base import blocks_of
 from flux_cp.model.blocks import transformer_blocks
 
 Tensor = torch.Tensor

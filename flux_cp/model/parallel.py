@@ -43,7 +43,7 @@ from flux_cp.model.offload import (
 if TYPE_CHECKING:
     from flux_cp.config.flags import Config, ParallelConfig, ValidationConfig
     from flux_cp.config.training import TrainConfig
-    from flux_cp.shape import RunShape
+    from flux_cp.shape.run_shape import RunShape
 
 logger = logging.getLogger("flux_cp")
 

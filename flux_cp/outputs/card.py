@@ -17,14 +17,15 @@ from typing import TYPE_CHECKING
 
 from flux_cp import files
 from flux_cp.config.fields import is_hub_id
-from flux_cp.families import FLUX1, known_model
+from flux_cp.families.base import known_model
+from flux_cp.families.flux1.family import FLUX1
 from flux_cp.model import adapters
 from flux_cp.model.optim import describe as describe_optimizer
 from flux_cp.terminal import printable
 
 if TYPE_CHECKING:
     from flux_cp.config.flags import Config
-    from flux_cp.families import Family
+    from flux_cp.families.base import Family
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
 

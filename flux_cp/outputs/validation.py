@@ -21,7 +21,7 @@ from flux_cp.data.sources import ImageSource, Sample, crop_box
 
 if TYPE_CHECKING:
     from flux_cp.config.flags import ValidationConfig
-    from flux_cp.families import Family
+    from flux_cp.families.base import Family
     from flux_cp.families.encoders import Encoders
     from flux_cp.layout import Layout
 

@@ -27,7 +27,7 @@ import torch
 
 if TYPE_CHECKING:
     from flux_cp.config.flags import Config
-    from flux_cp.shape import RunShape
+    from flux_cp.shape.run_shape import RunShape
 
 logger = logging.getLogger("flux_cp")
 

@@ -28,7 +28,7 @@ from flux_cp.plan.counts import ParameterCounts, parameter_counts
 
 if TYPE_CHECKING:
     from flux_cp.config.flags import Config
-    from flux_cp.families import Family
+    from flux_cp.families.base import Family
 
 GIB = 2**30
 CHECKPOINT_TENSOR_BYTES = 2048  # torch.save record of one tensor in a DCP shard file, per writing rank

@@ -28,7 +28,7 @@ from flux_cp.families.encoders import TEXT_BATCH
 
 if TYPE_CHECKING:
     from flux_cp.config.flags import Config
-    from flux_cp.shape import RunShape
+    from flux_cp.shape.run_shape import RunShape
 
 logger = logging.getLogger("flux_cp")
 

@@ -44,10 +44,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from cp import MODES
+from cp.mode import MODES
 from flux_cp.config.fields import PRECISIONS
 from flux_cp.errors import UsageError
-from flux_cp.families import for_transformer
+from flux_cp.families.base import for_transformer
 from flux_cp.model import adapters
 from flux_cp.model.blocks import Checkpointing, attention_recomputed, checkpointed_blocks, compiled
 from flux_cp.model.offload import OffloadPlan, available_host_memory, offload_count, plan_offload
@@ -55,11 +55,11 @@ from flux_cp.model.optim import optimizer_name, state_bytes
 from flux_cp.model.precision import base_bytes, block_bytes
 from flux_cp.plan import speed
 from flux_cp.plan.counts import parameter_counts
-from flux_cp.shape import RunShape, auto_mode
+from flux_cp.shape.run_shape import RunShape, auto_mode
 
 if TYPE_CHECKING:
     from flux_cp.config.flags import Config
-    from flux_cp.families import Family
+    from flux_cp.families.base import Family
 
 logger = logging.getLogger("flux_cp")
 

@@ -29,7 +29,7 @@ from flux_cp.plan import memory as plan
 
 if TYPE_CHECKING:
     from flux_cp.config.flags import Config
-    from flux_cp.shape import RunShape
+    from flux_cp.shape.run_shape import RunShape
 
 # Flags the recommendation sets, and --plan's own: the rest of the user's flags are the command's too.
 SET = ("base_precision", "gradient_checkpointing", "offload_blocks", "compile", "compile_mode", "cp_size")

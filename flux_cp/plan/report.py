@@ -27,11 +27,11 @@ from flux_cp.plan.memory import (
     shape_at,
     unmeasured,
 )
-from flux_cp.shape import build_shape, launched_world_size, resolved
+from flux_cp.shape.build import build_shape, launched_world_size, resolved
 
 if TYPE_CHECKING:
     from flux_cp.config.flags import Config
-    from flux_cp.shape import RunShape
+    from flux_cp.shape.run_shape import RunShape
 
 
 def print_disk(cfg: Config, shape: RunShape) -> None:

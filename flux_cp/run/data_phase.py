@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from flux_cp.data.encode import (
     ClassGeometry,
+    ClassSamples,
     Geometry,
     LiveData,
     Repeated,
@@ -22,7 +23,7 @@ from flux_cp.data.encode import (
     encoder_fingerprints,
     tokenizer_fingerprints,
 )
-from flux_cp.data.prior import ClassSamples, class_source, generated_folder
+from flux_cp.data.prior import class_source, generated_folder
 from flux_cp.data.sources import (
     BatchSchedule,
     ImageSource,
@@ -41,7 +42,7 @@ from flux_cp.outputs.validation import Previews
 from flux_cp.plan import encoding as encoding_memory
 from flux_cp.plan import memory as plan
 from flux_cp.run.class_images import generate_class_images
-from flux_cp.shape import RunShape, check_tokens
+from flux_cp.shape.run_shape import RunShape, check_tokens
 
 if TYPE_CHECKING:
     import torch

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from flux_cp.config.flags import Config
     from flux_cp.layout import Layout
     from flux_cp.run.faults import Fault
-    from flux_cp.shape import RunShape
+    from flux_cp.shape.run_shape import RunShape
 
 logger = logging.getLogger("flux_cp")
 

@@ -14,11 +14,11 @@ from flux_cp.model.offload import check_offload
 from flux_cp.model.optim import check_optimizer
 from flux_cp.model.precision import check_sharding
 from flux_cp.model.text_encoder import check_sharding as check_text_encoder_sharding
-from flux_cp.shape import check_tokens
+from flux_cp.shape.run_shape import check_tokens
 
 if TYPE_CHECKING:
     from flux_cp.config.flags import Config
-    from flux_cp.shape import RunShape
+    from flux_cp.shape.run_shape import RunShape
 
 
 def check_start(cfg: Config, shape: RunShape, device_type: str) -> None:

@@ -45,7 +45,8 @@ from flux_cp.run import data_phase as run_data
 from flux_cp.run import faults
 from flux_cp.run.output_phase import Outputs
 from flux_cp.run.start import check_start
-from flux_cp.shape import RunShape, build_shape, launched_world_size, resolved
+from flux_cp.shape.build import build_shape, launched_world_size, resolved
+from flux_cp.shape.run_shape import RunShape
 from flux_cp.terminal import escape_logs
 
 logger = logging.getLogger("flux_cp")
