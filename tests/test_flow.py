@@ -9,8 +9,9 @@ from diffusers.training_utils import compute_density_for_timestep_sampling, comp
 
 from flux_cp.config.fields import WEIGHTING_SCHEMES
 from flux_cp.config.training import TrainConfig
-from flux_cp.data.flow import loss_weighting, per_sample_draws, sample_timesteps, sigmas_for
+from flux_cp.data.flow import per_sample_draws, sample_timesteps, sigmas_for
 from flux_cp.families.flux1.tokens import image_ids, pack_latents, text_ids, unpack_latents
+from flux_cp.loss import loss_weighting
 
 
 def test_packing_and_ids_match_flux_pipeline():

@@ -26,6 +26,7 @@ from flux_cp.families.flux2.family import load_tokenizer
 from flux_cp.families.flux2.recipe import text_ids
 from flux_cp.families.flux2.tiny import FLUX2_KLEIN_4B_TRANSFORMER, default_flux2_cache_dir
 from flux_cp.layout import Layout
+from flux_cp.loss import batch_loss
 from flux_cp.rng import Stream, generator
 from tests.flux2_example import Args, example_step
 
@@ -256,7 +257,7 @@ def test_loss_and_gradients_equal_the_examples_on_the_trainers_draws(folders, en
         model = copy.deepcopy(pipe.transformer).requires_grad_(True)
         if ours:
             cp.apply_context_parallel(model, None)
-            loss = mb.loss(model(**mb.inputs)[0])
+            loss = batch_loss(model(**mb.inputs)[0], mb)
         else:
             loss = example_step(model, pipe.vae, copy.deepcopy(pipe.scheduler), batch, embeds[order],
                                 text_ids(8).expand(2, -1, -1), args, 0, klein=klein, i2i=pairs,
@@ -291,8 +292,8 @@ def test_cp_chunks_of_flux2_sequences_are_the_whole_and_keep_the_loss(request, e
     assert whole.inputs["txt_ids"][:, 3].tolist() == list(range(8))  # text has its own RoPE axis
     pred = torch.randn_like(whole.inputs["hidden_states"])
     half = pred.shape[1] // 2
-    mean_of_chunks = (chunks[0].loss(pred[:, :half]) + chunks[1].loss(pred[:, half:])) / 2
-    assert torch.allclose(mean_of_chunks, whole.loss(pred), rtol=1e-6, atol=0)
+    mean_of_chunks = (batch_loss(pred[:, :half], chunks[0]) + batch_loss(pred[:, half:], chunks[1])) / 2
+    assert torch.allclose(mean_of_chunks, batch_loss(pred, whole), rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("family", [FLUX1, FLUX2], ids=["flux1", "flux2"])

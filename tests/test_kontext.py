@@ -12,11 +12,12 @@ import torch
 import torch.nn.functional as F
 
 from flux_cp.config.training import DataConfig
-from flux_cp.data.pairs import PairSplit, image_segment, target_loss
+from flux_cp.data.pairs import image_segment
 from flux_cp.data.sources import open_source, reference_column
 from flux_cp.errors import UsageError
 from flux_cp.families import FLUX1
 from flux_cp.families.flux1.tokens import pack_latents, reference_ids
+from flux_cp.loss import PairSplit, batch_loss, target_loss
 from tests.fakes import C, FakeData, H, W, make_batches
 
 
@@ -231,9 +232,9 @@ def test_pair_micro_batches_hold_target_then_reference_and_cp_chunks_keep_the_lo
         assert torch.equal(torch.cat([c.inputs[key] for c in chunks], dim), whole.inputs[key]), key
     assert all(torch.equal(c.target, whole.target) for c in chunks)  # each rank keeps the whole target
     pred = torch.randn_like(whole.inputs["hidden_states"])
-    mean_of_chunks = (chunks[0].loss(pred[:, :t]) + chunks[1].loss(pred[:, t:])) / 2
-    assert torch.allclose(mean_of_chunks, whole.loss(pred), rtol=1e-6, atol=0)
-    assert chunks[1].loss(pred[:, t:]) == 0  # rank 1 holds only reference tokens
+    mean_of_chunks = (batch_loss(pred[:, :t], chunks[0]) + batch_loss(pred[:, t:], chunks[1])) / 2
+    assert torch.allclose(mean_of_chunks, batch_loss(pred, whole), rtol=1e-6, atol=0)
+    assert batch_loss(pred[:, t:], chunks[1]) == 0  # rank 1 holds only reference tokens
 
 
 def test_the_pipeline_class_tells_kontext_models_apart(tmp_path):
@@ -398,7 +399,7 @@ def test_pair_loss_and_gradients_equal_the_kontext_examples_with_default_flags(s
     for ours in (False, True):
         model = copy.deepcopy(transformer).requires_grad_(True)
         if ours:
-            loss = mb.loss(model(**mb.inputs)[0])
+            loss = batch_loss(model(**mb.inputs)[0], mb)
         else:
             batch = {"pixel_values": pixels[order], "cond_pixel_values": cond[order]}
             loss = kontext_example_step(model, vae, copy.deepcopy(scheduler), batch, embeds[order], pooled[order],

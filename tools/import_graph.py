@@ -36,10 +36,10 @@ PHASES: Phases = [
     ("ground", ("flux_cp",)),  # the modules at flux_cp/'s top: errors, files, terminal, images, layout, hub, ...
     ("config", ("flux_cp.config",)),  # the flags
     ("families", ("flux_cp.families",)),  # what is specific to a model family
+    ("loss", ("flux_cp.loss",)),  # the objective: a pure function of a micro-batch's tensors and their CP split
     ("data", ("flux_cp.data",)),  # sources, buckets, batch schedule, encodings and their cache, micro-batches
     ("shape", ("flux_cp.shape",)),  # the run shape: what kind of run this is
     ("model", ("flux_cp.model",)),  # loading, adapters, precision, offload, blocks, parallelize, optimizer
-    ("loss", ("flux_cp.loss",)),  # the objective
     ("plan", ("flux_cp.plan",)),  # memory, disk and speed models, --compile auto, --plan's report
     ("outputs", ("flux_cp.outputs",)),  # output folder, checkpoints, resume, validation, metrics, card, summary
     # the run's phases, and the commands users run (python -m flux_cp.tiny / .metrics / .profiling)

@@ -15,9 +15,10 @@ import torch
 
 from cp.comm import shard
 from flux_cp.data.encode import TrainingData, reference_count, reference_key
-from flux_cp.data.flow import loss_weighting, per_sample_draws
-from flux_cp.data.pairs import PairSplit, image_segment, target_loss
+from flux_cp.data.flow import per_sample_draws
+from flux_cp.data.pairs import image_segment
 from flux_cp.data.sources import BatchSchedule
+from flux_cp.loss import PairSplit, loss_weighting
 from flux_cp.rng import Stream, generator
 
 if TYPE_CHECKING:
@@ -31,6 +32,8 @@ Tensor = torch.Tensor
 
 @dataclass
 class MicroBatch:
+    """This rank's share of one micro-step: the transformer's inputs, and what the loss reads (flux_cp.loss)."""
+
     inputs: dict  # keyword arguments of the transformer's forward, this rank's chunk
     target: Tensor  # this rank's chunk of (noise - latents), packed; the whole of it for pairs
     weighting: Tensor  # [B, 1, 1] per-sample loss weights
@@ -42,22 +45,6 @@ class MicroBatch:
     prior: int = 0  # prior preservation: the last `prior` samples are class samples
     prior_loss_weight: float = 1.0
     captions: list[str] | None = None  # --train_text_encoder: each sample's caption ("" where dropped), in order
-
-    def loss(self, pred: Tensor) -> Tensor:
-        """Weighted MSE, mean over this rank's tokens (gradients are then averaged over all dp x cp ranks,
-        which with equal chunks is the full-sequence mean; docs/design.md, data flow). Pairs: over the
-        target tokens only, weighted so that the same averaging gives the full mean (docs/design.md, Kontext).
-        Prior preservation, as diffusers' DreamBooth examples: the mean over the training samples plus
-        `prior_loss_weight` times the mean over the class samples (equal halves on every rank, so the same
-        averaging over ranks gives the global batch's)."""
-        if self.pair is not None:
-            return target_loss(pred, self.target, self.weighting, self.pair, self.cp_rank)
-        err = self.weighting * (pred.float() - self.target.float()) ** 2
-        per_sample = err.reshape(err.shape[0], -1).mean(1)
-        if self.prior:
-            own = per_sample.shape[0] - self.prior
-            return per_sample[:own].mean() + self.prior_loss_weight * per_sample[own:].mean()
-        return per_sample.mean()
 
 
 class Batches:

@@ -1,6 +1,6 @@
-"""The flow-matching objective of diffusers' Flux training examples, for every family: timestep densities, loss
-weighting, the schedule's sigmas, and each sample's draws (how a family packs latents into tokens is its own:
-flux_cp/families).
+"""The flow-matching draws of diffusers' Flux training examples, for every family: timestep densities, the
+schedule's sigmas, and each sample's noise and timestep (the loss and its weighting: flux_cp.loss; how a family packs
+latents into tokens is its own: flux_cp/families).
 
 Noise, timesteps and the target are drawn for the *full* latent on every rank of a CP group (same
 generator state), then each rank keeps its sequence chunk (docs/design.md, data flow).
@@ -35,16 +35,6 @@ def sample_timesteps(
     if scheme == "mode":
         return 1 - u - mode_scale * (torch.cos(math.pi * u / 2) ** 2 - 1 + u)
     return u
-
-
-def loss_weighting(scheme: str, sigmas: Tensor) -> Tensor:
-    """Per-sample loss weights, as diffusers' `compute_loss_weighting_for_sd3`."""
-    if scheme == "sigma_sqrt":
-        return (sigmas**-2.0).float()
-    if scheme == "cosmap":
-        bot = 1 - 2 * sigmas + 2 * sigmas**2
-        return 2 / (math.pi * bot)
-    return torch.ones_like(sigmas)
 
 
 def sigmas_for(u: Tensor, scheduler) -> tuple[Tensor, Tensor]:

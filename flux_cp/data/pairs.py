@@ -1,21 +1,17 @@
-"""Pair sequences (FLUX.1 Kontext, FLUX.2 with one or more reference images): the target image's noisy latent tokens
-followed by each reference image's clean latent tokens, with the family's reference position ids (FLUX.1 Kontext:
-first coordinate 1, as diffusers' `FluxKontextPipeline`; FLUX.2: time coordinate 10, 20, 30, ... for references 1,
-2, 3, ..., as `Flux2Pipeline`); how a CP group splits that image segment; and the flow-matching loss over the
-target tokens only.
+"""Pair sequences (a target image with one or more reference images): the target's noisy latent tokens followed by
+each reference's clean latent tokens, with the model family's position ids of each reference (`Family.reference_ids`,
+as the family's editing pipeline gives them).
 
-The split: text tokens are cut into `cp` equal chunks as for FLUX.1, and the image segment `[target;
-reference_1; ...; reference_k]` is cut into `cp` equal contiguous chunks *as one sequence* (exactly what
-`cp.full_sequence_io` does to the pipeline's inputs at inference). A chunk may hold target tokens, reference tokens
-or both. Only `target + all references` must divide by the CP size, not each part, and the loss on rank r is
-`cp * sum(squared errors of r's target tokens) / (target tokens * channels)`, so the mean over the group is
-the full-sequence mean however the target/reference boundary falls (docs/design.md, Kontext).
+The split: text tokens are cut into `cp` equal chunks, and the image segment `[target; reference_1; ...;
+reference_k]` is cut into `cp` equal contiguous chunks *as one sequence* (exactly what `cp.full_sequence_io` does to
+the pipeline's inputs at inference). A chunk may hold target tokens, reference tokens or both; only `target + all
+references` must divide by the CP size, not each part. Which tokens each rank holds (`PairSplit`) and the loss over
+the target tokens, exact however the target/reference boundary falls: flux_cp.loss.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -50,49 +46,3 @@ def image_segment(
         if t.shape[1] != part.shape[0]:
             raise ValueError(f"{name} has {t.shape[1]} tokens, but a {h}x{w} latent packs to {part.shape[0]}")
     return torch.cat([target, *references], dim=1), torch.cat(ids, dim=0)
-
-
-@dataclass(frozen=True)
-class PairSplit:
-    """Which image tokens of `[target; references]` each of `cp_size` ranks holds: a contiguous chunk of
-    `(target_tokens + reference_tokens) / cp_size` tokens (`reference_tokens`: of all references together)."""
-
-    target_tokens: int
-    reference_tokens: int
-    cp_size: int
-
-    def __post_init__(self) -> None:
-        if (self.target_tokens + self.reference_tokens) % self.cp_size:
-            raise ValueError(
-                f"{self.target_tokens} + {self.reference_tokens} image tokens do not split over {self.cp_size} ranks"
-            )
-
-    @property
-    def chunk(self) -> int:
-        return (self.target_tokens + self.reference_tokens) // self.cp_size
-
-    def span(self, rank: int) -> tuple[int, int]:
-        """[start, stop) of rank's chunk in the image segment."""
-        return rank * self.chunk, (rank + 1) * self.chunk
-
-    def local_targets(self, rank: int) -> int:
-        """How many target tokens rank holds: the first ones of its chunk (0 when it holds only reference)."""
-        start, stop = self.span(rank)
-        return max(0, min(stop, self.target_tokens) - start)
-
-
-def target_loss(pred: Tensor, target: Tensor, weighting: Tensor, split: PairSplit, rank: int) -> Tensor:
-    """Weighted flow-matching MSE over the target tokens of this rank's chunk.
-
-    `pred`: the transformer's output on this rank's chunk `[B, chunk, C]`; `target`: the *full* packed target
-    `[B, T, C]` (every rank of a CP group draws the same noise); `weighting`: `[B, 1, 1]`. The result is
-    `cp * sum / (T * C)` per sample, averaged over the batch: at cp 1 the plain mean, and with gradients
-    averaged over the CP group (DDP/FSDP) exactly the gradient of the full-sequence mean.
-    """
-    start, _ = split.span(rank)
-    k = split.local_targets(rank)
-    # pred[:, :0] when this rank holds only reference tokens: the loss is 0 but stays on the graph, so its
-    # backward still runs the attention's collectives with the other ranks.
-    err = weighting * (pred[:, :k].float() - target[:, start : start + k].float()) ** 2
-    per_sample = err.reshape(err.shape[0], -1).sum(1) * (split.cp_size / (split.target_tokens * target.shape[2]))
-    return per_sample.mean()

@@ -32,6 +32,7 @@ from flux_cp.data.sources import ImageSource, open_source
 from flux_cp.errors import UsageError
 from flux_cp.families.flops import NO_FLOPS, StepFlops
 from flux_cp.layout import Layout
+from flux_cp.loss import batch_loss
 from flux_cp.model import blocks, optim, parallel
 from flux_cp.model.adapters import start_line as adapter_line
 from flux_cp.model.ema import EMA
@@ -481,7 +482,7 @@ class Trainer:
                 if self.text is not None:  # its forward in the step, with the weights of this step
                     with accelerator.autocast():
                         mb.inputs.update(self.text.inputs(mb.captions, self.weight_dtype))
-                loss = self.fault.maybe_corrupt(step, mb.loss(model(**mb.inputs)[0]))
+                loss = self.fault.maybe_corrupt(step, batch_loss(model(**mb.inputs)[0], mb))
                 accelerator.backward(loss)
                 loss_sum += loss.detach().double()
                 upcoming = (step - 1) * accum + micro + 1
