@@ -11,7 +11,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 
 from flux_cp.config.training import DataConfig, TrainConfig
 from flux_cp.data.batches import Batches
-from flux_cp.data.sources import BatchSchedule
+from flux_cp.data.schedule import BatchSchedule
 from flux_cp.families import FLUX1
 from flux_cp.layout import Layout
 

@@ -9,7 +9,8 @@ from safetensors.torch import load_file
 
 from flux_cp import files
 from flux_cp.config.training import DataConfig
-from flux_cp.data.encode import Geometry, encode_dataset, training_buckets
+from flux_cp.data.buckets import Geometry, training_buckets
+from flux_cp.data.encode import encode_dataset
 from flux_cp.data.sources import open_source
 from flux_cp.errors import UsageError
 

@@ -17,7 +17,8 @@ from PIL import Image
 from flux_cp.config.parser import parse_config
 from flux_cp.config.ranges import unused_flags
 from flux_cp.config.training import DataConfig
-from flux_cp.data.encode import ClassGeometry, ClassSamples, Geometry, LiveData, Repeated, encode_dataset, run_buckets
+from flux_cp.data.buckets import ClassGeometry, Geometry, bucket_divisor, run_buckets
+from flux_cp.data.encode import ClassSamples, LiveData, Repeated, encode_dataset
 from flux_cp.data.prior import (
     MARKER,
     check_generated_folder,
@@ -28,7 +29,8 @@ from flux_cp.data.prior import (
     missing,
     missing_count,
 )
-from flux_cp.data.sources import BUNDLED_DATA, BatchSchedule, Repeats, bucket_divisor, check_epoch_size, open_source
+from flux_cp.data.schedule import BatchSchedule, Repeats, check_epoch_size
+from flux_cp.data.sources import BUNDLED_DATA, open_source
 from flux_cp.errors import UsageError
 from flux_cp.loss import batch_loss
 from flux_cp.outputs.resume import check_prior_resume

@@ -17,7 +17,8 @@ from torch.utils._pytree import tree_flatten
 
 from flux_cp import tiny
 from flux_cp.config.training import DataConfig, ModelConfig
-from flux_cp.data.encode import Geometry, encode_dataset, training_buckets
+from flux_cp.data.buckets import Geometry, training_buckets
+from flux_cp.data.encode import encode_dataset
 from flux_cp.data.sources import open_source
 from flux_cp.errors import UsageError
 from flux_cp.families import FLUX1, FLUX2, FLUX2_KLEIN

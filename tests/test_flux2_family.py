@@ -19,7 +19,7 @@ from flux_cp.config.parser import parse_config
 from flux_cp.config.training import DataConfig, ModelConfig, TrainConfig
 from flux_cp.data.batches import Batches
 from flux_cp.data.flow import per_sample_draws
-from flux_cp.data.sources import BatchSchedule
+from flux_cp.data.schedule import BatchSchedule
 from flux_cp.errors import UsageError
 from flux_cp.families import FLUX1, FLUX2, FLUX2_KLEIN, detect
 from flux_cp.families.flux2.family import load_tokenizer

@@ -12,7 +12,8 @@ import torch
 from flux_cp.config.training import DataConfig
 from flux_cp.data.encode import Repeated
 from flux_cp.data.kohya_folders import kohya_subfolders, list_kohya, mixed_names
-from flux_cp.data.sources import BUNDLED_DATA, BatchSchedule, Repeats, open_source
+from flux_cp.data.schedule import BatchSchedule, Repeats
+from flux_cp.data.sources import BUNDLED_DATA, open_source
 from flux_cp.errors import UsageError
 from tests.test_dreambooth import _listed_schedule
 

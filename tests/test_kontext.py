@@ -366,7 +366,7 @@ def test_pair_loss_and_gradients_equal_the_kontext_examples_with_default_flags(s
     from flux_cp.config.training import DataConfig, TrainConfig
     from flux_cp.data.batches import Batches
     from flux_cp.data.flow import per_sample_draws
-    from flux_cp.data.sources import BatchSchedule
+    from flux_cp.data.schedule import BatchSchedule
     from flux_cp.families import FLUX1
     from flux_cp.families.flux1.tiny import build_tiny_pipeline
     from flux_cp.layout import Layout

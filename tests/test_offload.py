@@ -15,15 +15,12 @@ from flux_cp.config.training import LoraConfig
 from flux_cp.errors import UsageError
 from flux_cp.model.blocks import prepare_blocks
 from flux_cp.model.loading import prepare_trainable
-from flux_cp.model.offload import (
-    BlockOffload,
-    block_kinds,
+from flux_cp.model.offload import BlockOffload, block_kinds, frozen_block_bytes, offload_blocks
+from flux_cp.model.offload_plan import (
     check_host_memory,
     check_offload,
     check_offload_count,
     choose_offloaded,
-    frozen_block_bytes,
-    offload_blocks,
     offload_count,
     plan_offload,
 )

@@ -12,7 +12,7 @@ import torch
 from flux_cp.errors import UsageError
 from flux_cp.families import FLUX1
 from flux_cp.families.flux1.tiny import FLUX1_DEV_TRANSFORMER
-from flux_cp.model.offload import plan_offload
+from flux_cp.model.offload_plan import plan_offload
 from flux_cp.plan import memory as plan
 from flux_cp.plan import report, speed
 

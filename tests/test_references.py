@@ -19,10 +19,12 @@ from flux_cp.config.flags import ValidationConfig
 from flux_cp.config.parser import parse_config
 from flux_cp.config.training import DataConfig, ModelConfig, TrainConfig
 from flux_cp.data.batches import Batches
-from flux_cp.data.encode import Geometry, LiveData, encode_dataset, reference_key
+from flux_cp.data.buckets import Geometry, crop_box
+from flux_cp.data.encode import LiveData, encode_dataset, reference_key
 from flux_cp.data.flow import per_sample_draws
 from flux_cp.data.folders import read_metadata_file
-from flux_cp.data.sources import BatchSchedule, batch_groups, check_reference_limit, crop_box, open_source
+from flux_cp.data.schedule import BatchSchedule, batch_groups
+from flux_cp.data.sources import check_reference_limit, open_source
 from flux_cp.errors import UsageError
 from flux_cp.families import FLUX1, FLUX2
 from flux_cp.images import to_pixels

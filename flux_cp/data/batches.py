@@ -17,7 +17,7 @@ from cp.comm import shard
 from flux_cp.data.encode import TrainingData, reference_count, reference_key
 from flux_cp.data.flow import per_sample_draws
 from flux_cp.data.pairs import image_segment
-from flux_cp.data.sources import BatchSchedule
+from flux_cp.data.schedule import BatchSchedule
 from flux_cp.loss import PairSplit, loss_weighting
 from flux_cp.rng import Stream, generator
 

@@ -21,12 +21,13 @@ from tqdm.auto import tqdm
 
 from flux_cp import distributed, files
 from flux_cp.bars import on_terminal
-from flux_cp.data.sources import ImageSource, Repeats, bucket_divisor, bucket_sizes, crop_box, nearest_bucket
+from flux_cp.data.buckets import Geometry, crop_box
+from flux_cp.data.schedule import Repeats
+from flux_cp.data.sources import ImageSource
 from flux_cp.errors import UsageError
 from flux_cp.families.components import component_folder, files_fingerprint, model_fingerprint
 from flux_cp.families.encoders import Encoders
 from flux_cp.images import DECODER_VERSION, to_pixels
-from flux_cp.rng import Stream, generator
 from flux_cp.terminal import printable
 
 if TYPE_CHECKING:
@@ -67,70 +68,6 @@ def encoder_fingerprints(
     computed = f":{str(dtype).removeprefix('torch.')}" if dtype is not None else ""
     weights = f":variant={variant}" if variant else ""
     return components["vae"] + tiled + computed + weights, text + encoders.text_recipe + tokenizers + weights
-
-
-def run_buckets(
-    resolutions: tuple[int, ...], cp_size: int, aspect_buckets: bool
-) -> tuple[list[tuple[int, int]], list[list[int]]]:
-    """Every training bucket of a run and, per resolution, the indices of its own (`training_buckets` of each;
-    a size two resolutions share is one bucket)."""
-    buckets: list[tuple[int, int]] = []
-    per_resolution = []
-    for resolution in resolutions:
-        ids = []
-        for size in training_buckets(resolution, cp_size, aspect_buckets):
-            if size not in buckets:
-                buckets.append(size)
-            ids.append(buckets.index(size))
-        per_resolution.append(ids)
-    return buckets, per_resolution
-
-
-def training_buckets(resolution: int, cp_size: int, aspect_buckets: bool) -> list[tuple[int, int]]:
-    """(width, height) of every training bucket: one square of `resolution`, or aspect buckets whose token count
-    divides by the CP size."""
-    buckets = bucket_sizes(resolution, bucket_divisor(cp_size)) if aspect_buckets else [(resolution, resolution)]
-    if not buckets:
-        raise UsageError(
-            f"--aspect_buckets: no bucket of about {resolution}^2 pixels has an image-token count divisible by "
-            f"{bucket_divisor(cp_size)} (lcm of --cp_size and 8): use a larger --resolution, or square crops",
-            agreed=True,
-        )
-    return buckets
-
-
-class Geometry:
-    """Where each image trains: at each of its placements (one per --resolution), in the bucket of that
-    resolution nearest its aspect ratio (`run_buckets`), cropped where its crop draw says. An encoded sample is
-    (image, placement): index `placement * images + image`."""
-
-    def __init__(self, buckets: list[tuple[int, int]], placements: list[list[int]] | None = None):
-        self.buckets = list(buckets)
-        self.placements = placements or [list(range(len(self.buckets)))]  # bucket indices, per placement
-
-    def bucket_of(self, size: tuple[int, int], placement: int = 0) -> int:
-        ids = self.placements[placement]
-        if len(ids) == 1:
-            return ids[0]
-        return ids[nearest_bucket(size[0], size[1], [self.buckets[b] for b in ids])]
-
-    def crop_generator(self, seed: int, image: int, placement: int, epoch: int | None = None) -> torch.Generator:
-        """The random crop of `image` at `placement`: drawn once per image for the cache, per epoch live (`epoch`).
-        The first placement has the keys a run of one resolution has always had."""
-        keys = (image,) if epoch is None else (image, epoch)
-        return generator(Stream.CROP, seed, *keys, *((placement,) if placement else ()))
-
-
-class ClassGeometry(Geometry):
-    """Class images of prior preservation: each joins batches of every bucket the training images use, so it is
-    placed in each of them (`used`: bucket indices), its crop drawn per class image and bucket."""
-
-    def __init__(self, buckets: list[tuple[int, int]], used: list[int]):
-        super().__init__(buckets, [[b] for b in used])
-
-    def crop_generator(self, seed: int, image: int, placement: int, epoch: int | None = None) -> torch.Generator:
-        keys = (image, self.placements[placement][0]) + (() if epoch is None else (epoch,))
-        return generator(Stream.CLASS_CROP, seed, *keys)
 
 
 LATENT_KEYS = ("latent_mean", "latent_std")

@@ -30,15 +30,8 @@ from flux_cp.errors import UsageError
 from flux_cp.layout import Layout, cp_group_ranks
 from flux_cp.model.blocks import Checkpointing, compiled, prepare_blocks, uses_cuda_graphs
 from flux_cp.model.loading import trainable_parameters
-from flux_cp.model.offload import (
-    BlockOffload,
-    block_kinds,
-    check_host_memory,
-    check_offload_count,
-    frozen_block_bytes,
-    offload_blocks,
-    offload_count,
-)
+from flux_cp.model.offload import BlockOffload, block_kinds, frozen_block_bytes, offload_blocks
+from flux_cp.model.offload_plan import check_host_memory, check_offload_count, offload_count
 
 if TYPE_CHECKING:
     from flux_cp.config.flags import Config, ParallelConfig, ValidationConfig

@@ -17,7 +17,8 @@ from PIL import Image
 
 import cp
 from flux_cp import distributed, files, manifest
-from flux_cp.data.sources import ImageSource, Sample, crop_box
+from flux_cp.data.buckets import crop_box
+from flux_cp.data.sources import ImageSource, Sample
 
 if TYPE_CHECKING:
     from flux_cp.config.flags import ValidationConfig

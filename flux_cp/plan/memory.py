@@ -21,8 +21,8 @@ trainable parameters at once (fp32), after the activations are freed; it decides
 The frozen base at --base_precision is counted exactly per block (flux_cp.model.precision.block_bytes: the family's
 block lists quantized, the rest as loaded). A block not checkpointed on a torchao base (fp8, int8) also keeps a bf16
 copy of its quantized weights for its backward (`dequantized_weights_kept`). --offload_blocks N takes the offloaded
-blocks' frozen bytes off the GPU and puts its slots on it (flux_cp.model.offload.plan_offload); their bytes are pinned
-host memory per process.
+blocks' frozen bytes off the GPU and puts its slots on it (flux_cp.model.offload_plan.plan_offload); their bytes are
+pinned host memory per process.
 
 `auto` (--gradient_checkpointing and --offload_blocks) is one decision, here: of the settings (blocks checkpointed,
 blocks offloaded) whose planned peak fits, the one with the least modelled step time (`step_seconds`:
@@ -50,7 +50,7 @@ from flux_cp.errors import UsageError
 from flux_cp.families.base import for_transformer
 from flux_cp.model import adapters
 from flux_cp.model.blocks import Checkpointing, attention_recomputed, checkpointed_blocks, compiled
-from flux_cp.model.offload import OffloadPlan, available_host_memory, offload_count, plan_offload
+from flux_cp.model.offload_plan import OffloadPlan, available_host_memory, offload_count, plan_offload
 from flux_cp.model.optim import optimizer_name, state_bytes
 from flux_cp.model.precision import base_bytes, block_bytes
 from flux_cp.plan import speed

@@ -226,8 +226,8 @@ def step_seconds(
 ) -> Step:
     """One micro-step. `checkpointed`: indices of the checkpointed blocks; `outside_flops`: forward FLOPs of the
     linear layers outside the blocks (embedders, final projection; their backward as the blocks'); `offloaded`: the
-    groups of offloaded blocks (flux_cp.model.offload.OffloadPlan.groups), `slots` per group; `gathered_from`: FSDP2's
-    ranks (each block all-gathered before it computes, forward and backward) or 1."""
+    groups of offloaded blocks (flux_cp.model.offload_plan.OffloadPlan.groups), `slots` per group; `gathered_from`:
+    FSDP2's ranks (each block all-gathered before it computes, forward and backward) or 1."""
     ck = set(checkpointed)
     fwd, bwd = [], []
     for i, b in enumerate(blocks):

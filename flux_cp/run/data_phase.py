@@ -11,10 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from flux_cp.data.buckets import ClassGeometry, Geometry
 from flux_cp.data.encode import (
-    ClassGeometry,
     ClassSamples,
-    Geometry,
     LiveData,
     Repeated,
     TrainingData,
@@ -24,15 +23,8 @@ from flux_cp.data.encode import (
     tokenizer_fingerprints,
 )
 from flux_cp.data.prior import class_source, generated_folder
-from flux_cp.data.sources import (
-    BatchSchedule,
-    ImageSource,
-    Repeats,
-    batch_groups,
-    check_epoch_size,
-    check_reference_limit,
-    encodings_folder,
-)
+from flux_cp.data.schedule import BatchSchedule, Repeats, batch_groups, check_epoch_size
+from flux_cp.data.sources import ImageSource, check_reference_limit, encodings_folder
 from flux_cp.errors import UsageError
 from flux_cp.families.components import pipeline_class
 from flux_cp.model.loading import load_scheduler

@@ -10,7 +10,7 @@ from flux_cp.data.sources import check_pair_flags, check_reference_limit
 from flux_cp.model import network_weights
 from flux_cp.model.blocks import check_counts
 from flux_cp.model.loading import check_seed_checkpoint
-from flux_cp.model.offload import check_offload
+from flux_cp.model.offload_plan import check_offload
 from flux_cp.model.optim import check_optimizer
 from flux_cp.model.precision import check_sharding
 from flux_cp.model.text_encoder import check_sharding as check_text_encoder_sharding

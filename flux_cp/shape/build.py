@@ -16,7 +16,7 @@ import torch
 from cp.attention import validate
 from cp.mode import DEFAULT_MODE
 from flux_cp import hub
-from flux_cp.data.encode import run_buckets
+from flux_cp.data.buckets import run_buckets
 from flux_cp.data.sources import (
     local_metadata,
     reference_column,
