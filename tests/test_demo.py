@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from flux_cp.config.demo import DEMO_BATCH, DEMO_LEARNING_RATE, DEMO_PROMPTS, DEMO_STEPS, KONTEXT_DEMO
+from flux_cp.config.demo import DEMO_BATCH, DEMO_LEARNING_RATE, DEMO_PROMPTS, DEMO_STEPS, PAIRS_DEMO
 from flux_cp.config.parser import parse_config
 from flux_cp.data.sources import BUNDLED_DATA
 from flux_cp.errors import UsageError
@@ -58,14 +58,14 @@ def test_the_kontext_demo_on_the_bundled_pairs_learns_and_validates_before_and_a
     for name in (str(pairs), "data/tiny_pairs"):
         monkeypatch.chdir(BUNDLED_DATA.parent.parent if name.startswith("data/") else tmp_path)
         cfg = parse_config(["--dataset_name", name])
-        assert cfg.demo is KONTEXT_DEMO
+        assert cfg.demo is PAIRS_DEMO
         assert (cfg.train.max_train_steps, cfg.train.learning_rate, cfg.train.train_batch_size) == (
-            KONTEXT_DEMO.steps, KONTEXT_DEMO.learning_rate, KONTEXT_DEMO.batch,
+            PAIRS_DEMO.steps, PAIRS_DEMO.learning_rate, PAIRS_DEMO.batch,
         )  # fmt: skip
-        assert cfg.validation.validation_prompt == KONTEXT_DEMO.prompts
+        assert cfg.validation.validation_prompt == PAIRS_DEMO.prompts
         assert [Path(p) for p in cfg.validation.validation_image] == [pairs / "00_blue_circle.png"]
     captions = {json.loads(line)["text"] for line in (pairs / "metadata.jsonl").read_text().splitlines()}
-    assert set(KONTEXT_DEMO.prompts) <= captions  # what it learns, from the reference every prompt edits
+    assert set(PAIRS_DEMO.prompts) <= captions  # what it learns, from the reference every prompt edits
     cfg = parse_config(["--dataset_name", str(pairs), "--max_train_steps", "3"])
     assert cfg.demo is None and cfg.validation.validation_image is None and cfg.train.learning_rate == 1e-4
 

@@ -241,7 +241,9 @@ def test_auto_streams_only_what_does_not_fit_and_tiles_only_where_a_whole_image_
 
 @pytest.fixture(scope="module")
 def full_flux1(tmp_path_factory):
-    return Path(tiny.main.__globals__["write_flux1_dev_full_shapes"](tmp_path_factory.mktemp("f") / "full"))
+    from flux_cp.families.flux1.tiny import write_flux1_dev_full_shapes
+
+    return Path(write_flux1_dev_full_shapes(tmp_path_factory.mktemp("f") / "full"))
 
 
 def test_the_full_shapes_preset_writes_every_component_s_config_at_full_size_and_no_weights(full_flux1, capsys,

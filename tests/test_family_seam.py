@@ -162,6 +162,8 @@ class DiTFamily(Family):
     def text_ids(self, length: int, device=None) -> Tensor:
         return FLUX1.text_ids(length, device)
 
+    cp_plan = {"hidden_states": 1, "img_ids": 0, "encoder_hidden_states": 1, "txt_ids": 0}  # what CP splits
+
     def transformer_inputs(self, hidden, img_ids, text, txt_ids, timestep, guidance) -> dict:
         return dict(hidden_states=hidden, encoder_hidden_states=text["prompt_embeds"],
                     pooled_projections=text["pooled_prompt_embeds"], timestep=timestep, img_ids=img_ids,

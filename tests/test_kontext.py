@@ -172,7 +172,7 @@ def test_plan_counts_kontext_pair_sequences(capsys):
     print_plan(parse_config(["--plan", "--dataset_name", str(PAIRS), "--resolution", "1024",
                              "--max_sequence_length", "512", "--gpu_memory_gib", "141"]))  # fmt: skip
     # 8,192 image tokens (target and reference, 4,096 each) + 512 text tokens
-    assert "1024 px Kontext pairs (8704 tokens/sample)" in capsys.readouterr().out
+    assert "1024 px FLUX.1 Kontext pairs (8704 tokens/sample)" in capsys.readouterr().out
 
 
 def test_pairs_need_only_target_plus_reference_tokens_to_divide():

@@ -245,7 +245,7 @@ def test_diffusers_file_carries_the_adapter_metadata_diffusers_builds_the_adapte
     from flux_cp.shape.build import resolved
 
     argv = ["--pretrained_model_name_or_path", "black-forest-labs/FLUX.1-dev", "--output_dir", str(tmp_path / "dog")]
-    origin = lora_origin(resolved(parse_config(argv), FLUX1, False, None), kontext=False)
+    origin = lora_origin(resolved(parse_config(argv), FLUX1, False, None), pairs=False)
     assert (origin.title, origin.resolution) == ("dog", 1024)
     cfg, model, path = _saved(tmp_path, ["--rank", "4", "--lora_dropout", "0.1"], origin)
     header = _header(path)
@@ -563,3 +563,12 @@ def test_the_lora_file_s_title_and_base_model_hold_no_control_characters(tmp_pat
     base.mkdir()
     origin = lora_origin(parse_config(["--output_dir", str(out), "--pretrained_model_name_or_path", str(base)]), False)
     assert origin.title == "run\\x1b[2J" and origin.base_model == f"{tmp_path}/model\\x07"
+
+
+def test_lora_format_offers_the_layouts_the_families_write():
+    """--lora_format's choices are the layouts the registered families write (`Family.lora_layouts`): the flag table
+    cannot import the families, so it lists them, and this keeps the list the families'."""
+    from flux_cp.config.fields import LORA_FORMATS
+    from flux_cp.families import FAMILIES
+
+    assert set(LORA_FORMATS) == {layout for family in FAMILIES for layout in family.lora_layouts}

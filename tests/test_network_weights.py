@@ -147,8 +147,8 @@ def test_files_of_no_lora_layout_are_refused(tmp_path):
     with pytest.raises(UsageError, match="cannot be read as a .safetensors LoRA file"):
         network_weights.check_start(run, FLUX1, dict(TRANSFORMER_CONFIG))
     save_file(to_kohya(state, 4, 4), path)
-    with pytest.raises(UsageError, match=r"is in kohya's layout \(lora_unet_...\), which names FLUX.1's layers"):
-        network_weights.read(str(path), "kohya" in FLUX2.lora_layouts, {}, set(), 4)
+    with pytest.raises(UsageError, match=r"is in kohya's layout \(lora_unet_...\), which FLUX.2 \[dev\] does not read"):
+        network_weights.read(str(path), FLUX2, {}, set(), 4)
 
 
 def test_a_text_encoder_lora_in_the_file_is_left_out_and_said(tmp_path):

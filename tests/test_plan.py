@@ -202,7 +202,10 @@ def test_a_cached_config_comes_first_and_an_unknown_id_offline_is_one_line(tmp_p
         "transformer/config.json is not in the local HF cache (HF_HUB_OFFLINE is set): pass the model's folder, a "
         "FLUX.1 model known offline (black-forest-labs/FLUX.1-dev, "
     ) and "\n" not in str(e.value)
-    assert "python -m flux_cp.tiny --preset flux2-dev-shapes --out DIR (FLUX.2 [dev]; flux2-klein" in str(e.value)
+    assert (
+        "python -m flux_cp.tiny --preset flux1-dev-shapes --out DIR (FLUX.1; flux2-dev-shapes: FLUX.2 [dev]; "
+        in str(e.value)
+    )
 
 
 def test_the_plan_reads_a_hub_config_from_the_download_cache_that_cache_dir_names(tmp_path, monkeypatch):

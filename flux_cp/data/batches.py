@@ -153,12 +153,16 @@ class Batches:
                                         [tuple(r.shape[-2:]) for r in refs], family)  # fmt: skip
             pair = PairSplit(target.shape[1], hidden.shape[1] - target.shape[1], self.layout.cp)
         text = {k: v.to(dt) for k, v in stack.items() if k not in ("latent_mean", "latent_std")}
-        text["prompt_embeds"] = shard(text["prompt_embeds"], 1, group)
         inputs = family.transformer_inputs(
-            hidden=shard(hidden, 1, group).to(dt), img_ids=shard(ids, 0, group), text=text,
-            txt_ids=shard(family.text_ids(embeds.shape[1], dev), 0, group), timestep=draws["timesteps"] / 1000.0,
+            hidden=hidden.to(dt),
+            img_ids=ids,
+            text=text,
+            txt_ids=family.text_ids(embeds.shape[1], dev),
+            timestep=draws["timesteps"] / 1000.0,
             guidance=torch.full((len(slots),), a.guidance_scale, device=dev) if self.guidance else None,
-        )  # fmt: skip
+        )
+        # this rank's chunk of each input the family's CP plan names, along its sequence dimension
+        inputs = {k: shard(v, family.cp_plan[k], group) if k in family.cp_plan else v for k, v in inputs.items()}
         return MicroBatch(
             inputs=inputs,
             target=target if pair else shard(target, 1, group),

@@ -18,6 +18,7 @@ from flux_cp.config.fields import DEFAULT_ENCODINGS_DIR
 from flux_cp.data.folders import FILE_NAME, Metadata, caption_of, list_folder, read_metadata_file
 from flux_cp.data.kohya_folders import KohyaLayout, kohya_subfolders, list_kohya, mixed_names
 from flux_cp.errors import UsageError
+from flux_cp.families.base import FAMILIES
 from flux_cp.images import decode
 
 if TYPE_CHECKING:
@@ -246,9 +247,9 @@ def reference_column(data: DataConfig, meta: Metadata | None = None) -> str | No
     return columns[0] if columns else None
 
 
-def check_pair_flags(data: DataConfig, validation: ValidationConfig, pairs: bool) -> None:
-    """Flags that only make sense with FLUX.1 Kontext pairs, or only without them (checked before anything
-    loads)."""
+def check_pair_flags(data: DataConfig, validation: ValidationConfig, pairs: bool, label: str) -> None:
+    """Flags that only make sense with pair data, or only without it (checked before anything loads). `label`: what
+    the model family calls its pair model (`Family.pairs_label`)."""
     if data.with_prior_preservation and pairs:
         raise UsageError(
             "--with_prior_preservation adds class images of --class_prompt to text-to-image training; pair data "
@@ -256,7 +257,7 @@ def check_pair_flags(data: DataConfig, validation: ValidationConfig, pairs: bool
         )
     if validation.validation_image is not None and not pairs:
         raise UsageError(
-            "--validation_image is the reference image FLUX.1 Kontext validation edits: it needs pair data "
+            f"--validation_image is the reference image {label} validation edits: it needs pair data "
             "(--cond_image_column, or a folder whose metadata.jsonl names each target's reference image)"
         )
 
@@ -269,7 +270,8 @@ def check_reference_limit(limit: int | None, label: str, validation: ValidationC
     if limit is None:
         return
     one = "one" if limit == 1 else f"at most {limit}"
-    hint = "(FLUX.2 [dev] and [klein] take several)"
+    several = [f.label for f in FAMILIES if f.max_references is None]
+    hint = f"({' and '.join(several)} take several)" if several else ""
     images = validation.validation_image or ()
     if len(images) > limit:
         raise UsageError(
@@ -310,8 +312,8 @@ def _local_pairs(
     for row in meta.rows:
         if key not in row.files:
             raise UsageError(
-                f"{meta.where(row)} ({row.values[FILE_NAME]}) has no reference image '{key}': every target of a "
-                "FLUX.1 Kontext data set needs its reference"
+                f"{meta.where(row)} ({row.values[FILE_NAME]}) has no reference image '{key}': every target of "
+                "pair data needs its reference"
             )
         caption = instance_prompt if instance_prompt is not None else caption_of(meta, row, caption_column)
         refs = row.files[key]
@@ -395,7 +397,7 @@ def _reference_counts(ds, column: str, name: str, listed: bool) -> list[int]:
         row = pc.index(pc.is_null(values), True).as_py()
         raise UsageError(
             f"{name} row {row} has no reference image in --cond_image_column '{column}' ({values.null_count} rows "
-            "lack one): every target of a FLUX.1 Kontext data set needs its reference"
+            "lack one): every target of pair data needs its reference"
         )
     if not listed:
         return [1] * len(values)

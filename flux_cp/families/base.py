@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -146,6 +147,7 @@ class Family(ABC):
     # --train_text_encoder: (the text encoder trained, the transformer's forward argument its output feeds, the
     # pipeline's argument and cached encoding of the same); None: the family trains no text encoder
     trained_text_encoder: tuple[str, str, str] | None = None
+    trained_text_encoder_targets: tuple[str, ...] = ()  # its layers that get the LoRA of --train_text_encoder
     # The sizes in each component's config.json (component folder -> {key: (smallest, largest)}; a dotted key is
     # nested, a float bound a number rather than an integer), checked before anything is built
     # (flux_cp.families.model_config)
@@ -160,6 +162,30 @@ class Family(ABC):
     @abstractmethod
     def embedded_default(self, pairs: bool) -> str:
         """The tiny model folder trained when no model is named (built locally on first use)."""
+
+    # The transformer's forward inputs that CP splits, each along its sequence dimension, as diffusers' `_cp_plan`
+    # declares them: every rank of a CP group takes its equal contiguous chunk of each (flux_cp.data.batches); the
+    # other inputs (timestep, guidance, pooled embeddings) stay whole.
+    cp_plan: dict[str, int] = {}
+    # The folders `python -m flux_cp.tiny` builds of this family: (its --family name for them, --preset) -> builder of
+    # a folder at a path (flux_cp/tiny.py); the preset of a full-size transformer config with tiny encoders, and what
+    # it is (said where a model must be given offline); --<flag> aliases of a --family name, with their help.
+    shapes_preset: tuple[str, str] | None = None
+    tiny_aliases: dict[str, tuple[str, str]] = {}
+
+    def tiny_builds(self) -> dict[tuple[str, str], Callable[[str], Path]]:
+        """{(--family name, --preset): the builder of that folder at a path} (module note above)."""
+        return {}
+
+    def embedded_snippet(self, pairs: bool) -> tuple[str, str]:
+        """(import line, expression) that rebuild `embedded_default(pairs)` in a load snippet of the model card and
+        the end summary (a run that named no model)."""
+        raise NotImplementedError(f"{self.label} has no embedded default")
+
+    def snippet_call(self, pairs: bool, size: int) -> tuple[str, str]:
+        """(arguments, comment) that the load snippet adds to the pipeline's call for an image of `size` pixels
+        square, when the pipeline would otherwise render another size; none by default."""
+        return "", ""
 
     def encoder_classes(self) -> dict[str, type]:
         """{component folder: class} of the text encoders, in the order they encode, and of the VAE (`vae`): what
@@ -233,6 +259,13 @@ class Family(ABC):
         """(weights, safetensors metadata) of a LoRA file in the family's own layout `fmt` (one of `lora_layouts`
         but diffusers'), from diffusers-format weights `state`."""
         raise ValueError(f"{self.label} writes no {fmt} LoRA files")
+
+    def read_lora_layout(self, fmt: str, state: dict[str, Tensor], linears: dict[str, tuple[int, int]],
+                         trained: set[str], rank: int) -> tuple[dict, dict]:  # fmt: skip
+        """({module: (lora_A, lora_B)}, {module: scale}) in diffusers' module names of a LoRA file in the family's
+        own layout `fmt` (`--network_weights`); `linears`, `trained`, `rank`: the model's linear layers ({module:
+        (out, in)}), those the run trains, and its rank. A ValueError saying what does not fit."""
+        raise ValueError(f"{self.label} reads no {fmt} LoRA files")
 
     def known_model(self, name: str | None) -> KnownModel | None:
         """What the family knows of a hub id without downloading anything (the Hub's ids are case-insensitive)."""
@@ -311,8 +344,7 @@ class Family(ABC):
     @abstractmethod
     def transformer_inputs(self, hidden: Tensor, img_ids: Tensor, text: dict[str, Tensor], txt_ids: Tensor,
                            timestep: Tensor, guidance: Tensor | None) -> dict:  # fmt: skip
-        """Keyword arguments of the transformer's forward. `hidden`, `img_ids`, `txt_ids` and `text["prompt_embeds"]`
-        are this rank's sequence chunks; the other text entries are whole."""
+        """Keyword arguments of the transformer's forward, of whole sequences: CP then splits those of `cp_plan`."""
 
     # --- training and accounting -----------------------------------------------------------------------------
 
@@ -438,11 +470,17 @@ def detect(path: str, revision: str | None = None, cache_dir: str | None = None)
     return _detect(path, revision, tuple(FAMILIES), cache_dir)
 
 
+def default_family() -> Family:
+    """The first family registered (FLUX.1, flux_cp/families/__init__.py): the embedded default's, and the one a
+    transformer config that names no class is taken for."""
+    return FAMILIES[0]
+
+
 def for_transformer(config: dict) -> Family:
     """The family whose transformer a transformer config describes (its `_class_name`; when it names none, the first
     family registered, FLUX.1, as the built-in configs of the known FLUX.1 models)."""
     name = config.get("_class_name")
-    return next((f for f in FAMILIES if f.transformer_class_name == name), FAMILIES[0])
+    return next((f for f in FAMILIES if f.transformer_class_name == name), default_family())
 
 
 def of_model(transformer: torch.nn.Module) -> Family:

@@ -80,7 +80,7 @@ class Origin:
     base_model: str | None  # --pretrained_model_name_or_path (hub id or folder); None: the embedded tiny Flux
     title: str  # the run's name (its output folder's)
     resolution: int
-    kontext: bool = False  # trained on FLUX.1 Kontext pairs
+    pairs: bool = False  # trained on FLUX.1 Kontext pairs
 
 
 # The LoraConfig fields diffusers needs to rebuild the adapter. diffusers passes the metadata to LoraConfig(**...),

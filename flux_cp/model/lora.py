@@ -90,10 +90,10 @@ def save_lora(
     return path
 
 
-def lora_origin(cfg: Config, kontext: bool) -> Origin:
+def lora_origin(cfg: Config, pairs: bool) -> Origin:
     """The `origin` of a run's LoRA file: its base model (--pretrained_model_name_or_path; none for a transformer
     random-initialised from its config, which the LoRA belongs to instead), the run's name (its output folder's), the
     (largest) training resolution, and whether it trained on FLUX.1 Kontext pairs."""
     name = printable(Path(cfg.train.output_dir).resolve().name)  # shown by the tools that read the file's metadata
     base = cfg.model.pretrained_model_name_or_path if cfg.model.transformer_init == "pretrained" else None
-    return Origin(printable(base) if base else base, name, cfg.data.largest_resolution, kontext)
+    return Origin(printable(base) if base else base, name, cfg.data.largest_resolution, pairs)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from flux_cp.errors import UsageError
+from flux_cp.families.base import Family, of_model
 
 Tensor = torch.Tensor
 _DIFFUSERS = re.compile(r"^transformer\.(.+)\.(lora_A\.weight|lora_B\.weight|alpha)$")
@@ -108,10 +109,11 @@ def _diffusers(state: dict[str, Tensor], metadata: dict[str, str], path: str) ->
     return modules, scales
 
 
-def read(path: str, kohya_layout: bool, linears: dict[str, tuple[int, int]], trained: set[str], rank: int) -> LoraFile:
-    """The LoRA file at `path` as diffusers modules (a UsageError naming what cannot be read). `kohya_layout`: the
-    model family reads kohya's layout (FLUX.1); `linears`, `trained`, `rank`: the model's linear layers ({module:
-    (out, in)}), those the run trains, and its rank (what a kohya file's fused layers are split by)."""
+def read(path: str, family: Family, linears: dict[str, tuple[int, int]], trained: set[str], rank: int) -> LoraFile:
+    """The LoRA file at `path` as diffusers modules (a UsageError naming what cannot be read): diffusers' layout, or
+    kohya's where `family` reads it (`Family.lora_layouts`, `read_lora_layout`); `linears`, `trained`, `rank`: the
+    model's linear layers ({module: (out, in)}), those the run trains, and its rank (what a kohya file's fused layers
+    are split by)."""
     state, metadata = _load(path)
     text = {k for k in state if k.startswith(_TEXT_ENCODER)}
     state = {k: v for k, v in state.items() if k not in text}
@@ -119,15 +121,13 @@ def read(path: str, kohya_layout: bool, linears: dict[str, tuple[int, int]], tra
     if not state:
         raise UsageError(f"{_flag(path)} holds no transformer LoRA weights")
     if kohya:
-        if not kohya_layout:
+        if "kohya" not in family.lora_layouts:
             raise UsageError(
-                f"{_flag(path)} is in kohya's layout (lora_unet_...), which names FLUX.1's layers: give this model a "
-                "LoRA file in diffusers' layout (transformer.<layer>.lora_A/lora_B.weight)"
+                f"{_flag(path)} is in kohya's layout (lora_unet_...), which {family.label} does not read: give this "
+                "model a LoRA file in diffusers' layout (transformer.<layer>.lora_A/lora_B.weight)"
             )
-        from flux_cp.families.flux1.kohya import from_kohya
-
         try:
-            modules, scales = from_kohya(state, linears, trained, rank)
+            modules, scales = family.read_lora_layout("kohya", state, linears, trained, rank)
         except ValueError as e:
             raise UsageError(f"{_flag(path)}: {e}") from None
     else:
@@ -210,7 +210,7 @@ def check_start(lora, family, transformer_config: dict) -> LoraFile:
         model = cls.from_config(transformer_config)
     linears, trained = model_layers(model, list(lora.lora_layers))
     try:
-        lora_file = read(lora.network_weights, "kohya" in family.lora_layouts, linears, trained, lora.rank)
+        lora_file = read(lora.network_weights, family, linears, trained, lora.rank)
         check(lora_file, linears, trained, lora.rank, lora.lora_alpha)
     except UsageError as e:
         raise UsageError(str(e), agreed=True) from None
@@ -220,7 +220,7 @@ def check_start(lora, family, transformer_config: dict) -> LoraFile:
 def apply(transformer: torch.nn.Module, lora) -> str:
     """Copy the file's LoRA into the transformer's peft adapters (before any wrapping); the line to log."""
     linears, trained = model_layers(transformer)
-    lora_file = read(lora.network_weights, True, linears, trained, lora.rank)
+    lora_file = read(lora.network_weights, of_model(transformer), linears, trained, lora.rank)
     check(lora_file, linears, trained, lora.rank, lora.lora_alpha)
     trainable = {n for n, p in transformer.named_parameters() if p.requires_grad}
     filled = set()

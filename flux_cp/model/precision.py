@@ -42,14 +42,9 @@ import torch
 from flux_cp.config.fields import PRECISION_BITS, PRECISIONS
 from flux_cp.errors import UsageError
 from flux_cp.extras import check_installed
+from flux_cp.families.base import of_model
 
 QUANTIZED = PRECISIONS[1:]
-# Top-level modules whose linears are quantized by default (the rest of a transformer keeps the dtype it was loaded
-# in): FLUX.1's and FLUX.2's (a model family names its own: `Family.quantized_parts`).
-QUANTIZED_PARTS = (
-    "transformer_blocks", "single_transformer_blocks",  # FLUX.1 and FLUX.2
-    "double_stream_modulation_img", "double_stream_modulation_txt", "single_stream_modulation",  # FLUX.2
-)  # fmt: skip
 NF4_BLOCK = 64  # weights per absmax (bitsandbytes' default blocksize for 4 bits)
 NF4_STATS_BLOCK = 256  # absmax values per fp32 scale (bitsandbytes' double quantization)
 # Per layer: the NF4 code (16 fp32), the absmax quantization's code (256 fp32) and its offset (one fp32).
@@ -81,10 +76,11 @@ def bits(precision: str) -> int:
 
 
 def quantized_linears(transformer: torch.nn.Module, skip: Iterable[str] = (),
-                      parts: Iterable[str] = QUANTIZED_PARTS) -> list[str]:  # fmt: skip
-    """Names of the linears `quantize_base` quantizes: those of the top-level modules `parts` still holding plain
-    weights, less any named by `skip` (a module name or the end of one, as --lora_layers names them)."""
-    skip, parts = tuple(skip), tuple(parts)
+                      parts: Iterable[str] | None = None) -> list[str]:  # fmt: skip
+    """Names of the linears `quantize_base` quantizes: those of the top-level modules `parts` (default: the model
+    family's `quantized_parts`) still holding plain weights, less any named by `skip` (a module name or the end of
+    one, as --lora_layers names them)."""
+    skip, parts = tuple(skip), tuple(of_model(transformer).quantized_parts if parts is None else parts)
     out = []
     for name, module in transformer.named_modules():
         if not isinstance(module, torch.nn.Linear) or name.split(".")[0] not in parts:
@@ -123,10 +119,10 @@ def quantize_base(
     *,
     device: torch.device | str | None = None,
     skip: Iterable[str] = (),
-    parts: Iterable[str] = QUANTIZED_PARTS,
+    parts: Iterable[str] | None = None,
 ) -> QuantizedBase:
-    """Store the frozen transformer's linear weights (`quantized_linears` of the top-level modules `parts`, its
-    family's `quantized_parts`) in `precision`, in place. Call it after loading and before adding LoRA adapters.
+    """Store the frozen transformer's linear weights (`quantized_linears` of the top-level modules `parts`, default
+    its family's `quantized_parts`) in `precision`, in place. Call it after loading and before adding LoRA adapters.
     `device`: where the quantized model is to live; each linear moves there just before it is quantized, then the rest
     of the model, so that a model loaded on the CPU never needs its whole bf16 copy on the GPU. Quantizing is a
     function of the weights alone, so every rank quantizing the same loaded weights holds the same quantized ones
@@ -312,7 +308,7 @@ def block_bytes(block: torch.nn.Module, precision: str, dtype_bytes: int = 2) ->
 
 
 def base_bytes(transformer: torch.nn.Module, precision: str, dtype_bytes: int = 2, skip: Iterable[str] = (),
-               parts: Iterable[str] = QUANTIZED_PARTS) -> int:  # fmt: skip
+               parts: Iterable[str] | None = None) -> int:  # fmt: skip
     """Bytes of the frozen transformer after `quantize_base(transformer, precision, parts=parts)`, its other weights
     at `dtype_bytes` each: exact, and counted from a model on the meta device as well as a real one (for the
     planner)."""

@@ -1,6 +1,7 @@
-"""--train_text_encoder: a LoRA on FLUX.1's CLIP text encoder, as diffusers' FLUX.1 LoRA example trains it (its
-q_proj, k_proj, v_proj and out_proj with the transformer's --rank, --lora_alpha and --lora_dropout, at
---text_encoder_lr), written into the LoRA file as the `text_encoder.*` keys `FluxPipeline.save_lora_weights` writes.
+"""--train_text_encoder: a LoRA on the text encoder the model family trains (`Family.trained_text_encoder`: FLUX.1's
+CLIP, as diffusers' FLUX.1 LoRA example trains it, on the layers the family names with the transformer's --rank,
+--lora_alpha and --lora_dropout, at --text_encoder_lr), written into the LoRA file as the `text_encoder.*` keys the
+pipeline's `save_lora_weights` writes.
 
 CLIP runs every step on the captions of the rank's samples (its cached encodings are not used; T5's are). Under CP
 every rank of a group holds the same samples, so each runs CLIP on the same captions, and its backward gives CLIP the
@@ -25,9 +26,6 @@ if TYPE_CHECKING:
 
 Tensor = torch.Tensor
 
-# diffusers' FLUX.1 LoRA example's text-encoder targets (CLIP's attention projections).
-TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj")
-
 
 def check_sharding(train_text_encoder: bool, sharded: bool) -> None:
     """With FSDP2, accelerate's prepare maps every parameter of the optimizer to the transformer's shards and fails on
@@ -43,18 +41,21 @@ def check_sharding(train_text_encoder: bool, sharded: bool) -> None:
 
 
 class TrainedTextEncoder:
-    """The text encoder `name` of `encoders` with LoRA adapters, its trainable weights in fp32. `argument`: the
+    """The text encoder `name` of `encoders` with LoRA adapters on its layers `targets`, its trainable weights in fp32
+    (`names`, `targets`: the family's `trained_text_encoder` and `trained_text_encoder_targets`). `argument`: the
     transformer's forward argument its output feeds, `entry`: the pipeline's argument (and the cached encoding's
     name) of the same (FLUX.1: CLIP's pooled embedding, `pooled_projections` and `pooled_prompt_embeds`)."""
 
-    def __init__(self, encoders: Encoders, names: tuple[str, str, str], lora: LoraConfig, seed: int):
+    def __init__(
+        self, encoders: Encoders, names: tuple[str, str, str], targets: tuple[str, ...], lora: LoraConfig, seed: int
+    ):
         from peft import LoraConfig as PeftLoraConfig
 
         self.encoders = encoders
         self.name, self.argument, self.entry = names
         self.module = module = encoders.text_encoders[self.name]
         config = PeftLoraConfig(r=lora.rank, lora_alpha=lora.lora_alpha, lora_dropout=lora.lora_dropout,
-                                init_lora_weights="gaussian", target_modules=list(TARGETS))  # fmt: skip
+                                init_lora_weights="gaussian", target_modules=list(targets))  # fmt: skip
         # Seeded apart from the transformer's adapters (flux_cp.model.lora.add_lora): every layout starts alike.
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(generator(Stream.TEXT_ENCODER_LORA, seed).initial_seed())

@@ -17,8 +17,7 @@ from typing import TYPE_CHECKING
 
 from flux_cp import files
 from flux_cp.config.fields import is_hub_id
-from flux_cp.families.base import known_model
-from flux_cp.families.flux1.family import FLUX1
+from flux_cp.families.base import default_family, known_model
 from flux_cp.model import adapters
 from flux_cp.model.optim import describe as describe_optimizer
 from flux_cp.terminal import printable
@@ -61,24 +60,25 @@ def reference_names(count: int) -> tuple[str, ...]:
 
 
 def snippet(
-    cfg: Config, kontext: bool, source: str, base: str | None, pipeline: str | None = None,
-    transformer_class: str = "FluxTransformer2DModel", *, hub: bool = False,
+    cfg: Config, pairs: bool, source: str, base: str | None, family: Family, *, hub: bool = False,
     references: tuple[str, ...] | None = None, image_folder: str | None = None,
 ) -> str:  # fmt: skip
     """Python that loads the trained weights into diffusers' `pipeline` for `base` (None: the embedded default's tiny
     model) and renders an image at the trained size, on the GPU when there is one, else on the CPU, without the
     libraries' notices (their progress bars stay). `source`: the output folder (named by its absolute path, so that
     the lines run wherever they are pasted; the image goes into it) or, with `hub`, its Hub repository (the image goes
-    to `<repository name>.png`, or into `image_folder`: a pushed run's local output folder). `kontext`: the pipeline
+    to `<repository name>.png`, or into `image_folder`: a pushed run's local output folder). `pairs`: the pipeline
     edits the reference images `references` (their names in the folder or repository; default one `reference.png`).
-    `transformer_class`: the class a full fine-tune's `transformer/` loads with. Every value from the run (paths, hub
-    ids, the prompt) is a Python literal (repr), so no folder or prompt can add code to it."""
-    pipeline = pipeline or ("FluxKontextPipeline" if kontext else "FluxPipeline")
+    `family`: the model family trained: its pipeline, its transformer class (a full fine-tune's `transformer/` loads
+    with it), its embedded default. Every value from the run (paths, hub ids, the prompt) is a Python literal (repr),
+    so no folder or prompt can add code to it."""
+    pipeline, transformer_class = family.pipeline_class_name(pairs), family.transformer_class_name
     prompt = (cfg.validation.validation_prompt or (cfg.data.instance_prompt,))[0] or "a photo"
-    references = (references if references is not None else reference_names(1)) if kontext else ()
+    references = (references if references is not None else reference_names(1)) if pairs else ()
     if base and os.path.isdir(base):  # a local model folder: by its absolute path too
         base = os.path.abspath(base)
-    base_expr = repr(base) if base else f"ensure_tiny_pipeline({'kontext=True' if kontext else ''})"
+    tiny_import, tiny = family.embedded_snippet(pairs) if not base else ("", "")
+    base_expr = repr(base) if base else tiny
     # --transformer_init random: a LoRA belongs to the random transformer it trained on, rebuilt as the run built it
     random_base = cfg.model.transformer_init == "random" and not cfg.lora.full_finetune
     model = cfg.model  # where the run found the base: its files there, not a second download
@@ -103,7 +103,7 @@ def snippet(
         if hub:
             lines.append("from huggingface_hub import hf_hub_download")
     if not base:
-        lines.append("from flux_cp.tiny import ensure_tiny_pipeline  # the tiny Flux this demo trained")
+        lines.append(tiny_import)
     if random_base:
         lines.append(
             "from flux_cp.random_weights import build_random, name_seed  # the random base the LoRA trained on"
@@ -149,11 +149,9 @@ def snippet(
             f"load_image(hf_hub_download(repo, {n!r}))" if hub else f'load_image(f"{{folder}}/{n}")' for n in references
         ]
         lines.append(f"reference = {loads[0]}" if len(loads) == 1 else f"reference = [{', '.join(loads)}]")
-        if pipeline == "FluxKontextPipeline":
-            # it renders max_area pixels (default 1024^2) whatever height and width, and would resize the reference to
-            # one of its preferred sizes (about 1024^2): both as trained instead
-            lines[-1] += "  # at the trained size, which the pipeline keeps (_auto_resize=False)"
-            args += f", max_area={size * size}, _auto_resize=False"
+        extra, why = family.snippet_call(pairs, size)
+        lines[-1] += why
+        args += extra
         lines.append(f"image = pipe(image=reference, {args}).images[0]")
     else:
         lines.append(f"image = pipe({args}).images[0]")
@@ -278,7 +276,7 @@ _LOCAL = {
 }
 
 
-def other_settings(cfg: Config, family: Family, kontext: bool) -> list[str]:
+def other_settings(cfg: Config, family: Family, pairs: bool) -> list[str]:
     """`--flag value` of every other flag whose value is not its default (config.non_default), as a command line
     would give it (the family's own default --vae_encode_mode is no change)."""
     from flux_cp.config.flags import non_default
@@ -287,7 +285,7 @@ def other_settings(cfg: Config, family: Family, kontext: bool) -> list[str]:
     for name, value in non_default(cfg).items():
         if name in _SHOWN or name in _LOCAL:
             continue
-        if name == "vae_encode_mode" and value == family.default_vae_encode_mode(kontext):
+        if name == "vae_encode_mode" and value == family.default_vae_encode_mode(pairs):
             continue
         if value is True:
             out.append(f"--{name}")
@@ -356,22 +354,20 @@ def write_model_card(
     output_dir: str | os.PathLike,
     cfg: Config,
     *,
-    kontext: bool = False,
+    pairs: bool = False,
     steps: int | None = None,
     layout: str | None = None,
     cp_mode: str | None = None,
     repo_id: str | None = None,
-    pipeline: str | None = None,
     family: Family | None = None,
     filename: str = "README.md",
     references: tuple[str, ...] | None = None,
 ) -> Path:
-    """Write `<output_dir>/README.md` for the run `cfg` and return its path. `kontext`: trained on FLUX.1 Kontext
+    """Write `<output_dir>/README.md` for the run `cfg` and return its path. `pairs`: trained on the family's image
     pairs. `steps`: optimizer steps trained (default: the last step of metrics.jsonl). `layout`, `cp_mode`: the
     process layout and the CP mode the run used (Layout.describe(), the chosen mode). `repo_id`: the Hub
-    repository the folder goes to (the snippet loads from it; default: the output folder). `pipeline`: diffusers'
-    pipeline class of the snippet (the family's; default: FluxKontextPipeline for `kontext`, else FluxPipeline).
-    `family`: the model family trained (default FLUX.1); `kontext` then means its reference-image pairs. `filename`:
+    repository the folder goes to (the snippet loads from it; default: the output folder). `family`: the model family
+    trained (default: the first registered, the embedded default's); its pipeline loads the weights. `filename`:
     the card's name, when README.md is the user's (flux_cp.outputs.outdir.card_name). `references`: the reference images
     beside the weights that the snippet of a pair run edits (`snippet`)."""
     from huggingface_hub import ModelCardData  # huggingface_hub's cards at first use
@@ -381,8 +377,8 @@ def write_model_card(
     known = known_model(base)
     random_init = cfg.model.transformer_init == "random"
     hub_base = base if _is_hub_id(base) and not random_init else None  # not trained on that model's weights
-    family = family or FLUX1
-    label = family.pairs_label if kontext else family.label
+    family = family or default_family()
+    label = family.pairs_label if pairs else family.label
     base_name = known.model_id.split("/")[-1] if known else markdown(base or family.label)
     full = cfg.lora.full_finetune
     adapter = adapters.label(cfg.lora.adapter)  # LoRA, DoRA or LoKr
@@ -398,7 +394,7 @@ def write_model_card(
         caption = "; ".join(prompts) if prompts else " "
         widget.append({"text": caption, "output": {"url": grids[-1].relative_to(out).as_posix()}})
     tags = ["text-to-image", "diffusers-training", "diffusers", *(["lora", "template:sd-lora"] if not full else []),
-            *([cfg.lora.adapter] if cfg.lora.adapter != "lora" else []), *family.card_tags_for(kontext),
+            *([cfg.lora.adapter] if cfg.lora.adapter != "lora" else []), *family.card_tags_for(pairs),
             "flux-cp"]  # fmt: skip
     data = ModelCardData(
         base_model=hub_base,
@@ -454,7 +450,7 @@ def write_model_card(
         ("base weights", f"random-initialised from its config (--transformer_init random, seed {cfg.train.seed})"
                          if random_init else "pretrained"),
         ("data", (markdown(cfg.data.dataset_name) if cfg.data.dataset_name else "the bundled data set")
-                 + (f" ({family.pairs_label} pairs)" if kontext else "")),
+                 + (f" ({family.pairs_label} pairs)" if pairs else "")),
         ("resolution", f"{', '.join(map(str, cfg.data.resolution))} px"
                        + (" (aspect buckets)" if cfg.data.aspect_buckets else "")),
         ("optimizer steps", steps if steps is not None else "not recorded"),
@@ -490,7 +486,7 @@ def write_model_card(
         )
     if lora.train_text_encoder:
         rows.append(("text encoder", f"CLIP LoRA, learning rate {cfg.train.text_encoder_lr:g}"))
-    others = other_settings(cfg, family, kontext)
+    others = other_settings(cfg, family, pairs)
     if others:
         rows.append(("other settings", markdown(", ".join(others))))
     if not full:
@@ -511,7 +507,7 @@ def write_model_card(
         "## Use it with the [🧨 diffusers library](https://github.com/huggingface/diffusers)",
         "",
         "```py",
-        snippet(cfg, kontext, source, base, pipeline, family.transformer_class_name, hub=hub, references=references),
+        snippet(cfg, pairs, source, base, family, hub=hub, references=references),
         "```",
         "",
         "For more details, including weighting, merging and fusing LoRAs, check the [documentation on loading LoRAs "

@@ -11,11 +11,13 @@ from typing import TYPE_CHECKING
 from flux_cp import manifest
 from flux_cp.checkpoint_folders import list_checkpoints
 from flux_cp.errors import UsageError
+from flux_cp.families.base import default_family
 from flux_cp.model.adapters import label
 from flux_cp.outputs.card import LORA_FILE, run_notes, snippet
 
 if TYPE_CHECKING:
     from flux_cp.config.flags import Config
+    from flux_cp.families.base import Family
 
 LISTED_GRIDS = 4  # validation grids named one by one; more are counted
 
@@ -99,18 +101,17 @@ def summary(
     cfg: Config,
     *,
     steps: int,
-    pipeline: str,
-    kontext: bool,
+    pairs: bool,
     hub_url: str | None = None,
     repo_id: str | None = None,
     tracker_urls: tuple[str, ...] = (),
-    transformer_class: str = "FluxTransformer2DModel",
+    family: Family | None = None,
     references: tuple[str, ...] | None = None,
 ) -> str:
     """The closing summary of a finished run of `steps` optimizer steps: its outputs, what its weights rest on where
-    it is not the plain case (flux_cp.outputs.card.run_notes), how to load them. `pipeline`: diffusers' class that loads
-    its weights (the family's); `kontext`: trained on image-editing pairs; `repo_id`: where they were pushed;
-    `transformer_class`: the family's transformer class (a full fine-tune's `transformer/` loads with it);
+    it is not the plain case (flux_cp.outputs.card.run_notes), how to load them. `family`: the model family trained
+    (default: the first registered, the embedded default's; its pipeline loads the weights); `pairs`: trained on its
+    image-editing pairs; `repo_id`: where they were pushed;
     `references`: the reference images the lines edit (flux_cp.outputs.card.snippet)."""
     out = Path(cfg.train.output_dir)
     change = loss_change(out / "metrics.jsonl")
@@ -125,9 +126,8 @@ def summary(
     lines += [f"  {name.ljust(width)}  {what}" for name, what in found]
     lines += run_notes(cfg, cfg.model.pretrained_model_name_or_path or "the embedded tiny Flux")
     what = "transformer" if cfg.lora.full_finetune else label(cfg.lora.adapter)
-    code = snippet(cfg, kontext, repo_id or str(out), cfg.model.pretrained_model_name_or_path, pipeline,
-                   transformer_class, hub=bool(repo_id), references=references,
-                   image_folder=str(out) if repo_id else None)  # fmt: skip
+    code = snippet(cfg, pairs, repo_id or str(out), cfg.model.pretrained_model_name_or_path, family or default_family(),
+                   hub=bool(repo_id), references=references, image_folder=str(out) if repo_id else None)  # fmt: skip
     written = _card_written(out)
     card = f" (also in the model card, {written})" if written else ""
     lines.append(f"Load the {what} with diffusers{card}:")

@@ -96,7 +96,8 @@ def _print_plan(cfg: Config, shape: RunShape, gpu: float, host: float | None, gi
     value, offload = cfg.train.gradient_checkpointing, cfg.train.offload_blocks
     precision = cfg.model.base_precision
     print(
-        f"plan: {shape.config_source}, {cfg.data.largest_resolution} px{' Kontext pairs' if references == 1 else ''}"
+        f"plan: {shape.config_source}, {cfg.data.largest_resolution} px"
+        f"{f' {shape.family.pairs_label} pairs' if references == 1 else ''}"
         f"{f' with {references} references' if references > 1 else ''} ({tokens} tokens/sample), "
         f"batch {batch}/rank, "
         f"{trained}, {world} process(es), GPU {gpu:.0f} GiB, "

@@ -200,7 +200,7 @@ class Outputs:
         """The LoRA file of `trained_weights` in `folder` (the main rank): the output's, and each checkpoint's."""
         cfg, family = self.cfg, self.shape.family
         inner = self.accelerator.unwrap_model(self.model)
-        origin = lora_origin(cfg, kontext=self.shape.pairs)
+        origin = lora_origin(cfg, pairs=self.shape.pairs)
         return save_lora(inner, state, str(folder), cfg.lora, family, origin, text)
 
     def write_references(self) -> None:
@@ -260,9 +260,9 @@ class Outputs:
                     return None
                 manifest.record(output_dir, name)
                 path = write_model_card(
-                    cfg.train.output_dir, cfg, kontext=shape.pairs, steps=self.steps, layout=self.layout.describe(),
-                    cp_mode=shape.cp_mode, repo_id=repo_id, pipeline=shape.family.pipeline_class_name(shape.pairs),
-                    family=shape.family, filename=name, references=self.references,
+                    cfg.train.output_dir, cfg, pairs=shape.pairs, steps=self.steps, layout=self.layout.describe(),
+                    cp_mode=shape.cp_mode, repo_id=repo_id, family=shape.family, filename=name,
+                    references=self.references,
                 )  # fmt: skip
                 manifest.note_written(output_dir, name)
                 return path
@@ -289,8 +289,7 @@ class Outputs:
             except Exception:  # noqa: BLE001 - a missing link must not fail a finished run
                 urls = []
         text = summary(
-            cfg, steps=self.steps, pipeline=family.pipeline_class_name(pairs), kontext=pairs, hub_url=hub_url,
-            repo_id=self.hub_repo_id, tracker_urls=tuple(urls), transformer_class=family.transformer_class_name,
-            references=self.references,
+            cfg, steps=self.steps, pairs=pairs, hub_url=hub_url, repo_id=self.hub_repo_id, tracker_urls=tuple(urls),
+            family=family, references=self.references,
         )  # fmt: skip
         logger.info(text)

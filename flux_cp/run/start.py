@@ -44,4 +44,4 @@ def check_start(cfg: Config, shape: RunShape, device_type: str) -> None:
     check_reference_limit(family.max_references, family.pairs_label, cfg.validation, shape.metadata,
                           shape.reference_column)  # fmt: skip
     check_tokens(shape, cfg.data, cfg.validation)
-    check_pair_flags(cfg.data, cfg.validation, shape.pairs)
+    check_pair_flags(cfg.data, cfg.validation, shape.pairs, family.pairs_label)

@@ -202,7 +202,8 @@ class Trainer:
         escape_logs(logger)  # values read from files (checkpoints, model folders, data) cannot act on the terminal
         if cfg.model.embedded_default:
             logger.info(
-                f"flux-cp: embedded default - a tiny {'FLUX.1 Kontext' if shape.pairs else 'Flux'} built locally, "
+                f"flux-cp: embedded default - a tiny {shape.family.pairs_label if shape.pairs else shape.family.label} "
+                "built locally, "
                 f"trained on {cfg.data.dataset_name or 'the bundled data set (data/tiny_shapes)'}; pass "
                 "--pretrained_model_name_or_path and --dataset_name for real runs"
             )
@@ -330,8 +331,10 @@ class Trainer:
         self.checkpointing = plan.checkpointing_for_run(cfg, shape, self.device)
         self.text = text = None
         if cfg.lora.train_text_encoder:  # kept whole on every rank, outside prepare (flux_cp.model.text_encoder)
-            self.text = text = TrainedTextEncoder(data.encoders, shape.family.trained_text_encoder, cfg.lora,
-                                                  train.seed)  # fmt: skip
+            family = shape.family
+            self.text = text = TrainedTextEncoder(
+                data.encoders, family.trained_text_encoder, family.trained_text_encoder_targets, cfg.lora, train.seed
+            )
         text_params = text.parameters() if text is not None else None
         ready = parallel.parallelize(
             transformer, shape, layout, cfg, checkpointing=self.checkpointing, device=self.device,

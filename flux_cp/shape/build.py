@@ -23,9 +23,8 @@ from flux_cp.data.sources import (
     reference_counts,
 )
 from flux_cp.errors import UsageError
-from flux_cp.families.base import Family, detect, for_transformer, known_model, known_models
+from flux_cp.families.base import FAMILIES, Family, default_family, detect, for_transformer, known_model
 from flux_cp.families.components import transformer_config, with_class_defaults
-from flux_cp.families.flux1.family import FLUX1
 from flux_cp.families.model_config import check_model
 from flux_cp.shape.run_shape import RunShape, auto_mode
 
@@ -135,10 +134,13 @@ def transformer_config_offline(path: str, revision: str | None = None, cache_dir
     known = known_model(path)
     if known is not None:
         return dict(known.transformer), f"{known.model_id} (built-in config)"
+    known = ", ".join(
+        f"a {f.label} model known offline ({', '.join(m.model_id for m in f.known)})" for f in FAMILIES if f.known
+    )
+    presets = [f.shapes_preset for f in FAMILIES if f.shapes_preset]
     offline_ids = (
-        f"a FLUX.1 model known offline ({', '.join(m.model_id for m in known_models())}), or a folder with a model's "
-        "shapes built without downloads: python -m flux_cp.tiny --preset flux2-dev-shapes --out DIR (FLUX.2 [dev]; "
-        "flux2-klein-shapes: [klein] 4B; flux1-dev-shapes: FLUX.1)"
+        f"{known}, or a folder with a model's shapes built without downloads: python -m flux_cp.tiny --preset "
+        f"{presets[0][0]} --out DIR ({presets[0][1]}; {'; '.join(f'{name}: {what}' for name, what in presets[1:])})"
     )
     if hub.offline():
         raise UsageError(
@@ -156,10 +158,12 @@ def transformer_config_offline(path: str, revision: str | None = None, cache_dir
 
 def read_model(model: ModelConfig, pairs: bool, planning: bool = False) -> tuple[Family, str, dict, str]:
     """(family, folder or hub id, transformer config, where the config was read) of the model to train: the one
-    named, or the embedded default's tiny FLUX.1 (its Kontext variant for `pairs`), built here on first use.
+    named, or the embedded default's tiny model (`default_family`'s, its pair variant for `pairs`), built here on
+    first use.
     `planning` (--plan): a hub id's config without waiting on the network (`transformer_config_offline`)."""
     if model.embedded_default:
-        family, path = FLUX1, FLUX1.embedded_default(pairs)
+        family = default_family()
+        path = family.embedded_default(pairs)
     else:
         path = model.pretrained_model_name_or_path
         if planning and not os.path.isdir(path):

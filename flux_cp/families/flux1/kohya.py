@@ -227,7 +227,7 @@ def metadata(*, rank: int, alpha: float, origin: Origin | None, guidance: bool) 
     if origin is not None:
         if origin.base_model:
             out["ss_sd_model_name"] = _model_name(origin.base_model)
-        variant = "flux-1" if origin.kontext else ("flux-1-dev" if guidance else "flux-1-schnell")
+        variant = "flux-1" if origin.pairs else ("flux-1-dev" if guidance else "flux-1-schnell")
         out.update({
             "modelspec.sai_model_spec": "1.0.1",
             "modelspec.architecture": f"{variant}/lora",

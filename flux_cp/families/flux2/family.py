@@ -14,9 +14,12 @@ encoder; guidance only where the transformer embeds it. Where this differs from 
 
 from __future__ import annotations
 
+import functools
 import json
 import signal
 import threading
+from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -26,7 +29,12 @@ from flux_cp.families.base import VAE_SIZES, Family, rope_rules, vae_rules, vae_
 from flux_cp.families.components import load_component, load_part
 from flux_cp.families.encoders import Encoders, in_batches, truncation_line
 from flux_cp.families.flux2 import recipe
-from flux_cp.families.flux2.tiny import FLUX2_LATENT_CHANNELS, ensure_tiny_flux2_pipeline
+from flux_cp.families.flux2.tiny import (
+    FLUX2_LATENT_CHANNELS,
+    ensure_tiny_flux2_pipeline,
+    write_flux2_full_shapes,
+    write_flux2_shapes,
+)
 from flux_cp.terminal import printable
 
 if TYPE_CHECKING:
@@ -309,6 +317,24 @@ class Flux2(Family):
     def embedded_default(self, pairs: bool) -> str:
         return str(ensure_tiny_flux2_pipeline(klein=self.klein))
 
+    @property
+    def shapes_preset(self) -> tuple[str, str]:
+        return ("flux2-klein-shapes", f"{self.label} 4B") if self.klein else ("flux2-dev-shapes", self.label)
+
+    def tiny_builds(self) -> dict[tuple[str, str], Callable[[str], Path]]:
+        name, shapes = self.name, "flux2-klein" if self.klein else "flux2-dev"
+        return {
+            (name, "tiny"): functools.partial(ensure_tiny_flux2_pipeline, klein=self.klein),
+            (name, f"{shapes}-shapes"): functools.partial(write_flux2_shapes, klein=self.klein),
+            (name, f"{shapes}-full-shapes"): functools.partial(write_flux2_full_shapes, klein=self.klein),
+        }
+
+    def embedded_snippet(self, pairs: bool) -> tuple[str, str]:
+        return (
+            "from flux_cp.families.flux2.tiny import ensure_tiny_flux2_pipeline  # the tiny FLUX.2 this run trained",
+            f"ensure_tiny_flux2_pipeline({'klein=True' if self.klein else ''})",
+        )
+
     def config_rules(self, configs: dict[str, dict]) -> list[tuple[str, str, str]]:
         t, vae, text = (configs.get(k, {}) for k in ("transformer", "vae", "text_encoder"))
         out = rope_rules(t) + vae_rules(vae)
@@ -481,6 +507,9 @@ class Flux2(Family):
 
     def text_ids(self, length: int, device=None) -> Tensor:
         return recipe.text_ids(length, device=device)
+
+    # image tokens and their ids, text tokens and theirs: the sequence CP splits (docs/design.md, data flow, rule 2)
+    cp_plan = {"hidden_states": 1, "img_ids": 0, "encoder_hidden_states": 1, "txt_ids": 0}
 
     def transformer_inputs(self, hidden: Tensor, img_ids: Tensor, text: dict[str, Tensor], txt_ids: Tensor,
                            timestep: Tensor, guidance: Tensor | None) -> dict:  # fmt: skip
