@@ -8,13 +8,15 @@ is built without communicating, so one may also be made on the fly (`cp.attentio
 
 from __future__ import annotations
 
+import math
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from .comm import group_size
 from .kernels import KernelChoice
-from .mode import DEFAULT_MODE, MODES, CallSpec, Mode, degree, name_of
+from .mode import DEFAULT_MODE, MODES, CallSpec, Mode, degree, name_of, validate
 from .tuning import Tuning
 
 
@@ -66,6 +68,18 @@ class CPContext:
         t = self.tuning
         return CallSpec(scale, self.ulysses_size, self.ulysses_group_name, self.ring_group_name, t.ulysses_chunks,
                         self.kernels.key, t.exchange_first, self.group_name)  # fmt: skip
+
+    def attend(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None = None
+    ) -> torch.Tensor:
+        """Attention of this rank's chunks `[batch, seq_local, heads, head_dim]` against the whole sequence, in this
+        context's mode: its compiled path under torch.compile, else its eager one (`cp.attention` with `context=`;
+        the Flux processors call it directly)."""
+        validate(tuple(query.shape), self.size, self.mode, self.ulysses_size)
+        spec = self.call_spec(1.0 / math.sqrt(query.shape[-1]) if scale is None else scale)
+        if torch.compiler.is_compiling():
+            return self.runs.traced(query, key, value, spec)
+        return self.runs.attention(query, key, value, spec)
 
     def with_mode(self, mode: str, ulysses_size: int | None = None) -> CPContext:
         """This context in another mode (itself if unchanged); sub-groups the mode makes are created as in the

@@ -152,6 +152,20 @@ def degree(size: int, name: str, ulysses_size: int | None) -> int | None:
     return None if size == 1 else mode.degree(size, ulysses_size)
 
 
+def validate(shape: tuple[int, ...], group_size_: int, mode: str, ulysses_size: int | None) -> int | None:
+    """Check a CP attention configuration before any communication; returns the Ulysses size used.
+
+    `shape` is `[batch, seq_local, heads, head_dim]`. Raises ValueError naming what to change.
+    """
+    runs = get(mode)
+    if len(shape) != 4:
+        raise ValueError(f"CP attention expects [batch, seq, heads, head_dim] tensors, got shape {tuple(shape)}")
+    u = degree(group_size_, mode, ulysses_size)
+    if group_size_ > 1:
+        runs.check_heads(shape[2], u)
+    return u
+
+
 def auto_mode(heads: int, size: int) -> tuple[str, int | None]:
     """(mode, ulysses_size) that `auto` picks for a model of `heads` attention heads over `size` ranks: of the modes
     with an `auto_rank`, lowest first, the first that serves them (each mode's file says why it stands where it does:

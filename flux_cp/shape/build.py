@@ -13,8 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from cp.attention import validate
-from cp.mode import DEFAULT_MODE
+from cp.mode import DEFAULT_MODE, validate
 from flux_cp import hub
 from flux_cp.data.buckets import run_buckets
 from flux_cp.data.sources import (
