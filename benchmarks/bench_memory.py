@@ -18,7 +18,7 @@ Variants (`--base_precision fp8,int8,nf4`, `--offload_blocks auto,20`, `--varian
 cap, one GPU at --variant_resolution (default 1024) with `--gradient_checkpointing auto` (and `--offload_blocks auto`
 beside a precision, where the cap needs it), each a row of the variants table (RESULTS/memory_variants.json): the
 planner's pick (blocks checkpointed and offloaded), its planned peak and modelled step time against the measured peak
-and step time. They check the planner's peaks with a quantized base or offload (flux_cp/plan_data.json) and its
+and step time. They check the planner's peaks with a quantized base or offload (flux_cp/plan/plan_data.json) and its
 speed model (flux_cp/plan/speed.py). `--variants_only` runs them alone.
 
     python -m benchmarks.bench_memory --out RESULTS/memory.json --variants_only --base_precision fp8,int8,nf4 \

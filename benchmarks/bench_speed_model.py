@@ -1,7 +1,7 @@
 """The planner's speed model (flux_cp/plan/speed.py) against the GPU: measure a GPU class's figures, check the model's
 predictions against measured steps, or fit figures to measured steps where no measurement of the blocks exists.
 
-    python -m benchmarks.bench_speed_model --out flux_cp/speed_data/h100.json [--results RESULTS/speed_model.json]
+    python -m benchmarks.bench_speed_model --out flux_cp/plan/speed_data/h100.json [--results RESULTS/speed_model.json]
     python -m benchmarks.bench_speed_model --check RESULTS/trainer_small.json [--gpu_class h100] [--tolerance 0.15]
     python -m benchmarks.bench_speed_model --fit FILE [FILE ...] --gpu_class h100 --free GROUPS --out FILE
 
@@ -498,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if a.smoke:  # the tiny FLUX.1 on the CPU, eager: that the command runs (its figures mean nothing)
         if not a.out:
-            p.error("--smoke needs --out (a class file written there, never flux_cp/speed_data/)")
+            p.error("--smoke needs --out (a class file written there, never flux_cp/plan/speed_data/)")
         gpu, name, device = "cpu (smoke)", None, torch.device("cpu")
         resolutions, modes, preset, flags = [64], ["eager"], "tiny", ["--max_sequence_length", "32"]
     else:

@@ -111,7 +111,7 @@ def target_tokens(pred: Tensor, n_target: int) -> Tensor:
 def flow_loss(pred: Tensor, target: Tensor, weighting: Tensor) -> Tensor:
     """The weighted flow-matching loss, in fp32: per sample the mean of weighting * (pred - target)^2 over all its
     elements, then the mean over the batch (flux2.py:1905-1932). `weighting` has one value per sample
-    (`flux_cp.data.flow.loss_weighting` of the sigmas); `pred` and `target` are tokens or latents of the same layout."""
+    (`flux_cp.loss.loss_weighting` of the sigmas); `pred` and `target` are tokens or latents of the same layout."""
     w = weighting.view(-1, *([1] * (pred.ndim - 1)))
     err = w.float() * (pred.float() - target.float()) ** 2
     return err.reshape(err.shape[0], -1).mean(1).mean()

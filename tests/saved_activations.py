@@ -1,6 +1,6 @@
 """What a transformer block keeps for its backward, counted on CPU in units of one token's bf16 hidden state (2 x D
 bytes per token): eager (the tensors autograd saves) and compiled (what the min-cut partitioner Inductor uses passes
-from a block's forward graph to its backward graph). The planner's `block_keeps` (flux_cp/plan_data.json) are
+from a block's forward graph to its backward graph). The planner's `block_keeps` (flux_cp/plan/plan_data.json) are
 these counts; tests/test_plan.py recounts them.
 
 The models are FLUX.1's and FLUX.2's transformers with one or two blocks of each kind at head size 128 (as the

@@ -26,7 +26,7 @@ def test_embedded_default_resolves_the_tiny_model_defaults():
     assert (cfg.data.resolution, cfg.data.max_sequence_length) == ((64,), 48)
     assert cfg.validation.validation_resolution == 64
     assert (cfg.lora.rank, cfg.lora.lora_alpha) == (16, 16)
-    assert cfg.lora.lora_layers is None  # the model family's, once the model is known (flux_cp.shape.resolved)
+    assert cfg.lora.lora_layers is None  # the model family's, once the model is known (flux_cp.shape.build.resolved)
 
 
 def test_a_named_model_gets_flux_defaults_and_derived_values_follow_their_flags():

@@ -50,8 +50,8 @@ def test_each_class_predicts_its_measured_steps_within_15_percent_and_in_their_o
     planned again and its step predicted with the committed figures: within 15%, and every two rows of one model and
     resolution more than 10% apart come out in the measured order. The H100's small-GPU rows are those of the table
     the README's advice rests on: fp8 with offload, bf16 with offload, nf4 at 12 GiB, fp8 eager, FLUX.2 at full size,
-    and the 2048 px step. The figures were fitted to these rows (flux_cp/speed_data/*.json's `fit`): this checks the
-    file against them, and once the figures are measured on the GPU, the model."""
+    and the 2048 px step. The figures were fitted to these rows (flux_cp/plan/speed_data/*.json's `fit`): this checks
+    the file against them, and once the figures are measured on the GPU, the model."""
     assert files and all(f.is_file() for f in files)
     table, failures = bench.check([str(f) for f in files], speed.load_class(name), models=models)
     assert len(table) >= (7 if name == "h100" else 12), table
@@ -198,7 +198,7 @@ def test_plan_on_the_cpu_says_whose_figures_it_used_and_plans_host_memory(capsys
     out = capsys.readouterr().out
     assert (
         "speed model: rtx4090 class figures (NVIDIA GeForce RTX 4090: sourced from datasheets, not measured; "
-        "flux_cp/speed_data/rtx4090.json)" in out
+        "flux_cp/plan/speed_data/rtx4090.json)" in out
     )
     assert "recommended for 1 GPU of 24 GiB (host memory 8 GiB)" in out
     rows = [line for line in out.splitlines() if line.startswith("  ") and " one GPU " in line]

@@ -264,8 +264,8 @@ class PlanConfig:
     )
     gpu_class: str = flag(
         "auto",
-        "For --plan and auto's choices: whose speed figures predict step times (flux_cp/speed_data/): 'auto' measures "
-        "this GPU (cached), or without one takes the class of --gpu_memory_gib (up to 32 GiB a 24 GB card's, "
+        "For --plan and auto's choices: whose speed figures predict step times (flux_cp/plan/speed_data/): 'auto' "
+        "measures this GPU (cached), or without one takes the class of --gpu_memory_gib (up to 32 GiB a 24 GB card's, "
         "rtx4090; up to 100 an h100; else an h200); or name one.",
         choices=("auto", "h100", "h200", "rtx4090"),
     )

@@ -148,7 +148,7 @@ class TrainingData(Protocol):
 
 class Repeated:
     """--repeats and kohya's N_name folders: `data` with every sample `repeats` times per epoch, times its own count
-    of `counts` (one per sample of `data`; None: one each), as `flux_cp.data.sources.Repeats` orders them (without
+    of `counts` (one per sample of `data`; None: one each), as `flux_cp.data.schedule.Repeats` orders them (without
     counts, sample t is `data`'s t mod its length). The copies share their encodings (and so their crop); each has its
     own flip, noise and timestep."""
 
@@ -363,7 +363,7 @@ class LiveData:
 
 class ClassSamples:
     """The class images' encodings: `data` holds class image c in the p-th of the buckets the training images use
-    (`used`) at index `p * count + c` (flux_cp.data.encode.ClassGeometry)."""
+    (`used`) at index `p * count + c` (flux_cp.data.buckets.ClassGeometry)."""
 
     def __init__(self, data: TrainingData, count: int, used: list[int]):
         self.data, self.count, self.used = data, count, list(used)

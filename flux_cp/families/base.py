@@ -359,7 +359,7 @@ class Family(ABC):
 
     def block_kinds(self, config: dict) -> tuple[tuple[str, int], ...]:
         """The transformer blocks in the order they run, as (kind, count): the planner counts what each kind keeps
-        for its backward (`flux_cp/plan_data.json`, by `transformer_class_name` and kind)."""
+        for its backward (`flux_cp/plan/plan_data.json`, by `transformer_class_name` and kind)."""
         return tuple((kind, config[key]) for kind, _, key in self.block_lists)
 
     @property

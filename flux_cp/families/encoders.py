@@ -31,7 +31,7 @@ class Encoders(ABC):
         # one component at a time on the accelerator (flux_cp.placement); the families load them into host memory
         self.placement = Placement({"vae": vae, **self.text_encoders}, device)
         # --vae_tiling resolved: whether the VAE encodes (training and reference images) and decodes (validation
-        # images) in tiles (flux_cp.plan.encoding.vae_tiling_choice)
+        # images) in tiles (flux_cp.plan.encoding.tiling_choice)
         self.tiled_encode = self.tiled_decode = False
 
     @abstractmethod

@@ -47,7 +47,7 @@ def print_disk(cfg: Config, shape: RunShape) -> None:
 
 def print_plan(cfg: Config, argv: Sequence[str] | None = None) -> None:
     """The plan, printed once: under `accelerate launch` every rank runs this, and all but rank 0 return at once. The
-    run shape is the trainer's (flux_cp.shape.build_shape), for the launched processes (or --num_processes, or
+    run shape is the trainer's (flux_cp.shape.build.build_shape), for the launched processes (or --num_processes, or
     --cp_size's, run as one plain process), and again at each CP size listed. Then the flags' own row, the command
     recommended for these GPUs and the settings behind it (flux_cp.plan.recommend; `argv`: the flags as given, which
     the command repeats)."""
@@ -80,7 +80,7 @@ def print_plan(cfg: Config, argv: Sequence[str] | None = None) -> None:
         recommend.print_answer(cfg, shape, gpu, host, print_encoding(cfg, shape, gpu * GIB, quiet=True), argv)
         print(
             f"figures are estimates: planned peaks within ~15% of measured ones ({1 - MARGIN:.0%} of each GPU kept "
-            "free), step times within ~15% of the steps measured on the GPU classes of flux_cp/speed_data "
+            "free), step times within ~15% of the steps measured on the GPU classes of flux_cp/plan/speed_data "
             "(docs/small_gpus.md)"
         )
 

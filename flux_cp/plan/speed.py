@@ -124,7 +124,7 @@ def _load(name: str, path: Path) -> Figures:
     return Figures.from_json(
         data["figures"],
         gpu=data["gpu"],
-        describe=f"{name} class figures ({data['gpu']}: {status}; flux_cp/speed_data/{path.name})",
+        describe=f"{name} class figures ({data['gpu']}: {status}; flux_cp/plan/speed_data/{path.name})",
         sources=data.get("sources"),
     )
 

@@ -1,7 +1,7 @@
 """A run's training data, made ready once before the transformer loads: the data set opened and checked, the model
 family's encoders loaded, the class images of prior preservation (rendered with the base model where missing), every
 image and caption encoded once (cached on disk, the work spread over all ranks) and the text encoders freed, the
-validation prompts' encodings, and the order of the global batches (flux_cp.data.sources.BatchSchedule)."""
+validation prompts' encodings, and the order of the global batches (flux_cp.data.schedule.BatchSchedule)."""
 
 from __future__ import annotations
 

@@ -83,7 +83,7 @@ def to_kohya(state: dict[str, Tensor], rank: int, alpha: float) -> dict[str, Ten
     """Convert a diffusers-format Flux LoRA (peft `lora_alpha=alpha`, `r=rank`) to the kohya / BFL layout."""
     scale = alpha / rank
     modules = lora_modules_of(state)
-    if any("magnitude" in lora for lora in modules.values()):  # refused at start (flux_cp.model.adapters.check)
+    if any("magnitude" in lora for lora in modules.values()):  # refused at start (config.training.check_adapter)
         raise ValueError("the kohya layout holds no DoRA magnitudes; use --lora_format diffusers")
     blocks: dict[tuple[str, int], dict[str, dict[str, Tensor]]] = {}
     out: dict[str, Tensor] = {}

@@ -127,7 +127,7 @@ def bounded_chat_text(tokenizer, caption: str, klein: bool, where: str) -> str:
 class Flux2Encoders(Encoders):
     """FLUX.2's VAE (its batch-norm statistics kept in fp32) and its text encoder with tokenizer: the prompt
     embedding is three hidden layers of the language model stacked on the feature axis, as the pipeline's
-    `encode_prompt` (`flux_cp.flux2_recipe.encode_prompts`)."""
+    `encode_prompt` (`flux_cp.families.flux2.recipe.encode_prompts`)."""
 
     tokenizer_folders = ("tokenizer",)  # its chat template too
 
