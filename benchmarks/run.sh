@@ -244,8 +244,8 @@ for SET in "$@"; do
       [ -n "$DRY" ] || CLASS=$(python3 -c 'import torch; from flux_cp.speed import class_of_gpu; print(class_of_gpu(torch.cuda.get_device_name()) or "other")')
       run 280 python3 -m benchmarks.bench_speed_model --gpu_class "$CLASS" --out "$OUT/speed_data/$CLASS.json" \
         --results "$OUT/speed_model.json" --resolutions 1024 --precisions "${SPEED_PRECISIONS:-bf16,fp8,int8,nf4}"
-      trainer 300 trainer_speed.json "--steps 5 --warmup 2 --timeout 110" \
-        "readme24_fp8:1:gpu1.yaml:--resolution 1024 --gpu_memory_gib 24 --base_precision fp8 --offload_blocks auto --max_train_steps 2000" \
+      trainer 300 trainer_speed.json "--steps 6 --warmup 2 --timeout 110" \
+        "readme24_fp8:1:gpu1.yaml:--resolution 1024 --gpu_memory_gib 24 --base_precision fp8 --offload_blocks auto --max_train_steps 2000 --profile_step 6" \
         "small24_bf16_auto_c:1:gpu1.yaml:--resolution 1024 --gpu_memory_gib 24 --offload_blocks auto --compile" \
         "small24_fp8_auto:1:gpu1.yaml:--resolution 1024 --gpu_memory_gib 24 --base_precision fp8 --offload_blocks auto --compile off"
       run 90 python3 -m benchmarks.bench_speed_model --check "$OUT/trainer_speed.json" \
