@@ -24,8 +24,8 @@ from tests.doc_text import CODE_SPAN, LINK, ROOT, Block, blocks, link_targets, p
 RESULTS = "benchmarks/archive/results/"
 TEXT_FILES = (".json", ".jsonl", ".txt", ".md", ".log", ".sh", ".csv")
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
-# A figure: a number (not inside a word, a date or a range's first half) and its unit.
-FIGURE = re.compile(r"(?<![\w.\-/])(\d+(?:\.\d+)?)(?:\s?(ms|s|GiB)(?![\w/])|(%)|(x)(?![\w]))")
+# A figure: a number with its unit, not inside a word or a name (h200x2, 2026-12-05-h100); a range's end counts.
+FIGURE = re.compile(r"(?<![\w./])(?<![A-Za-z_]-)(\d+(?:\.\d+)?)(?:\s?(ms|s|GiB)(?![\w/])|(%)|(x)(?![\w]))")
 HEADER_UNITS = (("s/step", "s"), ("s per step", "s"), ("GiB", "GiB"))
 CELL = re.compile(r"^~?(\d+(?:\.\d+)?)(?: \((\d+(?:\.\d+)?)\))?$")  # 0.506, 19.1 (21.5)
 PAGES = pages(exclude=("bad_inputs.md",))
@@ -123,19 +123,18 @@ def derived(stated: str, unit: str, others: list[tuple[str, str, list[float]]]) 
     seconds = {"s": 1.0, "ms": 1e-3}
     for i, (a, a_unit, a_values) in enumerate(others):
         for j, (b, b_unit, b_values) in enumerate(others):
-            if i == j:
-                continue
-            for x in [float(a), *a_values]:
-                for y in [float(b), *b_values]:
+            if i == j or not (a_unit == b_unit or (a_unit in seconds and b_unit in seconds)):
+                continue  # the same figure, or two of different kinds
+            for x in [float(a) * seconds.get(a_unit, 1), *(v * seconds.get(a_unit, 1) for v in a_values)]:
+                for y in [float(b) * seconds.get(b_unit, 1), *(v * seconds.get(b_unit, 1) for v in b_values)]:
                     if unit == "x" and y and same(x / y, stated):
                         return True
                     if unit == "%" and y and (same(100 * abs(x - y) / y, stated) or same(100 * x / y, stated)):
                         return True
-                    if unit == "GiB" == a_unit == b_unit and same(abs(x - y), stated):
+                    if unit == "GiB" == a_unit and same(abs(x - y), stated):
                         return True
-                    if unit in seconds and a_unit in seconds and b_unit in seconds:
-                        if same(abs(x * seconds[a_unit] - y * seconds[b_unit]) / seconds[unit], stated):
-                            return True
+                    if unit in seconds and a_unit in seconds and same(abs(x - y) / seconds[unit], stated):
+                        return True
     return False
 
 
@@ -187,23 +186,26 @@ def test_every_figure_beside_a_result_file_is_in_it(page):
 
 
 def test_the_check_finds_a_figure_missing_from_its_file_and_accepts_rounding_ratios_and_fractions(tmp_path):
-    """On a page of its own: a figure rounded from the file passes, a wrong one fails, a ratio and a relative
-    difference of two of the block's figures pass, a table column's unit applies to its bare numbers, and a block
-    that links no result file is not checked."""
+    """On a page of its own: a figure rounded from the file passes, a wrong one fails; a ratio and a relative
+    difference of two of the block's figures pass, a ratio of none of them fails; a percentage stored as a fraction
+    passes; a table column's unit applies to its bare numbers; a block that links no result file is not checked."""
     link = "../benchmarks/archive/results/2026-12-05-h100-small/trainer_small.json"
+    auto = "../benchmarks/archive/results/2026-12-02-h200/auto.json"
     values = numbers_of(ROOT / link[3:])
     assert {0.506, 0.707, 19.05} <= values  # small24_fp8_auto_c's and small24_bf16_auto_c's steps, fp8's peak
+    assert 0.484 in numbers_of(ROOT / auto[3:])  # cp1_2048_ro's MFU, a fraction
     page = tmp_path / "docs" / "page.md"
     page.parent.mkdir()
     page.write_text(
         f"fp8: 0.506 s and 0.51 s, bf16 0.707 s: 1.40x faster, 28% less ([file]({link})).\n\n"
-        f"fp8: 0.600 s, 19.05 GiB ([file]({link})).\n\n"
+        f"fp8: 0.600 s, 19.05 GiB, 1.50x ([file]({link})).\n\n"
         "| run | s/step | peak GiB (planned) | file |\n|---|---:|---:|---|\n"
         f"| fp8 | 0.506 | 19.1 (21.5) | [f]({link}) |\n"
         f"| fp8 | 0.506 | 19.9 (21.5) | [f]({link}) |\n\n"
+        f"2048 px, one GPU: 48% MFU ([file]({auto})).\n\n"
         "No link, no check: 9.999 s.\n"
     )
     problems = check_page(page)
     assert len(problems) == 2, problems
-    assert problems[0].endswith(f": 0.600 s not in {link[3:]}") and ":3:" in problems[0]
-    assert problems[1].endswith(f": 19.9 GiB not in {link[3:]}") and ":8:" in problems[1]
+    assert problems[0].endswith(f":3: 0.600 s, 1.50x not in {link[3:]}"), problems[0]
+    assert problems[1].endswith(f":8: 19.9 GiB not in {link[3:]}"), problems[1]

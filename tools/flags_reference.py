@@ -46,23 +46,25 @@ def type_text(action: argparse.Action, annotation: Any) -> str:
     """The type column: switch, a choice of values, or the value's type (a list, repeatable, an optional value)."""
     if isinstance(action, argparse._StoreTrueAction):
         return "switch"
+    repeatable = isinstance(action, argparse._AppendAction)
     if action.choices:
         text = " \\| ".join(f"`{c}`" for c in action.choices)
     else:
-        text = _kind(annotation)
-    if isinstance(action, argparse._AppendAction):
+        text = _kind(annotation, repeatable)
+    if repeatable:
         text += ", repeatable"
     if action.nargs == "?":
         text += f"; alone: `{action.const}`"
     return text
 
 
-def _kind(annotation: Any) -> str:
+def _kind(annotation: Any, repeatable: bool = False) -> str:
+    """integer, number, text, true/false; a tuple is a list (comma-separated), or one value a time when repeatable."""
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
-        return _kind(args[0])
+        return _kind(args[0], repeatable)
     if typing.get_origin(annotation) is tuple:
-        return f"{_kind(args[0])} list"
+        return _kind(args[0]) if repeatable else f"{_kind(args[0])} list"
     return {bool: "true/false", int: "integer", float: "number", str: "text"}.get(annotation, str(annotation))
 
 
