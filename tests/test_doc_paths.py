@@ -76,8 +76,8 @@ def check_path(word: str) -> str | None:
         if module and (ROOT / f"{module.group(1)}.py").is_file():
             return resolve_dotted(path.replace("/", "."))
         return "does not exist"
-    if test and not re.search(rf"^\s*(?:async )?def {re.escape(test.split('::')[-1].split('[')[0])}\(",
-                              (ROOT / path).read_text(), re.M):  # fmt: skip
+    name = re.escape(test.split("::")[-1].split("[")[0])
+    if test and not re.search(rf"^\s*(?:async )?def {name}\(", (ROOT / path).read_text(), re.M):
         return f"defines no {test}"
     return None
 

@@ -39,8 +39,8 @@ def readme_command() -> list[str]:
 
 
 def plan_command(capsys) -> list[str]:
-    argv = ["--plan", "--pretrained_model_name_or_path", MODEL, "--resolution", "1024", "--gpu_memory_gib", "24",
-            "--gpu_class", "h100", "--host_memory_gib", "128"]  # fmt: skip
+    argv = ["--plan", "--pretrained_model_name_or_path", MODEL, "--resolution", "1024", "--gpu_memory_gib", "24"]
+    argv += ["--gpu_class", "h100", "--host_memory_gib", "128"]
     print_plan(parse_config(argv), argv)
     out = capsys.readouterr().out
     assert "recommended for 1 GPU of 24 GiB" in out, out
