@@ -50,7 +50,7 @@
 #              measured (FLUX.1-dev's blocks at 1024 px, every base precision, eager and compiled), written to
 #              RESULTS_DIR/speed_data/CLASS.json (copy it over flux_cp/plan/speed_data/ to keep it), then the 24 GiB rows of
 #              the small-GPU table (README's 24 GB command: fp8 with offload and --compile auto over 2000 steps; bf16
-#              with offload compiled; fp8 eager) predicted with it beside their
+#              with offload compiled) predicted with it beside their
 #              measured steps (RESULTS_DIR/speed_check.json; the set fails when one is off by more than 15% or out of
 #              order). ~9 min of an H100 (SPEED_PRECISIONS=bf16,fp8 measures fewer precisions)
 #   check      the GPU tests (pytest tests/gpu) and benchmarks/check_gpu.py (bf16 attention and a 4-block Flux model
@@ -244,10 +244,9 @@ for SET in "$@"; do
       [ -n "$DRY" ] || CLASS=$(python3 -c 'import torch; from flux_cp.speed import class_of_gpu; print(class_of_gpu(torch.cuda.get_device_name()) or "other")')
       run 280 python3 -m benchmarks.bench_speed_model --gpu_class "$CLASS" --out "$OUT/speed_data/$CLASS.json" \
         --results "$OUT/speed_model.json" --resolutions 1024 --precisions "${SPEED_PRECISIONS:-bf16,fp8,int8,nf4}"
-      trainer 300 trainer_speed.json "--steps 5 --warmup 2 --timeout 110" \
-        "readme24_fp8:1:gpu1.yaml:--resolution 1024 --gpu_memory_gib 24 --base_precision fp8 --offload_blocks auto --max_train_steps 2000" \
-        "small24_bf16_auto_c:1:gpu1.yaml:--resolution 1024 --gpu_memory_gib 24 --offload_blocks auto --compile" \
-        "small24_fp8_auto:1:gpu1.yaml:--resolution 1024 --gpu_memory_gib 24 --base_precision fp8 --offload_blocks auto --compile off"
+      trainer 230 trainer_speed.json "--steps 6 --warmup 2 --timeout 110" \
+        "readme24_fp8:1:gpu1.yaml:--resolution 1024 --gpu_memory_gib 24 --base_precision fp8 --offload_blocks auto --max_train_steps 2000 --profile_step 6" \
+        "small24_bf16_auto_c:1:gpu1.yaml:--resolution 1024 --gpu_memory_gib 24 --offload_blocks auto --compile"
       run 90 python3 -m benchmarks.bench_speed_model --check "$OUT/trainer_speed.json" \
         --out "$OUT/speed_data/$CLASS.json" --results "$OUT/speed_check.json" ;;
     check)

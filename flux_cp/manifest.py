@@ -165,7 +165,10 @@ def _under_listed(name: str, entries: list[str]) -> bool:
 
 # What flux-cp writes inside each kind of folder entry, as paths relative to the entry (`owned`). Everything else
 # in them is a user's: kept and reported, wherever it is.
-_CHECKPOINT_FILES = r"(meta\.json|train\.pt|data\.json|state/(\.metadata|__\d+_\d+\.distcp))"
+# (a checkpoint holds its step's LoRA file, named as the final one: flux_cp.outputs)
+_CHECKPOINT_FILES = (
+    r"(meta\.json|train\.pt|data\.json|pytorch_lora_weights\.safetensors|state/(\.metadata|__\d+_\d+\.distcp))"
+)
 _MODEL_FILES = r"(config\.json|diffusion_pytorch_model(-\d+-of-\d+)?\.safetensors(\.index\.json)?)"
 _WANDB_RUN = r"(.+/)?wandb/(offline-)?run-\d{8}_\d{6}-[^/]+/.+"  # a wandb run's folder, under the tracker folder
 _OWNED = {
@@ -295,7 +298,7 @@ def _is_checkpoint(path: Path) -> bool:
         if p.name == "state":
             if not _only(p, _DCP_FILE):
                 return False
-        elif p.name not in ("meta.json", "train.pt", "data.json") or p.is_symlink() or not p.is_file():
+        elif not _OWNED["checkpoint"].match(p.name) or p.is_symlink() or not p.is_file():
             return False
     return True
 

@@ -394,11 +394,12 @@ def test_lora_layers_comfyui_skips_are_warned_about_at_start(folders, tmp_path, 
 
 
 def test_the_memory_plan_counts_flux2_with_its_own_blocks(folders, capsys):
-    """--plan of a FLUX.2 folder: the family's parameter counts and blocks (the tiny [dev] has 2 + 2), and a
-    suggestion."""
+    """--plan of a FLUX.2 folder: the family's parameter counts and blocks (the tiny [dev] has 2 + 2), and one
+    recommended command for it."""
     from flux_cp.plan.report import print_plan
 
     print_plan(parse_config(["--plan", "--pretrained_model_name_or_path", str(folders[False]), "--gpu_memory_gib", "80",
                              "--gradient_checkpointing"]))  # fmt: skip
     out = capsys.readouterr().out
-    assert "/4 " in out and "suggestion: --cp_size 1" in out, out
+    assert "/4 " in out and "recommended for 1 GPU of 80 GiB" in out, out
+    assert f"train_flux_cp.py --pretrained_model_name_or_path {folders[False]} " in out, out

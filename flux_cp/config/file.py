@@ -27,7 +27,14 @@ from flux_cp.errors import UsageError
 
 # run_config.json's keys that are what a run chose rather than flags (flux_cp.run.output_phase.Outputs.record_settings):
 # read back, they are skipped with a line.
-RUN_CHOICES = ("layout", "checkpointed_blocks", "planned_peak_gib", "offloaded_blocks", "pinned_host_gib")
+RUN_CHOICES = (
+    "layout",
+    "checkpointed_blocks",
+    "planned_peak_gib",
+    "offloaded_blocks",
+    "pinned_host_gib",
+    "base_weights",
+)
 FORMATS = {".yaml": "YAML", ".yml": "YAML", ".toml": "TOML", ".json": "JSON"}
 CONFIG_FLAG = "config"  # the flag naming the file: not read from one (a file names no other file)
 

@@ -346,8 +346,8 @@ class TrainConfig:
         "none",
         "Recompute transformer blocks in the backward pass to save memory, at the cost of a slower step: 'auto' (the "
         "value of the flag given alone) checkpoints the fewest blocks whose planned peak fits the GPU's memory "
-        "(--gpu_memory_gib, else the GPU's own; --plan shows the choice), 'all', 'none', or a number of blocks (the "
-        "first ones that run).",
+        "(--gpu_memory_gib, else the GPU's own; --plan shows the choice), 'all', 'none', or a number of blocks, taken "
+        "from the end whose blocks keep the most for their backward (FLUX.1: the first blocks, FLUX.2: the last).",
         parse=parse_checkpointing,
         const="auto",
     )

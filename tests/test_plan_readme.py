@@ -1,0 +1,72 @@
+"""`--plan` and the README agree: the flags of the GPU table's fastest line for one 24 GB GPU (FLUX.1 [dev], 1024 px)
+are those of the command `--plan` recommends for one GPU of 24 GiB at 1024 px with the figures of the GPU class that
+measured the line (an H100's), the launch config included."""
+
+from __future__ import annotations
+
+import shlex
+
+import pytest
+
+from benchmarks import gpu_table
+from flux_cp.config.parser import parse_config
+from flux_cp.plan import recommend
+from flux_cp.plan.report import print_plan
+
+MODEL = "black-forest-labs/FLUX.1-dev"
+LINE = "| 1 x 24 GB | FLUX.1 [dev], 1024 px (fastest) |"
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch, tmp_path):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "ACCELERATE_USE_FSDP"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def readme_command() -> list[str]:
+    """The README table's line as one command: the table's common command with its config, model, resolution and
+    the line's flags (its data set left out: --plan reads none)."""
+    (row,) = [r for r in gpu_table.current_block(gpu_table.README.read_text()).splitlines() if r.startswith(LINE)]
+    flags = row[len(LINE) :].split("|")[0].strip().strip("`")
+    assert "H100" in row, row  # the GPU class whose figures --plan is given below
+    common = gpu_table.COMMON.replace("\\\n", " ").replace("CONFIG", "gpu1.yaml").replace("MODEL", MODEL)
+    common = common.replace("--dataset_name DATA ", "").replace("PX", "1024").replace("FLAGS", flags)
+    return shlex.split(common)
+
+
+def plan_command(capsys) -> list[str]:
+    argv = ["--plan", "--pretrained_model_name_or_path", MODEL, "--resolution", "1024", "--gpu_memory_gib", "24"]
+    argv += ["--gpu_class", "h100", "--host_memory_gib", "128"]
+    print_plan(parse_config(argv), argv)
+    out = capsys.readouterr().out
+    assert "recommended for 1 GPU of 24 GiB" in out, out
+    (line,) = [ln.strip() for ln in out.splitlines() if ln.strip().startswith("accelerate launch")]
+    return shlex.split(line)
+
+
+def settings(command: list[str]) -> dict[str, object]:
+    """The launch config and the values of the flags the recommendation sets, as the trainer parses them."""
+    flags = command[command.index("train_flux_cp.py") + 1 :]
+    cfg = parse_config(flags)
+    values = {"config_file": command[command.index("--config_file") + 1]}
+    for section in cfg.sections():
+        for name in recommend.SET:
+            if hasattr(section, name):
+                values[name] = getattr(section, name)
+    assert set(values) == {"config_file", *recommend.SET}
+    return values
+
+
+def test_the_readme_s_fastest_24_gb_line_is_the_command_plan_recommends(capsys):
+    readme, plan = readme_command(), plan_command(capsys)
+    assert settings(readme) == settings(plan), f"README: {shlex.join(readme)}\n--plan:  {shlex.join(plan)}"
+
+
+def test_the_comparison_sees_a_line_that_is_not_the_recommendation(capsys):
+    plan = plan_command(capsys)
+    other = [a for a in plan if a not in ("--base_precision", "fp8")]  # the bf16 base: exact, not the fastest
+    assert settings(other) != settings(plan)
