@@ -260,8 +260,9 @@ class Family(ABC):
         but diffusers'), from diffusers-format weights `state`."""
         raise ValueError(f"{self.label} writes no {fmt} LoRA files")
 
-    def read_lora_layout(self, fmt: str, state: dict[str, Tensor], linears: dict[str, tuple[int, int]],
-                         trained: set[str], rank: int) -> tuple[dict, dict]:  # fmt: skip
+    def read_lora_layout(
+        self, fmt: str, state: dict[str, Tensor], linears: dict[str, tuple[int, int]], trained: set[str], rank: int
+    ) -> tuple[dict, dict]:
         """({module: (lora_A, lora_B)}, {module: scale}) in diffusers' module names of a LoRA file in the family's
         own layout `fmt` (`--network_weights`); `linears`, `trained`, `rank`: the model's linear layers ({module:
         (out, in)}), those the run trains, and its rank. A ValueError saying what does not fit."""

@@ -226,8 +226,9 @@ class Flux1(Family):
             "  # at the trained size, which the pipeline keeps (_auto_resize=False)",
         )
 
-    def read_lora_layout(self, fmt: str, state: dict[str, Tensor], linears: dict[str, tuple[int, int]],
-                         trained: set[str], rank: int) -> tuple[dict, dict]:  # fmt: skip
+    def read_lora_layout(
+        self, fmt: str, state: dict[str, Tensor], linears: dict[str, tuple[int, int]], trained: set[str], rank: int
+    ) -> tuple[dict, dict]:
         if fmt != "kohya":
             return super().read_lora_layout(fmt, state, linears, trained, rank)
         return kohya.from_kohya(state, linears, trained, rank)
