@@ -9,8 +9,8 @@ under `accelerate launch`.
 With no model and data flags it trains a tiny FLUX.1 built locally on the bundled data set (the demo). The model
 family (FLUX.1, FLUX.1 Kontext, FLUX.2 [dev] or [klein]) is recognised from the model folder's model_index.json.
 
-The recipe: the flags are parsed into typed sections and checked before anything loads (flux_cp/config.py), then
-`Trainer.run` (flux_cp/trainer.py) runs the phases in order, each one's details in flux_cp's modules:
+The recipe: the flags are parsed into typed sections and checked before anything loads (flux_cp/config/flags.py), then
+`Trainer.run` (flux_cp/run/trainer.py) runs the phases in order, each one's details in flux_cp's modules:
     setup        the run shape (model family, pairs, buckets, dp x cp, the CP mode), accelerate, the output folder
     load_data    every image and caption encoded once (cached), then the text encoders freed
     build_model  LoRA or full (on a quantized base with --base_precision), then parallelize: CP attention,
@@ -28,10 +28,11 @@ from flux_cp import quiet
 
 quiet.install()  # before the imports below: libraries they import (torchao) speak while being imported
 
-from flux_cp import bars, environment, runner  # noqa: E402
-from flux_cp.config import parse_config  # noqa: E402
-from flux_cp.plan import print_plan  # noqa: E402
-from flux_cp.trainer import Trainer  # noqa: E402
+from flux_cp import bars  # noqa: E402
+from flux_cp.config.parser import parse_config  # noqa: E402
+from flux_cp.plan.report import print_plan  # noqa: E402
+from flux_cp.run import environment, runner  # noqa: E402
+from flux_cp.run.trainer import Trainer  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

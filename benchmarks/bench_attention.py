@@ -31,7 +31,7 @@ def tuning(args: argparse.Namespace, chunks: int | None = None) -> cp.Tuning:
 
 
 def compiled_attention(args: argparse.Namespace):
-    """cp.attention compiled as the trainer compiles its blocks (flux_cp/blocks.py): the same Inductor passes."""
+    """cp.attention compiled as the trainer compiles its blocks (flux_cp/model/blocks.py): the same Inductor passes."""
     from cp.schedule import inductor_options
 
     return torch.compile(cp.attention, fullgraph=True, options=inductor_options(None, tuning(args), 2))

@@ -8,7 +8,7 @@ cp=1 (its attention processors, `prepare_blocks`, fused AdamW). Each row runs in
 `--smoke`: the tiny FLUX.1 on the CPU at 64 px, to check the script runs (its figures mean nothing).
 
 Per row: the transformer's bytes once quantized (`weights_gib`, torch's allocated memory; `planned_gib`:
-`flux_cp.precision.base_bytes`, the planner's count), the peak while loading and quantizing (`load_peak_gib`), the
+`flux_cp.model.precision.base_bytes`, the planner's count), the peak while loading and quantizing (`load_peak_gib`), the
 peak and mean time of the timed steps. `--from_cpu P,...`: those precisions also from a model built on the CPU and
 quantized layer by layer onto the GPU (`quantize_base(..., device=...)`), the way a card smaller than the bf16 model
 loads it.
@@ -36,14 +36,14 @@ def one(precision: str, from_cpu: bool, compile: bool, steps: int, warmup: int, 
 
     import cp
     from flux_cp import quiet
-    from flux_cp.blocks import prepare_blocks, transformer_blocks
-    from flux_cp.config import parse_config
+    from flux_cp.config.parser import parse_config
     from flux_cp.families import FLUX1
     from flux_cp.families.flux1.tiny import FLUX1_DEV_TRANSFORMER, TRANSFORMER_CONFIG
     from flux_cp.families.flux1.tokens import image_ids, text_ids
-    from flux_cp.model import prepare_trainable
-    from flux_cp.precision import base_bytes, quantize_base
-    from flux_cp.shape import resolved
+    from flux_cp.model.blocks import prepare_blocks, transformer_blocks
+    from flux_cp.model.loading import prepare_trainable
+    from flux_cp.model.precision import base_bytes, quantize_base
+    from flux_cp.shape.build import resolved
 
     quiet.install()
     config, resolution, text = (TRANSFORMER_CONFIG, 64, 32) if smoke else (FLUX1_DEV_TRANSFORMER, 1024, 512)

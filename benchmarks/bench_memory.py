@@ -18,8 +18,8 @@ Variants (`--base_precision fp8,int8,nf4`, `--offload_blocks auto,20`, `--varian
 cap, one GPU at --variant_resolution (default 1024) with `--gradient_checkpointing auto` (and `--offload_blocks auto`
 beside a precision, where the cap needs it), each a row of the variants table (RESULTS/memory_variants.json): the
 planner's pick (blocks checkpointed and offloaded), its planned peak and modelled step time against the measured peak
-and step time. They check the planner's peaks with a quantized base or offload (flux_cp/plan_data.json) and its
-speed model (flux_cp/speed.py). `--variants_only` runs them alone.
+and step time. They check the planner's peaks with a quantized base or offload (flux_cp/plan/plan_data.json) and its
+speed model (flux_cp/plan/speed.py). `--variants_only` runs them alone.
 
     python -m benchmarks.bench_memory --out RESULTS/memory.json --variants_only --base_precision fp8,int8,nf4 \
         --offload_blocks auto --variant_caps 24,16
@@ -57,11 +57,12 @@ def plan_cell(layout: str, resolution: int, cap: float | None, gpu_gib: float, m
     """The planner's `Checkpointing` for a cell, as the trainer computes it (`margin`: of the memory usable; `extra`:
     a variant's flags, e.g. --base_precision int8; `config`: the transformer's, FLUX.1-dev's by default; `flags`: the
     runs' common flags)."""
-    from flux_cp import plan
-    from flux_cp.config import parse_config
+    from flux_cp.config.parser import parse_config
     from flux_cp.families import FLUX1
     from flux_cp.families.flux1.tiny import FLUX1_DEV_TRANSFORMER
-    from flux_cp.shape import RunShape, resolved
+    from flux_cp.plan import memory as plan
+    from flux_cp.shape.build import resolved
+    from flux_cp.shape.run_shape import RunShape
 
     config = dict(config or FLUX1_DEV_TRANSFORMER)
     flags = ["--plan", "--resolution", str(resolution), "--gradient_checkpointing", "--mixed_precision", "bf16",

@@ -1,5 +1,5 @@
-"""Block offload (`--offload_blocks`, flux_cp/offload.py) on one GPU: step time and peak memory for several counts of
-offloaded blocks, and the host-to-GPU copy rate of one block from its page-locked home. FLUX.1-dev's shapes, random
+"""Block offload (`--offload_blocks`, flux_cp/model/offload.py) on one GPU: step time and peak memory for several counts
+of offloaded blocks, and the host-to-GPU copy rate of one block from its page-locked home. FLUX.1-dev's shapes, random
 weights, LoRA r16 on the default layers, bf16, every block checkpointed (eager), batch 1, one JSON line per count.
 
     python -m benchmarks.bench_offload [--blocks 0,19,38,57] [--resolution 1024] [--steps 5] [--compile]
@@ -16,12 +16,12 @@ import time
 import torch
 
 import cp
-from flux_cp.blocks import prepare_blocks
-from flux_cp.config import LoraConfig
+from flux_cp.config.training import LoraConfig
 from flux_cp.families.flux1 import DEFAULT_TARGETS
 from flux_cp.families.flux1.tokens import image_ids, pack_latents, text_ids
-from flux_cp.model import prepare_trainable
-from flux_cp.offload import offload_blocks
+from flux_cp.model.blocks import prepare_blocks
+from flux_cp.model.loading import prepare_trainable
+from flux_cp.model.offload import offload_blocks
 
 GIB = 2**30
 

@@ -81,10 +81,10 @@ def main(argv: list[str] | None = None) -> None:
 
     from benchmarks import schema
     from flux_cp import quiet
-    from flux_cp.blocks import transformer_blocks
     from flux_cp.families.flux1.tiny import FLUX1_DEV_TRANSFORMER, TRANSFORMER_CONFIG
     from flux_cp.families.flux1.tokens import image_ids, text_ids
-    from flux_cp.precision import quantize_base
+    from flux_cp.model.blocks import transformer_blocks
+    from flux_cp.model.precision import quantize_base
     from flux_cp.random_weights import build_random
 
     quiet.install()

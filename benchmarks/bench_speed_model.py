@@ -1,11 +1,11 @@
-"""The planner's speed model (flux_cp/speed.py) against the GPU: measure a GPU class's figures, check the model's
+"""The planner's speed model (flux_cp/plan/speed.py) against the GPU: measure a GPU class's figures, check the model's
 predictions against measured steps, or fit figures to measured steps where no measurement of the blocks exists.
 
-    python -m benchmarks.bench_speed_model --out flux_cp/speed_data/h100.json [--results RESULTS/speed_model.json]
+    python -m benchmarks.bench_speed_model --out flux_cp/plan/speed_data/h100.json [--results RESULTS/speed_model.json]
     python -m benchmarks.bench_speed_model --check RESULTS/trainer_small.json [--gpu_class h100] [--tolerance 0.15]
     python -m benchmarks.bench_speed_model --fit FILE [FILE ...] --gpu_class h100 --free GROUPS --out FILE
 
-Measure (a CUDA GPU; `--smoke`: the tiny FLUX.1 on the CPU, to check the command runs): flux_cp/speed_measure.py's
+Measure (a CUDA GPU; `--smoke`: the tiny FLUX.1 on the CPU, to check the command runs): flux_cp/plan/speed_measure.py's
 timings of FLUX.1-dev's blocks (random weights, LoRA r16 on the default layers) at each --resolutions (one sample, 512
 text tokens), every --precisions in every --modes, and the host-to-GPU copy rate; the figures derived from them
 (speed_measure.derive, pooled over the resolutions) replace the class file's, which keeps what was not measured (the
@@ -124,9 +124,9 @@ class Planned:
 
 def planned(data: dict, row: dict, models: Models) -> Planned | None:
     """The row planned as its run was (None: no step time, or not known which blocks it checkpointed/offloaded)."""
-    from flux_cp import plan
-    from flux_cp.config import parse_config
-    from flux_cp.shape import build_shape, resolved
+    from flux_cp.config.parser import parse_config
+    from flux_cp.plan import memory as plan
+    from flux_cp.shape.build import build_shape, resolved
 
     if not row.get("s_per_step") or row.get("checkpointed_blocks") is None:
         return None
@@ -169,7 +169,7 @@ def load_rows(files: Sequence[str], models: Models, names: Sequence[str] = ()) -
 
 
 def predictions(rows: Sequence[Planned], figures) -> list[float]:
-    from flux_cp import speed
+    from flux_cp.plan import speed
 
     with speed.using(figures):
         return [p.estimate() for p in rows]
@@ -301,7 +301,7 @@ def nelder_mead(
 
 def fit(rows: Sequence[Planned], base: dict, groups: list[tuple[str, list[str]]]) -> tuple[dict, float]:
     """The figures (a class file's "figures") with the free groups fitted to the rows' steps, and the loss."""
-    from flux_cp import speed
+    from flux_cp.plan import speed
 
     start = [_get(base, keys[0]) if how == "tie" else 1.0 for how, keys in groups]
 
@@ -343,13 +343,13 @@ def calibrate(
 ):
     """(the raw timings of each resolution, the figures derived from all of them). FLUX.1-dev's blocks as a run of
     the suite's flags plans them (the `flux1-dev-shapes` preset), measured through the cache such a run reads
-    (flux_cp.speed_measure: FLUX_CP_HOME/speed/), so that the runs after it measure nothing again. `device`: the
+    (flux_cp.plan.speed_measure: FLUX_CP_HOME/speed/), so that the runs after it measure nothing again. `device`: the
     first GPU by default (the CPU, the tiny preset and `flags` for --smoke)."""
     import torch
 
-    from flux_cp import speed_measure
-    from flux_cp.config import parse_config
-    from flux_cp.shape import build_shape, resolved
+    from flux_cp.config.parser import parse_config
+    from flux_cp.plan import speed_measure
+    from flux_cp.shape.build import build_shape, resolved
 
     device = device or torch.device("cuda", torch.cuda.current_device())
     raws = []
@@ -395,7 +395,7 @@ def pooled(raws: list[tuple[int, dict]]) -> dict:
 
 
 def class_data(name: str) -> dict:
-    from flux_cp import speed
+    from flux_cp.plan import speed
 
     return json.loads(speed.class_file(name).read_text())
 
@@ -423,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", default="eager,compiled")
     p.add_argument("--smoke", action="store_true", help="measure: the tiny FLUX.1 on the CPU, eager (a test)")
     a = p.parse_args(argv)
-    from flux_cp import speed
+    from flux_cp.plan import speed
 
     command = schema.command_line(argv, "benchmarks.bench_speed_model")
     names = [n for n in a.rows.split(",") if n]
@@ -498,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if a.smoke:  # the tiny FLUX.1 on the CPU, eager: that the command runs (its figures mean nothing)
         if not a.out:
-            p.error("--smoke needs --out (a class file written there, never flux_cp/speed_data/)")
+            p.error("--smoke needs --out (a class file written there, never flux_cp/plan/speed_data/)")
         gpu, name, device = "cpu (smoke)", None, torch.device("cpu")
         resolutions, modes, preset, flags = [64], ["eager"], "tiny", ["--max_sequence_length", "32"]
     else:

@@ -45,6 +45,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from flux_cp import runner
+    from flux_cp.run import runner
 
     sys.exit(runner.run(main))

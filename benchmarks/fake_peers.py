@@ -156,9 +156,9 @@ def init_loopback(size: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from flux_cp.config import parse_config
-    from flux_cp.parallel import Layout
-    from flux_cp.trainer import Trainer, logger
+    from flux_cp.config.parser import parse_config
+    from flux_cp.layout import Layout
+    from flux_cp.run.trainer import Trainer, logger
 
     cfg = parse_config(sys.argv[1:] if argv is None else argv)
     n = cfg.parallel.cp_size
@@ -191,6 +191,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from flux_cp import runner
+    from flux_cp.run import runner
 
     sys.exit(runner.run(main))

@@ -48,7 +48,7 @@
 #              auto + compile under 48 GiB, and the one-GPU 2048 px default step uncapped (--compile). ~7 min of an H100
 #   speed      one GPU is enough: the planner's speed model (benchmarks/bench_speed_model.py): this GPU class's figures
 #              measured (FLUX.1-dev's blocks at 1024 px, every base precision, eager and compiled), written to
-#              RESULTS_DIR/speed_data/CLASS.json (copy it over flux_cp/speed_data/ to keep it), then the 24 GiB rows of
+#              RESULTS_DIR/speed_data/CLASS.json (copy it over flux_cp/plan/speed_data/ to keep it), then the 24 GiB rows of
 #              the small-GPU table (README's 24 GB command: fp8 with offload and --compile auto over 2000 steps; bf16
 #              with offload compiled) predicted with it beside their
 #              measured steps (RESULTS_DIR/speed_check.json; the set fails when one is off by more than 15% or out of

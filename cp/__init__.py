@@ -10,11 +10,12 @@ processors (`FluxCPAttnProcessor`; `Flux2CPAttnProcessor`, `Flux2CPParallelSelfA
 model pieces import diffusers when first used.
 """
 
-from .attention import attention, validate
+from . import modes  # noqa: F401 - registers the built-in modes (cp/modes.py)
+from .attention import attention
 from .comm import check_divisible, gather, group_rank, group_size, shard
-from .context import CPContext, Tuning
-from .mode import Mode
-from .modes import DEFAULT_MODE, MODES, auto_mode, register_mode
+from .context import CPContext
+from .mode import DEFAULT_MODE, MODES, Mode, auto_mode, register_mode, validate
+from .tuning import Tuning
 
 # name -> the module that defines it, imported on first use (it imports diffusers)
 _LAZY = {

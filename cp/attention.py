@@ -9,26 +9,11 @@ import torch.distributed as dist
 
 from .comm import group_size
 from .context import CPContext
-from .modes import DEFAULT_MODE, MODES, degree, get
-from .spec import CallSpec, name_of
+from .mode import DEFAULT_MODE, MODES, CallSpec, name_of, validate
 
 Tensor = torch.Tensor
 
 __all__ = ["MODES", "attention", "validate"]
-
-
-def validate(shape: tuple[int, ...], group_size_: int, mode: str, ulysses_size: int | None) -> int | None:
-    """Check a CP attention configuration before any communication; returns the Ulysses size used.
-
-    `shape` is `[batch, seq_local, heads, head_dim]`. Raises ValueError naming what to change.
-    """
-    runs = get(mode)
-    if len(shape) != 4:
-        raise ValueError(f"CP attention expects [batch, seq, heads, head_dim] tensors, got shape {tuple(shape)}")
-    u = degree(group_size_, mode, ulysses_size)
-    if group_size_ > 1:
-        runs.check_heads(shape[2], u)
-    return u
 
 
 def attention(
@@ -74,17 +59,12 @@ def attention(
             f"point: build cp.CPContext(group, mode={mode!r}, ulysses_size={u}) once at setup and pass it as context="
         )
     if context is not None:
-        validate(tuple(query.shape), n, context.mode, u)
+        return context.attend(query, key, value, scale)
+    # a mode that makes no groups, over `group`, default tuning; groups by name, as the compiled path passes them
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-
-    if context is not None:
-        runs, spec = context.runs, context.call_spec(scale)
-    else:  # a mode that makes no groups, over `group`, default tuning; groups by name, as the compiled path passes them
-        runs = MODES[mode] if n > 1 else MODES[DEFAULT_MODE]
-        ulysses_group, ring_group = runs.groups(group, u, None, None) if n > 1 else (None, None)
-        spec = CallSpec(
-            scale, u, name_of(ulysses_group), name_of(ring_group), group_name=name_of(group) if n > 1 else ""
-        )
+    runs = MODES[mode] if n > 1 else MODES[DEFAULT_MODE]
+    ulysses_group, ring_group = runs.groups(group, u, None, None) if n > 1 else (None, None)
+    spec = CallSpec(scale, u, name_of(ulysses_group), name_of(ring_group), group_name=name_of(group) if n > 1 else "")
     if torch.compiler.is_compiling():
         return runs.traced(query, key, value, spec)
     return runs.attention(query, key, value, spec)

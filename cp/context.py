@@ -8,74 +8,16 @@ is built without communicating, so one may also be made on the fly (`cp.attentio
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+import math
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from .comm import group_size
-from .kernels import KERNELS, KernelChoice
-from .mode import Mode
-from .modes import DEFAULT_MODE, MODES, degree
-from .spec import CallSpec, group_by_name, name_of
-
-__all__ = ["OVERLAPS", "CPContext", "CallSpec", "Tuning", "group_by_name", "refusal"]
-
-# How a compiled block orders its exchanges against its compute (cp/schedule.py says what each does).
-OVERLAPS = ("fill", "passes", "compute", "scheduler", "none")
-
-
-@dataclass(frozen=True)
-class Tuning:
-    """How CP runs, never what it computes: every setting gives the same results.
-
-    kernels: attention kernel names in order of preference (the first that serves an input is used); empty: the
-        device's default order (`cp.kernels.DEFAULT_PREFERENCE`).
-    overlap: how a compiled block orders its exchanges against its compute (`cp.schedule.inductor_options`).
-    exchange_first: after launching each exchange and after each wait for one, the compute stream waits ~0.5 us
-        (`cp.comm.head_start`), so that an exchange kernel that becomes ready with a compute kernel starts first and
-        runs beside it instead of after it. Off by default: its effect on a training step is not measured.
-    ulysses_chunks: head chunks of the Ulysses attention, pipelined so that the exchange of one chunk runs beside
-        the attention of another (reduced until the chunks' heads divide over the group). 1 by default: the
-        pipeline's gain on two GPUs is not measured.
-    """
-
-    kernels: tuple[str, ...] = ()
-    overlap: str = "fill"
-    exchange_first: bool = False
-    ulysses_chunks: int = 1
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "kernels", tuple(self.kernels))
-        problem = refusal(self.kernels, self.overlap, self.exchange_first, self.ulysses_chunks)
-        if problem:
-            raise ValueError(problem)
-
-
-def refusal(
-    kernels: tuple[str, ...],
-    overlap: str,
-    exchange_first: bool,
-    ulysses_chunks: int,
-    names: Mapping[str, str] | None = None,
-) -> str | None:
-    """Why these `Tuning` settings cannot run, or None. `names`: what to call each setting in the message (by field
-    name; a trainer passes its flags), the field's own name for those it leaves out."""
-    n = {f: (names or {}).get(f, f) for f in ("kernels", "overlap", "exchange_first", "ulysses_chunks")}
-    unknown = [k for k in kernels if k not in KERNELS]
-    if unknown:
-        return f"{n['kernels']}: unknown kernel {', '.join(unknown)}; choose from {', '.join(sorted(KERNELS))}"
-    if overlap not in OVERLAPS:
-        return f"unknown {n['overlap']} {overlap!r}; choose one of {', '.join(OVERLAPS)}"
-    if isinstance(ulysses_chunks, bool) or not isinstance(ulysses_chunks, int) or ulysses_chunks < 1:
-        return f"{n['ulysses_chunks']} must be a whole number >= 1, got {ulysses_chunks!r}"
-    if exchange_first and overlap == "scheduler":
-        return (
-            f"{n['exchange_first']} is added beside the reordering passes, which {n['overlap']} scheduler replaces: "
-            f"choose another {n['overlap']} or drop {n['exchange_first']}"
-        )
-    return None
+from .kernels import KernelChoice
+from .mode import DEFAULT_MODE, MODES, CallSpec, Mode, degree, name_of, validate
+from .tuning import Tuning
 
 
 class CPContext:
@@ -126,6 +68,18 @@ class CPContext:
         t = self.tuning
         return CallSpec(scale, self.ulysses_size, self.ulysses_group_name, self.ring_group_name, t.ulysses_chunks,
                         self.kernels.key, t.exchange_first, self.group_name)  # fmt: skip
+
+    def attend(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None = None
+    ) -> torch.Tensor:
+        """Attention of this rank's chunks `[batch, seq_local, heads, head_dim]` against the whole sequence, in this
+        context's mode: its compiled path under torch.compile, else its eager one (`cp.attention` with `context=`;
+        the Flux processors call it directly)."""
+        validate(tuple(query.shape), self.size, self.mode, self.ulysses_size)
+        spec = self.call_spec(1.0 / math.sqrt(query.shape[-1]) if scale is None else scale)
+        if torch.compiler.is_compiling():
+            return self.runs.traced(query, key, value, spec)
+        return self.runs.attention(query, key, value, spec)
 
     def with_mode(self, mode: str, ulysses_size: int | None = None) -> CPContext:
         """This context in another mode (itself if unchanged); sub-groups the mode makes are created as in the

@@ -11,8 +11,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .mode import Mode
-from .spec import CallSpec
+from .mode import CallSpec, Mode
 from .ulysses import SAVED_OPS, check_heads, ulysses_attention, ulysses_traced
 
 Tensor = torch.Tensor

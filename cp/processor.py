@@ -23,7 +23,6 @@ import torch.distributed as dist
 from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
 from diffusers.models.embeddings import apply_rotary_emb
 
-from .attention import attention
 from .comm import gather, group_size, shard
 from .context import CPContext
 
@@ -143,7 +142,7 @@ class CPAttnProcessor:
 
     def _attend(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
         """`[B, S, H, D]` q, k, v of this rank's tokens -> its attention output `[B, S, H * D]`."""
-        return attention(query, key, value, context=self._context).flatten(2, 3).to(query.dtype)
+        return self._context.attend(query, key, value).flatten(2, 3).to(query.dtype)
 
 
 class JointCPAttnProcessor(CPAttnProcessor):

@@ -24,9 +24,8 @@ import torch.nn.functional as F
 
 from . import kernels
 from .comm import RingComm, group_size
-from .kernels import acc_dtype, dense_like, in_layout_of
-from .mode import Mode
-from .spec import CallSpec
+from .kernels import KernelChoice, acc_dtype, dense_like, in_layout_of
+from .mode import CallSpec, Mode
 
 Tensor = torch.Tensor
 
@@ -48,7 +47,7 @@ def _merge(out: Tensor | None, lse: Tensor | None, blk_out: Tensor, blk_lse: Ten
 def ring_forward(q: Tensor, k: Tensor, v: Tensor, spec: CallSpec) -> tuple[Tensor, Tensor, kernels.Kernel, tuple]:
     """(out, merged LSE, kernel, aux): the forward of ring attention over the spec's ring group (none: the kernel
     alone), shared by the eager autograd Function and the compiled path's custom op."""
-    group, choice, scale = spec.ring_group(), spec.kernel_choice(), spec.scale
+    group, choice, scale = spec.ring_group(), KernelChoice.from_key(spec.kernels), spec.scale
     n = group_size(group)
     ring = RingComm(group, spec.exchange_first) if n > 1 else None
     kv = torch.stack([k, v]) if n > 1 else None
@@ -191,7 +190,7 @@ def ring_attention_backward_op(
     inputs = (q, k, v)
     if group_name:
         q, k, v, out, dout = (t.contiguous() for t in (q, k, v, out, dout))
-    kernel, aux = spec.kernel_choice().used_for(q, k)
+    kernel, aux = KernelChoice.from_key(spec.kernels).used_for(q, k)
     grads = ring_backward(dout, q, k, v, out, lse, spec, kernel, aux)
     # Outputs of a custom op may not share memory (the ring returns dk and dv as views of one buffer).
     seen: set[int] = set()

@@ -35,7 +35,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from .context import Tuning, group_by_name
+from .mode import group_by_name
+from .tuning import Tuning
 
 EXCHANGE_BYTES_PER_S = 190e9
 EXCHANGE_LATENCY_S = 15e-6

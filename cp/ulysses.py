@@ -26,9 +26,8 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from .comm import head_start
-from .mode import Mode
+from .mode import CallSpec, Mode
 from .ring import ring_backward, ring_forward, ring_op
-from .spec import CallSpec
 
 Tensor = torch.Tensor
 

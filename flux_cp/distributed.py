@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .errors import UsageError
+from flux_cp.errors import UsageError
 
 
 def is_distributed() -> bool:

@@ -1,8 +1,10 @@
-"""Uploading a run's final outputs to the Hugging Face Hub (`--push_to_hub`), as diffusers' training examples do:
-create the model repository (or reuse it) and upload the output folder's published files (`PUBLISHED`). Failures
-the user can fix (no token, a refused token, no network, offline mode) are one UsageError line; the calls that
-tell first (`whoami`, `create_repo`) make one attempt, so an unreachable hub fails in well under a second
-instead of after huggingface_hub's retries.
+"""The Hugging Face Hub: its offline mode and tokens; a model's config read from the local HF cache or in one short
+attempt from the Hub (`read_cached_json`, `read_json`: what --plan reads of a hub id without downloading the model);
+and uploading a run's final outputs (`--push_to_hub`), as diffusers' training examples do: create the model
+repository (or reuse it) and upload the output folder's published files (`PUBLISHED`). Failures the user can fix (no
+token, a refused token, no network, offline mode) are one UsageError line; the calls that tell first (`whoami`,
+`create_repo`) make one attempt, so an unreachable hub fails in well under a second instead of after
+huggingface_hub's retries.
 
 Only huggingface_hub is imported here (no torch), so a push can also run on its own:
 `python -c "from flux_cp.hub import push_to_hub; push_to_hub('OUTPUT_DIR', 'me/my-lora', None)"`.
@@ -13,12 +15,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from .errors import UsageError
+from flux_cp.errors import UsageError
 
 # What a push uploads, relative to the output folder (fnmatch patterns, as huggingface_hub's upload_folder takes
 # them): an allow-list of the run's final outputs, what a user publishes - the trained weights (LoRA file, or a full
 # fine-tune's transformer/ files), the model card, the reference images its lines edit (a pair run's, by the names
-# flux_cp.card.reference_names gives them), the validation images, the metrics and the loss curve. Anything
+# flux_cp.outputs.card.reference_names gives them), the validation images, the metrics and the loss curve. Anything
 # else a run's folder holds stays local, whatever its name: checkpoints (weights, optimizer state, and data.json
 # listing every training file's name and caption), branches set aside (abandoned-*), the manifest, the lock, partial
 # writes, tracker logs, profiles, run_config.json (the run's local paths), and the user's own files.
@@ -54,6 +56,46 @@ def offline() -> bool:
     from huggingface_hub import constants
 
     return bool(constants.HF_HUB_OFFLINE) or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+
+
+def read_cached_json(
+    repo_id: str, filename: str, revision: str | None = None, cache_dir: str | None = None
+) -> dict | None:
+    """A hub repository's JSON file from the local HF cache (`cache_dir`: --cache_dir's, else the default), None when
+    it is not there; a ValueError when `repo_id` is no hub id."""
+    import json
+
+    import huggingface_hub  # the hub client at first use
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        cached = huggingface_hub.try_to_load_from_cache(repo_id, filename, cache_dir=cache_dir, revision=revision)
+    except HFValidationError as e:
+        raise ValueError(str(e)) from None
+    if not isinstance(cached, str):
+        return None
+    with open(cached) as f:
+        return json.load(f)
+
+
+def read_json(repo_id: str, filename: str, revision: str | None = None, cache_dir: str | None = None) -> dict:
+    """A hub repository's JSON file from the Hub in one attempt with a short timeout (hf_hub_download alone retries for
+    ~30 s when the hub is unreachable), kept in the download cache; an OSError saying why on one line when it cannot be
+    read."""
+    import json
+
+    import httpx  # the hub client's transport, at first use
+    import huggingface_hub
+    from huggingface_hub.errors import HfHubHTTPError
+
+    try:
+        url = huggingface_hub.hf_hub_url(repo_id, filename, revision=revision)
+        huggingface_hub.get_hf_file_metadata(url, timeout=10)
+        local = huggingface_hub.hf_hub_download(repo_id, filename, revision=revision, cache_dir=cache_dir)
+    except (HfHubHTTPError, httpx.HTTPError, OSError, ValueError) as e:
+        raise OSError(" ".join(str(e).split())[:200] or type(e).__name__) from None
+    with open(local) as f:
+        return json.load(f)
 
 
 def repo_name(hub_model_id: str | None, output_dir: str) -> str:
@@ -118,7 +160,7 @@ def push_to_hub(
     name, in the token owner's namespace, as diffusers' examples do), creating it when missing. `token`: None uses
     huggingface_hub's own (HF_TOKEN, the stored login). Only the files `PUBLISHED` names are sent.
     `on_repo(repo_id)`: called with the repository's full id (`owner/name`) once it exists, before the upload (to
-    write the model card naming it: flux_cp.card). Call it on one process. Returns the repository's URL. A hub
+    write the model card naming it: flux_cp.outputs.card). Call it on one process. Returns the repository's URL. A hub
     that cannot be reached or refuses the token is a one-line UsageError."""
     from huggingface_hub import HfApi
     from huggingface_hub.errors import HfHubHTTPError

@@ -23,9 +23,10 @@ import warnings
 from pathlib import Path
 
 import numpy as np
+import torch
 from PIL import Image, ImageCms, ImageOps, UnidentifiedImageError
 
-from .errors import UsageError
+from flux_cp.errors import UsageError
 
 DECODER_VERSION = 2
 BACKGROUND = (255, 255, 255)
@@ -115,3 +116,28 @@ def read_caption(path: Path) -> str:
         ) from None
     except OSError as e:
         raise UsageError(f"cannot read caption file {path}: {e.strerror or e}") from None
+
+
+# A resize to cover the target larger than this many times the target's pixels resizes the crop alone (to_pixels).
+WHOLE_RESIZE_LIMIT = 16
+
+
+def to_pixels(img: Image.Image, target: tuple[int, int], resized: tuple[int, int], offset, flip: bool) -> torch.Tensor:
+    """Resize to `resized`, crop `target` at `offset`, optionally flip; `[3, h, w]` in [-1, 1].
+
+    An extreme aspect ratio makes the cover size huge (1 x 100,000 px to a 1024 px square: 1024 x 102,400,000 px,
+    300 GB): then only the crop box, in the image's own coordinates, is resized to the target (the same bicubic
+    filter at the same positions; values within one level of resizing the whole, from floating-point rounding).
+    Ordinary images (cover size up to WHOLE_RESIZE_LIMIT times the target) are resized whole, as always."""
+    left, top = offset
+    (tw, th), (rw, rh) = target, resized
+    if rw * rh <= WHOLE_RESIZE_LIMIT * tw * th:
+        img = img.resize(resized, Image.BICUBIC)
+        img = img.crop((left, top, left + tw, top + th))
+    else:
+        sx, sy = img.width / rw, img.height / rh
+        img = img.resize(target, Image.BICUBIC, box=(left * sx, top * sy, (left + tw) * sx, (top + th) * sy))
+    if flip:
+        img = img.transpose(Image.FLIP_LEFT_RIGHT)
+    arr = np.asarray(img, dtype=np.float32) / 127.5 - 1.0
+    return torch.from_numpy(arr).permute(2, 0, 1).contiguous()

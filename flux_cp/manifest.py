@@ -27,8 +27,8 @@ import re
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 
-from . import files
-from .errors import UsageError
+from flux_cp import files
+from flux_cp.errors import UsageError
 
 NAME = ".flux_cp_manifest.json"
 FORMAT = 1

@@ -23,7 +23,7 @@ torchao's and diffusers' lines come while the libraries are imported: `install` 
 the trainer.
 
 Prodigy's "Using decoupled weight decay" (printed by its constructor) is left out where it is made
-(flux_cp.optim.make_optimizer).
+(flux_cp.model.optim.make_optimizer).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
 import cp
-from cp.spec import CallSpec
+from cp.mode import CallSpec
 
 Tensor = torch.Tensor
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from flux_cp.data import BUNDLED_DATA
-from flux_cp.roles import CHECKOUT
+from flux_cp.data.sources import BUNDLED_DATA
+from flux_cp.outputs.roles import CHECKOUT
 
 
 @dataclass
@@ -107,12 +107,12 @@ def _config_file(t: Path, text: str) -> list[str]:
 
 def _lora_file(t: Path, rank: int) -> Path:
     """A LoRA file of the embedded default's layers (FLUX.1's default targets) at `rank`, as a run writes it."""
-    from flux_cp.config import LoraConfig
+    from flux_cp.config.training import LoraConfig
     from flux_cp.families import FLUX1
     from flux_cp.families.flux1 import DEFAULT_TARGETS
     from flux_cp.families.flux1.tiny import tiny_transformer
-    from flux_cp.lora import save_lora
-    from flux_cp.model import prepare_trainable
+    from flux_cp.model.loading import prepare_trainable
+    from flux_cp.model.lora import save_lora
 
     t.mkdir(parents=True, exist_ok=True)
     lora = LoraConfig(rank=rank, lora_alpha=rank, lora_layers=DEFAULT_TARGETS)
@@ -259,7 +259,7 @@ def _checkpoint(folder: Path, step: int) -> Path:
 
 def _demo_checkpoint_of_odd_types(t: Path) -> list[str]:
     """A checkpoint of the demo whose meta.json holds a learning rate that is no number (a resumed demo keeps it)."""
-    from flux_cp.config import DEMO
+    from flux_cp.config.demo import DEMO
 
     ckpt = _checkpoint(t / "out", 2)
     meta = json.loads((ckpt / "meta.json").read_text())
@@ -284,7 +284,7 @@ def _small_checkpoint(folder: Path, step: int) -> Path:
     """A real checkpoint-`step` of a small model (its DCP files and checksums) in `folder`."""
     from diffusers.optimization import get_scheduler
 
-    from flux_cp import checkpoint
+    from flux_cp.outputs import checkpoint
 
     model = torch.nn.Linear(4, 4)
     opt = torch.optim.AdamW(model.parameters())
@@ -315,10 +315,10 @@ def _checkpoint_beyond_the_steps(t: Path) -> list[str]:
 def _checkpoint_with_flags(t: Path, flags: list[str]) -> Path:
     """A checkpoint-2 in the output folder whose meta.json is that of a run of the embedded default with `flags` (its
     run identity and flags; the state is a small model's, never loaded: the resume is refused before)."""
-    from flux_cp.config import parse_config
+    from flux_cp.config.parser import parse_config
     from flux_cp.families import FLUX1
-    from flux_cp.resume import run_identity
-    from flux_cp.shape import resolved
+    from flux_cp.outputs.resume import run_identity
+    from flux_cp.shape.build import resolved
 
     ckpt = _small_checkpoint(t / "out", 2)
     cfg = resolved(parse_config([*flags, "--max_train_steps", "2"]), FLUX1, False, None)

@@ -9,11 +9,11 @@ from types import SimpleNamespace
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
-from flux_cp.batches import Batches
-from flux_cp.config import DataConfig, TrainConfig
-from flux_cp.data import BatchSchedule
+from flux_cp.config.training import DataConfig, TrainConfig
+from flux_cp.data.batches import Batches
+from flux_cp.data.schedule import BatchSchedule
 from flux_cp.families import FLUX1
-from flux_cp.parallel import Layout
+from flux_cp.layout import Layout
 
 C, H, W, L, D = 4, 8, 12, 8, 32  # latent channels and size, text tokens and width
 
@@ -52,8 +52,8 @@ def make_batches(data, dp: int, dp_rank: int, cp_size: int = 1, cp_rank: int = 0
 def step_fused_and_reference(device: str, shapes: list[tuple], steps: int = 5, rtol: float = 1e-6, atol: float = 1e-7):
     """The trainer's AdamW (make_optimizer: fused) and torch's reference AdamW (foreach=False) from the same start
     with the same gradients: the weights must move, and the two must agree."""
-    from flux_cp.config import TrainConfig
-    from flux_cp.optim import make_optimizer
+    from flux_cp.config.training import TrainConfig
+    from flux_cp.model.optim import make_optimizer
 
     g = torch.Generator(device=device).manual_seed(0)
     ours = [torch.nn.Parameter(torch.randn(s, device=device, generator=g)) for s in shapes]

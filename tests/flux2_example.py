@@ -1,5 +1,6 @@
-"""diffusers' FLUX.2 LoRA examples' training step, copied line for line as the reference that flux_cp.flux2_recipe
-and the trainer's FLUX.2 batches are tested against (tests/test_flux2_recipe.py, tests/test_flux2_family.py)."""
+"""diffusers' FLUX.2 LoRA examples' training step, copied line for line as the reference that
+flux_cp.families.flux2.recipe and the trainer's FLUX.2 batches are tested against (tests/test_flux2_recipe.py,
+tests/test_flux2_family.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""The steps of FLUX.2's training recipe that the trainer computes the way every family does (flux_cp.flow,
-flux_cp.batches, flux_cp.pairs), written as diffusers' LoRA examples compute them, each citing their lines (see
-flux_cp/families/flux2/recipe.py for the commit): the tests' reference for FLUX.2's step
+"""The steps of FLUX.2's training recipe that the trainer computes the way every family does (flux_cp.data.flow,
+flux_cp.data.batches, flux_cp.data.pairs), written as diffusers' LoRA examples compute them, each citing their lines
+(see flux_cp/families/flux2/recipe.py for the commit): the tests' reference for FLUX.2's step
 (tests/test_flux2_recipe.py)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from collections.abc import Sequence
 
 import torch
 
+from flux_cp.data.flow import sigmas_for
 from flux_cp.families.flux2.recipe import REFERENCE_T_SCALE, image_ids, pack
-from flux_cp.flow import sigmas_for
 
 Tensor = torch.Tensor
 
@@ -70,7 +70,7 @@ def image_sequence(noisy: Tensor, references: Sequence[Tensor] = ()) -> tuple[Te
 
 def sample_sigmas(u: Tensor, scheduler) -> tuple[Tensor, Tensor]:
     """Timesteps (0-1000) and sigmas of density draws `u` in [0, 1) on the training schedule: index u * 1000 into the
-    scheduler's timesteps and sigmas (flux2.py:1869-1881; `u` from `flux_cp.flow.sample_timesteps`, the SD3 density
+    scheduler's timesteps and sigmas (flux2.py:1869-1881; `u` from `flux_cp.data.flow.sample_timesteps`, the SD3 density
     `compute_density_for_timestep_sampling`). No resolution shift at training: the sigmas are those the scheduler
     was built with (FLUX.2's config has use_dynamic_shifting, which leaves them unshifted at construction; the
     pipelines shift only at inference, with compute_empirical_mu)."""
@@ -111,7 +111,7 @@ def target_tokens(pred: Tensor, n_target: int) -> Tensor:
 def flow_loss(pred: Tensor, target: Tensor, weighting: Tensor) -> Tensor:
     """The weighted flow-matching loss, in fp32: per sample the mean of weighting * (pred - target)^2 over all its
     elements, then the mean over the batch (flux2.py:1905-1932). `weighting` has one value per sample
-    (`flux_cp.flow.loss_weighting` of the sigmas); `pred` and `target` are tokens or latents of the same layout."""
+    (`flux_cp.loss.loss_weighting` of the sigmas); `pred` and `target` are tokens or latents of the same layout."""
     w = weighting.view(-1, *([1] * (pred.ndim - 1)))
     err = w.float() * (pred.float() - target.float()) ** 2
     return err.reshape(err.shape[0], -1).mean(1).mean()

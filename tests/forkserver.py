@@ -131,7 +131,7 @@ def _preload() -> None:
 
     for name in PRELOAD:
         if name == "matplotlib.pyplot":
-            importlib.import_module("matplotlib").use("Agg")  # as flux_cp.metrics does before its plot
+            importlib.import_module("matplotlib").use("Agg")  # as flux_cp.outputs.metrics does before its plot
         try:
             importlib.import_module(name)
         except ImportError:

@@ -116,7 +116,7 @@ def in_process(argv: list[str]) -> tuple[int, str]:
     """The trainer's entry point as `python train_flux_cp.py` runs it, in this process (a second or two instead
     of the ~8 s of a new interpreter importing torch, diffusers and transformers): (exit code, stderr)."""
     import train_flux_cp
-    from flux_cp import runner
+    from flux_cp.run import runner
 
     _STDERR.seek(0)
     _STDERR.truncate()

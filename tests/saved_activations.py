@@ -1,6 +1,6 @@
 """What a transformer block keeps for its backward, counted on CPU in units of one token's bf16 hidden state (2 x D
 bytes per token): eager (the tensors autograd saves) and compiled (what the min-cut partitioner Inductor uses passes
-from a block's forward graph to its backward graph). The planner's `block_keeps` (flux_cp/plan_data.json) are
+from a block's forward graph to its backward graph). The planner's `block_keeps` (flux_cp/plan/plan_data.json) are
 these counts; tests/test_plan.py recounts them.
 
 The models are FLUX.1's and FLUX.2's transformers with one or two blocks of each kind at head size 128 (as the
@@ -18,7 +18,7 @@ import torch
 from peft import LoraConfig
 
 import cp
-from flux_cp.blocks import checkpoint_inside, transformer_blocks
+from flux_cp.model.blocks import checkpoint_inside, transformer_blocks
 
 HEADS, HEAD_DIM = 2, 128
 D = HEADS * HEAD_DIM
@@ -75,7 +75,7 @@ def _inputs(family: str) -> dict:
 def _prepared(
     family: str, targets: tuple[str, ...], double: int, single: int, adapter: str = "lora"
 ) -> torch.nn.Module:
-    from flux_cp.adapters import peft_config
+    from flux_cp.model.adapters import peft_config
 
     model = _model(family, double, single).to(torch.bfloat16)
     model.requires_grad_(False)
@@ -118,7 +118,7 @@ def eager_units(family: str, targets: tuple[str, ...], adapter: str = "lora") ->
 
 def compiled_units(family: str, targets: tuple[str, ...], checkpointed: bool = False) -> dict[str, float]:
     """{block kind: units a compiled block of that kind passes from its forward to its backward graph}, with the
-    partitioner Inductor uses; `checkpointed`: the block checkpointed inside its graph (flux_cp.blocks)."""
+    partitioner Inductor uses; `checkpointed`: the block checkpointed inside its graph (flux_cp.model.blocks)."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import min_cut_rematerialization_partition

@@ -1,4 +1,4 @@
-"""`--adapter` (flux_cp.adapters): DoRA and LoKr files load where the model card says, with the trained model's
+"""`--adapter` (flux_cp.model.adapters): DoRA and LoKr files load where the model card says, with the trained model's
 output (diffusers; ComfyUI's LoKr rules), their flags and formats, FSDP2 and a quantized base, the planner's counts,
 the run identity and the card. Training under CP: tests/test_train_adapters.py."""
 
@@ -10,10 +10,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from flux_cp import adapters
-from flux_cp.config import parse_config
+from flux_cp.config.parser import parse_config
 from flux_cp.families import FLUX1, FLUX2, of_model
-from flux_cp.shape import resolved
+from flux_cp.model import adapters
+from flux_cp.plan.counts import parameter_counts
+from flux_cp.shape.build import resolved
 from tests.launch import comfy_apply, comfy_flux2_key_map, comfy_flux2_weights, comfy_lokr_diff, comfy_lora_prefixes
 
 FAMILIES = ["flux1", "flux2"]
@@ -40,9 +41,9 @@ def _inputs(family: str) -> dict:
 
 
 def _trained(transformer, cfg) -> dict[str, torch.Tensor]:
-    """The adapters of `cfg.lora` as the trainer adds them (flux_cp.model.prepare_trainable), every trainable weight
-    moved off its start (as after training: LoRA's B and LoKr's w1 start at zero); the trainable state."""
-    from flux_cp.model import prepare_trainable, trainable_parameters
+    """The adapters of `cfg.lora` as the trainer adds them (flux_cp.model.loading.prepare_trainable), every trainable
+    weight moved off its start (as after training: LoRA's B and LoKr's w1 start at zero); the trainable state."""
+    from flux_cp.model.loading import prepare_trainable, trainable_parameters
 
     prepare_trainable(transformer, cfg.lora, seed=0)
     g = torch.Generator().manual_seed(1)
@@ -53,7 +54,7 @@ def _trained(transformer, cfg) -> dict[str, torch.Tensor]:
 
 
 def _saved(transformer, cfg, state, folder) -> dict[str, torch.Tensor]:
-    from flux_cp.lora import save_lora
+    from flux_cp.model.lora import save_lora
 
     return load_file(save_lora(transformer, state, str(folder), cfg.lora, of_model(transformer)))
 
@@ -177,9 +178,9 @@ def _sharded_gradients(adapter: str, shard: bool) -> dict[str, torch.Tensor]:
     as accelerate's FSDP2 wraps them (gathered to full tensors), or none sharded."""
     from torch.distributed.fsdp import fully_shard
 
-    from flux_cp.blocks import transformer_blocks
     from flux_cp.families.flux1.tiny import tiny_transformer
-    from flux_cp.model import prepare_trainable
+    from flux_cp.model.blocks import transformer_blocks
+    from flux_cp.model.loading import prepare_trainable
 
     model = tiny_transformer(seed=0)
     cfg = _cfg("flux1", "--adapter", adapter, "--rank", "4", "--lora_alpha", "8")
@@ -230,7 +231,7 @@ def test_on_a_quantized_base_only_the_adapters_get_gradients(adapter, precision)
     """--base_precision int8 / fp8 (torchao; nf4 where bitsandbytes is installed, DoRA only): peft's DoRA layer
     reads the dequantized base weight for its norm, LoKr adds its update beside the quantized layer; every adapter
     weight gets a gradient and nothing else does."""
-    from flux_cp.precision import is_quantized, quantize_base
+    from flux_cp.model.precision import is_quantized, quantize_base
 
     if adapter == "lokr" and precision == "nf4":
         pytest.skip("refused at start (test_the_flag_s_default_choices_and_what_it_refuses)")
@@ -252,24 +253,24 @@ def test_on_a_quantized_base_only_the_adapters_get_gradients(adapter, precision)
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("adapter", ["lora", "dora", "lokr"])
 def test_the_planner_counts_the_trainable_parameters_the_trainer_adds(family, adapter):
-    from flux_cp.model import trainable_parameters
+    from flux_cp.model.loading import trainable_parameters
 
     model = _lokr_model(family)
     config = dict(model.config)
     cfg = _cfg(family, "--adapter", adapter, "--rank", "4", config=config)
     _trained(model, cfg)
     params = trainable_parameters(model)
-    counts = of_model(model).count_parameters(config, 4, list(cfg.lora.lora_layers), adapter)
+    counts = parameter_counts(of_model(model), config, 4, list(cfg.lora.lora_layers), adapter)
     assert (counts.trainable, counts.trainable_tensors) == (sum(p.numel() for _, p in params), len(params))
 
 
 def test_the_planner_s_counts_at_flux1_dev_size():
     """FLUX.1-dev, rank 16, the default layers: DoRA is LoRA plus one magnitude per output feature of each layer;
     LoKr's factors (48 x 48 and 64 x 16 + 16 x 64 on a 3072-wide layer) are a small part of LoRA's."""
-    from flux_cp import plan
     from flux_cp.families.flux1 import DEFAULT_TARGETS
     from flux_cp.families.flux1.kohya import lora_modules
     from flux_cp.families.flux1.tiny import FLUX1_DEV_TRANSFORMER
+    from flux_cp.plan import memory as plan
 
     dev, layers = dict(FLUX1_DEV_TRANSFORMER), list(DEFAULT_TARGETS)
     lora, dora, lokr = (plan.count_parameters(dev, 16, layers, a)[1] for a in ("lora", "dora", "lokr"))
@@ -285,8 +286,8 @@ def test_adapter_keeps_are_what_autograd_keeps_beyond_lora(family):
     """plan_data.json's `adapter_keeps`: the units a block keeps with DoRA or LoKr on the family's default layers
     (tests/saved_activations.py, eager, bf16 autocast as the trainer runs) less LoRA's (`block_keeps`, recounted by
     tests/test_plan.py; both rounded to 0.1)."""
-    from flux_cp import plan
     from flux_cp.families.flux1 import DEFAULT_TARGETS
+    from flux_cp.plan import memory as plan
     from tests.saved_activations import eager_units, flux2_targets
 
     targets = DEFAULT_TARGETS if family == "flux1" else flux2_targets(2)
@@ -339,9 +340,9 @@ def test_the_planner_adds_what_each_adapter_keeps():
     """FLUX.1-dev at 1024 px, rank 16: DoRA's blocks keep `adapter_keeps` units more (a checkpointed block only while
     it is recomputed, the last one), LoKr's blocks their update weights in bf16 (the same rule as a torchao base's
     dequantized weights); both add one layer's moment in its forward."""
-    from flux_cp import plan
     from flux_cp.families.flux1 import DEFAULT_TARGETS
     from flux_cp.families.flux1.tiny import FLUX1_DEV_TRANSFORMER
+    from flux_cp.plan import memory as plan
 
     dev, layers = dict(FLUX1_DEV_TRANSFORMER), list(DEFAULT_TARGETS)
 
@@ -368,8 +369,8 @@ def test_the_planner_adds_what_each_adapter_keeps():
 
 
 def test_the_adapter_is_in_the_run_identity_and_a_resume_with_another_is_refused(tmp_path):
-    from flux_cp import resume
     from flux_cp.errors import UsageError
+    from flux_cp.outputs import resume
 
     identity = {a: resume.run_identity(_cfg("flux1", "--adapter", a), 2, "abc", None) for a in ("lora", "lokr")}
     meta = json.loads(json.dumps({"run": identity["lokr"]}))
@@ -385,8 +386,8 @@ def test_the_adapter_is_in_the_run_identity_and_a_resume_with_another_is_refused
 
 @pytest.mark.parametrize("adapter", ["dora", "lokr"])
 def test_the_card_and_the_summary_name_the_adapter_and_how_it_loads(tmp_path, adapter):
-    from flux_cp.card import write_model_card
-    from flux_cp.summary import outputs
+    from flux_cp.outputs.card import write_model_card
+    from flux_cp.outputs.summary import outputs
 
     out = tmp_path / "run"
     out.mkdir()

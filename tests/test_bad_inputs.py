@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from flux_cp.roles import CHECKOUT
+from flux_cp.outputs.roles import CHECKOUT
 from tests.bad_input_cases import CASES
 from tests.launch import in_process, train
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from flux_cp.loss import batch_loss
 from tests.fakes import FakeData, H, W, make_batches
 
 
@@ -60,5 +61,5 @@ def test_cp_chunks_are_equal_contiguous_parts_and_their_mean_loss_is_the_whole_l
     assert chunks[0].image_tokens == whole.image_tokens == (H // 2) * (W // 2)
     pred = torch.randn_like(whole.target)
     half = pred.shape[1] // 2
-    mean_of_chunks = (chunks[0].loss(pred[:, :half]) + chunks[1].loss(pred[:, half:])) / 2
-    assert torch.allclose(mean_of_chunks, whole.loss(pred), rtol=1e-6, atol=0)  # the loss is taken in fp32
+    mean_of_chunks = (batch_loss(pred[:, :half], chunks[0]) + batch_loss(pred[:, half:], chunks[1])) / 2
+    assert torch.allclose(mean_of_chunks, batch_loss(pred, whole), rtol=1e-6, atol=0)  # the loss is taken in fp32

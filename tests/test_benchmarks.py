@@ -100,10 +100,10 @@ def test_diffusers_cp_benchmark_runs_each_family_with_the_trainers_adapters(fami
     import sys
 
     from benchmarks import bench_diffusers_cp as bench
-    from flux_cp.config import LoraConfig
+    from flux_cp.config.training import LoraConfig
     from flux_cp.families.flux1 import ATTENTION_TARGETS
     from flux_cp.families.flux2 import FLUX2
-    from flux_cp.lora import add_lora
+    from flux_cp.model.lora import add_lora
 
     out = tmp_path / "d.json"
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):  # one process, as `python -m` starts it
@@ -217,9 +217,9 @@ def test_diffusers_flux2_example_step_runs_and_trains_the_trainers_layers(tmp_pa
     import math
 
     from benchmarks import bench_diffusers_flux2 as bench
-    from flux_cp.config import LoraConfig
+    from flux_cp.config.training import LoraConfig
     from flux_cp.families.flux2 import FLUX2
-    from flux_cp.lora import add_lora
+    from flux_cp.model.lora import add_lora
 
     out = tmp_path / "flux2.json"
     bench.main(["--smoke", "--out", str(out)])
@@ -278,8 +278,8 @@ def test_small_gpu_sets_run_only_flags_the_trainer_accepts(monkeypatch):
     import shlex
     import subprocess
 
-    from flux_cp import config
-    from flux_cp.config import parse_config
+    from flux_cp.config import flags as config
+    from flux_cp.config.parser import parse_config
 
     monkeypatch.setattr(config, "check_installed", lambda precision: None)
 

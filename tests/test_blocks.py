@@ -1,4 +1,4 @@
-"""Compiled, checkpointed blocks (flux_cp/blocks.py): the checkpoint is traced into each block's graph, the
+"""Compiled, checkpointed blocks (flux_cp/model/blocks.py): the checkpoint is traced into each block's graph, the
 backward keeps the CP attention's outputs instead of recomputing them (or recomputes them with
 --recompute_attention), and the block computes what the eager block without checkpointing computes."""
 
@@ -13,7 +13,7 @@ from torch._dynamo.backends.common import aot_autograd
 import cp
 from cp import Tuning
 from cp.schedule import PASSES_VERSION, inductor_options
-from flux_cp.blocks import checkpoint_inside
+from flux_cp.model.blocks import checkpoint_inside
 from tests import distributed
 
 pytestmark = pytest.mark.distributed  # spawns gloo process groups (tests/distributed.py)
@@ -167,7 +167,7 @@ def test_ulysses_chunks_are_decided_once_against_the_heads():
     than the heads is refused, and a count reduced or unused is said."""
     from cp.ulysses import used_chunks
     from flux_cp.errors import UsageError
-    from flux_cp.parallel import ulysses_chunks
+    from flux_cp.model.parallel import ulysses_chunks
 
     assert [used_chunks(24, 2, c) for c in (1, 2, 3, 4, 5, 7, 12, 13, 10**9)] == [1, 2, 3, 4, 4, 6, 12, 12, 12]
     assert used_chunks(4, 2, 10**18) == 2 and used_chunks(3, 2, 5) == 1  # at most heads tries, whatever is asked
@@ -187,7 +187,7 @@ def test_ulysses_chunks_are_decided_once_against_the_heads():
 
 def test_cp_kernels_are_checked_against_the_device_at_start():
     from flux_cp.errors import UsageError
-    from flux_cp.parallel import check_kernels
+    from flux_cp.model.parallel import check_kernels
 
     assert check_kernels((), "cpu") is None and check_kernels(("cudnn", "flash", "math"), "cuda") is None
     assert check_kernels(("cudnn", "math"), "cpu") == (
@@ -207,7 +207,7 @@ def test_the_overlap_scheduler_needs_a_gpu_with_triton_and_is_refused_at_start_w
     import importlib.util
 
     from flux_cp.errors import UsageError
-    from flux_cp.parallel import check_overlap
+    from flux_cp.model.parallel import check_overlap
 
     check_overlap("scheduler", False, 2, "cpu")  # not compiled: no pass runs
     check_overlap("scheduler", True, 1, "cpu")  # no CP exchange to order
@@ -223,8 +223,8 @@ def test_the_overlap_scheduler_needs_a_gpu_with_triton_and_is_refused_at_start_w
 def test_a_count_of_blocks_above_the_model_s_is_refused_alike_for_checkpointing_and_offload():
     """One rule for counts larger than the model (a typo more often than a wish): refused at start, naming the
     model's blocks, for --gradient_checkpointing and --offload_blocks alike (the trainer and --plan call it)."""
-    from flux_cp.blocks import check_counts
     from flux_cp.errors import UsageError
+    from flux_cp.model.blocks import check_counts
 
     with pytest.raises(
         UsageError,

@@ -8,9 +8,10 @@ import torch
 from safetensors.torch import load_file
 
 from flux_cp import files
-from flux_cp.config import DataConfig
-from flux_cp.data import open_source
-from flux_cp.encode import Geometry, encode_dataset, training_buckets
+from flux_cp.config.training import DataConfig
+from flux_cp.data.buckets import Geometry, training_buckets
+from flux_cp.data.encode import encode_dataset
+from flux_cp.data.sources import open_source
 from flux_cp.errors import UsageError
 
 
@@ -134,7 +135,7 @@ def test_a_component_is_known_by_its_config_and_the_content_of_its_weights(tmp_p
     import os
     import shutil
 
-    from flux_cp.encode import component_folder, model_fingerprint, weights_fingerprint
+    from flux_cp.families.components import component_folder, model_fingerprint, weights_fingerprint
 
     weights = {"w": torch.arange(300_000, dtype=torch.float32)}
     _component(tmp_path / "a" / "vae", weights)
@@ -170,7 +171,8 @@ def test_the_cache_keys_hold_the_vae_s_precision_the_tokenizers_and_the_weights_
     """Latents are cached in fp32 whatever precision the VAE computed them in; a tokenizer gives the token ids the
     text encoders embed; --variant picks other weight files of the same folders. Each changed alone: what it made is
     computed again (the run's log line counts it), the rest reused."""
-    from flux_cp.encode import encoder_fingerprints, files_fingerprint
+    from flux_cp.data.encode import encoder_fingerprints
+    from flux_cp.families.components import files_fingerprint
 
     class Encoders(_Encoders):
         text_encoders = {"text_encoder": None}

@@ -14,10 +14,10 @@ import pytest
 import torch
 import yaml
 
-from flux_cp.card import reference_names, write_model_card
-from flux_cp.config import parse_config
+from flux_cp.config.parser import parse_config
 from flux_cp.families import FLUX1
-from flux_cp.shape import resolved
+from flux_cp.outputs.card import reference_names, write_model_card
+from flux_cp.shape.build import resolved
 
 TAGS = {"text-to-image", "diffusers-training", "flux", "flux-cp"}
 
@@ -97,7 +97,7 @@ def test_kontext_and_full_fine_tuning_cards(tmp_path):
     out = _run_folder(tmp_path, steps=(50,), name="edit")
     kontext = _resolved(pairs=True, argv=["--pretrained_model_name_or_path", "black-forest-labs/FLUX.1-Kontext-dev",
                             "--validation_prompt", "make it red", "--lora_format", "kohya"])  # fmt: skip
-    front, body = _parts(write_model_card(out, kontext, kontext=True))
+    front, body = _parts(write_model_card(out, kontext, pairs=True))
     assert front["base_model"] == "black-forest-labs/FLUX.1-Kontext-dev" and "flux-kontext" in front["tags"]
     assert front["license_link"] == "https://huggingface.co/black-forest-labs/FLUX.1-Kontext-dev/blob/main/LICENSE.md"
     code = _code(body)
@@ -134,14 +134,14 @@ def test_the_demo_card_s_snippet_renders_with_the_trained_lora_at_the_trained_si
     """The snippet of the embedded default's card, run as it is on this CPU machine: the base it names loads, the LoRA
     file written by the trainer's save_lora goes into it, and the image has the size the model was trained at."""
     from flux_cp.families.flux1.tiny import tiny_transformer
-    from flux_cp.lora import add_lora, lora_origin, save_lora
+    from flux_cp.model.lora import add_lora, lora_origin, save_lora
 
     out = _run_folder(tmp_path, steps=())
     cfg = _resolved(["--rank", "4", "--output_dir", str(out), "--validation_inference_steps", "2"])
     model = tiny_transformer()
     add_lora(model, cfg.lora, seed=0)
     state = {k: v for k, v in model.state_dict().items() if "lora_" in k}
-    save_lora(model, state, str(out), cfg.lora, FLUX1, lora_origin(cfg, kontext=False))
+    save_lora(model, state, str(out), cfg.lora, FLUX1, lora_origin(cfg, pairs=False))
     code = _code(_parts(write_model_card(out, cfg))[1])
     assert "height=64, width=64" in code and 'device = "cuda" if torch.cuda.is_available() else "cpu"' in code
     monkeypatch.chdir(tmp_path)
@@ -171,7 +171,7 @@ def test_folder_and_model_names_cannot_add_code_or_markup_to_the_card(tmp_path, 
     card's prose shows them as text."""
     import ast
 
-    from flux_cp.summary import summary
+    from flux_cp.outputs.summary import summary
 
     out = tmp_path / f"output{HOSTILE}`<b>"
     base = tmp_path / f"model'{HOSTILE}\\"
@@ -183,7 +183,7 @@ def test_folder_and_model_names_cannot_add_code_or_markup_to_the_card(tmp_path, 
             *(["--full_finetune"] if full else [])]  # fmt: skip
     cfg = _resolved(argv)
     front, body = _parts(write_model_card(out, cfg))
-    text = summary(cfg, steps=1, pipeline="FluxPipeline", kontext=False)
+    text = summary(cfg, steps=1, pairs=False)
     for code in (_code(body), textwrap.dedent(text.split("with diffusers:\n", 1)[1])):
         tree = ast.parse(code)
         found = [c for c in ast.walk(tree) if isinstance(c, ast.Call)]
@@ -225,7 +225,7 @@ def test_the_comfyui_note_of_a_flux2_card(tmp_path):
 
     def note(argv: list[str]) -> str:
         cfg = resolved(parse_config(["--output_dir", str(out), *argv]), FLUX2, False, None)
-        body = _parts(write_model_card(out, cfg, pipeline="Flux2Pipeline", family=FLUX2))[1]
+        body = _parts(write_model_card(out, cfg, family=FLUX2))[1]
         return body.split("## Use it in ComfyUI", 1)[1].split("##", 1)[0]
 
     default = note([])
@@ -247,13 +247,13 @@ def test_a_flux2_card_names_its_family_and_loads_its_transformer_class(tmp_path)
 
     out = _run_folder(tmp_path, steps=())
     lora = resolved(parse_config(["--output_dir", str(out)]), FLUX2, False, None)
-    front, body = _parts(write_model_card(out, lora, pipeline="Flux2Pipeline", family=FLUX2))
+    front, body = _parts(write_model_card(out, lora, family=FLUX2))
     assert body.lstrip().startswith("# FLUX.2 [dev] LoRA - ") and "diffusers' FLUX.2 [dev] training recipe" in body
     assert "flux2" in front["tags"] and "flux-kontext" not in front["tags"] and "FLUX.1" not in body
     full = resolved(parse_config(["--output_dir", str(out), "--full_finetune"]), FLUX2, False, None)
-    code = _code(_parts(write_model_card(out, full, pipeline="Flux2Pipeline", family=FLUX2))[1])
+    code = _code(_parts(write_model_card(out, full, family=FLUX2))[1])
     assert "Flux2Transformer2DModel.from_pretrained(" in code and "FluxTransformer2DModel" not in code
-    pairs = _parts(write_model_card(out, lora, kontext=True, pipeline="Flux2Pipeline", family=FLUX2))[1]
+    pairs = _parts(write_model_card(out, lora, pairs=True, family=FLUX2))[1]
     assert pairs.lstrip().startswith("# FLUX.2 [dev] LoRA") and "(FLUX.2 [dev] pairs)" in pairs
     code = _code(pairs)
     compile(code, "snippet", "exec")
@@ -266,10 +266,10 @@ def test_a_lora_of_a_random_initialised_base_is_not_published_as_one_for_the_pre
     no base_model, says the base was random-initialised from the config, gives no ComfyUI note for the pretrained
     model, and its snippet - like the summary's - rebuilds that random base before loading the LoRA; the run's start
     and run_config.json say the same."""
-    from flux_cp.lora import lora_origin
-    from flux_cp.outputs import base_weights
-    from flux_cp.summary import summary
-    from flux_cp.trainer import recipe_lines
+    from flux_cp.model.lora import lora_origin
+    from flux_cp.outputs.summary import summary
+    from flux_cp.run.output_phase import base_weights
+    from flux_cp.run.trainer import recipe_lines
 
     out = _run_folder(tmp_path)
     dev = ["--pretrained_model_name_or_path", "black-forest-labs/FLUX.1-dev", "--output_dir", str(out)]
@@ -280,7 +280,7 @@ def test_a_lora_of_a_random_initialised_base_is_not_published_as_one_for_the_pre
     assert "the model's pretrained weights were not used, so the LoRA belongs to that random base" in body
     assert "| base weights | random-initialised from its config (--transformer_init random, seed 7) |" in body
     assert "## Use it in ComfyUI" not in body
-    text = summary(cfg, steps=200, pipeline="FluxPipeline", kontext=False, repo_id="me/random-lora")
+    text = summary(cfg, steps=200, pairs=False, repo_id="me/random-lora")
     assert "so the LoRA belongs to that random base, not to the pretrained model" in text
     for code in (_code(body), textwrap.dedent(text.split("with diffusers", 1)[1].split(":\n", 1)[1])):
         compile(code, "snippet", "exec")
@@ -296,20 +296,20 @@ def test_a_lora_of_a_random_initialised_base_is_not_published_as_one_for_the_pre
     )
     assert base_weights(cfg).startswith("random-initialised from the config (seed 7)")
     # the LoRA file's metadata names no base model either (diffusers' base_model, kohya's ss_sd_model_name)
-    assert lora_origin(cfg, kontext=False).base_model is None
+    assert lora_origin(cfg, pairs=False).base_model is None
     pretrained = _resolved(dev)
     assert base_weights(pretrained) == "pretrained" and not recipe_lines(pretrained)
-    assert lora_origin(pretrained, kontext=False).base_model == "black-forest-labs/FLUX.1-dev"
+    assert lora_origin(pretrained, pairs=False).base_model == "black-forest-labs/FLUX.1-dev"
     assert "| base weights | pretrained |" in _parts(write_model_card(out, pretrained))[1]
 
 
 def test_the_random_base_snippet_rebuilds_the_transformer_the_lora_trained_on(tmp_path, monkeypatch):
     """The snippet of a --transformer_init random card, run as it is on the tiny model (which has weights): its
-    transformer is the one the trainer built (flux_cp.model.load_transformer), not the model's pretrained weights,
-    and the LoRA goes into it."""
+    transformer is the one the trainer built (flux_cp.model.loading.load_transformer), not the model's pretrained
+    weights, and the LoRA goes into it."""
     from flux_cp.families.flux1.tiny import ensure_tiny_pipeline, tiny_transformer
-    from flux_cp.lora import add_lora, lora_origin, save_lora
-    from flux_cp.model import load_transformer
+    from flux_cp.model.loading import load_transformer
+    from flux_cp.model.lora import add_lora, lora_origin, save_lora
 
     out = _run_folder(tmp_path, steps=())
     flags = "--rank 4 --validation_inference_steps 2 --transformer_init random --seed 3".split()
@@ -317,7 +317,7 @@ def test_the_random_base_snippet_rebuilds_the_transformer_the_lora_trained_on(tm
     model = tiny_transformer()
     add_lora(model, cfg.lora, seed=0)
     lora = {k: v for k, v in model.state_dict().items() if "lora_" in k}
-    save_lora(model, lora, str(out), cfg.lora, FLUX1, lora_origin(cfg, kontext=False))
+    save_lora(model, lora, str(out), cfg.lora, FLUX1, lora_origin(cfg, pairs=False))
     code = _code(_parts(write_model_card(out, cfg))[1])
     monkeypatch.chdir(tmp_path)
     scope: dict = {}
@@ -381,7 +381,7 @@ def test_the_card_and_the_summary_say_what_the_weights_rest_on_and_every_setting
     """What differs from the plain case (a pretrained bf16 base, the raw weights) is said in the card and the
     summary alike: a quantized base, the EMA as the output, a text encoder's LoRA; every other flag that is not at its
     default is listed in the card (local paths aside: the card is published). The LoRA alpha shows in its own row."""
-    from flux_cp.summary import summary
+    from flux_cp.outputs.summary import summary
 
     typed, card, note = NOTES[case]
     flags = typed.split()
@@ -393,7 +393,7 @@ def test_the_card_and_the_summary_say_what_the_weights_rest_on_and_every_setting
     plain = body.replace("\\", "")  # markdown's escapes (--max\_grad\_norm) aside
     for row in card:
         assert row in plain, plain
-    text = summary(cfg, steps=200, pipeline="FluxPipeline", kontext=False)
+    text = summary(cfg, steps=200, pairs=False)
     if note is None:
         assert "other settings" not in plain or flags
         assert "/somewhere/private" not in body
@@ -415,10 +415,7 @@ def test_the_snippet_of_several_references_pushed_to_the_hub_loads_them_from_the
     names = reference_names(2)
     assert names == ("reference-1.png", "reference-2.png") and reference_names(1) == ("reference.png",)
     assert all(any(fnmatch.fnmatch(n, p) for p in PUBLISHED) for n in (*names, "reference.png", "reference-99.png"))
-    pipeline = "Flux2KleinPipeline"
-    card = write_model_card(
-        out, cfg, kontext=True, pipeline=pipeline, family=FLUX2_KLEIN, repo_id="me/edits", references=names
-    )
+    card = write_model_card(out, cfg, pairs=True, family=FLUX2_KLEIN, repo_id="me/edits", references=names)
     code = _code(_parts(card)[1])
     compile(code, "snippet", "exec")
     assert "from huggingface_hub import hf_hub_download" in code and "repo = 'me/edits'" in code

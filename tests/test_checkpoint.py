@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from flux_cp import checkpoint, resume
+from flux_cp import checkpoint_folders
 from flux_cp.errors import UsageError
-from flux_cp.faults import Fault
+from flux_cp.outputs import checkpoint, resume
+from flux_cp.run.faults import Fault
 
 
 def _trainee(seed: int):
@@ -57,8 +58,8 @@ def test_load_restores_weights_optimizer_and_schedule_and_reads_everything_save_
     assert scheduler.get_last_lr() == lr and scheduler.last_epoch == 3
     # Nothing is written that load does not read (the data order and noise are keyed by step, not RNG state).
     assert set(torch.load(saved / "train.pt", weights_only=False)) == {"lr_scheduler"}
-    meta = checkpoint.read_meta(saved)
-    assert meta["step"] == 3 and meta["format"] == checkpoint.FORMAT
+    meta = checkpoint_folders.read_meta(saved)
+    assert meta["step"] == 3 and meta["format"] == checkpoint_folders.FORMAT
 
 
 def test_latest_skips_partial_folders_and_the_limit_keeps_the_newest(tmp_path):
@@ -67,12 +68,12 @@ def test_latest_skips_partial_folders_and_the_limit_keeps_the_newest(tmp_path):
         _save(tmp_path, step, trainee, limit=2)
     (tmp_path / ".checkpoint-8.partial").mkdir()
     (tmp_path / "checkpoint-9").mkdir()  # no meta.json: not a complete checkpoint
-    assert [s for s, _ in checkpoint.list_checkpoints(tmp_path)] == [4, 6]
-    assert checkpoint.resolve("latest", str(tmp_path)) == tmp_path / "checkpoint-6"
-    assert checkpoint.resolve("latest", str(tmp_path / "empty")) is None
-    assert checkpoint.resolve(None, str(tmp_path)) is None
+    assert [s for s, _ in checkpoint_folders.list_checkpoints(tmp_path)] == [4, 6]
+    assert checkpoint_folders.resolve("latest", str(tmp_path)) == tmp_path / "checkpoint-6"
+    assert checkpoint_folders.resolve("latest", str(tmp_path / "empty")) is None
+    assert checkpoint_folders.resolve(None, str(tmp_path)) is None
     with pytest.raises(UsageError, match="is not a complete checkpoint"):
-        checkpoint.resolve(str(tmp_path / "checkpoint-9"), str(tmp_path))
+        checkpoint_folders.resolve(str(tmp_path / "checkpoint-9"), str(tmp_path))
 
 
 def test_a_failed_save_removes_its_partial_folder_and_names_the_intact_one(tmp_path):
@@ -80,14 +81,14 @@ def test_a_failed_save_removes_its_partial_folder_and_names_the_intact_one(tmp_p
     _save(tmp_path, 2, trainee)
     with pytest.raises(UsageError, match=r"writing checkpoint-4 failed \(\[Errno 28\].*checkpoint-2 is intact"):
         _save(tmp_path, 4, trainee, fault=Fault(0, 4, "enospc_in_save"))
-    assert [s for s, _ in checkpoint.list_checkpoints(tmp_path)] == [2]
+    assert [s for s, _ in checkpoint_folders.list_checkpoints(tmp_path)] == [2]
     assert not (tmp_path / ".checkpoint-4.partial").exists()
 
 
 def test_a_run_is_compatible_with_its_own_checkpoint_after_the_json_round_trip(tmp_path):
-    from flux_cp.config import parse_config
+    from flux_cp.config.parser import parse_config
     from flux_cp.families import FLUX1
-    from flux_cp.shape import resolved
+    from flux_cp.shape.build import resolved
 
     cfg = resolved(parse_config(["--aspect_buckets", "--resolution", "128"]), FLUX1, False, None)  # as the trainer
     identity = resume.run_identity(cfg, 2, "abc", [(128, 128), (112, 144)])
@@ -105,7 +106,7 @@ def test_incompatible_runs_and_formats_are_refused_with_what_differs(tmp_path):
         resume.check_compatible(meta, {"global_batch": 2, "seed": 5}, tmp_path)
     (tmp_path / "meta.json").write_text(json.dumps({"format": 99}))
     with pytest.raises(UsageError, match="format 99 is not"):
-        checkpoint.read_meta(tmp_path)
+        checkpoint_folders.read_meta(tmp_path)
 
 
 ACCUMULATION = "micro-steps per optimizer step (--gradient_accumulation_steps): checkpoint 1, now 2"
@@ -113,7 +114,7 @@ ACCUMULATION = "micro-steps per optimizer step (--gradient_accumulation_steps): 
 
 def _written(flags: list[str], dp: int = 1) -> tuple[dict, dict]:
     """(meta.json of a checkpoint written with `flags` on `dp` data-parallel ranks, the run identity of `flags`)."""
-    from flux_cp.config import parse_config
+    from flux_cp.config.parser import parse_config
 
     cfg = parse_config(["--lora_layers", "attn.to_q", *flags])
     samples = cfg.train.train_batch_size * dp * cfg.train.gradient_accumulation_steps
@@ -126,7 +127,7 @@ def test_another_cut_of_the_global_batch_into_micro_steps_is_refused_with_the_fl
     timesteps are drawn per micro-step, so the run would continue on other draws. Refused naming the checkpoint's
     per-device batch, accumulation, CP size and processes; a checkpoint written before the identity held the
     accumulation is compared through its flags."""
-    from flux_cp.config import parse_config
+    from flux_cp.config.parser import parse_config
 
     meta, _ = _written(["--train_batch_size", "2", "--cp_size", "2"])
     _, accumulated = _written(["--train_batch_size", "1", "--gradient_accumulation_steps", "2"])
@@ -145,7 +146,7 @@ def test_another_cut_of_the_global_batch_into_micro_steps_is_refused_with_the_fl
     with pytest.raises(UsageError, match=r"\(global_batch: checkpoint 2, now 4\)\. The samples") as refused:
         resume.check_compatible(meta, doubled, tmp_path)
     assert advice in str(refused.value)
-    # What the flags decide is compared before anything loads (flux_cp.outdir.claim_run): the same refusal
+    # What the flags decide is compared before anything loads (flux_cp.outputs.outdir.claim_run): the same refusal
     flags = parse_config(
         ["--lora_layers", "attn.to_q", "--train_batch_size", "1", "--gradient_accumulation_steps", "2"]
     )
@@ -157,7 +158,7 @@ def test_a_resume_on_another_layout_of_the_same_micro_steps_is_said_to_be_exact(
     """Per-device batch x data-parallel size and the accumulation kept, the CP size or the split between batch and
     ranks changed: the same draws (docs/design.md, rule 1); the resume says so in one line. The same layout: no
     line."""
-    from flux_cp.config import parse_config
+    from flux_cp.config.parser import parse_config
 
     meta, _ = _written(["--train_batch_size", "2", "--cp_size", "2"])
     line = resume.batch_layout_change(meta, parse_config(["--train_batch_size", "1", "--cp_size", "1"]))
@@ -186,10 +187,10 @@ def test_a_resume_with_another_seed_is_refused():
 def test_other_class_images_are_named_file_by_file(tmp_path):
     """Prior preservation: the class images' rows are in the run identity (meta.json), so a resume with others says
     which files differ, not only two fingerprints."""
-    from flux_cp.config import parse_config
-    from flux_cp.data import DataIdentity
+    from flux_cp.config.parser import parse_config
+    from flux_cp.data.sources import DataIdentity
     from flux_cp.families import FLUX1
-    from flux_cp.shape import resolved
+    from flux_cp.shape.build import resolved
 
     flags = ["--with_prior_preservation", "--class_data_dir", str(tmp_path), "--class_prompt", "a dog"]
     cfg = resolved(parse_config(flags), FLUX1, False, None)  # as the trainer holds the flags
@@ -205,7 +206,7 @@ def test_a_resume_on_changed_model_components_or_revision_is_refused_naming_them
     """The run identity holds every component's fingerprint (config and weights' content) and the revision: a resume
     on weights changed in place is refused naming the components; a checkpoint written before they were recorded
     is compared without them."""
-    from flux_cp.config import parse_config
+    from flux_cp.config.parser import parse_config
 
     cfg = parse_config(["--lora_layers", "attn.to_q"])
     components = {"transformer": "t1", "vae": "v1", "text_encoder": "c1", "text_encoder_2": "e1"}
@@ -226,13 +227,13 @@ def test_a_resume_on_changed_model_components_or_revision_is_refused_naming_them
 
 
 def test_the_total_limit_never_prunes_the_checkpoint_just_written(tmp_path):
-    """With checkpoints of later steps in the folder (another branch, had it not been set aside by flux_cp.resume),
-    the limit prunes older checkpoints only: the checkpoint just written always stays."""
+    """With checkpoints of later steps in the folder (another branch, had it not been set aside by
+    flux_cp.outputs.resume), the limit prunes older checkpoints only: the checkpoint just written always stays."""
     trainee = _trainee(0)
     for step in (4, 6):
         _save(tmp_path, step, trainee)
     _save(tmp_path, 2, trainee, limit=2)
     _save(tmp_path, 3, trainee, limit=2)
-    assert [s for s, _ in checkpoint.list_checkpoints(tmp_path)] == [2, 3, 4, 6]
+    assert [s for s, _ in checkpoint_folders.list_checkpoints(tmp_path)] == [2, 3, 4, 6]
     _save(tmp_path, 5, trainee, limit=2)  # keeps itself and the newest older one (by step)
-    assert [s for s, _ in checkpoint.list_checkpoints(tmp_path)] == [4, 5, 6]
+    assert [s for s, _ in checkpoint_folders.list_checkpoints(tmp_path)] == [4, 5, 6]

@@ -13,14 +13,17 @@ import pytest
 import torch
 from diffusers.optimization import get_scheduler
 
-from flux_cp import checkpoint, diskspace, resume
-from flux_cp.config import LoraConfig
+from flux_cp import checkpoint_folders
+from flux_cp.config.training import LoraConfig
 from flux_cp.errors import UsageError
 from flux_cp.families import FLUX1
 from flux_cp.families.flux1 import DEFAULT_TARGETS
 from flux_cp.families.flux1.tiny import TRANSFORMER_CONFIG, tiny_transformer
-from flux_cp.lora import save_lora
-from flux_cp.model import prepare_trainable, save_full, trainable_parameters
+from flux_cp.model.loading import prepare_trainable, save_full, trainable_parameters
+from flux_cp.model.lora import save_lora
+from flux_cp.outputs import checkpoint, resume
+from flux_cp.plan import diskspace
+from flux_cp.plan.counts import parameter_counts
 
 
 def _tree(path: Path) -> int:
@@ -50,7 +53,7 @@ def _save(out: Path, step: int, model, opt, sched, **kw) -> Path:
 @pytest.mark.parametrize("full", [False, True], ids=["lora", "full"])
 def test_sizes_known_in_advance_match_what_is_written(tmp_path, full):
     model, opt, sched = _trained(full=full)
-    counts = FLUX1.count_parameters(TRANSFORMER_CONFIG, None if full else 4, list(DEFAULT_TARGETS))
+    counts = parameter_counts(FLUX1, TRANSFORMER_CONFIG, None if full else 4, list(DEFAULT_TARGETS))
     assert counts.trainable == sum(p.numel() for _, p in trainable_parameters(model))
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     trained = {k: v for k, v in state.items() if k in {n for n, _ in trainable_parameters(model)}}
@@ -76,7 +79,7 @@ def test_sizes_known_in_advance_match_what_is_written(tmp_path, full):
 def test_flux1_dev_full_finetuning_needs_a_143_gb_checkpoint_and_is_refused_on_a_128_gb_disk(tmp_path, monkeypatch):
     from flux_cp.families.flux1.tiny import FLUX1_DEV_TRANSFORMER
 
-    counts = FLUX1.count_parameters(FLUX1_DEV_TRANSFORMER, None, [])
+    counts = parameter_counts(FLUX1, FLUX1_DEV_TRANSFORMER, None, [])
     assert counts.trainable == 11_901_408_320
     s = diskspace.sizes(counts, True, True, torch.bfloat16, world=2)
     assert 142.8e9 < s.checkpoint < 142.9e9 and 23.8e9 < s.model < 23.9e9
@@ -100,7 +103,7 @@ def test_a_save_that_does_not_fit_stops_before_writing_and_keeps_the_last_good_c
     size = _tree(first)
     monkeypatch.setenv("FLUX_CP_DISK_BYTES", str(size + size // 2))  # a disk holding only this folder
     with pytest.raises(UsageError) as e:
-        diskspace.check_checkpoint(tmp_path, 4, size, is_main=True)  # before each save (flux_cp.outputs)
+        diskspace.check_checkpoint(tmp_path, 4, size, is_main=True)  # before each save (flux_cp.run.output_phase)
     assert str(e.value).startswith(f"not enough disk space for checkpoint-4: it needs {diskspace.gib(size)}")
     assert f"Nothing was written; {first} is the last good checkpoint." in str(e.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2"]
@@ -193,7 +196,7 @@ def test_a_checkpoint_without_optimizer_state_restores_weights_and_schedule(tmp_
 def test_a_checkpoint_exception_outside_our_checkpoint_code_still_ends_as_one_line(capsys):
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from flux_cp.runner import run
+    from flux_cp.run.runner import run
 
     def main() -> int:
         raise CheckpointException("save", {0: (RuntimeError("unexpected pos 6841792 vs 6841680"), None)})
@@ -204,8 +207,8 @@ def test_a_checkpoint_exception_outside_our_checkpoint_code_still_ends_as_one_li
 
 
 def test_the_plan_shows_the_disk_a_run_needs(capsys):
-    from flux_cp.config import parse_config
-    from flux_cp.plan import print_plan
+    from flux_cp.config.parser import parse_config
+    from flux_cp.plan.report import print_plan
 
     print_plan(parse_config(["--plan", "--checkpoints_total_limit", "2"]))
     disk = [line for line in capsys.readouterr().out.splitlines() if line.startswith("disk:")]
@@ -236,7 +239,7 @@ def test_every_field_of_meta_json_is_checked(tmp_path, meta, message):
     with pytest.raises(
         UsageError, match=re.escape(f"--resume_from_checkpoint {tmp_path}: ") + ".*" + re.escape(message)
     ):
-        checkpoint.read_meta(tmp_path)
+        checkpoint_folders.read_meta(tmp_path)
 
 
 def _small(seed: int):
@@ -294,14 +297,14 @@ def test_a_checkpoint_path_leading_outside_its_state_folder_is_refused_before_it
 def test_a_changed_data_set_is_named_file_by_file(tmp_path):
     """The data set is identified by relative names, contents and captions; a resume onto another data set says
     which files differ. The checkpoint keeps the rows in data.json (meta.json stays small)."""
-    from flux_cp.config import parse_config
-    from flux_cp.data import DataIdentity
+    from flux_cp.config.parser import parse_config
+    from flux_cp.data.sources import DataIdentity
 
     def identity(rows):
         return DataIdentity("fp-" + str(hash(str(rows))), rows, "legacy")
 
     from flux_cp.families import FLUX1
-    from flux_cp.shape import resolved
+    from flux_cp.shape.build import resolved
 
     before = [["a.png", "c1", "t1"], ["b.png", "c2", "t2"], ["c.png", "c3", "t3"]]
     after = [["a.png", "c1", "t9"], ["b.png", "cX", "t2"], ["d.png", "c4", "t4"]]
@@ -309,7 +312,7 @@ def test_a_changed_data_set_is_named_file_by_file(tmp_path):
     model, opt, sched = _small(0)
     meta = {"run": resume.run_identity(cfg, 1, identity(before), None), "layout": "x", "args": {}}
     ckpt = checkpoint.save(str(tmp_path), 2, model, opt, sched, meta, True, None)
-    saved = checkpoint.read_meta(ckpt)
+    saved = checkpoint_folders.read_meta(ckpt)
     assert "data_files" not in saved["run"] and (ckpt / "data.json").is_file()
     resume.check_compatible(saved, resume.run_identity(cfg, 1, identity(before), None), ckpt)
     with pytest.raises(UsageError) as e:
@@ -329,8 +332,8 @@ def test_a_changed_data_set_is_named_file_by_file(tmp_path):
 
 def _with(name: str, steps: int, **flags):
     """The tiny LoRA trained `steps` steps by the trainer's optimizer `name` (a quadratic pull of every weight to 1)."""
-    from flux_cp.config import TrainConfig
-    from flux_cp.optim import make_optimizer
+    from flux_cp.config.training import TrainConfig
+    from flux_cp.model.optim import make_optimizer
 
     if name == "adamw8bit":
         pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed (pip install -e .[optim])")
@@ -390,7 +393,7 @@ def test_changed_prodigy_settings_are_applied_on_resume(tmp_path):
 @pytest.mark.parametrize("name", ["prodigy", "adamw8bit"])
 def test_checkpoint_sizes_of_prodigy_and_8bit_adamw_are_known_in_advance(tmp_path, name):
     model, opt, sched = _with(name, 2)
-    counts = FLUX1.count_parameters(TRANSFORMER_CONFIG, 4, list(DEFAULT_TARGETS))
+    counts = parameter_counts(FLUX1, TRANSFORMER_CONFIG, 4, list(DEFAULT_TARGETS))
     s = diskspace.sizes(counts, False, True, torch.bfloat16, world=1, optimizer=name)
     written = _tree(_save(tmp_path, 2, model, opt, sched))
     assert written <= s.checkpoint, (written, s)
@@ -410,16 +413,16 @@ def test_8bit_adamw_state_of_flux1_dev_is_a_quarter_of_adamws():
 
         sizes = [p.numel() for p in FluxTransformer2DModel.from_config(FLUX1_DEV_TRANSFORMER).parameters()]
     exact = sum(2 * v + 2 * 4 * -(-v // 256) + 2 * 256 * 4 if v >= 4096 else 8 * v for v in sizes)
-    counts = FLUX1.count_parameters(FLUX1_DEV_TRANSFORMER, None, [])
+    counts = parameter_counts(FLUX1, FLUX1_DEV_TRANSFORMER, None, [])
     eight, adamw = (diskspace.sizes(counts, True, True, torch.bfloat16, 2, optimizer=o) for o in ("adamw8bit", "adamw"))
     assert exact <= eight.checkpoint_optimizer <= exact * 1.001 + len(sizes) * 64 * 1024
     assert 0.25 < eight.checkpoint_optimizer / adamw.checkpoint_optimizer < 0.26
 
 
 def test_the_optimizer_is_part_of_a_runs_identity(tmp_path):
-    from flux_cp.config import parse_config
+    from flux_cp.config.parser import parse_config
     from flux_cp.families import FLUX1
-    from flux_cp.shape import resolved
+    from flux_cp.shape.build import resolved
 
     adamw = resume.run_identity(resolved(parse_config([]), FLUX1, False, None), 4, "data", None)
     prodigy = resume.run_identity(resolved(parse_config(["--optimizer", "prodigy"]), FLUX1, False, None), 4,
@@ -439,7 +442,7 @@ def test_a_seed_checkpoint_that_cannot_be_one_is_refused_before_the_model_loads(
     from safetensors.torch import save_file
 
     from flux_cp.errors import UsageError
-    from flux_cp.model import check_seed_checkpoint
+    from flux_cp.model.loading import check_seed_checkpoint
 
     check_seed_checkpoint(str(tmp_path / "new" / "seed.safetensors"))  # absent: written there later
     save_file({"w": torch.zeros(2)}, tmp_path / "seed.safetensors")
@@ -459,7 +462,7 @@ def test_a_seed_checkpoint_that_cannot_be_one_is_refused_before_the_model_loads(
 def test_every_file_of_a_checkpoint_has_its_size_and_checksum_in_meta_json(tmp_path):
     model, opt, sched = _trained()
     ckpt = _save(tmp_path, 2, model, opt, sched)
-    meta = checkpoint.read_meta(ckpt)
+    meta = checkpoint_folders.read_meta(ckpt)
     listed = meta["checksums"]["files"]
     on_disk = sorted(p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*") if p.is_file() and p.name != "meta.json")
     assert sorted(listed) == on_disk and "state/.metadata" in listed and "train.pt" in listed
@@ -491,7 +494,7 @@ def test_a_damaged_checkpoint_is_refused_at_resume_naming_the_file(tmp_path, mon
         name = next((ckpt / "state").glob("*.distcp")).relative_to(ckpt).as_posix()
         monkeypatch.setattr(checkpoint, "_SMALL", 0)  # the tiny shard checked as a large one is
     _damage(ckpt / name, how)
-    meta = checkpoint.read_meta(ckpt)
+    meta = checkpoint_folders.read_meta(ckpt)
     why = {"truncated": "bytes, ", "flipped": "the checksum differs", "missing": "missing"}[how]
     expected = rf"^--resume_from_checkpoint {re.escape(str(ckpt))}: {re.escape(name)} is damaged \(.*{why}"
     if name.endswith(".distcp") and how == "flipped":
@@ -509,14 +512,14 @@ def test_a_checkpoint_written_before_checksums_still_has_its_metadata_read_at_st
     meta = json.loads((ckpt / "meta.json").read_text())
     del meta["checksums"]
     (ckpt / "meta.json").write_text(json.dumps(meta))
-    checkpoint.verify_quick(ckpt, checkpoint.read_meta(ckpt))
+    checkpoint.verify_quick(ckpt, checkpoint_folders.read_meta(ckpt))
     _damage(ckpt / "state" / ".metadata", "truncated")
     with pytest.raises(UsageError, match=r"state/.metadata is damaged \(it cannot be read: UnpicklingError"):
-        checkpoint.verify_quick(ckpt, checkpoint.read_meta(ckpt))
+        checkpoint.verify_quick(ckpt, checkpoint_folders.read_meta(ckpt))
     meta["checksums"] = {"algorithm": "xxh3_128", "files": {"train.pt": {"bytes": "12"}}}
     (ckpt / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(UsageError, match="meta.json's 'checksums' is not a list of files"):
-        checkpoint.read_meta(ckpt)
+        checkpoint_folders.read_meta(ckpt)
 
 
 def test_non_finite_values_in_a_loaded_checkpoint_are_named_as_such(tmp_path):

@@ -1,6 +1,6 @@
-"""Per-block activation checkpointing (`--gradient_checkpointing auto|all|none|N`, flux_cp/blocks.py): any number of
-checkpointed blocks, eager or compiled (a mix of checkpointed and plain compiled blocks), computes what no
-checkpointing computes; `auto` takes the planner's choice (flux_cp/plan.py) and the run records it."""
+"""Per-block activation checkpointing (`--gradient_checkpointing auto|all|none|N`, flux_cp/model/blocks.py): any number
+of checkpointed blocks, eager or compiled (a mix of checkpointed and plain compiled blocks), computes what no
+checkpointing computes; `auto` takes the planner's choice (flux_cp/plan/memory.py) and the run records it."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import cp
-from flux_cp import plan
-from flux_cp.blocks import checkpointed_blocks, prepare_blocks
-from flux_cp.config import parse_config
+from flux_cp.config.parser import parse_config
 from flux_cp.errors import UsageError
+from flux_cp.model.blocks import Checkpointing, checkpointed_blocks, prepare_blocks
+from flux_cp.plan import memory as plan
 from tests.distributed import flux_inputs, flux_model
 from tests.launch import losses, ok, run_args, train
 
@@ -22,7 +22,7 @@ from tests.launch import losses, ok, run_args, train
 def _resolved(argv: list[str]):
     """The flags as the trainer holds them once the model is known (FLUX.1's default LoRA layers filled in)."""
     from flux_cp.families import FLUX1
-    from flux_cp.shape import resolved
+    from flux_cp.shape.build import resolved
 
     return resolved(parse_config(argv), FLUX1, False, None)
 
@@ -67,7 +67,7 @@ def _graphs(monkeypatch) -> dict[tuple[str, bool], list[str]]:
         return backends[kind]
 
     def compile_with_kind(self, **kw):
-        checkpointed = isinstance(self.__dict__.get("forward"), functools.partial)  # flux_cp.blocks.checkpoint_inside
+        checkpointed = isinstance(self.__dict__.get("forward"), functools.partial)  # blocks.checkpoint_inside
         return compile_(self, backend=backend((type(self).__name__, checkpointed)))
 
     compile_ = torch.nn.Module.compile
@@ -111,7 +111,7 @@ def _matmuls(code: str) -> int:
 
 def _shape(family, config: dict, resolution: int, text_tokens: int):
     """The run shape of one process training `config` on square `resolution` samples (no CP, DDP)."""
-    from flux_cp.shape import RunShape
+    from flux_cp.shape.run_shape import RunShape
 
     return RunShape(family, "m", None, None, ((resolution, resolution),), ((0,),), text_tokens, 1, 1, 1, False,
                     transformer_config=config)  # fmt: skip
@@ -127,7 +127,7 @@ def test_auto_fits_the_memory_given_with_the_planner_margin():
 
     shape = _shape(FLUX1, dict(FLUX1_DEV_TRANSFORMER), 2048, 512)
 
-    def choice(gib: float | None) -> plan.Checkpointing:
+    def choice(gib: float | None) -> Checkpointing:
         return plan.checkpointing_for(cfg, shape, gib)
 
     assert len(choice(None).blocks) == 0  # no GPU and no --gpu_memory_gib: nothing to fit
@@ -187,7 +187,7 @@ def _fsdp2_gradients(blocks: range) -> list[torch.Tensor]:
     them), eager, with `blocks` checkpointed per block (gathered to full tensors)."""
     from torch.distributed.fsdp import fully_shard
 
-    from flux_cp.blocks import transformer_blocks
+    from flux_cp.model.blocks import transformer_blocks
 
     model = flux_model()
     cp.apply_context_parallel(model, None)

@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from flux_cp.data import BUNDLED_DATA, BatchSchedule, bucket_divisor, bucket_sizes, nearest_bucket
-from flux_cp.metrics import read_metrics
+from flux_cp.data.buckets import bucket_divisor, bucket_sizes, nearest_bucket
+from flux_cp.data.schedule import BatchSchedule
+from flux_cp.data.sources import BUNDLED_DATA
+from flux_cp.outputs.metrics import read_metrics
 from tests.launch import ROOT, env, losses, ok, python_cmd, run_args, train
 
 
@@ -97,7 +99,7 @@ def test_aspect_buckets_on_an_int8_base_train_the_same_with_and_without_cp(tmp_p
         with Image.open(p) as img:
             sizes.add(round(img.size[0] / img.size[1], 2))
     assert len(sizes) >= 3, "the bundled set should hold several aspect ratios"
-    from flux_cp.encode import Geometry, training_buckets
+    from flux_cp.data.buckets import Geometry, training_buckets
 
     geometry = Geometry(training_buckets(128, 2, True))
     used = {geometry.bucket_of(Image.open(p).size) for p in BUNDLED_DATA.glob("*.png")}
@@ -165,8 +167,8 @@ def test_hub_data_sets_are_read_through_datasets(monkeypatch):
 
     import datasets
 
-    from flux_cp.config import DataConfig
-    from flux_cp.data import open_source
+    from flux_cp.config.training import DataConfig
+    from flux_cp.data.sources import open_source
     from flux_cp.errors import UsageError
 
     images = []

@@ -1,5 +1,5 @@
-"""--compile on|off|auto (flux_cp/compiling.py): the flag's values, auto's choice by the speed model (off on the CPU),
-and a compile failure at the first step falling back to eager blocks that compute what --compile off computes."""
+"""--compile on|off|auto (flux_cp/plan/compiling.py): the flag's values, auto's choice by the speed model (off on the
+CPU), and a compile failure at the first step falling back to eager blocks that compute what --compile off computes."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from flux_cp import compiling, speed
-from flux_cp.config import parse_config
+from flux_cp.config.parser import parse_config
 from flux_cp.errors import UsageError
-from flux_cp.metrics import read_metrics
+from flux_cp.outputs.metrics import read_metrics
+from flux_cp.plan import compiling, speed
 
 
 def test_the_flag_is_on_alone_off_on_or_auto_and_auto_by_default():
@@ -27,7 +27,7 @@ def test_the_flag_is_on_alone_off_on_or_auto_and_auto_by_default():
     with pytest.raises(UsageError, match=r"^--compile off with --compile_mode reduce-overhead: a compile mode"):
         parse_config(["--compile", "off", "--compile_mode", "reduce-overhead"])
     # a compile mode compiles: auto with one is on
-    from flux_cp.blocks import compiled
+    from flux_cp.model.blocks import compiled
 
     assert compiled(parse_config(["--compile_mode", "reduce-overhead"]).train)
     assert not compiled(parse_config([]).train)  # auto counts as off until a run decides it
@@ -50,7 +50,7 @@ def _figures(compile_s: float = 60.0) -> speed.Figures:
 
 
 def _plan(*flags: str):
-    from flux_cp.shape import build_shape, resolved
+    from flux_cp.shape.build import build_shape, resolved
 
     cfg = parse_config(
         [
@@ -84,7 +84,7 @@ def test_auto_is_off_on_the_cpu_and_on_a_gpu_on_where_the_steps_pay_for_compilin
     assert decided.train.compile == "off" and choice.line is None  # the CPU: no compiling, nothing said
     gpu = torch.device("cuda")  # planned for a GPU: nothing runs on it
     with speed.using(_figures()):
-        from flux_cp import plan
+        from flux_cp.plan import memory as plan
 
         on, off = (plan.checkpointing_for(compiling.with_compile(cfg, v), shape, 80).seconds for v in ("on", "off"))
         assert 0 < on < off  # compiled blocks are faster by the figures (their elementwise work is fused)

@@ -6,7 +6,9 @@ import dataclasses
 
 import pytest
 
-from flux_cp.config import Config, DataConfig, LoraConfig, build_parser, parse_config
+from flux_cp.config.flags import Config
+from flux_cp.config.parser import build_parser, parse_config
+from flux_cp.config.training import DataConfig, LoraConfig
 from flux_cp.errors import UsageError
 
 
@@ -24,7 +26,7 @@ def test_embedded_default_resolves_the_tiny_model_defaults():
     assert (cfg.data.resolution, cfg.data.max_sequence_length) == ((64,), 48)
     assert cfg.validation.validation_resolution == 64
     assert (cfg.lora.rank, cfg.lora.lora_alpha) == (16, 16)
-    assert cfg.lora.lora_layers is None  # the model family's, once the model is known (flux_cp.shape.resolved)
+    assert cfg.lora.lora_layers is None  # the model family's, once the model is known (flux_cp.shape.build.resolved)
 
 
 def test_a_named_model_gets_flux_defaults_and_derived_values_follow_their_flags():
@@ -160,7 +162,7 @@ def test_command_line_mistakes_get_one_line(argv, message):
 def test_a_mistake_prints_one_line_once_under_a_launcher(capfd, monkeypatch):
     """Through the trainer's exit path: one `error:` line on rank 0 and nothing on the other ranks (no usage
     block), exit code 2."""
-    from flux_cp import runner
+    from flux_cp.run import runner
 
     for rank, expected in (("0", ["error: unknown flag --learnig_rate: did you mean --learning_rate?"]), ("1", [])):
         monkeypatch.setenv("RANK", rank)

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from flux_cp.config import parse_config
-from flux_cp.config_file import RUN_CHOICES
-from flux_cp.data import BUNDLED_DATA
+from flux_cp.config.file import RUN_CHOICES
+from flux_cp.config.parser import parse_config
+from flux_cp.data.sources import BUNDLED_DATA
 from flux_cp.errors import UsageError
 
 # A handful of flags of every kind: a float, a list flag, a repeatable flag, a switch, a true/false flag, an int, a
@@ -107,8 +107,8 @@ def test_null_leaves_the_default_and_false_leaves_a_switch_off(tmp_path):
 
 
 def _run_config(cfg, path: Path, **chosen) -> str:
-    """A run_config.json as a run writes it (flux_cp.outputs.Outputs.record_settings): every recorded flag, then what
-    the run chose."""
+    """A run_config.json as a run writes it (flux_cp.run.output_phase.Outputs.record_settings): every recorded flag,
+    then what the run chose."""
     path.write_text(json.dumps({**cfg.flat(), **{k: 1 for k in RUN_CHOICES}, **chosen}))
     return str(path)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flux_cp.data import BUNDLED_DATA
+from flux_cp.data.sources import BUNDLED_DATA
 from tests.launch import in_process
 
 pytestmark = pytest.mark.e2e

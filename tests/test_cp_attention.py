@@ -219,7 +219,7 @@ def test_gather_is_exact_and_its_backward_is_the_adjoint():
 
 
 def test_cp_advice_warns_only_where_cp_was_measured_no_faster_than_one_gpu():
-    from flux_cp.parallel import cp_advice
+    from flux_cp.model.parallel import cp_advice
 
     advice = cp_advice(4608, 2, cuda_graphs=False)  # 1024 px on 2 GPUs: 2,304 tokens per rank
     assert "--compile_mode reduce-overhead" in advice and "--cp_size 1" in advice
@@ -230,7 +230,7 @@ def test_cp_advice_warns_only_where_cp_was_measured_no_faster_than_one_gpu():
 
 
 def test_auto_mode_follows_the_measured_rules():
-    from flux_cp.shape import auto_mode
+    from flux_cp.shape.run_shape import auto_mode
 
     assert auto_mode(24, 2) == ("ulysses", None)  # 1024 and 2048 px on 2 GPUs alike
     assert auto_mode(24, 4) == ("ulysses", None)

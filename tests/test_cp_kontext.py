@@ -9,9 +9,10 @@ import torch
 import torch.distributed as dist
 
 import cp
+from flux_cp.data.pairs import image_segment
 from flux_cp.families import FLUX1
 from flux_cp.families.flux1.tokens import pack_latents, text_ids
-from flux_cp.pairs import PairSplit, image_segment, target_loss
+from flux_cp.loss import PairSplit, target_loss
 from tests import distributed
 from tests.distributed import TEXT, flux_model, rel_error, set_checkpointing
 

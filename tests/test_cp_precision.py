@@ -14,7 +14,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import cp
-from flux_cp.precision import PACKAGES, QUANTIZED, quantize_base, stored
+from flux_cp.extras import PACKAGES
+from flux_cp.model.precision import QUANTIZED, quantize_base, stored
 from tests import distributed
 from tests.distributed import HEAD_DIM, HEADS, flux_inputs, rel_error
 

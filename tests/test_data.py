@@ -12,9 +12,11 @@ import pytest
 import torch
 from PIL import Image
 
-from flux_cp.config import DataConfig
-from flux_cp.data import BUNDLED_DATA, crop_box, open_source, reference_column, to_pixels
+from flux_cp.config.training import DataConfig
+from flux_cp.data.buckets import crop_box
+from flux_cp.data.sources import BUNDLED_DATA, open_source, reference_column
 from flux_cp.errors import UsageError
+from flux_cp.images import to_pixels
 from flux_cp.rng import Stream, generator
 
 

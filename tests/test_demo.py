@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from flux_cp.config import DEMO_BATCH, DEMO_LEARNING_RATE, DEMO_PROMPTS, DEMO_STEPS, KONTEXT_DEMO, parse_config
-from flux_cp.data import BUNDLED_DATA
+from flux_cp.config.demo import DEMO_BATCH, DEMO_LEARNING_RATE, DEMO_PROMPTS, DEMO_STEPS, PAIRS_DEMO
+from flux_cp.config.parser import parse_config
+from flux_cp.data.sources import BUNDLED_DATA
 from flux_cp.errors import UsageError
 
 
@@ -57,14 +58,14 @@ def test_the_kontext_demo_on_the_bundled_pairs_learns_and_validates_before_and_a
     for name in (str(pairs), "data/tiny_pairs"):
         monkeypatch.chdir(BUNDLED_DATA.parent.parent if name.startswith("data/") else tmp_path)
         cfg = parse_config(["--dataset_name", name])
-        assert cfg.demo is KONTEXT_DEMO
+        assert cfg.demo is PAIRS_DEMO
         assert (cfg.train.max_train_steps, cfg.train.learning_rate, cfg.train.train_batch_size) == (
-            KONTEXT_DEMO.steps, KONTEXT_DEMO.learning_rate, KONTEXT_DEMO.batch,
+            PAIRS_DEMO.steps, PAIRS_DEMO.learning_rate, PAIRS_DEMO.batch,
         )  # fmt: skip
-        assert cfg.validation.validation_prompt == KONTEXT_DEMO.prompts
+        assert cfg.validation.validation_prompt == PAIRS_DEMO.prompts
         assert [Path(p) for p in cfg.validation.validation_image] == [pairs / "00_blue_circle.png"]
     captions = {json.loads(line)["text"] for line in (pairs / "metadata.jsonl").read_text().splitlines()}
-    assert set(KONTEXT_DEMO.prompts) <= captions  # what it learns, from the reference every prompt edits
+    assert set(PAIRS_DEMO.prompts) <= captions  # what it learns, from the reference every prompt edits
     cfg = parse_config(["--dataset_name", str(pairs), "--max_train_steps", "3"])
     assert cfg.demo is None and cfg.validation.validation_image is None and cfg.train.learning_rate == 1e-4
 
@@ -89,7 +90,7 @@ def test_the_log_says_which_demo_settings_apply_or_which_flag_turned_them_off():
 def test_every_copy_of_the_config_keeps_what_the_log_says_about_the_demo():
     """The trainer holds `resolved()`'s copy (the family's defaults filled in): the demo's line is its to say."""
     from flux_cp.families import FLUX1
-    from flux_cp.shape import resolved
+    from flux_cp.shape.build import resolved
 
     for argv in ([], ["--max_train_steps", "3"], ["--dataset_name", "data/tiny_pairs"]):
         cfg = parse_config(argv)
@@ -150,7 +151,7 @@ def test_a_resumed_run_that_was_not_the_demo_keeps_the_usual_defaults(tmp_path):
 
 
 def test_a_finished_run_is_known_from_its_last_checkpoint_and_outputs(tmp_path):
-    from flux_cp.outdir import finished
+    from flux_cp.outputs.outdir import finished
 
     out = tmp_path / "tiny"
     assert finished("latest", out, 200) is None
@@ -163,7 +164,7 @@ def test_a_finished_run_is_known_from_its_last_checkpoint_and_outputs(tmp_path):
     assert finished("latest", out, 200) == last and finished(str(last), out, 200) == last
     assert finished("latest", out, 220) is None and finished(None, out, 200) is None  # extended; not a resume
     assert finished(str(out / "checkpoint-100"), out, 200) is None  # an earlier checkpoint: a branch
-    from flux_cp import outdir
+    from flux_cp.outputs import outdir
 
     outdir.claim(out, "latest")  # a live run in the folder: its start says the folder is in use, not this
     try:
@@ -176,8 +177,8 @@ def test_a_finished_run_is_known_from_its_last_checkpoint_and_outputs(tmp_path):
 def test_a_refused_resume_is_printed_once_under_a_launcher(tmp_path, capfd, monkeypatch):
     """Every rank reads the same checkpoint and holds the same run identity, so the refusal is agreed: the main rank
     prints it, the others nothing (it was printed once per rank)."""
-    from flux_cp import runner
-    from flux_cp.trainer import Trainer
+    from flux_cp.run import runner
+    from flux_cp.run.trainer import Trainer
 
     out = tmp_path / "tiny"
     _checkpoint(out, 4, {}, run={"global_batch": 4})

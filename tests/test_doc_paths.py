@@ -1,7 +1,7 @@
 """No stale references in the README and docs/: every repository path they write (backticked, linked or in a command:
-`flux_cp/plan.py`, `tests/test_x.py::test_name`, `benchmarks/...`, `accelerate_configs/x.yaml`), every module or
-name of ours they write dotted (`flux_cp.offload.plan_offload`, `python -m benchmarks.gpu_table`) and every page
-anchor they link exists in this checkout. A path counts as ours when its first folder is one the repository tracks;
+`flux_cp/plan/memory.py`, `tests/test_x.py::test_name`, `benchmarks/...`, `accelerate_configs/x.yaml`), every module or
+name of ours they write dotted (`flux_cp.model.offload_plan.plan_offload`, `python -m benchmarks.gpu_table`) and every
+page anchor they link exists in this checkout. A path counts as ours when its first folder is one the repository tracks;
 placeholders (`RESULTS/...`, `accelerate_configs/CONFIG`, `<layout>`) and output folders (`output/tiny/...`, not
 tracked) are examples, not references. docs/bad_inputs.md is generated from the bad-input cases, whose paths are
 meant not to exist."""
@@ -72,7 +72,7 @@ def check_path(word: str) -> str | None:
     if "*" in path:
         return None if list(ROOT.glob(path)) else "matches nothing"
     if not (ROOT / path).exists():
-        module = re.match(r"^(.+)\.(\w+)$", path)  # flux_cp/parallel.make_accelerator: a name in a module
+        module = re.match(r"^(.+)\.(\w+)$", path)  # flux_cp/model/parallel.make_accelerator: a name in a module
         if module and (ROOT / f"{module.group(1)}.py").is_file():
             return resolve_dotted(path.replace("/", "."))
         return "does not exist"
@@ -128,12 +128,12 @@ def test_every_link_of_a_page_reaches_its_file_and_anchor(page):
 
 
 def test_the_checks_see_a_stale_path_a_missing_test_a_gone_name_and_a_broken_anchor(tmp_path):
-    assert check_path("flux_cp/plan.py") is None and check_path("flux_cp/speed_data/*.json") is None
+    assert check_path("flux_cp/plan/memory.py") is None and check_path("flux_cp/plan/speed_data/*.json") is None
     assert check_path("flux_cp/gone.py") == "does not exist"
     assert check_path("tests/test_doc_paths.py::test_every_path_and_module_a_page_names_exists") is None
     assert check_path("tests/test_doc_paths.py::test_gone") == "defines no test_gone"
-    assert resolve_dotted("flux_cp.plan.checkpoint_from_end") is None and resolve_dotted("flux_cp.tiny") is None
-    assert resolve_dotted("flux_cp.plan.gone") == "flux_cp.plan has no gone"
+    assert resolve_dotted("flux_cp.plan.memory.checkpoint_from_end") is None and resolve_dotted("flux_cp.tiny") is None
+    assert resolve_dotted("flux_cp.plan.memory.gone") == "flux_cp.plan.memory has no gone"
     assert resolve_dotted("flux_cp.gone_module") == "flux_cp has no gone_module"
     page = tmp_path / "page.md"
     page.write_text(

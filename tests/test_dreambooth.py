@@ -14,14 +14,13 @@ import pytest
 import torch
 from PIL import Image
 
-from flux_cp.config import DataConfig, parse_config
-from flux_cp.data import BUNDLED_DATA, BatchSchedule, Repeats, bucket_divisor, check_epoch_size, open_source
-from flux_cp.encode import ClassGeometry, Geometry, LiveData, Repeated, encode_dataset, run_buckets
-from flux_cp.errors import UsageError
-from flux_cp.flag_ranges import unused_flags
-from flux_cp.prior import (
+from flux_cp.config.parser import parse_config
+from flux_cp.config.ranges import unused_flags
+from flux_cp.config.training import DataConfig
+from flux_cp.data.buckets import ClassGeometry, Geometry, bucket_divisor, run_buckets
+from flux_cp.data.encode import ClassSamples, LiveData, Repeated, encode_dataset
+from flux_cp.data.prior import (
     MARKER,
-    ClassSamples,
     check_generated_folder,
     class_images,
     class_source,
@@ -30,9 +29,13 @@ from flux_cp.prior import (
     missing,
     missing_count,
 )
-from flux_cp.prior import check_resume as check_prior_resume
+from flux_cp.data.schedule import BatchSchedule, Repeats, check_epoch_size
+from flux_cp.data.sources import BUNDLED_DATA, open_source
+from flux_cp.errors import UsageError
+from flux_cp.loss import batch_loss
+from flux_cp.outputs.resume import check_prior_resume
 from flux_cp.rng import Stream, generator
-from flux_cp.shape import check_tokens
+from flux_cp.shape.run_shape import check_tokens
 from tests.fakes import D, FakeData, L, make_batches
 
 EMPTY = {"prompt_embeds": torch.full((L, D), 7.0), "pooled_prompt_embeds": torch.full((D,), 7.0)}
@@ -115,9 +118,9 @@ def test_buckets_of_several_resolutions_divide_by_the_cp_size_at_each():
 
 
 def test_a_resolution_of_several_that_does_not_split_over_the_cp_group_is_refused():
-    from flux_cp.config import ValidationConfig
+    from flux_cp.config.flags import ValidationConfig
     from flux_cp.families import FLUX1
-    from flux_cp.shape import RunShape
+    from flux_cp.shape.run_shape import RunShape
 
     shape = RunShape(FLUX1, "m", None, None, ((32, 32), (48, 48)), ((0,), (1,)), 32, 2, 1, 2, False)
     with pytest.raises(UsageError, match="^--resolution 48 gives 9 image tokens, not divisible by --cp_size 2"):
@@ -308,15 +311,15 @@ def test_prior_loss_is_diffusers_and_cp_chunks_average_to_it(fake_cp_group):
     loss = torch.mean((weighting.float() * (model_pred.float() - target.float()) ** 2).reshape(target.shape[0], -1),
                       1).mean()  # fmt: skip
     reference = loss + 0.7 * prior_loss
-    assert torch.allclose(whole.loss(pred), reference, rtol=1e-6)
-    assert not torch.allclose(whole.loss(pred), (whole.weighting * (pred - whole.target) ** 2).mean().float())
+    assert torch.allclose(batch_loss(pred, whole), reference, rtol=1e-6)
+    assert not torch.allclose(batch_loss(pred, whole), (whole.weighting * (pred - whole.target) ** 2).mean().float())
     chunks = []
     for r in (0, 1):
         state["rank"] = r
         mb = make_batches(data, dp=1, dp_rank=0, cp_size=2, cp_rank=r, group=group, per_rank=2, data_config=config,
                           classes=classes).micro(1)  # fmt: skip
         n = mb.target.shape[1]
-        chunks.append(mb.loss(pred[:, r * n : (r + 1) * n]))
+        chunks.append(batch_loss(pred[:, r * n : (r + 1) * n], mb))
     assert torch.allclose((chunks[0] + chunks[1]) / 2, reference, rtol=1e-6)
 
 
@@ -380,10 +383,10 @@ def test_generated_class_images_are_written_as_rendered_so_an_interrupted_genera
     only the other two, from the same noise keys (the seed and the image's index)."""
     import types
 
-    from flux_cp import prior
-    from flux_cp.config import parse_config
+    from flux_cp.config.parser import parse_config
     from flux_cp.families import FLUX1
-    from flux_cp.prior import generate_class_images
+    from flux_cp.run import class_images as generation
+    from flux_cp.run.class_images import generate_class_images
 
     folder = tmp_path / "class"
     folder.mkdir()
@@ -402,9 +405,9 @@ def test_generated_class_images_are_written_as_rendered_so_an_interrupted_genera
         return {}
 
     transformer = types.SimpleNamespace(requires_grad_=lambda on: None, config={"num_attention_heads": 4})
-    monkeypatch.setattr(prior, "render", render)
-    monkeypatch.setattr(prior, "load_transformer", lambda *a: transformer)
-    monkeypatch.setattr(prior, "parallelize", lambda t, *a, **k: types.SimpleNamespace(model=t))
+    monkeypatch.setattr(generation, "render", render)
+    monkeypatch.setattr(generation, "load_transformer", lambda *a: transformer)
+    monkeypatch.setattr(generation, "parallelize", lambda t, *a, **k: types.SimpleNamespace(model=t))
     family = types.SimpleNamespace(
         image_tokens=FLUX1.image_tokens, validation_embeds=lambda *a: {}, transformer_class=lambda: None
     )
@@ -430,10 +433,10 @@ def test_generated_class_images_of_other_settings_are_rendered_again_and_the_log
     import logging
     import types
 
-    from flux_cp import prior
-    from flux_cp.config import parse_config
+    from flux_cp.config.parser import parse_config
     from flux_cp.families import FLUX1
-    from flux_cp.prior import generate_class_images
+    from flux_cp.run import class_images as generation
+    from flux_cp.run.class_images import generate_class_images
 
     folder = tmp_path / "class"
 
@@ -455,9 +458,9 @@ def test_generated_class_images_of_other_settings_are_rendered_again_and_the_log
         return {}
 
     transformer = types.SimpleNamespace(requires_grad_=lambda on: None, config={"num_attention_heads": 4})
-    monkeypatch.setattr(prior, "render", render)
-    monkeypatch.setattr(prior, "load_transformer", lambda *a: transformer)
-    monkeypatch.setattr(prior, "parallelize", lambda t, *a, **k: types.SimpleNamespace(model=t))
+    monkeypatch.setattr(generation, "render", render)
+    monkeypatch.setattr(generation, "load_transformer", lambda *a: transformer)
+    monkeypatch.setattr(generation, "parallelize", lambda t, *a, **k: types.SimpleNamespace(model=t))
     family = types.SimpleNamespace(
         image_tokens=FLUX1.image_tokens, validation_embeds=lambda *a: {}, transformer_class=lambda: None
     )

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flux_cp.ema import EMA, decay_at
+from flux_cp.model.ema import EMA, decay_at
 from tests.distributed import run
 
 

@@ -15,16 +15,18 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from flux_cp import encoding_memory as em
 from flux_cp import tiny
-from flux_cp.config import DataConfig, ModelConfig
-from flux_cp.data import open_source
-from flux_cp.encode import Geometry, encode_dataset, training_buckets
+from flux_cp.config.training import DataConfig, ModelConfig
+from flux_cp.data.buckets import Geometry, training_buckets
+from flux_cp.data.encode import encode_dataset
+from flux_cp.data.sources import open_source
 from flux_cp.errors import UsageError
 from flux_cp.families import FLUX1, FLUX2, FLUX2_KLEIN
+from flux_cp.families.components import load_part
 from flux_cp.families.flux1.tiny import FLUX1_T5, FLUX1_VAE, ensure_tiny_pipeline
-from flux_cp.model import load_part, load_transformer
+from flux_cp.model.loading import load_transformer
 from flux_cp.placement import Placement
+from flux_cp.plan import encoding as em
 from flux_cp.random_weights import build_random, hashed_uniform_
 
 CPU = torch.device("cpu")
@@ -239,7 +241,9 @@ def test_auto_streams_only_what_does_not_fit_and_tiles_only_where_a_whole_image_
 
 @pytest.fixture(scope="module")
 def full_flux1(tmp_path_factory):
-    return Path(tiny.main.__globals__["write_flux1_dev_full_shapes"](tmp_path_factory.mktemp("f") / "full"))
+    from flux_cp.families.flux1.tiny import write_flux1_dev_full_shapes
+
+    return Path(write_flux1_dev_full_shapes(tmp_path_factory.mktemp("f") / "full"))
 
 
 def test_the_full_shapes_preset_writes_every_component_s_config_at_full_size_and_no_weights(full_flux1, capsys,
@@ -257,8 +261,8 @@ def test_the_full_shapes_preset_writes_every_component_s_config_at_full_size_and
             vae["use_quant_conv"], vae["use_post_quant_conv"]) == (16, [128, 256, 512, 512], 0.3611, 0.1159, False,
                                                                   False)  # fmt: skip
     # the planner counts them on the meta device: T5-XXL's encoder is 4.9B parameters (9.1 GiB in bf16)
-    from flux_cp.config import parse_config
-    from flux_cp.plan import print_plan
+    from flux_cp.config.parser import parse_config
+    from flux_cp.plan.report import print_plan
 
     print_plan(parse_config(["--plan", "--pretrained_model_name_or_path", str(full_flux1), "--gpu_memory_gib", "24",
                              "--validation_prompt", "x", "--validation_resolution", "4096",

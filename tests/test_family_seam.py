@@ -162,6 +162,8 @@ class DiTFamily(Family):
     def text_ids(self, length: int, device=None) -> Tensor:
         return FLUX1.text_ids(length, device)
 
+    cp_plan = {"hidden_states": 1, "img_ids": 0, "encoder_hidden_states": 1, "txt_ids": 0}  # what CP splits
+
     def transformer_inputs(self, hidden, img_ids, text, txt_ids, timestep, guidance) -> dict:
         return dict(hidden_states=hidden, encoder_hidden_states=text["prompt_embeds"],
                     pooled_projections=text["pooled_prompt_embeds"], timestep=timestep, img_ids=img_ids,
@@ -221,7 +223,8 @@ def test_a_family_added_by_one_module_trains_through_the_trainer_with_cp_and_off
 
 if __name__ == "__main__":  # `train_flux_cp.py` with the test DiT's family registered
     import train_flux_cp
-    from flux_cp import families, runner
+    from flux_cp import families
+    from flux_cp.run import runner
 
     families.register(DIT)
     sys.exit(runner.run(train_flux_cp.main))

@@ -6,9 +6,10 @@ import re
 
 import pytest
 
-from flux_cp.config import build_parser, is_hub_id, parse_config
+from flux_cp.config.fields import is_hub_id
+from flux_cp.config.parser import build_parser, parse_config
+from flux_cp.config.ranges import RULES, given_flags, unused_flags
 from flux_cp.errors import UsageError
-from flux_cp.flag_ranges import RULES, given_flags, unused_flags
 
 # (flags, the start of the message). Values that turn training off, that a library would refuse with a traceback,
 # and the non-finite values argparse lets through.
@@ -243,7 +244,7 @@ def test_an_epoch_count_that_accumulation_does_not_divide_is_said_and_step_flags
     """A run counted in epochs knows its steps once the data is listed (the trainer calls these then): an epoch of 24
     batches with 5 accumulated micro-steps trains 4 steps, 20 of the 24 batches; the step flags are checked against
     those 4 steps as against --max_train_steps."""
-    from flux_cp.flag_ranges import check_steps, step_warnings
+    from flux_cp.config.ranges import check_steps, step_warnings
 
     argv = ["--gradient_accumulation_steps", "5", "--checkpointing_steps", "9", "--pretrained_model_name_or_path", "m"]
     values, steps = parse_config(argv).flat(), "the 4 steps of --num_train_epochs 1"

@@ -8,9 +8,9 @@ import re
 
 import pytest
 
-from flux_cp import plan
-from flux_cp.config import build_parser
+from flux_cp.config.parser import build_parser
 from flux_cp.families import FLUX1, FLUX2
+from flux_cp.plan import memory as plan
 from tools import flags_reference
 
 
@@ -60,8 +60,8 @@ def test_check_fails_on_a_stale_page_and_passes_on_the_rendered_one(tmp_path, mo
 
 @pytest.mark.parametrize("compiled", [False, True])
 def test_gradient_checkpointing_s_help_names_the_end_the_planner_checkpoints(compiled):
-    """`--gradient_checkpointing N` takes N blocks from the end whose blocks keep the most (flux_cp.plan): the help
-    says FLUX.1 checkpoints its first blocks and FLUX.2 its last, as the planner decides for each family."""
+    """`--gradient_checkpointing N` takes N blocks from the end whose blocks keep the most (flux_cp.plan.memory): the
+    help says FLUX.1 checkpoints its first blocks and FLUX.2 its last, as the planner decides for each family."""
     (action,) = [a for a in build_parser()._actions if a.dest == "gradient_checkpointing"]
     assert "(FLUX.1: the first blocks, FLUX.2: the last)" in action.help
     for family, from_end in ((FLUX1, False), (FLUX2, True)):

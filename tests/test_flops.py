@@ -10,10 +10,10 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from flux_cp import metrics
-from flux_cp.families import FLUX1
+from flux_cp.families import FLUX1, flops
 from flux_cp.families.flux1.tiny import tiny_transformer
 from flux_cp.families.flux1.tokens import image_ids, pack_latents, text_ids
+from flux_cp.outputs import metrics
 
 PER_SAMPLE = ("norm1.linear", "norm1_context.linear", "norm.linear", "norm_out.linear", "time_text_embed")
 
@@ -85,13 +85,13 @@ def test_the_flux2_forward_formula_counts_what_torch_counts(h, w, text, pairs):
 
 def test_model_flops_leave_out_recomputation_and_executed_flops_count_it():
     lin, att = 1e12, 3e11
-    plain = metrics.step_flops(lin, att, lora=True, ckpt=False, attn_recomputed=False)
+    plain = flops.step_flops(lin, att, lora=True, ckpt=False, attn_recomputed=False)
     assert plain.model == plain.executed - 0.5 * att  # flash kernels recompute the scores in the backward
     assert plain.model == 2 * lin + 3 * att  # LoRA: forward and input gradients; attention forward + 2x backward
-    ckpt = metrics.step_flops(lin, att, lora=True, ckpt=True, attn_recomputed=True)
+    ckpt = flops.step_flops(lin, att, lora=True, ckpt=True, attn_recomputed=True)
     assert ckpt.model == plain.model  # the same training, whatever is recomputed
     assert ckpt.executed == plain.executed + lin + att
-    full = metrics.step_flops(lin, att, lora=False, ckpt=False, attn_recomputed=False)
+    full = flops.step_flops(lin, att, lora=False, ckpt=False, attn_recomputed=False)
     assert full.model == 3 * lin + 3 * att  # weight gradients too
 
 

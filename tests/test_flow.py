@@ -7,9 +7,11 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
 from diffusers.training_utils import compute_density_for_timestep_sampling, compute_loss_weighting_for_sd3
 
-from flux_cp.config import WEIGHTING_SCHEMES, TrainConfig
+from flux_cp.config.fields import WEIGHTING_SCHEMES
+from flux_cp.config.training import TrainConfig
+from flux_cp.data.flow import per_sample_draws, sample_timesteps, sigmas_for
 from flux_cp.families.flux1.tokens import image_ids, pack_latents, text_ids, unpack_latents
-from flux_cp.flow import loss_weighting, per_sample_draws, sample_timesteps, sigmas_for
+from flux_cp.loss import loss_weighting
 
 
 def test_packing_and_ids_match_flux_pipeline():

@@ -15,16 +15,18 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline, Flux2Pipeline
 
 import cp
-from flux_cp.batches import Batches
-from flux_cp.config import DataConfig, ModelConfig, TrainConfig, parse_config
-from flux_cp.data import BatchSchedule
+from flux_cp.config.parser import parse_config
+from flux_cp.config.training import DataConfig, ModelConfig, TrainConfig
+from flux_cp.data.batches import Batches
+from flux_cp.data.flow import per_sample_draws
+from flux_cp.data.schedule import BatchSchedule
 from flux_cp.errors import UsageError
 from flux_cp.families import FLUX1, FLUX2, FLUX2_KLEIN, detect
 from flux_cp.families.flux2.family import load_tokenizer
 from flux_cp.families.flux2.recipe import text_ids
 from flux_cp.families.flux2.tiny import FLUX2_KLEIN_4B_TRANSFORMER, default_flux2_cache_dir
-from flux_cp.flow import per_sample_draws
-from flux_cp.parallel import Layout
+from flux_cp.layout import Layout
+from flux_cp.loss import batch_loss
 from flux_cp.rng import Stream, generator
 from tests.flux2_example import Args, example_step
 
@@ -255,7 +257,7 @@ def test_loss_and_gradients_equal_the_examples_on_the_trainers_draws(folders, en
         model = copy.deepcopy(pipe.transformer).requires_grad_(True)
         if ours:
             cp.apply_context_parallel(model, None)
-            loss = mb.loss(model(**mb.inputs)[0])
+            loss = batch_loss(model(**mb.inputs)[0], mb)
         else:
             loss = example_step(model, pipe.vae, copy.deepcopy(pipe.scheduler), batch, embeds[order],
                                 text_ids(8).expand(2, -1, -1), args, 0, klein=klein, i2i=pairs,
@@ -290,8 +292,8 @@ def test_cp_chunks_of_flux2_sequences_are_the_whole_and_keep_the_loss(request, e
     assert whole.inputs["txt_ids"][:, 3].tolist() == list(range(8))  # text has its own RoPE axis
     pred = torch.randn_like(whole.inputs["hidden_states"])
     half = pred.shape[1] // 2
-    mean_of_chunks = (chunks[0].loss(pred[:, :half]) + chunks[1].loss(pred[:, half:])) / 2
-    assert torch.allclose(mean_of_chunks, whole.loss(pred), rtol=1e-6, atol=0)
+    mean_of_chunks = (batch_loss(pred[:, :half], chunks[0]) + batch_loss(pred[:, half:], chunks[1])) / 2
+    assert torch.allclose(mean_of_chunks, batch_loss(pred, whole), rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("family", [FLUX1, FLUX2], ids=["flux1", "flux2"])
@@ -335,7 +337,7 @@ def test_the_vae_encode_mode_changes_the_latent_and_no_draw(family, encoders):
 def test_default_lora_targets_are_the_examples_and_match_every_single_block(folders):
     from diffusers import Flux2Transformer2DModel
 
-    from flux_cp.lora import check_targets
+    from flux_cp.model.lora import check_targets
 
     expected = ["to_k", "to_q", "to_v", "to_out.0", "to_qkv_mlp_proj"]
     assert FLUX2.lora_targets(False)[:5] == tuple(expected) and len(FLUX2.lora_targets(False)) == 5 + 48
@@ -356,7 +358,7 @@ def test_default_lora_targets_are_the_examples_and_match_every_single_block(fold
 
 
 def test_lora_files_flux2_pipelines_cannot_load_are_refused_before_anything_loads(folders, tmp_path):
-    from flux_cp.trainer import Trainer
+    from flux_cp.run.trainer import Trainer
 
     cfg = parse_config(["--pretrained_model_name_or_path", str(folders[True]), "--lora_format", "kohya",
                         "--output_dir", str(tmp_path / "out")])  # fmt: skip
@@ -371,7 +373,7 @@ def test_lora_files_flux2_pipelines_cannot_load_are_refused_before_anything_load
 
 def test_lora_layers_comfyui_skips_are_warned_about_at_start(folders, tmp_path, caplog):
     """A LoRA on a layer ComfyUI maps no name for is said at the start of the run, not only in the model card."""
-    from flux_cp.trainer import Trainer
+    from flux_cp.run.trainer import Trainer
 
     def warnings(*argv: str) -> list[str]:
         out = tmp_path / f"out{len(list(tmp_path.iterdir()))}"
@@ -394,7 +396,7 @@ def test_lora_layers_comfyui_skips_are_warned_about_at_start(folders, tmp_path, 
 def test_the_memory_plan_counts_flux2_with_its_own_blocks(folders, capsys):
     """--plan of a FLUX.2 folder: the family's parameter counts and blocks (the tiny [dev] has 2 + 2), and one
     recommended command for it."""
-    from flux_cp.plan import print_plan
+    from flux_cp.plan.report import print_plan
 
     print_plan(parse_config(["--plan", "--pretrained_model_name_or_path", str(folders[False]), "--gpu_memory_gib", "80",
                              "--gradient_checkpointing"]))  # fmt: skip

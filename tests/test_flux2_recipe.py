@@ -11,9 +11,10 @@ import pytest
 import torch
 from diffusers import Flux2KleinPipeline, Flux2Pipeline
 
+from flux_cp.data.flow import sample_timesteps
 from flux_cp.families.flux2 import recipe as r
 from flux_cp.families.flux2.tiny import build_tiny_flux2_pipeline, ensure_tiny_flux2_pipeline
-from flux_cp.flow import loss_weighting, sample_timesteps
+from flux_cp.loss import loss_weighting
 from tests import flux2_recipe_steps as steps
 from tests.flux2_example import Args, example_step
 

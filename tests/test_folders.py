@@ -8,8 +8,8 @@ import re
 import pytest
 from PIL import Image
 
+from flux_cp.data.folders import list_folder, read_metadata_file
 from flux_cp.errors import UsageError
-from flux_cp.folders import list_folder, read_metadata_file
 
 
 def _folder(tmp_path, names=("a.png", "b.png")):
@@ -171,8 +171,8 @@ def test_every_path_column_of_pair_metadata_is_checked(tmp_path):
 
 def test_the_encoding_cache_inside_the_data_folder_is_not_listed(tmp_path):
     """(An output folder inside the data folder is refused: tests/test_outdir.py.)"""
-    from flux_cp.config import DataConfig
-    from flux_cp.data import open_source
+    from flux_cp.config.training import DataConfig
+    from flux_cp.data.sources import open_source
 
     d = _folder(tmp_path)
     (d / "cache" / "previews").mkdir(parents=True)

@@ -142,7 +142,7 @@ def test_a_refused_token_or_an_unreachable_hub_is_one_line(tmp_path, monkeypatch
     assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
 
 
-# As the trainer's runner reports a UsageError (flux_cp.runner), without importing torch for it.
+# As the trainer's runner reports a UsageError (flux_cp.run.runner), without importing torch for it.
 _PUSH = """
 import sys, time
 from flux_cp.errors import UsageError

@@ -9,8 +9,8 @@ import datasets
 import pytest
 from PIL import Image
 
-from flux_cp.config import DataConfig
-from flux_cp.data import open_source
+from flux_cp.config.training import DataConfig
+from flux_cp.data.sources import open_source
 from flux_cp.errors import UsageError
 
 

@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from flux_cp.config import DataConfig
-from flux_cp.data import BUNDLED_DATA, BatchSchedule, Repeats, open_source
-from flux_cp.encode import Repeated
+from flux_cp.config.training import DataConfig
+from flux_cp.data.encode import Repeated
+from flux_cp.data.kohya_folders import kohya_subfolders, list_kohya, mixed_names
+from flux_cp.data.schedule import BatchSchedule, Repeats
+from flux_cp.data.sources import BUNDLED_DATA, open_source
 from flux_cp.errors import UsageError
-from flux_cp.kohya_folders import kohya_subfolders, list_kohya, mixed_names
 from tests.test_dreambooth import _listed_schedule
 
 IMAGES = sorted(BUNDLED_DATA.glob("*.png"))

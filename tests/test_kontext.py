@@ -11,12 +11,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flux_cp.config import DataConfig
-from flux_cp.data import open_source, reference_column
+from flux_cp.config.training import DataConfig
+from flux_cp.data.pairs import image_segment
+from flux_cp.data.sources import open_source, reference_column
 from flux_cp.errors import UsageError
 from flux_cp.families import FLUX1
 from flux_cp.families.flux1.tokens import pack_latents, reference_ids
-from flux_cp.pairs import PairSplit, image_segment, target_loss
+from flux_cp.loss import PairSplit, batch_loss, target_loss
 from tests.fakes import C, FakeData, H, W, make_batches
 
 
@@ -165,18 +166,19 @@ def test_hub_rows_without_a_reference_are_refused(monkeypatch):
 
 
 def test_plan_counts_kontext_pair_sequences(capsys):
-    from flux_cp.config import parse_config
-    from flux_cp.plan import print_plan
+    from flux_cp.config.parser import parse_config
+    from flux_cp.plan.report import print_plan
 
     print_plan(parse_config(["--plan", "--dataset_name", str(PAIRS), "--resolution", "1024",
                              "--max_sequence_length", "512", "--gpu_memory_gib", "141"]))  # fmt: skip
     # 8,192 image tokens (target and reference, 4,096 each) + 512 text tokens
-    assert "1024 px Kontext pairs (8704 tokens/sample)" in capsys.readouterr().out
+    assert "1024 px FLUX.1 Kontext pairs (8704 tokens/sample)" in capsys.readouterr().out
 
 
 def test_pairs_need_only_target_plus_reference_tokens_to_divide():
-    from flux_cp.config import parse_config
-    from flux_cp.shape import build_shape, check_tokens
+    from flux_cp.config.parser import parse_config
+    from flux_cp.shape.build import build_shape
+    from flux_cp.shape.run_shape import check_tokens
 
     def check(*flags: str) -> None:
         cfg = parse_config(["--resolution", "1040", "--max_sequence_length", "512", *flags])
@@ -230,14 +232,14 @@ def test_pair_micro_batches_hold_target_then_reference_and_cp_chunks_keep_the_lo
         assert torch.equal(torch.cat([c.inputs[key] for c in chunks], dim), whole.inputs[key]), key
     assert all(torch.equal(c.target, whole.target) for c in chunks)  # each rank keeps the whole target
     pred = torch.randn_like(whole.inputs["hidden_states"])
-    mean_of_chunks = (chunks[0].loss(pred[:, :t]) + chunks[1].loss(pred[:, t:])) / 2
-    assert torch.allclose(mean_of_chunks, whole.loss(pred), rtol=1e-6, atol=0)
-    assert chunks[1].loss(pred[:, t:]) == 0  # rank 1 holds only reference tokens
+    mean_of_chunks = (batch_loss(pred[:, :t], chunks[0]) + batch_loss(pred[:, t:], chunks[1])) / 2
+    assert torch.allclose(mean_of_chunks, batch_loss(pred, whole), rtol=1e-6, atol=0)
+    assert batch_loss(pred[:, t:], chunks[1]) == 0  # rank 1 holds only reference tokens
 
 
 def test_the_pipeline_class_tells_kontext_models_apart(tmp_path):
+    from flux_cp.families.components import pipeline_class
     from flux_cp.families.flux1.tiny import ensure_tiny_pipeline
-    from flux_cp.model import pipeline_class
 
     kontext = ensure_tiny_pipeline(kontext=True)
     assert pipeline_class(str(kontext), None) == "FluxKontextPipeline"  # pairs train it without a warning
@@ -361,13 +363,13 @@ def test_pair_loss_and_gradients_equal_the_kontext_examples_with_default_flags(s
 
     from diffusers import FlowMatchEulerDiscreteScheduler
 
-    from flux_cp.batches import Batches
-    from flux_cp.config import DataConfig, TrainConfig
-    from flux_cp.data import BatchSchedule
+    from flux_cp.config.training import DataConfig, TrainConfig
+    from flux_cp.data.batches import Batches
+    from flux_cp.data.flow import per_sample_draws
+    from flux_cp.data.schedule import BatchSchedule
     from flux_cp.families import FLUX1
     from flux_cp.families.flux1.tiny import build_tiny_pipeline
-    from flux_cp.flow import per_sample_draws
-    from flux_cp.parallel import Layout
+    from flux_cp.layout import Layout
     from flux_cp.rng import Stream, generator
 
     pipe = build_tiny_pipeline(kontext=True)
@@ -397,7 +399,7 @@ def test_pair_loss_and_gradients_equal_the_kontext_examples_with_default_flags(s
     for ours in (False, True):
         model = copy.deepcopy(transformer).requires_grad_(True)
         if ours:
-            loss = mb.loss(model(**mb.inputs)[0])
+            loss = batch_loss(model(**mb.inputs)[0], mb)
         else:
             batch = {"pixel_values": pixels[order], "cond_pixel_values": cond[order]}
             loss = kontext_example_step(model, vae, copy.deepcopy(scheduler), batch, embeds[order], pooled[order],

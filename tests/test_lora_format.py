@@ -15,7 +15,7 @@ from flux_cp.families.flux1 import DEFAULT_TARGETS
 from flux_cp.families.flux1.kohya import to_kohya
 from flux_cp.families.flux1.tiny import TRANSFORMER_CONFIG, build_tiny_pipeline, tiny_transformer
 from flux_cp.families.flux2.family import COMFYUI_UNMAPPED
-from flux_cp.lora_format import with_alphas
+from flux_cp.families.lora_format import with_alphas
 from tests.launch import (
     comfy_apply,
     comfy_convert_lora_leaves,
@@ -198,7 +198,7 @@ def test_with_alphas_and_layouts_a_family_lacks():
 
 def _save_trained_lora(model, cfg, tmp_path, origin=None):
     """Adapters for `cfg.lora` on `model`, lora_B drawn non-zero (as after training), written by `save_lora`."""
-    from flux_cp.lora import add_lora, save_lora
+    from flux_cp.model.lora import add_lora, save_lora
 
     add_lora(model, cfg.lora, seed=0)
     with torch.no_grad():
@@ -211,9 +211,9 @@ def _save_trained_lora(model, cfg, tmp_path, origin=None):
 
 def _saved(tmp_path, argv: list[str], origin=None):
     """A LoRA file written by `save_lora` for the flags `argv` (the tiny transformer, B non-zero)."""
-    from flux_cp.config import parse_config
+    from flux_cp.config.parser import parse_config
     from flux_cp.families import FLUX1
-    from flux_cp.shape import resolved
+    from flux_cp.shape.build import resolved
 
     cfg = resolved(parse_config(argv), FLUX1, False, None)
     model = tiny_transformer(seed=0)
@@ -239,13 +239,13 @@ def _loaded_adapter(path):
 def test_diffusers_file_carries_the_adapter_metadata_diffusers_builds_the_adapter_from(tmp_path):
     import json
 
-    from flux_cp.config import parse_config
+    from flux_cp.config.parser import parse_config
     from flux_cp.families import FLUX1
-    from flux_cp.lora import lora_origin
-    from flux_cp.shape import resolved
+    from flux_cp.model.lora import lora_origin
+    from flux_cp.shape.build import resolved
 
     argv = ["--pretrained_model_name_or_path", "black-forest-labs/FLUX.1-dev", "--output_dir", str(tmp_path / "dog")]
-    origin = lora_origin(resolved(parse_config(argv), FLUX1, False, None), kontext=False)
+    origin = lora_origin(resolved(parse_config(argv), FLUX1, False, None), pairs=False)
     assert (origin.title, origin.resolution) == ("dog", 1024)
     cfg, model, path = _saved(tmp_path, ["--rank", "4", "--lora_dropout", "0.1"], origin)
     header = _header(path)
@@ -282,7 +282,7 @@ def test_a_diffusers_file_with_alpha_keys_goes_without_adapter_metadata_and_diff
 )
 def test_kohya_file_carries_the_fields_kohya_readers_show(tmp_path, guidance, kontext, architecture):
     from flux_cp.families.flux1.kohya import metadata
-    from flux_cp.lora_format import Origin
+    from flux_cp.families.lora_format import Origin
 
     base = tmp_path / "FLUX.1-local"
     base.mkdir()
@@ -352,11 +352,11 @@ def test_kohya_problem_names_what_diffusers_would_drop_and_accepts_what_it_reads
 
 
 def test_check_export_refuses_at_start_in_one_line():
-    from flux_cp.config import parse_config
+    from flux_cp.config.parser import parse_config
     from flux_cp.errors import UsageError
     from flux_cp.families import FLUX1
     from flux_cp.families.flux1.kohya import check_export
-    from flux_cp.shape import resolved
+    from flux_cp.shape.build import resolved
 
     tiny = dict(TRANSFORMER_CONFIG)
     with pytest.raises(UsageError, match=r"^--lora_format kohya: diffusers' kohya loader splits .* or leave those "):
@@ -403,9 +403,9 @@ def _from_bfl(config: dict, bfl: dict[str, torch.Tensor]):
 def _flux2_saved(tmp_path, klein: bool, argv: list[str]):
     """A FLUX.2 transformer on random BFL weights, its LoRA for the flags `argv` (the family's default targets, B
     non-zero) and the file `save_lora` writes: (config, BFL weights, transformer, path)."""
-    from flux_cp.config import parse_config
+    from flux_cp.config.parser import parse_config
     from flux_cp.families import FLUX2, FLUX2_KLEIN
-    from flux_cp.shape import resolved
+    from flux_cp.shape.build import resolved
 
     config = _flux2_config(klein)
     bfl = _bfl_flux2(config)
@@ -509,11 +509,11 @@ def test_a_flux2_lora_with_alpha_other_than_rank_renders_the_trained_models_outp
     holds the trained peft LoRA (rank 4, alpha 8)."""
     import json
 
-    from flux_cp.config import parse_config
+    from flux_cp.config.parser import parse_config
     from flux_cp.families import FLUX2, FLUX2_KLEIN
     from flux_cp.families.flux2.tiny import build_tiny_flux2_pipeline
-    from flux_cp.lora import add_lora, save_lora
-    from flux_cp.shape import resolved
+    from flux_cp.model.lora import add_lora, save_lora
+    from flux_cp.shape.build import resolved
 
     def pipeline():
         pipe = build_tiny_flux2_pipeline(klein=klein)
@@ -556,10 +556,19 @@ def test_a_flux2_lora_with_alpha_other_than_rank_renders_the_trained_models_outp
 def test_the_lora_file_s_title_and_base_model_hold_no_control_characters(tmp_path):
     """The run's name (its output folder's) and the base model's go into the file's metadata, which model browsers
     show: their control characters are written as escapes."""
-    from flux_cp.config import parse_config
-    from flux_cp.lora import lora_origin
+    from flux_cp.config.parser import parse_config
+    from flux_cp.model.lora import lora_origin
 
     out, base = tmp_path / "run\x1b[2J", tmp_path / "model\x07"
     base.mkdir()
     origin = lora_origin(parse_config(["--output_dir", str(out), "--pretrained_model_name_or_path", str(base)]), False)
     assert origin.title == "run\\x1b[2J" and origin.base_model == f"{tmp_path}/model\\x07"
+
+
+def test_lora_format_offers_the_layouts_the_families_write():
+    """--lora_format's choices are the layouts the registered families write (`Family.lora_layouts`): the flag table
+    cannot import the families, so it lists them, and this keeps the list the families'."""
+    from flux_cp.config.fields import LORA_FORMATS
+    from flux_cp.families import FAMILIES
+
+    assert set(LORA_FORMATS) == {layout for family in FAMILIES for layout in family.lora_layouts}

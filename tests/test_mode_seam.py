@@ -11,9 +11,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import cp
-from flux_cp.config import ParallelConfig, build_parser, parse_config
+from flux_cp.config.flags import ParallelConfig
+from flux_cp.config.parser import build_parser, parse_config
 from flux_cp.errors import UsageError
-from flux_cp.shape import auto_mode, choose_cp_mode
+from flux_cp.shape.build import choose_cp_mode
+from flux_cp.shape.run_shape import auto_mode
 from tests import distributed
 from tests.allgather_mode import ALLGATHER
 from tests.test_cp_flux import _model_errors

@@ -1,6 +1,7 @@
-"""A model folder's configs are checked before anything is built from them (flux_cp.model_config): sizes are positive
-integers within generous bounds, the family's rules across keys and components hold, and the weight files' headers
-agree with the configs; each problem is one line naming the file and the key. Every released and built model passes."""
+"""A model folder's configs are checked before anything is built from them (flux_cp.families.model_config): sizes are
+positive integers within generous bounds, the family's rules across keys and components hold, and the weight files'
+headers agree with the configs; each problem is one line naming the file and the key. Every released and built model
+passes."""
 
 from __future__ import annotations
 
@@ -11,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from flux_cp.config import ModelConfig
+from flux_cp.config.training import ModelConfig
 from flux_cp.errors import UsageError
 from flux_cp.families import FLUX1, FLUX2, FLUX2_KLEIN
-from flux_cp.model import transformer_config, with_class_defaults
-from flux_cp.model_config import check_model, safetensors_shapes
+from flux_cp.families.components import transformer_config, with_class_defaults
+from flux_cp.families.model_config import check_model, safetensors_shapes
 from tests.launch import env, launch_cmd
 
 MODEL = ModelConfig()

@@ -10,16 +10,17 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from flux_cp import network_weights
-from flux_cp.config import LoraConfig, parse_config
+from flux_cp.config.parser import parse_config
+from flux_cp.config.training import LoraConfig
 from flux_cp.errors import UsageError
 from flux_cp.families import FLUX1, FLUX2
 from flux_cp.families.flux1 import DEFAULT_TARGETS
 from flux_cp.families.flux1.kohya import from_kohya, to_kohya
 from flux_cp.families.flux1.tiny import TRANSFORMER_CONFIG, tiny_transformer
-from flux_cp.lora import save_lora
-from flux_cp.model import prepare_trainable, trainable_parameters
-from flux_cp.resume import run_identity
+from flux_cp.model import network_weights
+from flux_cp.model.loading import prepare_trainable, trainable_parameters
+from flux_cp.model.lora import save_lora
+from flux_cp.outputs.resume import run_identity
 
 
 def _lora(rank: int = 4, alpha: int = 4, layers=DEFAULT_TARGETS, fmt: str = "diffusers", path=None) -> LoraConfig:
@@ -146,8 +147,8 @@ def test_files_of_no_lora_layout_are_refused(tmp_path):
     with pytest.raises(UsageError, match="cannot be read as a .safetensors LoRA file"):
         network_weights.check_start(run, FLUX1, dict(TRANSFORMER_CONFIG))
     save_file(to_kohya(state, 4, 4), path)
-    with pytest.raises(UsageError, match=r"is in kohya's layout \(lora_unet_...\), which names FLUX.1's layers"):
-        network_weights.read(str(path), "kohya" in FLUX2.lora_layouts, {}, set(), 4)
+    with pytest.raises(UsageError, match=r"is in kohya's layout \(lora_unet_...\), which FLUX.2 \[dev\] does not read"):
+        network_weights.read(str(path), FLUX2, {}, set(), 4)
 
 
 def test_a_text_encoder_lora_in_the_file_is_left_out_and_said(tmp_path):

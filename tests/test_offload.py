@@ -1,4 +1,4 @@
-"""Exact block offload (`--offload_blocks`, flux_cp/offload.py), on CPU: the same code path as on a GPU with the
+"""Exact block offload (`--offload_blocks`, flux_cp/model/offload.py), on CPU: the same code path as on a GPU with the
 copies run when issued. A tiny FLUX.1 and FLUX.2 with LoRA, offloaded blocks sharing few slots, trains bit for bit
 as without offload (outputs, losses, LoRA gradients and weights; two optimizer steps, gradient accumulation, a
 no_grad forward between steps, eager checkpointing either way, compiled blocks); the debug check sees the right
@@ -10,19 +10,17 @@ import pytest
 import torch
 
 import cp
-from flux_cp.blocks import prepare_blocks
-from flux_cp.config import LoraConfig, parse_config
+from flux_cp.config.parser import parse_config
+from flux_cp.config.training import LoraConfig
 from flux_cp.errors import UsageError
-from flux_cp.model import prepare_trainable
-from flux_cp.offload import (
-    BlockOffload,
-    block_kinds,
+from flux_cp.model.blocks import prepare_blocks
+from flux_cp.model.loading import prepare_trainable
+from flux_cp.model.offload import BlockOffload, block_kinds, frozen_block_bytes, offload_blocks
+from flux_cp.model.offload_plan import (
     check_host_memory,
     check_offload,
     check_offload_count,
     choose_offloaded,
-    frozen_block_bytes,
-    offload_blocks,
     offload_count,
     plan_offload,
 )

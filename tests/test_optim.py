@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flux_cp.errors import NonFiniteError, UsageError
-from flux_cp.optim import apply_update, check_finite
+from flux_cp.model.optim import apply_update, check_finite
 from tests.fakes import step_fused_and_reference
 
 OPTIMIZER = {"fused_adamw": "adamw", "prodigy": "prodigy"}
@@ -21,8 +21,8 @@ def _setup(kind: str = "sgd"):
     if kind == "sgd":  # not fused: apply_update reads the flag on the host
         optimizer = torch.optim.SGD([p], lr=0.1)
     else:  # the trainer's optimizers: AdamW is fused (the flag stays on the device), Prodigy reads it on the host
-        from flux_cp.config import TrainConfig
-        from flux_cp.optim import make_optimizer
+        from flux_cp.config.training import TrainConfig
+        from flux_cp.model.optim import make_optimizer
 
         optimizer = make_optimizer(TrainConfig(learning_rate=0.1, optimizer=OPTIMIZER[kind]), [p], global_batch=1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 / (1 + s))
@@ -99,8 +99,8 @@ def _bnb_or_skip() -> None:
 
 
 def _trainer_optimizer(name: str, params: list, lr: float = 0.1):
-    from flux_cp.config import TrainConfig
-    from flux_cp.optim import make_optimizer
+    from flux_cp.config.training import TrainConfig
+    from flux_cp.model.optim import make_optimizer
 
     if name == "adamw8bit":
         _bnb_or_skip()
@@ -128,7 +128,7 @@ def test_a_dropped_step_leaves_prodigy_and_8bit_adamw_as_they_were(name):
     moments) stay as they were, and the next step equals that of an optimizer that never saw the bad one."""
     import copy
 
-    from flux_cp.optim import skips_on_device
+    from flux_cp.model.optim import skips_on_device
 
     torch.manual_seed(0)
     init = torch.randn(64, 128)  # 8-bit moments need 4096 values or more (bitsandbytes' min_8bit_size)
@@ -158,8 +158,8 @@ def test_prodigy_is_built_as_diffusers_builds_it_and_says_nothing(capsys):
     prodigyopt's own "Using decoupled weight decay" line (every rank, every run) is left out, nothing else."""
     from prodigyopt import Prodigy
 
-    from flux_cp.config import parse_config
-    from flux_cp.optim import describe, make_optimizer
+    from flux_cp.config.parser import parse_config
+    from flux_cp.model.optim import describe, make_optimizer
 
     cfg = parse_config(["--optimizer", "prodigy", "--adam_beta1", "0.8", "--prodigy_beta3", "0.95",
                         "--prodigy_decouple", "false", "--prodigy_safeguard_warmup", "False"])  # fmt: skip
@@ -179,7 +179,7 @@ def test_prodigy_is_built_as_diffusers_builds_it_and_says_nothing(capsys):
 
 
 def test_the_line_filter_keeps_every_other_line(capsys):
-    from flux_cp.optim import _without_line
+    from flux_cp.model.optim import _without_line
 
     with _without_line("Using decoupled weight decay"):
         print("Using decoupled weight decay")
@@ -189,7 +189,7 @@ def test_the_line_filter_keeps_every_other_line(capsys):
 
 
 def test_optimizer_flags_take_diffusers_names_and_values():
-    from flux_cp.config import parse_config
+    from flux_cp.config.parser import parse_config
 
     train = parse_config([]).train
     assert (train.optimizer, train.use_8bit_adam, train.prodigy_beta3) == ("adamw", False, None)
@@ -207,7 +207,7 @@ def test_optimizer_flags_take_diffusers_names_and_values():
 
 
 def test_prodigy_warnings_as_diffusers_gives_them(capsys):
-    from flux_cp.config import parse_config
+    from flux_cp.config.parser import parse_config
 
     parse_config(["--optimizer", "prodigy", "--learning_rate", "1e-4"])
     assert "warning: --learning_rate 0.0001 is low for --optimizer prodigy" in capsys.readouterr().err
@@ -220,10 +220,10 @@ def test_prodigy_warnings_as_diffusers_gives_them(capsys):
 
 
 def test_a_missing_optimizer_package_is_one_line_before_anything_loads(monkeypatch):
-    from flux_cp.config import parse_config
-    from flux_cp.optim import check_optimizer
+    from flux_cp.config.parser import parse_config
+    from flux_cp.model.optim import check_optimizer
 
-    # Checked at the start of a run (flux_cp.trainer), before any model loads; the planner (--plan) loads none.
+    # Checked at the start of a run (flux_cp.run.trainer), before any model loads; the planner (--plan) loads none.
     monkeypatch.setitem(sys.modules, "prodigyopt", None)  # as if not installed
     with pytest.raises(UsageError) as e:
         check_optimizer(parse_config(["--optimizer", "prodigy"]).train)
@@ -236,8 +236,8 @@ def test_a_missing_optimizer_package_is_one_line_before_anything_loads(monkeypat
 
 
 def test_8bit_adamw_needs_a_cuda_device_and_neither_optional_optimizer_takes_fsdp(monkeypatch):
-    from flux_cp.config import TrainConfig
-    from flux_cp.optim import check_optimizer
+    from flux_cp.config.training import TrainConfig
+    from flux_cp.model.optim import check_optimizer
 
     if not torch.cuda.is_available():  # this machine
         with pytest.raises(UsageError, match=r"^--use_8bit_adam needs a CUDA GPU .* trains on the CPU: drop"):
@@ -257,7 +257,7 @@ def test_8bit_adamw_needs_a_cuda_device_and_neither_optional_optimizer_takes_fsd
 
 
 def _progress(start: int, skipped: list[bool]):
-    from flux_cp.optim import Progress
+    from flux_cp.model.optim import Progress
 
     progress = Progress(start)
     for step, s in enumerate(skipped, start + 1):

@@ -1,6 +1,6 @@
 """An output folder belongs to one run: earlier runs are refused unless resumed or overwritten; one live run; the
 trainer deletes only what a flux-cp run wrote (its manifest), never a folder it did not create; the output folder
-stays apart from the model and the data; what a resume accepts (flux_cp.resume)."""
+stays apart from the model and the data; what a resume accepts (flux_cp.outputs.resume)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from flux_cp import checkpoint, manifest, outdir
+from flux_cp import checkpoint_folders, manifest
 from flux_cp.errors import UsageError
+from flux_cp.outputs import checkpoint, outdir
 from tests.launch import ROOT, env, in_process, python_cmd
 
 
@@ -24,10 +25,10 @@ def _checkpoint(folder: Path, step: int) -> Path:
 
     from torch.distributed.checkpoint.metadata import Metadata
 
-    from flux_cp.config import parse_config
+    from flux_cp.config.parser import parse_config
     from flux_cp.families import FLUX1
-    from flux_cp.resume import flag_identity
-    from flux_cp.shape import resolved
+    from flux_cp.outputs.resume import flag_identity
+    from flux_cp.shape.build import resolved
 
     path = folder / f"checkpoint-{step}"
     (path / "state").mkdir(parents=True, exist_ok=True)
@@ -271,7 +272,7 @@ def test_a_manifest_entry_outside_the_folder_is_refused(tmp_path, entry):
 
 def _run(tmp_path: Path, *flags: str) -> tuple[int, str]:
     """The trainer in this process, stopped after the output folder is claimed: the data folder holds no image,
-    which is found when the data is listed, after the claim (flux_cp.outdir runs before anything loads)."""
+    which is found when the data is listed, after the claim (flux_cp.outputs.outdir runs before anything loads)."""
     (tmp_path / "no_images").mkdir(exist_ok=True)
     argv = ["--output_dir", str(tmp_path / "out"), "--cache_dir", str(tmp_path / "cache"), "--max_train_steps", "2",
             "--report_to", "none", "--dataset_name", str(tmp_path / "no_images"), *flags]  # fmt: skip
@@ -384,7 +385,7 @@ def test_resuming_an_earlier_checkpoint_sets_the_later_branch_aside(tmp_path):
                                                           "pytorch_lora_weights.safetensors", "validation"]  # fmt: skip
     assert sorted(p.name for p in (aside[0] / "validation").iterdir()) == ["step-000004.png", "step-000006.png"]
     assert sorted(p.name for p in (folder / "validation").iterdir()) == ["step-000000.png", "step-000002.png"]
-    assert checkpoint.resolve("latest", str(folder)) == folder / "checkpoint-2"  # `latest` is the live branch
+    assert checkpoint_folders.resolve("latest", str(folder)) == folder / "checkpoint-2"  # `latest` is the live branch
     assert aside[0].name in manifest.read(folder) and "checkpoint-4" not in manifest.read(folder)
 
 
@@ -442,7 +443,7 @@ def test_unusable_folders_are_named(tmp_path):
 def test_a_second_live_run_is_kept_out_until_the_first_ends(tmp_path):
     folder = tmp_path / "out"
     outdir.claim(folder, None, False)
-    code = f"from flux_cp import outdir; outdir.claim({str(folder)!r}, 'latest', False)"
+    code = f"from flux_cp.run.output_phase import outdir; outdir.claim({str(folder)!r}, 'latest', False)"
     r = subprocess.run(python_cmd("-c", code), cwd=ROOT, env=env(), capture_output=True, text=True)
     assert r.returncode != 0 and f"--output_dir {folder} is in use by another run (pid " in r.stderr, r.stderr
     outdir.release(folder)
@@ -454,7 +455,7 @@ def test_a_second_live_run_is_kept_out_until_the_first_ends(tmp_path):
 
 
 def _roles(tmp_path: Path, **kw) -> None:
-    from flux_cp import roles
+    from flux_cp.outputs import roles
 
     for name in ("model", "data", "bundled"):
         (tmp_path / name).mkdir(exist_ok=True)
@@ -547,10 +548,10 @@ def test_a_pair_run_s_reference_images_go_beside_its_weights_and_never_over_the_
     import numpy as np
     from PIL import Image
 
-    from flux_cp.config import parse_config
-    from flux_cp.data import BUNDLED_DATA
-    from flux_cp.outputs import Outputs
-    from flux_cp.validation import reference_image, square
+    from flux_cp.config.parser import parse_config
+    from flux_cp.data.sources import BUNDLED_DATA
+    from flux_cp.outputs.validation import reference_image, square
+    from flux_cp.run.output_phase import Outputs
 
     pairs = BUNDLED_DATA.parent / "tiny_pairs"
     image = str(pairs / "02_white_triangle.png")
@@ -579,7 +580,7 @@ def test_a_pair_run_s_reference_images_go_beside_its_weights_and_never_over_the_
         # no --validation_image: the first pair's references (two here), as files of their own
         first = [pairs / "00_blue_circle.png", pairs / "02_white_triangle.png"]
 
-        class Pair:  # a data set of one target with two references (flux_cp.data.ImageSource's calls)
+        class Pair:  # a data set of one target with two references (flux_cp.data.sources.ImageSource's calls)
             def __len__(self) -> int:
                 return 1
 
@@ -643,7 +644,7 @@ def test_no_folder_a_run_writes_goes_into_a_folder_another_tool_owns(tmp_path, m
 
     from huggingface_hub import constants
 
-    from flux_cp import roles
+    from flux_cp.outputs import roles
 
     monkeypatch.setattr(constants, "HF_HOME", str(tmp_path / "hf"))
     monkeypatch.setenv("PIP_CACHE_DIR", str(tmp_path / "pip"))
@@ -689,7 +690,7 @@ def test_no_folder_a_run_writes_goes_into_a_folder_another_tool_owns(tmp_path, m
 
 
 def test_flux_cp_s_own_files_are_every_entry_its_repository_tracks():
-    from flux_cp import roles
+    from flux_cp.outputs import roles
 
     if not (roles.CHECKOUT / ".git").exists():
         pytest.skip("not a git checkout")

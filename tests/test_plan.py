@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from flux_cp import plan
 from flux_cp.families.flux1 import ATTENTION_TARGETS, DEFAULT_TARGETS
 from flux_cp.families.flux1.tiny import FLUX1_DEV_TRANSFORMER
-from flux_cp.shape import transformer_config_offline
+from flux_cp.plan import memory as plan
+from flux_cp.plan import report
+from flux_cp.shape.build import transformer_config_offline
 
 ATTN_LORA = list(ATTENTION_TARGETS)
 
@@ -201,12 +202,15 @@ def test_a_cached_config_comes_first_and_an_unknown_id_offline_is_one_line(tmp_p
         "transformer/config.json is not in the local HF cache (HF_HUB_OFFLINE is set): pass the model's folder, a "
         "FLUX.1 model known offline (black-forest-labs/FLUX.1-dev, "
     ) and "\n" not in str(e.value)
-    assert "python -m flux_cp.tiny --preset flux2-dev-shapes --out DIR (FLUX.2 [dev]; flux2-klein" in str(e.value)
+    assert (
+        "python -m flux_cp.tiny --preset flux1-dev-shapes --out DIR (FLUX.1; flux2-dev-shapes: FLUX.2 [dev]; "
+        in str(e.value)
+    )
 
 
 def test_the_plan_reads_a_hub_config_from_the_download_cache_that_cache_dir_names(tmp_path, monkeypatch):
     """--cache_dir is where a diffusers user's models are: --plan looks there, offline too."""
-    from flux_cp.config import parse_config
+    from flux_cp.config.parser import parse_config
     from flux_cp.errors import UsageError
 
     _offline(monkeypatch, tmp_path)
@@ -217,7 +221,7 @@ def test_the_plan_reads_a_hub_config_from_the_download_cache_that_cache_dir_name
     assert got["num_layers"] == 3
     cfg = parse_config(["--plan", "--pretrained_model_name_or_path", "someone/flux-finetune", "--cache_dir",
                         str(tmp_path / "downloads")])  # fmt: skip
-    plan.print_plan(cfg)  # reads the config from there (else: the one-line error above)
+    report.print_plan(cfg)  # reads the config from there (else: the one-line error above)
 
 
 def test_an_unreachable_hub_is_one_line_after_one_attempt(tmp_path, monkeypatch):

@@ -9,11 +9,12 @@ import re
 import pytest
 import torch
 
-from flux_cp import plan, speed
 from flux_cp.errors import UsageError
 from flux_cp.families import FLUX1
 from flux_cp.families.flux1.tiny import FLUX1_DEV_TRANSFORMER
-from flux_cp.offload import plan_offload
+from flux_cp.model.offload_plan import plan_offload
+from flux_cp.plan import memory as plan
+from flux_cp.plan import report, speed
 
 DEV = "black-forest-labs/FLUX.1-dev"
 GIB = plan.GIB
@@ -31,8 +32,8 @@ def _offline(monkeypatch, tmp_path):
 
 def _run(*flags: str, world: int = 1):
     """(resolved flags, run shape) of a FLUX.1-dev LoRA run planned for `world` processes."""
-    from flux_cp.config import parse_config
-    from flux_cp.shape import build_shape, resolved
+    from flux_cp.config.parser import parse_config
+    from flux_cp.shape.build import build_shape, resolved
 
     cfg = parse_config(["--pretrained_model_name_or_path", DEV, *flags])
     shape = build_shape(cfg, max(world, cfg.parallel.cp_size), planning=True)
@@ -49,8 +50,8 @@ def _estimate(precision: str = "bf16", checkpointed: int = 0, offloaded: int = 0
 
 
 def test_the_frozen_base_is_counted_per_block_at_each_precision():
-    """Per block and outside the blocks, by flux_cp.precision's rule; the totals are docs/small_gpus.md's."""
-    from flux_cp.precision import base_bytes
+    """Per block and outside the blocks, by flux_cp.model.precision's rule; the totals are docs/small_gpus.md's."""
+    from flux_cp.model.precision import base_bytes
 
     config = dict(FLUX1_DEV_TRANSFORMER)
     bases = {p: plan.frozen_base(FLUX1, config, p) for p in ("bf16", "fp8", "int8", "nf4")}
@@ -82,7 +83,7 @@ def test_torchao_weight_only_linears_keep_a_dequantized_copy_of_their_weight_for
     """What `dequantized_weights_kept` rests on: torchao's fp8 / int8 linear dequantizes above autograd, which saves
     the bf16 copy (2 bytes per weight) for the input's gradient; a bf16 linear saves its own weight (no copy)."""
     pytest.importorskip("torchao")
-    from flux_cp.precision import quantize_base
+    from flux_cp.model.precision import quantize_base
 
     class Model(torch.nn.Module):
         def __init__(self):
@@ -217,7 +218,7 @@ def test_full_fine_tuning_and_fsdp2_are_offered_no_quantized_base():
 def test_plan_prints_base_precision_offload_and_pinned_host_memory(capsys):
     for gib in (12, 16, 24, 48, 80, 33.5):
         cfg, _ = _run("--plan", "--resolution", "1024", "--offload_blocks", "--gpu_memory_gib", str(gib))
-        plan.print_plan(cfg)
+        report.print_plan(cfg)
         out = capsys.readouterr().out
         assert f"GPU {gib:.0f} GiB" in out and "base bf16, --offload_blocks auto" in out
         assert "base precision bf16: 22.17 GiB of frozen weights per GPU (fp8 11.16, int8 11.16, nf4 5.81" in out
@@ -225,7 +226,7 @@ def test_plan_prints_base_precision_offload_and_pinned_host_memory(capsys):
         assert "recommended for 1 GPU of" in out and "settings compared" in out
         assert gib > 40 or "GiB of pinned host memory per process" in out, out
     cfg, _ = _run("--plan", "--resolution", "2048", "--gradient_checkpointing", "--gpu_memory_gib", "12")
-    plan.print_plan(cfg)
+    report.print_plan(cfg)
     out = capsys.readouterr().out
     assert (
         "these flags at --cp_size 1 (compile off): do not fit: FLUX.1 does not fit 90% of 12.0 GiB at "
@@ -242,7 +243,7 @@ def test_plan_on_several_gpus_compares_ddp_with_a_quantized_base_and_fsdp2(capsy
     for n in (2, 4):
         cfg, _ = _run("--plan", "--resolution", "2048", "--cp_size", str(n), "--num_processes", str(n),
                       "--gpu_memory_gib", "24")  # fmt: skip
-        plan.print_plan(cfg)
+        report.print_plan(cfg)
         out = capsys.readouterr().out
         assert f"{n} process(es)" in out and f"recommended for {n} GPUs of 24 GiB" in out, out
         for row in ("bf16 DDP on", "fp8 DDP on", "nf4 DDP off", "bf16 FSDP2 on"):

@@ -9,9 +9,9 @@ import shlex
 import pytest
 
 from benchmarks import gpu_table
-from flux_cp import recommend
-from flux_cp.config import parse_config
-from flux_cp.plan import print_plan
+from flux_cp.config.parser import parse_config
+from flux_cp.plan import recommend
+from flux_cp.plan.report import print_plan
 
 MODEL = "black-forest-labs/FLUX.1-dev"
 LINE = "| 1 x 24 GB | FLUX.1 [dev], 1024 px (fastest) |"

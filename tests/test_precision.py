@@ -1,4 +1,4 @@
-"""--base_precision (flux_cp.precision): the frozen transformer's linears in fp8 or int8 (torchao) or nf4
+"""--base_precision (flux_cp.model.precision): the frozen transformer's linears in fp8 or int8 (torchao) or nf4
 (bitsandbytes) with LoRA through peft's layers for them: which weights are quantized and which train, the error
 against the unquantized model, the planner's bytes against what is stored, the refusals, torch.compile, checkpoints,
 the noise of the libraries, and the LoRA file. CP with a quantized base: tests/test_cp_precision.py."""
@@ -13,16 +13,16 @@ import sys
 import pytest
 import torch
 
-from flux_cp.blocks import transformer_blocks
+from flux_cp.config.fields import PRECISIONS
+from flux_cp.config.training import check_base_precision
 from flux_cp.errors import UsageError
+from flux_cp.extras import PACKAGES
 from flux_cp.families.flux1.tiny import FLUX1_DEV_TRANSFORMER, tiny_transformer
 from flux_cp.families.flux2.tiny import FLUX2_DEV_TRANSFORMER, tiny_flux2_transformer
-from flux_cp.precision import (
-    PACKAGES,
-    PRECISIONS,
+from flux_cp.model.blocks import transformer_blocks
+from flux_cp.model.precision import (
     QUANTIZED,
     base_bytes,
-    check_flags,
     check_installed,
     check_sharding,
     is_quantized,
@@ -85,16 +85,16 @@ def _inputs(family: str) -> dict:
 
 
 def _lora_config(family: str, model: torch.nn.Module):
-    from flux_cp.config import parse_config
-    from flux_cp.shape import resolved
+    from flux_cp.config.parser import parse_config
+    from flux_cp.shape.build import resolved
 
     return resolved(parse_config(["--rank", "4"]), _family(family), False, dict(model.config)).lora
 
 
 def _trained(family: str, precision: str, **overrides) -> torch.nn.Module:
-    """The tiny transformer as the trainer prepares it: quantized, then LoRA (flux_cp.model.prepare_trainable), with
-    lora_B drawn non-zero so that the adapters change the output."""
-    from flux_cp.model import prepare_trainable
+    """The tiny transformer as the trainer prepares it: quantized, then LoRA (flux_cp.model.loading.prepare_trainable),
+    with lora_B drawn non-zero so that the adapters change the output."""
+    from flux_cp.model.loading import prepare_trainable
 
     model = _model(family, **overrides)
     quantize_base(model, precision)
@@ -201,7 +201,7 @@ def test_a_replaced_linear_does_not_outlive_its_replacement(monkeypatch):
     on the CPU holds every bf16 weight on the GPU by the end (a 12 GiB card ran out of memory while quantizing)."""
     import weakref
 
-    import flux_cp.precision as precision
+    import flux_cp.model.precision as precision
 
     def replaced(linear, _precision):  # what bitsandbytes' path does: a new module with new weights
         new = torch.nn.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None)
@@ -288,9 +288,9 @@ def test_full_size_bytes_per_parameter_as_the_docs_give_them():
 
 
 def test_refusals_say_what_to_change(monkeypatch):
-    from flux_cp.config import parse_config
+    from flux_cp.config.parser import parse_config
 
-    check_flags("bf16", True)
+    check_base_precision("bf16", True)
     with pytest.raises(UsageError, match=r"^--base_precision nf4 stores the frozen base weights in 4 bits for LoRA; "
                                          r"--full_finetune trains every weight"):  # fmt: skip
         parse_config(["--base_precision", "nf4", "--full_finetune", "--plan"])
@@ -311,15 +311,15 @@ def test_refusals_say_what_to_change(monkeypatch):
     )
     parse_config(["--base_precision", "nf4", "--plan"])  # the planner loads nothing: no package needed
     check_installed("bf16")
-    monkeypatch.setattr("flux_cp.precision._version", lambda package: "0.15.0")
+    monkeypatch.setattr("flux_cp.extras.version", lambda package: "0.15.0")
     with pytest.raises(UsageError, match=r"^--base_precision int8 needs torchao >= 0.16 \(found 0.15.0\): pip "
                                          r"install -U 'torchao>=0.16' \(or pip install -e .\[quant\]\)$"):  # fmt: skip
         check_installed("int8")
 
 
 def test_the_flag_is_recorded_and_may_change_on_resume():
-    from flux_cp.config import parse_config
-    from flux_cp.resume import RESUMABLE_CHANGES
+    from flux_cp.config.parser import parse_config
+    from flux_cp.outputs.resume import RESUMABLE_CHANGES
 
     assert parse_config([]).flat()["base_precision"] == "bf16"
     assert parse_config(["--base_precision", "fp8", "--plan"]).flat()["base_precision"] == "fp8"
@@ -386,7 +386,7 @@ class _Stats(torch.nn.Linear):
 
 
 def test_a_checkpoint_holds_the_trainable_weights_only():
-    from flux_cp.checkpoint import _state
+    from flux_cp.outputs.checkpoint import _state
 
     model = torch.nn.Sequential(_Stats(4, 4), torch.nn.Linear(4, 2))
     model[0].requires_grad_(False)
@@ -397,7 +397,7 @@ def test_a_checkpoint_holds_the_trainable_weights_only():
 
 @pytest.mark.parametrize("precision", _precisions())
 def test_a_checkpoint_of_a_quantized_base_run_holds_the_lora_weights(precision):
-    from flux_cp.checkpoint import _state
+    from flux_cp.outputs.checkpoint import _state
 
     model = _trained("flux1", precision)
     lora = {n for n, p in model.named_parameters() if p.requires_grad}
@@ -447,7 +447,7 @@ def test_the_lora_file_of_a_quantized_base_is_a_bf16_runs_and_loads_into_the_bf1
 
     from flux_cp.families import FLUX1
     from flux_cp.families.flux1.tiny import build_tiny_pipeline
-    from flux_cp.lora import save_lora
+    from flux_cp.model.lora import save_lora
 
     files = {}
     for kind in ("bf16", precision):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from flux_cp.profiling import idle_gaps, kernel_kind, summarize
+from flux_cp.outputs.profiling import idle_gaps, kernel_kind, summarize
 
 
 def _k(name: str, ts: float, dur: float, stream: int = 7) -> dict:

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from flux_cp import tiny
-from flux_cp.summary import loss_change
+from flux_cp.outputs.summary import loss_change
 from tests import snippets
 from tests.launch import ROOT, in_process, ok, train
 

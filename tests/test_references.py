@@ -15,18 +15,25 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, Flux2Pipeline
 
 import cp.comm
-from flux_cp import resume
-from flux_cp.batches import Batches
-from flux_cp.config import DataConfig, ModelConfig, TrainConfig, ValidationConfig, parse_config
-from flux_cp.data import BatchSchedule, batch_groups, check_reference_limit, crop_box, open_source, to_pixels
-from flux_cp.encode import Geometry, LiveData, encode_dataset, reference_key
+from flux_cp.config.flags import ValidationConfig
+from flux_cp.config.parser import parse_config
+from flux_cp.config.training import DataConfig, ModelConfig, TrainConfig
+from flux_cp.data.batches import Batches
+from flux_cp.data.buckets import Geometry, crop_box
+from flux_cp.data.encode import LiveData, encode_dataset, reference_key
+from flux_cp.data.flow import per_sample_draws
+from flux_cp.data.folders import read_metadata_file
+from flux_cp.data.schedule import BatchSchedule, batch_groups
+from flux_cp.data.sources import check_reference_limit, open_source
 from flux_cp.errors import UsageError
 from flux_cp.families import FLUX1, FLUX2
-from flux_cp.flow import per_sample_draws
-from flux_cp.folders import read_metadata_file
-from flux_cp.parallel import Layout
+from flux_cp.images import to_pixels
+from flux_cp.layout import Layout
+from flux_cp.loss import batch_loss
+from flux_cp.outputs import resume
 from flux_cp.rng import Stream, generator
-from flux_cp.shape import build_shape, check_tokens
+from flux_cp.shape.build import build_shape
+from flux_cp.shape.run_shape import check_tokens
 from tests.flux2_recipe_steps import flow_loss
 from tests.reference_folders import PAIRS, references_folder, rows_of_pairs
 
@@ -338,16 +345,16 @@ def test_the_loss_covers_the_target_tokens_only_and_cp_chunks_keep_it(dev, monke
     whole = _batches(data, scheduler, enc.vae).micro(1)
     t = whole.target.shape[1]
     pred = torch.randn_like(whole.inputs["hidden_states"]).requires_grad_(True)
-    loss = whole.loss(pred)
+    loss = batch_loss(pred, whole)
     torch.testing.assert_close(loss, flow_loss(pred[:, :t], whole.target, whole.weighting.flatten()), rtol=1e-6,
                                atol=0)  # fmt: skip
     loss.backward()
     assert pred.grad[:, :t].abs().min() > 0 and pred.grad[:, t:].abs().max() == 0
     changed = pred.detach().clone()
     changed[:, t:] += 10.0
-    assert whole.loss(changed) == loss.detach()
+    assert batch_loss(changed, whole) == loss.detach()
     changed[:, t - 1] += 1.0
-    assert whole.loss(changed) != loss.detach()
+    assert batch_loss(changed, whole) != loss.detach()
     state = {"rank": 0}
     group = _cp_group(monkeypatch, cp_size, state) if cp_size > 1 else None
     chunks = []
@@ -357,12 +364,14 @@ def test_the_loss_covers_the_target_tokens_only_and_cp_chunks_keep_it(dev, monke
     for key, dim in {"hidden_states": 1, "encoder_hidden_states": 1, "img_ids": 0, "txt_ids": 0}.items():
         assert torch.equal(torch.cat([c.inputs[key] for c in chunks], dim), whole.inputs[key]), key
     size = pred.shape[1] // cp_size
-    mean_of_chunks = sum(c.loss(pred.detach()[:, r * size : (r + 1) * size]) for r, c in enumerate(chunks)) / cp_size
+    mean_of_chunks = (
+        sum(batch_loss(pred.detach()[:, r * size : (r + 1) * size], c) for r, c in enumerate(chunks)) / cp_size
+    )
     torch.testing.assert_close(mean_of_chunks, loss.detach(), rtol=1e-6, atol=0)
 
 
 def test_the_plan_counts_every_reference(dev, tmp_path, capsys):
-    from flux_cp.plan import print_plan
+    from flux_cp.plan.report import print_plan
 
     folder = references_folder(tmp_path / "d", n=2, counts=[1, 3])
     model = str(FLUX2.embedded_default(pairs=False))

@@ -14,9 +14,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from flux_cp import checkpoint, diskspace, manifest, outdir
+from flux_cp import checkpoint_folders, manifest
 from flux_cp.families import FLUX1
-from flux_cp.metrics import read_metrics
+from flux_cp.outputs import outdir
+from flux_cp.outputs.metrics import read_metrics
+from flux_cp.plan import diskspace
+from flux_cp.plan.counts import parameter_counts
 from tests.launch import (
     ROOT,
     env,
@@ -193,7 +196,7 @@ def test_a_rank_that_raises_stops_every_rank_with_its_name_and_cause(tmp_path):
 _AGREED_ERROR = """
 import os, sys, time
 from flux_cp.errors import UsageError
-from flux_cp.runner import run
+from flux_cp.run.runner import run
 
 def main():
     if os.environ["RANK"] == "0":
@@ -332,7 +335,7 @@ def test_a_disk_that_fills_up_stops_the_run_at_the_save_that_no_longer_fits(tmp_
     from flux_cp.families.flux1 import DEFAULT_TARGETS
     from flux_cp.families.flux1.tiny import TRANSFORMER_CONFIG
 
-    counts = FLUX1.count_parameters(TRANSFORMER_CONFIG, 16, list(DEFAULT_TARGETS))
+    counts = parameter_counts(FLUX1, TRANSFORMER_CONFIG, 16, list(DEFAULT_TARGETS))
     s = diskspace.sizes(counts, False, True, torch.float32, world=1)
     disk = s.checkpoint + s.model + 64 * 1024  # one checkpoint and the final LoRA fit, not two checkpoints
     r = train(1, *_common(tmp_path, "d", 6, "--checkpointing_steps", "2"), extra_env={"FLUX_CP_DISK_BYTES": str(disk)})
@@ -400,8 +403,8 @@ def test_a_resume_from_an_earlier_checkpoint_branches_and_overwrite_removes_only
     assert [row["step"] for row in rows] == [1, 2, 3, 4, 5, 6] and rows[:2] == first[:2]
     assert [row["lr"] for row in rows] == [1e-3, 1e-3, 5e-4, 5e-4, 5e-4, 5e-4]
     assert _complete(run) == [6]
-    latest = checkpoint.resolve("latest", str(run))
-    assert latest == run / "checkpoint-6" and checkpoint.read_meta(latest)["args"]["learning_rate"] == 5e-4
+    latest = checkpoint_folders.resolve("latest", str(run))
+    assert latest == run / "checkpoint-6" and checkpoint_folders.read_meta(latest)["args"]["learning_rate"] == 5e-4
     (run / "notes.txt").write_text("mine")
     (run / "my_validation").mkdir()
     removed = outdir.claim(run, None, True).removed

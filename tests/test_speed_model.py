@@ -1,6 +1,6 @@
-"""The planner's speed model (flux_cp/speed.py): the committed GPU classes' figures against the steps measured on those
-GPUs, the offload and FSDP2 schedules it plays out, which figures a plan uses, and the measured figures' cache. On
-the CPU, nothing measured here: the timing routine itself runs on the tiny model (flux_cp/speed_measure.py)."""
+"""The planner's speed model (flux_cp/plan/speed.py): the committed GPU classes' figures against the steps measured on
+those GPUs, the offload and FSDP2 schedules it plays out, which figures a plan uses, and the measured figures' cache. On
+the CPU, nothing measured here: the timing routine itself runs on the tiny model (flux_cp/plan/speed_measure.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from benchmarks import bench_speed_model as bench
-from flux_cp import speed, speed_measure
+from flux_cp.plan import speed, speed_measure
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "archive" / "results"
@@ -50,8 +50,8 @@ def test_each_class_predicts_its_measured_steps_within_15_percent_and_in_their_o
     planned again and its step predicted with the committed figures: within 15%, and every two rows of one model and
     resolution more than 10% apart come out in the measured order. The H100's small-GPU rows are those of the table
     the README's advice rests on: fp8 with offload, bf16 with offload, nf4 at 12 GiB, fp8 eager, FLUX.2 at full size,
-    and the 2048 px step. The figures were fitted to these rows (flux_cp/speed_data/*.json's `fit`): this checks the
-    file against them, and once the figures are measured on the GPU, the model."""
+    and the 2048 px step. The figures were fitted to these rows (flux_cp/plan/speed_data/*.json's `fit`): this checks
+    the file against them, and once the figures are measured on the GPU, the model."""
     assert files and all(f.is_file() for f in files)
     table, failures = bench.check([str(f) for f in files], speed.load_class(name), models=models)
     assert len(table) >= (7 if name == "h100" else 12), table
@@ -73,9 +73,9 @@ def test_on_an_h100_fp8_with_offload_is_predicted_faster_than_bf16_with_offload_
 def test_the_recommendation_on_an_h100_capped_to_24_gib_is_fp8_compiled_with_offload(monkeypatch):
     """What --plan --gpu_class h100 --gpu_memory_gib 24 recommends for FLUX.1-dev at 1024 px, with host memory for
     the offloaded blocks."""
-    from flux_cp import recommend
-    from flux_cp.config import parse_config
-    from flux_cp.shape import build_shape, resolved
+    from flux_cp.config.parser import parse_config
+    from flux_cp.plan import recommend
+    from flux_cp.shape.build import build_shape, resolved
 
     cfg = parse_config(
         [
@@ -180,8 +180,8 @@ def test_which_class_stands_for_a_gpu():
 
 
 def test_plan_on_the_cpu_says_whose_figures_it_used_and_plans_host_memory(capsys):
-    from flux_cp.config import parse_config
-    from flux_cp.plan import print_plan
+    from flux_cp.config.parser import parse_config
+    from flux_cp.plan.report import print_plan
 
     argv = [
         "--plan",
@@ -198,7 +198,7 @@ def test_plan_on_the_cpu_says_whose_figures_it_used_and_plans_host_memory(capsys
     out = capsys.readouterr().out
     assert (
         "speed model: rtx4090 class figures (NVIDIA GeForce RTX 4090: sourced from datasheets, not measured; "
-        "flux_cp/speed_data/rtx4090.json)" in out
+        "flux_cp/plan/speed_data/rtx4090.json)" in out
     )
     assert "recommended for 1 GPU of 24 GiB (host memory 8 GiB)" in out
     rows = [line for line in out.splitlines() if line.startswith("  ") and " one GPU " in line]

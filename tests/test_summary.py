@@ -1,5 +1,5 @@
 """How a run ends: a summary of every output it wrote and the diffusers lines that load the weights, without the
-libraries' noise (flux_cp.summary, flux_cp.quiet). The trainer's own end is checked in test_run_outputs.py."""
+libraries' noise (flux_cp.outputs.summary, flux_cp.quiet). The trainer's own end is checked in test_run_outputs.py."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import warnings
 from pathlib import Path
 
 from flux_cp import quiet
-from flux_cp.config import parse_config
-from flux_cp.summary import loss_change, summary
+from flux_cp.config.parser import parse_config
+from flux_cp.outputs.summary import loss_change, summary
 
 
 def _folder(out: Path, losses: list[float], grids: int, checkpoints: tuple[int, ...]) -> None:
@@ -41,7 +41,7 @@ def test_the_summary_lists_every_output_the_loss_change_and_how_to_load_the_lora
     _folder(out, losses, grids=6, checkpoints=(5, 10))
     cfg = parse_config(["--output_dir", str(out), "--dataset_name", "data/tiny_pairs", "--max_train_steps", "10"])
     (out / "reference.png").write_bytes(b"x")
-    text = summary(cfg, steps=10, pipeline="FluxKontextPipeline", kontext=True, hub_url="https://huggingface.co/me/k",
+    text = summary(cfg, steps=10, pairs=True, hub_url="https://huggingface.co/me/k",
                    repo_id="me/k", references=("reference.png",))  # fmt: skip
     head, *lines = text.splitlines()
     assert head == f"done: 10 steps, loss 1.150 -> 0.800 (-30%, means of the first and last 2 steps). Outputs in {out}:"
@@ -56,7 +56,7 @@ def test_the_summary_lists_every_output_the_loss_change_and_how_to_load_the_lora
     (kept,) = [line for line in lines if line.startswith("  checkpoint-5/, checkpoint-10/ ")]
     assert kept.endswith("  resumable: --resume_from_checkpoint latest or one of them; each holds its step's LoRA")
     (out / "checkpoint-5" / "pytorch_lora_weights.safetensors").unlink()  # as an earlier version wrote it
-    again = summary(cfg, steps=10, pipeline="FluxKontextPipeline", kontext=True)
+    again = summary(cfg, steps=10, pairs=True)
     assert "  resumable: --resume_from_checkpoint latest or one of them\n" in again
     assert f"tensorboard --logdir {out / 'logs'}" in text
     code = _code(text)
@@ -74,7 +74,7 @@ def test_the_summary_names_only_what_exists_and_a_transformer_folder_when_fully_
     (out / "metrics.jsonl").write_text('{"step": 1, "loss": NaN}\n')
     cfg = parse_config(["--output_dir", str(out), "--full_finetune", "--max_train_steps", "1",
                         "--pretrained_model_name_or_path", "black-forest-labs/FLUX.1-dev"])  # fmt: skip
-    text = summary(cfg, steps=1, pipeline="FluxPipeline", kontext=False)
+    text = summary(cfg, steps=1, pairs=False)
     assert text.splitlines()[:3] == [
         f"done: 1 step. Outputs in {out}:",
         "  transformer/   the fine-tuned transformer (diffusers' format)",

@@ -5,8 +5,8 @@ from __future__ import annotations
 import io
 import logging
 
-from flux_cp import runner
 from flux_cp.errors import UsageError
+from flux_cp.run import runner
 from flux_cp.terminal import escape_logs, printable
 
 EVIL = "Flux\x1b[2J\x1b[31mPipeline\r\u202egnp.\nerror: forged"
@@ -66,7 +66,7 @@ def test_the_loss_curve_of_a_folder_named_with_escapes_and_dollars_is_drawn(tmp_
     malformed formula at the end of a run), and its control characters are escaped."""
     import json
 
-    from flux_cp.metrics import plot_loss_curve
+    from flux_cp.outputs.metrics import plot_loss_curve
 
     out = tmp_path / "run$\\frac$ \x1b[2J"
     out.mkdir()

@@ -10,11 +10,11 @@ import dataclasses
 import pytest
 import torch
 
-from flux_cp.config import TrainConfig
+from flux_cp.config.training import TrainConfig
 from flux_cp.errors import UsageError
-from flux_cp.lora_format import metadata, scaled
-from flux_cp.optim import clip_grad_norm, make_optimizer
-from flux_cp.text_encoder import check_sharding
+from flux_cp.families.lora_format import metadata, scaled
+from flux_cp.model.optim import clip_grad_norm, make_optimizer
+from flux_cp.model.text_encoder import check_sharding
 
 
 def test_fsdp_is_refused_with_a_line_naming_what_works():

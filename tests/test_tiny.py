@@ -125,7 +125,7 @@ def test_the_command_line_refuses_a_folder_of_the_user_s_before_building(tmp_pat
 
 
 def test_the_command_line_writes_no_model_into_a_folder_another_tool_owns(tmp_path, monkeypatch, capsys):
-    from flux_cp import roles
+    from flux_cp.outputs import roles
 
     monkeypatch.setenv("PIP_CACHE_DIR", str(tmp_path / "pip"))
     for out, how in (

@@ -44,7 +44,8 @@ def _records(path: Path):
 @pytest.mark.e2e
 def test_wandb_offline_logs_scalars_and_validation_images_and_a_kohya_lora_is_written(tmp_path):
     # The tiny model's single blocks are not FLUX.1's size, so diffusers could not split their linear1 back: the
-    # kohya file gets a double block's fused q/k/v, the MLPs and the single blocks' linear2 (flux_cp.lora_format).
+    # kohya file gets a double block's fused q/k/v, the MLPs and the single blocks' linear2
+    # (flux_cp.families.lora_format).
     layers = ",".join(["transformer_blocks.0.attn.to_q", "transformer_blocks.0.attn.to_k", "ff.net.2",
                        "single_transformer_blocks.0.proj_out"])  # fmt: skip
     args = run_args(tmp_path, "wb", 2, "--report_to", "wandb", "--lora_format", "kohya", "--lora_layers", layers,

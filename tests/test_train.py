@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from flux_cp.metrics import read_metrics
+from flux_cp.outputs.metrics import read_metrics
 from tests import snippets
 from tests.launch import assert_same_trajectory, ok, run_args, train
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from flux_cp.metrics import read_metrics
+from flux_cp.outputs.metrics import read_metrics
 from tests.launch import assert_same_trajectory, in_process, ok, run_args, train
 
 pytestmark = pytest.mark.e2e  # every test here launches train_flux_cp.py

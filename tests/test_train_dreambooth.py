@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from flux_cp.data import BUNDLED_DATA
-from flux_cp.prior import class_images
+from flux_cp.data.prior import class_images
+from flux_cp.data.sources import BUNDLED_DATA
 from flux_cp.rng import Stream, generator
 from tests import snippets
 from tests.launch import assert_same_trajectory, losses, ok, run_args, train

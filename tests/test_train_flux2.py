@@ -68,7 +68,7 @@ def _png(run: Path, step: int = 10) -> np.ndarray:
 
 
 def _render(pipe, prompt: str, text_tokens: int, **extra) -> np.ndarray:
-    """The image flux_cp.validation renders for the first prompt's first image with these settings."""
+    """The image flux_cp.outputs.validation renders for the first prompt's first image with these settings."""
     pipe.set_progress_bar_config(disable=True)
     image = pipe(
         prompt=prompt, height=64, width=64, num_inference_steps=2, guidance_scale=3.5,
@@ -127,7 +127,7 @@ def test_the_lines_of_a_full_fine_tune_on_pairs_load_its_transformer_and_edit_th
     64 px rather than the trained 48: FLUX.2's pipelines take no smaller image); the lines of the model card and of
     the log load the transformer into Flux2KleinPipeline and edit it, making an image of the trained size. A full
     fine-tune's checkpoints hold no LoRA file."""
-    from flux_cp.validation import square
+    from flux_cp.outputs.validation import square
 
     out = runs["tmp"] / "klein_full"
     code = snippets.check(out, (runs["tmp"] / "klein_full.log").read_text(), 48)

@@ -100,7 +100,7 @@ def _pipeline(runs):
 
 
 def _render(pipe, image) -> np.ndarray:
-    """The image flux_cp.validation renders for the first prompt's first image with these settings."""
+    """The image flux_cp.outputs.validation renders for the first prompt's first image with these settings."""
     out = pipe(prompt=EDIT, image=image, height=64, width=64, num_inference_steps=2, guidance_scale=3.5,
                max_sequence_length=TEXT_TOKENS, generator=torch.Generator("cpu").manual_seed(SEED * 1000),
                output_type="np").images[0]  # fmt: skip
@@ -108,7 +108,7 @@ def _render(pipe, image) -> np.ndarray:
 
 
 def test_the_lora_edits_with_both_references_in_flux2_klein_pipeline_as_the_trained_model(runs):
-    from flux_cp.validation import reference_image
+    from flux_cp.outputs.validation import reference_image
 
     pipe = _pipeline(runs)
     images = [reference_image(p, 64) for p in runs["images"]]
@@ -122,7 +122,7 @@ def test_the_lora_edits_with_both_references_in_flux2_klein_pipeline_as_the_trai
 def test_the_lora_edits_one_reference_in_flux2_klein_pipeline_as_the_trained_model(runs):
     """Flux2KleinPipeline (a base model: true CFG against "", encoded by the pipeline itself here) with the LoRA of
     the CP run, the reference as the trainer's validation cut it."""
-    from flux_cp.validation import reference_image
+    from flux_cp.outputs.validation import reference_image
 
     pipe = _pipeline(runs)
     assert not pipe.config.is_distilled
@@ -139,7 +139,7 @@ def test_the_lines_of_a_two_reference_run_edit_its_references_pasted_from_its_ca
     """The run's two --validation_image copied beside its LoRA, in order, as validation cuts them; the lines of the
     model card and of the log load the LoRA into Flux2KleinPipeline and edit both, making an image of the trained
     size."""
-    from flux_cp.validation import reference_image
+    from flux_cp.outputs.validation import reference_image
 
     out = runs["tmp"] / "one"
     code = snippets.check(out, (out / "log.txt").read_text(), 64)

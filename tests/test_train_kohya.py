@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from flux_cp.data import BUNDLED_DATA
+from flux_cp.data.sources import BUNDLED_DATA
 from flux_cp.families.flux1.kohya import to_kohya
-from flux_cp.network_weights import fingerprint
+from flux_cp.model.network_weights import fingerprint
 from tests.launch import assert_same_trajectory, losses, ok, run_args, train
 
 pytestmark = pytest.mark.e2e  # every test here launches train_flux_cp.py

@@ -1,5 +1,5 @@
 """Writes docs/flags.md, the reference of every flag of `train_flux_cp.py`, from the flag table itself
-(flux_cp.config): the parser's sections in --help's order, and for each flag its type or choices, its default and
+(flux_cp/config/): the parser's sections in --help's order, and for each flag its type or choices, its default and
 its help line. `python tools/flags_reference.py` writes the page; `--check` exits 1 when the page differs from what
 the table renders (tests/test_flags_reference.py runs the same comparison), so the page can never leave a flag out.
 """
@@ -18,17 +18,18 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script from anywhere: the checkout's flux_cp
     sys.path.insert(0, str(ROOT))
 
-from flux_cp.config import Config, build_parser  # noqa: E402 - after the path above
+from flux_cp.config.flags import Config  # noqa: E402 - after the path above
+from flux_cp.config.parser import build_parser  # noqa: E402
 
 OUT = ROOT / "docs" / "flags.md"
 
 HEADER = """# Flags of `train_flux_cp.py`
 
-Every flag, by the section `--help` lists it under, generated from the flag table (`flux_cp/config.py`: each field
-of a section is its flag) by `python tools/flags_reference.py`; `tests/test_flags_reference.py` fails when this page
-differs from what the table renders. A flag may also be given in a config file (`--config FILE`, by its name
-without `--`: [config_files.md](config_files.md)). Where a flag takes an optional value, the flag given alone means
-the value in the type column. Type `switch`: on when given, off otherwise.
+Every flag, by the section `--help` lists it under, generated from the flag table (`flux_cp/config/training.py` and
+`flags.py`: each field of a section is its flag) by `python tools/flags_reference.py`; `tests/test_flags_reference.py`
+fails when this page differs from what the table renders. A flag may also be given in a config file (`--config FILE`, by
+its name without `--`: [config_files.md](config_files.md)). Where a flag takes an optional value, the flag given alone
+means the value in the type column. Type `switch`: on when given, off otherwise.
 """
 
 

@@ -24,7 +24,7 @@ import cp
 from benchmarks.common import init
 from cp import schedule as overlap
 from cp.schedule import inductor_options
-from flux_cp.blocks import checkpoint_inside
+from flux_cp.model.blocks import checkpoint_inside
 
 
 def recorder(graphs: list, cp: int) -> Callable:

@@ -18,7 +18,7 @@ import argparse
 import bisect
 import json
 
-from flux_cp.profiling import intersection, length, load_trace, union
+from flux_cp.outputs.profiling import intersection, length, load_trace, union
 
 
 def analyse(events: list[dict], long_us: float = 50.0) -> dict:

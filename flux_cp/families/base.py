@@ -1,6 +1,7 @@
-"""The `Family` interface: what the rest of flux-cp asks of a model family, and how a model folder names its
-family (the pipeline class of its model_index.json where a family claims it, else the `_class_name` of its
-transformer's config).
+"""The `Family` interface: what the rest of flux-cp asks of a model family; how a model folder names its family (the
+pipeline class of its model_index.json where a family claims it, else the `_class_name` of its transformer's config);
+and the registry of the families a run may train (the package registers the built-in ones, flux_cp/families/
+__init__.py; `register` adds others).
 
 Everything that differs between families is asked here, never by the family's name or class: the transformer's
 block lists (blocks.py, offload, the planner, parameter counts), the LoRA file's scale convention and the layouts it
@@ -9,26 +10,25 @@ is written in, the model card's tags and what ComfyUI does with the outputs. A f
 
 from __future__ import annotations
 
-import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from ..adapters import is_adapter_parameter, peft_config
-from ..errors import UsageError
-from ..lora import check_targets
-from ..metrics import StepFlops, step_flops
-from ..terminal import printable
+from flux_cp.errors import UsageError
+from flux_cp.families.flops import StepFlops, step_flops
+from flux_cp.families.known import KnownModel
+from flux_cp.terminal import printable
 
 if TYPE_CHECKING:
     from PIL import Image
 
-    from ..config import Config, LoraConfig, ModelConfig
-    from ..encode import Encoders
-    from ..lora_format import Origin
+    from flux_cp.config.flags import Config
+    from flux_cp.config.training import LoraConfig, ModelConfig
+    from flux_cp.families.encoders import Encoders
+    from flux_cp.families.lora_format import Origin
 
 Tensor = torch.Tensor
 
@@ -115,31 +115,6 @@ def rope_rules(transformer: dict) -> list[tuple[str, str, str]]:
     return out
 
 
-@dataclass(frozen=True)
-class ParameterCounts:
-    """Parameters of the transformer (`base`) and of what trains (LoRA adapters, or all of it), with tensor counts,
-    and the parameters of its largest block (what FSDP gathers at once)."""
-
-    base: int
-    base_tensors: int
-    trainable: int
-    trainable_tensors: int
-    largest_block: int
-
-
-@dataclass(frozen=True)
-class KnownModel:
-    """A model on the Hugging Face Hub that a family knows without downloading anything: its transformer config (so
-    `--plan` works offline for it), pipeline and license (the model card)."""
-
-    model_id: str
-    transformer: dict  # transformer/config.json's fields
-    pipeline: str  # model_index.json's _class_name
-    license: str  # the Hub's license identifier
-    license_name: str | None = None  # for license "other"
-    license_link: str | None = None
-
-
 class Family(ABC):
     """One kind of FLUX model. Subclasses fill in the class attributes and the methods below; nothing here loads
     a model until asked."""
@@ -158,7 +133,7 @@ class Family(ABC):
     # config key of its length). Checkpointing, compile, offload, the planner and parameter counts walk them.
     block_lists: tuple[tuple[str, str, str], ...] = ()
     # The LoRA file's scale alpha / rank: alpha keys beside the weights (True), or multiplied into lora_B for
-    # loaders that refuse alpha keys (flux_cp.lora_format)
+    # loaders that refuse alpha keys (flux_cp.families.lora_format)
     lora_alpha_keys: bool = True
     lora_layouts: tuple[str, ...] = ("diffusers",)  # the --lora_format values it writes (`lora_layout`)
     card_tags: tuple[str, ...] = ()  # the model card's tags for the family ...
@@ -172,8 +147,10 @@ class Family(ABC):
     # --train_text_encoder: (the text encoder trained, the transformer's forward argument its output feeds, the
     # pipeline's argument and cached encoding of the same); None: the family trains no text encoder
     trained_text_encoder: tuple[str, str, str] | None = None
+    trained_text_encoder_targets: tuple[str, ...] = ()  # its layers that get the LoRA of --train_text_encoder
     # The sizes in each component's config.json (component folder -> {key: (smallest, largest)}; a dotted key is
-    # nested, a float bound a number rather than an integer), checked before anything is built (flux_cp.model_config)
+    # nested, a float bound a number rather than an integer), checked before anything is built
+    # (flux_cp.families.model_config)
     config_sizes: dict[str, dict[str, tuple[float, float]]] = {}
 
     # --- components -----------------------------------------------------------------------------------------
@@ -186,9 +163,33 @@ class Family(ABC):
     def embedded_default(self, pairs: bool) -> str:
         """The tiny model folder trained when no model is named (built locally on first use)."""
 
+    # The transformer's forward inputs that CP splits, each along its sequence dimension, as diffusers' `_cp_plan`
+    # declares them: every rank of a CP group takes its equal contiguous chunk of each (flux_cp.data.batches); the
+    # other inputs (timestep, guidance, pooled embeddings) stay whole.
+    cp_plan: dict[str, int] = {}
+    # The folders `python -m flux_cp.tiny` builds of this family: (its --family name for them, --preset) -> builder of
+    # a folder at a path (flux_cp/tiny.py); the preset of a full-size transformer config with tiny encoders, and what
+    # it is (said where a model must be given offline); --<flag> aliases of a --family name, with their help.
+    shapes_preset: tuple[str, str] | None = None
+    tiny_aliases: dict[str, tuple[str, str]] = {}
+
+    def tiny_builds(self) -> dict[tuple[str, str], Callable[[str], Path]]:
+        """{(--family name, --preset): the builder of that folder at a path} (module note above)."""
+        return {}
+
+    def embedded_snippet(self, pairs: bool) -> tuple[str, str]:
+        """(import line, expression) that rebuild `embedded_default(pairs)` in a load snippet of the model card and
+        the end summary (a run that named no model)."""
+        raise NotImplementedError(f"{self.label} has no embedded default")
+
+    def snippet_call(self, pairs: bool, size: int) -> tuple[str, str]:
+        """(arguments, comment) that the load snippet adds to the pipeline's call for an image of `size` pixels
+        square, when the pipeline would otherwise render another size; none by default."""
+        return "", ""
+
     def encoder_classes(self) -> dict[str, type]:
         """{component folder: class} of the text encoders, in the order they encode, and of the VAE (`vae`): what
-        the encoding phase's memory is planned from (flux_cp.encoding_memory)."""
+        the encoding phase's memory is planned from (flux_cp.plan.encoding)."""
         return {}
 
     def config_rules(self, configs: dict[str, dict]) -> list[tuple[str, str, str]]:
@@ -198,7 +199,7 @@ class Family(ABC):
 
     def weight_shapes(self, component: str, config: dict) -> dict[str, tuple[int, ...]]:
         """The shapes that tensors of the component's weight files have for its `config` (those present in the files
-        are compared: flux_cp.model_config)."""
+        are compared: flux_cp.families.model_config)."""
         return {}
 
     def weight_layers(self, component: str) -> tuple[tuple[str, str, bool], ...]:
@@ -214,7 +215,7 @@ class Family(ABC):
 
     @abstractmethod
     def load_encoders(self, model: ModelConfig, path: str, dtype: torch.dtype, device: torch.device) -> Encoders:
-        """The VAE and the text encoders (a `flux_cp.encode.Encoders`: `prompts`, `latents`, `free_text_encoders`)."""
+        """The VAE and the text encoders (an `Encoders`: `prompts`, `latents`, `free_text_encoders`)."""
 
     def check(self, cfg: Config) -> None:
         """Flags this family cannot honour: a UsageError naming the flag (before anything loads)."""
@@ -258,6 +259,14 @@ class Family(ABC):
         """(weights, safetensors metadata) of a LoRA file in the family's own layout `fmt` (one of `lora_layouts`
         but diffusers'), from diffusers-format weights `state`."""
         raise ValueError(f"{self.label} writes no {fmt} LoRA files")
+
+    def read_lora_layout(
+        self, fmt: str, state: dict[str, Tensor], linears: dict[str, tuple[int, int]], trained: set[str], rank: int
+    ) -> tuple[dict, dict]:
+        """({module: (lora_A, lora_B)}, {module: scale}) in diffusers' module names of a LoRA file in the family's
+        own layout `fmt` (`--network_weights`); `linears`, `trained`, `rank`: the model's linear layers ({module:
+        (out, in)}), those the run trains, and its rank. A ValueError saying what does not fit."""
+        raise ValueError(f"{self.label} reads no {fmt} LoRA files")
 
     def known_model(self, name: str | None) -> KnownModel | None:
         """What the family knows of a hub id without downloading anything (the Hub's ids are case-insensitive)."""
@@ -306,7 +315,8 @@ class Family(ABC):
     def reference_inputs(self, image: Image.Image | list[Image.Image], encoders: Encoders, device: torch.device
                          ) -> dict:  # fmt: skip
         """The validation pipeline's keyword arguments for editing `image` (the `--validation_image`, already cut to
-        `--validation_resolution`^2 by `flux_cp.validation.reference_image`; a list of them when it is given several
+        `--validation_resolution`^2 by `flux_cp.outputs.validation.reference_image`; a list of them when it is given
+        several
         times, for a family that takes several references)."""
 
     # --- the token sequence ----------------------------------------------------------------------------------
@@ -335,8 +345,7 @@ class Family(ABC):
     @abstractmethod
     def transformer_inputs(self, hidden: Tensor, img_ids: Tensor, text: dict[str, Tensor], txt_ids: Tensor,
                            timestep: Tensor, guidance: Tensor | None) -> dict:  # fmt: skip
-        """Keyword arguments of the transformer's forward. `hidden`, `img_ids`, `txt_ids` and `text["prompt_embeds"]`
-        are this rank's sequence chunks; the other text entries are whole."""
+        """Keyword arguments of the transformer's forward, of whole sequences: CP then splits those of `cp_plan`."""
 
     # --- training and accounting -----------------------------------------------------------------------------
 
@@ -351,25 +360,18 @@ class Family(ABC):
 
     def block_kinds(self, config: dict) -> tuple[tuple[str, int], ...]:
         """The transformer blocks in the order they run, as (kind, count): the planner counts what each kind keeps
-        for its backward (`flux_cp/plan_data.json`, by `transformer_class_name` and kind)."""
+        for its backward (`flux_cp/plan/plan_data.json`, by `transformer_class_name` and kind)."""
         return tuple((kind, config[key]) for kind, _, key in self.block_lists)
 
     @property
     def quantized_parts(self) -> tuple[str, ...]:
         """The transformer's top-level modules whose linears --base_precision quantizes: its block lists (the rest,
-        embedders and final layer, stays as loaded: flux_cp.precision)."""
+        embedders and final layer, stays as loaded: flux_cp.model.precision)."""
         return tuple(name for _, name, _ in self.block_lists)
 
     def blocks(self, transformer: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
         """(kind, block) of every block of `transformer`, in the order they run."""
         return [(kind, block) for kind, name, _ in self.block_lists for block in getattr(transformer, name)]
-
-    def count_parameters(
-        self, config: dict, lora_rank: int | None, lora_layers: list[str], adapter: str = "lora"
-    ) -> ParameterCounts:
-        """Exact counts from the transformer's config, on the meta device (nothing allocated or loaded). `adapter`:
-        --adapter's kind (LoRA, DoRA or LoKr) at `lora_rank` (None: full fine-tuning)."""
-        return _count(self, json.dumps(config, sort_keys=True), lora_rank, tuple(lora_layers), adapter)
 
     @abstractmethod
     def forward_flops(self, config: dict, image_tokens: int, text_tokens: int, batch: int) -> tuple[float, float]:
@@ -377,38 +379,10 @@ class Family(ABC):
 
     def step_flops(self, config: dict, image_tokens: int, text_tokens: int, batch: int, lora: bool, ckpt: float,
                    attn_recomputed: float) -> StepFlops:  # fmt: skip
-        """Model and executed FLOPs of one micro-step (`flux_cp.metrics.step_flops`; `ckpt`, `attn_recomputed`: the
+        """Model and executed FLOPs of one micro-step (`flops.step_flops`; `ckpt`, `attn_recomputed`: the
         share of the blocks that recompute their forward, their attention)."""
         linear, attention = self.forward_flops(config, image_tokens, text_tokens, batch)
         return step_flops(linear, attention, lora, ckpt, attn_recomputed)
-
-
-_COUNTS: dict[tuple, ParameterCounts] = {}
-
-
-def _count(
-    family: Family, config: str, lora_rank: int | None, lora_layers: tuple[str, ...], adapter: str = "lora"
-) -> ParameterCounts:
-    key = (family.name, config, lora_rank, lora_layers, adapter)
-    if key in _COUNTS:  # --plan asks for every CP size; building the model is the slow part
-        return _COUNTS[key]
-    with torch.device("meta"):
-        try:
-            model = family.transformer_class().from_config(json.loads(config))
-        except (ValueError, RuntimeError, TypeError, IndexError, KeyError, ZeroDivisionError) as e:
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            raise UsageError(f"the transformer cannot be built from its config.json ({first})") from None
-        base = [p.numel() for p in model.parameters()]
-        largest = max(sum(p.numel() for p in b.parameters()) for _, b in family.blocks(model))
-        if lora_rank is None:
-            counts = ParameterCounts(sum(base), len(base), sum(base), len(base), largest)
-        else:
-            check_targets(model, list(lora_layers))
-            model.add_adapter(peft_config(adapter, lora_rank, lora_rank, 0.0, list(lora_layers)))
-            lora = [p.numel() for n, p in model.named_parameters() if is_adapter_parameter(n)]
-            counts = ParameterCounts(sum(base), len(base), sum(lora), len(lora), largest)
-    _COUNTS[key] = counts
-    return counts
 
 
 def declared_classes(path: str, revision: str | None, cache_dir: str | None = None) -> tuple[str | None, str | None]:
@@ -458,7 +432,7 @@ def transformer_class_name(path: str, revision: str | None) -> str:
     return transformer or pipeline or ""
 
 
-def detect(path: str, revision: str | None, families: tuple[Family, ...], cache_dir: str | None = None) -> Family:
+def _detect(path: str, revision: str | None, families: tuple[Family, ...], cache_dir: str | None = None) -> Family:
     """The family of the model at `path` (a folder or hub id): the one whose pipelines include the pipeline class
     of its model_index.json, else the first whose transformer class its transformer/config.json names; a UsageError
     naming the classes and the supported ones when no family claims them."""
@@ -473,3 +447,62 @@ def detect(path: str, revision: str | None, families: tuple[Family, ...], cache_
     supported = ", ".join(f"{f.label} ({', '.join(f.pipeline_class_names[:1] + (f.transformer_class_name,))})"
                           for f in families)  # fmt: skip
     raise UsageError(f"--pretrained_model_name_or_path {path} is a {declared}; flux-cp trains {supported}")
+
+
+# --- the registry -----------------------------------------------------------------------------------------------
+
+# The families flux-cp trains, in the order they were registered (the package registers the built-in ones,
+# flux_cp/families/__init__.py; `register` adds others).
+FAMILIES: list[Family] = []
+
+
+def register(family: Family) -> None:
+    """Train `family`'s models too: `detect` recognises their folders, and every module asking a family of a model
+    finds it. Call it in every process of a run before the trainer starts (its CP processors registered with
+    `cp.register` by then)."""
+    if family not in FAMILIES:
+        FAMILIES.append(family)
+
+
+def detect(path: str, revision: str | None = None, cache_dir: str | None = None) -> Family:
+    """The family of the model folder or hub id `path`: its pipeline class decides where a family names it (FLUX.2
+    [dev] and [klein] share the transformer class), else its transformer class (a UsageError naming the classes if
+    no family trains them). `cache_dir`: the download cache."""
+    return _detect(path, revision, tuple(FAMILIES), cache_dir)
+
+
+def default_family() -> Family:
+    """The first family registered (FLUX.1, flux_cp/families/__init__.py): the embedded default's, and the one a
+    transformer config that names no class is taken for."""
+    return FAMILIES[0]
+
+
+def for_transformer(config: dict) -> Family:
+    """The family whose transformer a transformer config describes (its `_class_name`; when it names none, the first
+    family registered, FLUX.1, as the built-in configs of the known FLUX.1 models)."""
+    name = config.get("_class_name")
+    return next((f for f in FAMILIES if f.transformer_class_name == name), default_family())
+
+
+def of_model(transformer: torch.nn.Module) -> Family:
+    """The family of a transformer (by its class, also under peft's adapters)."""
+    names = {cls.__name__ for cls in type(transformer).__mro__}
+    found = next((f for f in FAMILIES if f.transformer_class_name in names), None)
+    if found is None:
+        raise ValueError(f"no registered model family trains a {type(transformer).__name__}")
+    return found
+
+
+def blocks_of(transformer: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """(kind, block) of every block of a transformer, in the order they run (`Family.blocks`)."""
+    return of_model(transformer).blocks(transformer)
+
+
+def known_model(name: str | None) -> KnownModel | None:
+    """What a registered family knows of a hub id offline (`Family.known_model`), else None."""
+    return next((k for f in FAMILIES if (k := f.known_model(name)) is not None), None)
+
+
+def known_models() -> list[KnownModel]:
+    """Every hub id a registered family knows offline."""
+    return [k for f in FAMILIES for k in f.known]

@@ -17,8 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import UsageError
-from ..files import apply_umask, read_json
+from flux_cp.errors import UsageError
+from flux_cp.files import apply_umask, read_json
 
 logger = logging.getLogger("flux_cp")
 

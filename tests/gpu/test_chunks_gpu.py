@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from cp import Tuning, kernels
-from cp.context import CallSpec
+from cp.mode import CallSpec
 from cp.schedule import inductor_options
 from cp.ulysses import ulysses_traced
 

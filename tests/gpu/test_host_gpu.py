@@ -11,11 +11,11 @@ import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
-from flux_cp.batches import Batches
-from flux_cp.config import DataConfig, TrainConfig
-from flux_cp.data import BatchSchedule
+from flux_cp.config.training import DataConfig, TrainConfig
+from flux_cp.data.batches import Batches
+from flux_cp.data.schedule import BatchSchedule
 from flux_cp.families import FLUX1
-from flux_cp.parallel import Layout
+from flux_cp.layout import Layout
 from tests.fakes import FakeData, step_fused_and_reference
 
 pytestmark = [
@@ -62,9 +62,9 @@ def test_the_fused_adamw_on_the_gpu_steps_like_the_reference_adamw():
 def test_the_end_of_a_step_is_queued_without_waiting_for_the_gpu():
     """clip_grad_norm, apply_update (a non-finite step dropped on the device) and StepTimer.mark make no host
     synchronisation (torch's sync debug mode turns one into an error); the values they leave are right."""
-    from flux_cp.config import TrainConfig
-    from flux_cp.metrics import StepTimer
-    from flux_cp.optim import apply_update, clip_grad_norm, make_optimizer
+    from flux_cp.config.training import TrainConfig
+    from flux_cp.model.optim import apply_update, clip_grad_norm, make_optimizer
+    from flux_cp.outputs.metrics import StepTimer
 
     cuda = torch.device("cuda")
     params = [torch.nn.Parameter(torch.randn(s, device=cuda)) for s in [(3072, 16), (16, 3072), (7,)]]

@@ -1,4 +1,4 @@
-"""Block offload (`--offload_blocks`, flux_cp/offload.py) on a CUDA GPU:
+"""Block offload (`--offload_blocks`, flux_cp/model/offload.py) on a CUDA GPU:
 `python -m pytest -q tests/gpu/test_offload_gpu.py`.
 
 A FLUX.1-shaped transformer (FLUX.1-dev's widths, 3 double and 6 single blocks, bf16, LoRA on the default layers)
@@ -22,11 +22,11 @@ import torch
 
 import cp
 from cp import Tuning
-from flux_cp.blocks import prepare_blocks, step_begins
-from flux_cp.config import LoraConfig
+from flux_cp.config.training import LoraConfig
 from flux_cp.families.flux1 import DEFAULT_TARGETS
-from flux_cp.model import prepare_trainable
-from flux_cp.offload import offload_blocks
+from flux_cp.model.blocks import prepare_blocks, step_begins
+from flux_cp.model.loading import prepare_trainable
+from flux_cp.model.offload import offload_blocks
 
 pytestmark = [
     pytest.mark.gpu,

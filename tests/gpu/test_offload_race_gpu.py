@@ -1,4 +1,4 @@
-"""Block offload's wait for a block's copy (flux_cp/offload.py), made deterministic on a CUDA GPU:
+"""Block offload's wait for a block's copy (flux_cp/model/offload.py), made deterministic on a CUDA GPU:
 `python -m pytest -q tests/gpu/test_offload_race_gpu.py`.
 
 A block computes once the compute stream has waited for its copy into its slot. Copies are fast, so a schedule that
@@ -16,7 +16,7 @@ import gc
 import pytest
 import torch
 
-from flux_cp.offload import BlockOffload, offload_blocks
+from flux_cp.model.offload import BlockOffload, offload_blocks
 from tests.gpu.test_offload_gpu import OFFLOADED, _batches, _model, _train
 
 pytestmark = [

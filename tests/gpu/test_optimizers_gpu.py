@@ -30,8 +30,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _optimizer(params):
-    from flux_cp.config import TrainConfig
-    from flux_cp.optim import make_optimizer
+    from flux_cp.config.training import TrainConfig
+    from flux_cp.model.optim import make_optimizer
 
     opt = make_optimizer(TrainConfig(use_8bit_adam=True, learning_rate=1e-2), params, global_batch=1)
     assert isinstance(opt, bnb.optim.AdamW8bit)
@@ -39,7 +39,7 @@ def _optimizer(params):
 
 
 def test_a_dropped_step_leaves_8bit_adamw_as_it_was():
-    from flux_cp.optim import apply_update, skips_on_device
+    from flux_cp.model.optim import apply_update, skips_on_device
 
     torch.manual_seed(0)
     init = torch.randn(64, 128, device="cuda")
@@ -64,10 +64,10 @@ def test_a_dropped_step_leaves_8bit_adamw_as_it_was():
 
 
 def test_8bit_adamw_state_resumes_exactly(tmp_path):
-    from flux_cp import checkpoint
-    from flux_cp.config import LoraConfig
+    from flux_cp.config.training import LoraConfig
     from flux_cp.families.flux1.tiny import tiny_transformer
-    from flux_cp.model import prepare_trainable, trainable_parameters
+    from flux_cp.model.loading import prepare_trainable, trainable_parameters
+    from flux_cp.outputs import checkpoint
 
     def trained(steps: int):
         model = tiny_transformer().cuda()

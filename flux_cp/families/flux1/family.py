@@ -1,7 +1,7 @@
 """FLUX.1 [dev] / [schnell] and FLUX.1 Kontext [dev]: `FluxTransformer2DModel` with CLIP + T5 text encoders and
 the 16-channel `AutoencoderKL`. Kontext is the same transformer fed the reference image's tokens after the
-target's (flux_cp/pairs.py, with `tokens.reference_ids`); which of the two a run trains follows from its data (pairs
-or single images).
+target's (flux_cp/data/pairs.py, with `tokens.reference_ids`); which of the two a run trains follows from its data
+(pairs or single images).
 
 The recipe follows diffusers' Flux training examples: latents `(x - shift_factor) * scaling_factor`, 2x2 patches
 packed into tokens (`FluxPipeline._pack_latents`), position ids `(0, row, column)` for image tokens and zeros for
@@ -10,24 +10,27 @@ text, timestep / 1000, the guidance embedding for guidance-distilled checkpoints
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from ...data import to_pixels
-from ...encode import Encoders, in_batches, truncation_line
-from ...model import load_component, load_part
-from ...terminal import printable
-from ..base import VAE_SIZES, Family, rope_rules, vae_rules, vae_weight_shapes
-from . import kohya, tokens
-from .known import KNOWN
-from .tiny import ensure_tiny_pipeline
+from flux_cp.families.base import VAE_SIZES, Family, rope_rules, vae_rules, vae_weight_shapes
+from flux_cp.families.components import load_component, load_part
+from flux_cp.families.encoders import Encoders, in_batches, truncation_line
+from flux_cp.families.flux1 import kohya, tokens
+from flux_cp.families.flux1.known import KNOWN
+from flux_cp.families.flux1.tiny import ensure_tiny_pipeline, write_flux1_dev_full_shapes, write_flux1_dev_shapes
+from flux_cp.images import to_pixels
+from flux_cp.terminal import printable
 
 if TYPE_CHECKING:
     from PIL import Image
 
-    from ...config import LoraConfig, ModelConfig
-    from ...lora_format import Origin
+    from flux_cp.config.training import LoraConfig, ModelConfig
+    from flux_cp.families.lora_format import Origin
 
 Tensor = torch.Tensor
 
@@ -127,8 +130,8 @@ def forward_flops(config: dict, image_tokens: int, text_tokens: int, batch: int)
     return float(linear), float(attention)
 
 
-# FLUX.1's config sizes (flux_cp.model_config): each (smallest, largest), the largest about ten times FLUX.1 [dev]'s
-# (its transformer, the VAE, CLIP ViT-L/14's text tower, the T5 v1.1 XXL encoder)
+# FLUX.1's config sizes (flux_cp.families.model_config): each (smallest, largest), the largest about ten times FLUX.1
+# [dev]'s (its transformer, the VAE, CLIP ViT-L/14's text tower, the T5 v1.1 XXL encoder)
 CONFIG_SIZES = {
     "transformer": {
         "patch_size": (1, 16),
@@ -180,6 +183,7 @@ class Flux1(Family):
     comfyui_mapping = "Flux"
     known = KNOWN
     trained_text_encoder = ("text_encoder", "pooled_projections", "pooled_prompt_embeds")  # CLIP, as diffusers' example
+    trained_text_encoder_targets = ("q_proj", "k_proj", "v_proj", "out_proj")  # CLIP's attention, as diffusers' example
     config_sizes = CONFIG_SIZES
     comfyui_transformer = (
         "`transformer/` is in diffusers' layout, in shards of at most 10 GB. ComfyUI's *Load Diffusion Model* node "
@@ -194,6 +198,40 @@ class Flux1(Family):
 
     def embedded_default(self, pairs: bool) -> str:
         return str(ensure_tiny_pipeline(kontext=pairs))
+
+    shapes_preset = ("flux1-dev-shapes", "FLUX.1")
+    tiny_aliases = {"kontext": ("flux1-kontext", "Save it as a FluxKontextPipeline (FLUX.1 Kontext).")}
+
+    def tiny_builds(self) -> dict[tuple[str, str], Callable[[str], Path]]:
+        out = {}
+        for name, kontext in (("flux1", False), ("flux1-kontext", True)):
+            out[(name, "tiny")] = functools.partial(ensure_tiny_pipeline, kontext=kontext)
+            out[(name, "flux1-dev-shapes")] = functools.partial(write_flux1_dev_shapes, kontext=kontext)
+            out[(name, "flux1-dev-full-shapes")] = functools.partial(write_flux1_dev_full_shapes, kontext=kontext)
+        return out
+
+    def embedded_snippet(self, pairs: bool) -> tuple[str, str]:
+        return (
+            "from flux_cp.tiny import ensure_tiny_pipeline  # the tiny Flux this demo trained",
+            f"ensure_tiny_pipeline({'kontext=True' if pairs else ''})",
+        )
+
+    def snippet_call(self, pairs: bool, size: int) -> tuple[str, str]:
+        if not pairs:
+            return "", ""
+        # FluxKontextPipeline renders max_area pixels (default 1024^2) whatever height and width, and would resize the
+        # reference to one of its preferred sizes (about 1024^2): both as trained instead
+        return (
+            f", max_area={size * size}, _auto_resize=False",
+            "  # at the trained size, which the pipeline keeps (_auto_resize=False)",
+        )
+
+    def read_lora_layout(
+        self, fmt: str, state: dict[str, Tensor], linears: dict[str, tuple[int, int]], trained: set[str], rank: int
+    ) -> tuple[dict, dict]:
+        if fmt != "kohya":
+            return super().read_lora_layout(fmt, state, linears, trained, rank)
+        return kohya.from_kohya(state, linears, trained, rank)
 
     def check_export(self, config: dict, lora: LoraConfig) -> None:
         kohya.check_export(config, lora)
@@ -338,6 +376,9 @@ class Flux1(Family):
 
     def text_ids(self, length: int, device=None) -> Tensor:
         return tokens.text_ids(length, device=device)
+
+    # image tokens and their ids, text tokens and theirs: the sequence CP splits (docs/design.md, data flow, rule 2)
+    cp_plan = {"hidden_states": 1, "img_ids": 0, "encoder_hidden_states": 1, "txt_ids": 0}
 
     def transformer_inputs(self, hidden: Tensor, img_ids: Tensor, text: dict[str, Tensor], txt_ids: Tensor,
                            timestep: Tensor, guidance: Tensor | None) -> dict:  # fmt: skip

@@ -8,8 +8,8 @@ FLUX.1 Kontext [dev] has FLUX.1 [dev]'s transformer config.
 
 from __future__ import annotations
 
-from ..base import KnownModel
-from .tiny import FLUX1_DEV_TRANSFORMER
+from flux_cp.families.flux1.tiny import FLUX1_DEV_TRANSFORMER
+from flux_cp.families.known import KnownModel
 
 _DEV_LICENSE = "flux-1-dev-non-commercial-license"
 

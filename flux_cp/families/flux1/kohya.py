@@ -21,8 +21,8 @@ import re
 
 import torch
 
-from ...errors import UsageError
-from ...lora_format import Origin, lora_modules_of
+from flux_cp.errors import UsageError
+from flux_cp.families.lora_format import Origin, lora_modules_of
 
 Tensor = torch.Tensor
 
@@ -83,7 +83,7 @@ def to_kohya(state: dict[str, Tensor], rank: int, alpha: float) -> dict[str, Ten
     """Convert a diffusers-format Flux LoRA (peft `lora_alpha=alpha`, `r=rank`) to the kohya / BFL layout."""
     scale = alpha / rank
     modules = lora_modules_of(state)
-    if any("magnitude" in lora for lora in modules.values()):  # refused at start (flux_cp.adapters.check)
+    if any("magnitude" in lora for lora in modules.values()):  # refused at start (config.training.check_adapter)
         raise ValueError("the kohya layout holds no DoRA magnitudes; use --lora_format diffusers")
     blocks: dict[tuple[str, int], dict[str, dict[str, Tensor]]] = {}
     out: dict[str, Tensor] = {}
@@ -227,7 +227,7 @@ def metadata(*, rank: int, alpha: float, origin: Origin | None, guidance: bool) 
     if origin is not None:
         if origin.base_model:
             out["ss_sd_model_name"] = _model_name(origin.base_model)
-        variant = "flux-1" if origin.kontext else ("flux-1-dev" if guidance else "flux-1-schnell")
+        variant = "flux-1" if origin.pairs else ("flux-1-dev" if guidance else "flux-1-schnell")
         out.update({
             "modelspec.sai_model_spec": "1.0.1",
             "modelspec.architecture": f"{variant}/lora",

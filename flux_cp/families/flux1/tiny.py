@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from ...files import write_json
-from ..builder import SCHEDULER_CONFIG, TINY_VAE_LAYERS, Recipe, build_once, bytes_to_unicode, home
+from flux_cp.families.builder import SCHEDULER_CONFIG, TINY_VAE_LAYERS, Recipe, build_once, bytes_to_unicode, home
+from flux_cp.files import write_json
 
 # Bump when the recipe below changes, so cached copies are rebuilt.
 TINY_VERSION = 1

@@ -14,25 +14,34 @@ encoder; guidance only where the transformer embeds it. Where this differs from 
 
 from __future__ import annotations
 
+import functools
 import json
 import signal
 import threading
+from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from ...encode import Encoders, in_batches, truncation_line
-from ...errors import UsageError
-from ...model import load_component, load_part
-from ...terminal import printable
-from ..base import VAE_SIZES, Family, rope_rules, vae_rules, vae_weight_shapes
-from . import recipe
-from .tiny import FLUX2_LATENT_CHANNELS, ensure_tiny_flux2_pipeline
+from flux_cp.errors import UsageError
+from flux_cp.families.base import VAE_SIZES, Family, rope_rules, vae_rules, vae_weight_shapes
+from flux_cp.families.components import load_component, load_part
+from flux_cp.families.encoders import Encoders, in_batches, truncation_line
+from flux_cp.families.flux2 import recipe
+from flux_cp.families.flux2.tiny import (
+    FLUX2_LATENT_CHANNELS,
+    ensure_tiny_flux2_pipeline,
+    write_flux2_full_shapes,
+    write_flux2_shapes,
+)
+from flux_cp.terminal import printable
 
 if TYPE_CHECKING:
     from PIL import Image
 
-    from ...config import Config, ModelConfig
+    from flux_cp.config.flags import Config
+    from flux_cp.config.training import ModelConfig
 
 Tensor = torch.Tensor
 
@@ -118,7 +127,7 @@ def bounded_chat_text(tokenizer, caption: str, klein: bool, where: str) -> str:
 class Flux2Encoders(Encoders):
     """FLUX.2's VAE (its batch-norm statistics kept in fp32) and its text encoder with tokenizer: the prompt
     embedding is three hidden layers of the language model stacked on the feature axis, as the pipeline's
-    `encode_prompt` (`flux_cp.flux2_recipe.encode_prompts`)."""
+    `encode_prompt` (`flux_cp.families.flux2.recipe.encode_prompts`)."""
 
     tokenizer_folders = ("tokenizer",)  # its chat template too
 
@@ -237,8 +246,9 @@ _LM_SIZES = {
     "head_dim": (1, 1280),
     "max_position_embeddings": (1, 1310720),
 }
-# FLUX.2's config sizes (flux_cp.model_config): each (smallest, largest), the largest about ten times FLUX.2 [dev]'s
-# (its transformer, the VAE, and the text encoder: [dev]'s Mistral 3 with its Pixtral vision tower, [klein]'s Qwen3)
+# FLUX.2's config sizes (flux_cp.families.model_config): each (smallest, largest), the largest about ten times FLUX.2
+# [dev]'s (its transformer, the VAE, and the text encoder: [dev]'s Mistral 3 with its Pixtral vision tower, [klein]'s
+# Qwen3)
 CONFIG_SIZES = {
     "transformer": {
         "patch_size": (1, 16),
@@ -306,6 +316,24 @@ class Flux2(Family):
 
     def embedded_default(self, pairs: bool) -> str:
         return str(ensure_tiny_flux2_pipeline(klein=self.klein))
+
+    @property
+    def shapes_preset(self) -> tuple[str, str]:
+        return ("flux2-klein-shapes", f"{self.label} 4B") if self.klein else ("flux2-dev-shapes", self.label)
+
+    def tiny_builds(self) -> dict[tuple[str, str], Callable[[str], Path]]:
+        name, shapes = self.name, "flux2-klein" if self.klein else "flux2-dev"
+        return {
+            (name, "tiny"): functools.partial(ensure_tiny_flux2_pipeline, klein=self.klein),
+            (name, f"{shapes}-shapes"): functools.partial(write_flux2_shapes, klein=self.klein),
+            (name, f"{shapes}-full-shapes"): functools.partial(write_flux2_full_shapes, klein=self.klein),
+        }
+
+    def embedded_snippet(self, pairs: bool) -> tuple[str, str]:
+        return (
+            "from flux_cp.families.flux2.tiny import ensure_tiny_flux2_pipeline  # the tiny FLUX.2 this run trained",
+            f"ensure_tiny_flux2_pipeline({'klein=True' if self.klein else ''})",
+        )
 
     def config_rules(self, configs: dict[str, dict]) -> list[tuple[str, str, str]]:
         t, vae, text = (configs.get(k, {}) for k in ("transformer", "vae", "text_encoder"))
@@ -479,6 +507,9 @@ class Flux2(Family):
 
     def text_ids(self, length: int, device=None) -> Tensor:
         return recipe.text_ids(length, device=device)
+
+    # image tokens and their ids, text tokens and theirs: the sequence CP splits (docs/design.md, data flow, rule 2)
+    cp_plan = {"hidden_states": 1, "img_ids": 0, "encoder_hidden_states": 1, "txt_ids": 0}
 
     def transformer_inputs(self, hidden: Tensor, img_ids: Tensor, text: dict[str, Tensor], txt_ids: Tensor,
                            timestep: Tensor, guidance: Tensor | None) -> dict:  # fmt: skip

@@ -1,13 +1,13 @@
 """The FLUX.2 training recipe of diffusers' own LoRA examples, the parts the trainer takes from it as pure functions:
 VAE latents to model latents (the VAE's batch-norm statistics), 2x2 patchify and packing to tokens, four-axis position
 ids for the image and the text, and the prompt encoding of FLUX.2 [dev] (Mistral 3) and [klein] (Qwen3). The steps
-every family shares (the timestep draw, the noisy input and target, the loss) are flux_cp.flow's and
-flux_cp.batches'; the tests hold the recipe's own steps beside diffusers' example (tests/flux2_recipe_steps.py).
+every family shares (the timestep draw, the noisy input and target, the loss) are flux_cp.data.flow's and
+flux_cp.data.batches'; the tests hold the recipe's own steps beside diffusers' example (tests/flux2_recipe_steps.py).
 
 Line numbers cite diffusers' examples/dreambooth at commit 58eb52c0 (the scripts of diffusers 0.42.1's FLUX.2
 pipelines): `flux2.py` is train_dreambooth_lora_flux2.py, `flux2_img2img.py` train_dreambooth_lora_flux2_img2img.py,
 `klein.py` train_dreambooth_lora_flux2_klein.py. The timestep density and loss weighting are the SD3 schemes FLUX.1
-uses too (`flux_cp.flow`).
+uses too (`flux_cp.data.flow`).
 
 Shapes: "model latents" are `[B, 4C, H/16, W/16]` (C = 32 VAE channels for FLUX.2: 128 per token), patchified and
 normalised; tokens are `[B, h * w, 4C]` in row-major order; ids are `[S, 4]` integer (t, h, w, l) rows, shared by

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from ...files import write_json
-from ..builder import SCHEDULER_CONFIG, TINY_VAE_LAYERS, Recipe, build_once, bytes_to_unicode, home
-from .recipe import DEV_TEXT_LAYERS, KLEIN_TEXT_LAYERS
+from flux_cp.families.builder import SCHEDULER_CONFIG, TINY_VAE_LAYERS, Recipe, build_once, bytes_to_unicode, home
+from flux_cp.families.flux2.recipe import DEV_TEXT_LAYERS, KLEIN_TEXT_LAYERS
+from flux_cp.files import write_json
 
 # Bump when the recipe below changes, so cached copies are rebuilt.
 TINY_FLUX2_VERSION = 1
@@ -293,7 +293,7 @@ def write_flux2_shapes(path: str | os.PathLike, klein: bool = False) -> Path:
     weights (train with `--transformer_init random`), with a tiny VAE of FLUX.2's 32 latent channels and a tiny text
     encoder whose stacked hidden layers give the transformer's joint_attention_dim (Mistral Small 3.x: 5120 x 3 =
     15360; Qwen3-4B: 2560 x 3 = 7680). For benchmarks at FLUX.2 size without downloads. Written like the tiny
-    folder (`flux_cp.tiny.build_once`): only into a new or empty folder, or one built before."""
+    folder (`flux_cp.families.builder.build_once`): only into a new or empty folder, or one built before."""
     config = FLUX2_KLEIN_4B_TRANSFORMER if klein else FLUX2_DEV_TRANSFORMER
     recipe = Recipe(f"flux2-{'klein' if klein else 'dev'}-shapes-v{TINY_FLUX2_VERSION}",
                     "Flux2KleinPipeline" if klein else "Flux2Pipeline", config, __file__)  # fmt: skip
