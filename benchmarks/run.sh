@@ -241,7 +241,7 @@ for SET in "$@"; do
         "cp1_2048:1:gpu1.yaml:--resolution 2048 --compile" ;;
     speed)
       CLASS=cpu
-      [ -n "$DRY" ] || CLASS=$(python3 -c 'import torch; from flux_cp.speed import class_of_gpu; print(class_of_gpu(torch.cuda.get_device_name()) or "other")')
+      [ -n "$DRY" ] || CLASS=$(python3 -c 'import torch; from flux_cp.plan.speed import class_of_gpu; print(class_of_gpu(torch.cuda.get_device_name()) or "other")')
       run 280 python3 -m benchmarks.bench_speed_model --gpu_class "$CLASS" --out "$OUT/speed_data/$CLASS.json" \
         --results "$OUT/speed_model.json" --resolutions 1024 --precisions "${SPEED_PRECISIONS:-bf16,fp8,int8,nf4}"
       trainer 230 trainer_speed.json "--steps 6 --warmup 2 --timeout 110" \
