@@ -19,10 +19,15 @@ from .tuning import Tuning
 
 # name -> the module that defines it, imported on first use (it imports diffusers)
 _LAZY = {
-    "apply_context_parallel": "processor", "remove_context_parallel": "processor", "full_sequence_io": "processor",
-    "register": "processor", "CPAttnProcessor": "processor",
-    "FluxCPAttnProcessor": "flux", "Flux2CPAttnProcessor": "flux2", "Flux2CPParallelSelfAttnProcessor": "flux2",
-}  # fmt: skip
+    "apply_context_parallel": "processor",
+    "remove_context_parallel": "processor",
+    "full_sequence_io": "processor",
+    "register": "processor",
+    "CPAttnProcessor": "processor",
+    "FluxCPAttnProcessor": "flux",
+    "Flux2CPAttnProcessor": "flux2",
+    "Flux2CPParallelSelfAttnProcessor": "flux2",
+}
 # The model files of this package, which register their processors when imported (cp.processor knows no model).
 MODELS = ("flux", "flux2")
 

@@ -66,8 +66,16 @@ class CPContext:
     def call_spec(self, scale: float) -> CallSpec:
         """This context's settings for one attention call of softmax scale `scale`."""
         t = self.tuning
-        return CallSpec(scale, self.ulysses_size, self.ulysses_group_name, self.ring_group_name, t.ulysses_chunks,
-                        self.kernels.key, t.exchange_first, self.group_name)  # fmt: skip
+        return CallSpec(
+            scale,
+            ulysses_size=self.ulysses_size,
+            ulysses_group_name=self.ulysses_group_name,
+            ring_group_name=self.ring_group_name,
+            chunks=t.ulysses_chunks,
+            kernels=self.kernels.key,
+            exchange_first=t.exchange_first,
+            group_name=self.group_name,
+        )
 
     def attend(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None = None

@@ -148,10 +148,10 @@ def _cudnn_backward(
     lse_shape, cum_q, cum_k, max_q, max_k, seed, offset = aux
     # cuDNN's backward reads grad_out in the output's layout: a grad_out in another layout (a transposed one
     # beside a contiguous output) ends in an illegal memory access on torch 2.11.
+    dout, lse = in_layout_of(dout, out), lse.reshape(lse_shape).contiguous()
     dq, dk, dv = aten._scaled_dot_product_cudnn_attention_backward(
-        in_layout_of(dout, out), q, k, v, out, lse.reshape(lse_shape).contiguous(),
-        seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, False, scale=scale,
-    )  # fmt: skip
+        dout, q, k, v, out, lse, seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, False, scale=scale
+    )
     return dq, dk, dv
 
 
@@ -166,10 +166,10 @@ def _flash_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, aux: tuple
 ) -> tuple[Tensor, Tensor, Tensor]:
     cum_q, cum_k, max_q, max_k, seed, offset = aux
+    dout, out, lse = dout.contiguous(), out.contiguous(), lse.contiguous()
     dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
-        dout.contiguous(), q, k, v, out.contiguous(), lse.contiguous(), cum_q, cum_k, max_q, max_k, 0.0, False,
-        seed, offset, scale=scale,
-    )  # fmt: skip
+        dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, False, seed, offset, scale=scale
+    )
     return dq, dk, dv
 
 
@@ -184,10 +184,11 @@ def _efficient_backward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     padded, seed, offset = aux
     lse = torch.nn.functional.pad(lse, (0, padded - lse.shape[-1])).contiguous()
+    dout, out = dout.contiguous(), out.contiguous()
+    grads = [True, True, True, False]  # dq, dk, dv; no bias
     dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
-        dout.contiguous(), q, k, v, None, out.contiguous(), lse, seed, offset, 0.0, [True, True, True, False], False,
-        scale=scale,
-    )  # fmt: skip
+        dout, q, k, v, None, out, lse, seed, offset, 0.0, grads, False, scale=scale
+    )
     return dq, dk, dv
 
 

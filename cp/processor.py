@@ -218,8 +218,9 @@ def projected(attn: torch.nn.Module, which: str, hidden: Tensor, text: Tensor | 
     + image, RoPE) before the next is projected, so that, compiled, the exchange of q runs while k and v are
     projected."""
     image_proj, _, text_proj, _ = _PARTS[which]
-    return joint(attn, which, getattr(attn, image_proj)(hidden), getattr(attn, text_proj)(text) if text is not None
-                 else None, rope)  # fmt: skip
+    image_part = getattr(attn, image_proj)(hidden)
+    text_part = getattr(attn, text_proj)(text) if text is not None else None
+    return joint(attn, which, image_part, text_part, rope)
 
 
 # --- installing processors ----------------------------------------------------------------------------------------

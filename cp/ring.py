@@ -66,8 +66,17 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, spec: CallSpec) -> tuple[Tenso
     return out.to(q.dtype), lse, kernel, aux
 
 
-def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, spec: CallSpec,
-                  kernel: kernels.Kernel, aux: tuple) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+def ring_backward(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    spec: CallSpec,
+    kernel: kernels.Kernel,
+    aux: tuple,
+) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of ring attention given the forward's output and merged LSE; `kernel`, `aux`: the forward's."""
     group, scale = spec.ring_group(), spec.scale
     n = group_size(group)

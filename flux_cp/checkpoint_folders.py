@@ -97,8 +97,14 @@ def read_meta(path: Path) -> dict:
         raise UsageError(f"--resume_from_checkpoint {path}: meta.json is a JSON {type(meta).__name__}, not an object")
     if meta.get("format") != FORMAT:
         raise UsageError(f"--resume_from_checkpoint {path}: format {meta.get('format')} is not {FORMAT}")
-    fields = (("step", int), ("run", dict), ("layout", str), ("args", dict), ("optimizer_state", bool),
-              ("checksums", dict))  # fmt: skip
+    fields = (
+        ("step", int),
+        ("run", dict),
+        ("layout", str),
+        ("args", dict),
+        ("optimizer_state", bool),
+        ("checksums", dict),
+    )
     for key, kind in fields:
         value = meta.get(key)
         # written since a later version; absent means the default (no checksums: written before them)

@@ -25,11 +25,18 @@ from flux_cp.errors import UsageError
 # listing every training file's name and caption), branches set aside (abandoned-*), the manifest, the lock, partial
 # writes, tracker logs, profiles, run_config.json (the run's local paths), and the user's own files.
 PUBLISHED = (
-    "pytorch_lora_weights.safetensors", "README.md", "transformer/config.json",
-    "transformer/diffusion_pytorch_model*.safetensors", "transformer/diffusion_pytorch_model.safetensors.index.json",
-    "validation/step-*.png", "metrics.jsonl", "loss_curve.png", "reference.png", "reference-[0-9].png",
+    "pytorch_lora_weights.safetensors",
+    "README.md",
+    "transformer/config.json",
+    "transformer/diffusion_pytorch_model*.safetensors",
+    "transformer/diffusion_pytorch_model.safetensors.index.json",
+    "validation/step-*.png",
+    "metrics.jsonl",
+    "loss_curve.png",
+    "reference.png",
+    "reference-[0-9].png",
     "reference-[0-9][0-9].png",
-)  # fmt: skip
+)
 
 LOGIN_HINT = "log in with `hf auth login` (or set HF_TOKEN)"
 

@@ -33,8 +33,27 @@ BACKGROUND = (255, 255, 255)
 
 # Raster formats a photo or artwork comes in, among those this PIL build can open (its other readers are
 # stubs or need external programs: BUFR, GRIB, HDF5, MPEG, WMF, EPS, FITS).
-_FORMATS = {"AVIF", "BMP", "DDS", "DIB", "GIF", "ICNS", "ICO", "JPEG", "JPEG2000", "MPO", "PCX", "PNG", "PPM", "PSD",
-            "QOI", "SGI", "TGA", "TIFF", "WEBP"}  # fmt: skip
+_FORMATS = {
+    "AVIF",
+    "BMP",
+    "DDS",
+    "DIB",
+    "GIF",
+    "ICNS",
+    "ICO",
+    "JPEG",
+    "JPEG2000",
+    "MPO",
+    "PCX",
+    "PNG",
+    "PPM",
+    "PSD",
+    "QOI",
+    "SGI",
+    "TGA",
+    "TIFF",
+    "WEBP",
+}
 IMAGE_EXTENSIONS = tuple(
     sorted(e for e, f in Image.registered_extensions().items() if f in _FORMATS and f in Image.OPEN)
 )

@@ -34,8 +34,15 @@ NAME = ".flux_cp_manifest.json"
 FORMAT = 1
 
 # Files and folders a run writes at the top of its output folder, besides checkpoints and its tracker folder.
-RUN_OUTPUTS = ("run_config.json", "metrics.jsonl", "pytorch_lora_weights.safetensors", "transformer",
-               "loss_curve.png", "validation", "profile")  # fmt: skip
+RUN_OUTPUTS = (
+    "run_config.json",
+    "metrics.jsonl",
+    "pytorch_lora_weights.safetensors",
+    "transformer",
+    "loss_curve.png",
+    "validation",
+    "profile",
+)
 # Files a run writes that a user may edit (the model card): kept, not replaced or removed, once edited (`edited`).
 EDITABLE = ("README.md", "README.flux-cp.md")
 CHECKPOINT = re.compile(r"^(checkpoint-\d+|\.checkpoint-\d+\.partial)$")

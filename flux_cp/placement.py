@@ -29,8 +29,9 @@ class Placement:
     """The placement of `modules` ({component name: module}, all in host memory when given) between `host` and
     `device` (module doc)."""
 
-    def __init__(self, modules: dict[str, torch.nn.Module], device: torch.device,
-                 host: torch.device | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, modules: dict[str, torch.nn.Module], device: torch.device, host: torch.device | None = None
+    ) -> None:
         self.modules = dict(modules)
         self.device = torch.device(device)
         self.host = torch.device("cpu") if host is None else torch.device(host)

@@ -58,8 +58,9 @@ def _fan_in(shape: torch.Size) -> int:
 
 
 @torch.no_grad()
-def materialize(module: torch.nn.Module, dtype: torch.dtype, fill_device: torch.device, home: torch.device,
-                seed: int) -> torch.nn.Module:  # fmt: skip
+def materialize(
+    module: torch.nn.Module, dtype: torch.dtype, fill_device: torch.device, home: torch.device, seed: int
+) -> torch.nn.Module:
     """Give every parameter of `module` still on the meta device its values (module doc), filled on `fill_device` and
     kept on `home`, in `dtype`; parameters are made one at a time, so `fill_device` needs room for one only. Tied
     parameters stay tied."""
@@ -80,8 +81,9 @@ def materialize(module: torch.nn.Module, dtype: torch.dtype, fill_device: torch.
     return module
 
 
-def build_random(cls: type, config, dtype: torch.dtype, home: torch.device, seed: int,
-                 fill_device: torch.device | None = None) -> torch.nn.Module:  # fmt: skip
+def build_random(
+    cls: type, config, dtype: torch.dtype, home: torch.device, seed: int, fill_device: torch.device | None = None
+) -> torch.nn.Module:
     """A diffusers or transformers model of class `cls` built from `config` (a transformers config object, or a
     diffusers config dict) with random weights (module doc), in `dtype` on `home`. `fill_device`: where the values are
     computed (default: the first GPU when there is one, else `home`)."""

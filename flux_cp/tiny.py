@@ -29,11 +29,13 @@ def main(argv: list[str] | None = None) -> int:
     presets = list(dict.fromkeys(preset for _, preset in table))
     p = argparse.ArgumentParser(description="Build a local model folder of a registered model family (no downloads).")
     p.add_argument(
-        "--preset", choices=presets, default="tiny",
+        "--preset",
+        choices=presets,
+        default="tiny",
         help="tiny: a tiny model with weights; *-shapes: the transformer's config at full size (no weights) with tiny "
         "encoders and VAE; *-full-shapes: every component's config at full size (no weights). Train the shapes presets "
         "with --transformer_init random, which builds what has no weights from its config.",
-    )  # fmt: skip
+    )
     p.add_argument("--out", required=True)
     p.add_argument(
         "--family",

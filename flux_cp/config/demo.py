@@ -33,14 +33,22 @@ class Demo:
 
 
 DEMO = Demo(
-    "the demo", None, steps=200, learning_rate=1e-3, batch=4,
+    "the demo",
+    None,
+    steps=200,
+    learning_rate=1e-3,
+    batch=4,
     prompts=("a white circle on a black background", "a yellow triangle on a purple background"),
-)  # fmt: skip
+)
 PAIRS_DEMO = Demo(
-    "the FLUX.1 Kontext demo", BUNDLED / "tiny_pairs", steps=100, learning_rate=2e-3, batch=4,
+    "the FLUX.1 Kontext demo",
+    BUNDLED / "tiny_pairs",
+    steps=100,
+    learning_rate=2e-3,
+    batch=4,
     prompts=("make the circle purple", "make the circle orange"),
     validation_image=BUNDLED / "tiny_pairs" / "00_blue_circle.png",  # its pair's target is the purple circle
-)  # fmt: skip
+)
 DEMOS = (DEMO, PAIRS_DEMO)
 TINY_TEXT_TOKENS = 48  # --max_sequence_length of the embedded default: divisible by every CP size up to 8
 DEMO_STEPS, DEMO_LEARNING_RATE, DEMO_BATCH, DEMO_PROMPTS = DEMO.steps, DEMO.learning_rate, DEMO.batch, DEMO.prompts

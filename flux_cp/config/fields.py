@@ -45,8 +45,9 @@ def flag(
         tuple of values). secret: kept out of `Config.flat()`, so out of run_config.json, checkpoints and trackers.
         const: the value of the flag given without one (its value is then optional). record=False: kept out of
         `Config.flat()` too, for a flag whose effect the other flags record (--config)."""
-    meta = {"help": help, "choices": choices, "derive": derive, "parse": parse, "repeat": repeat, "secret": secret,
-            "const": const, "record": record}  # fmt: skip
+    meta = dict(
+        help=help, choices=choices, derive=derive, parse=parse, repeat=repeat, secret=secret, const=const, record=record
+    )
     return field(default=default, metadata=meta)
 
 

@@ -43,12 +43,13 @@ def _resumed_demo(raw: dict) -> tuple[Demo, str, dict] | None:
     # Checkpoints name their demo; older ones are recognised by the demo's batch and validation prompts.
     prompts = args.get("validation_prompt")
     prompts = tuple(prompts) if isinstance(prompts, list) else prompts
-    was = meta.get("demo", demo.name if (args.get("train_batch_size"), prompts or ()) ==
-                   (demo.batch, demo.prompts) else None)  # fmt: skip
+    same = (args.get("train_batch_size"), prompts or ()) == (demo.batch, demo.prompts)
+    was = meta.get("demo", demo.name if same else None)
     if was != demo.name or args.get("pretrained_model_name_or_path") is not None:
         return None
-    kept = {f: tuple(args[f]) if isinstance(args[f], list) else args[f]
-            for f in DEMO_FLAGS if raw[f] is None and f in args}  # fmt: skip
+    kept = {
+        f: tuple(args[f]) if isinstance(args[f], list) else args[f] for f in DEMO_FLAGS if raw[f] is None and f in args
+    }
     for flag, value in kept.items():
         if not _DEMO_FLAG_TYPES[flag](value):
             raise UsageError(

@@ -14,12 +14,32 @@ from flux_cp.errors import UsageError
 
 Config = TypeVar("Config")  # flux_cp.config.flags.Config, which parses the flags with this module's help
 
-PATHS = ("pretrained_model_name_or_path", "cache_dir", "dataset_name", "instance_data_dir", "class_data_dir",
-         "encodings_dir", "output_dir", "logging_dir", "seed_checkpoint", "resume_from_checkpoint",
-         "validation_image", "network_weights", "config")  # fmt: skip
+PATHS = (
+    "pretrained_model_name_or_path",
+    "cache_dir",
+    "dataset_name",
+    "instance_data_dir",
+    "class_data_dir",
+    "encodings_dir",
+    "output_dir",
+    "logging_dir",
+    "seed_checkpoint",
+    "resume_from_checkpoint",
+    "validation_image",
+    "network_weights",
+    "config",
+)
 # Names that mean nothing when empty (a revision, a column, a repository, the LoRA's layers)
-NAMES = ("revision", "variant", "hub_model_id", "dataset_config_name", "image_column", "caption_column",
-         "cond_image_column", "lora_layers")  # fmt: skip
+NAMES = (
+    "revision",
+    "variant",
+    "hub_model_id",
+    "dataset_config_name",
+    "image_column",
+    "caption_column",
+    "cond_image_column",
+    "lora_layers",
+)
 
 
 def _expanded(flag: str, value: str) -> str:
@@ -53,8 +73,10 @@ def as_typed(config: Config) -> tuple[Config, list[str]]:
                 if used != values:
                     changes[f.name] = used if isinstance(value, tuple) else used[0]
                     if not (f.name == "dataset_name" and config.data.instance_data_dir is not None):  # said once
-                        notes.append(f"--{f.name} {' '.join(values)} is {' '.join(used)}: '~' expanded (the shell "
-                                     "leaves it as typed after '=' or in quotes)")  # fmt: skip
+                        notes.append(
+                            f"--{f.name} {' '.join(values)} is {' '.join(used)}: '~' expanded (the shell "
+                            "leaves it as typed after '=' or in quotes)"
+                        )
         if changes:
             sections[section_field.name] = dataclasses.replace(section, **changes)
     return dataclasses.replace(config, **sections), notes

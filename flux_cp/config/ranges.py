@@ -112,7 +112,7 @@ RULES = (
         low_open=True,
         why="0 divides by zero where a gradient is zero; above 1e-3 it swamps LoRA-sized gradients and the "
         "updates vanish",
-    ),  # fmt: skip
+    ),
     Rule("max_grad_norm", 0, why="0 turns clipping off"),
     Rule("text_encoder_lr", 0, low_open=True, why="at 0 or below the text encoder's LoRA never improves"),
     Rule("adam_weight_decay_text_encoder", 0, why="a negative decay pushes the weights away from zero"),
@@ -191,49 +191,98 @@ def check_ranges(values: Mapping[str, object], rules: Iterable[Rule] = RULES) ->
 # flag -> (when it is used, a test on the values, and what to say). Only for flags whose default is never used
 # by the run they are given to, so a flag given explicitly but unused is a sign of a mistaken command line.
 _USED_ONLY = (
-    (("validation_steps", "num_validation_images", "validation_resolution", "validation_inference_steps",
-      "validation_image"), lambda v: bool(v.get("validation_prompt")), "without --validation_prompt"),
-    (("ulysses_size",), lambda v: (v.get("cp_size") or 1) > 1,
-     "at --cp_size 1 (one rank holds the whole sequence: no CP exchange runs, run_config.json records "
-     f"{DEFAULT_MODE})"),
-    (("rank", "lora_alpha", "lora_dropout", "lora_layers", "adapter"), lambda v: not v.get("full_finetune"),
-     "with --full_finetune (it trains all weights, no LoRA)"),
-    (("logit_mean", "logit_std"), lambda v: v.get("weighting_scheme") == "logit_normal",
-     "without --weighting_scheme logit_normal"),
+    (
+        (
+            "validation_steps",
+            "num_validation_images",
+            "validation_resolution",
+            "validation_inference_steps",
+            "validation_image",
+        ),
+        lambda v: bool(v.get("validation_prompt")),
+        "without --validation_prompt",
+    ),
+    (
+        ("ulysses_size",),
+        lambda v: (v.get("cp_size") or 1) > 1,
+        "at --cp_size 1 (one rank holds the whole sequence: no CP exchange runs, run_config.json records "
+        f"{DEFAULT_MODE})",
+    ),
+    (
+        ("rank", "lora_alpha", "lora_dropout", "lora_layers", "adapter"),
+        lambda v: not v.get("full_finetune"),
+        "with --full_finetune (it trains all weights, no LoRA)",
+    ),
+    (
+        ("logit_mean", "logit_std"),
+        lambda v: v.get("weighting_scheme") == "logit_normal",
+        "without --weighting_scheme logit_normal",
+    ),
     (("mode_scale",), lambda v: v.get("weighting_scheme") == "mode", "without --weighting_scheme mode"),
     (("lr_power",), lambda v: v.get("lr_scheduler") == "polynomial", "without --lr_scheduler polynomial"),
-    (("lr_num_cycles",), lambda v: v.get("lr_scheduler") == "cosine_with_restarts",
-     "without --lr_scheduler cosine_with_restarts"),
-    (("lr_warmup_steps",), lambda v: v.get("lr_scheduler") != "constant",
-     "with --lr_scheduler constant (use constant_with_warmup)"),
+    (
+        ("lr_num_cycles",),
+        lambda v: v.get("lr_scheduler") == "cosine_with_restarts",
+        "without --lr_scheduler cosine_with_restarts",
+    ),
+    (
+        ("lr_warmup_steps",),
+        lambda v: v.get("lr_scheduler") != "constant",
+        "with --lr_scheduler constant (use constant_with_warmup)",
+    ),
     (("encodings_dir",), lambda v: not v.get("no_cache"), "with --no_cache"),
-    (("prodigy_beta3", "prodigy_decouple", "prodigy_use_bias_correction", "prodigy_safeguard_warmup"),
-     lambda v: v.get("optimizer") == "prodigy", "without --optimizer prodigy"),
+    (
+        ("prodigy_beta3", "prodigy_decouple", "prodigy_use_bias_correction", "prodigy_safeguard_warmup"),
+        lambda v: v.get("optimizer") == "prodigy",
+        "without --optimizer prodigy",
+    ),
     (("use_8bit_adam",), lambda v: v.get("optimizer") == "adamw", "with --optimizer prodigy (it is 8-bit AdamW)"),
     (("caption_column",), lambda v: v.get("instance_prompt") is None, "with --instance_prompt (one prompt for all)"),
-    (("class_data_dir", "class_prompt", "num_class_images", "prior_loss_weight"),
-     lambda v: bool(v.get("with_prior_preservation")), "without --with_prior_preservation"),
-    (("text_encoder_lr", "adam_weight_decay_text_encoder"), lambda v: bool(v.get("train_text_encoder")),
-     "without --train_text_encoder"),
-    (("text_encoder_lr",), lambda v: not v.get("train_text_encoder") or v.get("optimizer") != "prodigy",
-     "with --optimizer prodigy (it takes --learning_rate for both, as diffusers' example)"),
+    (
+        ("class_data_dir", "class_prompt", "num_class_images", "prior_loss_weight"),
+        lambda v: bool(v.get("with_prior_preservation")),
+        "without --with_prior_preservation",
+    ),
+    (
+        ("text_encoder_lr", "adam_weight_decay_text_encoder"),
+        lambda v: bool(v.get("train_text_encoder")),
+        "without --train_text_encoder",
+    ),
+    (
+        ("text_encoder_lr",),
+        lambda v: not v.get("train_text_encoder") or v.get("optimizer") != "prodigy",
+        "with --optimizer prodigy (it takes --learning_rate for both, as diffusers' example)",
+    ),
     (("ema_decay", "ema_update_interval"), lambda v: bool(v.get("use_ema")), "without --use_ema"),
-    (("num_train_epochs",), lambda v: v.get("max_train_steps") is None,
-     "with --max_train_steps (it sets the number of steps)"),
+    (
+        ("num_train_epochs",),
+        lambda v: v.get("max_train_steps") is None,
+        "with --max_train_steps (it sets the number of steps)",
+    ),
     (("logging_dir",), lambda v: v.get("report_to") != "none", "with --report_to none (no tracker writes logs)"),
-    (("image_column", "dataset_config_name"),
-     lambda v: bool(v.get("dataset_name")) and not os.path.isdir(str(v.get("dataset_name"))),
-     "without a hub data set (--dataset_name owner/name; a local folder's metadata.jsonl names its images)"),
+    (
+        ("image_column", "dataset_config_name"),
+        lambda v: bool(v.get("dataset_name")) and not os.path.isdir(str(v.get("dataset_name"))),
+        "without a hub data set (--dataset_name owner/name; a local folder's metadata.jsonl names its images)",
+    ),
     (("num_processes",), lambda v: bool(v.get("plan")), "without --plan (accelerate launch sets the processes)"),
     (("hub_model_id", "hub_token"), lambda v: bool(v.get("push_to_hub")), "without --push_to_hub"),
-    (("cp_overlap",), lambda v: _may_compile(v) and v.get("cp_size", 1) > 1,
-     "without --compile and --cp_size > 1 (it orders a compiled block's CP exchanges)"),
-    (("cp_exchange_first", "cp_ulysses_chunks"), lambda v: v.get("cp_size", 1) > 1,
-     "with --cp_size 1 (no CP exchanges)"),
-    (("recompute_attention",),
-     lambda v: v.get("gradient_checkpointing", "none") not in ("none", "0") and _may_compile(v),
-     "without --gradient_checkpointing and --compile (eager checkpointing always recomputes the attention)"),
-)  # fmt: skip
+    (
+        ("cp_overlap",),
+        lambda v: _may_compile(v) and v.get("cp_size", 1) > 1,
+        "without --compile and --cp_size > 1 (it orders a compiled block's CP exchanges)",
+    ),
+    (
+        ("cp_exchange_first", "cp_ulysses_chunks"),
+        lambda v: v.get("cp_size", 1) > 1,
+        "with --cp_size 1 (no CP exchanges)",
+    ),
+    (
+        ("recompute_attention",),
+        lambda v: v.get("gradient_checkpointing", "none") not in ("none", "0") and _may_compile(v),
+        "without --gradient_checkpointing and --compile (eager checkpointing always recomputes the attention)",
+    ),
+)
 
 
 def _may_compile(values: Mapping[str, object]) -> bool:
@@ -251,8 +300,10 @@ def unused_flags(given: Iterable[str], values: Mapping[str, object]) -> list[str
         out += [f"--{f} has no effect {context}" for f in flags if f in given]
     mode = values.get("cp_mode")
     if "cp_mode" in given and mode not in ("auto", DEFAULT_MODE) and (values.get("cp_size") or 1) == 1:
-        out.append(f"--cp_mode {mode} has no effect at --cp_size 1 (one rank holds the whole sequence: no CP exchange "
-                   f"runs, run_config.json records {DEFAULT_MODE})")  # fmt: skip
+        out.append(
+            f"--cp_mode {mode} has no effect at --cp_size 1 (one rank holds the whole sequence: no CP exchange "
+            f"runs, run_config.json records {DEFAULT_MODE})"
+        )
     steps = values.get("max_train_steps")
     if steps:  # known from the flags (else from the data's epoch: the trainer says it then)
         out += step_warnings(given, values, steps, f"--max_train_steps {steps}")

@@ -290,8 +290,10 @@ class DataConfig:
                 f"--instance_data_dir {self.instance_data_dir}: no such folder (a hub data set goes to --dataset_name)"
             )
         if self.with_prior_preservation:
-            needed = (("class_data_dir", self.class_data_dir, "the folder of class images"),
-                      ("class_prompt", self.class_prompt, "the prompt of the class images"))  # fmt: skip
+            needed = (
+                ("class_data_dir", self.class_data_dir, "the folder of class images"),
+                ("class_prompt", self.class_prompt, "the prompt of the class images"),
+            )
             for name, value, what in needed:
                 if value is None:
                     raise UsageError(f"--with_prior_preservation needs --{name} ({what})")
@@ -398,9 +400,10 @@ class TrainConfig:
         "--adam_beta2.",
     )
     prodigy_decouple: bool = flag(
-        True, "Prodigy: AdamW-style decoupled weight decay (true) or an L2 penalty on the gradient (false).",
+        True,
+        "Prodigy: AdamW-style decoupled weight decay (true) or an L2 penalty on the gradient (false).",
         parse=boolean,
-    )  # fmt: skip
+    )
     prodigy_use_bias_correction: bool = flag(True, "Prodigy: Adam's bias correction (true/false).", parse=boolean)
     prodigy_safeguard_warmup: bool = flag(
         True,

@@ -50,10 +50,22 @@ class MicroBatch:
 class Batches:
     """This rank's micro-batch of every global micro-step, built from `data` in the order of `schedule`."""
 
-    def __init__(self, data: TrainingData, schedule: BatchSchedule, layout: Layout, data_config: DataConfig,
-                 train: TrainConfig, noise_scheduler, family: Family, normalize, guidance: bool, device: torch.device,
-                 input_dtype: torch.dtype = torch.float32, classes: ClassSamples | None = None,
-                 captions: tuple[Callable[[int], str], str | None] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        data: TrainingData,
+        schedule: BatchSchedule,
+        layout: Layout,
+        data_config: DataConfig,
+        train: TrainConfig,
+        noise_scheduler,
+        family: Family,
+        normalize,
+        guidance: bool,
+        device: torch.device,
+        input_dtype: torch.dtype = torch.float32,
+        classes: ClassSamples | None = None,
+        captions: tuple[Callable[[int], str], str | None] | None = None,
+    ):
         """`captions` (--train_text_encoder): the caption of a sample index and the class images' prompt, for
         `MicroBatch.captions`."""
         self.data, self.schedule, self.layout = data, schedule, layout
@@ -134,8 +146,8 @@ class Batches:
         # Noise and timesteps per *global* slot: the same for every layout and every rank of a CP group. The
         # flow-matching noise is drawn in the model's latent space, as diffusers' examples draw it.
         shape = tuple(mean.shape[1:])
-        draws = per_sample_draws([generator(Stream.NOISE, a.seed, m, s) for s in slots], shape, a,
-                                 self.noise_scheduler, family.model_latent_shape(shape))  # fmt: skip
+        generators = [generator(Stream.NOISE, a.seed, m, s) for s in slots]
+        draws = per_sample_draws(generators, shape, a, self.noise_scheduler, family.model_latent_shape(shape))
         weighting = loss_weighting(a.weighting_scheme, draws["sigmas"])
         draws = {k: self._to_device(v) for k, v in draws.items()}
         sample = (self.vae_encode_mode or family.default_vae_encode_mode(pairs)) == "sample"
@@ -149,8 +161,9 @@ class Batches:
         target, hidden, ids, pair = family.pack(noise - latents), family.pack(noisy), family.image_ids(h, w, dev), None
         if pairs:  # the clean tokens of each reference, in order, follow the noisy target tokens
             refs = [self.normalize(r) for r in refs]
-            hidden, ids = image_segment(hidden, [family.pack(r) for r in refs], (h, w),
-                                        [tuple(r.shape[-2:]) for r in refs], family)  # fmt: skip
+            hidden, ids = image_segment(
+                hidden, [family.pack(r) for r in refs], (h, w), [tuple(r.shape[-2:]) for r in refs], family
+            )
             pair = PairSplit(target.shape[1], hidden.shape[1] - target.shape[1], self.layout.cp)
         text = {k: v.to(dt) for k, v in stack.items() if k not in ("latent_mean", "latent_std")}
         inputs = family.transformer_inputs(

@@ -39,8 +39,9 @@ Tensor = torch.Tensor
 logger = logging.getLogger("flux_cp")
 
 
-def component_fingerprints(encoders: Encoders, path: str, revision: str | None, cache_dir: str | None = None
-                           ) -> dict[str, str]:  # fmt: skip
+def component_fingerprints(
+    encoders: Encoders, path: str, revision: str | None, cache_dir: str | None = None
+) -> dict[str, str]:
     """{component: fingerprint} of the VAE and every text encoder (named as the model folder's subfolders)."""
     parts = {"vae": encoders.vae, **encoders.text_encoders}
     return {name: model_fingerprint(m, component_folder(path, name, revision, cache_dir)) for name, m in parts.items()}
@@ -91,8 +92,9 @@ def _usable(path: Path, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype |
                 problem = f"it holds {sorted(f.keys())}, not {list(shapes)}"
             else:
                 found = {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in shapes}
-                wrong = [f"shape {k} {list(found[k][0])} instead of {list(v)}" for k, v in shapes.items()
-                         if found[k][0] != v]  # fmt: skip
+                wrong = [
+                    f"shape {k} {list(found[k][0])} instead of {list(v)}" for k, v in shapes.items() if found[k][0] != v
+                ]
                 wrong += [f"dtype {k} {found[k][1]} instead of {want}" for k in shapes if want and found[k][1] != want]
                 if not wrong:
                     return True
@@ -255,8 +257,8 @@ def encode_dataset(
                 continue
             caption = source.samples[i].caption
             tkey = _sha(caption, data.max_sequence_length, text_fp)
-            if tkey not in pending_text and not _usable(cache_dir / "text" / f"{tkey}.safetensors", text_shapes,
-                                                        text_dtype):  # fmt: skip
+            cached = cache_dir / "text" / f"{tkey}.safetensors"
+            if tkey not in pending_text and not _usable(cached, text_shapes, text_dtype):
                 pending_text[tkey] = caption
             for placement in range(len(geometry.placements)):
                 bucket = geometry.bucket_of(img.size, placement)

@@ -114,8 +114,10 @@ def check_generated_folder(folder: Path) -> None:
     """Before generating into `folder`/generated: it is flux-cp's (marked), or new or empty; a UsageError else."""
     target = generated_folder(folder)
     if target.is_symlink() or (target.exists() and not target.is_dir()):
-        raise UsageError(f"--class_data_dir {folder}: {GENERATED} is a link or a file, where flux-cp writes the class "
-                         "images it generates: remove or rename it")  # fmt: skip
+        raise UsageError(
+            f"--class_data_dir {folder}: {GENERATED} is a link or a file, where flux-cp writes the class "
+            "images it generates: remove or rename it"
+        )
     if target.is_dir() and not _ours(folder) and any(target.iterdir()):
         raise UsageError(
             f"--class_data_dir {folder}: {GENERATED}/ holds files flux-cp did not write (no {MARKER}), and flux-cp "

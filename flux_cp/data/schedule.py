@@ -33,8 +33,8 @@ def check_epoch_size(images: int, resolutions: int, repeats: int, what: str = "i
     """Refuse an epoch too long to schedule (before any model loads), naming the factors (`what`: the first's)."""
     samples = images * resolutions * repeats
     if samples > EPOCH_SAMPLES_MAX:
-        parts = [f"{images} {what}"] + [f"{n} {what}" for n, what in ((resolutions, "--resolution sizes"),
-                                                                      (repeats, "--repeats")) if n > 1]  # fmt: skip
+        factors = ((resolutions, "--resolution sizes"), (repeats, "--repeats"))
+        parts = [f"{images} {what}"] + [f"{n} {name}" for n, name in factors if n > 1]
         raise UsageError(
             f"an epoch would hold {samples} samples ({' x '.join(parts)}), more than {EPOCH_SAMPLES_MAX}: lower "
             "--repeats (a run's length is --max_train_steps or --num_train_epochs)",

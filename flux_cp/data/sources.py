@@ -218,8 +218,8 @@ def encodings_folder(data: DataConfig) -> str:
 def _local_folder(
     folder: Path, caption_column: str, instance_prompt: str | None, exclude: tuple[Path, ...], meta: Metadata | None
 ) -> list[Sample]:
-    return [Sample(path, caption) for path, caption in list_folder(folder, caption_column, instance_prompt, exclude,
-                                                                   meta)]  # fmt: skip
+    listed = list_folder(folder, caption_column, instance_prompt, exclude, meta)
+    return [Sample(path, caption) for path, caption in listed]
 
 
 def local_metadata(data: DataConfig) -> Metadata | None:
@@ -262,8 +262,14 @@ def check_pair_flags(data: DataConfig, validation: ValidationConfig, pairs: bool
         )
 
 
-def check_reference_limit(limit: int | None, label: str, validation: ValidationConfig, meta: Metadata | None = None,
-                          column: str | None = None, source: ImageSource | None = None) -> None:  # fmt: skip
+def check_reference_limit(
+    limit: int | None,
+    label: str,
+    validation: ValidationConfig,
+    meta: Metadata | None = None,
+    column: str | None = None,
+    source: ImageSource | None = None,
+) -> None:
     """Several reference images per target for a model family that takes fewer (`limit`; FLUX.1 Kontext: one):
     refused naming the first row that has more (from a local folder's metadata.jsonl `meta`, or from the opened
     `source`), or the repeated --validation_image. None: any number (FLUX.2)."""
@@ -284,8 +290,8 @@ def check_reference_limit(limit: int | None, label: str, validation: ValidationC
     elif meta is not None and column is not None:
         key = f"{column}_file_name"
         rows = ((row, row.files.get(key)) for row in meta.rows)
-        found = next(((f"{meta.where(row)} ({key})", len(f)) for row, f in rows
-                      if isinstance(f, tuple) and len(f) > limit), None)  # fmt: skip
+        many = ((f"{meta.where(row)} ({key})", len(f)) for row, f in rows if isinstance(f, tuple) and len(f) > limit)
+        found = next(many, None)
     if found:
         raise UsageError(
             f"{found[0]} names {found[1]} reference images, but {label} takes {one} per target: keep {one} per row "
@@ -366,8 +372,8 @@ def _hub_dataset(data: DataConfig, cache_dir: str | None) -> ImageSource:
         # A column of one image per row, or of a list of images per row (FLUX.2's several references).
         listed = isinstance(ds.features[column], (datasets.List, datasets.LargeList, list))
         try:
-            ds = ds.cast_column(column, datasets.List(datasets.Image(decode=False)) if listed else
-                                datasets.Image(decode=False))  # fmt: skip
+            image = datasets.Image(decode=False)
+            ds = ds.cast_column(column, datasets.List(image) if listed else image)
         except (TypeError, ValueError) as e:
             raise UsageError(
                 f"--cond_image_column '{column}' of {data.dataset_name} does not hold images or lists of images "
@@ -383,8 +389,14 @@ def _hub_dataset(data: DataConfig, cache_dir: str | None) -> ImageSource:
             )
     refs = [(i,) * counts[i] for i in range(len(captions))] if column is not None else [()] * len(captions)
     samples = [Sample(i, c, r) for i, (c, r) in enumerate(zip(captions, refs))]
-    return ImageSource(samples, data.dataset_name, hf_dataset=ds, image_column=data.image_column,
-                       reference_column=column, reference_list=column is not None and listed)  # fmt: skip
+    return ImageSource(
+        samples,
+        data.dataset_name,
+        hf_dataset=ds,
+        image_column=data.image_column,
+        reference_column=column,
+        reference_list=column is not None and listed,
+    )
 
 
 def _reference_counts(ds, column: str, name: str, listed: bool) -> list[int]:

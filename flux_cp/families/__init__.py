@@ -32,6 +32,18 @@ register(FLUX2)
 register(FLUX2_KLEIN)
 
 __all__ = [
-    "FAMILIES", "FLUX1", "FLUX2", "FLUX2_KLEIN", "Family", "blocks_of", "detect", "for_transformer",
-    "KnownModel", "known_model", "known_models", "of_model", "register", "transformer_class_name",
-]  # fmt: skip
+    "FAMILIES",
+    "FLUX1",
+    "FLUX2",
+    "FLUX2_KLEIN",
+    "Family",
+    "blocks_of",
+    "detect",
+    "for_transformer",
+    "KnownModel",
+    "known_model",
+    "known_models",
+    "of_model",
+    "register",
+    "transformer_class_name",
+]

@@ -228,8 +228,10 @@ class Family(ABC):
         if fmt not in self.lora_layouts:
             readers = f"{self.pipeline_class_names[0]}.load_lora_weights reads it"
             readers += " and ComfyUI loads it" if self.comfyui_mapping else ""
-            raise UsageError(f"--lora_format {fmt} maps FLUX.1's module names; for {self.label} keep --lora_format "
-                             f"diffusers (the default: {readers})")  # fmt: skip
+            raise UsageError(
+                f"--lora_format {fmt} maps FLUX.1's module names; for {self.label} keep --lora_format "
+                f"diffusers (the default: {readers})"
+            )
 
     def check_export(self, config: dict, lora: LoraConfig) -> None:  # noqa: B027 - the diffusers layout: always
         """At start, with the transformer's config: a UsageError when the LoRA file in `lora.lora_format` could not be
@@ -254,8 +256,9 @@ class Family(ABC):
         """The layers of `comfyui_unmapped` that the LoRA targets `targets` (peft's suffix rule) put LoRAs on."""
         return [n for n in self.comfyui_unmapped if any(n == t or n.endswith("." + t) for t in targets)]
 
-    def lora_layout(self, fmt: str, state: dict[str, Tensor], lora: LoraConfig, origin: Origin | None,
-                    guidance: bool) -> tuple[dict[str, Tensor], dict[str, str]]:  # fmt: skip
+    def lora_layout(
+        self, fmt: str, state: dict[str, Tensor], lora: LoraConfig, origin: Origin | None, guidance: bool
+    ) -> tuple[dict[str, Tensor], dict[str, str]]:
         """(weights, safetensors metadata) of a LoRA file in the family's own layout `fmt` (one of `lora_layouts`
         but diffusers'), from diffusers-format weights `state`."""
         raise ValueError(f"{self.label} writes no {fmt} LoRA files")
@@ -312,8 +315,9 @@ class Family(ABC):
         text encoders left out). `pairs`: it edits a reference image."""
 
     @abstractmethod
-    def reference_inputs(self, image: Image.Image | list[Image.Image], encoders: Encoders, device: torch.device
-                         ) -> dict:  # fmt: skip
+    def reference_inputs(
+        self, image: Image.Image | list[Image.Image], encoders: Encoders, device: torch.device
+    ) -> dict:
         """The validation pipeline's keyword arguments for editing `image` (the `--validation_image`, already cut to
         `--validation_resolution`^2 by `flux_cp.outputs.validation.reference_image`; a list of them when it is given
         several
@@ -343,8 +347,15 @@ class Family(ABC):
         """Position ids of `length` text tokens."""
 
     @abstractmethod
-    def transformer_inputs(self, hidden: Tensor, img_ids: Tensor, text: dict[str, Tensor], txt_ids: Tensor,
-                           timestep: Tensor, guidance: Tensor | None) -> dict:  # fmt: skip
+    def transformer_inputs(
+        self,
+        hidden: Tensor,
+        img_ids: Tensor,
+        text: dict[str, Tensor],
+        txt_ids: Tensor,
+        timestep: Tensor,
+        guidance: Tensor | None,
+    ) -> dict:
         """Keyword arguments of the transformer's forward, of whole sequences: CP then splits those of `cp_plan`."""
 
     # --- training and accounting -----------------------------------------------------------------------------
@@ -377,8 +388,16 @@ class Family(ABC):
     def forward_flops(self, config: dict, image_tokens: int, text_tokens: int, batch: int) -> tuple[float, float]:
         """(linear layers, attention) matmul FLOPs of one forward of `batch` samples of these token counts."""
 
-    def step_flops(self, config: dict, image_tokens: int, text_tokens: int, batch: int, lora: bool, ckpt: float,
-                   attn_recomputed: float) -> StepFlops:  # fmt: skip
+    def step_flops(
+        self,
+        config: dict,
+        image_tokens: int,
+        text_tokens: int,
+        batch: int,
+        lora: bool,
+        ckpt: float,
+        attn_recomputed: float,
+    ) -> StepFlops:
         """Model and executed FLOPs of one micro-step (`flops.step_flops`; `ckpt`, `attn_recomputed`: the
         share of the blocks that recompute their forward, their attention)."""
         linear, attention = self.forward_flops(config, image_tokens, text_tokens, batch)
@@ -444,8 +463,9 @@ def _detect(path: str, revision: str | None, families: tuple[Family, ...], cache
         if transformer == family.transformer_class_name:
             return family
     declared = " with a ".join(printable(n) for n in (pipeline, transformer) if n)
-    supported = ", ".join(f"{f.label} ({', '.join(f.pipeline_class_names[:1] + (f.transformer_class_name,))})"
-                          for f in families)  # fmt: skip
+    supported = ", ".join(
+        f"{f.label} ({', '.join(f.pipeline_class_names[:1] + (f.transformer_class_name,))})" for f in families
+    )
     raise UsageError(f"--pretrained_model_name_or_path {path} is a {declared}; flux-cp trains {supported}")
 
 

@@ -83,8 +83,12 @@ def _is_built(path: Path, recipe: Recipe) -> bool:
             isinstance(marker, dict) and marker.get("recipe") == recipe.name and marker.get("key") == recipe_key(recipe)
         )
     index, config = read_json(path / "model_index.json"), read_json(path / "transformer" / "config.json")
-    return (isinstance(index, dict) and index.get("_class_name") == recipe.pipeline and isinstance(config, dict)
-            and all(config.get(k) == _plain(v) for k, v in recipe.transformer.items()))  # fmt: skip
+    return (
+        isinstance(index, dict)
+        and index.get("_class_name") == recipe.pipeline
+        and isinstance(config, dict)
+        and all(config.get(k) == _plain(v) for k, v in recipe.transformer.items())
+    )
 
 
 def _stale(path: Path, recipe: Recipe) -> bool:
@@ -109,11 +113,15 @@ def _check_target(path: Path, recipe: Recipe) -> bool:
         return False
     marker = read_json(path / MARKER)
     if isinstance(marker, dict) and (path / "model_index.json").is_file():
-        raise UsageError(f"--out {path} holds the model of another recipe ({marker.get('recipe')}, not "
-                         f"{recipe.name}): choose another --out")  # fmt: skip
+        raise UsageError(
+            f"--out {path} holds the model of another recipe ({marker.get('recipe')}, not "
+            f"{recipe.name}): choose another --out"
+        )
     shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-    raise UsageError(f"--out {path} holds files this builder did not write ({shown}): it writes only into a new or "
-                     "empty folder, or one it built before; choose another --out")  # fmt: skip
+    raise UsageError(
+        f"--out {path} holds files this builder did not write ({shown}): it writes only into a new or "
+        "empty folder, or one it built before; choose another --out"
+    )
 
 
 def build_once(path: Path, write: Callable[[Path], None], recipe: Recipe) -> Path:

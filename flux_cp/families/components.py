@@ -126,8 +126,9 @@ def component_folder(path: str, subfolder: str, revision: str | None, cache_dir:
     try:
         from huggingface_hub import snapshot_download
 
-        root = snapshot_download(path, revision=revision, cache_dir=cache_dir, local_files_only=True,
-                                 allow_patterns=[f"{subfolder}/*"])  # fmt: skip
+        root = snapshot_download(
+            path, revision=revision, cache_dir=cache_dir, local_files_only=True, allow_patterns=[f"{subfolder}/*"]
+        )
     except Exception:  # noqa: BLE001 - not in the cache: the component is identified by its config alone
         return None
     folder = Path(root) / subfolder

@@ -23,8 +23,9 @@ class Encoders(ABC):
     text_recipe: str = ""  # what else decides the prompt embeddings (e.g. the hidden layers read): in their cache key
     tokenizer_folders: tuple[str, ...] = ()  # the model folder's tokenizers: their files' content is in the text key
 
-    def __init__(self, vae: torch.nn.Module, text_encoders: dict[str, torch.nn.Module], device: torch.device,
-                 dtype: torch.dtype):  # fmt: skip
+    def __init__(
+        self, vae: torch.nn.Module, text_encoders: dict[str, torch.nn.Module], device: torch.device, dtype: torch.dtype
+    ):
         self.vae, self.device, self.dtype = vae, device, dtype
         # name -> model, in the order their fingerprints enter the text cache key
         self.text_encoders: dict[str, torch.nn.Module] = dict(text_encoders)

@@ -66,8 +66,9 @@ def with_scale(state: dict[str, Tensor], rank: int, alpha: float) -> dict[str, T
     return {k: v * scale if k.endswith(".lora_B.weight") else v for k, v in state.items()}
 
 
-def scaled(state: dict[str, Tensor], rank: int, alpha: float, alpha_keys: bool, prefix: str = "transformer"
-           ) -> dict[str, Tensor]:  # fmt: skip
+def scaled(
+    state: dict[str, Tensor], rank: int, alpha: float, alpha_keys: bool, prefix: str = "transformer"
+) -> dict[str, Tensor]:
     """The diffusers-format state dict with the scale as the family's loaders read it: alpha keys
     (`with_alphas`), or `alpha / rank` in lora_B (`with_scale`)."""
     return with_alphas(state, rank, alpha, prefix) if alpha_keys else with_scale(state, rank, alpha)
@@ -85,8 +86,19 @@ class Origin:
 
 # The LoraConfig fields diffusers needs to rebuild the adapter. diffusers passes the metadata to LoraConfig(**...),
 # and a peft release that lacks one of the fields a newer one writes would refuse the file: keep to these.
-_ADAPTER_FIELDS = ("r", "lora_alpha", "target_modules", "lora_dropout", "init_lora_weights", "bias", "use_dora",
-                   "use_rslora", "rank_pattern", "alpha_pattern", "base_model_name_or_path")  # fmt: skip
+_ADAPTER_FIELDS = (
+    "r",
+    "lora_alpha",
+    "target_modules",
+    "lora_dropout",
+    "init_lora_weights",
+    "bias",
+    "use_dora",
+    "use_rslora",
+    "rank_pattern",
+    "alpha_pattern",
+    "base_model_name_or_path",
+)
 
 
 def adapter_metadata(peft_config: dict, base_model: str | None) -> dict:
@@ -97,9 +109,14 @@ def adapter_metadata(peft_config: dict, base_model: str | None) -> dict:
 
 
 def metadata(
-    *, rank: int, alpha: float, adapter: dict | None, origin: Origin | None, alpha_keys: bool = True,
+    *,
+    rank: int,
+    alpha: float,
+    adapter: dict | None,
+    origin: Origin | None,
+    alpha_keys: bool = True,
     text_encoder_adapter: dict | None = None,
-) -> dict[str, str]:  # fmt: skip
+) -> dict[str, str]:
     """The safetensors header metadata of a diffusers-format LoRA file (see the module doc). `adapter`: diffusers'
     adapter metadata (`adapter_metadata`); `alpha_keys`: as `scaled`'s (False: the scale is in lora_B, and the
     adapter's alpha is its rank). `text_encoder_adapter`: the text encoder's (--train_text_encoder), under

@@ -180,8 +180,10 @@ class Checkpointing:
         peak = f"planned peak {self.planned_gib:.1f} GiB{gpu}"
         line = f"gradient checkpointing {how}{n} of {self.total} blocks{which}, {peak}"
         if offload != "0":
-            line += (f"; block offload{' auto' if offload == 'auto' else ''}: {self.offloaded} of {self.total} blocks "
-                     f"({self.host_gib:.1f} GiB of pinned host memory per process)")  # fmt: skip
+            line += (
+                f"; block offload{' auto' if offload == 'auto' else ''}: {self.offloaded} of {self.total} blocks "
+                f"({self.host_gib:.1f} GiB of pinned host memory per process)"
+            )
         if self.precision != "bf16" or self.offloaded or n:
             line += f"; modelled step ~{self.seconds:.2f} s (base {self.precision}, docs/small_gpus.md)"
         return line

@@ -66,8 +66,15 @@ def transformer_fingerprint(model: ModelConfig, path: str, cls: type) -> str:
     )
 
 
-def load_trainee(cfg: Config, path: str, cls: type, quantized_parts: tuple[str, ...], dtype: torch.dtype,
-                 device: torch.device, is_main: bool) -> tuple[torch.nn.Module, str]:  # fmt: skip
+def load_trainee(
+    cfg: Config,
+    path: str,
+    cls: type,
+    quantized_parts: tuple[str, ...],
+    dtype: torch.dtype,
+    device: torch.device,
+    is_main: bool,
+) -> tuple[torch.nn.Module, str]:
     """The transformer (diffusers class `cls`, of the model at `path`) to train and the fingerprint of its weights as
     loaded: its frozen base (the linears of `quantized_parts`) quantized with
     --base_precision (before LoRA: peft wraps each quantized linear in its LoRA layer), then LoRA adapters or every

@@ -26,8 +26,9 @@ class LoraLayouts(Protocol):
 
     lora_alpha_keys: bool  # the scale as alpha keys (else alpha / rank multiplied into lora_B)
 
-    def lora_layout(self, fmt: str, state: dict[str, torch.Tensor], lora: LoraConfig, origin: Origin | None,
-                    guidance: bool) -> tuple[dict[str, torch.Tensor], dict[str, str]]: ...  # fmt: skip
+    def lora_layout(
+        self, fmt: str, state: dict[str, torch.Tensor], lora: LoraConfig, origin: Origin | None, guidance: bool
+    ) -> tuple[dict[str, torch.Tensor], dict[str, str]]: ...
 
 
 def check_targets(transformer: torch.nn.Module, targets: list[str]) -> None:
@@ -81,8 +82,14 @@ def save_lora(
             text_weights, text_config = text_encoder
             weights.update(scaled(text_weights, lora.rank, lora.lora_alpha, keys, prefix="text_encoder"))
             text_adapter = adapter_metadata(text_config, origin and origin.base_model) if text_config else None
-        header = metadata(rank=lora.rank, alpha=lora.lora_alpha, adapter=adapter, origin=origin, alpha_keys=keys,
-                          text_encoder_adapter=text_adapter)  # fmt: skip
+        header = metadata(
+            rank=lora.rank,
+            alpha=lora.lora_alpha,
+            adapter=adapter,
+            origin=origin,
+            alpha_keys=keys,
+            text_encoder_adapter=text_adapter,
+        )
     else:
         weights, header = family.lora_layout(lora.lora_format, weights, lora, origin, guidance)
     path = Path(output_dir) / "pytorch_lora_weights.safetensors"

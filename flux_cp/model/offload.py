@@ -231,8 +231,9 @@ class BlockOffload:
         g, s = blk.group, blk.slot
         if g.occupant[s] is not blk:
             if g.busy[s] is not None:  # never, by the schedule: refuse rather than compute with another block's weights
-                raise RuntimeError(f"block offload: block {blk.index} needs its slot while block "
-                                   f"{g.occupant[s].index} still uses it")  # fmt: skip
+                raise RuntimeError(
+                    f"block offload: block {blk.index} needs its slot while block {g.occupant[s].index} still uses it"
+                )
             self._issue(blk)
         if self.stream is not None:
             torch.cuda.current_stream(self.device).wait_event(blk.ready)
@@ -342,8 +343,9 @@ class BlockOffload:
         """Raise unless every offloaded frozen tensor still is its slot's memory and nothing else in the model
         shares a slot's memory: a `.to()` or conversion of the model after `offload_blocks` may have re-created
         them. Cheap; call it once the model is wrapped (DDP)."""
-        slots = {_storage_key(t): (g, s, j) for g in self.groups for s, ts in enumerate(g.typed)
-                 for j, t in enumerate(ts)}  # fmt: skip
+        slots = {
+            _storage_key(t): (g, s, j) for g in self.groups for s, ts in enumerate(g.typed) for j, t in enumerate(ts)
+        }
         owned = set()
         for blk in self.offloaded:
             leaves = dict(_frozen_leaves(blk.module))
@@ -485,8 +487,10 @@ def _leave_out_of_ddp_broadcast(transformer: torch.nn.Module, off: BlockOffload)
     every rank, and refilled before each use): leave them out of it."""
     prefix = {id(m): name for name, m in transformer.named_modules()}
     names = {
-        f"{prefix[id(blk.module)]}.{name}" for blk in off.offloaded for name, p in blk.module.named_parameters()
+        f"{prefix[id(blk.module)]}.{name}"
+        for blk in off.offloaded
+        for name, p in blk.module.named_parameters()
         if not p.requires_grad
-    }  # fmt: skip
+    }
     ignored = set(getattr(transformer, "_ddp_params_and_buffers_to_ignore", ()))
     transformer._ddp_params_and_buffers_to_ignore = sorted(ignored | names)

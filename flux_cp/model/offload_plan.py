@@ -126,8 +126,10 @@ def check_offload_count(n: int, kinds: Sequence[str], block_bytes: Sequence[int]
         least = next(saving, None)
         room = f"each kind of block offloaded takes {slots} blocks' room on the GPU (its slots)"
         if least is None:
-            raise UsageError(f"--offload_blocks {n} saves no GPU memory, nor does any count on this model of "
-                             f"{len(kinds)} blocks: {room}; drop --offload_blocks")  # fmt: skip
+            raise UsageError(
+                f"--offload_blocks {n} saves no GPU memory, nor does any count on this model of "
+                f"{len(kinds)} blocks: {room}; drop --offload_blocks"
+            )
         raise UsageError(f"--offload_blocks {n} saves no GPU memory: {room}; offload at least {least}")
     return plan
 

@@ -57,8 +57,11 @@ def check_optimizer(train: TrainConfig, device: str | None = None, sharded: bool
     on = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if name == "adamw8bit" and on != "cuda":
         where = "the CPU" if on == "cpu" else on
-        raise UsageError(f"--use_8bit_adam needs a CUDA GPU (bitsandbytes' 8-bit AdamW); this run trains on {where}: "
-                         "drop --use_8bit_adam", agreed=True)  # fmt: skip
+        raise UsageError(
+            f"--use_8bit_adam needs a CUDA GPU (bitsandbytes' 8-bit AdamW); this run trains on {where}: "
+            "drop --use_8bit_adam",
+            agreed=True,
+        )
     if not installed(PACKAGES[name]):
         raise UsageError(
             f"{flag} needs the {PACKAGES[name]} package: {INSTALL} (or pip install {PACKAGES[name]})", agreed=True
@@ -72,8 +75,12 @@ def check_optimizer(train: TrainConfig, device: str | None = None, sharded: bool
         )
 
 
-def make_optimizer(train: TrainConfig, params: list[torch.nn.Parameter], global_batch: int,
-                   text_params: list[torch.nn.Parameter] | None = None) -> torch.optim.Optimizer:  # fmt: skip
+def make_optimizer(
+    train: TrainConfig,
+    params: list[torch.nn.Parameter],
+    global_batch: int,
+    text_params: list[torch.nn.Parameter] | None = None,
+) -> torch.optim.Optimizer:
     """The optimizer of `--optimizer` / `--use_8bit_adam` over `params`; `--scale_lr` multiplies the LR by the
     samples per optimizer step. `text_params` (--train_text_encoder): a second parameter group at --text_encoder_lr
     with --adam_weight_decay_text_encoder, as diffusers' example builds it (--scale_lr scales --learning_rate only,
@@ -96,15 +103,22 @@ def make_optimizer(train: TrainConfig, params: list[torch.nn.Parameter], global_
 
         with _without_line("Using decoupled weight decay"):  # printed by every rank's constructor
             return Prodigy(
-                params, lr=lr, betas=betas, beta3=train.prodigy_beta3, weight_decay=train.adam_weight_decay,
-                eps=train.adam_epsilon, decouple=train.prodigy_decouple,
-                use_bias_correction=train.prodigy_use_bias_correction, safeguard_warmup=train.prodigy_safeguard_warmup,
-            )  # fmt: skip
+                params,
+                lr=lr,
+                betas=betas,
+                beta3=train.prodigy_beta3,
+                weight_decay=train.adam_weight_decay,
+                eps=train.adam_epsilon,
+                decouple=train.prodigy_decouple,
+                use_bias_correction=train.prodigy_use_bias_correction,
+                safeguard_warmup=train.prodigy_safeguard_warmup,
+            )
     if name == "adamw8bit":
         import bitsandbytes as bnb
 
-        return bnb.optim.AdamW8bit(params, lr=lr, betas=betas, weight_decay=train.adam_weight_decay,
-                                   eps=train.adam_epsilon)  # fmt: skip
+        return bnb.optim.AdamW8bit(
+            params, lr=lr, betas=betas, weight_decay=train.adam_weight_decay, eps=train.adam_epsilon
+        )
     fused = all(p.device.type in ("cuda", "cpu") and p.is_floating_point() for p in every)
     return torch.optim.AdamW(
         params, lr=lr, betas=betas, weight_decay=train.adam_weight_decay, eps=train.adam_epsilon, fused=fused or None
@@ -130,10 +144,13 @@ def describe(train: TrainConfig) -> str:
     name = optimizer_name(train)
     if name == "prodigy":
         beta3 = "sqrt(beta2)" if train.prodigy_beta3 is None else f"{train.prodigy_beta3:g}"
-        switches = [f"{k} {'on' if v else 'off'}" for k, v in (("decoupled decay", train.prodigy_decouple),
-                    ("bias correction", train.prodigy_use_bias_correction),
-                    ("safeguard warmup", train.prodigy_safeguard_warmup))]  # fmt: skip
-        return f"Prodigy ({common}; beta3 {beta3}; {', '.join(switches)})"
+        switches = {
+            "decoupled decay": train.prodigy_decouple,
+            "bias correction": train.prodigy_use_bias_correction,
+            "safeguard warmup": train.prodigy_safeguard_warmup,
+        }
+        said = [f"{k} {'on' if v else 'off'}" for k, v in switches.items()]
+        return f"Prodigy ({common}; beta3 {beta3}; {', '.join(said)})"
     return f"{'8-bit AdamW (bitsandbytes)' if name == 'adamw8bit' else 'AdamW'} ({common})"
 
 
@@ -141,13 +158,18 @@ def make_lr_scheduler(train: TrainConfig, optimizer: torch.optim.Optimizer, max_
     from diffusers.optimization import get_scheduler
 
     return get_scheduler(
-        train.lr_scheduler, optimizer=optimizer, num_warmup_steps=train.lr_warmup_steps,
-        num_training_steps=max_steps, num_cycles=train.lr_num_cycles, power=train.lr_power,
-    )  # fmt: skip
+        train.lr_scheduler,
+        optimizer=optimizer,
+        num_warmup_steps=train.lr_warmup_steps,
+        num_training_steps=max_steps,
+        num_cycles=train.lr_num_cycles,
+        power=train.lr_power,
+    )
 
 
-def clip_grad_norm(accelerator, params: list[torch.nn.Parameter], max_norm: float,
-                   extra: list[torch.nn.Parameter] | None = None) -> torch.Tensor:  # fmt: skip
+def clip_grad_norm(
+    accelerator, params: list[torch.nn.Parameter], max_norm: float, extra: list[torch.nn.Parameter] | None = None
+) -> torch.Tensor:
     """Global gradient norm of the trainable parameters (a 0-d tensor on their device, not read by the host),
     clipped to `max_norm` (<= 0: no clipping). `extra`: more trained parameters outside the wrapped model (the text
     encoder's LoRA, whole on every rank), in the same norm and clipped alike, as diffusers' example clips both.
@@ -254,9 +276,11 @@ class Progress:
         many = len(self.skipped) > 1
         them, were = ("them", "were") if many else ("it", "was")
         good = [k for k in checkpoints if k <= self.skipped[0] - 2]
-        then = (f"checkpoint-{good[-1]} is the newest checkpoint before {them}: resume from it with a lower "
-                "--learning_rate" if good else
-                f"no checkpoint was written before {them}: run again with a lower --learning_rate")  # fmt: skip
+        then = (
+            f"checkpoint-{good[-1]} is the newest checkpoint before {them}: resume from it with a lower --learning_rate"
+            if good
+            else f"no checkpoint was written before {them}: run again with a lower --learning_rate"
+        )
         last = f"the last {len(self.skipped)} of the run" if many else "the last of the run"
         return (
             f"{steps}, {last}, had a non-finite loss or gradient norm and {were} skipped (--on_nonfinite skip): the "

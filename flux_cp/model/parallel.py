@@ -242,9 +242,15 @@ def parallelize(
         if advice and device is not None and device.type == "cuda":  # measured on GPUs; the CPU demo's are for tests
             logger.warning(advice)
     checkpointed = checkpointing.blocks if checkpointing is not None and accelerator is not None else range(0)
-    prepare_blocks(transformer, checkpointed=checkpointed, recompute_attention=train.recompute_attention,
-                   compile=compiled(train), compile_mode=train.compile_mode, cp=layout.cp,
-                   tuning=layout.cp_context.tuning)  # fmt: skip
+    prepare_blocks(
+        transformer,
+        checkpointed=checkpointed,
+        recompute_attention=train.recompute_attention,
+        compile=compiled(train),
+        compile_mode=train.compile_mode,
+        cp=layout.cp,
+        tuning=layout.cp_context.tuning,
+    )
     if accelerator is None:
         return Parallelized(transformer)
     offload = _offload(transformer, cfg, checkpointing, layout, device)
@@ -257,8 +263,9 @@ def parallelize(
     return Parallelized(model, prepared, optimizer, offload)
 
 
-def _offload(transformer: torch.nn.Module, cfg: Config, checkpointing: Checkpointing | None, layout: Layout,
-             device: torch.device) -> BlockOffload | None:  # fmt: skip
+def _offload(
+    transformer: torch.nn.Module, cfg: Config, checkpointing: Checkpointing | None, layout: Layout, device: torch.device
+) -> BlockOffload | None:
     """--offload_blocks applied (auto: the count the memory planner chose with the checkpointed blocks, in
     `checkpointing`); the transformer on `device` either way."""
     n = offload_count(cfg.train.offload_blocks)

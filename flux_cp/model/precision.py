@@ -75,8 +75,9 @@ def bits(precision: str) -> int:
 # --- which linears, and quantizing them ------------------------------------------------------------------------
 
 
-def quantized_linears(transformer: torch.nn.Module, skip: Iterable[str] = (),
-                      parts: Iterable[str] | None = None) -> list[str]:  # fmt: skip
+def quantized_linears(
+    transformer: torch.nn.Module, skip: Iterable[str] = (), parts: Iterable[str] | None = None
+) -> list[str]:
     """Names of the linears `quantize_base` quantizes: those of the top-level modules `parts` (default: the model
     family's `quantized_parts`) still holding plain weights, less any named by `skip` (a module name or the end of
     one, as --lora_layers names them)."""
@@ -163,12 +164,19 @@ def _quantized(linear: torch.nn.Linear, precision: str) -> torch.nn.Module:
         import bitsandbytes as bnb
 
         weight = linear.weight.detach()
-        q = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                              compute_dtype=weight.dtype, compress_statistics=True, quant_type="nf4",
-                              device="meta")  # fmt: skip
+        q = bnb.nn.Linear4bit(
+            linear.in_features,
+            linear.out_features,
+            bias=linear.bias is not None,
+            compute_dtype=weight.dtype,
+            compress_statistics=True,
+            quant_type="nf4",
+            device="meta",
+        )
         # Params4bit quantizes when moved to a real device (here: the one it is on).
-        q.weight = bnb.nn.Params4bit(weight, requires_grad=False, compress_statistics=True, quant_type="nf4",
-                                     blocksize=NF4_BLOCK).to(weight.device)  # fmt: skip
+        q.weight = bnb.nn.Params4bit(
+            weight, requires_grad=False, compress_statistics=True, quant_type="nf4", blocksize=NF4_BLOCK
+        ).to(weight.device)
         if linear.bias is not None:
             q.bias = torch.nn.Parameter(linear.bias.detach(), requires_grad=False)
         q.train(linear.training)
@@ -177,8 +185,11 @@ def _quantized(linear: torch.nn.Linear, precision: str) -> torch.nn.Module:
 
     # set_inductor_config=False: torchao would otherwise change Inductor's global settings for the whole run
     # (every compiled block), not only for its own kernels.
-    config = (Int8WeightOnlyConfig(version=2, set_inductor_config=False) if precision == "int8"
-              else Float8WeightOnlyConfig(set_inductor_config=False))  # fmt: skip
+    config = (
+        Int8WeightOnlyConfig(version=2, set_inductor_config=False)
+        if precision == "int8"
+        else Float8WeightOnlyConfig(set_inductor_config=False)
+    )
     quantize_(linear, config)
     return linear
 
@@ -307,8 +318,13 @@ def block_bytes(block: torch.nn.Module, precision: str, dtype_bytes: int = 2) ->
     return total + sum(b.numel() * b.element_size() for b in block.buffers()), quantized
 
 
-def base_bytes(transformer: torch.nn.Module, precision: str, dtype_bytes: int = 2, skip: Iterable[str] = (),
-               parts: Iterable[str] | None = None) -> int:  # fmt: skip
+def base_bytes(
+    transformer: torch.nn.Module,
+    precision: str,
+    dtype_bytes: int = 2,
+    skip: Iterable[str] = (),
+    parts: Iterable[str] | None = None,
+) -> int:
     """Bytes of the frozen transformer after `quantize_base(transformer, precision, parts=parts)`, its other weights
     at `dtype_bytes` each: exact, and counted from a model on the meta device as well as a real one (for the
     planner)."""

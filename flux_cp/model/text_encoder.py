@@ -54,8 +54,13 @@ class TrainedTextEncoder:
         self.encoders = encoders
         self.name, self.argument, self.entry = names
         self.module = module = encoders.text_encoders[self.name]
-        config = PeftLoraConfig(r=lora.rank, lora_alpha=lora.lora_alpha, lora_dropout=lora.lora_dropout,
-                                init_lora_weights="gaussian", target_modules=list(targets))  # fmt: skip
+        config = PeftLoraConfig(
+            r=lora.rank,
+            lora_alpha=lora.lora_alpha,
+            lora_dropout=lora.lora_dropout,
+            init_lora_weights="gaussian",
+            target_modules=list(targets),
+        )
         # Seeded apart from the transformer's adapters (flux_cp.model.lora.add_lora): every layout starts alike.
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(generator(Stream.TEXT_ENCODER_LORA, seed).initial_seed())

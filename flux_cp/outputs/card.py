@@ -60,9 +60,16 @@ def reference_names(count: int) -> tuple[str, ...]:
 
 
 def snippet(
-    cfg: Config, pairs: bool, source: str, base: str | None, family: Family, *, hub: bool = False,
-    references: tuple[str, ...] | None = None, image_folder: str | None = None,
-) -> str:  # fmt: skip
+    cfg: Config,
+    pairs: bool,
+    source: str,
+    base: str | None,
+    family: Family,
+    *,
+    hub: bool = False,
+    references: tuple[str, ...] | None = None,
+    image_folder: str | None = None,
+) -> str:
     """Python that loads the trained weights into diffusers' `pipeline` for `base` (None: the embedded default's tiny
     model) and renders an image at the trained size, on the GPU when there is one, else on the CPU, without the
     libraries' notices (their progress bars stay). `source`: the output folder (named by its absolute path, so that
@@ -393,9 +400,15 @@ def write_model_card(
     if grids:
         caption = "; ".join(prompts) if prompts else " "
         widget.append({"text": caption, "output": {"url": grids[-1].relative_to(out).as_posix()}})
-    tags = ["text-to-image", "diffusers-training", "diffusers", *(["lora", "template:sd-lora"] if not full else []),
-            *([cfg.lora.adapter] if cfg.lora.adapter != "lora" else []), *family.card_tags_for(pairs),
-            "flux-cp"]  # fmt: skip
+    tags = [
+        "text-to-image",
+        "diffusers-training",
+        "diffusers",
+        *(["lora", "template:sd-lora"] if not full else []),
+        *([cfg.lora.adapter] if cfg.lora.adapter != "lora" else []),
+        *family.card_tags_for(pairs),
+        "flux-cp",
+    ]
     data = ModelCardData(
         base_model=hub_base,
         library_name="diffusers",
@@ -408,9 +421,10 @@ def write_model_card(
     )
 
     base_text = (
-        f"[{markdown(base)}](https://huggingface.co/{base})" if hub_base else (code_span(base) if base else "a tiny "
-        "Flux built locally (flux-cp's embedded default, for the demo)")
-    )  # fmt: skip
+        f"[{markdown(base)}](https://huggingface.co/{base})"
+        if hub_base
+        else (code_span(base) if base else "a tiny Flux built locally (flux-cp's embedded default, for the demo)")
+    )
     lora = cfg.lora
     what = (
         "a transformer fine-tuned from"
@@ -444,27 +458,30 @@ def write_model_card(
     body += ["## Training settings", "", "| setting | value |", "|---|---|"]
     cp = f"--cp_size {cfg.parallel.cp_size}, mode {cp_mode or cfg.parallel.cp_mode}"
     cp = cp if cfg.parallel.cp_size > 1 else "off (--cp_size 1)"
-    precision = cfg.model.base_precision
+    precision, train = cfg.model.base_precision, cfg.train
+    init = f"random-initialised from its config (--transformer_init random, seed {train.seed})"
+    data_set = markdown(cfg.data.dataset_name) if cfg.data.dataset_name else "the bundled data set"
+    sizes = ", ".join(map(str, cfg.data.resolution))
+    per_rank = f"{train.train_batch_size} per data-parallel rank"
+    schedule = f"{train.lr_scheduler}, {train.lr_warmup_steps} warmup steps"
+    training = "full fine-tuning"
+    if not full:
+        training = f"{adapter} rank {lora.rank}, alpha {lora.lora_alpha}, dropout {lora.lora_dropout:g}"
+        training += f", layers {markdown(', '.join(lora.lora_layers))}"
     rows = [
         ("base model", markdown(base) if base else "embedded tiny Flux"),
-        ("base weights", f"random-initialised from its config (--transformer_init random, seed {cfg.train.seed})"
-                         if random_init else "pretrained"),
-        ("data", (markdown(cfg.data.dataset_name) if cfg.data.dataset_name else "the bundled data set")
-                 + (f" ({family.pairs_label} pairs)" if pairs else "")),
-        ("resolution", f"{', '.join(map(str, cfg.data.resolution))} px"
-                       + (" (aspect buckets)" if cfg.data.aspect_buckets else "")),
+        ("base weights", init if random_init else "pretrained"),
+        ("data", data_set + (f" ({family.pairs_label} pairs)" if pairs else "")),
+        ("resolution", f"{sizes} px" + (" (aspect buckets)" if cfg.data.aspect_buckets else "")),
         ("optimizer steps", steps if steps is not None else "not recorded"),
-        ("batch", f"{cfg.train.train_batch_size} per data-parallel rank, gradient accumulation "
-                  f"{cfg.train.gradient_accumulation_steps}"),
-        ("learning rate", f"{cfg.train.learning_rate:g} ({cfg.train.lr_scheduler}, {cfg.train.lr_warmup_steps} warmup "
-                          "steps)"),
-        ("optimizer", describe_optimizer(cfg.train)),
-        ("training", "full fine-tuning" if full else f"{adapter} rank {cfg.lora.rank}, alpha {cfg.lora.lora_alpha}, "
-                     f"dropout {cfg.lora.lora_dropout:g}, layers {markdown(', '.join(cfg.lora.lora_layers))}"),
-        ("mixed precision", cfg.train.mixed_precision or "accelerate's config"),
+        ("batch", f"{per_rank}, gradient accumulation {train.gradient_accumulation_steps}"),
+        ("learning rate", f"{train.learning_rate:g} ({schedule})"),
+        ("optimizer", describe_optimizer(train)),
+        ("training", training),
+        ("mixed precision", train.mixed_precision or "accelerate's config"),
         ("context parallelism", cp + (f"; {layout}" if layout else "")),
-        ("seed", cfg.train.seed),
-    ]  # fmt: skip
+        ("seed", train.seed),
+    ]
     options = cfg.data
     if options.repeats > 1:
         rows.append(("repeats", f"{options.repeats} (each image per epoch)"))
@@ -521,8 +538,13 @@ def write_model_card(
         body += ["## Use it in ComfyUI", "", comfyui, ""]
     if known is not None:
         link = known.license_link or f"https://huggingface.co/{known.model_id}"
-        body += ["## License", "", f"Please adhere to the licensing terms of the base model, {known.model_id}: "
-                 f"[{known.license_name or known.license}]({link}).", ""]  # fmt: skip
+        body += [
+            "## License",
+            "",
+            f"Please adhere to the licensing terms of the base model, {known.model_id}: "
+            f"[{known.license_name or known.license}]({link}).",
+            "",
+        ]
     text = f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(body).replace("\n\n\n", "\n\n")
     # Whatever else reached the text: its control characters escaped too (the front matter's YAML and the snippet's
     # Python literals escape theirs already, so this changes nothing there)

@@ -260,9 +260,8 @@ def save(
         try:
             listed = {k: v for _, share in shares for k, v in share.items()}
             checksums = {"algorithm": _algorithm(), "files": dict(sorted(listed.items()))}
-            files.write_json(partial / "meta.json", {**meta, "run": run, "format": FORMAT, "step": step,
-                                                     "optimizer_state": optimizer_state,
-                                                     "checksums": checksums})  # fmt: skip
+            record = {"run": run, "format": FORMAT, "step": step, "optimizer_state": optimizer_state}
+            files.write_json(partial / "meta.json", {**meta, **record, "checksums": checksums})
             _fsync_tree(partial)
         except OSError as e:
             error = _cause(e)
@@ -326,16 +325,23 @@ def _remove(path: Path) -> list[Path]:
 # The classes a DCP `.metadata` pickle refers to (torch 2.x): its own records, torch.Size, dtypes and layouts,
 # and the checkpoint's path. Anything else in a checkpoint is refused unread.
 _METADATA_GLOBALS = {
-    "torch.distributed.checkpoint.metadata": {"Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
-                                              "ChunkStorageMetadata", "TensorProperties", "MetadataIndex",
-                                              "StorageMeta", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    },
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
     "torch.serialization": {"_get_layout"},
     "torch": {"Size"},
     "pathlib": {"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"},
     "collections": {"OrderedDict"},
     "builtins": {"set", "frozenset", "tuple", "list", "dict"},
-}  # fmt: skip
+}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -390,8 +396,9 @@ def _safe_planner():
 _GROUP_KEYS = ("betas", "eps", "weight_decay", "beta3", "decouple", "use_bias_correction", "safeguard_warmup")
 
 
-def load(path: Path, model, optimizer, lr_scheduler, optimizer_state: bool = True, extra: dict | None = None
-         ) -> list[str]:  # fmt: skip
+def load(
+    path: Path, model, optimizer, lr_scheduler, optimizer_state: bool = True, extra: dict | None = None
+) -> list[str]:
     """Restore weights, optimizer and LR schedule from `path` into the (wrapped) model, on any layout. The current
     learning rate and optimizer settings win over the checkpoint's; returns what they changed, one line each.
     `optimizer_state`: whether the checkpoint holds AdamW's moments (False: they start from zero). `extra`: more state
@@ -405,8 +412,12 @@ def load(path: Path, model, optimizer, lr_scheduler, optimizer_state: bool = Tru
     try:
         check_inside(path / "state", path)
         check_inside(path / "train.pt", path)
-        dcp.load(state, checkpoint_id=str(path / "state"), storage_reader=_safe_reader(path / "state"),
-                 planner=_safe_planner())  # fmt: skip
+        dcp.load(
+            state,
+            checkpoint_id=str(path / "state"),
+            storage_reader=_safe_reader(path / "state"),
+            planner=_safe_planner(),
+        )
         train = torch.load(path / "train.pt", weights_only=True)
         lr_scheduler.load_state_dict(train["lr_scheduler"])
     except (KeyboardInterrupt, SystemExit):
@@ -423,11 +434,12 @@ def load(path: Path, model, optimizer, lr_scheduler, optimizer_state: bool = Tru
         set_model_state_dict(model, state["model"], options=opts)
     bad = nonfinite_state(model, optimizer)
     more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
-    distributed.check_all_ranks(not bad, (
-        f"--resume_from_checkpoint {path} holds values that are not finite (NaN or inf) in {', '.join(bad[:3])}{more}: "
-        "the run that wrote it had diverged, or the checkpoint was damaged after its checksums were written. Resume "
-        "from an earlier checkpoint-N folder"
-    ))  # fmt: skip
+    problem = (
+        f"--resume_from_checkpoint {path} holds values that are not finite (NaN or inf) in {', '.join(bad[:3])}"
+        f"{more}: the run that wrote it had diverged, or the checkpoint was damaged after its checksums were written. "
+        "Resume from an earlier checkpoint-N folder"
+    )
+    distributed.check_all_ranks(not bad, problem)
     return _apply_current(optimizer, lr_scheduler, current, base_lrs)
 
 
@@ -437,8 +449,8 @@ def nonfinite_state(model, optimizer) -> list[str]:
     names = {id(p): n for n, p in named}
     tensors = [(n, p) for n, p in named]
     for p, st in getattr(optimizer, "state", {}).items():
-        tensors += [(f"{names.get(id(p), '?')} ({k})", v) for k, v in st.items()
-                    if isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel() > 1]  # fmt: skip
+        kept = [(k, v) for k, v in st.items() if isinstance(v, torch.Tensor) and v.is_floating_point()]
+        tensors += [(f"{names.get(id(p), '?')} ({k})", v) for k, v in kept if v.numel() > 1]
     local = [(n, t.to_local() if hasattr(t, "to_local") else t) for n, t in tensors]
     local = [(n, t) for n, t in local if t.numel()]
     if not local:

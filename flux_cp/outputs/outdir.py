@@ -90,8 +90,11 @@ def earlier_outputs(folder: Path, tracker: str | None = None) -> tuple[list[str]
     second are what --overwrite_output_dir may delete. Known names that no manifest lists and that do not look
     like flux-cp's outputs are in the first list only."""
     entries = manifest.read(folder)
-    owned = (manifest.legacy_outputs(folder, tracker) if entries is None
-             else [e for e in entries if os.path.lexists(folder / e)])  # fmt: skip
+    owned = (
+        manifest.legacy_outputs(folder, tracker)
+        if entries is None
+        else [e for e in entries if os.path.lexists(folder / e)]
+    )
     known = _known(folder, tracker)
     if tracker and tracker not in owned:
         known = [n for n in known if n != tracker]  # a tracker folder we did not create: appended to, never removed
@@ -150,9 +153,12 @@ def _lock(folder: Path) -> None:
     except OSError as e:
         raise UsageError(
             f"--output_dir {folder}: {LOCK_NAME} cannot be opened ({e.strerror or e}); "
-            + ("it is a symbolic link: remove it (flux-cp writes its own lock there)" if path.is_symlink() else
-               "remove it or choose another folder")
-        ) from None  # fmt: skip
+            + (
+                "it is a symbolic link: remove it (flux-cp writes its own lock there)"
+                if path.is_symlink()
+                else "remove it or choose another folder"
+            )
+        ) from None
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
         os.close(fd)
@@ -168,8 +174,11 @@ def _lock(folder: Path) -> None:
         except ValueError:
             holder = {}
         os.close(fd)
-        who = (f" (pid {holder.get('pid')} on {holder.get('host')}, started {holder.get('started')})"
-               if isinstance(holder, dict) and holder else "")  # fmt: skip
+        who = (
+            f" (pid {holder.get('pid')} on {holder.get('host')}, started {holder.get('started')})"
+            if isinstance(holder, dict) and holder
+            else ""
+        )
         raise UsageError(
             f"--output_dir {folder} is in use by another run{who}: wait for it to end, or choose another folder"
         ) from None
@@ -243,8 +252,10 @@ def claim(
             shown = ", ".join(kept[:5]) + (f" and {len(kept) - 5} more" if len(kept) > 5 else "")
             notes.append(f"--overwrite_output_dir: kept {shown}, which flux-cp did not write")
         if edited:
-            notes.append(f"--overwrite_output_dir: kept {', '.join(edited)}, edited since flux-cp wrote it (or with "
-                         "no record to tell)")  # fmt: skip
+            notes.append(
+                f"--overwrite_output_dir: kept {', '.join(edited)}, edited since flux-cp wrote it (or with "
+                "no record to tell)"
+            )
     if tracker and not os.path.lexists(folder / tracker):  # created by this run, so removed with it
         parts = Path(tracker).parts
         created = next(
@@ -372,8 +383,9 @@ def claim_run(cfg: Config, model_path: str, is_main: bool, identity: dict | None
         try:
             logs = cfg.validation.logging_dir if cfg.validation.writes_logs else None
             classes = data.class_data_dir if data.with_prior_preservation else None
-            data_flag = ("--instance_data_dir" if data.instance_data_dir else "--dataset_name" if data.dataset_name
-                         else "the bundled data set")  # fmt: skip
+            data_flag = "the bundled data set"
+            if data.instance_data_dir or data.dataset_name:
+                data_flag = "--instance_data_dir" if data.instance_data_dir else "--dataset_name"
             encodings = None if data.no_cache else encodings_folder(data)
             seed = cfg.train.seed_checkpoint
             roles.check(
@@ -398,11 +410,17 @@ def claim_run(cfg: Config, model_path: str, is_main: bool, identity: dict | None
                         resume.check_compatible(meta, identity, decision.checkpoint)
 
             claimed = claim(
-                cfg.train.output_dir, cfg.checkpoints.resume_from_checkpoint, cfg.train.overwrite_output_dir,
-                logging_dir=logs, max_train_steps=cfg.train.max_train_steps, accept=accept,
-                apart={"--pretrained_model_name_or_path": model_path,
-                       data_flag: data.dataset_name or str(BUNDLED_DATA)},
-            )  # fmt: skip
+                cfg.train.output_dir,
+                cfg.checkpoints.resume_from_checkpoint,
+                cfg.train.overwrite_output_dir,
+                logging_dir=logs,
+                max_train_steps=cfg.train.max_train_steps,
+                accept=accept,
+                apart={
+                    "--pretrained_model_name_or_path": model_path,
+                    data_flag: data.dataset_name or str(BUNDLED_DATA),
+                },
+            )
             if encodings is not None:
                 check_writable(Path(encodings), "--encodings_dir")
         except UsageError as e:

@@ -115,8 +115,8 @@ def idle_gaps(events: list[dict], count: int = 5, min_us: float = 100.0) -> list
             ),
             key=lambda e: -e["dur"],
         )
-        out.append({"ms": round(length_us / 1e3, 3), "at_ms": round((start - busy[0][0]) / 1e3, 3),
-                    "host": [e["name"] for e in meanwhile[:3]]})  # fmt: skip
+        names = [e["name"] for e in meanwhile[:3]]
+        out.append({"ms": round(length_us / 1e3, 3), "at_ms": round((start - busy[0][0]) / 1e3, 3), "host": names})
     return out
 
 

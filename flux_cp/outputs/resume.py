@@ -178,8 +178,11 @@ def _set_aside(folder: Path, decision: Decision) -> str:
             os.rename(folder / final, aside / final)
             manifest.forget(folder, final)
             moved.append(final)
-    images = [p for p in sorted((folder / "validation").glob("step-*.png"))
-              if (m := re.match(r"step-(\d+)\.png$", p.name)) and int(m.group(1)) > decision.step]  # fmt: skip
+    images = [
+        p
+        for p in sorted((folder / "validation").glob("step-*.png"))
+        if (m := re.match(r"step-(\d+)\.png$", p.name)) and int(m.group(1)) > decision.step
+    ]
     if images:
         (aside / "validation").mkdir()
         for p in images:
@@ -206,7 +209,7 @@ def _fork(folder: Path, decision: Decision) -> str:
     return (
         f"resuming {decision.checkpoint} (step {decision.step}) into --output_dir {folder}: a fork of that run, which "
         f"stays as it is"
-        + (f"; metrics.jsonl starts with its {len(rows)} rows up to step {decision.step}" if rows else "")  # fmt: skip
+        + (f"; metrics.jsonl starts with its {len(rows)} rows up to step {decision.step}" if rows else "")
     )
 
 
@@ -215,14 +218,45 @@ def _fork(folder: Path, decision: Decision) -> str:
 # Settings a resumed run may change: each is applied from the resumed step on (the rest are in the run identity,
 # which a checkpoint must match; flux_cp.outputs.resume decides what a resume accepts).
 RESUMABLE_CHANGES = (
-    "learning_rate", "scale_lr", "lr_scheduler", "lr_warmup_steps", "lr_num_cycles", "lr_power", "adam_beta1",
-    "adam_beta2", "adam_weight_decay", "adam_epsilon", "max_grad_norm", "max_train_steps", "num_train_epochs",
-    "weighting_scheme", "logit_mean", "logit_std", "mode_scale", "guidance_scale", "lora_dropout", "mixed_precision",
-    "center_crop", "random_flip", "cp_kernels", "cp_overlap", "cp_exchange_first", "cp_ulysses_chunks",
-    "gradient_checkpointing", "offload_blocks", "prodigy_beta3", "prodigy_decouple", "prodigy_use_bias_correction",
-    "prodigy_safeguard_warmup", "prior_loss_weight", "base_precision", "text_encoder_lr",
-    "adam_weight_decay_text_encoder", "ema_decay", "ema_update_interval",
-)  # fmt: skip
+    "learning_rate",
+    "scale_lr",
+    "lr_scheduler",
+    "lr_warmup_steps",
+    "lr_num_cycles",
+    "lr_power",
+    "adam_beta1",
+    "adam_beta2",
+    "adam_weight_decay",
+    "adam_epsilon",
+    "max_grad_norm",
+    "max_train_steps",
+    "num_train_epochs",
+    "weighting_scheme",
+    "logit_mean",
+    "logit_std",
+    "mode_scale",
+    "guidance_scale",
+    "lora_dropout",
+    "mixed_precision",
+    "center_crop",
+    "random_flip",
+    "cp_kernels",
+    "cp_overlap",
+    "cp_exchange_first",
+    "cp_ulysses_chunks",
+    "gradient_checkpointing",
+    "offload_blocks",
+    "prodigy_beta3",
+    "prodigy_decouple",
+    "prodigy_use_bias_correction",
+    "prodigy_safeguard_warmup",
+    "prior_loss_weight",
+    "base_precision",
+    "text_encoder_lr",
+    "adam_weight_decay_text_encoder",
+    "ema_decay",
+    "ema_update_interval",
+)
 
 # Entries of the run identity compared through "data" (the fingerprint of the data set's names, contents and
 # captions): the rows behind it (kept in the checkpoint's data.json, read to say which files differ) and the
@@ -248,22 +282,31 @@ def run_identity(
     resolution = cfg.data.resolution  # one resolution: its number, as checkpoints have always recorded it
     identity = {
         "model": str(cfg.model.pretrained_model_name_or_path or "embedded-tiny"),
-        "transformer_init": cfg.model.transformer_init, "full_finetune": cfg.lora.full_finetune,
-        "rank": lora and lora.rank, "lora_alpha": lora and lora.lora_alpha,
-        "lora_layers": lora and ",".join(lora.lora_layers), "adapter": cfg.lora.adapter,
-        "global_batch": samples_per_step, "gradient_accumulation_steps": cfg.train.gradient_accumulation_steps,
+        "transformer_init": cfg.model.transformer_init,
+        "full_finetune": cfg.lora.full_finetune,
+        "rank": lora and lora.rank,
+        "lora_alpha": lora and lora.lora_alpha,
+        "lora_layers": lora and ",".join(lora.lora_layers),
+        "adapter": cfg.lora.adapter,
+        "global_batch": samples_per_step,
+        "gradient_accumulation_steps": cfg.train.gradient_accumulation_steps,
         "data": data if isinstance(data, str) else data.fingerprint,
         "resolution": resolution[0] if len(resolution) == 1 else list(resolution),
-        "repeats": cfg.data.repeats, "caption_dropout": cfg.data.caption_dropout,
+        "repeats": cfg.data.repeats,
+        "caption_dropout": cfg.data.caption_dropout,
         "prior": classes.fingerprint if classes is not None else None,
-        "seed": cfg.train.seed, "aspect_buckets": [list(b) for b in buckets] if buckets is not None else False,
-        "max_sequence_length": cfg.data.max_sequence_length, "vae_encode_mode": cfg.data.vae_encode_mode,
+        "seed": cfg.train.seed,
+        "aspect_buckets": [list(b) for b in buckets] if buckets is not None else False,
+        "max_sequence_length": cfg.data.max_sequence_length,
+        "vae_encode_mode": cfg.data.vae_encode_mode,
         "optimizer": optimizer_name(cfg.train),
-        "train_text_encoder": cfg.lora.train_text_encoder, "use_ema": cfg.train.use_ema,
+        "train_text_encoder": cfg.lora.train_text_encoder,
+        "use_ema": cfg.train.use_ema,
         "network_weights": lora and lora.network_weights and network_weights.fingerprint(lora.network_weights),
-        "revision": cfg.model.revision, "variant": cfg.model.variant,
+        "revision": cfg.model.revision,
+        "variant": cfg.model.variant,
         "components": dict(sorted((components or {}).items())),
-    }  # fmt: skip
+    }
     if not isinstance(data, str):
         identity.update(data_files=data.files, data_legacy=data.legacy)
     if classes is not None:  # kept in meta.json (a few rows): a resume with other class images names them
@@ -401,8 +444,10 @@ def check_compatible(meta: dict, run: dict, path: Path) -> None:
             was = saved.get(k) if isinstance(saved.get(k), dict) else {}
             changed = sorted(n for n in {*was, *v} if was.get(n) != v.get(n))
             if changed:
-                diffs.append(f"the config or weights of {', '.join(printable(n) for n in changed)} differ from the "
-                             "checkpoint's model")  # fmt: skip
+                diffs.append(
+                    f"the config or weights of {', '.join(printable(n) for n in changed)} differ from the "
+                    "checkpoint's model"
+                )
             continue
         if k == "data" and "data_legacy" not in saved and "data_legacy" in run:
             # Written before the data were identified by content: compare the fingerprint of that time.

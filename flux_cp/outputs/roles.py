@@ -206,8 +206,10 @@ def _not_an_output(flag: str, value: str, path: str, output_dir: str, fix: str) 
     if rel == ".":
         raise UsageError(f"{flag} {value} is the output folder itself: {fix}")
     if rel is not None and (entry := output_entry(rel)):
-        raise UsageError(f"{flag} {value} {'names' if rel == entry else 'is in'} {entry}, one of the run's own "
-                         f"outputs in --output_dir {output_dir}: {fix}")  # fmt: skip
+        raise UsageError(
+            f"{flag} {value} {'names' if rel == entry else 'is in'} {entry}, one of the run's own "
+            f"outputs in --output_dir {output_dir}: {fix}"
+        )
     return rel
 
 
@@ -249,8 +251,8 @@ def check(
     --logging_dir as given (relative to the output folder) when a tracker writes it; `default_encodings`: the default
     cache folder (another run's, which no class folder may be); `cache_dir`: --cache_dir; `seed`: --seed_checkpoint
     when the run writes it (it does not exist yet)."""
-    local = {flag: p for flag, p in (("--pretrained_model_name_or_path", model), (data_flag, data),
-                                     ("the bundled data", str(bundled))) if p and os.path.isdir(p)}  # fmt: skip
+    named = (("--pretrained_model_name_or_path", model), (data_flag, data), ("the bundled data", str(bundled)))
+    local = {flag: p for flag, p in named if p and os.path.isdir(p)}
     logs_path = os.path.join(output_dir, logs) if logs is not None else None
     if class_dir is not None:
         others = {
@@ -285,8 +287,10 @@ def check(
         for flag, other in local.items():
             how = relation(logs_path, other)
             if how in ("is", "is inside"):
-                raise UsageError(f"--logging_dir {logs} {how} {flag} {other}: the tracker logs would be written "
-                                 "there; choose a folder of their own")  # fmt: skip
+                raise UsageError(
+                    f"--logging_dir {logs} {how} {flag} {other}: the tracker logs would be written "
+                    "there; choose a folder of their own"
+                )
         # Nested, the two collide where one is removed: a tracker folder inside the output folder goes with the run
         # (--overwrite_output_dir). One outside it is never removed, so it may hold the cache or lie in it.
         how = relation(logs_path, encodings) if encodings else None
@@ -300,8 +304,10 @@ def check(
         for flag, other in local.items():
             how = relation(encodings, other)
             if how == "is" or (how == "is inside" and flag.startswith("--pretrained")):
-                raise UsageError(f"--encodings_dir {encodings} {how} {flag} {other}: choose a folder of its own for "
-                                 "the encoding cache")  # fmt: skip
+                raise UsageError(
+                    f"--encodings_dir {encodings} {how} {flag} {other}: choose a folder of its own for "
+                    "the encoding cache"
+                )
     # Last, what the lines above do not name: folders of other tools (the model and the data are named above, and the
     # output folder's relation to them by flux_cp.outputs.outdir)
     written = [

@@ -54,10 +54,13 @@ def outputs(
         found.append((LORA_FILE, f"the {label(cfg.lora.adapter)} ({cfg.lora.lora_format} format)"))
     if (out / "transformer").is_dir():
         found.append(("transformer/", "the fine-tuned transformer (diffusers' format)"))
-    for name, what in (("README.md", "model card"), ("README.flux-cp.md", "this run's model card (README.md is yours)"),
-                       ("run_config.json", "every setting of the run"),
-                       ("metrics.jsonl", "one row per step: loss, lr, speed, memory"),
-                       ("loss_curve.png", "the loss curve")):  # fmt: skip
+    for name, what in (
+        ("README.md", "model card"),
+        ("README.flux-cp.md", "this run's model card (README.md is yours)"),
+        ("run_config.json", "every setting of the run"),
+        ("metrics.jsonl", "one row per step: loss, lr, speed, memory"),
+        ("loss_curve.png", "the loss curve"),
+    ):
         if (out / name).is_file():
             found.append((name, what))
     refs = [n for n in references if (out / n).is_file()]
@@ -126,8 +129,16 @@ def summary(
     lines += [f"  {name.ljust(width)}  {what}" for name, what in found]
     lines += run_notes(cfg, cfg.model.pretrained_model_name_or_path or "the embedded tiny Flux")
     what = "transformer" if cfg.lora.full_finetune else label(cfg.lora.adapter)
-    code = snippet(cfg, pairs, repo_id or str(out), cfg.model.pretrained_model_name_or_path, family or default_family(),
-                   hub=bool(repo_id), references=references, image_folder=str(out) if repo_id else None)  # fmt: skip
+    code = snippet(
+        cfg,
+        pairs,
+        repo_id or str(out),
+        cfg.model.pretrained_model_name_or_path,
+        family or default_family(),
+        hub=bool(repo_id),
+        references=references,
+        image_folder=str(out) if repo_id else None,
+    )
     written = _card_written(out)
     card = f" (also in the model card, {written})" if written else ""
     lines.append(f"Load the {what} with diffusers{card}:")

@@ -84,14 +84,23 @@ def render(
     # back in host memory afterwards (flux_cp.placement)
     placement = encoders.placement
     try:
-        with placement.use("vae"), encoders.vae_tiles(encoders.tiled_decode), \
-                cp.full_sequence_io(transformer, layout.cp_group), autocast():  # fmt: skip
+        with (
+            placement.use("vae"),
+            encoders.vae_tiles(encoders.tiled_decode),
+            cp.full_sequence_io(transformer, layout.cp_group),
+            autocast(),
+        ):
             for j, job in enumerate(padded):
                 row, gen = jobs[job]
                 image = pipe(
-                    **{name: e[row : row + 1] for name, e in embeds.items()}, height=resolution, width=resolution,
-                    **(reference or {}), generator=gen, output_type="np", **call,
-                ).images[0]  # fmt: skip
+                    **{name: e[row : row + 1] for name, e in embeds.items()},
+                    height=resolution,
+                    width=resolution,
+                    **(reference or {}),
+                    generator=gen,
+                    output_type="np",
+                    **call,
+                ).images[0]
                 if j < len(mine):
                     out[job] = (np.clip(image, 0, 1) * 255).round().astype(np.uint8)
                     if on_image is not None:
@@ -122,9 +131,20 @@ def generate(
     v = validation
     items = [(p, k) for p in range(len(v.validation_prompt)) for k in range(v.num_validation_images)]
     jobs = [(p, torch.Generator("cpu").manual_seed(seed * 1000 + p * 100 + k)) for p, k in items]
-    out = render(transformer, encoders, scheduler_config, embeds, layout, family, autocast, jobs,
-                 v.validation_resolution, reference, num_inference_steps=v.validation_inference_steps,
-                 guidance_scale=guidance_scale)  # fmt: skip
+    out = render(
+        transformer,
+        encoders,
+        scheduler_config,
+        embeds,
+        layout,
+        family,
+        autocast,
+        jobs,
+        v.validation_resolution,
+        reference,
+        num_inference_steps=v.validation_inference_steps,
+        guidance_scale=guidance_scale,
+    )
     merged = {}
     for part in distributed.all_gather(out if layout.cp_rank == 0 else {}):
         merged.update(part)

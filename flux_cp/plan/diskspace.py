@@ -68,8 +68,14 @@ def run_sizes(cfg: Config, family: Family, config: dict, model_dtype: torch.dtyp
     checks and `--plan` alike."""
     lora = None if cfg.lora.full_finetune else cfg.lora.rank
     counts = parameter_counts(family, config, lora, list(cfg.lora.lora_layers), cfg.lora.adapter)
-    return sizes(counts, cfg.lora.full_finetune, not cfg.checkpoints.checkpoint_weights_only, model_dtype, world,
-                 optimizer_name(cfg.train))  # fmt: skip
+    return sizes(
+        counts,
+        cfg.lora.full_finetune,
+        not cfg.checkpoints.checkpoint_weights_only,
+        model_dtype,
+        world,
+        optimizer_name(cfg.train),
+    )
 
 
 def sizes(
@@ -116,8 +122,12 @@ def _existing(path: Path) -> Path:
 
 
 def _tree_bytes(path: Path) -> int:
-    return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs
-               if not os.path.islink(os.path.join(r, f)))  # fmt: skip
+    return sum(
+        os.path.getsize(os.path.join(r, f))
+        for r, _, fs in os.walk(path)
+        for f in fs
+        if not os.path.islink(os.path.join(r, f))
+    )
 
 
 def pretend_bytes() -> int | None:
@@ -150,8 +160,9 @@ def check_start(folder: str | os.PathLike, s: Sizes, saves: int, total_limit: in
     if free < need:
         smaller = (
             f"; --checkpoint_weights_only makes checkpoints of {gib(s.checkpoint_weights + s.checkpoint_lora)}"
-            if s.checkpoint_optimizer else ""
-        )  # fmt: skip
+            if s.checkpoint_optimizer
+            else ""
+        )
         raise UsageError(
             f"the disk of --output_dir {folder} has {gib(free)} free, but this run needs {gib(need)} at least: "
             f"{s.describe()}. Free space or choose another --output_dir{smaller}"

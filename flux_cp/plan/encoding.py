@@ -98,8 +98,9 @@ def vae_peak_bytes(v: VaeShape, width: int, height: int, dtype_bytes: int, decod
 # --- the choices ----------------------------------------------------------------------------------------------
 
 
-def offload_choice(value: str, t: TextEncoderShape, batch: int, tokens: int, dtype_bytes: int,
-                   gpu_bytes: float | None) -> tuple[bool, str]:  # fmt: skip
+def offload_choice(
+    value: str, t: TextEncoderShape, batch: int, tokens: int, dtype_bytes: int, gpu_bytes: float | None
+) -> tuple[bool, str]:
     """(streamed, why) for `--text_encoder_offload value`: auto streams a text encoder whose resident peak exceeds
     MARGIN of the GPU's memory (None: no GPU and no --gpu_memory_gib, nothing to fit: resident)."""
     resident = text_peak_bytes(t, batch, tokens, dtype_bytes, streamed=False)
@@ -112,8 +113,9 @@ def offload_choice(value: str, t: TextEncoderShape, batch: int, tokens: int, dty
     return not fits, f"auto: {gib(resident)} resident {verdict} in 90% of {gib(gpu_bytes)}"
 
 
-def tiling_choice(value: str, v: VaeShape, width: int, height: int, dtype_bytes: int, decode: bool,
-                  budget_bytes: float | None) -> tuple[bool, str]:  # fmt: skip
+def tiling_choice(
+    value: str, v: VaeShape, width: int, height: int, dtype_bytes: int, decode: bool, budget_bytes: float | None
+) -> tuple[bool, str]:
     """(tiled, why) for `--vae_tiling value` at this size: auto tiles when the untiled pass exceeds `budget_bytes`
     (what the accelerator has for it; None: nothing to fit, untiled)."""
     if value != "auto":
@@ -161,27 +163,51 @@ def text_encoder_shape(module) -> TextEncoderShape:
     config = module.config
     text = getattr(config, "text_config", None) or config
     if getattr(config, "model_type", "") == "t5":
-        return TextEncoderShape(f"T5 encoder ({config.num_layers} layers, d_model {config.d_model})",
-                                module_bytes(module), largest_layer_bytes(module), config.d_model, config.d_ff,
-                                config.num_heads, kept_hidden=2, eager_attention=True)  # fmt: skip
+        return TextEncoderShape(
+            f"T5 encoder ({config.num_layers} layers, d_model {config.d_model})",
+            module_bytes(module),
+            largest_layer_bytes(module),
+            config.d_model,
+            config.d_ff,
+            config.num_heads,
+            kept_hidden=2,
+            eager_attention=True,
+        )
     if getattr(config, "model_type", "") == "clip_text_model":
-        return TextEncoderShape(f"CLIP text encoder ({config.num_hidden_layers} layers, hidden {config.hidden_size})",
-                                module_bytes(module), largest_layer_bytes(module), config.hidden_size,
-                                config.intermediate_size, config.num_attention_heads, kept_hidden=2,
-                                eager_attention=False)  # fmt: skip
+        return TextEncoderShape(
+            f"CLIP text encoder ({config.num_hidden_layers} layers, hidden {config.hidden_size})",
+            module_bytes(module),
+            largest_layer_bytes(module),
+            config.hidden_size,
+            config.intermediate_size,
+            config.num_attention_heads,
+            kept_hidden=2,
+            eager_attention=False,
+        )
     name = {"mistral3": "Mistral 3", "qwen3": "Qwen3"}.get(config.model_type, config.model_type)
-    return TextEncoderShape(f"{name} ({text.num_hidden_layers} layers, hidden {text.hidden_size})",
-                            module_bytes(module), largest_layer_bytes(module), text.hidden_size,
-                            text.intermediate_size, text.num_attention_heads, kept_hidden=text.num_hidden_layers + 1,
-                            eager_attention=False, vocab_logits=text.vocab_size)  # fmt: skip
+    return TextEncoderShape(
+        f"{name} ({text.num_hidden_layers} layers, hidden {text.hidden_size})",
+        module_bytes(module),
+        largest_layer_bytes(module),
+        text.hidden_size,
+        text.intermediate_size,
+        text.num_attention_heads,
+        kept_hidden=text.num_hidden_layers + 1,
+        eager_attention=False,
+        vocab_logits=text.vocab_size,
+    )
 
 
 def vae_shape(vae, dtype_bytes: int | None = None) -> VaeShape:
     """The memory shape of a VAE; `dtype_bytes`: its weights counted in that size (default: as they are)."""
     config = vae.config
     weights = module_bytes(vae) if dtype_bytes is None else sum(p.numel() for p in vae.parameters()) * dtype_bytes
-    return VaeShape(weights, config.block_out_channels[0], int(getattr(vae, "tile_sample_min_size", 0)
-                    or config.sample_size), float(getattr(vae, "tile_overlap_factor", 0.25)))  # fmt: skip
+    return VaeShape(
+        weights,
+        config.block_out_channels[0],
+        int(getattr(vae, "tile_sample_min_size", 0) or config.sample_size),
+        float(getattr(vae, "tile_overlap_factor", 0.25)),
+    )
 
 
 def dtype_size(dtype) -> int:
@@ -208,15 +234,28 @@ class EncodingPlan:
     def lines(self) -> list[str]:
         out = [f"encoding phase: {gib(self.encoding_bytes)} ({self.encoding_what})"]
         if self.decode_bytes is not None:
-            out.append(f"validation decode: {gib(self.decode_bytes)} (VAE, {'tiled' if self.tiled_decode else 'whole'};"
-                       " beside the transformer's weights)")  # fmt: skip
+            out.append(
+                f"validation decode: {gib(self.decode_bytes)} (VAE, {'tiled' if self.tiled_decode else 'whole'};"
+                " beside the transformer's weights)"
+            )
         return out
 
 
-def encoding_plan(texts: dict[str, TextEncoderShape], vae: VaeShape, *, dtype_bytes: int, tokens: int,
-                  resolution: int, validation_resolution: int | None, offload: str, tiling: str,
-                  gpu_bytes: float | None, decode_budget: float | None, batch: int,
-                  trained: tuple[str, ...] = ()) -> EncodingPlan:  # fmt: skip
+def encoding_plan(
+    texts: dict[str, TextEncoderShape],
+    vae: VaeShape,
+    *,
+    dtype_bytes: int,
+    tokens: int,
+    resolution: int,
+    validation_resolution: int | None,
+    offload: str,
+    tiling: str,
+    gpu_bytes: float | None,
+    decode_budget: float | None,
+    batch: int,
+    trained: tuple[str, ...] = (),
+) -> EncodingPlan:
     """The plan of an encoding phase (module doc): `texts` {name: shape} in the order they run, `tokens` per caption,
     square images of `resolution` (the largest) and `validation_resolution` (None: no validation images), the flags'
     values, the GPU's bytes (None: nothing to fit) and what validation's decode may use beside the transformer.
@@ -228,11 +267,10 @@ def encoding_plan(texts: dict[str, TextEncoderShape], vae: VaeShape, *, dtype_by
         else:
             streamed[name], reasons[name] = offload_choice(offload, t, batch, tokens, dtype_bytes, gpu_bytes)
         peak = text_peak_bytes(t, batch, tokens, dtype_bytes, streamed[name])
-        peaks.append((peak, f"{t.label}{', streamed from host memory' if streamed[name] else ''}, {batch} captions x "
-                            f"{tokens} tokens"))  # fmt: skip
+        how = ", streamed from host memory" if streamed[name] else ""
+        peaks.append((peak, f"{t.label}{how}, {batch} captions x {tokens} tokens"))
     budget = MARGIN * gpu_bytes if gpu_bytes is not None else None
-    tiled_encode, reasons["vae encode"] = tiling_choice(tiling, vae, resolution, resolution, dtype_bytes, False,
-                                                        budget)  # fmt: skip
+    tiled_encode, reasons["vae encode"] = tiling_choice(tiling, vae, resolution, resolution, dtype_bytes, False, budget)
     peaks.append(
         (
             vae_peak_bytes(vae, resolution, resolution, dtype_bytes, False, tiled_encode),
@@ -280,12 +318,20 @@ def plan_for(
     """The encoding plan of a run of these flags (`training_fixed`: the training's weights, gradients and optimizer
     state, which validation's decode shares the GPU with; `trained`: the text encoders it trains)."""
     v = cfg.validation
-    return encoding_plan(texts, vae, dtype_bytes=dtype_bytes, tokens=cfg.data.max_sequence_length,
-                         resolution=cfg.data.largest_resolution,
-                         validation_resolution=v.validation_resolution if v.validation_prompt else None,
-                         offload=cfg.model.text_encoder_offload, tiling=cfg.model.vae_tiling, gpu_bytes=gpu_bytes,
-                         decode_budget=decode_budget(gpu_bytes, training_fixed), batch=TEXT_BATCH,
-                         trained=trained)  # fmt: skip
+    return encoding_plan(
+        texts,
+        vae,
+        dtype_bytes=dtype_bytes,
+        tokens=cfg.data.max_sequence_length,
+        resolution=cfg.data.largest_resolution,
+        validation_resolution=v.validation_resolution if v.validation_prompt else None,
+        offload=cfg.model.text_encoder_offload,
+        tiling=cfg.model.vae_tiling,
+        gpu_bytes=gpu_bytes,
+        decode_budget=decode_budget(gpu_bytes, training_fixed),
+        batch=TEXT_BATCH,
+        trained=trained,
+    )
 
 
 def trained_text_encoders(cfg: Config, family) -> tuple[str, ...]:
@@ -305,8 +351,10 @@ def configure(cfg: Config, encoders, device, training_fixed: float, trained: tup
     for name, streamed in plan.streamed.items():
         if streamed:
             encoders.placement.stream(name)
-        logger.info(f"{name}: {'streamed from host memory' if streamed else 'whole on the accelerator when in use'} "
-                    f"({plan.reasons[name]})")  # fmt: skip
+        logger.info(
+            f"{name}: {'streamed from host memory' if streamed else 'whole on the accelerator when in use'} "
+            f"({plan.reasons[name]})"
+        )
     encoders.tiled_encode, encoders.tiled_decode = plan.tiled_encode, plan.tiled_decode
     tiling = [f"encoding {'tiled' if plan.tiled_encode else 'whole'} ({plan.reasons['vae encode']})"]
     if "vae decode" in plan.reasons:
@@ -316,14 +364,17 @@ def configure(cfg: Config, encoders, device, training_fixed: float, trained: tup
     if cfg.data.no_cache:  # every batch is encoded beside the training transformer: the components stay there
         encoders.placement.keep_resident()
     elif gpu is not None and plan.encoding_bytes > MARGIN * gpu:
-        logger.warning(f"warning: the encoding phase's planned peak ({gib(plan.encoding_bytes)}, {plan.encoding_what}) "
-                       f"exceeds 90% of {gib(gpu)}: expect out-of-memory; use --text_encoder_offload on, --vae_tiling "
-                       "on, or a lower --max_sequence_length")  # fmt: skip
+        logger.warning(
+            f"warning: the encoding phase's planned peak ({gib(plan.encoding_bytes)}, {plan.encoding_what}) "
+            f"exceeds 90% of {gib(gpu)}: expect out-of-memory; use --text_encoder_offload on, --vae_tiling "
+            "on, or a lower --max_sequence_length"
+        )
     return plan
 
 
-def plan_from_configs(cfg: Config, shape: RunShape, gpu_bytes: float | None,
-                      training_fixed: float) -> EncodingPlan | None:  # fmt: skip
+def plan_from_configs(
+    cfg: Config, shape: RunShape, gpu_bytes: float | None, training_fixed: float
+) -> EncodingPlan | None:
     """The plan from the components' configs alone, built on the meta device (--plan: no weights read); None when a
     component's config is not on this machine (a hub model not downloaded)."""
     import torch

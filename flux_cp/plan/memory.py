@@ -112,12 +112,8 @@ class Estimate:
     def describe(self) -> str:
         """The setting: 'every block checkpointed and 40 of 57 blocks offloaded'."""
         n, b = self.checkpointed, self.blocks
-        ck = (
-            "every block checkpointed"
-            if n == b
-            else ("no block checkpointed" if n == 0 else f"{n} of {b} blocks checkpointed")
-        )
-        return ck + (f" and {self.offloaded} of {b} blocks offloaded" if self.offloaded else "")
+        ck = "every block" if n == b else ("no block" if n == 0 else f"{n} of {b} blocks")
+        return f"{ck} checkpointed" + (f" and {self.offloaded} of {b} blocks offloaded" if self.offloaded else "")
 
 
 @dataclass(frozen=True)
@@ -151,8 +147,8 @@ def frozen_base(family: Family, config: dict, precision: str, dtype_bytes: int =
         counted = [(kind, *block_bytes(block, precision, dtype_bytes)) for kind, block in family.blocks(model)]
         total = base_bytes(model, precision, dtype_bytes, parts=family.quantized_parts)
         blocks = tuple(b for _, b, _ in counted)
-        _BASES[key] = FrozenBase(tuple(k for k, _, _ in counted), blocks, tuple(q for _, _, q in counted),
-                                 total - sum(blocks))  # fmt: skip
+        kinds, quantized = tuple(k for k, _, _ in counted), tuple(q for _, _, q in counted)
+        _BASES[key] = FrozenBase(kinds, blocks, quantized, total - sum(blocks))
     return _BASES[key]
 
 
@@ -287,14 +283,23 @@ def estimate(
         return held + (unit * recomputed if blocks - 1 in chosen else 0)
 
     n = min(checkpointed, blocks)
-    timed = step_seconds(family, config, tokens=tokens, text_tokens=text_tokens, batch=batch, cp=cp,
-                         lora=lora_rank is not None, checkpointed=checkpointed_indices(blocks, n, from_end),
-                         attention_recomputed=saved_attention == 0, precision=precision, offload=offload,
-                         gathered_from=world if fsdp and world > 1 else 1, dtype_bytes=weight_bytes,
-                         how=how or speed.mode(compiled, None))  # fmt: skip
-    return Estimate(weights, grads, optimizer_bytes, activations(n), activations(0), activations(blocks),
-                    step_temporaries, n, blocks, len(offload.offloaded) if offload else 0,
-                    offload.host_bytes if offload else 0.0, precision, *timed)  # fmt: skip
+    sizes = dict(tokens=tokens, text_tokens=text_tokens, batch=batch, cp=cp)
+    timed = step_seconds(
+        family,
+        config,
+        **sizes,
+        lora=lora_rank is not None,
+        checkpointed=checkpointed_indices(blocks, n, from_end),
+        attention_recomputed=saved_attention == 0,
+        precision=precision,
+        offload=offload,
+        gathered_from=world if fsdp and world > 1 else 1,
+        dtype_bytes=weight_bytes,
+        how=how or speed.mode(compiled, None),
+    )
+    held = activations(n), activations(0), activations(blocks)  # as asked, with no block and every block checkpointed
+    moved = (len(offload.offloaded), offload.host_bytes) if offload else (0, 0.0)
+    return Estimate(weights, grads, optimizer_bytes, *held, step_temporaries, n, blocks, *moved, precision, *timed)
 
 
 def step_blocks(
@@ -340,10 +345,23 @@ def _step_blocks(
     return blocks, outside / cp
 
 
-def step_seconds(family: Family, config: dict, *, tokens: int, text_tokens: int, batch: int, cp: int, lora: bool,
-                 checkpointed: Sequence[int], attention_recomputed: bool, precision: str = "bf16",
-                 offload: OffloadPlan | None = None, gathered_from: int = 1, dtype_bytes: int = 2,
-                 how: str = "compiled") -> tuple[float, float]:  # fmt: skip
+def step_seconds(
+    family: Family,
+    config: dict,
+    *,
+    tokens: int,
+    text_tokens: int,
+    batch: int,
+    cp: int,
+    lora: bool,
+    checkpointed: Sequence[int],
+    attention_recomputed: bool,
+    precision: str = "bf16",
+    offload: OffloadPlan | None = None,
+    gathered_from: int = 1,
+    dtype_bytes: int = 2,
+    how: str = "compiled",
+) -> tuple[float, float]:
     """(modelled seconds of one micro-step on a rank, those of the same step at bf16 with nothing checkpointed or
     offloaded) by the speed model in use (flux_cp.plan.speed.active: this GPU's figures, or a GPU class's). `how`: the
     blocks' execution mode (flux_cp.plan.speed.MODES); `offload`: the blocks offloaded; `gathered_from`: FSDP2's
@@ -370,8 +388,13 @@ def step_seconds(family: Family, config: dict, *, tokens: int, text_tokens: int,
     return step.seconds, ideal.seconds
 
 
-def choose(estimate_with: Callable[[int, int], Estimate], gpu_bytes: float, checkpointed: Sequence[int],
-           offloaded: Sequence[int] = (0,), host_bytes: float | None = None) -> tuple[Estimate, bool]:  # fmt: skip
+def choose(
+    estimate_with: Callable[[int, int], Estimate],
+    gpu_bytes: float,
+    checkpointed: Sequence[int],
+    offloaded: Sequence[int] = (0,),
+    host_bytes: float | None = None,
+) -> tuple[Estimate, bool]:
     """`auto`: of the settings (n checkpointed from `checkpointed`, o offloaded from `offloaded`) whose planned peak
     fits `MARGIN` of `gpu_bytes` (and whose pinned host memory fits `host_bytes`, when given), the one with the least
     modelled step time (ties: fewer offloaded, then fewer checkpointed), and True; when none fits, the one with the
@@ -421,19 +444,19 @@ def offload_options(value: str, allowed: bool, base: FrozenBase | None) -> list[
 def run_estimate(cfg: Config, shape: RunShape) -> Callable[..., Estimate]:
     """The estimate of a run of these flags and this shape with n blocks checkpointed and o offloaded
     (`estimate_with(n, o=0)`), for its largest sample."""
-    train = cfg.train
-    lora = None if cfg.lora.full_finetune else cfg.lora.rank
-    precision = cfg.model.base_precision
+    train, lora, on = cfg.train, cfg.lora, compiled(cfg.train)
+    batch, rank = train.train_batch_size * cfg.data.samples_per_slot, None if lora.full_finetune else lora.rank
+    weight_bytes = 4 if train.mixed_precision == "no" else 2
+    saved = saved_attention_units(train, shape.cp_mode, shape.cp)
+    # the same for every setting: the sizes, the model and its adapter, how its blocks run and what they keep
+    fixed = dict(tokens=shape.largest_sequence, text_tokens=shape.text_tokens, batch=batch, world=shape.world)
+    fixed |= dict(cp=shape.cp, family=shape.family, lora_rank=rank, lora_layers=list(lora.lora_layers))
+    fixed |= dict(adapter=lora.adapter, precision=cfg.model.base_precision, optimizer=optimizer_name(train))
+    fixed |= dict(compiled=on, how=speed.mode(on, train.compile_mode), fsdp=shape.sharded and shape.world > 1)
+    fixed |= dict(weight_bytes=weight_bytes, saved_attention=saved)
 
     def estimate_with(n: int | None, o: int = 0) -> Estimate:
-        return estimate(shape.transformer_config, tokens=shape.largest_sequence,
-                        batch=train.train_batch_size * cfg.data.samples_per_slot, lora_rank=lora,
-                        lora_layers=list(cfg.lora.lora_layers), world=shape.world, cp=shape.cp, checkpointed=n,
-                        compiled=compiled(train), how=speed.mode(compiled(train), train.compile_mode),
-                        weight_bytes=4 if train.mixed_precision == "no" else 2, fsdp=shape.sharded and shape.world > 1,
-                        saved_attention=saved_attention_units(train, shape.cp_mode, shape.cp), family=shape.family,
-                        optimizer=optimizer_name(train), precision=precision, offloaded=o,
-                        text_tokens=shape.text_tokens, adapter=cfg.lora.adapter)  # fmt: skip
+        return estimate(shape.transformer_config, checkpointed=n, offloaded=o, **fixed)
 
     return estimate_with
 
@@ -491,13 +514,17 @@ def check_fits(cfg: Config, shape: RunShape, device: torch.device) -> None:
 def does_not_fit(cfg: Config, shape: RunShape, ckpt: Checkpointing) -> str:
     """One line: what does not fit, with how little it takes at best, and what would fit (`suggestion`)."""
     gpu = ckpt.gpu_gib or 0.0
-    line = (f"{shape.family.label} does not fit 90% of {_size(gpu)} at --base_precision {cfg.model.base_precision} "
-            f"(planned {_size(ckpt.planned_gib)} with {ckpt.setting})")  # fmt: skip
+    line = (
+        f"{shape.family.label} does not fit 90% of {_size(gpu)} at --base_precision {cfg.model.base_precision} "
+        f"(planned {_size(ckpt.planned_gib)} with {ckpt.setting})"
+    )
     better = suggestion(cfg, shape, gpu)
     if better is not None:
         flags, alt = better
-        return (f"{line}; {flags} fits: {_size(alt.planned_gib)} with {alt.setting}, ~{alt.seconds:.2f} s/step by the "
-                f"speed model: add {flags} (docs/small_gpus.md), or use more GPUs (--cp_size)")  # fmt: skip
+        return (
+            f"{line}; {flags} fits: {_size(alt.planned_gib)} with {alt.setting}, ~{alt.seconds:.2f} s/step by the "
+            f"speed model: add {flags} (docs/small_gpus.md), or use more GPUs (--cp_size)"
+        )
     return f"{line}; no --base_precision fits either: use more GPUs (--cp_size) or a lower --resolution"
 
 
@@ -518,11 +545,11 @@ def suggestion(cfg: Config, shape: RunShape, gpu_gib: float) -> tuple[str, Check
         for off in offloads:
             if (p, off) == (precision, train.offload_blocks):
                 continue
-            alt = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, base_precision=p),
-                                      train=dataclasses.replace(train, offload_blocks=off))  # fmt: skip
-            flags = " ".join(([f"--base_precision {p}"] if p != precision else [])
-                             + (["--offload_blocks auto"] if off != train.offload_blocks else []))  # fmt: skip
-            options.append((flags, checkpointing_for(alt, shape, gpu_gib)))
+            model = dataclasses.replace(cfg.model, base_precision=p)
+            alt = dataclasses.replace(cfg, model=model, train=dataclasses.replace(train, offload_blocks=off))
+            added = [f"--base_precision {p}"] if p != precision else []
+            added += ["--offload_blocks auto"] if off != train.offload_blocks else []
+            options.append((" ".join(added), checkpointing_for(alt, shape, gpu_gib)))
     fitting = [(c.cost, i, flags, c) for i, (flags, c) in enumerate(options) if c.fits]
     if not fitting:
         return None
@@ -530,8 +557,9 @@ def suggestion(cfg: Config, shape: RunShape, gpu_gib: float) -> tuple[str, Check
     return flags, c
 
 
-def checkpointing_for(cfg: Config, shape: RunShape, gpu_gib: float | None,
-                      host_bytes: float | None = None) -> Checkpointing:  # fmt: skip
+def checkpointing_for(
+    cfg: Config, shape: RunShape, gpu_gib: float | None, host_bytes: float | None = None
+) -> Checkpointing:
     """`--gradient_checkpointing` and `--offload_blocks` for a GPU of `gpu_gib` (None: nothing to fit, nothing
     checkpointed or offloaded for `auto`); `host_bytes`: the pinned host memory a process may take."""
     train, family = cfg.train, shape.family
@@ -540,19 +568,21 @@ def checkpointing_for(cfg: Config, shape: RunShape, gpu_gib: float | None,
     first = estimate_with(0)
     fixed = checkpointed_blocks(value, first.blocks)
     ns = range(first.blocks + 1) if fixed is None else [fixed]
-    base = (frozen_base(family, shape.transformer_config, cfg.model.base_precision,
-                        4 if train.mixed_precision == "no" else 2) if not cfg.lora.full_finetune else None)  # fmt: skip
+    config, weight_bytes = shape.transformer_config, 4 if train.mixed_precision == "no" else 2
+    base = None if cfg.lora.full_finetune else frozen_base(family, config, cfg.model.base_precision, weight_bytes)
     allowed = base is not None and not (shape.sharded and shape.world > 1)
     os_ = offload_options(train.offload_blocks, allowed, base)
     if gpu_gib is None:  # nothing to fit: auto takes nothing
         e, fits = estimate_with(ns[0] if fixed is not None else 0, os_[0] if len(os_) == 1 else 0), True
     else:
         e, fits = choose(estimate_with, gpu_gib * GIB, ns, os_, host_bytes)
-    kinds = family.block_kinds(shape.transformer_config)
+    kinds = family.block_kinds(config)
     from_end = checkpoint_from_end(kinds, block_keeps(family, compiled(train)))
     blocks = checkpointed_indices(e.blocks, e.checkpointed, from_end)
-    return Checkpointing(blocks, e.blocks, e.total / GIB, gpu_gib, fits, e.offloaded, e.host / GIB, e.cost,
-                         e.precision, e.describe(), e.seconds)  # fmt: skip
+    planned, host = e.total / GIB, e.host / GIB
+    return Checkpointing(
+        blocks, e.blocks, planned, gpu_gib, fits, e.offloaded, host, e.cost, e.precision, e.describe(), e.seconds
+    )
 
 
 def saved_attention_units(train, mode: str, cp: int) -> float:

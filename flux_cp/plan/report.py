@@ -163,7 +163,10 @@ def print_memory_lines(cfg: Config, shape: RunShape, gpu: float) -> None:
     ckpt = checkpointing_for(cfg, shape, gpu)
     if cfg.train.offload_blocks != "0" or ckpt.offloaded:
         processes = local_processes(shape)
-        print(f"block offload at --cp_size {shape.cp}: {ckpt.offloaded} of {ckpt.total} blocks, "
-              f"{ckpt.host_gib:.2f} GiB of pinned host memory per process"
-              + (f" ({ckpt.host_gib * processes:.2f} GiB for the {processes} processes of a machine)"
-                 if processes > 1 else "") + " (CPU RAM the run needs beside its own)")  # fmt: skip
+        machine = ""
+        if processes > 1:
+            machine = f" ({ckpt.host_gib * processes:.2f} GiB for the {processes} processes of a machine)"
+        print(
+            f"block offload at --cp_size {shape.cp}: {ckpt.offloaded} of {ckpt.total} blocks, "
+            f"{ckpt.host_gib:.2f} GiB of pinned host memory per process{machine} (CPU RAM the run needs beside its own)"
+        )

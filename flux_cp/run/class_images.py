@@ -127,8 +127,10 @@ def generate_class_images(
         return 0
     resolution = data.largest_resolution  # its tokens split over the CP group: checked at start (shape.check_tokens)
     target = generated_folder(folder)
-    logger.info(f"prior preservation: {have} class images in {folder}, generating {len(indices)} with the base model "
-                f"into {target}")  # fmt: skip
+    logger.info(
+        f"prior preservation: {have} class images in {folder}, generating {len(indices)} with the base model "
+        f"into {target}"
+    )
     problem = None
     if layout.is_main:
         try:
@@ -149,8 +151,10 @@ def generate_class_images(
     precision = cfg.model.base_precision
     # On the CPU first with a quantized base, which quantize_base moves to the device a layer at a time: a 24 GB GPU
     # cannot hold a bf16 FLUX.1.
-    transformer = load_transformer(cfg.model, shape.model_path, shape.family.transformer_class(), weight_dtype,
-                                   device if precision == "bf16" else torch.device("cpu"), cfg.train.seed)  # fmt: skip
+    loaded_on = device if precision == "bf16" else torch.device("cpu")
+    transformer = load_transformer(
+        cfg.model, shape.model_path, shape.family.transformer_class(), weight_dtype, loaded_on, cfg.train.seed
+    )
     if precision != "bf16":
         quantize_base(transformer, precision, device=device, parts=shape.family.quantized_parts)
     transformer.requires_grad_(False)
@@ -166,14 +170,23 @@ def generate_class_images(
             return
         image = Image.fromarray(pixels)
         try:
-            files.write_with(target / generated_name(indices[job], image),
-                             lambda tmp: image.save(tmp, format="PNG"))  # fmt: skip
+            files.write_with(target / generated_name(indices[job], image), lambda tmp: image.save(tmp, format="PNG"))
         except OSError as e:
             failed.append(f"cannot write class images into {target}: {e.strerror or e}")
 
     try:
-        render(transformer, encoders, scheduler_config, embeds, layout, shape.family, autocast, jobs, resolution,
-               on_image=write)  # fmt: skip
+        render(
+            transformer,
+            encoders,
+            scheduler_config,
+            embeds,
+            layout,
+            shape.family,
+            autocast,
+            jobs,
+            resolution,
+            on_image=write,
+        )
     finally:
         del transformer
         gc.collect()

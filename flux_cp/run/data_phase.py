@@ -86,8 +86,9 @@ def load(
     if source.pairs:
         shape = _count_references(cfg, shape, source)
         k = shape.reference_counts
-        refs = ("their reference images" if k == (1,) else f"{k[0]} reference images each" if len(k) == 1
-                else f"{k[0]} to {k[-1]} reference images (a batch holds one count)")  # fmt: skip
+        refs = f"{k[0]} to {k[-1]} reference images (a batch holds one count)"
+        if len(k) == 1:
+            refs = "their reference images" if k == (1,) else f"{k[0]} reference images each"
         logger.info(f"{shape.family.pairs_label} pairs: {len(source)} targets with {refs}, loss on the targets")
         warning = shape.family.pairs_warning(
             shape.model_path, pipeline_class(shape.model_path, cfg.model.revision, cfg.model.cache_dir)
@@ -136,8 +137,19 @@ def load(
     repeated = Repeated(samples, cfg.data.repeats, copies) if cfg.data.repeats > 1 or copies else samples
     if device.type == "cuda":  # beside the plan logged at the start of the phase
         logger.info(f"encoding phase: measured peak {peak_memory_gib(device):.1f} GiB")
-    return RunData(shape, source, encoders, components, noise_scheduler, repeated, classes, encoded_classes, schedule,
-                   global_batch, previews)  # fmt: skip
+    return RunData(
+        shape,
+        source,
+        encoders,
+        components,
+        noise_scheduler,
+        repeated,
+        classes,
+        encoded_classes,
+        schedule,
+        global_batch,
+        previews,
+    )
 
 
 def _count_references(cfg: Config, shape: RunShape, source: ImageSource) -> RunShape:
@@ -166,8 +178,15 @@ def _previews(cfg: Config, shape: RunShape, encoders, noise_scheduler, device: t
     return Previews(encoders, noise_scheduler.config, embeds, reference)
 
 
-def _encoded(cfg: Config, shape: RunShape, source: ImageSource, classes: ImageSource | None, encoders,
-             components: dict[str, str], encode_share) -> tuple[TrainingData, ClassSamples | None]:  # fmt: skip
+def _encoded(
+    cfg: Config,
+    shape: RunShape,
+    source: ImageSource,
+    classes: ImageSource | None,
+    encoders,
+    components: dict[str, str],
+    encode_share,
+) -> tuple[TrainingData, ClassSamples | None]:
     """The training samples and the class images, encoded: live with --no_cache, else once into the cache (then the
     text encoders are freed). Class images are placed in every bucket the training images use (a batch is one
     bucket)."""
@@ -185,13 +204,16 @@ def _encoded(cfg: Config, shape: RunShape, source: ImageSource, classes: ImageSo
     model = cfg.model
     tokenizers = tokenizer_fingerprints(encoders, shape.model_path, model.revision, model.cache_dir)
     fingerprints = encoder_fingerprints(components, encoders, tokenizers, model.variant)
-    samples = encode_dataset(source, encoders, geometry, data, seed, cache, fingerprints, *encode_share(),
-                             captions=captions)  # fmt: skip
+    samples = encode_dataset(
+        source, encoders, geometry, data, seed, cache, fingerprints, *encode_share(), captions=captions
+    )
     computed, texts, encoded = samples.computed, samples.computed_texts, None
     if classes is not None:
         used = sorted(set(samples.buckets))
-        class_data = encode_dataset(classes, encoders, ClassGeometry(geometry.buckets, used), data, seed, cache,
-                                    fingerprints, *encode_share(), flips=False)  # fmt: skip
+        placed = ClassGeometry(geometry.buckets, used)
+        class_data = encode_dataset(
+            classes, encoders, placed, data, seed, cache, fingerprints, *encode_share(), flips=False
+        )
         encoded = ClassSamples(class_data, len(classes), used)
         computed, texts = computed + class_data.computed, texts + class_data.computed_texts
     latents = computed - texts

@@ -79,11 +79,17 @@ class Outputs:
         if not self.layout.is_main:
             return
         shape, output_dir = self.shape, self.cfg.train.output_dir
-        chosen = {"layout": self.layout.describe(), "cp_mode": shape.cp_mode, "ulysses_size": shape.ulysses_size,
-                  "cp_ulysses_chunks": tuning.ulysses_chunks, "checkpointed_blocks": len(checkpointing.blocks),
-                  "planned_peak_gib": round(checkpointing.planned_gib, 2), "offloaded_blocks": checkpointing.offloaded,
-                  "pinned_host_gib": round(checkpointing.host_gib, 2),
-                  "base_weights": base_weights(self.cfg)}  # fmt: skip
+        chosen = {
+            "layout": self.layout.describe(),
+            "cp_mode": shape.cp_mode,
+            "ulysses_size": shape.ulysses_size,
+            "cp_ulysses_chunks": tuning.ulysses_chunks,
+            "checkpointed_blocks": len(checkpointing.blocks),
+            "planned_peak_gib": round(checkpointing.planned_gib, 2),
+            "offloaded_blocks": checkpointing.offloaded,
+            "pinned_host_gib": round(checkpointing.host_gib, 2),
+            "base_weights": base_weights(self.cfg),
+        }
         manifest.record(output_dir, "run_config.json")
         files.write_json(Path(output_dir) / "run_config.json", {**self.cfg.flat(), **chosen})
 
@@ -101,11 +107,19 @@ class Outputs:
                 return self.save_lora_file(folder, state, text)
 
         saved = checkpoint.save(
-            cfg.train.output_dir, step, self.state_model or self.model, self.optimizer, self.lr_scheduler, meta,
-            layout.is_main, cfg.checkpoints.checkpoints_total_limit, self.fault,
-            optimizer_state=not cfg.checkpoints.checkpoint_weights_only, extra=self.extra_state(),
+            cfg.train.output_dir,
+            step,
+            self.state_model or self.model,
+            self.optimizer,
+            self.lr_scheduler,
+            meta,
+            layout.is_main,
+            cfg.checkpoints.checkpoints_total_limit,
+            self.fault,
+            optimizer_state=not cfg.checkpoints.checkpoint_weights_only,
+            extra=self.extra_state(),
             write_files=write_files,
-        )  # fmt: skip
+        )
         logger.info(f"saved {saved}")
 
     def extra_state(self) -> dict | None:
@@ -123,10 +137,18 @@ class Outputs:
                 dtype = embeds[self.text.entry].dtype
                 embeds.update(self.text.pipeline_inputs(list(cfg.validation.validation_prompt), dtype))
             images = validation.generate(
-                self.accelerator.unwrap_model(self.model), p.encoders, p.scheduler_config, embeds, self.layout,
-                cfg.validation, cfg.train.guidance_scale, cfg.train.seed, self.accelerator.autocast,
-                self.shape.family, p.reference,
-            )  # fmt: skip
+                self.accelerator.unwrap_model(self.model),
+                p.encoders,
+                p.scheduler_config,
+                embeds,
+                self.layout,
+                cfg.validation,
+                cfg.train.guidance_scale,
+                cfg.train.seed,
+                self.accelerator.autocast,
+                self.shape.family,
+                p.reference,
+            )
         if self.layout.is_main:
             path = validation.save_and_log(images, step, cfg.validation, cfg.train.output_dir, self.accelerator)
             logger.info(f"validation images: {path}")
@@ -172,11 +194,13 @@ class Outputs:
             try:
                 prev = checkpoint_folders.list_checkpoints(output_dir)
                 kept = f"{prev[-1][1]} is the last good checkpoint" if prev else "no checkpoint was written"
-                diskspace.check_write(output_dir, self.sizes.model, f"the final {self.sizes.model_name}", kept,
-                                      resumable=bool(prev))  # fmt: skip
+                diskspace.check_write(
+                    output_dir, self.sizes.model, f"the final {self.sizes.model_name}", kept, resumable=bool(prev)
+                )
                 if cfg.lora.full_finetune:
-                    out = outdir.write_final(output_dir, "transformer",
-                                             lambda d: save_full(inner, state, str(d), self.weight_dtype))  # fmt: skip
+                    out = outdir.write_final(
+                        output_dir, "transformer", lambda d: save_full(inner, state, str(d), self.weight_dtype)
+                    )
                 else:
                     out = outdir.write_final(output_dir, LORA_FILE, lambda d: self.save_lora_file(d, state, text))
                 logger.info(f"wrote {out}")
@@ -260,17 +284,25 @@ class Outputs:
                     return None
                 manifest.record(output_dir, name)
                 path = write_model_card(
-                    cfg.train.output_dir, cfg, pairs=shape.pairs, steps=self.steps, layout=self.layout.describe(),
-                    cp_mode=shape.cp_mode, repo_id=repo_id, family=shape.family, filename=name,
+                    cfg.train.output_dir,
+                    cfg,
+                    pairs=shape.pairs,
+                    steps=self.steps,
+                    layout=self.layout.describe(),
+                    cp_mode=shape.cp_mode,
+                    repo_id=repo_id,
+                    family=shape.family,
+                    filename=name,
                     references=self.references,
-                )  # fmt: skip
+                )
                 manifest.note_written(output_dir, name)
                 return path
 
             try:
                 if cfg.hub.push_to_hub:
-                    url = hub.push_to_hub(cfg.train.output_dir, cfg.hub.hub_model_id, hub.token(cfg.hub.hub_token),
-                                          on_repo=card)  # fmt: skip
+                    url = hub.push_to_hub(
+                        cfg.train.output_dir, cfg.hub.hub_model_id, hub.token(cfg.hub.hub_token), on_repo=card
+                    )
                     logger.info(f"pushed {cfg.train.output_dir} to {url}")
                 else:
                     card()
@@ -289,7 +321,13 @@ class Outputs:
             except Exception:  # noqa: BLE001 - a missing link must not fail a finished run
                 urls = []
         text = summary(
-            cfg, steps=self.steps, pairs=pairs, hub_url=hub_url, repo_id=self.hub_repo_id, tracker_urls=tuple(urls),
-            family=family, references=self.references,
-        )  # fmt: skip
+            cfg,
+            steps=self.steps,
+            pairs=pairs,
+            hub_url=hub_url,
+            repo_id=self.hub_repo_id,
+            tracker_urls=tuple(urls),
+            family=family,
+            references=self.references,
+        )
         logger.info(text)

@@ -41,7 +41,8 @@ def check_start(cfg: Config, shape: RunShape, device_type: str) -> None:
     check_counts(cfg.train.gradient_checkpointing, cfg.train.offload_blocks, blocks)
     check_sharding(cfg.model.base_precision, shape.sharded)
     check_text_encoder_sharding(cfg.lora.train_text_encoder, shape.sharded)
-    check_reference_limit(family.max_references, family.pairs_label, cfg.validation, shape.metadata,
-                          shape.reference_column)  # fmt: skip
+    check_reference_limit(
+        family.max_references, family.pairs_label, cfg.validation, shape.metadata, shape.reference_column
+    )
     check_tokens(shape, cfg.data, cfg.validation)
     check_pair_flags(cfg.data, cfg.validation, shape.pairs, family.pairs_label)

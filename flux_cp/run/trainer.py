@@ -287,9 +287,9 @@ class Trainer:
     def load_data(self) -> None:
         """Encode the data set once (cached on disk, spread over all ranks), then free the text encoders
         (flux_cp.run.data_phase). A resume on another data set or a changed model is refused before any encoding."""
-        self.data = data = run_data.load(self.cfg, self.shape, self.layout, self.device, self.weight_dtype,
-                                         self.accelerator.autocast, self.open_source, self.encode_share,
-                                         self.check_resume_before_encoding)  # fmt: skip
+        cfg, shape, layout, device, dtype = self.cfg, self.shape, self.layout, self.device, self.weight_dtype
+        seams = self.open_source, self.encode_share, self.check_resume_before_encoding
+        self.data = data = run_data.load(cfg, shape, layout, device, dtype, self.accelerator.autocast, *seams)
         self.shape, self.components = data.shape, dict(data.components)
 
     def check_resume_before_encoding(self, source: ImageSource, components: dict[str, str]) -> None:
@@ -313,7 +313,7 @@ class Trainer:
         --base_precision, LoRA or full, the seed checkpoint), made to run on the layout by `parallelize` (CP,
         checkpointing and compile, block offload, the optimizer, FSDP2 or DDP), and the LR schedule."""
         cfg, layout, train, shape = self.cfg, self.layout, self.cfg.train, self.shape
-        data = self.data
+        data, family, device, dtype = self.data, shape.family, self.device, self.weight_dtype
         steps_per_epoch = data.schedule.batches_per_epoch // train.gradient_accumulation_steps
         if steps_per_epoch == 0 and train.max_train_steps is None:
             raise UsageError(
@@ -325,22 +325,25 @@ class Trainer:
         if train.max_train_steps is None:  # the step flags against the count only now known (else: at parse time)
             self.check_step_flags(data.schedule.batches_per_epoch)
         transformer, self.components["transformer"] = load_trainee(
-            cfg, shape.model_path, shape.family.transformer_class(), shape.family.quantized_parts, self.weight_dtype,
-            self.device, layout.is_main,
-        )  # fmt: skip
-        self.checkpointing = plan.checkpointing_for_run(cfg, shape, self.device)
+            cfg, shape.model_path, family.transformer_class(), family.quantized_parts, dtype, device, layout.is_main
+        )
+        self.checkpointing = plan.checkpointing_for_run(cfg, shape, device)
         self.text = text = None
         if cfg.lora.train_text_encoder:  # kept whole on every rank, outside prepare (flux_cp.model.text_encoder)
-            family = shape.family
             self.text = text = TrainedTextEncoder(
                 data.encoders, family.trained_text_encoder, family.trained_text_encoder_targets, cfg.lora, train.seed
             )
         text_params = text.parameters() if text is not None else None
         ready = parallel.parallelize(
-            transformer, shape, layout, cfg, checkpointing=self.checkpointing, device=self.device,
+            transformer,
+            shape,
+            layout,
+            cfg,
+            checkpointing=self.checkpointing,
+            device=device,
             accelerator=self.accelerator,
             make_optimizer=lambda p: optim.make_optimizer(train, p, data.global_batch, text_params),
-        )  # fmt: skip
+        )
         self.model, self.optimizer, self.offload = ready.model, ready.optimizer, ready.offload
         compiled = blocks.compiled(train)
         self.lr_scheduler = optim.make_lr_scheduler(train, ready.base_optimizer, max_steps)
@@ -352,8 +355,8 @@ class Trainer:
         named = [(n, p) for n, p in inner.named_parameters() if p.requires_grad]
         if text is not None:  # checkpoints hold both under one module: the optimizer's state is keyed by their names
             self.state_model = torch.nn.ModuleDict({"transformer": inner, text.name: text.module})
-            named = [(f"transformer.{n}", p) for n, p in named] + [(f"{text.name}.{n}", p)
-                                                                    for n, p in text.named_parameters()]  # fmt: skip
+            named = [(f"transformer.{n}", p) for n, p in named]
+            named += [(f"{text.name}.{n}", p) for n, p in text.named_parameters()]
         self.ema = EMA(named, train.ema_decay, train.ema_update_interval) if train.use_ema else None
         trained = self.params + (list(text.parameters()) if text is not None else [])
         self.compile_guard = (
@@ -363,8 +366,9 @@ class Trainer:
         )
         self.compile_time = compiling.CompileTime(compiled)
         classes = data.class_source.identity() if data.class_source is not None else None
-        self.run_identity = resume.run_identity(cfg, self.samples_per_step(), data.source.identity(),
-                                                self.identity_buckets(), classes, self.components)  # fmt: skip
+        self.run_identity = resume.run_identity(
+            cfg, self.samples_per_step(), data.source.identity(), self.identity_buckets(), classes, self.components
+        )
         every = cfg.checkpoints.checkpointing_steps
         if layout.is_main:
             saves = max_steps // every + (1 if max_steps % every else 0)
@@ -427,10 +431,26 @@ class Trainer:
         """Record the run's settings, open the metrics and trackers, and build the batch source and the outputs."""
         cfg, layout, device, shape, data = self.cfg, self.layout, self.device, self.shape, self.data
         self.fault = faults.from_env(layout.rank)
-        self.outputs = Outputs(cfg, shape, layout, self.accelerator, self.model, self.optimizer, self.lr_scheduler,
-                               self.sizes, self.weight_dtype, self.run_identity, self.fault, self.max_steps,
-                               data.previews, save=self.save_checkpoint, state_model=self.state_model,
-                               text=self.text, ema=self.ema, source=data.source)  # fmt: skip
+        self.outputs = Outputs(
+            cfg,
+            shape,
+            layout,
+            self.accelerator,
+            self.model,
+            self.optimizer,
+            self.lr_scheduler,
+            self.sizes,
+            self.weight_dtype,
+            self.run_identity,
+            self.fault,
+            self.max_steps,
+            data.previews,
+            save=self.save_checkpoint,
+            state_model=self.state_model,
+            text=self.text,
+            ema=self.ema,
+            source=data.source,
+        )
         self.outputs.record_settings(self.tuning, self.checkpointing)
         if self.accelerator.log_with:
             flat = {**cfg.flat(), "resolution": ",".join(map(str, cfg.data.resolution))}  # trackers take scalars
@@ -452,9 +472,21 @@ class Trainer:
             n, samples = len(data.source), data.source.samples
             position = getattr(data.samples, "position", lambda index: index)  # a copy's sample (flux_cp.data.encode)
             captions = (lambda index: samples[position(index) % n].caption, cfg.data.class_prompt)
-        self.batches = Batches(data.samples, data.schedule, layout, cfg.data, cfg.train, data.noise_scheduler,
-                               shape.family, shape.family.normalizer(data.encoders.vae), guidance, device,
-                               self.weight_dtype, data.classes, captions)  # fmt: skip
+        self.batches = Batches(
+            data.samples,
+            data.schedule,
+            layout,
+            cfg.data,
+            cfg.train,
+            data.noise_scheduler,
+            shape.family,
+            shape.family.normalizer(data.encoders.vae),
+            guidance,
+            device,
+            self.weight_dtype,
+            data.classes,
+            captions,
+        )
         peak = metrics.peak_flops(device)
         self.peak = peak and peak[0]
         if peak:
@@ -473,13 +505,13 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
         tokens, flops = 0, NO_FLOPS
         recomputed = len(self.checkpointing.blocks) / self.checkpointing.total  # share of the blocks
+        attention = recomputed if blocks.attention_recomputed(cfg.train) else 0.0
+        lora, config = not cfg.lora.full_finetune, self.shape.transformer_config
         samples = self.data.global_batch * cfg.data.samples_per_slot  # with their class images (prior preservation)
         for micro in range(accum):
             mb = self.batches.micro((step - 1) * accum + micro)
             tokens += samples * (mb.image_tokens + mb.text_tokens)
-            flops += family.step_flops(self.shape.transformer_config, mb.image_tokens, mb.text_tokens, samples,
-                                       not cfg.lora.full_finetune, recomputed,
-                                       recomputed if blocks.attention_recomputed(cfg.train) else 0.0)  # fmt: skip
+            flops += family.step_flops(config, mb.image_tokens, mb.text_tokens, samples, lora, recomputed, attention)
             blocks.step_begins(cfg.train.compile_mode)
             with accelerator.accumulate(model):
                 if self.text is not None:  # its forward in the step, with the weights of this step
@@ -521,18 +553,15 @@ class Trainer:
         """Read the step's loss (stopping on a non-finite one, --on_nonfinite), write its metrics row and send it to
         the trackers, update the progress bar; validation images when due, a checkpoint when due."""
         cfg, layout, step = self.cfg, self.layout, result.step
-        loss, grad_norm, skipped = torch.stack([result.loss.double(), result.grad_norm.double(),
-                                                result.skipped.double()]).tolist()  # fmt: skip
+        read = torch.stack([result.loss.double(), result.grad_norm.double(), result.skipped.double()])
+        loss, grad_norm, skipped = read.tolist()  # one copy to the host
         dt = self.timer.seconds(result.end)
         optim.check_finite(loss, grad_norm, cfg.train.on_nonfinite, step)
         self.progress.note(step, bool(skipped))
-        row = {
-            "step": step, "epoch": result.epoch, "loss": loss, "lr": result.lr, "grad_norm": grad_norm,
-            "s_per_step": dt, "tokens_per_s": result.tokens / dt,
-            "tokens_per_s_per_gpu": result.tokens / dt / layout.world,
-            "peak_mem_gib": metrics.peak_memory_gib(self.device),
-            "skipped": bool(skipped),
-        }  # fmt: skip
+        per_s = result.tokens / dt
+        row = {"step": step, "epoch": result.epoch, "loss": loss, "lr": result.lr, "grad_norm": grad_norm}
+        row |= {"s_per_step": dt, "tokens_per_s": per_s, "tokens_per_s_per_gpu": per_s / layout.world}
+        row |= {"peak_mem_gib": metrics.peak_memory_gib(self.device), "skipped": bool(skipped)}
         if self.peak:  # model FLOPs (no recomputation) and executed FLOPs per GPU-second, against the GPU's peak
             row["mfu"] = result.flops.model / dt / layout.world / self.peak
             row["hfu"] = result.flops.executed / dt / layout.world / self.peak
@@ -565,8 +594,7 @@ class Trainer:
         """Free what holds the process group while it is up, then end accelerate's trackers. The wrapped model's
         gradient reducer holds the group: freed after the group was destroyed, its teardown can deadlock gloo (a
         worker thread waits for the GIL the destructor holds)."""
-        for name in ("model", "optimizer", "lr_scheduler", "params", "batches", "metrics", "bar", "outputs", "text",
-                     "ema", "state_model"):  # fmt: skip
+        for name in "model optimizer lr_scheduler params batches metrics bar outputs text ema state_model".split():
             self.__dict__.pop(name, None)
         self.accelerator.free_memory()
         self.accelerator.end_training()

@@ -111,8 +111,9 @@ def resolved(cfg: Config, family: Family, pairs: bool, transformer_config: dict 
     return dataclasses.replace(cfg, lora=lora, data=data)
 
 
-def transformer_config_offline(path: str, revision: str | None = None, cache_dir: str | None = None
-                               ) -> tuple[dict, str]:  # fmt: skip
+def transformer_config_offline(
+    path: str, revision: str | None = None, cache_dir: str | None = None
+) -> tuple[dict, str]:
     """(transformer config, where it came from) of a model folder or hub id, without waiting on the network: a
     folder's own file; a hub id's from the local HF cache (`cache_dir`: --cache_dir's, else the default), else built
     in for the hub ids a family knows offline (`Family.known`), else from the Hub in one short attempt (not when
@@ -192,9 +193,20 @@ def build_shape(cfg: Config, world: int, planning: bool = False) -> RunShape:
     mode, ulysses_size = choose_cp_mode(cfg.parallel, config["num_attention_heads"], cp_size)
     sharded = planned_sharding(cfg.lora.full_finetune) if planning else uses_fsdp()
     return RunShape(
-        family=family, model_path=path, reference_column=column, metadata=metadata, buckets=tuple(buckets),
+        family=family,
+        model_path=path,
+        reference_column=column,
+        metadata=metadata,
+        buckets=tuple(buckets),
         placements=tuple(tuple(p) for p in placements),
-        text_tokens=cfg.data.max_sequence_length, world=world, dp=dp, cp=cp_size, sharded=sharded,
-        reference_counts=reference_counts(metadata, column), transformer_config=config, config_source=source,
-        cp_mode=mode, ulysses_size=ulysses_size,
-    )  # fmt: skip
+        text_tokens=cfg.data.max_sequence_length,
+        world=world,
+        dp=dp,
+        cp=cp_size,
+        sharded=sharded,
+        reference_counts=reference_counts(metadata, column),
+        transformer_config=config,
+        config_source=source,
+        cp_mode=mode,
+        ulysses_size=ulysses_size,
+    )

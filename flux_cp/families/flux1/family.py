@@ -37,7 +37,7 @@ Tensor = torch.Tensor
 # Attention projections of both streams (image: to_*, text: add_*_proj / to_add_out). The benchmarks' and the
 # planner tests' LoRA setting.
 ATTENTION_TARGETS = (
-    "attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0",
+    "attn.to_k",       "attn.to_q",       "attn.to_v",       "attn.to_out.0",
     "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
 )  # fmt: skip
 # The training default (`--lora_layers`), diffusers' FLUX.1 LoRA example's: attention and the MLPs of both streams.
@@ -70,9 +70,12 @@ class Flux1Encoders(Encoders):
 
     def _clip(self, clip, captions: list[str]) -> Tensor:
         ids = self.tokenizer(
-            captions, padding="max_length", max_length=self.tokenizer.model_max_length, truncation=True,
+            captions,
+            padding="max_length",
+            max_length=self.tokenizer.model_max_length,
+            truncation=True,
             return_tensors="pt",
-        ).input_ids  # fmt: skip
+        ).input_ids
         return clip(ids.to(self.device), output_hidden_states=False).pooler_output.to(self.dtype)
 
     def _t5(self, t5, captions: list[str], max_sequence_length: int) -> Tensor:
@@ -85,9 +88,12 @@ class Flux1Encoders(Encoders):
         """CLIP's pooled embedding `[B, D']` of `captions` from `module` (--train_text_encoder), as `prompts` computes
         it."""
         ids = self.tokenizer(
-            captions, padding="max_length", max_length=self.tokenizer.model_max_length, truncation=True,
+            captions,
+            padding="max_length",
+            max_length=self.tokenizer.model_max_length,
+            truncation=True,
             return_tensors="pt",
-        ).input_ids  # fmt: skip
+        ).input_ids
         return module(ids.to(self.device), output_hidden_states=False).pooler_output
 
     def truncation_warnings(self, captions: list[str], max_sequence_length: int) -> list[str]:
@@ -96,10 +102,13 @@ class Flux1Encoders(Encoders):
         t5 = [len(ids) for ids in self.tokenizer_2(captions)["input_ids"]]
         clip = [len(ids) for ids in self.tokenizer(captions)["input_ids"]]
         clip_window = self.tokenizer.model_max_length
-        lines = [truncation_line(t5, max_sequence_length, f"T5's {max_sequence_length} tokens (--max_sequence_length)",
-                                 "raise --max_sequence_length (at most 512) or shorten them"),
-                 truncation_line(clip, clip_window, f"CLIP's {clip_window} tokens",
-                                 "its pooled embedding sees their beginning only, as in FluxPipeline")]  # fmt: skip
+        t5_window = f"T5's {max_sequence_length} tokens (--max_sequence_length)"
+        t5_fix = "raise --max_sequence_length (at most 512) or shorten them"
+        clip_note = "its pooled embedding sees their beginning only, as in FluxPipeline"
+        lines = [
+            truncation_line(t5, max_sequence_length, t5_window, t5_fix),
+            truncation_line(clip, clip_window, f"CLIP's {clip_window} tokens", clip_note),
+        ]
         return [line for line in lines if line]
 
     def text_shapes(self, max_sequence_length: int) -> dict[str, tuple[int, ...]]:
@@ -174,10 +183,18 @@ class Flux1(Family):
     pairs_label = "FLUX.1 Kontext"
     max_references = 1  # FluxKontextPipeline edits one image
     transformer_class_name = "FluxTransformer2DModel"
-    pipeline_class_names = ("FluxPipeline", "FluxKontextPipeline", "FluxImg2ImgPipeline", "FluxInpaintPipeline",
-                            "FluxFillPipeline", "FluxControlPipeline")  # fmt: skip
-    block_lists = (("double", "transformer_blocks", "num_layers"), ("single", "single_transformer_blocks",
-                                                                     "num_single_layers"))  # fmt: skip
+    pipeline_class_names = (
+        "FluxPipeline",
+        "FluxKontextPipeline",
+        "FluxImg2ImgPipeline",
+        "FluxInpaintPipeline",
+        "FluxFillPipeline",
+        "FluxControlPipeline",
+    )
+    block_lists = (
+        ("double", "transformer_blocks", "num_layers"),
+        ("single", "single_transformer_blocks", "num_single_layers"),
+    )
     lora_layouts = ("diffusers", "kohya")
     card_tags, pairs_card_tags = ("flux",), ("flux-kontext",)
     comfyui_mapping = "Flux"
@@ -236,8 +253,9 @@ class Flux1(Family):
     def check_export(self, config: dict, lora: LoraConfig) -> None:
         kohya.check_export(config, lora)
 
-    def lora_layout(self, fmt: str, state: dict[str, Tensor], lora: LoraConfig, origin: Origin | None,
-                    guidance: bool) -> tuple[dict[str, Tensor], dict[str, str]]:  # fmt: skip
+    def lora_layout(
+        self, fmt: str, state: dict[str, Tensor], lora: LoraConfig, origin: Origin | None, guidance: bool
+    ) -> tuple[dict[str, Tensor], dict[str, str]]:
         if fmt != "kohya":
             return super().lora_layout(fmt, state, lora, origin, guidance)
         weights = kohya.to_kohya(state, lora.rank, lora.lora_alpha)
@@ -345,13 +363,19 @@ class Flux1(Family):
         from diffusers import FluxKontextPipeline, FluxPipeline
 
         return (FluxKontextPipeline if pairs else FluxPipeline)(
-            scheduler=scheduler, vae=encoders.vae, transformer=transformer, text_encoder=None, tokenizer=None,
-            text_encoder_2=None, tokenizer_2=None,
-        )  # fmt: skip
+            scheduler=scheduler,
+            vae=encoders.vae,
+            transformer=transformer,
+            text_encoder=None,
+            tokenizer=None,
+            text_encoder_2=None,
+            tokenizer_2=None,
+        )
 
     @torch.no_grad()
-    def reference_inputs(self, image: Image.Image | list[Image.Image], encoders: Encoders, device: torch.device
-                         ) -> dict:  # fmt: skip
+    def reference_inputs(
+        self, image: Image.Image | list[Image.Image], encoders: Encoders, device: torch.device
+    ) -> dict:
         # FluxKontextPipeline takes the reference as ready latents (the VAE's mean, normalised), so its own
         # resizing to preferred resolutions does not apply; it appends their tokens after the target's
         # (cp.full_sequence_io splits the two as one segment, as in training); max_area keeps the requested size.
@@ -380,13 +404,25 @@ class Flux1(Family):
     # image tokens and their ids, text tokens and theirs: the sequence CP splits (docs/design.md, data flow, rule 2)
     cp_plan = {"hidden_states": 1, "img_ids": 0, "encoder_hidden_states": 1, "txt_ids": 0}
 
-    def transformer_inputs(self, hidden: Tensor, img_ids: Tensor, text: dict[str, Tensor], txt_ids: Tensor,
-                           timestep: Tensor, guidance: Tensor | None) -> dict:  # fmt: skip
+    def transformer_inputs(
+        self,
+        hidden: Tensor,
+        img_ids: Tensor,
+        text: dict[str, Tensor],
+        txt_ids: Tensor,
+        timestep: Tensor,
+        guidance: Tensor | None,
+    ) -> dict:
         return dict(
-            hidden_states=hidden, encoder_hidden_states=text["prompt_embeds"],
-            pooled_projections=text["pooled_prompt_embeds"], timestep=timestep, img_ids=img_ids, txt_ids=txt_ids,
-            guidance=guidance, return_dict=False,
-        )  # fmt: skip
+            hidden_states=hidden,
+            encoder_hidden_states=text["prompt_embeds"],
+            pooled_projections=text["pooled_prompt_embeds"],
+            timestep=timestep,
+            img_ids=img_ids,
+            txt_ids=txt_ids,
+            guidance=guidance,
+            return_dict=False,
+        )
 
     def lora_targets(self, pairs: bool, config: dict | None = None) -> tuple[str, ...]:
         return KONTEXT_TARGETS if pairs else DEFAULT_TARGETS

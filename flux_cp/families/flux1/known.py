@@ -23,8 +23,10 @@ def _dev_licensed(model_id: str) -> dict:
 
 
 _DEV, _SCHNELL, _KONTEXT = (
-    "black-forest-labs/FLUX.1-dev", "black-forest-labs/FLUX.1-schnell", "black-forest-labs/FLUX.1-Kontext-dev",
-)  # fmt: skip
+    "black-forest-labs/FLUX.1-dev",
+    "black-forest-labs/FLUX.1-schnell",
+    "black-forest-labs/FLUX.1-Kontext-dev",
+)
 KNOWN = (
     KnownModel(_DEV, dict(FLUX1_DEV_TRANSFORMER), "FluxPipeline", **_dev_licensed(_DEV)),
     KnownModel(_SCHNELL, {**FLUX1_DEV_TRANSFORMER, "guidance_embeds": False}, "FluxPipeline", "apache-2.0"),

@@ -222,20 +222,24 @@ def metadata(*, rank: int, alpha: float, origin: Origin | None, guidance: bool) 
     [dev])."""
     out = {"format": "pt"}
     # the fields sd-scripts' train_network.py / flux_train_network.py write (library/sai_model_spec.py)
-    out.update({"ss_network_module": "networks.lora_flux", "ss_network_dim": str(rank), "ss_network_alpha": str(alpha),
-                "ss_base_model_version": "flux1"})  # fmt: skip
+    out |= {
+        "ss_network_module": "networks.lora_flux",
+        "ss_network_dim": str(rank),
+        "ss_network_alpha": str(alpha),
+        "ss_base_model_version": "flux1",
+    }
     if origin is not None:
         if origin.base_model:
             out["ss_sd_model_name"] = _model_name(origin.base_model)
         variant = "flux-1" if origin.pairs else ("flux-1-dev" if guidance else "flux-1-schnell")
-        out.update({
+        out |= {
             "modelspec.sai_model_spec": "1.0.1",
             "modelspec.architecture": f"{variant}/lora",
             "modelspec.implementation": "https://github.com/black-forest-labs/flux",
             "modelspec.title": origin.title,
             "modelspec.resolution": f"{origin.resolution}x{origin.resolution}",
             "modelspec.date": datetime.datetime.now().replace(microsecond=0).isoformat(),
-        })  # fmt: skip
+        }
     return out
 
 

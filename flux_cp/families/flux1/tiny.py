@@ -77,10 +77,23 @@ FLUX1_T5 = dict(
     dense_act_fn="gelu_new",
     tie_word_embeddings=False,
 )
-FLUX1_VAE = dict(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
-                 up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(128, 256, 512, 512), layers_per_block=2,
-                 act_fn="silu", latent_channels=16, norm_num_groups=32, sample_size=1024, scaling_factor=0.3611,
-                 shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False, force_upcast=True)  # fmt: skip
+FLUX1_VAE = dict(
+    in_channels=3,
+    out_channels=3,
+    down_block_types=("DownEncoderBlock2D",) * 4,
+    up_block_types=("UpDecoderBlock2D",) * 4,
+    block_out_channels=(128, 256, 512, 512),
+    layers_per_block=2,
+    act_fn="silu",
+    latent_channels=16,
+    norm_num_groups=32,
+    sample_size=1024,
+    scaling_factor=0.3611,
+    shift_factor=0.1159,
+    use_quant_conv=False,
+    use_post_quant_conv=False,
+    force_upcast=True,
+)
 
 
 def tiny_transformer(seed: int = 0, **overrides):
@@ -192,8 +205,9 @@ def default_cache_dir(kontext: bool = False) -> Path:
 def ensure_tiny_pipeline(path: str | os.PathLike | None = None, kontext: bool = False) -> Path:
     """Return a folder holding the tiny pipeline (or its Kontext variant) in diffusers layout, building it once."""
     path = Path(path) if path else default_cache_dir(kontext)
-    recipe = Recipe(f"tiny-flux1{'-kontext' if kontext else ''}-v{TINY_VERSION}",
-                    "FluxKontextPipeline" if kontext else "FluxPipeline", TRANSFORMER_CONFIG, __file__)  # fmt: skip
+    name = f"tiny-flux1{'-kontext' if kontext else ''}-v{TINY_VERSION}"
+    pipeline = "FluxKontextPipeline" if kontext else "FluxPipeline"
+    recipe = Recipe(name, pipeline, TRANSFORMER_CONFIG, __file__)
     return build_once(path, lambda tmp: build_tiny_pipeline(kontext=kontext).save_pretrained(tmp), recipe)
 
 
@@ -202,8 +216,9 @@ def write_flux1_dev_full_shapes(path: str | os.PathLike, kontext: bool = False) 
     the VAE - and no weights (train with `--transformer_init random`, which builds each component from its config with
     random weights): the encoding phase and validation at full size, for benchmarks without downloads. The tokenizers
     and the scheduler are the tiny folder's. `kontext`: saved as a FluxKontextPipeline."""
-    recipe = Recipe(f"flux1-dev-full-shapes{'-kontext' if kontext else ''}-v{TINY_VERSION}",
-                    "FluxKontextPipeline" if kontext else "FluxPipeline", FLUX1_DEV_TRANSFORMER, __file__)  # fmt: skip
+    name = f"flux1-dev-full-shapes{'-kontext' if kontext else ''}-v{TINY_VERSION}"
+    pipeline = "FluxKontextPipeline" if kontext else "FluxPipeline"
+    recipe = Recipe(name, pipeline, FLUX1_DEV_TRANSFORMER, __file__)
     return build_once(Path(path), lambda tmp: _write_flux1_dev_full_shapes(tmp, kontext), recipe)
 
 
@@ -215,20 +230,34 @@ def _write_flux1_dev_full_shapes(path: Path, kontext: bool) -> None:
     for name in ("tokenizer", "tokenizer_2", "scheduler"):
         getattr(pipe, name).save_pretrained(path / name)
     tok, tok2 = pipe.tokenizer, pipe.tokenizer_2
-    CLIPTextConfig(**FLUX1_CLIP, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                   pad_token_id=tok.pad_token_id, architectures=["CLIPTextModel"]
-                   ).save_pretrained(path / "text_encoder")  # fmt: skip
-    T5Config(**FLUX1_T5, pad_token_id=tok2.pad_token_id, eos_token_id=tok2.eos_token_id, decoder_start_token_id=0,
-             architectures=["T5EncoderModel"]).save_pretrained(path / "text_encoder_2")  # fmt: skip
+    CLIPTextConfig(
+        **FLUX1_CLIP,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        architectures=["CLIPTextModel"],
+    ).save_pretrained(path / "text_encoder")
+    T5Config(
+        **FLUX1_T5,
+        pad_token_id=tok2.pad_token_id,
+        eos_token_id=tok2.eos_token_id,
+        decoder_start_token_id=0,
+        architectures=["T5EncoderModel"],
+    ).save_pretrained(path / "text_encoder_2")
     with torch.device("meta"):
         AutoencoderKL(**FLUX1_VAE).save_config(path / "vae")
         FluxTransformer2DModel(**FLUX1_DEV_TRANSFORMER).save_config(path / "transformer")
-    index = {"_class_name": "FluxKontextPipeline" if kontext else "FluxPipeline",
-             "_diffusers_version": __import__("diffusers").__version__,
-             "scheduler": ["diffusers", type(pipe.scheduler).__name__],
-             "text_encoder": ["transformers", "CLIPTextModel"], "text_encoder_2": ["transformers", "T5EncoderModel"],
-             "tokenizer": ["transformers", type(tok).__name__], "tokenizer_2": ["transformers", type(tok2).__name__],
-             "transformer": ["diffusers", "FluxTransformer2DModel"], "vae": ["diffusers", "AutoencoderKL"]}  # fmt: skip
+    index = {
+        "_class_name": "FluxKontextPipeline" if kontext else "FluxPipeline",
+        "_diffusers_version": __import__("diffusers").__version__,
+        "scheduler": ["diffusers", type(pipe.scheduler).__name__],
+        "text_encoder": ["transformers", "CLIPTextModel"],
+        "text_encoder_2": ["transformers", "T5EncoderModel"],
+        "tokenizer": ["transformers", type(tok).__name__],
+        "tokenizer_2": ["transformers", type(tok2).__name__],
+        "transformer": ["diffusers", "FluxTransformer2DModel"],
+        "vae": ["diffusers", "AutoencoderKL"],
+    }
     write_json(path / "model_index.json", index)
 
 
@@ -238,8 +267,9 @@ def write_flux1_dev_shapes(path: str | os.PathLike, kontext: bool = False) -> Pa
     channels, CLIP 768, T5 4096). For benchmarks and equivalence runs at FLUX.1 size without downloads.
     `kontext`: the same folder as a FluxKontextPipeline (FLUX.1 Kontext [dev] has FLUX.1-dev's transformer
     config). Written like the tiny folder (`build_once`): only into a new or empty folder, or one built before."""
-    recipe = Recipe(f"flux1-dev-shapes{'-kontext' if kontext else ''}-v{TINY_VERSION}",
-                    "FluxKontextPipeline" if kontext else "FluxPipeline", FLUX1_DEV_TRANSFORMER, __file__)  # fmt: skip
+    name = f"flux1-dev-shapes{'-kontext' if kontext else ''}-v{TINY_VERSION}"
+    pipeline = "FluxKontextPipeline" if kontext else "FluxPipeline"
+    recipe = Recipe(name, pipeline, FLUX1_DEV_TRANSFORMER, __file__)
     return build_once(Path(path), lambda tmp: _write_flux1_dev_shapes(tmp, kontext), recipe)
 
 

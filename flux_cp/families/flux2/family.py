@@ -90,9 +90,15 @@ def template_file(path: str, revision: str | None, cache_dir: str | None = None)
     from transformers.utils import cached_file
 
     for name in ("chat_template.jinja", "chat_template.json", "tokenizer_config.json"):
-        found = cached_file(path, name, subfolder="tokenizer", revision=revision, cache_dir=cache_dir,
-                            _raise_exceptions_for_missing_entries=False,
-                            _raise_exceptions_for_connection_errors=False)  # fmt: skip
+        found = cached_file(
+            path,
+            name,
+            subfolder="tokenizer",
+            revision=revision,
+            cache_dir=cache_dir,
+            _raise_exceptions_for_missing_entries=False,
+            _raise_exceptions_for_connection_errors=False,
+        )
         if found:
             return found
     return f"{path}/tokenizer"
@@ -131,8 +137,9 @@ class Flux2Encoders(Encoders):
 
     tokenizer_folders = ("tokenizer",)  # its chat template too
 
-    def __init__(self, vae, text_encoder, tokenizer, klein: bool, is_distilled: bool, device: torch.device,
-                 dtype: torch.dtype):  # fmt: skip
+    def __init__(
+        self, vae, text_encoder, tokenizer, klein: bool, is_distilled: bool, device: torch.device, dtype: torch.dtype
+    ):
         super().__init__(vae, {"text_encoder": text_encoder}, device, dtype)
         self.tokenizer, self.klein, self.is_distilled = tokenizer, klein, is_distilled
         self.layers = recipe.KLEIN_TEXT_LAYERS if klein else recipe.DEV_TEXT_LAYERS
@@ -145,9 +152,14 @@ class Flux2Encoders(Encoders):
 
             def encode(batch: list[str]) -> dict[str, Tensor]:
                 embeds, _ = recipe.encode_prompts(
-                    text_encoder, self.tokenizer, batch, klein=self.klein, max_sequence_length=max_sequence_length,
-                    layers=self.layers, device=self.device,
-                )  # fmt: skip
+                    text_encoder,
+                    self.tokenizer,
+                    batch,
+                    klein=self.klein,
+                    max_sequence_length=max_sequence_length,
+                    layers=self.layers,
+                    device=self.device,
+                )
                 return {"prompt_embeds": embeds.to(self.dtype)}
 
             return in_batches(encode, captions)
@@ -157,10 +169,13 @@ class Flux2Encoders(Encoders):
         tokens before the caption, then the caption's (the template's end is cut first, as in the pipelines)."""
         before = recipe.tokens_before_caption(self.tokenizer, self.klein)
         lengths = [before + len(ids) for ids in self.tokenizer(captions, add_special_tokens=False)["input_ids"]]
-        window = (f"the {max_sequence_length} tokens of --max_sequence_length, {before} of which the chat template "
-                  "takes before the caption")  # fmt: skip
-        line = truncation_line(lengths, max_sequence_length, window,
-                               "raise --max_sequence_length (at most 512) or shorten them")  # fmt: skip
+        window = (
+            f"the {max_sequence_length} tokens of --max_sequence_length, {before} of which the chat template "
+            "takes before the caption"
+        )
+        line = truncation_line(
+            lengths, max_sequence_length, window, "raise --max_sequence_length (at most 512) or shorten them"
+        )
         return [line] if line else []
 
     def text_shapes(self, max_sequence_length: int) -> dict[str, tuple[int, ...]]:
@@ -183,17 +198,25 @@ def load_tokenizer(path: str, revision: str | None, cache_dir: str | None = None
     if tokenizer.chat_template:
         return tokenizer
     for name in ("chat_template.jinja", "chat_template.json"):
-        found = cached_file(path, name, subfolder="tokenizer", revision=revision, cache_dir=cache_dir,
-                            _raise_exceptions_for_missing_entries=False,
-                            _raise_exceptions_for_connection_errors=False)  # fmt: skip
+        found = cached_file(
+            path,
+            name,
+            subfolder="tokenizer",
+            revision=revision,
+            cache_dir=cache_dir,
+            _raise_exceptions_for_missing_entries=False,
+            _raise_exceptions_for_connection_errors=False,
+        )
         if found:
             try:
                 with open(found, encoding="utf-8") as f:
                     text = f.read()
                 template = json.loads(text)["chat_template"] if name.endswith(".json") else text
             except (OSError, ValueError, KeyError, TypeError) as e:  # ValueError: not UTF-8 or not JSON
-                raise UsageError(f"the tokenizer's chat template ({printable(found)}) cannot be read: "
-                                 f"{type(e).__name__}: {printable(e)}") from None  # fmt: skip
+                raise UsageError(
+                    f"the tokenizer's chat template ({printable(found)}) cannot be read: "
+                    f"{type(e).__name__}: {printable(e)}"
+                ) from None
             if not isinstance(template, str):
                 raise UsageError(f"the tokenizer's chat template ({printable(found)}) is not text")
             tokenizer.chat_template = template
@@ -229,10 +252,14 @@ def forward_flops(config: dict, image_tokens: int, text_tokens: int, batch: int)
 # applies to FLUX.2 too) does not list: it logs their LoRAs "lora key not loaded" and leaves them out. Every other
 # linear layer of Flux2Transformer2DModel it maps (tests/test_lora_format.py checks this list against its rules).
 COMFYUI_UNMAPPED = (
-    "time_guidance_embed.timestep_embedder.linear_1", "time_guidance_embed.timestep_embedder.linear_2",
-    "time_guidance_embed.guidance_embedder.linear_1", "time_guidance_embed.guidance_embedder.linear_2",
-    "double_stream_modulation_img.linear", "double_stream_modulation_txt.linear", "single_stream_modulation.linear",
-)  # fmt: skip
+    "time_guidance_embed.timestep_embedder.linear_1",
+    "time_guidance_embed.timestep_embedder.linear_2",
+    "time_guidance_embed.guidance_embedder.linear_1",
+    "time_guidance_embed.guidance_embedder.linear_2",
+    "double_stream_modulation_img.linear",
+    "double_stream_modulation_txt.linear",
+    "single_stream_modulation.linear",
+)
 
 
 # The language models' sizes: Mistral Small 3.1 24B ([dev]) and Qwen3-8B ([klein] 9B), about ten times over
@@ -281,8 +308,10 @@ class Flux2(Family):
     """FLUX.2 [dev] (`klein=False`) or [klein]."""
 
     transformer_class_name = "Flux2Transformer2DModel"
-    block_lists = (("double", "transformer_blocks", "num_layers"), ("single", "single_transformer_blocks",
-                                                                     "num_single_layers"))  # fmt: skip
+    block_lists = (
+        ("double", "transformer_blocks", "num_layers"),
+        ("single", "single_transformer_blocks", "num_single_layers"),
+    )
     # Flux2Pipeline.load_lora_weights refuses alpha keys, and ComfyUI reads no other alpha: the scale goes in lora_B
     lora_alpha_keys = False
     card_tags = ("flux2", "flux2-diffusers")
@@ -296,8 +325,13 @@ class Flux2(Family):
     comfyui_unmapped = COMFYUI_UNMAPPED
     config_sizes = CONFIG_SIZES
     # its blocks, and the modulation linears they share (quantized like the blocks' own)
-    quantized_parts = ("transformer_blocks", "single_transformer_blocks", "double_stream_modulation_img",
-                       "double_stream_modulation_txt", "single_stream_modulation")  # fmt: skip
+    quantized_parts = (
+        "transformer_blocks",
+        "single_transformer_blocks",
+        "double_stream_modulation_img",
+        "double_stream_modulation_txt",
+        "single_stream_modulation",
+    )
 
     def __init__(self, klein: bool):
         self.klein = klein
@@ -387,8 +421,10 @@ class Flux2(Family):
         from diffusers import AutoencoderKLFlux2
         from transformers import Mistral3ForConditionalGeneration, Qwen3ForCausalLM
 
-        return {"text_encoder": Qwen3ForCausalLM if self.klein else Mistral3ForConditionalGeneration,
-                "vae": AutoencoderKLFlux2}  # fmt: skip
+        return {
+            "text_encoder": Qwen3ForCausalLM if self.klein else Mistral3ForConditionalGeneration,
+            "vae": AutoencoderKLFlux2,
+        }
 
     def load_encoders(self, model: ModelConfig, path: str, dtype: torch.dtype, device: torch.device) -> Encoders:
         from diffusers import AutoencoderKLFlux2, DiffusionPipeline
@@ -436,8 +472,11 @@ class Flux2(Family):
                     f"{printable(path)}): even --max_sequence_length {recipe.MAX_SEQUENCE_LENGTH}, the most, leaves "
                     f"fewer than {MIN_CAPTION_TOKENS} for the caption. Use the model's own tokenizer files"
                 )
-            left = ("none: every caption would encode alike and the run would train without its captions" if room <= 0
-                    else f"{room} for the caption")  # fmt: skip
+            left = (
+                "none: every caption would encode alike and the run would train without its captions"
+                if room <= 0
+                else f"{room} for the caption"
+            )
             raise UsageError(
                 f"--max_sequence_length {data.max_sequence_length}: {self.label}'s chat template takes {before} tokens "
                 f"before the caption (the tokenizer of {printable(path)}), leaving {left}. Use --max_sequence_length "
@@ -484,8 +523,9 @@ class Flux2(Family):
             return Flux2KleinPipeline(**parts, is_distilled=encoders.is_distilled)
         return Flux2Pipeline(**parts)
 
-    def reference_inputs(self, image: Image.Image | list[Image.Image], encoders: Encoders, device: torch.device
-                         ) -> dict:  # fmt: skip
+    def reference_inputs(
+        self, image: Image.Image | list[Image.Image], encoders: Encoders, device: torch.device
+    ) -> dict:
         # The pipelines take references as images only (no latents), one or a list: they encode them as training
         # does (mode, patchify, batch-norm statistics, reference j at time id 10 + 10 j); an image of at most 1024^2
         # pixels and sides of multiples of 16 keeps its size. Their tokens follow the target's (full_sequence_io
@@ -511,12 +551,24 @@ class Flux2(Family):
     # image tokens and their ids, text tokens and theirs: the sequence CP splits (docs/design.md, data flow, rule 2)
     cp_plan = {"hidden_states": 1, "img_ids": 0, "encoder_hidden_states": 1, "txt_ids": 0}
 
-    def transformer_inputs(self, hidden: Tensor, img_ids: Tensor, text: dict[str, Tensor], txt_ids: Tensor,
-                           timestep: Tensor, guidance: Tensor | None) -> dict:  # fmt: skip
+    def transformer_inputs(
+        self,
+        hidden: Tensor,
+        img_ids: Tensor,
+        text: dict[str, Tensor],
+        txt_ids: Tensor,
+        timestep: Tensor,
+        guidance: Tensor | None,
+    ) -> dict:
         return dict(
-            hidden_states=hidden, encoder_hidden_states=text["prompt_embeds"], timestep=timestep, img_ids=img_ids,
-            txt_ids=txt_ids, guidance=guidance, return_dict=False,
-        )  # fmt: skip
+            hidden_states=hidden,
+            encoder_hidden_states=text["prompt_embeds"],
+            timestep=timestep,
+            img_ids=img_ids,
+            txt_ids=txt_ids,
+            guidance=guidance,
+            return_dict=False,
+        )
 
     # --- training and accounting -----------------------------------------------------------------------------
 

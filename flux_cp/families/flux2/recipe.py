@@ -91,12 +91,14 @@ def chat_text(tokenizer, caption: str, klein: bool) -> str:
     the system message, then the caption as the user's, flux2.py's `format_input`; [klein]: the caption as the
     user's and the assistant's turn opened without thinking)."""
     if klein:
-        return tokenizer.apply_chat_template([{"role": "user", "content": caption}], tokenize=False,
-                                             add_generation_prompt=True, enable_thinking=False)  # fmt: skip
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": caption}], tokenize=False, add_generation_prompt=True, enable_thinking=False
+        )
     from diffusers.pipelines.flux2.pipeline_flux2 import SYSTEM_MESSAGE, format_input
 
-    return tokenizer.apply_chat_template(format_input([caption], SYSTEM_MESSAGE), add_generation_prompt=False,
-                                         tokenize=False)[0]  # fmt: skip
+    return tokenizer.apply_chat_template(
+        format_input([caption], SYSTEM_MESSAGE), add_generation_prompt=False, tokenize=False
+    )[0]
 
 
 def token_count(tokenizer, text: str, klein: bool) -> int:
@@ -135,12 +137,20 @@ def encode_prompts(
 
     if klein:
         embeds = Flux2KleinPipeline._get_qwen3_prompt_embeds(
-            text_encoder, tokenizer, prompts, max_sequence_length=max_sequence_length,
-            hidden_states_layers=tuple(layers or KLEIN_TEXT_LAYERS), device=device,
-        )  # fmt: skip
+            text_encoder,
+            tokenizer,
+            prompts,
+            max_sequence_length=max_sequence_length,
+            hidden_states_layers=tuple(layers or KLEIN_TEXT_LAYERS),
+            device=device,
+        )
     else:
         embeds = Flux2Pipeline._get_mistral_3_small_prompt_embeds(
-            text_encoder, tokenizer, prompts, max_sequence_length=max_sequence_length,
-            hidden_states_layers=tuple(layers or DEV_TEXT_LAYERS), device=device,
-        )  # fmt: skip
+            text_encoder,
+            tokenizer,
+            prompts,
+            max_sequence_length=max_sequence_length,
+            hidden_states_layers=tuple(layers or DEV_TEXT_LAYERS),
+            device=device,
+        )
     return embeds, Flux2Pipeline._prepare_text_ids(embeds).to(embeds.device)

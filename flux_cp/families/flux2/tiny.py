@@ -159,8 +159,9 @@ def _qwen_tokenizer():
 
 
 # What the tiny language models share: a narrow MLP, two query heads over one key/value head of 8.
-TINY_LM = dict(intermediate_size=16, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
-               max_position_embeddings=2048)  # fmt: skip
+TINY_LM = dict(
+    intermediate_size=16, num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=2048
+)
 
 
 def _mistral3_encoder(tokenizer, text_dim: int):
@@ -282,9 +283,9 @@ def ensure_tiny_flux2_pipeline(path: str | os.PathLike | None = None, klein: boo
     """Return a folder holding the tiny FLUX.2 [dev] pipeline (or [klein]) in diffusers layout, building it once
     (under FLUX_CP_HOME, or ~/.cache/flux_cp, when no path is given)."""
     path = Path(path) if path else default_flux2_cache_dir(klein)
-    recipe = Recipe(f"tiny-flux2{'-klein' if klein else ''}-v{TINY_FLUX2_VERSION}",
-                    "Flux2KleinPipeline" if klein else "Flux2Pipeline",
-                    {**TRANSFORMER_CONFIG, "guidance_embeds": not klein}, __file__)  # fmt: skip
+    name = f"tiny-flux2{'-klein' if klein else ''}-v{TINY_FLUX2_VERSION}"
+    pipeline = "Flux2KleinPipeline" if klein else "Flux2Pipeline"
+    recipe = Recipe(name, pipeline, {**TRANSFORMER_CONFIG, "guidance_embeds": not klein}, __file__)
     return build_once(path, lambda tmp: build_tiny_flux2_pipeline(klein=klein).save_pretrained(tmp), recipe)
 
 
@@ -295,8 +296,9 @@ def write_flux2_shapes(path: str | os.PathLike, klein: bool = False) -> Path:
     15360; Qwen3-4B: 2560 x 3 = 7680). For benchmarks at FLUX.2 size without downloads. Written like the tiny
     folder (`flux_cp.families.builder.build_once`): only into a new or empty folder, or one built before."""
     config = FLUX2_KLEIN_4B_TRANSFORMER if klein else FLUX2_DEV_TRANSFORMER
-    recipe = Recipe(f"flux2-{'klein' if klein else 'dev'}-shapes-v{TINY_FLUX2_VERSION}",
-                    "Flux2KleinPipeline" if klein else "Flux2Pipeline", config, __file__)  # fmt: skip
+    name = f"flux2-{'klein' if klein else 'dev'}-shapes-v{TINY_FLUX2_VERSION}"
+    pipeline = "Flux2KleinPipeline" if klein else "Flux2Pipeline"
+    recipe = Recipe(name, pipeline, config, __file__)
     return build_once(Path(path), lambda tmp: _write_flux2_shapes(tmp, klein), recipe)
 
 
@@ -328,9 +330,19 @@ PIXTRAL_VISION = dict(
     num_channels=3,
     rope_theta=10000.0,
 )
-QWEN3_4B = dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
-                num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-                rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True)  # fmt: skip
+QWEN3_4B = dict(
+    vocab_size=151936,
+    hidden_size=2560,
+    intermediate_size=9728,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=40960,
+    rms_norm_eps=1e-6,
+    rope_theta=1e6,
+    tie_word_embeddings=True,
+)
 
 
 def write_flux2_full_shapes(path: str | os.PathLike, klein: bool = False) -> Path:
@@ -339,8 +351,9 @@ def write_flux2_full_shapes(path: str | os.PathLike, klein: bool = False) -> Pat
     which builds each component from its config with random weights). The tokenizer and the scheduler are the tiny
     folder's."""
     config = FLUX2_KLEIN_4B_TRANSFORMER if klein else FLUX2_DEV_TRANSFORMER
-    recipe = Recipe(f"flux2-{'klein' if klein else 'dev'}-full-shapes-v{TINY_FLUX2_VERSION}",
-                    "Flux2KleinPipeline" if klein else "Flux2Pipeline", config, __file__)  # fmt: skip
+    name = f"flux2-{'klein' if klein else 'dev'}-full-shapes-v{TINY_FLUX2_VERSION}"
+    pipeline = "Flux2KleinPipeline" if klein else "Flux2Pipeline"
+    recipe = Recipe(name, pipeline, config, __file__)
     return build_once(Path(path), lambda tmp: _write_flux2_full_shapes(tmp, klein), recipe)
 
 
@@ -356,9 +369,14 @@ def _write_flux2_full_shapes(path: Path, klein: bool) -> None:
     if klein:
         text = Qwen3Config(**QWEN3_4B, **ids, architectures=["Qwen3ForCausalLM"])
     else:
-        text = Mistral3Config(text_config={**MISTRAL_SMALL_TEXT, **ids, "bos_token_id": tok.bos_token_id},
-                              vision_config=PIXTRAL_VISION, image_token_index=tok.unk_token_id, spatial_merge_size=2,
-                              vision_feature_layer=-1, architectures=["Mistral3ForConditionalGeneration"])  # fmt: skip
+        text = Mistral3Config(
+            text_config={**MISTRAL_SMALL_TEXT, **ids, "bos_token_id": tok.bos_token_id},
+            vision_config=PIXTRAL_VISION,
+            image_token_index=tok.unk_token_id,
+            spatial_merge_size=2,
+            vision_feature_layer=-1,
+            architectures=["Mistral3ForConditionalGeneration"],
+        )
     text.save_pretrained(path / "text_encoder")
     config = FLUX2_KLEIN_4B_TRANSFORMER if klein else FLUX2_DEV_TRANSFORMER
     with torch.device("meta"):
@@ -367,9 +385,13 @@ def _write_flux2_full_shapes(path: Path, klein: bool) -> None:
     index = {"_class_name": type(pipe).__name__, "_diffusers_version": __import__("diffusers").__version__}
     if klein:
         index["is_distilled"] = pipe.config.is_distilled
-    index.update(scheduler=["diffusers", type(pipe.scheduler).__name__], tokenizer=["transformers", type(tok).__name__],
-                 text_encoder=["transformers", text.architectures[0]], vae=["diffusers", "AutoencoderKLFlux2"],
-                 transformer=["diffusers", "Flux2Transformer2DModel"])  # fmt: skip
+    index.update(
+        scheduler=["diffusers", type(pipe.scheduler).__name__],
+        tokenizer=["transformers", type(tok).__name__],
+        text_encoder=["transformers", text.architectures[0]],
+        vae=["diffusers", "AutoencoderKLFlux2"],
+        transformer=["diffusers", "Flux2Transformer2DModel"],
+    )
     write_json(path / "model_index.json", index)
 
 
