@@ -293,6 +293,25 @@ def test_the_timing_routine_runs_the_blocks_as_a_run_prepares_them(monkeypatch):
     assert fig.h2d_gib_per_s == speed.load_class("h100").h2d_gib_per_s  # not measured here: the class's
 
 
+def test_a_runs_per_block_lora_targets_fall_on_the_timed_blocks():
+    """FLUX.2's default targets name every single block's output (`single_transformer_blocks.N.attn.to_out`); the
+    timing routine's transformer has one block of each kind, and the run's targets put LoRA on its one single
+    block as on each of the run's (a run that gave them whole stopped at start: blocks 1.. match no module)."""
+    from flux_cp.families import FLUX2
+    from flux_cp.families.flux2.tiny import TRANSFORMER_CONFIG
+
+    config = {**TRANSFORMER_CONFIG, "num_single_layers": 5}
+    targets = FLUX2.lora_targets(False, config)
+    assert "single_transformer_blocks.4.attn.to_out" in targets
+    folded = speed_measure.one_block_targets(FLUX2, targets)
+    assert [t for t in folded if "single_transformer_blocks" in t] == ["single_transformer_blocks.0.attn.to_out"]
+    request = speed_measure.Request(FLUX2, config, tokens=96, text_tokens=32, batch=1, precisions=("bf16",),
+                                    modes=("eager",), lora_layers=targets)  # fmt: skip
+    model = speed_measure._one_of_each(request, "bf16", torch.device("cpu"), torch.float32)
+    lora = {n.rsplit(".lora_A", 1)[0] for n, _ in model.named_parameters() if ".lora_A" in n}
+    assert "single_transformer_blocks.0.attn.to_out" in lora and "transformer_blocks.0.attn.to_q" in lora
+
+
 def test_the_calibration_command_runs_and_writes_a_class_file(tmp_path, monkeypatch):
     """`python -m benchmarks.bench_speed_model --smoke`: the measuring branch of the command, on the tiny FLUX.1 on
     the CPU (its figures mean nothing), writes a class file the planner loads, and the raw timings in the suite's

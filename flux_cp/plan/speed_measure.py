@@ -22,6 +22,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -261,6 +262,14 @@ def attention_tflops(
     return (1 + speed.ATTENTION_BACKWARD) * flops / _median(times[1:]) / 1e12
 
 
+def one_block_targets(family, layers: tuple[str, ...]) -> tuple[str, ...]:
+    """The run's --lora_layers as they fall on a transformer of one block of each kind: a target named for a block
+    (FLUX.2's `single_transformer_blocks.7.attn.to_out`, one per block) names that kind's first block, which
+    stands for every block of its kind."""
+    lists = "|".join(re.escape(name) for _, name, _ in family.block_lists)
+    return tuple(dict.fromkeys(re.sub(rf"(^|\.)({lists})\.\d+\.", r"\1\2.0.", t) for t in layers))
+
+
 def _one_of_each(request: Request, precision: str, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     """The family's transformer with one block of each kind, random weights, the base at `precision` and LoRA
     added, with the CP attention processors (one rank), as a run prepares them."""
@@ -275,8 +284,8 @@ def _one_of_each(request: Request, precision: str, device: torch.device, dtype: 
     model = build_random(family.transformer_class(), small, dtype, device, seed=0)
     quantize_base(model, precision, device=device, parts=family.quantized_parts)
     if request.lora_rank is not None:
-        layers = request.lora_layers or family.lora_targets(False, small)
-        lora = LoraConfig(rank=request.lora_rank, lora_alpha=request.lora_rank, lora_layers=tuple(layers))
+        layers = one_block_targets(family, request.lora_layers) or family.lora_targets(False, small)
+        lora = LoraConfig(rank=request.lora_rank, lora_alpha=request.lora_rank, lora_layers=layers)
         prepare_trainable(model, lora, seed=0)
     cp.apply_context_parallel(model, cp.CPContext(None))
     return model.train()
