@@ -165,6 +165,10 @@ def finish(job: dict, work: Path, steps: int, warmup: int, timeout: float) -> di
         s_per_step=round(statistics.median(r["s_per_step"] for r in timed), 4),
         mfu=round(statistics.median(r["mfu"] for r in timed), 3) if all("mfu" in r for r in timed) else None,
         peak_gib=round(max(r["peak_mem_gib"] for r in timed), 2),
+        # The caching allocator near a cap: what it held, and how many times it freed its cache to retry (each a sync).
+        reserved_gib=round(max(r.get("reserved_gib", 0) for r in timed), 2),
+        alloc_retries=timed[-1].get("alloc_retries", 0),
+        alloc_retries_timed=timed[-1].get("alloc_retries", 0) - timed[0].get("alloc_retries", 0),
         loss_step1=got[0]["loss"] if got else None,
         losses=[r["loss"] for r in got[:steps]],  # the same steps for every run: CP must not change them
     )

@@ -77,6 +77,17 @@ def peak_memory_gib(device: torch.device) -> float:
         return float("nan")
 
 
+def memory_row(device: torch.device) -> dict:
+    """A step's memory columns: the peak allocated (peak RSS on the CPU) and, on a GPU, what the caching allocator holds
+    and how often it had to free its cache and retry (a run planned near a memory cap pays a sync for each retry)."""
+    row = {"peak_mem_gib": peak_memory_gib(device)}
+    if device.type == "cuda":
+        stats = torch.cuda.memory_stats(device)
+        row["reserved_gib"] = stats.get("reserved_bytes.all.peak", 0) / 2**30
+        row["alloc_retries"] = stats.get("num_alloc_retries", 0)
+    return row
+
+
 class MetricsLog:
     """Appends one JSON object per optimizer step to `<output_dir>/metrics.jsonl` (main process).
     On resume the file is cut back to the checkpoint's step, so it always holds one trajectory."""

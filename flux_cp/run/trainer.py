@@ -561,7 +561,7 @@ class Trainer:
         per_s = result.tokens / dt
         row = {"step": step, "epoch": result.epoch, "loss": loss, "lr": result.lr, "grad_norm": grad_norm}
         row |= {"s_per_step": dt, "tokens_per_s": per_s, "tokens_per_s_per_gpu": per_s / layout.world}
-        row |= {"peak_mem_gib": metrics.peak_memory_gib(self.device), "skipped": bool(skipped)}
+        row |= metrics.memory_row(self.device) | {"skipped": bool(skipped)}
         if self.peak:  # model FLOPs (no recomputation) and executed FLOPs per GPU-second, against the GPU's peak
             row["mfu"] = result.flops.model / dt / layout.world / self.peak
             row["hfu"] = result.flops.executed / dt / layout.world / self.peak
