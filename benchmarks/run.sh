@@ -41,6 +41,9 @@
 #              at 24 GiB (benchmarks/bench_diffusers_flux2.py: nf4, --offload, --cache_latents, 8-bit AdamW) and ours
 #              beside it (FLUX.2 [dev] nf4, offload auto, eager); diffusers' QLoRA recipe at 24 and 12 GiB.
 #              ~8 min of an H100
+#   pairs      one GPU: each small-GPU target against its peer in one lease: README's 24 GB command as printed (fp8,
+#              offload and checkpointing auto, --compile) beside kohya sd-scripts at its 24 GB setting (--fp8_base),
+#              and diffusers' FLUX.2 example at 24 GiB beside ours (FLUX.2 [dev] nf4, offload auto). ~9 min of an H100
 #   table      one GPU: ours on the small-GPU table's FLUX.1 rows, each capped, 1024 px: fp8 + offload auto at 24 GiB
 #              compiled and eager, README's 24 GB command as printed (bf16, --offload_blocks --compile) at 24 GiB, nf4 +
 #              offload auto + compile at 12 GiB. ~8 min of an H100
@@ -61,7 +64,7 @@
 # `python -m benchmarks.render RESULTS_DIR` writes RESULTS_DIR/results.md (docs/benchmarks.md, how to measure).
 set -euo pipefail
 if [ $# -lt 2 ]; then
-  sed -n '2,61p' "$0"
+  sed -n '2,64p' "$0"
   exit 2
 fi
 OUT=$1; shift
@@ -223,6 +226,17 @@ for SET in "$@"; do
         "small24_flux2_nf4_auto:1:gpu1.yaml:--resolution 1024 --gpu_memory_gib 24 --base_precision nf4 --offload_blocks auto"
       run 170 python3 -m benchmarks.bench_diffusers_qlora --out "$OUT/diffusers_qlora.json" --gpu_memory_gib 24 12 \
         --resolution 1024 --steps 5 --warmup 3 --model_dir "$(mktemp -d)/flux1-dev-shapes-random" ;;
+    pairs)  # ours first: a fresh machine measures the speed model's figures at the first run's start (~1 min)
+      trainer 250 trainer_readme24.json "--steps 7 --warmup 3 --timeout 240" \
+        "readme24:1:gpu1.yaml:--resolution 1024 --gpu_memory_gib 24 --base_precision fp8 --gradient_checkpointing --offload_blocks --compile"
+      kohya_env
+      run 170 python3 -m benchmarks.bench_kohya --sd_scripts "$SD_SCRIPTS" ${KOHYA_SITE:+--kohya_site "$KOHYA_SITE"} \
+        --out "$OUT/kohya_24.json" --settings kohya_fp8_24gib --steps 5 --warmup 3 --timeout 150
+      flux2_model
+      trainer 230 trainer_pairs_flux2.json "--model $MODEL --steps 6 --warmup 2 --timeout 220" \
+        "small24_flux2_nf4_auto:1:gpu1.yaml:--resolution 1024 --gpu_memory_gib 24 --base_precision nf4 --offload_blocks auto"
+      run 200 python3 -m benchmarks.bench_diffusers_flux2 --out "$OUT/diffusers_flux2.json" --gpu_memory_gib 24 \
+        --steps 4 --warmup 2 --timeout 190 ;;
     table)  # small24_bf16_auto_c is README's 24 GB command as printed (bench_trainer adds its --rank 16
             # --mixed_precision bf16 --gradient_checkpointing): give it README's flags if README's command changes
       trainer 580 trainer_table.json "--steps 8 --warmup 3 --timeout 140" \
