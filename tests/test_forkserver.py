@@ -109,6 +109,8 @@ def test_what_an_import_may_read_differs_so_a_new_interpreter_runs_it(server):
 
 
 # The forked command starts a child in its process group, and both wait for a signal; the child notes the one it got.
+# Each writes its pid under another name and renames it: a pid file is there whole or not at all (a process signalled
+# between creating the file and writing to it would leave it empty).
 WAITING = """import os, signal, subprocess, sys, time
 folder = sys.argv[1]
 child = subprocess.Popen([sys.executable, "-c", '''
@@ -118,21 +120,28 @@ def noted(signum, frame):
     os._exit(0)
 for s in (signal.SIGINT, signal.SIGTERM):
     signal.signal(s, noted)
-open(os.path.join(sys.argv[1], "child"), "w").write(str(os.getpid()))
+with open(os.path.join(sys.argv[1], "child.tmp"), "w") as f:
+    f.write(str(os.getpid()))
+os.replace(os.path.join(sys.argv[1], "child.tmp"), os.path.join(sys.argv[1], "child"))
 time.sleep(60)
 ''', folder])
 while not os.path.exists(os.path.join(folder, "child")):
     time.sleep(0.01)
-open(os.path.join(folder, "forked" if "forkserver" in sys.modules else "new"), "w").write(str(os.getpid()))
+how = "forked" if "forkserver" in sys.modules else "new"
+with open(os.path.join(folder, how + ".tmp"), "w") as f:
+    f.write(str(os.getpid()))
+os.replace(os.path.join(folder, how + ".tmp"), os.path.join(folder, how))
 time.sleep(60)
 """
 
 
 def _waiting(server, folder: Path) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, str(FORKSERVER), server[0], "-c", WAITING, str(folder)], env=ENV)
-    deadline = time.monotonic() + 20
-    while not (folder / "forked").exists() and time.monotonic() < deadline:
-        assert proc.poll() is None and not (folder / "new").exists(), "the command did not start forked"
+    deadline = time.monotonic() + 60
+    while not (folder / "forked").exists():
+        if proc.poll() is not None or (folder / "new").exists() or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail("the command did not start forked, with its child, within 60 s")
         time.sleep(0.01)
     return proc
 
