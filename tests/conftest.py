@@ -2,6 +2,9 @@ import os
 
 import pytest
 
+# One thread per process (before torch is imported): the tests run tiny tensors on two pytest workers, and the
+# processes they launch use one too (tests/launch.py); more threads than cores only spin. Set it to use more.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
