@@ -141,3 +141,9 @@ def test_the_checks_see_a_stale_path_a_missing_test_a_gone_name_and_a_broken_anc
     )
     assert [w for _, w in references_in(page)] == ["flux_cp/gone.py", "flux_cp.tiny"]
     assert anchors(page) == {"a-page"}
+
+
+def test_the_readme_stays_a_first_read():
+    """README.md stays under 350 lines with its table of contents; the rest belongs in docs/."""
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) < 350 and "## Contents" in text
