@@ -273,8 +273,8 @@ def test_diffusers_flux2_weights_are_drawn_where_from_pretrained_reads_them():
 
 def test_small_gpu_sets_run_only_flags_the_trainer_accepts(monkeypatch):
     """run.sh's peers, pairs, table and table_b sets (printed by DRY_RUN=1): every trainer run's flags parse as the
-    trainer parses them, each small-GPU run is capped, and the peers' scripts are called. (Whether torchao and bitsandbytes
-    are installed is the GPU machine's matter, not the flags'.)"""
+    trainer parses them, each small-GPU run is capped, and the peers' scripts are called. (Whether torchao and
+    bitsandbytes are installed is the GPU machine's matter, not the flags'.)"""
     import shlex
     import subprocess
 
