@@ -45,7 +45,7 @@
 #              offload and checkpointing auto, --compile) beside kohya sd-scripts at its 24 GB setting (--fp8_base),
 #              and diffusers' FLUX.2 example at 24 GiB beside ours (FLUX.2 [dev] nf4, offload auto). ~9 min of an H100
 #   table      one GPU: ours on the small-GPU table's FLUX.1 rows, each capped, 1024 px: fp8 + offload auto at 24 GiB
-#              compiled and eager, README's 24 GB command as printed (bf16, --offload_blocks --compile) at 24 GiB, nf4 +
+#              compiled (README's 24 GB command) and eager, bf16 with --offload_blocks --compile at 24 GiB, nf4 +
 #              offload auto + compile at 12 GiB. ~8 min of an H100
 #   table_b    one GPU: the table's other rows: FLUX.2 [klein] 4B nf4 at 12 GiB (eager), FLUX.2 [dev] fp8 + offload
 #              auto + compile under 48 GiB, and the one-GPU 2048 px default step uncapped (--compile). ~7 min of an H100
@@ -237,7 +237,7 @@ for SET in "$@"; do
         "small24_flux2_nf4_auto:1:gpu1.yaml:--resolution 1024 --gpu_memory_gib 24 --base_precision nf4 --offload_blocks auto"
       run 200 python3 -m benchmarks.bench_diffusers_flux2 --out "$OUT/diffusers_flux2.json" --gpu_memory_gib 24 \
         --steps 4 --warmup 2 --timeout 190 ;;
-    table)  # small24_bf16_auto_c is README's 24 GB command as printed (bench_trainer adds its --rank 16
+    table)  # small24_fp8_auto_c is README's 24 GB command (bench_trainer adds its --rank 16
             # --mixed_precision bf16 --gradient_checkpointing): give it README's flags if README's command changes
       trainer 580 trainer_table.json "--steps 8 --warmup 3 --timeout 140" \
         "small24_fp8_auto_c:1:gpu1.yaml:--resolution 1024 --gpu_memory_gib 24 --base_precision fp8 --offload_blocks auto --compile" \
