@@ -41,9 +41,10 @@
 #              at 24 GiB (benchmarks/bench_diffusers_flux2.py: nf4, --offload, --cache_latents, 8-bit AdamW) and ours
 #              beside it (FLUX.2 [dev] nf4, offload auto, eager); diffusers' QLoRA recipe at 24 and 12 GiB.
 #              ~8 min of an H100
-#   pairs      one GPU: each small-GPU target against its peer in one lease: README's 24 GB command as printed (fp8,
-#              offload and checkpointing auto, --compile) beside kohya sd-scripts at its 24 GB setting (--fp8_base),
-#              and diffusers' FLUX.2 example at 24 GiB beside ours (FLUX.2 [dev] nf4, offload auto). ~9 min of an H100
+#   pairs      one GPU: README's 24 GB command as printed (fp8, offload and checkpointing auto, --compile) beside kohya
+#              sd-scripts at its 24 GB setting (--fp8_base), in one lease. ~5 min of an H100
+#   pairs_flux2 one GPU: diffusers' FLUX.2 example at 24 GiB beside ours (FLUX.2 [dev] nf4, offload auto), in one
+#              lease. ~5 min of an H100
 #   table      one GPU: ours on the small-GPU table's FLUX.1 rows, each capped, 1024 px: fp8 + offload auto at 24 GiB
 #              compiled (README's 24 GB command) and eager, bf16 with --offload_blocks --compile at 24 GiB, nf4 +
 #              offload auto + compile at 12 GiB. ~8 min of an H100
@@ -64,7 +65,7 @@
 # `python -m benchmarks.render RESULTS_DIR` writes RESULTS_DIR/results.md (docs/benchmarks.md, how to measure).
 set -euo pipefail
 if [ $# -lt 2 ]; then
-  sed -n '2,64p' "$0"
+  sed -n '2,65p' "$0"
   exit 2
 fi
 OUT=$1; shift
@@ -81,7 +82,9 @@ fi
 run() {  # run SECONDS COMMAND...: the command with a time limit, or printed under DRY_RUN
   local t=$1; shift
   if [ -n "$DRY" ]; then echo "+ $*"; return; fi
-  timeout "$t" "$@" || echo "exit $? after: $*"
+  # --foreground keeps the command in this shell's process group: a time limit around the whole set (`timeout N bash
+  # benchmarks/run.sh ...`) then ends the command in flight too, where a nested timeout's own group outlived it.
+  timeout --foreground "$t" "$@" || echo "exit $? after: $*"
 }
 
 trainer() {  # trainer SECONDS FILE "BENCH_TRAINER_OPTIONS" RUN...: each RUN as name:gpus:config:flags
@@ -231,7 +234,8 @@ for SET in "$@"; do
         "readme24:1:gpu1.yaml:--resolution 1024 --gpu_memory_gib 24 --base_precision fp8 --gradient_checkpointing --offload_blocks --compile"
       kohya_env
       run 170 python3 -m benchmarks.bench_kohya --sd_scripts "$SD_SCRIPTS" ${KOHYA_SITE:+--kohya_site "$KOHYA_SITE"} \
-        --out "$OUT/kohya_24.json" --settings kohya_fp8_24gib --steps 5 --warmup 3 --timeout 150
+        --out "$OUT/kohya_24.json" --settings kohya_fp8_24gib --steps 5 --warmup 3 --timeout 150 ;;
+    pairs_flux2)
       flux2_model
       trainer 230 trainer_pairs_flux2.json "--model $MODEL --steps 6 --warmup 2 --timeout 220" \
         "small24_flux2_nf4_auto:1:gpu1.yaml:--resolution 1024 --gpu_memory_gib 24 --base_precision nf4 --offload_blocks auto"
