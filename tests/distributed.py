@@ -74,7 +74,8 @@ def run(fn: Callable, world: int, *args: Any, timeout: float = 240, backend: str
     if failed or missing:
         msg = "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(failed.items()))
         if missing:
-            msg += f"\nranks {missing} gave no result within {timeout}s (hang or crash)"
+            codes = {r: procs[r].exitcode for r in missing}  # negative: ended by that signal (-11: a segfault)
+            msg += f"\nranks {missing} gave no result within {timeout}s (hang or crash; exit codes {codes})"
         raise AssertionError(msg)
     return [results[r][1] for r in range(world)]
 
