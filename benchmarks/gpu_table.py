@@ -55,7 +55,15 @@ F1, F2, KLEIN = "FLUX.1 [dev]", "FLUX.2 [dev]", "FLUX.2 [klein] 4B"
 ENTRIES = (
     Entry(80, 1, F1, 2048, "--compile", ("cp1_2048",)),
     Entry(48, 1, F1, 2048, "--compile", ("cp1_2048_48gib",)),
-    Entry(24, 1, F1, 1024, "--base_precision fp8 --offload_blocks auto --compile", ("small24_fp8_auto_c",), "fastest"),
+    Entry(
+        24,
+        1,
+        F1,
+        1024,
+        "--base_precision fp8 --offload_blocks auto --compile",
+        ("small24_fp8_auto_c", "readme24"),
+        "fastest",
+    ),
     Entry(24, 1, F1, 1024, "--offload_blocks --compile", ("small24_bf16_auto_c",), "exact: the weights as loaded"),
     Entry(16, 1, F1, 1024, "--base_precision int8 --offload_blocks auto --compile", ("small16_int8_auto_c",)),
     Entry(
