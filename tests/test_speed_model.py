@@ -312,6 +312,25 @@ def test_a_runs_per_block_lora_targets_fall_on_the_timed_blocks():
     assert "single_transformer_blocks.0.attn.to_out" in lora and "transformer_blocks.0.attn.to_q" in lora
 
 
+def test_the_timing_routine_runs_flux2_with_the_runs_own_targets():
+    """What a FLUX.2 GPU run measures at its start, on the CPU: the tiny FLUX.2 [dev] transformer's blocks with the
+    LoRA targets the run resolved (one per single block), eager bf16; every timing is positive."""
+    from flux_cp.families import FLUX2
+    from flux_cp.families.flux2.tiny import TRANSFORMER_CONFIG
+
+    config = dict(TRANSFORMER_CONFIG)
+    request = speed_measure.Request(
+        FLUX2, config, tokens=96, text_tokens=32, batch=1, precisions=("bf16",), modes=("eager",),
+        lora_layers=FLUX2.lora_targets(False, config),
+    )  # fmt: skip
+    rates = {"matmul_tflops": 1.0, "attention_tflops": 1.0, "h2d_gib_per_s": None}  # the blocks only (the rates
+    # are the FLUX.1 test's)
+    raw = speed_measure.measure_blocks(request, torch.device("cpu"), known=rates, repeats=1)
+    timings = raw["blocks"]["bf16"]["eager"]
+    assert set(timings) == {"double", "single"}
+    assert all(t["forward"] > 0 and t["backward"] > 0 for t in timings.values())
+
+
 def test_the_calibration_command_runs_and_writes_a_class_file(tmp_path, monkeypatch):
     """`python -m benchmarks.bench_speed_model --smoke`: the measuring branch of the command, on the tiny FLUX.1 on
     the CPU (its figures mean nothing), writes a class file the planner loads, and the raw timings in the suite's
