@@ -42,9 +42,9 @@
 #              beside it (FLUX.2 [dev] nf4, offload auto, eager); diffusers' QLoRA recipe at 24 and 12 GiB.
 #              ~8 min of an H100
 #   pairs      one GPU: README's 24 GB command as printed (fp8, offload and checkpointing auto, --compile) beside kohya
-#              sd-scripts at its 24 GB setting (--fp8_base), in one lease. ~5 min of an H100
+#              sd-scripts at its 24 GB setting (--fp8_base), in one sitting. ~5 min of an H100
 #   pairs_flux2 one GPU: diffusers' FLUX.2 example at 24 GiB beside ours (FLUX.2 [dev] nf4, offload auto), in one
-#              lease. ~5 min of an H100
+#              sitting. ~5 min of an H100
 #   table      one GPU: ours on the small-GPU table's FLUX.1 rows, each capped, 1024 px: fp8 + offload auto at 24 GiB
 #              compiled (README's 24 GB command) and eager, bf16 with --offload_blocks --compile at 24 GiB, nf4 +
 #              offload auto + compile at 12 GiB. ~8 min of an H100
