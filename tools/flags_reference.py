@@ -14,12 +14,10 @@ import typing
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # run as a script from anywhere: the checkout's flux_cp
-    sys.path.insert(0, str(ROOT))
+from flux_cp.config.flags import Config
+from flux_cp.config.parser import build_parser
 
-from flux_cp.config.flags import Config  # noqa: E402 - after the path above
-from flux_cp.config.parser import build_parser  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 OUT = ROOT / "docs" / "flags.md"
 
