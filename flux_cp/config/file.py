@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from flux_cp.config.fields import boolean  # the flags' true/false words
 from flux_cp.errors import UsageError
 
 # run_config.json's keys that are what a run chose rather than flags (flux_cp.run.output_phase.Outputs.record_settings):
@@ -169,8 +170,6 @@ def _value(action: argparse.Action, key: str, value: Any, where: str) -> Any:
     if isinstance(action, argparse._StoreTrueAction):
         if isinstance(value, bool):
             return value
-        from flux_cp.config.fields import boolean  # the flags' true/false words
-
         try:
             return boolean(str(value))
         except argparse.ArgumentTypeError:
