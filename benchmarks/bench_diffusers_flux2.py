@@ -34,16 +34,15 @@ import argparse
 import json
 import shlex
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from benchmarks import schema
+from benchmarks.steps import timed
 
 GIB = 2**30
 SHARD_BYTES = 5 * 10**9  # diffusers' default max_shard_size
@@ -255,7 +254,7 @@ def one(cap: float | None, resolution: int, rank: int, steps: int, warmup: int, 
             sigma = sigma.unsqueeze(-1)
         return sigma
 
-    losses, times = [], []
+    losses = []
 
     def step() -> None:  # :1820-1932, without prior preservation, one prompt
         with accelerator.accumulate([transformer]):
@@ -317,21 +316,9 @@ def one(cap: float | None, resolution: int, rank: int, steps: int, warmup: int, 
             optimizer.zero_grad()
         losses.append(loss.detach().item())  # :1978, the step's log
 
-    for i in range(warmup + steps):
-        if gpu and i == warmup:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        t = time.perf_counter()
-        step()
-        if gpu:
-            torch.cuda.synchronize()
-        if i >= warmup:
-            times.append(time.perf_counter() - t)
+    row |= timed(step, warmup, steps, gpu)
     row["loss_step1"] = round(losses[0], 6)
     row["losses"] = [round(x, 6) for x in losses]
-    row["s_per_step"] = round(statistics.median(times), 4)
-    if gpu:
-        row["step_peak_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 2)
     return row
 
 

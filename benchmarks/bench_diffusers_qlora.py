@@ -24,13 +24,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from benchmarks import schema
+from benchmarks.steps import timed
 
 GIB = 2**30
 COLUMNS = {
@@ -116,7 +115,7 @@ def one(model_dir: str, cap: float | None, resolution: int, lora_layers: str, st
                   timestep=torch.full((1,), sigma, device=device), guidance=torch.full((1,), 1.0, device=device),
                   img_ids=image_ids(side, side, device=device), txt_ids=text_ids(text, device=device),
                   return_dict=False)  # fmt: skip
-    losses, times = [], []
+    losses = []
 
     def step() -> None:
         with torch.autocast(device.type, dtype=torch.bfloat16):
@@ -128,20 +127,8 @@ def one(model_dir: str, cap: float | None, resolution: int, lora_layers: str, st
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
 
-    for i in range(warmup + steps):
-        if gpu and i == warmup:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        t = time.perf_counter()
-        step()
-        if gpu:
-            torch.cuda.synchronize()
-        if i >= warmup:
-            times.append(time.perf_counter() - t)
+    row |= timed(step, warmup, steps, gpu)
     row["loss_step1"] = round(losses[0], 6)
-    row["s_per_step"] = round(statistics.median(times), 4)
-    if gpu:
-        row["step_peak_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 2)
     return row
 
 

@@ -32,13 +32,12 @@ import argparse
 import json
 import os
 import shlex
-import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from benchmarks import schema
+from benchmarks.steps import timed
 
 GIB = 2**30
 # The flags every setting shares: kohya's documented FLUX.1 LoRA command (docs/flux_train_network.md, section 4)
@@ -264,7 +263,7 @@ def one(sd_scripts: str, name: str, cap: float | None, flags: list[str], steps: 
         "loss_weights": torch.ones(1),
     }
     device = accelerator.device
-    losses, times = [], []
+    losses = []
 
     def step() -> None:
         batch = {
@@ -312,25 +311,13 @@ def one(sd_scripts: str, name: str, cap: float | None, flags: list[str], steps: 
                     norms.mean().item()
         losses.append(loss.detach().item())
 
-    for i in range(warmup + steps):
-        if gpu and i == warmup:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        t = time.perf_counter()
-        step()
-        if gpu:
-            torch.cuda.synchronize()
-        if i >= warmup:
-            times.append(time.perf_counter() - t)
+    row |= timed(step, warmup, steps, gpu)
     row["loss_step1"] = round(losses[0], 6)
     row["losses"] = [round(x, 6) for x in losses]
     row["software"] = {
         n: getattr(sys.modules.get(n), "__version__", None)
         for n in ("torch", "accelerate", "transformers", "diffusers", "bitsandbytes")
     }
-    row["s_per_step"] = round(statistics.median(times), 4)
-    if gpu:
-        row["step_peak_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 2)
     return row
 
 
