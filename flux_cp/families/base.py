@@ -75,6 +75,20 @@ def vae_weight_shapes(vae: dict, latent_default: int) -> dict[str, tuple[int, ..
     }
 
 
+def transformer_weight_shapes(c: dict) -> dict[str, tuple[int, ...]]:
+    """The shapes of the weights both Flux transformers have, for their config: the input, text and output
+    projections, and a double and a single block's attention (a family adds its own)."""
+    inner, head = c["num_attention_heads"] * c["attention_head_dim"], c["attention_head_dim"]
+    return {
+        "x_embedder.weight": (inner, c["in_channels"]),
+        "context_embedder.weight": (inner, c["joint_attention_dim"]),
+        "proj_out.weight": (c["patch_size"] ** 2 * (c.get("out_channels") or c["in_channels"]), inner),
+        "transformer_blocks.0.attn.to_q.weight": (inner, inner),
+        "transformer_blocks.0.attn.norm_q.weight": (head,),
+        "single_transformer_blocks.0.attn.norm_q.weight": (head,),
+    }
+
+
 def rope_rules(transformer: dict) -> list[tuple[str, str, str]]:
     """RoPE turns pairs of a head's channels, over the whole head; the transformer predicts what it is fed (its
     packed input's width, one token per patch of the latent packed by the trainer)."""

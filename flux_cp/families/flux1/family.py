@@ -17,7 +17,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from flux_cp.families.base import VAE_SIZES, Family, rope_rules, vae_rules, vae_weight_shapes
+from flux_cp.families.base import (
+    VAE_SIZES,
+    Family,
+    rope_rules,
+    transformer_weight_shapes,
+    vae_rules,
+    vae_weight_shapes,
+)
 from flux_cp.families.components import load_component, load_part
 from flux_cp.families.encoders import Encoders, in_batches, truncation_line
 from flux_cp.families.flux1 import kohya, tokens
@@ -276,17 +283,10 @@ class Flux1(Family):
 
     def weight_shapes(self, component: str, config: dict) -> dict[str, tuple[int, ...]]:
         c = config
-        if component == "transformer":
-            inner, head = c["num_attention_heads"] * c["attention_head_dim"], c["attention_head_dim"]
-            return {
-                "x_embedder.weight": (inner, c["in_channels"]),
-                "context_embedder.weight": (inner, c["joint_attention_dim"]),
-                "time_text_embed.text_embedder.linear_1.weight": (inner, c["pooled_projection_dim"]),
-                "proj_out.weight": (c["patch_size"] ** 2 * (c.get("out_channels") or c["in_channels"]), inner),
-                "transformer_blocks.0.attn.to_q.weight": (inner, inner),
-                "transformer_blocks.0.attn.norm_q.weight": (head,),
-                "single_transformer_blocks.0.attn.norm_q.weight": (head,),
-            }
+        if component == "transformer":  # and the pooled CLIP projection, FLUX.1's own
+            inner = c["num_attention_heads"] * c["attention_head_dim"]
+            pooled = {"time_text_embed.text_embedder.linear_1.weight": (inner, c["pooled_projection_dim"])}
+            return transformer_weight_shapes(c) | pooled
         if component == "vae":
             return vae_weight_shapes(c, 4)
         if component == "text_encoder" and isinstance(c.get("hidden_size"), int):

@@ -25,7 +25,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from flux_cp.errors import UsageError
-from flux_cp.families.base import VAE_SIZES, Family, rope_rules, vae_rules, vae_weight_shapes
+from flux_cp.families.base import (
+    VAE_SIZES,
+    Family,
+    rope_rules,
+    transformer_weight_shapes,
+    vae_rules,
+    vae_weight_shapes,
+)
 from flux_cp.families.components import load_component, load_part
 from flux_cp.families.encoders import Encoders, in_batches, truncation_line
 from flux_cp.families.flux2 import recipe
@@ -396,15 +403,7 @@ class Flux2(Family):
     def weight_shapes(self, component: str, config: dict) -> dict[str, tuple[int, ...]]:
         c = config
         if component == "transformer":
-            inner, head = c["num_attention_heads"] * c["attention_head_dim"], c["attention_head_dim"]
-            return {
-                "x_embedder.weight": (inner, c["in_channels"]),
-                "context_embedder.weight": (inner, c["joint_attention_dim"]),
-                "proj_out.weight": (c["patch_size"] ** 2 * (c.get("out_channels") or c["in_channels"]), inner),
-                "transformer_blocks.0.attn.to_q.weight": (inner, inner),
-                "transformer_blocks.0.attn.norm_q.weight": (head,),
-                "single_transformer_blocks.0.attn.norm_q.weight": (head,),
-            }
+            return transformer_weight_shapes(c)
         if component == "vae":
             return vae_weight_shapes(c, FLUX2_LATENT_CHANNELS)
         text = c.get("text_config") if isinstance(c.get("text_config"), dict) else c
