@@ -34,6 +34,7 @@ COMMON = (
     "      --mixed_precision bf16 --gradient_checkpointing FLAGS"
 )
 HIDDEN = ("--resolution", "--gpu_memory_gib")  # a column of their own, and the card the cap stands for
+IN_COMMON = ("--gradient_checkpointing",)  # COMMON gives them already (bare: a value after one is kept)
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,9 @@ def shown_flags(flags: str) -> str:
     while i < len(words):
         if words[i] in HIDDEN:
             i += 2
+            continue
+        if words[i] in IN_COMMON and (i + 1 == len(words) or words[i + 1].startswith("--")):
+            i += 1
             continue
         out.append(words[i])
         i += 1
