@@ -210,6 +210,39 @@ def test_plan_on_the_cpu_says_whose_figures_it_used_and_plans_host_memory(capsys
     assert "speed model: h100 class figures (NVIDIA H100 80GB: fitted to its measured steps" in capsys.readouterr().out
 
 
+def test_a_gpu_of_a_fitted_class_plans_with_its_file_and_others_time_their_blocks(monkeypatch):
+    """--gpu_class auto on an H100 or H200 takes the class file (fitted to whole measured steps) without timing
+    anything; a GPU of no class, or of a class sourced from datasheets, times its blocks; 'measure' always does; a
+    named class and a CPU never do. choose() calls the timing routine exactly where times_this_gpu says so."""
+    from flux_cp.config.parser import parse_config
+
+    gpu = torch.device("cuda", 0)  # only its type is read: the name comes from the patched device_name
+    names = {"NVIDIA H100 80GB HBM3": False, "NVIDIA H200": False, "NVIDIA GeForce RTX 4090": True, "NVIDIA A100": True}
+    for name, times in names.items():
+        monkeypatch.setattr(speed_measure, "device_name", lambda device, name=name: name)
+        assert speed_measure.times_this_gpu("auto", gpu) is times, name
+        assert speed_measure.times_this_gpu("measure", gpu) and not speed_measure.times_this_gpu("h100", gpu)
+    assert not speed_measure.times_this_gpu("auto", torch.device("cpu"))
+    assert not speed_measure.times_this_gpu("measure", torch.device("cpu"))
+
+    class Shape:  # what choose() reads of a run's shape
+        cp, family, transformer_config, largest_sequence, text_tokens = 1, None, {}, 4608, 512
+
+    timed = []
+    monkeypatch.setattr(speed_measure, "figures_for", lambda request, device, base: timed.append(request) or base)
+    for name, flag, expect in (
+        ("NVIDIA H100 80GB HBM3", "auto", 0),
+        ("NVIDIA H100 80GB HBM3", "measure", 1),
+        ("NVIDIA A100-SXM4-80GB", "auto", 1),
+    ):
+        monkeypatch.setattr(speed_measure, "device_name", lambda device, name=name: name)
+        argv = ["--pretrained_model_name_or_path", "m", "--gpu_class", flag]
+        timed.clear()
+        fig = speed_measure.choose(parse_config(argv), Shape, gpu, 80.0, [(("fp8",), ("compiled",))])
+        assert len(timed) == expect, (name, flag)
+        assert fig.describe.startswith("h100 class figures")  # the A100's class by its memory: 80 GiB, an h100
+
+
 # --- measured on the GPU: the routine and its cache ----------------------------------------------------------------
 
 

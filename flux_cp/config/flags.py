@@ -265,9 +265,10 @@ class PlanConfig:
     gpu_class: str = flag(
         "auto",
         "For --plan and auto's choices: whose speed figures predict step times (flux_cp/plan/speed_data/): 'auto' "
-        "measures this GPU (cached), or without one takes the class of --gpu_memory_gib (up to 32 GiB a 24 GB card's, "
-        "rtx4090; up to 100 an h100; else an h200); or name one.",
-        choices=("auto", "h100", "h200", "rtx4090"),
+        "takes this GPU's class file (fitted to steps measured on it), times this GPU's blocks (cached) where no "
+        "such file exists, and without a GPU takes the class of --gpu_memory_gib (up to 32 GiB a 24 GB card's, "
+        "rtx4090; up to 100 an h100; else an h200); 'measure' times this GPU's blocks; or name a class.",
+        choices=("auto", "measure", "h100", "h200", "rtx4090"),
     )
 
 

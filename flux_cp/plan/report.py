@@ -64,7 +64,7 @@ def print_plan(cfg: Config, argv: Sequence[str] | None = None) -> None:
         torch.cuda.get_device_properties(0).total_memory / GIB if torch.cuda.is_available() else 141.0
     )
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    if device.type == "cuda" and cfg.plan.gpu_class == "auto":
+    if speed_measure.times_this_gpu(cfg.plan.gpu_class, device):
         print("speed: timing this GPU's blocks (once for these shapes; cached)...", flush=True)
     # Eager blocks at every precision (seconds), compiled ones at bf16 and the flags' (compiling takes tens of
     # seconds a precision): the other precisions' compiled dequantization is the GPU class's.

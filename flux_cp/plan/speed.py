@@ -14,11 +14,12 @@ block before it has and its weights are there; offload copies a block into its s
 computed and the copy before it is done (flux_cp/model/offload.py's schedule), FSDP2 gathers a block while the one
 before it computes.
 
-Where the figures come from (`Figures.describe` says which, in --plan and the log): measured on this GPU by
-flux_cp/plan/speed_measure.py (cached on disk), or a GPU class's file in speed_data/ (h100, h200, rtx4090), each value
-with its source: measured by `python -m benchmarks.bench_speed_model`, fitted to measured steps, or sourced from
-datasheets. What is not modelled: CP's exchanges (a CP rank is timed as one GPU computing its share), the data
-loader, validation, checkpoints.
+Where the figures come from (`Figures.describe` says which, in --plan and the log): a GPU class's file in
+speed_data/ (h100, h200, rtx4090), each value with its source: measured by `python -m benchmarks.bench_speed_model`,
+fitted to measured steps, or sourced from datasheets; or, on a GPU without a file fitted to its steps (and with
+--gpu_class measure), measured on it by flux_cp/plan/speed_measure.py (cached on disk; `times_this_gpu` says
+when). What is not modelled: CP's exchanges (a CP rank is timed as one GPU computing its share), the data loader,
+validation, checkpoints.
 """
 
 from __future__ import annotations
@@ -127,6 +128,11 @@ def _load(name: str, path: Path) -> Figures:
         describe=f"{name} class figures ({data['gpu']}: {status}; flux_cp/plan/speed_data/{path.name})",
         sources=data.get("sources"),
     )
+
+
+def class_status(name: str) -> str:
+    """How a class file's figures were obtained: measured, fitted (to whole measured steps) or sourced."""
+    return json.loads(class_file(name).read_text())["status"]
 
 
 def class_of_gpu(device_name: str) -> str | None:

@@ -33,7 +33,7 @@ from flux_cp.families.builder import home
 from flux_cp.plan import speed
 
 GIB = 2**30
-VERSION = 1  # of the cache's format and of what is measured: a change measures again
+VERSION = 2  # of the cache's format and of what is measured: a change measures again (2: calls back to back)
 
 
 def cache_dir() -> Path:
@@ -228,17 +228,27 @@ def h2d_gib_per_s(device: torch.device, nbytes: int, repeats: int = 5) -> float 
     return nbytes / _median(times[1:]) / GIB
 
 
+def _back_to_back(device: torch.device, work: Callable[[], None], repeats: int) -> float:
+    """Seconds of one `work()` on the GPU (median of `repeats`), the calls queued back to back as a run queues its
+    kernels: the host's launch time hides behind the GPU's work instead of adding to it (the first call warms up)."""
+    work()
+    _sync(device)
+    clock = _Clock(device)
+    marks = [clock.mark()]
+    for _ in range(repeats):
+        work()
+        marks.append(clock.mark())
+    _sync(device)
+    return _median([clock.seconds(a, b) for a, b in zip(marks, marks[1:])])
+
+
 def matmul_tflops(device: torch.device, tokens: int, hidden: int, dtype: torch.dtype, repeats: int = 5) -> float:
     """bf16 matrix products of a block's shapes: tokens x D -> 4D and back."""
     x = torch.randn(tokens, hidden, device=device, dtype=dtype)
     w1 = torch.randn(hidden, 4 * hidden, device=device, dtype=dtype)
     w2 = torch.randn(4 * hidden, hidden, device=device, dtype=dtype)
-    clock, times = _Clock(device), []
-    for _ in range(repeats + 1):
-        a = clock.mark()
-        (x @ w1) @ w2
-        times.append(clock.seconds(a, clock.mark()))
-    return 2 * 2 * tokens * hidden * 4 * hidden / _median(times[1:]) / 1e12
+    seconds = _back_to_back(device, lambda: (x @ w1) @ w2, repeats)
+    return 2 * 2 * tokens * hidden * 4 * hidden / seconds / 1e12
 
 
 def attention_tflops(
@@ -252,14 +262,14 @@ def attention_tflops(
         torch.randn(batch, heads, tokens, head_dim, device=device, dtype=dtype, requires_grad=True) for _ in range(3)
     )
     grad = torch.randn(batch, heads, tokens, head_dim, device=device, dtype=dtype)
-    clock, times = _Clock(device), []
-    for _ in range(repeats + 1):
-        a = clock.mark()
+
+    def work() -> None:
         out, _ = torch.ops.cp.ring_attention(q, k, v, head_dim**-0.5, "", "", False)
         out.backward(grad)
-        times.append(clock.seconds(a, clock.mark()))
+
+    seconds = _back_to_back(device, work, repeats)
     flops = 4 * batch * tokens * tokens * heads * head_dim
-    return (1 + speed.ATTENTION_BACKWARD) * flops / _median(times[1:]) / 1e12
+    return (1 + speed.ATTENTION_BACKWARD) * flops / seconds / 1e12
 
 
 def one_block_targets(family, layers: tuple[str, ...]) -> tuple[str, ...]:
@@ -332,7 +342,9 @@ def _time_block(
     block, args: tuple, kwargs: dict, hidden: int, device: torch.device, autocast, repeats: int, graphs: bool
 ) -> dict:
     """Forward and backward seconds of one block (medians), and the first call's (compiling, when compiled). The
-    activations in (batch x tokens x hidden) get gradients, as inside a LoRA run."""
+    activations in (batch x tokens x hidden) get gradients, as inside a LoRA run. The timed calls are queued back
+    to back, each backward freeing its forward's activations before the next forward, as a run's host launches
+    ahead of the GPU: the launch time then hides behind the GPU's work instead of adding to each call's."""
     from flux_cp.model.blocks import step_begins
 
     def grad(t):
@@ -341,13 +353,10 @@ def _time_block(
     a = tuple(t.detach().requires_grad_() if grad(t) else t for t in args)
     k = {n: (t.detach().requires_grad_() if grad(t) else t) for n, t in kwargs.items()}
     clock = _Clock(device)
-    forward, backward = [], []
-    first = 0.0
-    for i in range(repeats + 2):
+
+    def once() -> tuple:
         if graphs:
             step_begins("reduce-overhead")
-        _sync(device)
-        t0 = time.perf_counter()
         m0 = clock.mark()
         with autocast():
             out = block(*a, **k)
@@ -359,15 +368,22 @@ def _time_block(
         ]
         torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
         m2 = clock.mark()
-        _sync(device)
-        if i == 0:
-            first = time.perf_counter() - t0
-        elif i > 1:  # the second call may still record CUDA graphs
-            forward.append(clock.seconds(m0, m1))
-            backward.append(clock.seconds(m1, m2))
         for t in (*a, *k.values()):
             if isinstance(t, torch.Tensor):
                 t.grad = None
+        return m0, m1, m2
+
+    _sync(device)
+    t0 = time.perf_counter()
+    once()
+    _sync(device)
+    first = time.perf_counter() - t0
+    once()  # the second call may still record CUDA graphs
+    _sync(device)
+    marks = [once() for _ in range(repeats)]
+    _sync(device)
+    forward = [clock.seconds(m0, m1) for m0, m1, _ in marks]
+    backward = [clock.seconds(m1, m2) for _, m1, m2 in marks]
     return {"forward": _median(forward), "backward": _median(backward), "first": first}
 
 
@@ -458,7 +474,7 @@ def measure_blocks(
 def class_name(gpu_class: str, device: torch.device, gpu_gib: float | None) -> str:
     """The GPU class whose figures stand for what is not measured: the one named (--gpu_class), else this GPU's by
     its name, else the class of `gpu_gib` (without one, --plan's default: an H200's 141 GiB)."""
-    if gpu_class != "auto":
+    if gpu_class not in ("auto", "measure"):
         return gpu_class
     if device.type == "cuda":
         found = speed.class_of_gpu(device_name(device))
@@ -469,6 +485,20 @@ def class_name(gpu_class: str, device: torch.device, gpu_gib: float | None) -> s
     return speed.class_for_memory(gpu_gib or 141.0)
 
 
+def times_this_gpu(gpu_class: str, device: torch.device) -> bool:
+    """Whether a plan on `device` times its blocks: with --gpu_class measure on a CUDA GPU, and with auto on one whose
+    class has no file measured on it or fitted to its steps (a GPU of no class, or a class sourced from datasheets).
+    A class file predicts whole steps better than blocks timed alone: on an H100 its figures came within 11% of every
+    measured step, where blocks timed at a run's start came out 29% and 37% slow and the same block timed twice in
+    one sitting differed by up to 1.7x (docs/small_gpus.md, "The speed model")."""
+    if device.type != "cuda" or gpu_class not in ("auto", "measure"):
+        return False
+    if gpu_class == "measure":
+        return True
+    found = speed.class_of_gpu(device_name(device))
+    return found is None or speed.class_status(found) == "sourced"
+
+
 def choose(
     cfg,
     shape,
@@ -477,11 +507,11 @@ def choose(
     wanted: Sequence[tuple[Sequence[str], Sequence[str]]],
     measure: bool = True,
 ) -> speed.Figures:
-    """The figures a plan (or a run's auto choices) uses: a named --gpu_class's; on a CUDA GPU this GPU's, measured for
-    the run's blocks at each (precisions, modes) of `wanted` (cached; `measure` False: its class's); else the class
-    of `gpu_gib`. What is not measured stays the class's."""
+    """The figures a plan (or a run's auto choices) uses: the GPU class's (named by --gpu_class, else this GPU's,
+    else that of `gpu_gib`), or, where `times_this_gpu` says so (and `measure`), this GPU's measured for the run's
+    blocks at each (precisions, modes) of `wanted` (cached), the class's for what is not measured."""
     base = speed.load_class(class_name(cfg.plan.gpu_class, device, gpu_gib))
-    if cfg.plan.gpu_class != "auto" or device.type != "cuda" or not measure:
+    if not measure or not times_this_gpu(cfg.plan.gpu_class, device):
         return base
     cp = shape.cp
     lora = None if cfg.lora.full_finetune else cfg.lora.rank
