@@ -35,6 +35,11 @@ def test_a_line_shows_the_newest_row_measured_at_its_size(tmp_path):
     _result(tmp_path, "a", "2026-01-01T00:00:00+00:00", [{**row, "s_per_step": 0.6}])
     _result(tmp_path, "b", "2026-02-01T00:00:00+00:00", [{**row, "s_per_step": 0.5}])
     _result(tmp_path, "c", "2026-03-01T00:00:00+00:00", [{**row, "error": "out of memory"}])  # failed: not shown
+    profiled = {**row, "flags": fp8 + " --profile_step 6", "s_per_step": 0.45}  # a profiled step: not a user's
+    _result(tmp_path, "c2", "2026-03-02T00:00:00+00:00", [profiled])
+    bf16 = "--gpu_memory_gib 24 --gradient_checkpointing --offload_blocks --compile"
+    plain = {**row, "name": "small24_bf16_auto_c", "flags": bf16}
+    _result(tmp_path, "c3", "2026-03-03T00:00:00+00:00", [{**plain, "s_per_step": 0.7}])
     # Uncapped on a 141 GB GPU: not an 80 GB answer. Capped to 12 GiB: not a 24 GiB one.
     _result(
         tmp_path,
@@ -74,6 +79,9 @@ def test_a_line_shows_the_newest_row_measured_at_its_size(tmp_path):
     assert _line(text, "| 1 x 24 GB | FLUX.1 [dev], 1024 px (fastest)") == (
         "| 1 x 24 GB | FLUX.1 [dev], 1024 px (fastest) | `--base_precision fp8 --offload_blocks auto --compile` | "
         "0.500 | 19.1 (21.5) | H100, capped to 24 GiB, [2026-02-01](b/trainer.json) |"
+    )
+    assert _line(text, "| 1 x 24 GB | FLUX.1 [dev], 1024 px (exact").startswith(  # the common command's flag once
+        "| 1 x 24 GB | FLUX.1 [dev], 1024 px (exact: the weights as loaded) | `--offload_blocks --compile` | 0.700 |"
     )
     assert (
         _line(text, "| 1 x 80 GB | FLUX.1 [dev]")
