@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from flux_cp.outputs.profiling import idle_gaps, kernel_kind, summarize
+from flux_cp.outputs.profiling import idle_gaps, kernel_kind, main, streams, summarize
 
 
 def _k(name: str, ts: float, dur: float, stream: int = 7) -> dict:
@@ -62,3 +64,41 @@ def test_idle_gaps_are_the_longest_stretches_without_a_kernel_and_name_the_host_
     assert gaps[0]["host"] == ["Optimizer.step#AdamW.step"] and gaps[1]["host"] == ["aten::randn"]
     assert idle_gaps(events, count=1) == gaps[:1]
     assert idle_gaps([{"ph": "X", "cat": "cpu_op", "name": "aten::add", "ts": 0, "dur": 5}]) == []
+
+
+def _copy(ts: float, dur: float, nbytes: int, stream: int = 30) -> dict:
+    args = {"stream": stream, "bytes": nbytes}
+    return {
+        "ph": "X",
+        "cat": "gpu_memcpy",
+        "name": "Memcpy HtoD (Pinned -> Device)",
+        "ts": ts,
+        "dur": dur,
+        "args": args,
+    }
+
+
+def test_streams_say_how_long_the_compute_stream_waited_beside_copies(tmp_path, capsys):
+    """The compute stream's gaps, the part of them copies on another stream cover (a step waiting for offloaded
+    blocks), busy time per stream, the copies' bytes and the longest kernels; and the command prints them."""
+    events = [
+        _k("gemm", 0, 100),
+        _k("gemm", 200, 100),
+        _k("norm", 300, 50),
+        _k("norm", 500, 20),
+        _copy(120, 60, 3_000_000_000),
+        _copy(360, 200, 1_000_000_000),
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 1000},  # the host's: not the GPU's
+    ]
+    s = streams(events)
+    assert s["main_stream"] == "7" and s["stream_busy_ms"] == {"7": 0.27, "30": 0.26}
+    # gaps 100-200 and 350-500 (0.25 ms); copies cover 120-180 and 360-500 of them (0.2 ms); one gap over 100 us
+    assert (s["main_gaps_ms"], s["main_gaps_overlapping_copies_ms"], s["main_gaps_over_100us"]) == (0.25, 0.2, 1)
+    assert s["memcpy"] == {"Memcpy HtoD (Pinned -> Device)@30": {"ms": 0.26, "n": 2, "GB": 4.0}}
+    assert s["top_kernels_ms"] == [["gemm", 0.2, 2], ["norm", 0.07, 2]]
+    assert streams([]) == {}
+    trace = tmp_path / "step.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    main([str(trace)])
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["streams"] == s and printed["kernels"] == 4

@@ -5,7 +5,9 @@ Each rank writes `OUTPUT_DIR/profile/rank{R}.json` (a Chrome trace: chrome://tra
 a trace (.json or .json.gz). The summary splits the step's GPU time into kernels of
 each kind (attention, matrix products, communication, the rest) and says how much of the communication ran
 while a compute kernel ran beside it: communication not overlapped is time CP adds to the step. It also names
-the longest stretches with no kernel at all and what the host did meanwhile (`idle_gaps`).
+the longest stretches with no kernel at all and what the host did meanwhile (`idle_gaps`), and per CUDA stream
+(`streams`) how busy each was, how long the compute stream sat idle while host-to-GPU copies ran on another (a step
+waiting for offloaded blocks), the copies by kind and the longest kernels.
 """
 
 from __future__ import annotations
@@ -120,6 +122,49 @@ def idle_gaps(events: list[dict], count: int = 5, min_us: float = 100.0) -> list
     return out
 
 
+def streams(events: list[dict], top: int = 25) -> dict:
+    """The GPU's time by CUDA stream (ms): `stream_busy_ms` per stream (kernels, copies and sets), the compute stream
+    (`main_stream`, the busiest), its idle gaps (`main_gaps_ms`, `main_gaps_over_100us`) and how much of them a copy on
+    another stream overlapped (`main_gaps_overlapping_copies_ms`: waiting for an offloaded block, or the host),
+    `memcpy` per kind and stream (ms, count, GB) and the `top` kernels by summed time (name, ms, count)."""
+    gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    if not gpu:
+        return {}
+    by_stream: dict[str, list[tuple[float, float]]] = {}
+    kernels: dict[str, list[float]] = {}
+    copies: dict[str, list[float]] = {}
+    for e in gpu:
+        stream = str(e.get("args", {}).get("stream"))
+        span = (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
+        by_stream.setdefault(stream, []).append(span)
+        if e["cat"] == "kernel":
+            k = kernels.setdefault(e.get("name", "")[:90], [0.0, 0])
+            k[0], k[1] = k[0] + e["dur"], k[1] + 1
+        elif e["cat"] == "gpu_memcpy":
+            c = copies.setdefault(f"{e.get('name', '')}@{stream}", [0.0, 0, 0])
+            c[0], c[1], c[2] = c[0] + e["dur"], c[1] + 1, c[2] + e.get("args", {}).get("bytes", 0)
+    busy = {s: union(iv) for s, iv in by_stream.items()}
+    main = max(busy, key=lambda s: length(busy[s]))
+    gaps = [(a[1], b[0]) for a, b in zip(busy[main], busy[main][1:]) if b[0] > a[1]]
+    elsewhere = union(
+        [
+            (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
+            for e in gpu
+            if e["cat"] == "gpu_memcpy" and str(e.get("args", {}).get("stream")) != main
+        ]
+    )
+    longest = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]
+    return {
+        "stream_busy_ms": {s: round(length(iv) / 1e3, 2) for s, iv in busy.items()},
+        "main_stream": main,
+        "main_gaps_ms": round(length(gaps) / 1e3, 2),
+        "main_gaps_overlapping_copies_ms": round(intersection(gaps, elsewhere) / 1e3, 2),
+        "main_gaps_over_100us": sum(1 for a, b in gaps if b - a > 100),
+        "memcpy": {k: {"ms": round(v[0] / 1e3, 2), "n": v[1], "GB": round(v[2] / 1e9, 2)} for k, v in copies.items()},
+        "top_kernels_ms": [[name, round(v[0] / 1e3, 2), v[1]] for name, v in longest],
+    }
+
+
 @contextlib.contextmanager
 def profiled(active: bool, output_dir: str, rank: int, is_main: bool) -> Iterator[None]:
     """Profile the code inside when `active` (the step named by --profile_step), else do nothing."""
@@ -143,6 +188,7 @@ def profiled(active: bool, output_dir: str, rank: int, is_main: bool) -> Iterato
     summary = summarize(events)
     if summary["kernels"]:
         summary["longest_idle"] = idle_gaps(events)
+        summary["streams"] = streams(events)
     (folder / f"rank{rank}_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     if is_main:
         if summary["kernels"]:
@@ -161,7 +207,8 @@ def load_trace(path: str) -> list[dict]:
 def main(argv: list[str] | None = None) -> None:
     for path in argv if argv is not None else sys.argv[1:]:
         events = load_trace(path)
-        print(json.dumps({"trace": path, **summarize(events), "longest_idle": idle_gaps(events)}))
+        summary = {"trace": path, **summarize(events), "longest_idle": idle_gaps(events), "streams": streams(events)}
+        print(json.dumps(summary))
 
 
 if __name__ == "__main__":
