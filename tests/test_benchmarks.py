@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from benchmarks import render, schema
-from benchmarks.bench_trainer import command, parse_run, with_efficiency
+from benchmarks.bench_trainer import command, parse_run, timed_rows, with_efficiency
 
 
 def _trainer_rows() -> list[dict]:
@@ -36,6 +36,14 @@ def test_efficiency_is_against_the_one_gpu_run_of_the_same_flags():
     assert "efficiency" not in rows["cp1_2048"]  # the reference itself
     assert "efficiency" not in rows["cp2_1024"]  # no one-GPU run at 1024 px
     assert "efficiency" not in rows["cp2_2048_bad"]
+
+
+def test_a_profiled_step_is_not_timed():
+    """bench_trainer's median leaves out the step --profile_step profiled (the profiler slows it), and only it."""
+    got = [{"step": i, "s_per_step": 0.6} for i in range(1, 9)]
+    assert [r["step"] for r in timed_rows(got, 2, 6, ["--compile"])] == [3, 4, 5, 6]
+    assert [r["step"] for r in timed_rows(got, 2, 6, ["--profile_step", "6", "--compile"])] == [3, 4, 5]
+    assert [r["step"] for r in timed_rows(got, 2, 6, ["--profile_step", "8"])] == [3, 4, 5, 6]
 
 
 def test_a_recorded_command_is_the_trainer_launch_with_placeholders():
