@@ -489,7 +489,7 @@ def times_this_gpu(gpu_class: str, device: torch.device) -> bool:
     """Whether a plan on `device` times its blocks: with --gpu_class measure on a CUDA GPU, and with auto on one whose
     class has no file measured on it or fitted to its steps (a GPU of no class, or a class sourced from datasheets).
     A class file predicts whole steps better than blocks timed alone: on an H100 its figures came within 11% of every
-    measured step, where blocks timed at a run's start came out 29% and 37% slow and the same block timed twice in
+    measured step, where blocks timed at a run's start came out 28% and 37% slow and the same block timed twice in
     one sitting differed by up to 1.7x (docs/small_gpus.md, "The speed model")."""
     if device.type != "cuda" or gpu_class not in ("auto", "measure"):
         return False
