@@ -129,6 +129,11 @@ def rope_rules(transformer: dict) -> list[tuple[str, str, str]]:
     return out
 
 
+# The sequences both Flux transformers take: image tokens and their ids, text tokens and theirs (docs/design.md, data
+# flow, rule 2): a Flux family's `cp_plan`.
+FLUX_CP_PLAN = {"hidden_states": 1, "img_ids": 0, "encoder_hidden_states": 1, "txt_ids": 0}
+
+
 class Family(ABC):
     """One kind of FLUX model. Subclasses fill in the class attributes and the methods below; nothing here loads
     a model until asked."""

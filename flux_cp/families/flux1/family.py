@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from flux_cp.families.base import (
+    FLUX_CP_PLAN,
     VAE_SIZES,
     Family,
     rope_rules,
@@ -401,8 +402,7 @@ class Flux1(Family):
     def text_ids(self, length: int, device=None) -> Tensor:
         return tokens.text_ids(length, device=device)
 
-    # image tokens and their ids, text tokens and theirs: the sequence CP splits (docs/design.md, data flow, rule 2)
-    cp_plan = {"hidden_states": 1, "img_ids": 0, "encoder_hidden_states": 1, "txt_ids": 0}
+    cp_plan = FLUX_CP_PLAN
 
     def transformer_inputs(
         self,

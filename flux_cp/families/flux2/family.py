@@ -26,6 +26,7 @@ import torch
 
 from flux_cp.errors import UsageError
 from flux_cp.families.base import (
+    FLUX_CP_PLAN,
     VAE_SIZES,
     Family,
     rope_rules,
@@ -92,20 +93,25 @@ def _within(seconds: float, work):
         signal.signal(signal.SIGALRM, previous)
 
 
-def template_file(path: str, revision: str | None, cache_dir: str | None = None) -> str:
-    """Where the tokenizer's chat template of a FLUX.2 folder is read from (for messages)."""
+def _tokenizer_file(path: str, name: str, revision: str | None, cache_dir: str | None) -> str | None:
+    """A file of a FLUX.2 folder's tokenizer/ (local or from the hub's cache), None where there is none."""
     from transformers.utils import cached_file
 
+    return cached_file(
+        path,
+        name,
+        subfolder="tokenizer",
+        revision=revision,
+        cache_dir=cache_dir,
+        _raise_exceptions_for_missing_entries=False,
+        _raise_exceptions_for_connection_errors=False,
+    )
+
+
+def template_file(path: str, revision: str | None, cache_dir: str | None = None) -> str:
+    """Where the tokenizer's chat template of a FLUX.2 folder is read from (for messages)."""
     for name in ("chat_template.jinja", "chat_template.json", "tokenizer_config.json"):
-        found = cached_file(
-            path,
-            name,
-            subfolder="tokenizer",
-            revision=revision,
-            cache_dir=cache_dir,
-            _raise_exceptions_for_missing_entries=False,
-            _raise_exceptions_for_connection_errors=False,
-        )
+        found = _tokenizer_file(path, name, revision, cache_dir)
         if found:
             return found
     return f"{path}/tokenizer"
@@ -199,21 +205,12 @@ def load_tokenizer(path: str, revision: str | None, cache_dir: str | None = None
     processor may keep the chat template beside the tokenizer (chat_template.jinja / chat_template.json) instead of
     in it: it is read from there when the tokenizer has none."""
     from transformers import AutoTokenizer  # transformers at first use (seconds to import)
-    from transformers.utils import cached_file
 
     tokenizer = load_component(AutoTokenizer, path, "tokenizer", revision, cache_dir=cache_dir)
     if tokenizer.chat_template:
         return tokenizer
     for name in ("chat_template.jinja", "chat_template.json"):
-        found = cached_file(
-            path,
-            name,
-            subfolder="tokenizer",
-            revision=revision,
-            cache_dir=cache_dir,
-            _raise_exceptions_for_missing_entries=False,
-            _raise_exceptions_for_connection_errors=False,
-        )
+        found = _tokenizer_file(path, name, revision, cache_dir)
         if found:
             try:
                 with open(found, encoding="utf-8") as f:
@@ -547,8 +544,7 @@ class Flux2(Family):
     def text_ids(self, length: int, device=None) -> Tensor:
         return recipe.text_ids(length, device=device)
 
-    # image tokens and their ids, text tokens and theirs: the sequence CP splits (docs/design.md, data flow, rule 2)
-    cp_plan = {"hidden_states": 1, "img_ids": 0, "encoder_hidden_states": 1, "txt_ids": 0}
+    cp_plan = FLUX_CP_PLAN
 
     def transformer_inputs(
         self,
