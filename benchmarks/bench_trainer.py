@@ -169,6 +169,7 @@ def finish(job: dict, work: Path, steps: int, warmup: int, timeout: float) -> di
         return result
     result.update(
         steps=len(timed),
+        timed_steps=[r["step"] for r in timed],  # the profiled step never among them (timed_rows)
         s_per_step=round(statistics.median(r["s_per_step"] for r in timed), 4),
         mfu=round(statistics.median(r["mfu"] for r in timed), 3) if all("mfu" in r for r in timed) else None,
         peak_gib=round(max(r["peak_mem_gib"] for r in timed), 2),

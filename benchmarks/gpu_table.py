@@ -8,7 +8,8 @@ them (its file linked), or "not measured" and the flags that would measure it.
 
 Rows are `trainer` rows of the suite's schema (benchmarks/schema.py, written by benchmarks/bench_trainer.py) under
 benchmarks/archive/results/. A row answers an entry when its name is one of the entry's, it has a step time (no
-`error`) and none of its steps was profiled (`--profile_step`: the profiler slows the step it records), it ran on the
+`error`) and the step it profiled (`--profile_step`: the profiler slows the step it records) is not among those it
+timed (`timed_steps`; older rows without them do not answer), it ran on the
 entry's number of GPUs (a rank with loopback peers standing for them) and within the entry's
 memory: the `--gpu_memory_gib` cap it ran under, or uncapped the GPU's own memory, between 90% and 100% of the
 entry's. Among those the newest file wins. tests/test_gpu_table.py fails when README.md's table differs from this.
@@ -112,7 +113,11 @@ def memory_gib(row: dict[str, Any], data: dict[str, Any]) -> float | None:
 def answers(entry: Entry, row: dict[str, Any], data: dict[str, Any]) -> bool:
     if row.get("name") not in entry.names or row.get("error") or not row.get("s_per_step"):
         return False
-    if "--profile_step" in shlex.split(row.get("flags") or ""):
+    flags = shlex.split(row.get("flags") or "")
+    if "--profile_step" in flags and (
+        "timed_steps" not in row  # older than bench_trainer leaving the profiled step out of its median
+        or int(flag_value(flags, "--profile_step") or 0) in row["timed_steps"]
+    ):
         return False
     if (row.get("fake_peers") or row.get("gpus", 1)) != entry.gpus:
         return False

@@ -95,6 +95,17 @@ def test_a_line_shows_the_newest_row_measured_at_its_size(tmp_path):
     assert len([ln for ln in text.splitlines() if ln.startswith("| ") and "GB" in ln]) == len(gpu_table.ENTRIES)
 
 
+def test_a_profiled_row_answers_only_when_its_profiled_step_was_left_out_of_its_median(tmp_path):
+    nf4 = "--resolution 1024 --gpu_memory_gib 12 --base_precision nf4 --offload_blocks auto --compile --profile_step 7"
+    row = {"name": "small12_nf4_auto_c", "gpus": 1, "flags": nf4, "peak_gib": 9.83}
+    line = "| 1 x 12 GB | FLUX.1 [dev], 1024 px"
+    _result(tmp_path, "a", "2026-01-01T00:00:00+00:00", [{**row, "s_per_step": 0.6, "timed_steps": [3, 4, 5, 6]}])
+    _result(tmp_path, "b", "2026-02-01T00:00:00+00:00", [{**row, "s_per_step": 0.9, "timed_steps": [4, 5, 6, 7]}])
+    _result(tmp_path, "c", "2026-03-01T00:00:00+00:00", [{**row, "s_per_step": 0.8}])  # older: no timed_steps
+    text = gpu_table.render(gpu_table.trainer_results(tmp_path), root=tmp_path)
+    assert "| 0.600 |" in _line(text, line) and "(a/trainer.json)" in _line(text, line)
+
+
 def test_write_replaces_only_the_marked_block_and_check_sees_a_stale_one(tmp_path, monkeypatch, capsys):
     readme = tmp_path / "README.md"
     readme.write_text(f"# Title\n\nbefore\n\n{gpu_table.START}\nold table\n{gpu_table.END}\n\nafter\n")
