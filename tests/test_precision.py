@@ -225,6 +225,61 @@ def test_a_replaced_linear_does_not_outlive_its_replacement(monkeypatch):
     assert all(r() is None for r in old)
 
 
+def test_with_a_home_each_linear_goes_there_once_quantized_on_the_device(monkeypatch):
+    """With blocks to offload the quantized model lives on the CPU until offload places each block (`home`): each
+    linear is quantized on the GPU (`device`) and goes home before the next one is, so the GPU never holds the whole
+    quantized model (an fp8 FLUX.1-dev, 11.2 GiB, ran out of memory under a 12 GiB cap while quantizing). Here the
+    device is the CPU and home the meta device, which stands for somewhere else."""
+    import flux_cp.model.precision as precision
+
+    quantized_on = []
+
+    def replaced(linear, _precision):
+        quantized_on.append(linear.weight.device.type)
+        return torch.nn.Linear(linear.in_features, linear.out_features, device=linear.weight.device)
+
+    monkeypatch.setattr(precision, "_quantized", replaced)
+    monkeypatch.setattr(precision, "check_installed", lambda _p: None)
+    model = _model("flux1")
+    names = quantized_linears(model)
+    away_at_each = []
+    real_replace = precision._replace
+
+    def replace(root, name, module):
+        real_replace(root, name, module)
+        away_at_each.append(
+            sum(root.get_submodule(n).weight.device.type != "meta" for n in names[: len(away_at_each) + 1])
+        )
+
+    monkeypatch.setattr(precision, "_replace", replace)
+    quantize_base(model, "int8", device="cpu", home="meta")
+    assert quantized_on == ["cpu"] * len(names)
+    assert away_at_each == [0] * len(names)  # every quantized linear already home when it is put in place
+    assert {p.device.type for p in model.parameters()} == {"meta"}  # and the rest of the model with them
+
+
+def test_the_trainer_keeps_a_quantized_base_on_the_cpu_when_it_offloads_blocks(monkeypatch):
+    """load_trainee gives quantize_base the CPU as home exactly when blocks are to be offloaded."""
+    import flux_cp.model.loading as loading
+    from flux_cp.config.parser import parse_config
+
+    homes = []
+    monkeypatch.setattr(loading, "load_transformer", lambda *a: _model("flux1"))
+    monkeypatch.setattr(loading, "model_fingerprint", lambda *a: "fp")
+    monkeypatch.setattr(loading, "prepare_trainable", lambda *a: None)
+
+    def record(transformer, precision, **kw):
+        homes.append(kw.get("home"))
+        return precision_report
+
+    precision_report = type("R", (), {"describe": lambda self: "quantized"})()
+    monkeypatch.setattr(loading, "quantize_base", record)
+    for offload in ("0", "auto", "4"):
+        cfg = parse_config(["--base_precision", "int8", "--offload_blocks", offload, "--gradient_checkpointing"])
+        loading.load_trainee(cfg, "MODEL", object, ("transformer_blocks",), torch.float32, torch.device("cpu"), True)
+    assert homes == [None, torch.device("cpu"), torch.device("cpu")]
+
+
 # --- how far from the unquantized model ---------------------------------------------------------------------------
 
 # Relative error of each block's update (its output less its input, on the unquantized model's inputs to it) and of

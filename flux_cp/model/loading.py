@@ -82,14 +82,18 @@ def load_trainee(
     (written when absent)."""
     model, train, precision = cfg.model, cfg.train, cfg.model.base_precision
     # On the CPU first when blocks are offloaded or the base is quantized: the whole bf16 model need not fit the
-    # GPU (quantize_base and offload_blocks move it there, a layer or a block at a time).
-    staged = train.offload_blocks != "0" or precision != "bf16"
+    # GPU (quantize_base and offload_blocks move it there, a layer or a block at a time). With blocks to offload the
+    # quantized model stays on the CPU too (each linear quantized on the GPU and brought back) until offload_blocks
+    # places each block: the GPU holds the resident blocks and the slots only, never the whole quantized model.
+    offloading = train.offload_blocks != "0"
+    staged = offloading or precision != "bf16"
     transformer = load_transformer(model, path, cls, dtype, torch.device("cpu") if staged else device, train.seed)
     pretrained = model.transformer_init == "pretrained"  # random weights: its config and the seed are all
     folder = component_folder(path, "transformer", model.revision, model.cache_dir)
     fingerprint = model_fingerprint(transformer, folder if pretrained else None)
     if precision != "bf16":
-        logger.info(quantize_base(transformer, precision, device=device, parts=quantized_parts).describe())
+        home = torch.device("cpu") if offloading else None
+        logger.info(quantize_base(transformer, precision, device=device, home=home, parts=quantized_parts).describe())
     prepare_trainable(transformer, cfg.lora, train.seed)
     if cfg.lora.network_weights is not None and not cfg.lora.full_finetune:
         logger.info(f"flux-cp: {network_weights.apply(transformer, cfg.lora)}")

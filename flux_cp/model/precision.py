@@ -119,13 +119,18 @@ def quantize_base(
     precision: str,
     *,
     device: torch.device | str | None = None,
+    home: torch.device | str | None = None,
     skip: Iterable[str] = (),
     parts: Iterable[str] | None = None,
 ) -> QuantizedBase:
     """Store the frozen transformer's linear weights (`quantized_linears` of the top-level modules `parts`, default
     its family's `quantized_parts`) in `precision`, in place. Call it after loading and before adding LoRA adapters.
     `device`: where the quantized model is to live; each linear moves there just before it is quantized, then the rest
-    of the model, so that a model loaded on the CPU never needs its whole bf16 copy on the GPU. Quantizing is a
+    of the model, so that a model loaded on the CPU never needs its whole bf16 copy on the GPU. `home`: where the
+    model is to live instead (default `device`): each linear, quantized on `device`, goes there at once, and so does
+    the rest; with blocks to offload, the CPU, from where `offload_blocks` places each block (the quantized model need
+    not fit the GPU at any time: an fp8 FLUX.1-dev is 11.2 GiB, more than a 12 GiB GPU holds beside the rest). The
+    values are those quantized on `device` either way: a move copies bytes. Quantizing is a
     function of the weights alone, so every rank quantizing the same loaded weights holds the same quantized ones
     (tests/test_cp_precision.py compares them) and needs no other rank's: the quantized weights are kept out of DDP's
     start-up broadcast (`_ddp_params_and_buffers_to_ignore`), which cannot send torchao's tensors."""
@@ -146,6 +151,8 @@ def quantize_base(
                 if device is not None:
                     linear.to(device)
                 quantized = _quantized(linear, precision)
+                if home is not None:
+                    quantized.to(home)
                 quantized.register_forward_pre_hook(_autocast_input)
                 _replace(transformer, name, quantized)
                 del linear, quantized
@@ -154,8 +161,8 @@ def quantize_base(
         else:
             _separate_outputs(transformer)
         transformer._ddp_params_and_buffers_to_ignore = _QuantizedStates(transformer)
-    if device is not None:
-        transformer.to(device)
+    if home is not None or device is not None:
+        transformer.to(home if home is not None else device)
     return QuantizedBase(precision, len(names), before, stored_bytes(transformer))
 
 

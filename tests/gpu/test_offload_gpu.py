@@ -9,7 +9,10 @@ with its 6 single blocks offloaded to two slots:
   deterministic algorithms and the attention kernel whose backward is deterministic;
 - lowers the peak GPU memory of a step by the plan's saved bytes, never holds the offloaded weights on the GPU all
   at once while it sets up from a model on the CPU, keeps them in page-locked memory, and copies per micro-step what
-  the plan says.
+  the plan says;
+- with a quantized base (fp8, int8, nf4), set up as the trainer does (each linear quantized on the GPU and sent back
+  to the CPU, then the blocks placed), never holds the whole quantized model on the GPU and trains bit for bit as the
+  base quantized and kept on the GPU.
 """
 
 from __future__ import annotations
@@ -182,3 +185,50 @@ def test_offload_lowers_the_peak_by_what_the_plan_saves():
     print(f"{plan.describe()}; peak {peaks[False] / 2**30:.3f} GiB without offload, {peaks[True] / 2**30:.3f} GiB "
           "with it")  # fmt: skip
     assert plan.saved_bytes == 4 * plan.block_bytes[-1] and abs(saved - plan.saved_bytes) <= 0.02 * plan.saved_bytes
+
+
+@pytest.mark.parametrize("precision", ["fp8", "int8", "nf4"])
+def test_a_quantized_base_to_offload_never_sits_whole_on_the_gpu_and_trains_as_one_quantized_there(precision):
+    """The trainer's way with a quantized base and blocks to offload (flux_cp.model.loading.load_trainee): each linear
+    quantized on the GPU and sent back to the CPU (`quantize_base(..., home="cpu")`), then `offload_blocks` places
+    each block. The GPU never holds more than a linear or a block beyond what stays, and the weights are those
+    quantized and kept on the GPU: training is bit for bit the same."""
+    from diffusers import FluxTransformer2DModel
+
+    from flux_cp.families.flux1.tiny import FLUX1_DEV_TRANSFORMER
+    from flux_cp.model.precision import check_installed, quantize_base
+
+    try:
+        check_installed(precision)
+    except Exception as e:  # noqa: BLE001 - the package's own one line
+        pytest.skip(str(e))
+    batches = _batches(1)
+    results = []
+    for home in (None, "cpu"):
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            model = FluxTransformer2DModel(**{**FLUX1_DEV_TRANSFORMER, **BLOCKS}).to(torch.bfloat16)  # on the CPU
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        quantize_base(model, precision, device="cuda", home=home)
+        if home is not None:
+            # One bf16 linear (FLUX.1-dev's widest, 3072 x 15360) and its quantized copy at a time.
+            assert torch.cuda.max_memory_allocated() <= 2 * 3072 * 15360 * 2 + 2**26
+            assert {p.device.type for p in model.parameters()} == {"cpu"}
+        prepare_trainable(model, LoraConfig(rank=16, lora_alpha=16, lora_layers=DEFAULT_TARGETS), seed=0)
+        with torch.no_grad(), torch.random.fork_rng():
+            torch.manual_seed(1)
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(std=0.01)
+        cp.apply_context_parallel(model, cp.CPContext(None, tuning=TUNING))
+        model.cpu()
+        off = offload_blocks(model, OFFLOADED, "cuda")
+        got, _ = _train(model, batches, steps=2, accumulation=1, offload=off)
+        results.append(got)
+        del model, off
+        gc.collect()
+        torch.cuda.empty_cache()
+    for i, (a, b) in enumerate(zip(*results)):
+        assert torch.equal(a, b), f"item {i} (losses first, then LoRA weights): {(a - b).abs().max().item()}"
