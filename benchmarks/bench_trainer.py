@@ -183,6 +183,17 @@ def finish(job: dict, work: Path, steps: int, warmup: int, timeout: float) -> di
     return result
 
 
+def model_preset(model: Path) -> str | None:
+    """The `python -m flux_cp.tiny` preset a model folder was built with (its marker's recipe), else None."""
+    from flux_cp.families.builder import MARKER
+
+    try:
+        recipe = json.loads((model / MARKER).read_text()).get("recipe", "")
+    except (OSError, ValueError):
+        return None
+    return recipe.rsplit("-v", 1)[0] or None
+
+
 def with_efficiency(rows: list[dict]) -> list[dict]:
     """Each run on N GPUs (or standing for N with fake peers) gets t1 / (N tN) against the one-GPU run of the same
     flags less --cp_size, where there is one."""
@@ -242,6 +253,9 @@ def main(argv: list[str] | None = None) -> None:
         "side_by_side": "one-GPU runs side by side, one per GPU" if a.parallel else "one run at a time",
         "environment": env,
     }
+    preset = model_preset(model)
+    if preset:  # what benchmarks/bench_speed_model.py --check plans the rows with
+        settings["model_preset"] = preset
     command_line = schema.command_line(argv, module="benchmarks.bench_trainer")
     n_gpus = torch.cuda.device_count()
     for signum in (signal.SIGTERM, signal.SIGINT):
