@@ -69,6 +69,7 @@ ENTRIES = (
     ),
     Entry(24, 1, F1, 1024, "--offload_blocks --compile", ("small24_bf16_auto_c",), "exact: the weights as loaded"),
     Entry(16, 1, F1, 1024, "--base_precision int8 --offload_blocks auto --compile", ("small16_int8_auto_c",)),
+    Entry(12, 1, F1, 1024, "--base_precision fp8 --offload_blocks --compile", ("small12_fp8_auto_c",), "fastest"),
     Entry(
         12,
         1,
@@ -76,6 +77,7 @@ ENTRIES = (
         1024,
         "--base_precision nf4 --offload_blocks auto --compile",
         ("small12_nf4_auto_c", "full12_flux1_nf4_c"),
+        "the smallest base",
     ),
     Entry(
         24,

@@ -98,7 +98,7 @@ def test_a_line_shows_the_newest_row_measured_at_its_size(tmp_path):
 def test_a_profiled_row_answers_only_when_its_profiled_step_was_left_out_of_its_median(tmp_path):
     nf4 = "--resolution 1024 --gpu_memory_gib 12 --base_precision nf4 --offload_blocks auto --compile --profile_step 7"
     row = {"name": "small12_nf4_auto_c", "gpus": 1, "flags": nf4, "peak_gib": 9.83}
-    line = "| 1 x 12 GB | FLUX.1 [dev], 1024 px"
+    line = "| 1 x 12 GB | FLUX.1 [dev], 1024 px (the smallest base)"
     _result(tmp_path, "a", "2026-01-01T00:00:00+00:00", [{**row, "s_per_step": 0.6, "timed_steps": [3, 4, 5, 6]}])
     _result(tmp_path, "b", "2026-02-01T00:00:00+00:00", [{**row, "s_per_step": 0.9, "timed_steps": [4, 5, 6, 7]}])
     _result(tmp_path, "c", "2026-03-01T00:00:00+00:00", [{**row, "s_per_step": 0.8}])  # older: no timed_steps

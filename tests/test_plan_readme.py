@@ -1,6 +1,7 @@
-"""`--plan` and the README agree: the flags of the GPU table's fastest line for one 24 GB GPU (FLUX.1 [dev], 1024 px)
-are those of the command `--plan` recommends for one GPU of 24 GiB at 1024 px with the figures of the GPU class that
-measured the line (an H100's), the launch config included."""
+"""`--plan` and the README agree: the flags of the GPU table's fastest line for one 24 GB and one 12 GB GPU (FLUX.1
+[dev], 1024 px) are those of the command `--plan` recommends for one GPU of that size at 1024 px with the figures of
+the GPU class that measured the line (an H100's; the class of the table's other lines where a line is not measured),
+the launch config included."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from flux_cp.plan import recommend
 from flux_cp.plan.report import print_plan
 
 MODEL = "black-forest-labs/FLUX.1-dev"
-LINE = "| 1 x 24 GB | FLUX.1 [dev], 1024 px (fastest) |"
+LINES = {24: "| 1 x 24 GB | FLUX.1 [dev], 1024 px (fastest) |", 12: "| 1 x 12 GB | FLUX.1 [dev], 1024 px (fastest) |"}
 
 
 @pytest.fixture(autouse=True)
@@ -27,23 +28,24 @@ def _offline(monkeypatch, tmp_path):
         monkeypatch.delenv(name, raising=False)
 
 
-def readme_command() -> list[str]:
-    """The README table's line as one command: the table's common command with its config, model, resolution and
-    the line's flags (its data set left out: --plan reads none)."""
-    (row,) = [r for r in gpu_table.current_block(gpu_table.README.read_text()).splitlines() if r.startswith(LINE)]
-    flags = row[len(LINE) :].split("|")[0].strip().strip("`")
-    assert "H100" in row, row  # the GPU class whose figures --plan is given below
+def readme_command(gib: int = 24) -> list[str]:
+    """The README table's fastest line for `gib` as one command: the table's common command with its config, model,
+    resolution and the line's flags (its data set left out: --plan reads none)."""
+    line = LINES[gib]
+    (row,) = [r for r in gpu_table.current_block(gpu_table.README.read_text()).splitlines() if r.startswith(line)]
+    flags = row[len(line) :].split("|")[0].strip().strip("`")
+    assert "H100" in row or "not measured" in row, row  # the GPU class whose figures --plan is given below
     common = gpu_table.COMMON.replace("\\\n", " ").replace("CONFIG", "gpu1.yaml").replace("MODEL", MODEL)
     common = common.replace("--dataset_name DATA ", "").replace("PX", "1024").replace("FLAGS", flags)
     return shlex.split(common)
 
 
-def plan_command(capsys) -> list[str]:
-    argv = ["--plan", "--pretrained_model_name_or_path", MODEL, "--resolution", "1024", "--gpu_memory_gib", "24"]
+def plan_command(capsys, gib: int = 24) -> list[str]:
+    argv = ["--plan", "--pretrained_model_name_or_path", MODEL, "--resolution", "1024", "--gpu_memory_gib", str(gib)]
     argv += ["--gpu_class", "h100", "--host_memory_gib", "128"]
     print_plan(parse_config(argv), argv)
     out = capsys.readouterr().out
-    assert "recommended for 1 GPU of 24 GiB" in out, out
+    assert f"recommended for 1 GPU of {gib} GiB" in out, out
     (line,) = [ln.strip() for ln in out.splitlines() if ln.strip().startswith("accelerate launch")]
     return shlex.split(line)
 
@@ -61,8 +63,9 @@ def settings(command: list[str]) -> dict[str, object]:
     return values
 
 
-def test_the_readme_s_fastest_24_gb_line_is_the_command_plan_recommends(capsys):
-    readme, plan = readme_command(), plan_command(capsys)
+@pytest.mark.parametrize("gib", sorted(LINES))
+def test_the_readme_s_fastest_line_is_the_command_plan_recommends(capsys, gib):
+    readme, plan = readme_command(gib), plan_command(capsys, gib)
     assert settings(readme) == settings(plan), f"README: {shlex.join(readme)}\n--plan:  {shlex.join(plan)}"
 
 
