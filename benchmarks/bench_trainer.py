@@ -10,9 +10,9 @@ A RUN is `name:gpus:config:extra trainer flags`, e.g.
 separate GPUs when `--parallel` is given (each is timed alone on its GPU); the others one after another.
 Every run gets `--transformer_init random --mixed_precision bf16 --gradient_checkpointing --rank 16` (LoRA unless
 `--full_finetune` is in its flags; `--gradient_checkpointing` alone is `auto`: the fewest blocks checkpointed that
-fit the GPU, a run's own `--gradient_checkpointing N` overrides it) and a fresh folder; it is stopped once its
-steps are logged (no final save). A run whose flags hold `--gpu_memory_gib` runs capped to that much GPU memory
-(benchmarks/capped.py).
+fit the GPU, a run's own `--gradient_checkpointing N` overrides it) and a fresh folder; it is told it runs 1000 steps
+(RUN_STEPS: `--compile auto` then decides as for a user's run) and stopped once its steps are logged (no final
+save). A run whose flags hold `--gpu_memory_gib` runs capped to that much GPU memory (benchmarks/capped.py).
 The efficiency of a run on N GPUs is t1 / (N tN) against the one-GPU run of the same flags (less `--cp_size`).
 With `--fake_peers`, a one-GPU run given `--cp_size N` runs benchmarks/fake_peers.py instead: rank 0 of a CP group
 of N whose peers are copies of it (each exchange one local copy), its efficiency taken against N GPUs.
@@ -82,10 +82,15 @@ def command(run: dict, model: str, work: str, steps: int, port: int | None = Non
         script = ["-m", "benchmarks.capped", "fake_peers" if run.get("fake_peers") else "trainer"]
     return [*launch, *script, "--pretrained_model_name_or_path", model,
             "--transformer_init", "random", "--mixed_precision", "bf16", "--gradient_checkpointing",
-            "--rank", "16", "--max_train_steps", str(steps + 50), "--checkpointing_steps", "100000",
+            "--rank", "16", "--max_train_steps", str(max(steps, RUN_STEPS)), "--checkpointing_steps", "100000",
             "--report_to", "none", "--output_dir", f"{work}/{run['name']}",
             "--encodings_dir", f"{work}/cache_{run['name']}", *run["extra"]]  # fmt: skip
 
+
+# The run's length the trainer is told (it is stopped once `--steps` steps are logged): a user's LoRA run, so that what
+# depends on it (`--compile auto`: compile when the run's steps pay for it) is decided as for one. A row's own
+# --max_train_steps comes later on the command line and wins.
+RUN_STEPS = 1000
 
 _RUNNING: list[subprocess.Popen] = []  # the trainers started and not yet stopped
 

@@ -90,12 +90,28 @@ ENTRIES = (
     Entry(24, 4, F1, 2048, "--cp_size 4 --base_precision fp8 --compile", ("small24_fp8_cp4_2048",)),
     Entry(80, 1, F2, 1024, "--base_precision fp8 --compile", ("flux2_fp8_1024_80gib",)),
     Entry(48, 1, F2, 1024, "--base_precision fp8 --offload_blocks auto --compile", ("small48_flux2_fp8_auto_c",)),
+    Entry(24, 1, F2, 1024, "--base_precision fp8 --offload_blocks --compile", ("small24_flux2_fp8_auto_c",), "fastest"),
     Entry(
-        24, 1, F2, 1024, "--base_precision nf4 --offload_blocks auto", ("small24_flux2_nf4_auto", "full24_flux2_nf4")
+        24,
+        1,
+        F2,
+        1024,
+        "--base_precision nf4 --offload_blocks auto",
+        ("small24_flux2_nf4_auto", "full24_flux2_nf4"),
+        "the smallest base",
     ),
     Entry(16, 1, KLEIN, 1024, "--base_precision int8 --offload_blocks auto", ("small16_klein_int8_auto",)),
     Entry(
-        12, 1, KLEIN, 1024, "--base_precision nf4 --offload_blocks auto", ("small12_klein_nf4_auto", "full12_klein_nf4")
+        12, 1, KLEIN, 1024, "--base_precision fp8 --offload_blocks --compile", ("small12_klein_fp8_auto_c",), "fastest"
+    ),
+    Entry(
+        12,
+        1,
+        KLEIN,
+        1024,
+        "--base_precision nf4 --offload_blocks auto",
+        ("small12_klein_nf4_auto", "full12_klein_nf4"),
+        "the smallest base",
     ),
     Entry(24, 2, F2, 1024, "--cp_size 2 --base_precision nf4 --offload_blocks auto", ("small24_flux2_nf4_cp2",)),
     Entry(24, 4, F2, 2048, "--cp_size 4 --base_precision fp8 --offload_blocks auto", ("small24_flux2_fp8_cp4_2048",)),
@@ -181,6 +197,8 @@ def line(entry: Entry, hit: tuple[Path, dict, dict] | None, root: Path) -> str:
     where = f"{gpu_name(data)}" + (f", capped to {cap:g} GiB" if "--gpu_memory_gib" in row.get("flags", "") else "")
     if row.get("fake_peers"):
         where += ", one rank with loopback peers"
+    if row.get("compile") == "off" and "--compile" not in shlex.split(row.get("flags", "")):
+        where += ", blocks eager (`--compile auto` leaves a short run's off)"
     link = path.relative_to(root).as_posix() if path.is_relative_to(root) else path.as_posix()
     measured = f"{where}, [{str(data.get('date', ''))[:10]}]({link})"
     return f"| {gpus} | {model} | `{shown_flags(row['flags'])}` | {row['s_per_step']:.3f} | {peak} | {measured} |"

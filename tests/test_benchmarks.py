@@ -63,6 +63,17 @@ def test_a_recorded_command_is_the_trainer_launch_with_placeholders():
     assert fake[6:8] == ["-m", "benchmarks.fake_peers"]
 
 
+def test_a_run_is_told_a_users_run_length_so_compile_auto_decides_as_for_one():
+    from flux_cp.config.parser import parse_config
+
+    def told(extra: str) -> int:
+        cmd = command(parse_run(f"r:1:gpu1.yaml:{extra}"), "MODEL", "WORK", steps=8)
+        return parse_config(cmd[cmd.index("train_flux_cp.py") + 1 :]).train.max_train_steps
+
+    assert told("--resolution 1024") == 1000  # stopped after 8 logged steps all the same
+    assert told("--resolution 1024 --max_train_steps 57") == 57  # a row's own length wins
+
+
 def test_result_files_render_as_tables_with_their_commands(tmp_path, capsys):
     rows = with_efficiency(_trainer_rows())
     rows[1]["command"] = "accelerate launch --config_file accelerate_configs/ddp_cp2.yaml train_flux_cp.py --cp_size 2"

@@ -106,6 +106,17 @@ def test_a_profiled_row_answers_only_when_its_profiled_step_was_left_out_of_its_
     assert "| 0.600 |" in _line(text, line) and "(a/trainer.json)" in _line(text, line)
 
 
+def test_a_line_measured_with_its_blocks_left_eager_by_compile_auto_says_so(tmp_path):
+    klein = "--resolution 1024 --gpu_memory_gib 12 --base_precision nf4 --offload_blocks auto"
+    row = {"name": "small12_klein_nf4_auto", "gpus": 1, "flags": klein, "s_per_step": 0.36, "compile": "off"}
+    _result(tmp_path, "a", "2026-01-01T00:00:00+00:00", [row])
+    text = gpu_table.render(gpu_table.trainer_results(tmp_path), root=tmp_path)
+    assert "blocks eager (`--compile auto`" in _line(text, "| 1 x 12 GB | FLUX.2 [klein] 4B, 1024 px (the smallest")
+    _result(tmp_path, "b", "2026-02-01T00:00:00+00:00", [{**row, "compile": "on"}])
+    text = gpu_table.render(gpu_table.trainer_results(tmp_path), root=tmp_path)
+    assert "eager" not in _line(text, "| 1 x 12 GB | FLUX.2 [klein] 4B, 1024 px (the smallest")
+
+
 def test_write_replaces_only_the_marked_block_and_check_sees_a_stale_one(tmp_path, monkeypatch, capsys):
     readme = tmp_path / "README.md"
     readme.write_text(f"# Title\n\nbefore\n\n{gpu_table.START}\nold table\n{gpu_table.END}\n\nafter\n")

@@ -1,7 +1,8 @@
-"""`--plan` and the README agree: the flags of the GPU table's fastest line for one 24 GB and one 12 GB GPU (FLUX.1
-[dev], 1024 px) are those of the command `--plan` recommends for one GPU of that size at 1024 px with the figures of
-the GPU class that measured the line (an H100's; the class of the table's other lines where a line is not measured),
-the launch config included."""
+"""`--plan` and the README agree: the flags of each of the GPU table's fastest lines for one GPU (FLUX.1 [dev] at 24
+and 12 GB, FLUX.2 [dev] at 24 GB, FLUX.2 [klein] 4B at 12 GB; 1024 px) are those of the command `--plan` recommends
+for one GPU of that size at 1024 px with the figures of the GPU class that measured the line (an H100's; the class of
+the table's other lines where a line is not measured), the launch config included. FLUX.2 has no built-in config:
+its lines are planned on the full-size shapes folders of `python -m flux_cp.tiny`."""
 
 from __future__ import annotations
 
@@ -15,7 +16,27 @@ from flux_cp.plan import recommend
 from flux_cp.plan.report import print_plan
 
 MODEL = "black-forest-labs/FLUX.1-dev"
-LINES = {24: "| 1 x 24 GB | FLUX.1 [dev], 1024 px (fastest) |", 12: "| 1 x 12 GB | FLUX.1 [dev], 1024 px (fastest) |"}
+# (model, GiB) -> the line's start and the model --plan plans (a hub id known offline, or a flux_cp.tiny preset)
+LINES = {
+    ("FLUX.1 [dev]", 24): ("| 1 x 24 GB | FLUX.1 [dev], 1024 px (fastest) |", MODEL),
+    ("FLUX.1 [dev]", 12): ("| 1 x 12 GB | FLUX.1 [dev], 1024 px (fastest) |", MODEL),
+    ("FLUX.2 [dev]", 24): ("| 1 x 24 GB | FLUX.2 [dev], 1024 px (fastest) |", "flux2-dev-shapes"),
+    ("FLUX.2 [klein] 4B", 12): ("| 1 x 12 GB | FLUX.2 [klein] 4B, 1024 px (fastest) |", "flux2-klein-shapes"),
+}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, str]:
+    """What --plan is given for each line's model: the hub id, or the shapes folder built from its preset."""
+    from flux_cp.tiny import main as tiny
+
+    found = {MODEL: MODEL}
+    for _, model in LINES.values():
+        if model not in found:
+            out = tmp_path_factory.mktemp("models") / model
+            assert tiny(["--preset", model, "--out", str(out)]) == 0
+            found[model] = str(out)
+    return found
 
 
 @pytest.fixture(autouse=True)
@@ -28,10 +49,10 @@ def _offline(monkeypatch, tmp_path):
         monkeypatch.delenv(name, raising=False)
 
 
-def readme_command(gib: int = 24) -> list[str]:
-    """The README table's fastest line for `gib` as one command: the table's common command with its config, model,
+def readme_command(key: tuple[str, int] = ("FLUX.1 [dev]", 24)) -> list[str]:
+    """The README table's fastest line for `key` as one command: the table's common command with its config, model,
     resolution and the line's flags (its data set left out: --plan reads none)."""
-    line = LINES[gib]
+    line, _ = LINES[key]
     (row,) = [r for r in gpu_table.current_block(gpu_table.README.read_text()).splitlines() if r.startswith(line)]
     flags = row[len(line) :].split("|")[0].strip().strip("`")
     assert "H100" in row or "not measured" in row, row  # the GPU class whose figures --plan is given below
@@ -40,8 +61,8 @@ def readme_command(gib: int = 24) -> list[str]:
     return shlex.split(common)
 
 
-def plan_command(capsys, gib: int = 24) -> list[str]:
-    argv = ["--plan", "--pretrained_model_name_or_path", MODEL, "--resolution", "1024", "--gpu_memory_gib", str(gib)]
+def plan_command(capsys, gib: int = 24, model: str = MODEL) -> list[str]:
+    argv = ["--plan", "--pretrained_model_name_or_path", model, "--resolution", "1024", "--gpu_memory_gib", str(gib)]
     argv += ["--gpu_class", "h100", "--host_memory_gib", "128"]
     print_plan(parse_config(argv), argv)
     out = capsys.readouterr().out
@@ -63,9 +84,9 @@ def settings(command: list[str]) -> dict[str, object]:
     return values
 
 
-@pytest.mark.parametrize("gib", sorted(LINES))
-def test_the_readme_s_fastest_line_is_the_command_plan_recommends(capsys, gib):
-    readme, plan = readme_command(gib), plan_command(capsys, gib)
+@pytest.mark.parametrize("key", sorted(LINES))
+def test_the_readme_s_fastest_line_is_the_command_plan_recommends(capsys, models, key):
+    readme, plan = readme_command(key), plan_command(capsys, key[1], models[LINES[key][1]])
     assert settings(readme) == settings(plan), f"README: {shlex.join(readme)}\n--plan:  {shlex.join(plan)}"
 
 
