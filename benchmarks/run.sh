@@ -50,8 +50,9 @@
 #              offload auto + compile at 12 GiB. ~8 min of an H100
 #   table_b    one GPU: the table's other rows: FLUX.2 [klein] 4B nf4 at 12 GiB (eager), FLUX.2 [dev] fp8 + offload
 #              auto + compile under 48 GiB, and the one-GPU 2048 px default step uncapped (--compile). ~7 min of an H100
-#   small12    one GPU: the 12 GB lines of README's table, capped to 12 GiB, compiled, the planner's picks: an fp8 base (what
-#              --plan recommends for 12 GiB) and nf4. ~4 min of an H100
+#   picks      one GPU: the fastest lines of README's table that --plan recommends (an fp8 base, offload and checkpointing
+#              auto, compiled): FLUX.1 [dev] at 12 GiB beside its nf4 line, FLUX.2 [klein] 4B at 12 GiB, FLUX.2 [dev] at
+#              24 GiB. ~9 min of an H100
 #   speed      one GPU is enough: the planner's speed model (benchmarks/bench_speed_model.py): this GPU class's figures
 #              measured (FLUX.1-dev's blocks at 1024 px, every base precision, eager and compiled), written to
 #              RESULTS_DIR/speed_data/CLASS.json (copy it over flux_cp/plan/speed_data/ to keep it), then the 24 GiB rows of
@@ -259,10 +260,16 @@ for SET in "$@"; do
         "small48_flux2_fp8_auto_c:1:gpu1.yaml:--resolution 1024 --gpu_memory_gib 48 --base_precision fp8 --offload_blocks auto --compile"
       trainer 170 trainer_table_2048.json "--steps 8 --warmup 3 --timeout 165" \
         "cp1_2048:1:gpu1.yaml:--resolution 2048 --compile" ;;
-    small12)
-      trainer 290 trainer_small12.json "--steps 7 --warmup 3 --timeout 140" \
+    picks)
+      trainer 290 trainer_picks.json "--steps 7 --warmup 3 --timeout 140" \
         "small12_fp8_auto_c:1:gpu1.yaml:--resolution 1024 --gpu_memory_gib 12 --base_precision fp8 --offload_blocks auto --compile" \
-        "small12_nf4_auto_c:1:gpu1.yaml:--resolution 1024 --gpu_memory_gib 12 --base_precision nf4 --offload_blocks auto --compile" ;;
+        "small12_nf4_auto_c:1:gpu1.yaml:--resolution 1024 --gpu_memory_gib 12 --base_precision nf4 --offload_blocks auto --compile"
+      klein_model
+      trainer 100 trainer_picks_klein.json "--model $KLEIN --steps 8 --warmup 3 --timeout 95" \
+        "small12_klein_fp8_auto_c:1:gpu1.yaml:--resolution 1024 --gpu_memory_gib 12 --base_precision fp8 --offload_blocks auto --compile"
+      flux2_model
+      trainer 170 trainer_picks_flux2.json "--model $MODEL --steps 6 --warmup 2 --timeout 165" \
+        "small24_flux2_fp8_auto_c:1:gpu1.yaml:--resolution 1024 --gpu_memory_gib 24 --base_precision fp8 --offload_blocks auto --compile" ;;
     speed)
       CLASS=cpu
       [ -n "$DRY" ] || CLASS=$(python3 -c 'import torch; from flux_cp.plan.speed import class_of_gpu; print(class_of_gpu(torch.cuda.get_device_name()) or "other")')
@@ -278,7 +285,7 @@ for SET in "$@"; do
       run 300 torchrun --nproc_per_node "$N" -m benchmarks.check_gpu --out "$OUT/check_gpu.json" ;;
     *)
       echo "error: unknown set $SET (lora, lora_ro, diffusers, lora4096, full, kontext, host, flux2, flux2_cp, memory,
-      attention, small, small_b, small_full, small_2048, peers, table, table_b, small12, speed, check)"
+      attention, small, small_b, small_full, small_2048, peers, table, table_b, picks, speed, check)"
       exit 2 ;;
   esac
 done

@@ -291,7 +291,7 @@ def test_diffusers_flux2_weights_are_drawn_where_from_pretrained_reads_them():
 
 
 def test_small_gpu_sets_run_only_flags_the_trainer_accepts(monkeypatch):
-    """run.sh's small-GPU sets (peers, pairs, pairs_flux2, table, table_b, small12; printed by DRY_RUN=1): every
+    """run.sh's small-GPU sets (peers, pairs, pairs_flux2, table, table_b, picks; printed by DRY_RUN=1): every
     trainer run's flags parse as the trainer parses them, each small-GPU run is capped, and the peers' scripts are
     called. (Whether torchao and bitsandbytes are installed is the GPU machine's matter, not the flags'.)"""
     import shlex
@@ -303,7 +303,7 @@ def test_small_gpu_sets_run_only_flags_the_trainer_accepts(monkeypatch):
     monkeypatch.setattr(config, "check_installed", lambda precision: None)
 
     done = subprocess.run(
-        ["bash", "benchmarks/run.sh", "/tmp/dry", "peers", "pairs", "pairs_flux2", "table", "table_b", "small12"],
+        ["bash", "benchmarks/run.sh", "/tmp/dry", "peers", "pairs", "pairs_flux2", "table", "table_b", "picks"],
         cwd=schema.ROOT,
         env={**os.environ, "DRY_RUN": "1"},
         capture_output=True,
@@ -312,8 +312,8 @@ def test_small_gpu_sets_run_only_flags_the_trainer_accepts(monkeypatch):
     )
     lines = done.stdout.splitlines()
     runs = {ln.split(":", 1)[0]: shlex.split(ln.split(":", 1)[1]) for ln in lines if ": accelerate launch" in ln}
-    # peers 1, pairs 1, pairs_flux2 1 (named as peers' own), table 4, table_b 3, small12 1 (its nf4 run is table's)
-    assert len(runs) == 10, runs
+    # peers 1, pairs 1, pairs_flux2 1 (named as peers' own), table 4, table_b 3, picks 3 (its nf4 run is table's)
+    assert len(runs) == 12, runs
     for name, cmd in runs.items():
         flags = (
             cmd[cmd.index("trainer") + 1 :] if "benchmarks.capped" in cmd else cmd[cmd.index("train_flux_cp.py") + 1 :]
