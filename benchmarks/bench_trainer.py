@@ -70,6 +70,12 @@ def without_cp_size(flags: list[str]) -> list[str]:
     return flags[:i] + flags[i + 2 :]
 
 
+# The run's length the trainer is told (it is stopped once `--steps` steps are logged): a user's LoRA run, so that what
+# depends on it (`--compile auto`: compile when the run's steps pay for it) is decided as for one. A row's own
+# --max_train_steps comes later on the command line and wins.
+RUN_STEPS = 1000
+
+
 def command(run: dict, model: str, work: str, steps: int, port: int | None = None) -> list[str]:
     """The trainer's launch, from the repository root (`port`: None for the command as recorded)."""
     launch = ["accelerate", "launch", "--config_file", f"accelerate_configs/{run['config']}",
@@ -86,11 +92,6 @@ def command(run: dict, model: str, work: str, steps: int, port: int | None = Non
             "--report_to", "none", "--output_dir", f"{work}/{run['name']}",
             "--encodings_dir", f"{work}/cache_{run['name']}", *run["extra"]]  # fmt: skip
 
-
-# The run's length the trainer is told (it is stopped once `--steps` steps are logged): a user's LoRA run, so that what
-# depends on it (`--compile auto`: compile when the run's steps pay for it) is decided as for one. A row's own
-# --max_train_steps comes later on the command line and wins.
-RUN_STEPS = 1000
 
 _RUNNING: list[subprocess.Popen] = []  # the trainers started and not yet stopped
 

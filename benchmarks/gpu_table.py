@@ -198,7 +198,7 @@ def line(entry: Entry, hit: tuple[Path, dict, dict] | None, root: Path) -> str:
     if row.get("fake_peers"):
         where += ", one rank with loopback peers"
     if row.get("compile") == "off" and "--compile" not in shlex.split(row.get("flags", "")):
-        where += ", blocks eager (`--compile auto` leaves a short run's off)"
+        where += ", blocks eager (`--compile auto` chose off for the run's length)"
     link = path.relative_to(root).as_posix() if path.is_relative_to(root) else path.as_posix()
     measured = f"{where}, [{str(data.get('date', ''))[:10]}]({link})"
     return f"| {gpus} | {model} | `{shown_flags(row['flags'])}` | {row['s_per_step']:.3f} | {peak} | {measured} |"

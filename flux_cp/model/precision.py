@@ -138,6 +138,7 @@ def quantize_base(
         raise ValueError(f"unknown base precision {precision!r}; one of {PRECISIONS}")
     if _has_adapters(transformer):
         raise ValueError("quantize_base must run before LoRA adapters are added (peft wraps the quantized linears)")
+    place = home if home is not None else device  # where the quantized model lives
     before = stored_bytes(transformer)
     names = quantized_linears(transformer, skip, parts) if precision != "bf16" else []
     if names:
@@ -151,8 +152,8 @@ def quantize_base(
                 if device is not None:
                     linear.to(device)
                 quantized = _quantized(linear, precision)
-                if home is not None:
-                    quantized.to(home)
+                if place != device:
+                    quantized.to(place)
                 quantized.register_forward_pre_hook(_autocast_input)
                 _replace(transformer, name, quantized)
                 del linear, quantized
@@ -161,8 +162,8 @@ def quantize_base(
         else:
             _separate_outputs(transformer)
         transformer._ddp_params_and_buffers_to_ignore = _QuantizedStates(transformer)
-    if home is not None or device is not None:
-        transformer.to(home if home is not None else device)
+    if place is not None:
+        transformer.to(place)
     return QuantizedBase(precision, len(names), before, stored_bytes(transformer))
 
 
